@@ -1,0 +1,133 @@
+"""OpenAI-format chat messages -> model inputs. The one function every stage uses.
+
+Generation, training and evaluation all call `messages_to_inputs`, so the token ids, the
+number of image placeholders and the pixels can never differ between them. Messages
+follow the OpenAI chat format; an image part may be
+
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,..." | "file:///..." | "https://..."}}
+    {"type": "image", "image": PIL.Image | bytes | path | url}
+
+Images are loaded and checked by `saccade.data.images.load_image` (clear errors naming the
+sample) and resized by the model's own image processor within `ImageLimits.min_pixels`
+and `max_pixels`, the same values everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from saccade.data.images import ImageLimits, image_hash, load_image
+
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+@dataclass
+class ModelInputs:
+    """One conversation, tokenized, with its images preprocessed."""
+
+    input_ids: torch.Tensor  # (L,) int64; image pads already expanded to one per merged patch
+    mm_token_type_ids: torch.Tensor  # (L,) int64; 0 text, 1 image
+    pixel_values: torch.Tensor | None  # (patches, C*T*P*P) or None without images
+    image_grid_thw: torch.Tensor | None  # (n_images, 3) int64 or None
+    images: list[Image.Image] = field(default_factory=list)  # loaded RGB images, in order
+    image_hashes: list[str] = field(default_factory=list)  # content hashes, in order
+    text: str = ""  # the rendered chat template, pads not expanded
+
+    @property
+    def num_images(self) -> int:
+        return len(self.images)
+
+
+def extract_images(
+    messages: list[dict[str, Any]], *, limits: ImageLimits, sample: str | None = None
+) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """Load every image in order; return messages whose image parts are plain {"type": "image"}."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"sample {sample!r}: messages must be a non-empty list of {{role, content}} dicts")
+    normalized: list[dict[str, Any]] = []
+    images: list[Image.Image] = []
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"sample {sample!r}: message {turn} needs 'role' and 'content'")
+        content = message["content"]
+        if content is None or isinstance(content, str):
+            normalized.append({"role": message["role"], "content": content or ""})
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"sample {sample!r}: message {turn} content must be a string or a list of parts")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in IMAGE_PART_TYPES:
+                images.append(load_image(_image_source(part, kind), limits=limits, sample=sample))
+                parts.append({"type": "image"})
+            else:
+                raise ValueError(
+                    f"sample {sample!r}: message {turn} has a content part of type {kind!r}; "
+                    "supported: 'text', 'image_url', 'image'"
+                )
+        normalized.append({"role": message["role"], "content": parts})
+    return normalized, images
+
+
+def _image_source(part: dict[str, Any], kind: str):
+    value = part.get(kind)
+    if value is None and kind == "image":
+        value = part.get("url") or part.get("path")
+    if isinstance(value, dict):  # {"url": ...} in OpenAI's image_url
+        value = value.get("url", value)
+    return value
+
+
+def render_chat(processor, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+    """The model's chat template applied to normalized messages (images as {"type": "image"})."""
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def processor_size(limits: ImageLimits) -> dict[str, int]:
+    """The image processor's `size` for these limits: the resize bounds in pixels."""
+    return {"shortest_edge": limits.min_pixels, "longest_edge": limits.max_pixels}
+
+
+def messages_to_inputs(
+    messages: list[dict[str, Any]],
+    processor,
+    *,
+    limits: ImageLimits = ImageLimits(),
+    add_generation_prompt: bool = False,
+    sample: str | None = None,
+) -> ModelInputs:
+    """Tokenize a conversation and preprocess its images: the single source of truth."""
+    normalized, images = extract_images(messages, limits=limits, sample=sample)
+    text = render_chat(processor, normalized, add_generation_prompt=add_generation_prompt)
+    kwargs: dict[str, Any] = dict(text=[text], return_tensors="pt", return_mm_token_type_ids=True)
+    if images:
+        kwargs["images"] = images
+        kwargs["images_kwargs"] = {"size": processor_size(limits)}
+    encoded = processor(**kwargs)
+    input_ids = encoded["input_ids"][0].long()
+    types = encoded.get("mm_token_type_ids")
+    mm_types = types[0].long() if types is not None else torch.zeros_like(input_ids)
+    n_pads = int((input_ids == processor.image_token_id).sum())
+    grid = encoded["image_grid_thw"].long() if images else None
+    expected = 0 if grid is None else int((grid.prod(-1) // processor.image_processor.merge_size**2).sum())
+    if n_pads != expected:
+        raise ValueError(
+            f"sample {sample!r}: the text holds {n_pads} image-pad tokens but the images need {expected}; "
+            "do not write <|image_pad|> into message text, use image parts"
+        )
+    return ModelInputs(
+        input_ids=input_ids,
+        mm_token_type_ids=mm_types,
+        pixel_values=encoded["pixel_values"] if images else None,
+        image_grid_thw=grid,
+        images=images,
+        image_hashes=[image_hash(im) for im in images],
+        text=text,
+    )

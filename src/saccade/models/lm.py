@@ -1,0 +1,171 @@
+"""The trainer's model: Qwen3-VL's language model and lm_head, without the vision tower.
+
+Image features arrive precomputed (the frozen tower's output, cached by image hash);
+`PolicyLM` scatters them into the token embeddings at the image-pad positions and adds
+the DeepStack features after the first decoder layers, exactly as
+`Qwen3VLModel.forward` does, then runs the decoder. Module names mirror
+`Qwen3VLForConditionalGeneration` (`model.language_model.*`, `lm_head.*`), so state
+dicts, LoRA adapters and checkpoints written from here load into the full model and
+into vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from saccade.models.loading import LM_HEAD_KEY, LM_PREFIX, load_config, read_state_dict, resolve_model_path
+
+
+class _Container(nn.Module):
+    """Stands where Qwen3VLModel stands in the full model, holding only `language_model`."""
+
+    def __init__(self, language_model: nn.Module):
+        super().__init__()
+        self.language_model = language_model
+
+
+class PolicyLM(nn.Module):
+    def __init__(self, config, language_model: nn.Module, lm_head: nn.Linear):
+        super().__init__()
+        self.config = config
+        self.model = _Container(language_model)
+        self.lm_head = lm_head
+        self.image_token_id = int(config.image_token_id)
+        self.num_deepstack_levels = len(config.vision_config.deepstack_visual_indexes)
+
+    @property
+    def language_model(self) -> nn.Module:
+        return self.model.language_model
+
+    def hidden_states(
+        self,
+        input_ids_BL: torch.Tensor,
+        position_ids_4BL: torch.Tensor,
+        image_embeds_NH: torch.Tensor | None = None,
+        deepstack_KNH: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (B, L, H) after the last norm.
+
+        position_ids_4BL holds [text; t; h; w]. With several samples packed into one row,
+        the text row restarts at 0 for each and attention stays inside each sample.
+        """
+        embed = self.language_model.embed_tokens
+        inputs_embeds_BLH = embed(input_ids_BL)
+        image_mask_BL = input_ids_BL == self.image_token_id
+        n_image_tokens = int(image_mask_BL.sum())
+        visual_pos_masks = None
+        deepstack = None
+        if n_image_tokens or image_embeds_NH is not None:
+            if image_embeds_NH is None or image_embeds_NH.shape[0] != n_image_tokens:
+                got = None if image_embeds_NH is None else image_embeds_NH.shape[0]
+                raise ValueError(f"{n_image_tokens} image-pad tokens but {got} image embedding rows")
+            inputs_embeds_BLH = inputs_embeds_BLH.masked_scatter(
+                image_mask_BL.unsqueeze(-1), image_embeds_NH.to(inputs_embeds_BLH.dtype)
+            )
+            visual_pos_masks = image_mask_BL
+            if deepstack_KNH is not None:
+                assert deepstack_KNH.shape[0] == self.num_deepstack_levels, (
+                    deepstack_KNH.shape,
+                    self.num_deepstack_levels,
+                )
+                deepstack = list(deepstack_KNH.unbind(0))
+        attn_kwargs = {}
+        if cu_seqlens is not None and self.config.text_config._attn_implementation.startswith("flash"):
+            # Flash attention takes sample boundaries explicitly (varlen); sdpa and eager get a
+            # block-diagonal mask that transformers derives from the restarting text row.
+            cu = cu_seqlens.to(device=input_ids_BL.device, dtype=torch.int32)
+            longest = int((cu[1:] - cu[:-1]).max())
+            attn_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        out = self.language_model(
+            inputs_embeds=inputs_embeds_BLH,
+            position_ids=position_ids_4BL,
+            attention_mask=None,
+            use_cache=False,
+            visual_pos_masks=visual_pos_masks,
+            deepstack_visual_embeds=deepstack,
+            **attn_kwargs,
+        )
+        return out.last_hidden_state
+
+
+def load_policy_lm(
+    model: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    device: str | torch.device = "cpu",
+) -> PolicyLM:
+    """The language model and lm_head of a Qwen3-VL checkpoint; the vision weights are never read."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+
+    path = resolve_model_path(model)
+    config = load_config(path)
+    text_config = config.text_config
+    text_config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        language_model = Qwen3VLTextModel._from_config(text_config)
+        lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+    state = read_state_dict(path, LM_PREFIX, dtype=dtype)
+    language_model.load_state_dict({k[len(LM_PREFIX):]: v for k, v in state.items()}, strict=True, assign=True)
+    # Rotary inverse frequencies are non-persistent buffers: rebuild them off the meta device.
+    language_model.rotary_emb = type(language_model.rotary_emb)(config=text_config)
+    tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
+    if tied:
+        lm_head.weight = language_model.embed_tokens.weight
+    else:
+        head = read_state_dict(path, LM_HEAD_KEY, dtype=dtype)
+        if LM_HEAD_KEY not in head:
+            raise ValueError(f"{path}: no {LM_HEAD_KEY} in the checkpoint and tie_word_embeddings is false")
+        lm_head.load_state_dict({"weight": head[LM_HEAD_KEY]}, assign=True)
+    policy = PolicyLM(config, language_model, lm_head).to(device=device, dtype=dtype)
+    assert_no_vision_tower(policy)
+    return policy
+
+
+def assert_no_vision_tower(module: nn.Module) -> None:
+    """The trainer must never hold the vision tower: fail loudly if any of it is here."""
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_modules()]
+    vision = [n for n in names if "visual" in n.split(".")]
+    assert not vision, f"vision tower found in the trainer's model: {vision[:3]}"
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+def apply_lora(policy: PolicyLM, settings: LoraSettings):
+    """Wrap the language model's linears with LoRA (peft). Only the adapters train.
+
+    The adapter keys come out as `base_model.model.model.language_model.layers.N...`, the
+    names the full Qwen3-VL model uses, so the adapter loads onto it with peft as usual.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    # Only the language model's linears: anchor the patterns so nothing else can match.
+    targets = rf"model\.language_model\..*\.({'|'.join(settings.target_modules)})"
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        bias="none",
+    )
+    peft_model = get_peft_model(policy, config)
+    return peft_model
+
+
+def set_full_finetune(policy: PolicyLM) -> PolicyLM:
+    """Full fine-tuning: every language-model parameter trains."""
+    policy.requires_grad_(True)
+    return policy

@@ -1,0 +1,177 @@
+"""Parity of the frozen-vision training path against the full transformers model.
+
+The trainer's claim is that (cached image embeddings + DeepStack + M-RoPE positions)
+through the language model alone gives the same logprobs as the full Qwen3-VL on pixel
+values, packed or not. This module measures it on a fixed set of conversations and
+also measures how far two classic mistakes move the logprobs (DeepStack dropped,
+1-D positions), so a test can insist they are caught. Used by the tests and by
+`saccade bench parity`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from saccade.data.images import ImageLimits
+from saccade.data.messages import ModelInputs, messages_to_inputs
+from saccade.models.vision import VisionEncoder
+from saccade.trainer.forward import forward_logprobs
+from saccade.trainer.packing import collate
+from saccade.trainer.samples import TrainingSample, make_sample
+
+
+def synthetic_image(width: int, height: int, seed: int) -> Image.Image:
+    """A deterministic picture with structure (shapes on noise), so features differ per image."""
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels, "RGB")
+    draw = ImageDraw.Draw(image)
+    for _ in range(3):
+        x0, y0 = int(rng.integers(0, width // 2)), int(rng.integers(0, height // 2))
+        x1, y1 = x0 + int(rng.integers(4, width // 2 + 5)), y0 + int(rng.integers(4, height // 2 + 5))
+        draw.ellipse([x0, y0, x1, y1], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    return image
+
+
+def parity_conversations() -> dict[str, list[dict]]:
+    """The cases the issue names: one image, several, different sizes, text only, multi-turn."""
+    img = lambda w, h, s: {"type": "image", "image": synthetic_image(w, h, s)}  # noqa: E731
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    return {
+        "one_image": [
+            {"role": "user", "content": [img(64, 64, 1), text("What color is the circle?")]},
+            {"role": "assistant", "content": "The circle is red."},
+        ],
+        "several_images": [
+            {"role": "user", "content": [img(64, 64, 2), img(64, 64, 3), text("Which has more shapes?"), img(64, 64, 4)]},
+            {"role": "assistant", "content": "The second one has more."},
+        ],
+        "different_sizes": [
+            {"role": "user", "content": [img(96, 48, 5), text("Compare them."), img(40, 120, 6), img(130, 70, 7)]},
+            {"role": "assistant", "content": "The first is wide and the second is tall."},
+        ],
+        "text_only": [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "How many sides does a triangle have?"},
+            {"role": "assistant", "content": "Three."},
+        ],
+        "multi_turn": [
+            {"role": "user", "content": [img(64, 64, 8), text("What is in the image?")]},
+            {"role": "assistant", "content": "A blue square."},
+            {"role": "user", "content": [text("Now look at this one."), img(80, 64, 9), img(48, 48, 10)]},
+            {"role": "assistant", "content": "Two green circles."},
+        ],
+    }
+
+
+@dataclass
+class ParityInputs:
+    name: str
+    inputs: ModelInputs
+    sample: TrainingSample
+
+
+def full_model_logprobs(full_model, inputs: ModelInputs) -> torch.Tensor:
+    """(L,) logprob of each token under the full transformers model on pixel values; [0] = 0."""
+    ids = inputs.input_ids.unsqueeze(0)
+    kwargs = dict(input_ids=ids, mm_token_type_ids=inputs.mm_token_type_ids.unsqueeze(0))
+    if inputs.pixel_values is not None:
+        kwargs.update(pixel_values=inputs.pixel_values, image_grid_thw=inputs.image_grid_thw)
+    with torch.no_grad():
+        logits = full_model(**kwargs, use_cache=False).logits[0].float()
+    logprobs = torch.zeros(ids.shape[1])
+    logprobs[1:] = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logprobs
+
+
+def prepare(processor, encoder: VisionEncoder, limits: ImageLimits, merge: int) -> list[ParityInputs]:
+    out = []
+    for name, messages in parity_conversations().items():
+        inputs = messages_to_inputs(messages, processor, limits=limits, sample=name)
+        keys = [encoder.cache_key(im) for im in inputs.images]
+        encoder.encode(inputs.images, keys)
+        sample = make_sample(
+            name, inputs.input_ids, inputs.mm_token_type_ids, inputs.image_grid_thw, keys, spatial_merge_size=merge
+        )
+        out.append(ParityInputs(name, inputs, sample))
+    return out
+
+
+def _lookup(encoder: VisionEncoder):
+    def lookup(key: str):
+        hit = encoder.cache.get(key)
+        assert hit is not None, f"image {key} is not in the cache"
+        return hit
+
+    return lookup
+
+
+def lm_logprobs(policy, cases: list[ParityInputs], encoder: VisionEncoder, *, image_token_id: int, merge: int,
+                packed: bool, drop_deepstack: bool = False, positions_1d: bool = False) -> list[torch.Tensor]:
+    """Per-case (L,) logprobs from the LM-only path, one micro-batch per case or all packed in one."""
+    groups = [[c.sample for c in cases]] if packed else [[c.sample] for c in cases]
+    results: list[torch.Tensor] = []
+    for group in groups:
+        mb = collate(group, _lookup(encoder), image_token_id=image_token_id, spatial_merge_size=merge)
+        if drop_deepstack:
+            mb.deepstack = None
+        if positions_1d:
+            # The classic mistake: plain 1-D positions on every rotary axis (still restarting per sample).
+            mb.position_ids = mb.position_ids[:1].expand(4, -1, -1).clone()
+        with torch.no_grad():
+            logprobs, _ = forward_logprobs(policy, mb)
+        results.extend(logprobs[sl] for sl in mb.sample_slices())
+    return results
+
+
+def max_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b, strict=True))
+
+
+def run_parity(model_path, *, limits: ImageLimits | None = None, dtype: torch.dtype = torch.float32) -> dict:
+    """All four figures plus per-case detail, on any Qwen3-VL folder."""
+    from saccade.models.lm import load_policy_lm
+    from saccade.models.loading import load_full_model, load_processor, load_vision_tower
+
+    processor = load_processor(model_path)
+    if limits is None:
+        size = processor.image_processor.size
+        limits = ImageLimits(min_pixels=size["shortest_edge"], max_pixels=min(size["longest_edge"], 256 * 256))
+    full = load_full_model(model_path, dtype=dtype)
+    tower = load_vision_tower(model_path, dtype=dtype)
+    policy = load_policy_lm(model_path, dtype=dtype).eval()
+    encoder = VisionEncoder(tower, processor, limits=limits)
+    merge = encoder.merge
+    cases = prepare(processor, encoder, limits, merge)
+    reference = [full_model_logprobs(full, c.inputs) for c in cases]
+    common = dict(image_token_id=policy.image_token_id, merge=merge)
+    single = lm_logprobs(policy, cases, encoder, packed=False, **common)
+    packed = lm_logprobs(policy, cases, encoder, packed=True, **common)
+    no_deepstack = lm_logprobs(policy, cases, encoder, packed=False, drop_deepstack=True, **common)
+    flat_positions = lm_logprobs(policy, cases, encoder, packed=False, positions_1d=True, **common)
+    per_case = {
+        c.name: {
+            "tokens": c.sample.num_tokens,
+            "images": c.sample.num_images,
+            "lm_only_vs_full_max_abs": max_abs([s], [r]),
+        }
+        for c, s, r in zip(cases, single, reference)
+    }
+    image_cases = [i for i, c in enumerate(cases) if c.sample.num_images]
+    pick = lambda xs: [xs[i] for i in image_cases]  # noqa: E731
+    return {
+        "model": str(model_path),
+        "dtype": str(dtype).removeprefix("torch."),
+        "lm_only_vs_full_max_abs": max_abs(single, reference),
+        "packed_vs_unpacked_max_abs": max_abs(packed, single),
+        "packed_vs_full_max_abs": max_abs(packed, reference),
+        # The two mistakes are measured on the cases that have images (text-only is unaffected).
+        "deepstack_dropped_max_abs": max_abs(pick(no_deepstack), pick(reference)),
+        "positions_1d_max_abs": max_abs(pick(flat_positions), pick(reference)),
+        "cases": per_case,
+        "cache": {"hit_rate": encoder.cache.stats.hit_rate, "entries": len(encoder.cache)},
+    }

@@ -1,0 +1,69 @@
+"""The trainer's forward: a packed micro-batch in, per-token logprobs and entropy out.
+
+logprobs_N[t] is log p(input_ids[t] | input_ids[<t]) within t's own sample, so it lines
+up with `loss_mask` and `inference_logprobs`. The first token of each sample has no
+prediction and gets 0. Only the positions asked for go through the lm_head, in chunks:
+the (tokens x vocab) logits never exist in full.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from saccade.models.lm import PolicyLM
+from saccade.trainer.logprobs import token_logprobs_and_entropy
+from saccade.trainer.samples import MicroBatch
+
+
+def unwrap_policy(model: nn.Module) -> PolicyLM:
+    """The PolicyLM inside a peft wrapper (LoRA layers are injected in place, so it runs them)."""
+    inner = model
+    while not isinstance(inner, PolicyLM):
+        if hasattr(inner, "base_model") and inner.base_model is not inner:
+            inner = inner.base_model
+        elif hasattr(inner, "model"):
+            inner = inner.model
+        else:
+            raise TypeError(f"no PolicyLM inside {type(model).__name__}")
+    return inner
+
+
+def predicted_positions(mb: MicroBatch, only_loss_tokens: bool) -> torch.Tensor:
+    """(N,) bool: tokens whose logprob we compute. Never a sample's first token."""
+    N = mb.num_tokens
+    want = mb.loss_mask.clone() if only_loss_tokens else torch.ones(N, dtype=torch.bool)
+    want[mb.cu_seqlens[:-1].long()] = False
+    return want
+
+
+def forward_logprobs(
+    model: nn.Module,
+    mb: MicroBatch,
+    *,
+    temperature: float = 1.0,
+    only_loss_tokens: bool = False,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs_N, entropy_N), float32, zero where not computed."""
+    policy = unwrap_policy(model)
+    device = policy.lm_head.weight.device
+    image_embeds = mb.image_embeds.to(device) if mb.image_embeds is not None else None
+    deepstack = mb.deepstack.to(device) if mb.deepstack is not None else None
+    hidden_1NH = policy.hidden_states(
+        mb.input_ids.to(device), mb.position_ids.to(device), image_embeds, deepstack, cu_seqlens=mb.cu_seqlens
+    )
+    want_N = predicted_positions(mb, only_loss_tokens).to(device)
+    # Token t is predicted from the hidden state at t - 1.
+    source_idx = want_N.nonzero().squeeze(-1) - 1
+    hidden_TH = hidden_1NH[0, source_idx]
+    targets_T = mb.input_ids[0].to(device)[want_N]
+    head = policy.lm_head
+    logprobs_T, entropy_T = token_logprobs_and_entropy(
+        hidden_TH, head.weight, targets_T, temperature=temperature, chunk_size=chunk_size, bias_V=head.bias
+    )
+    logprobs_N = torch.zeros(mb.num_tokens, device=device, dtype=torch.float32)
+    entropy_N = torch.zeros(mb.num_tokens, device=device, dtype=torch.float32)
+    logprobs_N = logprobs_N.masked_scatter(want_N, logprobs_T)
+    entropy_N = entropy_N.masked_scatter(want_N, entropy_T)
+    return logprobs_N, entropy_N

@@ -1,0 +1,304 @@
+"""Per-token log-probabilities and entropies without materializing the logits.
+
+Why: an RL loss needs, for every sampled token, log p(target) and the entropy of the
+next-token distribution. The obvious route, ``log_softmax(hidden @ lm_head.T)``, builds an
+(N x V) float32 logits tensor, and autograd keeps it (plus the softmax) alive until backward.
+With Qwen-sized vocabularies (V = 151,936) a 16k-token batch costs 16k x 152k x 4 B ~ 10 GB
+for the logits alone, more than the rest of the step.
+
+How: a custom ``torch.autograd.Function`` walks the tokens in chunks of ``chunk_size``.
+Forward computes each chunk's logits in float32, reduces them to three numbers per token
+(logsumexp, target logprob, entropy) and throws the chunk away; it saves only its inputs and
+the per-token logsumexp (and the entropy, N floats) for backward. Backward recomputes each
+chunk's logits (one extra matmul; cheap next to holding 10 GB) and turns them straight into
+the gradient w.r.t. the logits, which it immediately pushes through the lm_head matmul.
+Peak extra memory is therefore a few (chunk_size x V) float32 buffers instead of (N x V).
+
+Gradients, with z the (temperature-scaled) logits of one token, p = softmax(z),
+lse = logsumexp(z), log p = z - lse and H = -sum_j p_j log p_j:
+
+    d logprob / d z_k = onehot_k - p_k
+    d H       / d z_k = -p_k (z_k - sum_j p_j z_j) = -p_k (log p_k + H)
+
+so for upstream gradients g_lp and g_H the gradient w.r.t. the logits is
+
+    d L / d z_k = g_lp * onehot_k - p_k * (g_lp + g_H * (log p_k + H))
+
+and the chain rule through ``z = (hidden @ weight.T + bias) / temperature`` divides by the
+temperature.
+
+Numerics: everything is computed in float32 (float64 if an input is float64, so that
+``gradcheck`` works), whatever the input dtype: bf16 logits have ~3 significant digits,
+which is far too coarse for the policy/reference log-ratios RL depends on. A non-float32
+``weight`` is therefore upcast once per forward and once per backward: a transient (V x H)
+float32 copy (1.2 GB for 152k x 2048), still much smaller than the logits it replaces.
+Autocast is disabled inside, so calling this under ``torch.autocast`` does not silently
+drop the matmuls back to bf16. (TF32, if the caller enabled it globally, does apply.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = ["token_logprobs_and_entropy", "token_logprobs_and_entropy_reference"]
+
+
+def token_logprobs_and_entropy(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_N: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    bias_V: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log p(target) and next-token entropy per token, chunked over tokens.
+
+    Args:
+        hidden_NH: (N, H) final hidden states (after the final norm).
+        weight_VH: (V, H) lm_head weight; gets a gradient only if it requires one.
+        targets_N: (N,) integer token ids whose log-probability is wanted.
+        temperature: the logits are divided by it before the softmax, to score the same
+            distribution the inference engine sampled from.
+        chunk_size: tokens per chunk; extra memory is a few (chunk_size x V) float32 buffers.
+        bias_V: optional (V,) lm_head bias.
+
+    Returns:
+        ``(logprobs_N, entropy_N)``, float32 (float64 if an input is float64).
+    """
+    _check_inputs(hidden_NH, weight_VH, targets_N, bias_V, temperature, chunk_size)
+    return _ChunkedLogprobsEntropy.apply(
+        hidden_NH, weight_VH, targets_N.long(), bias_V, float(temperature), int(chunk_size)
+    )
+
+
+def token_logprobs_and_entropy_reference(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_N: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    bias_V: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`token_logprobs_and_entropy`, via full (N x V) logits.
+
+    Plain autograd, for tests and benchmarks only. ``chunk_size`` is accepted and ignored so
+    the two functions are interchangeable.
+    """
+    del chunk_size
+    _check_inputs(hidden_NH, weight_VH, targets_N, bias_V, temperature, 1)
+    compute_dtype = _compute_dtype(hidden_NH, weight_VH)
+    logits_NV = hidden_NH.to(compute_dtype) @ weight_VH.to(compute_dtype).T
+    if bias_V is not None:
+        logits_NV = logits_NV + bias_V.to(compute_dtype)
+    logits_NV = logits_NV / temperature
+    logp_NV = torch.log_softmax(logits_NV, dim=-1)
+    logprobs_N = logp_NV.gather(1, targets_N.long()[:, None]).squeeze(1)
+    entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
+    return logprobs_N, entropy_N
+
+
+class _ChunkedLogprobsEntropy(torch.autograd.Function):
+    """Autograd node: chunked forward, logits recomputed chunk by chunk in backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden_NH: torch.Tensor,
+        weight_VH: torch.Tensor,
+        targets_N: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        temperature: float,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = hidden_NH.shape[0]
+        compute_dtype = _compute_dtype(hidden_NH, weight_VH)
+        out_kwargs = {"dtype": compute_dtype, "device": hidden_NH.device}
+        logprobs_N = torch.empty(num_tokens, **out_kwargs)
+        entropy_N = torch.empty(num_tokens, **out_kwargs)
+        lse_N = torch.empty(num_tokens, **out_kwargs)
+
+        with _no_autocast(hidden_NH.device):
+            weight_cd_VH = weight_VH.to(compute_dtype)  # no copy when already float32
+            bias_cd_V = None if bias_V is None else bias_V.to(compute_dtype)
+            for start in range(0, num_tokens, chunk_size):
+                chunk = slice(start, min(start + chunk_size, num_tokens))
+                logits_CV = _chunk_logits(
+                    hidden_NH[chunk], weight_cd_VH, bias_cd_V, temperature, compute_dtype
+                )
+                lse_C = torch.logsumexp(logits_CV, dim=-1)
+                target_logit_C = logits_CV.gather(1, targets_N[chunk, None]).squeeze(1)
+                logprobs_N[chunk] = target_logit_C - lse_C
+                lse_N[chunk] = lse_C
+                # -sum p log p rather than lse - sum p z: every term is >= 0, so there is no
+                # cancellation between two large numbers when the logits are large.
+                logp_CV = logits_CV.sub_(lse_C[:, None])  # in place: logits are not needed
+                plogp_CV = logp_CV.exp().mul_(logp_CV)
+                entropy_N[chunk] = -plogp_CV.sum(dim=-1)
+                del logits_CV, logp_CV, plogp_CV
+
+        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, bias_V, lse_N, entropy_N)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        # Entropy is often only logged: let its gradient arrive as None and skip that term.
+        ctx.set_materialize_grads(False)
+        return logprobs_N, entropy_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_logprobs_N: torch.Tensor | None, grad_entropy_N: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden_NH, weight_VH, targets_N, bias_V, lse_N, entropy_N = ctx.saved_tensors
+        needs_hidden, needs_weight, _, needs_bias, _, _ = ctx.needs_input_grad
+        if grad_logprobs_N is None and grad_entropy_N is None:
+            return None, None, None, None, None, None
+
+        num_tokens = hidden_NH.shape[0]
+        compute_dtype = lse_N.dtype
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        # Fold d z / d logits = 1 / temperature into the per-token upstream gradients.
+        g_lp_N = _scaled_upstream(grad_logprobs_N, compute_dtype, temperature)
+        g_h_N = _scaled_upstream(grad_entropy_N, compute_dtype, temperature)
+
+        grad_hidden_NH = torch.empty_like(hidden_NH) if needs_hidden else None
+        # Accumulate over chunks in float32: summing many bf16 partial products would lose bits.
+        grad_weight_VH = (
+            torch.zeros(weight_VH.shape, dtype=compute_dtype, device=weight_VH.device)
+            if needs_weight
+            else None
+        )
+        grad_bias_V = (
+            torch.zeros(bias_V.shape, dtype=compute_dtype, device=bias_V.device)
+            if needs_bias
+            else None
+        )
+
+        with _no_autocast(hidden_NH.device):
+            weight_cd_VH = weight_VH.to(compute_dtype)
+            bias_cd_V = None if bias_V is None else bias_V.to(compute_dtype)
+            for start in range(0, num_tokens, chunk_size):
+                chunk = slice(start, min(start + chunk_size, num_tokens))
+                hidden_CH = hidden_NH[chunk].to(compute_dtype)
+                logits_CV = _chunk_logits(
+                    hidden_CH, weight_cd_VH, bias_cd_V, temperature, compute_dtype
+                )
+                grad_logits_CV = _grad_logits_from_logits_(
+                    logits_CV,
+                    lse_N[chunk],
+                    entropy_N[chunk],
+                    targets_N[chunk],
+                    None if g_lp_N is None else g_lp_N[chunk],
+                    None if g_h_N is None else g_h_N[chunk],
+                )
+                if grad_hidden_NH is not None:
+                    grad_hidden_NH[chunk] = (grad_logits_CV @ weight_cd_VH).to(hidden_NH.dtype)
+                if grad_weight_VH is not None:
+                    grad_weight_VH.addmm_(grad_logits_CV.T, hidden_CH)
+                if grad_bias_V is not None:
+                    grad_bias_V += grad_logits_CV.sum(dim=0)
+                del logits_CV, grad_logits_CV
+
+        if grad_weight_VH is not None:
+            grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
+        if grad_bias_V is not None:
+            grad_bias_V = grad_bias_V.to(bias_V.dtype)
+        return grad_hidden_NH, grad_weight_VH, None, grad_bias_V, None, None
+
+
+def _chunk_logits(
+    hidden_CH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    temperature: float,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(C, V) temperature-scaled logits of one chunk, in ``compute_dtype`` (a fresh tensor)."""
+    logits_CV = hidden_CH.to(compute_dtype) @ weight_VH.T
+    if bias_V is not None:
+        logits_CV.add_(bias_V)
+    if temperature != 1.0:
+        # Divide (not multiply by 1/T) to round exactly like the reference and the engine.
+        logits_CV.div_(temperature)
+    return logits_CV
+
+
+def _scaled_upstream(
+    grad_N: torch.Tensor | None, compute_dtype: torch.dtype, temperature: float
+) -> torch.Tensor | None:
+    """Upstream gradient in the compute dtype, divided by the temperature (None stays None)."""
+    return None if grad_N is None else grad_N.to(compute_dtype) / temperature
+
+
+def _grad_logits_from_logits_(
+    logits_CV: torch.Tensor,
+    lse_C: torch.Tensor,
+    entropy_C: torch.Tensor,
+    targets_C: torch.Tensor,
+    g_lp_C: torch.Tensor | None,
+    g_h_C: torch.Tensor | None,
+) -> torch.Tensor:
+    """d loss / d logits for one chunk; overwrites ``logits_CV`` to keep two (C, V) buffers.
+
+    ``g_lp_C`` / ``g_h_C`` are the upstream gradients of logprob / entropy, already divided
+    by the temperature; either may be None (no gradient flows into that output).
+    """
+    logp_CV = logits_CV.sub_(lse_C[:, None])
+    p_CV = logp_CV.exp()
+    if g_h_C is None:
+        # Logprob only: -p * g_lp (+ g_lp at the target, below).
+        grad_CV = p_CV.mul_(-g_lp_C[:, None])
+    else:
+        # -p * (g_lp + g_h * (log p + H)), built in place in the log p buffer.
+        offset_C = g_h_C * entropy_C
+        if g_lp_C is not None:
+            offset_C = offset_C + g_lp_C
+        grad_CV = logp_CV.mul_(g_h_C[:, None]).add_(offset_C[:, None]).mul_(p_CV).neg_()
+    if g_lp_C is not None:
+        grad_CV.scatter_add_(1, targets_C[:, None], g_lp_C[:, None])
+    return grad_CV
+
+
+def _compute_dtype(hidden_NH: torch.Tensor, weight_VH: torch.Tensor) -> torch.dtype:
+    """float32, or float64 if an input is float64 (bf16/fp16 inputs are upcast)."""
+    input_dtype = torch.promote_types(hidden_NH.dtype, weight_VH.dtype)
+    return torch.promote_types(input_dtype, torch.float32)
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Disable autocast for ``device`` so the matmuls really run in the compute dtype."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _check_inputs(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_N: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int,
+) -> None:
+    if hidden_NH.dim() != 2 or weight_VH.dim() != 2:
+        raise ValueError(
+            f"hidden must be (N, H) and weight (V, H); got {tuple(hidden_NH.shape)} and "
+            f"{tuple(weight_VH.shape)}"
+        )
+    if hidden_NH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(f"hidden size mismatch: {hidden_NH.shape[1]} vs {weight_VH.shape[1]}")
+    if targets_N.shape != (hidden_NH.shape[0],):
+        raise ValueError(f"targets must be ({hidden_NH.shape[0]},); got {tuple(targets_N.shape)}")
+    if targets_N.is_floating_point() or targets_N.is_complex():
+        raise TypeError(f"targets must be integer token ids; got {targets_N.dtype}")
+    if bias_V is not None and bias_V.shape != (weight_VH.shape[0],):
+        raise ValueError(f"bias must be ({weight_VH.shape[0]},); got {tuple(bias_V.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")

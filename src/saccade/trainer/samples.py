@@ -1,0 +1,141 @@
+"""TrainingSample (one rollout, as the trainer sees it) and MicroBatch (packed samples).
+
+A TrainingSample holds the token ids exactly as the engine saw and sampled them, never
+re-tokenized, plus everything the loss needs. Images are referenced by cache key; the
+embeddings themselves live in the EmbeddingCache and are gathered when a micro-batch
+is built. Samples travel between processes as one safetensors blob: tensors as raw
+bytes, scalars and strings in the header metadata, never floats as JSON lists.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from saccade.models.positions import mrope_positions, with_text_row
+
+
+@dataclass
+class TrainingSample:
+    sample_id: str
+    input_ids: torch.Tensor  # (L,) int64: prompt + completion, exactly as the engine saw them
+    loss_mask: torch.Tensor  # (L,) bool: True where the token's logprob enters the loss
+    inference_logprobs: torch.Tensor  # (L,) float32: the engine's logprob of each sampled token, 0 elsewhere
+    position_ids: torch.Tensor  # (4, L) int64: [text; t; h; w], text row 0..L-1
+    image_grid_thw: torch.Tensor  # (n_images, 3) int64, in the order the images appear
+    image_keys: list[str] = field(default_factory=list)  # EmbeddingCache keys, one per image, in order
+    advantage: float = 0.0
+    reward: float = 0.0
+    policy_version: int = 0  # the weights version the engine sampled under
+
+    def __post_init__(self):
+        L = self.input_ids.shape[0]
+        if self.loss_mask.shape != (L,) or self.inference_logprobs.shape != (L,):
+            raise ValueError(f"sample {self.sample_id}: loss_mask/inference_logprobs must have shape ({L},)")
+        if self.position_ids.shape != (4, L):
+            raise ValueError(f"sample {self.sample_id}: position_ids must be (4, {L}), got {tuple(self.position_ids.shape)}")
+        if len(self.image_keys) != self.image_grid_thw.shape[0]:
+            raise ValueError(
+                f"sample {self.sample_id}: {len(self.image_keys)} image keys but {self.image_grid_thw.shape[0]} grids"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_images(self) -> int:
+        return len(self.image_keys)
+
+
+def make_sample(
+    sample_id: str,
+    input_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    image_keys: list[str],
+    *,
+    spatial_merge_size: int,
+    loss_mask: torch.Tensor | None = None,
+    inference_logprobs: torch.Tensor | None = None,
+    advantage: float = 0.0,
+    reward: float = 0.0,
+    policy_version: int = 0,
+) -> TrainingSample:
+    """Build a sample, computing its M-RoPE positions from the token types and grids."""
+    L = input_ids.shape[0]
+    grid = image_grid_thw if image_grid_thw is not None else torch.zeros(0, 3, dtype=torch.long)
+    positions = with_text_row(mrope_positions(mm_token_type_ids, grid, spatial_merge_size=spatial_merge_size))
+    return TrainingSample(
+        sample_id=sample_id,
+        input_ids=input_ids.long(),
+        loss_mask=loss_mask.bool() if loss_mask is not None else torch.zeros(L, dtype=torch.bool),
+        inference_logprobs=inference_logprobs.float() if inference_logprobs is not None else torch.zeros(L),
+        position_ids=positions,
+        image_grid_thw=grid.long(),
+        image_keys=list(image_keys),
+        advantage=float(advantage),
+        reward=float(reward),
+        policy_version=int(policy_version),
+    )
+
+
+_TENSOR_FIELDS = ("input_ids", "loss_mask", "inference_logprobs", "position_ids", "image_grid_thw")
+_SCALAR_FIELDS = ("sample_id", "image_keys", "advantage", "reward", "policy_version")
+
+
+def samples_to_bytes(samples: list[TrainingSample]) -> bytes:
+    """Serialize samples to one safetensors blob (tensors binary, scalars in the header)."""
+    from safetensors.torch import save
+
+    tensors = {f"{i}.{name}": getattr(s, name).contiguous() for i, s in enumerate(samples) for name in _TENSOR_FIELDS}
+    meta = [{name: getattr(s, name) for name in _SCALAR_FIELDS} for s in samples]
+    # safetensors refuses empty-storage tensors in some versions; they are rebuilt from the shapes.
+    return save(tensors, metadata={"saccade.samples": json.dumps(meta)})
+
+
+def samples_from_bytes(blob: bytes) -> list[TrainingSample]:
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    tensors = load(blob)
+    meta = json.loads(_read_metadata(blob)["saccade.samples"])
+    return [
+        TrainingSample(**{name: tensors[f"{i}.{name}"] for name in _TENSOR_FIELDS}, **m) for i, m in enumerate(meta)
+    ]
+
+
+def _read_metadata(blob: bytes) -> dict[str, str]:
+    # safetensors' header: 8-byte little-endian length, then JSON with "__metadata__".
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8 : 8 + n])["__metadata__"]
+
+
+@dataclass
+class MicroBatch:
+    """Samples packed into one row of at most max_tokens; attention never crosses samples."""
+
+    input_ids: torch.Tensor  # (1, N) int64
+    position_ids: torch.Tensor  # (4, 1, N) int64: text row restarts at 0 per sample
+    loss_mask: torch.Tensor  # (N,) bool
+    inference_logprobs: torch.Tensor  # (N,) float32
+    advantages: torch.Tensor  # (N,) float32: each token carries its sample's advantage
+    cu_seqlens: torch.Tensor  # (S + 1,) int32: sample boundaries (flash-attention varlen form)
+    image_embeds: torch.Tensor | None  # (M, H): all images' features, in token order
+    deepstack: torch.Tensor | None  # (levels, M, H)
+    image_grid_thw: torch.Tensor  # (n_images, 3)
+    sample_ids: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+    def sample_slices(self) -> list[slice]:
+        b = self.cu_seqlens.tolist()
+        return [slice(b[i], b[i + 1]) for i in range(len(b) - 1)]
