@@ -1,0 +1,160 @@
+"""saccade's command line: thin entry points. Arguments are parsed before torch is imported,
+so `--help` and argument errors answer at once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _model_or_tiny(model: str | None) -> str:
+    if model:
+        return model
+    from saccade.models.tiny import tiny_model_path
+
+    return str(tiny_model_path("tiny"))
+
+
+def _print_parity(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"Parity, {result['dtype']}: LM-only on cached image embeddings vs the full model")
+    table.add_column("figure")
+    table.add_column("max |Δ logprob|", justify="right")
+    table.add_column("expected")
+    table.add_row("LM-only vs full transformers model", f"{result['lm_only_vs_full_max_abs']:.2e}", "≤ 1e-5")
+    table.add_row("packed vs per-sample", f"{result['packed_vs_unpacked_max_abs']:.2e}", "≤ 1e-5")
+    table.add_row("DeepStack dropped (a bug)", f"{result['deepstack_dropped_max_abs']:.2e}", "far above 1e-5")
+    table.add_row("1-D positions (a bug)", f"{result['positions_1d_max_abs']:.2e}", "far above 1e-5")
+    console.print(table)
+    cases = Table(title="per conversation")
+    for col in ("case", "tokens", "images", "max |Δ| vs full"):
+        cases.add_column(col)
+    for name, c in result["cases"].items():
+        cases.add_row(name, str(c["tokens"]), str(c["images"]), f"{c['lm_only_vs_full_max_abs']:.2e}")
+    console.print(cases)
+    console.print(f"vision cache hit rate: {result['cache']['hit_rate']:.0%} ({result['cache']['entries']} images encoded)")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    # Until the RL demo lands, the main job checks the frozen-vision path end to end.
+    start = time.perf_counter()
+    from saccade.parity import run_parity
+
+    model = _model_or_tiny(args.model)
+    result = run_parity(model)
+    result["minutes"] = (time.perf_counter() - start) / 60
+    _print_parity(result)
+    _write_json(args.json, result)
+    ok = result["lm_only_vs_full_max_abs"] <= 1e-5 and result["packed_vs_unpacked_max_abs"] <= 1e-5
+    print("parity OK" if ok else "PARITY FAILED: the LM-only path does not reproduce the full model")
+    return 0 if ok else 1
+
+
+def cmd_bench_parity(args: argparse.Namespace) -> int:
+    from saccade.parity import run_parity
+
+    result = run_parity(_model_or_tiny(args.model))
+    _print_parity(result)
+    _write_json(args.json, result)
+    return 0
+
+
+def cmd_bench_trainer(args: argparse.Namespace) -> int:
+    from saccade.bench.trainer import format_report, run_trainer_bench
+
+    kwargs = {k: v for k, v in dict(preset=args.preset, steps=args.steps, batch=args.batch).items() if v is not None}
+    result = run_trainer_bench(**kwargs)
+    print(format_report(result))
+    _write_json(args.json, result)
+    return 0
+
+
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from saccade.models.tiny import build_tiny_qwen3vl, tiny_model_path
+
+    if args.out:
+        path = build_tiny_qwen3vl(args.out, preset=args.preset, seed=args.seed)
+    else:
+        path = tiny_model_path(args.preset, args.seed)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="saccade",
+        description="Reinforcement learning for vision-language models (Qwen3-VL), with a frozen, cached vision tower.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="the main job on the embedded default: build a tiny Qwen3-VL offline and check the training path",
+        description="Builds (once, cached) a tiny random Qwen3-VL, then checks that the trainer's LM-only forward "
+        "on cached image embeddings reproduces the full transformers model, packed and unpacked.",
+    )
+    demo.add_argument("--model", help="a Qwen3-VL folder or hub id (default: the built-in tiny model)")
+    demo.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks and parity figures")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    parity = bench_sub.add_parser(
+        "parity",
+        help="max |Δ logprob| of the LM-only path vs the full model, packed vs unpacked, and two known bugs",
+        description="Writes lm_only_vs_full_max_abs, packed_vs_unpacked_max_abs, deepstack_dropped_max_abs and "
+        "positions_1d_max_abs. Runs on any Qwen3-VL folder with --model.",
+    )
+    parity.add_argument("--model", help="a Qwen3-VL folder or hub id (default: the built-in tiny model)")
+    parity.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parity.set_defaults(func=cmd_bench_parity)
+
+    trainer = bench_sub.add_parser(
+        "trainer",
+        help="step time and memory: cached embeddings vs full VLM; packed vs padded",
+        description="On the 'small' preset, side by side in one run: (a) step time and peak memory of the "
+        "cached-embeddings path against a full-VLM path that runs the vision tower every step; "
+        "(b) packed against padded batches (padding fraction, tokens/s). Prints ratios.",
+    )
+    trainer.add_argument("--preset", choices=["tiny", "small"], default=None, help="model preset (default: small)")
+    trainer.add_argument("--steps", type=int, default=None, help="measured steps per variant")
+    trainer.add_argument("--batch", type=int, default=None, help="samples per step")
+    trainer.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    trainer.set_defaults(func=cmd_bench_trainer)
+
+    build = sub.add_parser(
+        "build-model",
+        help="build a random Qwen3-VL offline (tiny or small preset) and print its folder",
+        description="Builds deterministically from --seed. Without --out the folder is cached under "
+        "$SACCADE_CACHE (default ~/.cache/saccade) and reused.",
+    )
+    build.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--out", help="write here instead of the cache")
+    build.set_defaults(func=cmd_build_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Quiet the libraries' own progress bars and advice; ours say what matters.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
