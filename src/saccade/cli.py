@@ -153,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     # Quiet the libraries' own progress bars and advice; ours say what matters.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:
+        # ValueError is how saccade reports a user's mistake: say it plainly, no traceback.
+        print(f"saccade: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""The command line, run as a user runs it: a real `saccade` process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "saccade.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_explains_the_commands():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for command in ("demo", "bench", "build-model"):
+        assert command in out.stdout
+    bench = run_cli("bench", "parity", "--help")
+    assert "--model" in bench.stdout and "--json" in bench.stdout
+
+
+def test_unknown_command_is_a_clear_error():
+    out = run_cli("frobnicate")
+    assert out.returncode == 2
+    assert "invalid choice" in out.stderr
+
+
+@pytest.mark.slow
+def test_bench_parity_writes_the_four_figures(tmp_path, tiny_path):
+    path = tmp_path / "parity.json"
+    out = run_cli("bench", "parity", "--model", str(tiny_path), "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(path.read_text())
+    assert figures["lm_only_vs_full_max_abs"] <= 1e-5
+    assert figures["packed_vs_unpacked_max_abs"] <= 1e-5
+    assert figures["deepstack_dropped_max_abs"] > 1e-2
+    assert figures["positions_1d_max_abs"] > 1e-2
+    assert "LM-only vs full" in out.stdout
+
+
+def test_bench_parity_on_a_folder_that_is_not_a_model(tmp_path):
+    out = run_cli("bench", "parity", "--model", str(tmp_path))
+    assert out.returncode != 0
+    assert "not a Hugging Face model folder" in out.stderr
