@@ -23,6 +23,21 @@ from PIL import Image
 from saccade.data.images import ImageLimits, image_hash, load_image
 
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+# Tokens that only the processor may write: typed into text they would desynchronise the
+# image placeholders and the images.
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def _check_text(text: Any, *, sample: str | None, turn: int) -> str:
+    if not isinstance(text, str):
+        raise ValueError(f"sample {sample!r}: message {turn} has a text part without a string 'text'")
+    for token in VISION_TOKENS:
+        if token in text:
+            raise ValueError(
+                f"sample {sample!r}: message {turn} contains {token} in its text; "
+                "vision tokens are written by the processor: pass images as image parts instead"
+            )
+    return text
 
 
 @dataclass
@@ -55,7 +70,7 @@ def extract_images(
             raise ValueError(f"sample {sample!r}: message {turn} needs 'role' and 'content'")
         content = message["content"]
         if content is None or isinstance(content, str):
-            normalized.append({"role": message["role"], "content": content or ""})
+            normalized.append({"role": message["role"], "content": _check_text(content or "", sample=sample, turn=turn)})
             continue
         if not isinstance(content, list):
             raise ValueError(f"sample {sample!r}: message {turn} content must be a string or a list of parts")
@@ -63,7 +78,7 @@ def extract_images(
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
-                parts.append({"type": "text", "text": part["text"]})
+                parts.append({"type": "text", "text": _check_text(part.get("text"), sample=sample, turn=turn)})
             elif kind in IMAGE_PART_TYPES:
                 images.append(load_image(_image_source(part, kind), limits=limits, sample=sample))
                 parts.append({"type": "image"})
@@ -80,6 +95,8 @@ def _image_source(part: dict[str, Any], kind: str):
     value = part.get(kind)
     if value is None and kind == "image":
         value = part.get("url") or part.get("path")
+    if value is None and kind == "input_image":  # OpenAI Responses: {"type": "input_image", "image_url": "..."}
+        value = part.get("image_url")
     if isinstance(value, dict):  # {"url": ...} in OpenAI's image_url
         value = value.get("url", value)
     return value

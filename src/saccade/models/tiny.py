@@ -10,7 +10,8 @@ classes and vLLM load it like a real checkpoint, so every code path is the real 
 Presets:
 - "tiny": about 1M parameters; what the tests and the demo use. Text head_dim is 32
   because vLLM's CPU attention refuses 16.
-- "small": about 90M parameters with Qwen3-VL's layer shapes scaled down; for benchmarks.
+- "small": about 110M parameters (LM ~80M, vision ~30M) with Qwen3-VL's layer shapes
+  scaled down; for benchmarks. Its BPE stops at ~1.7k tokens: the corpus has no more merges.
 
 Built folders are cached under `cache_dir()` keyed by preset, seed and a build version,
 so a second call is a directory lookup.

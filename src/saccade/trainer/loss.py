@@ -1,0 +1,276 @@
+"""GRPO-family policy losses as pure functions over flat, packed per-token tensors.
+
+Everything here works on one packed micro-batch: tensors of shape (N,) (suffix ``_N``) with
+``cu_seqlens`` (S+1,) marking where each of the S samples starts and ends. Only tokens with
+``loss_mask`` True enter the loss; the others contribute exactly 0 to the loss and to every
+gradient, even if their logprobs are NaN or -inf (prompt tokens, image pads, padding).
+
+Which logprobs are which
+------------------------
+- ``logprobs_N``: log pi_theta(token), the policy being trained, recomputed by the trainer
+  in this forward pass. The only input that carries gradient (besides ``entropy_N``).
+- ``old_logprobs_N``: the policy the importance ratio ``exp(logprobs - old_logprobs)`` is
+  taken against, detached. Either the inference engine's logprobs (the behaviour policy that
+  actually sampled the tokens), or the trainer's own recomputation at the start of the step
+  (pi_theta_old as the trainer sees it). The caller decides.
+- ``inference_logprobs_N``: the engine's logprobs of the sampled tokens (mu). Needed for
+  truncated importance sampling and for the train/inference mismatch metrics.
+- ``ref_logprobs_N``: the frozen reference policy, for the KL penalty.
+
+Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training"): the engine (mu) and the trainer (pi_old) disagree a
+little about the same weights, so tokens sampled by mu are reweighted by
+``w = min(exp(old_logprobs - inference_logprobs), tis_cap)``, detached, applied to the
+policy-gradient term only (not to the KL and entropy regularisers, as in verl). It only
+makes sense when ``old_logprobs`` are the trainer's own; if they are the engine's, w == 1.
+For REINFORCE, pass the trainer's detached logprobs of the current weights as
+``old_logprobs`` to get the weight pi/mu.
+
+Normalization (the denominator that turns the sum of per-token losses into one scalar)
+-------------------------------------------------------------------------------------
+- ``"sequence"`` (GRPO): mean over each sequence's loss tokens, then mean over sequences.
+  A sequence without loss tokens contributes 0 but still counts as a sequence.
+- ``"token"`` (DAPO / BNPO): sum over all loss tokens / number of loss tokens.
+- ``"constant"`` (Dr. GRPO): sum over all loss tokens / (num_sequences * max_completion_tokens).
+
+For gradient accumulation, ``LossInputs.total_loss_tokens`` / ``total_sequences`` replace the
+micro-batch's own counts with the whole step's, so that the sum of the micro-batch losses
+equals the loss of the whole batch (exactly, for all three normalizations).
+
+Metrics are detached 0-dim tensors, averaged over the micro-batch's loss tokens (no device
+sync): ``clip_frac_low`` (ratio < 1 - eps_low with A < 0: the clip is active and the token
+gets no gradient), ``clip_frac_high`` (ratio > 1 + eps_high with A > 0), ``clip_frac``
+(their sum), ``ratio_mean``, ``kl`` (k3, when ref given), ``entropy`` (when given),
+``tis_weight_mean`` and ``tis_frac_truncated`` (when TIS is on), ``mismatch_abs``
+(mean |logprobs - inference_logprobs|) and ``mismatch_kl`` (k3 estimate of KL(mu || pi))
+when inference logprobs are given, and ``loss_tokens`` (count in this micro-batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+_KINDS = ("ppo_clip", "reinforce")
+_NORMALIZATIONS = ("sequence", "token", "constant")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    kind: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
+    eps_high: float = 0.28  # ratio clipped above at 1 + eps_high (clip-higher, DAPO)
+    normalization: Literal["sequence", "token", "constant"] = "token"
+    max_completion_tokens: int = 1024  # the constant of "constant" (Dr. GRPO)
+    tis_cap: float | None = None  # truncated importance sampling cap; None: off
+    kl_coef: float = 0.0  # KL(pi || ref) penalty, k3 estimator
+    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"loss kind must be one of {_KINDS}, got {self.kind!r}")
+        if self.normalization not in _NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}")
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
+        if not self.eps_high >= 0.0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+        if self.max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
+        if self.tis_cap is not None and not self.tis_cap > 0.0:
+            raise ValueError(f"tis_cap must be > 0 (or None to disable TIS), got {self.tis_cap}")
+        if not self.kl_coef >= 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if not self.entropy_coef >= 0.0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+
+
+@dataclass
+class LossInputs:
+    logprobs_N: Tensor  # current policy logprobs (requires grad)
+    old_logprobs_N: Tensor  # the ratio's denominator policy (engine's or trainer's old), detached
+    advantages_N: Tensor  # each token carries its sample's advantage
+    loss_mask_N: Tensor  # bool
+    cu_seqlens: Tensor  # (S+1,) sample boundaries in the packed row
+    inference_logprobs_N: Tensor | None = None  # the engine's logprobs: TIS and mismatch metrics
+    ref_logprobs_N: Tensor | None = None  # the reference policy's logprobs: KL
+    entropy_N: Tensor | None = None  # per-token entropy of the current policy
+    total_loss_tokens: float | None = None  # "token": loss tokens over the whole step's batch
+    total_sequences: float | None = None  # "sequence"/"constant": sequences over the whole step
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_sum(x_N: Tensor, mask_N: Tensor) -> Tensor:
+    """Sum of x over mask; masked-out entries contribute exactly 0 (even NaN/inf)."""
+    return torch.where(mask_N, x_N, torch.zeros_like(x_N)).sum()
+
+
+def masked_mean(x_N: Tensor, mask_N: Tensor) -> Tensor:
+    """Mean of x over mask (0 when the mask is empty)."""
+    return masked_sum(x_N, mask_N) / mask_N.sum().clamp(min=1)
+
+
+def sequence_ids(cu_seqlens: Tensor, n: int) -> Tensor:
+    """(N,) index of the sequence each token belongs to, from (S+1,) boundaries (no device sync)."""
+    positions_N = torch.arange(n, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions_N, right=True)
+
+
+def per_sequence_sum(x_N: Tensor, mask_N: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """(S,) sum of x over each sequence's masked tokens."""
+    S = cu_seqlens.shape[0] - 1
+    seq_N = sequence_ids(cu_seqlens, x_N.shape[0]).to(x_N.device)
+    x_N = torch.where(mask_N, x_N, torch.zeros_like(x_N))
+    return torch.zeros(S, dtype=x_N.dtype, device=x_N.device).index_add(0, seq_N, x_N)
+
+
+def per_sequence_mean(x_N: Tensor, mask_N: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """(S,) mean of x over each sequence's masked tokens (0 for a sequence with none)."""
+    sums_S = per_sequence_sum(x_N, mask_N, cu_seqlens)
+    counts_S = per_sequence_sum(mask_N.to(sums_S.dtype), mask_N, cu_seqlens)
+    return sums_S / counts_S.clamp(min=1)
+
+
+def k3_kl(logprobs_N: Tensor, ref_logprobs_N: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || ref) on tokens sampled from pi: exp(d) - d - 1, d = ref - lp.
+
+    Always >= 0; its gradient w.r.t. lp is 1 - exp(ref - lp), which pushes lp toward ref.
+    """
+    d_N = ref_logprobs_N - logprobs_N
+    return torch.exp(d_N) - d_N - 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_inputs(inp: LossInputs, cfg: LossConfig) -> None:
+    mask = inp.loss_mask_N
+    if mask.dim() != 1:
+        raise ValueError(f"loss_mask_N must be 1-D (N,), got shape {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"loss_mask_N must be bool, got {mask.dtype}")
+    N = mask.shape[0]
+    named = {
+        "logprobs_N": inp.logprobs_N,
+        "old_logprobs_N": inp.old_logprobs_N,
+        "advantages_N": inp.advantages_N,
+        "inference_logprobs_N": inp.inference_logprobs_N,
+        "ref_logprobs_N": inp.ref_logprobs_N,
+        "entropy_N": inp.entropy_N,
+    }
+    for name, t in named.items():
+        if t is not None and tuple(t.shape) != (N,):
+            raise ValueError(f"{name} must have shape ({N},) like loss_mask_N, got {tuple(t.shape)}")
+    cu = inp.cu_seqlens
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D (S+1,) with S >= 1, got shape {tuple(cu.shape)}")
+    bounds = cu.tolist()  # S+1 small ints: one cheap sync, worth it against silent misattribution
+    if bounds[0] != 0 or bounds[-1] != N or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"cu_seqlens must rise from 0 to N={N}, got {bounds}")
+    if cfg.tis_cap is not None and inp.inference_logprobs_N is None:
+        raise ValueError("tis_cap is set but inference_logprobs_N was not given")
+    if cfg.kl_coef > 0 and inp.ref_logprobs_N is None:
+        raise ValueError("kl_coef > 0 but ref_logprobs_N was not given")
+    if cfg.entropy_coef > 0 and inp.entropy_N is None:
+        raise ValueError("entropy_coef > 0 but entropy_N was not given")
+    if inp.total_loss_tokens is not None and not inp.total_loss_tokens > 0:
+        raise ValueError(f"total_loss_tokens must be > 0, got {inp.total_loss_tokens}")
+    if inp.total_sequences is not None and not inp.total_sequences > 0:
+        raise ValueError(f"total_sequences must be > 0, got {inp.total_sequences}")
+
+
+def policy_loss(inp: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """The scalar loss of one micro-batch and its metrics (detached 0-dim tensors).
+
+    Per loss token t, with ratio_t = exp(logprobs_t - old_logprobs_t) and A_t the advantage:
+      ppo_clip:  pg_t = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
+      reinforce: pg_t = -A_t * logprobs_t
+      loss_t = w_t * pg_t + kl_coef * k3_t - entropy_coef * entropy_t
+    with w_t = min(exp(old_t - inference_t), tis_cap) (detached) when tis_cap is set, else 1,
+    and k3_t = exp(ref_t - lp_t) - (ref_t - lp_t) - 1. The loss is the normalized sum of loss_t
+    (see the module docstring). Computed in float32 (float64 if logprobs are float64).
+    """
+    _check_inputs(inp, cfg)
+    mask_N = inp.loss_mask_N
+    dtype = torch.promote_types(inp.logprobs_N.dtype, torch.float32)
+
+    def clean(t: Tensor | None) -> Tensor | None:
+        # Zero the masked-out entries *before* any arithmetic: torch.where's backward sends 0
+        # (not 0 * NaN) to the unselected branch, so garbage there can reach neither the loss
+        # nor the gradient. Multiplying by the mask instead would give NaN * 0 = NaN.
+        if t is None:
+            return None
+        t = t.to(dtype)
+        return torch.where(mask_N, t, torch.zeros_like(t))
+
+    lp_N = clean(inp.logprobs_N)
+    old_N = clean(inp.old_logprobs_N).detach()
+    adv_N = clean(inp.advantages_N).detach()
+    inf_N = clean(inp.inference_logprobs_N)
+    ref_N = clean(inp.ref_logprobs_N)
+    ent_N = clean(inp.entropy_N)
+    if inf_N is not None:
+        inf_N = inf_N.detach()
+    if ref_N is not None:
+        ref_N = ref_N.detach()
+
+    metrics: dict[str, Tensor] = {}
+    ratio_N = torch.exp(lp_N - old_N)
+    metrics["ratio_mean"] = masked_mean(ratio_N.detach(), mask_N)
+
+    if cfg.kind == "ppo_clip":
+        clipped_N = ratio_N.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+        pg_N = -torch.minimum(ratio_N * adv_N, clipped_N * adv_N)
+        r_N = ratio_N.detach()
+        low_N = (r_N < 1.0 - cfg.eps_low) & (adv_N < 0)
+        high_N = (r_N > 1.0 + cfg.eps_high) & (adv_N > 0)
+        metrics["clip_frac_low"] = masked_mean(low_N.to(dtype), mask_N)
+        metrics["clip_frac_high"] = masked_mean(high_N.to(dtype), mask_N)
+        metrics["clip_frac"] = masked_mean((low_N | high_N).to(dtype), mask_N)
+    else:
+        assert cfg.kind == "reinforce", cfg.kind
+        pg_N = -adv_N * lp_N
+
+    if inf_N is not None:
+        metrics["mismatch_abs"] = masked_mean((lp_N.detach() - inf_N).abs(), mask_N)
+        metrics["mismatch_kl"] = masked_mean(k3_kl(inf_N, lp_N.detach()), mask_N)  # KL(mu || pi), mu sampled
+    if cfg.tis_cap is not None:
+        assert inf_N is not None
+        raw_w_N = torch.exp(old_N - inf_N)
+        w_N = raw_w_N.clamp(max=cfg.tis_cap)
+        pg_N = pg_N * w_N
+        metrics["tis_weight_mean"] = masked_mean(w_N, mask_N)
+        metrics["tis_frac_truncated"] = masked_mean((raw_w_N > cfg.tis_cap).to(dtype), mask_N)
+
+    loss_N = pg_N
+    if ref_N is not None:
+        kl_N = k3_kl(lp_N, ref_N)
+        metrics["kl"] = masked_mean(kl_N.detach(), mask_N)
+        if cfg.kl_coef > 0:
+            loss_N = loss_N + cfg.kl_coef * kl_N
+    if ent_N is not None:
+        metrics["entropy"] = masked_mean(ent_N.detach(), mask_N)
+        if cfg.entropy_coef > 0:
+            loss_N = loss_N - cfg.entropy_coef * ent_N
+
+    n_seq = inp.total_sequences if inp.total_sequences is not None else inp.cu_seqlens.shape[0] - 1
+    if cfg.normalization == "sequence":
+        loss = per_sequence_mean(loss_N, mask_N, inp.cu_seqlens).sum() / n_seq
+    elif cfg.normalization == "token":
+        n_tok = inp.total_loss_tokens if inp.total_loss_tokens is not None else mask_N.sum().clamp(min=1)
+        loss = masked_sum(loss_N, mask_N) / n_tok
+    else:
+        assert cfg.normalization == "constant", cfg.normalization
+        loss = masked_sum(loss_N, mask_N) / (n_seq * cfg.max_completion_tokens)
+
+    metrics["loss_tokens"] = mask_N.sum().to(dtype)
+    return loss, {k: v.detach() for k, v in metrics.items()}
