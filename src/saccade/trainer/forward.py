@@ -37,6 +37,21 @@ def predicted_positions(mb: MicroBatch, only_loss_tokens: bool) -> torch.Tensor:
     return want
 
 
+# exp(-1e4) is exactly 0 in float32 and bfloat16, yet stays finite, so p * log p = 0 and no NaN.
+BANNED_LOGIT = -1e4
+
+
+def ban_bias(head: nn.Linear, banned_token_ids: list[int] | None) -> torch.Tensor | None:
+    """lm_head bias with the banned tokens pushed to probability 0 (None if nothing to add)."""
+    if not banned_token_ids:
+        return head.bias
+    bias = torch.zeros(head.out_features, device=head.weight.device, dtype=torch.float32)
+    bias[list(banned_token_ids)] = BANNED_LOGIT
+    if head.bias is not None:
+        bias = bias + head.bias.float()
+    return bias
+
+
 def forward_logprobs(
     model: nn.Module,
     mb: MicroBatch,
@@ -44,8 +59,14 @@ def forward_logprobs(
     temperature: float = 1.0,
     only_loss_tokens: bool = False,
     chunk_size: int = 1024,
+    banned_token_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs_N, entropy_N), float32, zero where not computed."""
+    """(logprobs_N, entropy_N), float32, zero where not computed.
+
+    banned_token_ids: tokens the engine can never sample (the vision tokens). They are
+    masked out of the softmax here too, so the trainer's distribution is exactly the one
+    the engine sampled from.
+    """
     policy = unwrap_policy(model)
     device = policy.lm_head.weight.device
     image_embeds = mb.image_embeds.to(device) if mb.image_embeds is not None else None
@@ -59,8 +80,9 @@ def forward_logprobs(
     hidden_TH = hidden_1NH[0, source_idx]
     targets_T = mb.input_ids[0].to(device)[want_N]
     head = policy.lm_head
+    bias_V = ban_bias(head, banned_token_ids)
     logprobs_T, entropy_T = token_logprobs_and_entropy(
-        hidden_TH, head.weight, targets_T, temperature=temperature, chunk_size=chunk_size, bias_V=head.bias
+        hidden_TH, head.weight, targets_T, temperature=temperature, chunk_size=chunk_size, bias_V=bias_V
     )
     logprobs_N = torch.zeros(mb.num_tokens, device=device, dtype=torch.float32)
     entropy_N = torch.zeros(mb.num_tokens, device=device, dtype=torch.float32)

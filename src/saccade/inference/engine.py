@@ -1,0 +1,76 @@
+"""The inference-engine protocol: what the orchestrator needs from any engine.
+
+An engine takes chat requests (OpenAI-format messages, images included) and returns,
+for each, n sampled completions with everything the trainer needs to reproduce them
+exactly: the prompt token ids as the engine saw them (image pads expanded), the
+sampled ids, their logprobs under the distribution actually sampled from
+(temperature applied, vision tokens banned), and the images' cache keys and grids.
+The embedded engine (`saccade.inference.local`) and the vLLM client implement it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+# Tokens an engine must never sample: a sampled image pad would break the next forward.
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    n: int = 1  # completions per request (the group size G)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0 (use a small value such as 1e-3 for near-greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.max_tokens < 1 or self.n < 1:
+            raise ValueError("max_tokens and n must be >= 1")
+
+
+@dataclass
+class ChatRequest:
+    request_id: str
+    messages: list[dict[str, Any]]
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one request, exactly as the engine produced it."""
+
+    request_id: str
+    prompt_ids: torch.Tensor  # (P,) int64: image pads expanded
+    mm_token_type_ids: torch.Tensor  # (P,) int64: 0 text, 1 image
+    completion_ids: torch.Tensor  # (C,) int64: includes the stop token when it stopped
+    logprobs: torch.Tensor  # (C,) float32: under the distribution sampled from
+    image_keys: list[str]  # cache keys of the prompt's images, in order
+    image_grid_thw: torch.Tensor  # (n_images, 3)
+    finish_reason: str  # "stop" | "length"
+    text: str = ""
+    policy_version: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    policy_version: int
+
+    def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
+        """For each request, params.n completions."""
+        ...
+
+    def update_weights(self) -> float:
+        """Make the engine sample from the trainer's current weights; returns seconds spent."""
+        ...
+
+
+def vision_token_ids(tokenizer) -> list[int]:
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    return sorted({i for i in ids if i is not None and i != tokenizer.unk_token_id})

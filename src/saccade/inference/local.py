@@ -1,0 +1,221 @@
+"""The embedded engine: samples in-process from the trainer's own model, with a KV cache.
+
+It is the default engine and needs nothing beyond saccade. In single-process mode it
+holds a reference to the very module the trainer optimises (LoRA adapters included),
+so after an optimizer step there is nothing to copy: `update_weights` only bumps the
+policy version. Prompts run the same LM-only path as the trainer: image features come
+from the VisionEncoder's cache and are scattered into the token embeddings, DeepStack
+included, with M-RoPE positions from `saccade.models.positions`.
+
+Batching: all requests x n samples are left-padded into one batch; prefill once, then
+decode one token per step for every unfinished row. Simplified on purpose: no paged
+attention, no continuous batching, no speculative decoding; that is vLLM's job.
+
+Logprobs: the engine reports log softmax(logits / temperature) with the vision tokens
+masked out, i.e. exactly what `forward_logprobs(..., temperature, banned_token_ids)`
+computes in the trainer. With top_p < 1 the draw itself is restricted to the nucleus;
+the reported logprob stays the temperature-only one (what the trainer can reproduce).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from saccade.data.images import ImageLimits
+from saccade.data.messages import ModelInputs, messages_to_inputs
+from saccade.inference.engine import ChatRequest, Completion, SamplingParams, vision_token_ids
+from saccade.models.positions import mrope_positions
+from saccade.models.vision import ImageEmbedding, VisionEncoder
+from saccade.trainer.forward import BANNED_LOGIT, unwrap_policy
+
+
+@dataclass
+class PreparedPrompt:
+    request: ChatRequest
+    inputs: ModelInputs
+    image_keys: list[str]
+    embeddings: list[ImageEmbedding]
+    mrope_3P: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.inputs.input_ids.shape[0])
+
+
+class LocalEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        processor,
+        encoder: VisionEncoder,
+        *,
+        limits: ImageLimits | None = None,
+        seed: int = 0,
+        max_batch_rows: int = 512,
+    ):
+        self.model = model  # shared with the trainer: the same tensors, not a copy
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.encoder = encoder
+        self.limits = limits or encoder.limits
+        self.max_batch_rows = max_batch_rows
+        self.banned_token_ids = vision_token_ids(self.tokenizer)
+        self.stop_token_ids = sorted(
+            {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        )
+        self.pad_token_id = self.tokenizer.pad_token_id or self.stop_token_ids[0]
+        self.generator = torch.Generator().manual_seed(seed)
+        self.policy_version = 0
+
+    # --- weights ---------------------------------------------------------------------
+    def update_weights(self) -> float:
+        """Nothing to move: the engine samples from the trainer's module itself."""
+        start = time.perf_counter()
+        self.policy_version += 1
+        return time.perf_counter() - start
+
+    # --- prompts ---------------------------------------------------------------------
+    def prepare(self, request: ChatRequest) -> PreparedPrompt:
+        inputs = messages_to_inputs(
+            request.messages, self.processor, limits=self.limits, add_generation_prompt=True, sample=request.request_id
+        )
+        keys = [self.encoder.cache_key(im) for im in inputs.images]
+        embeddings = self.encoder.encode(inputs.images, keys) if inputs.images else []
+        mrope = mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, spatial_merge_size=self.encoder.merge)
+        return PreparedPrompt(request, inputs, keys, embeddings, mrope)
+
+    # --- sampling --------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
+        prepared = [self.prepare(r) for r in requests]
+        rows = [p for p in prepared for _ in range(params.n)]
+        results: list[Completion] = []
+        for start in range(0, len(rows), self.max_batch_rows):
+            results.extend(self._generate_rows(rows[start : start + self.max_batch_rows], params))
+        return [results[i * params.n : (i + 1) * params.n] for i in range(len(prepared))]
+
+    def _generate_rows(self, rows: list[PreparedPrompt], params: SamplingParams) -> list[Completion]:
+        policy = unwrap_policy(self.model)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            tokens_BT, logprobs_BT, lengths_B, stopped_B = self._sample(policy, rows, params)
+        finally:
+            self.model.train(was_training)
+        out = []
+        for b, row in enumerate(rows):
+            n = int(lengths_B[b])
+            ids = tokens_BT[b, :n].clone()
+            out.append(
+                Completion(
+                    request_id=row.request.request_id,
+                    prompt_ids=row.inputs.input_ids.clone(),
+                    mm_token_type_ids=row.inputs.mm_token_type_ids.clone(),
+                    completion_ids=ids,
+                    logprobs=logprobs_BT[b, :n].clone(),
+                    image_keys=list(row.image_keys),
+                    image_grid_thw=(
+                        row.inputs.image_grid_thw.clone()
+                        if row.inputs.image_grid_thw is not None
+                        else torch.zeros(0, 3, dtype=torch.long)
+                    ),
+                    finish_reason="stop" if bool(stopped_B[b]) else "length",
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    policy_version=self.policy_version,
+                )
+            )
+        return out
+
+    def _prefill_inputs(self, policy, rows: list[PreparedPrompt]):
+        """Left-padded batch: embeddings with images scattered in, DeepStack, positions, mask."""
+        device = policy.lm_head.weight.device
+        B, P = len(rows), max(r.length for r in rows)
+        input_ids_BP = torch.full((B, P), self.pad_token_id, dtype=torch.long)
+        position_ids_3BP = torch.zeros(3, B, P, dtype=torch.long)
+        attention_mask_BP = torch.zeros(B, P, dtype=torch.long)
+        for b, row in enumerate(rows):
+            pad = P - row.length
+            input_ids_BP[b, pad:] = row.inputs.input_ids
+            position_ids_3BP[:, b, pad:] = row.mrope_3P
+            attention_mask_BP[b, pad:] = 1
+        input_ids_BP = input_ids_BP.to(device)
+        embeds_BPH = policy.language_model.embed_tokens(input_ids_BP)
+        image_mask_BP = input_ids_BP == policy.image_token_id
+        # masked_scatter fills positions in row-major order: rows' images concatenated in row order.
+        all_images = [e for row in rows for e in row.embeddings]
+        visual_pos_masks, deepstack = None, None
+        if all_images:
+            main_MH = torch.cat([e.embeds for e in all_images]).to(device, embeds_BPH.dtype)
+            embeds_BPH = embeds_BPH.masked_scatter(image_mask_BP.unsqueeze(-1), main_MH)
+            deepstack_KMH = torch.cat([e.deepstack for e in all_images], dim=1).to(device, embeds_BPH.dtype)
+            visual_pos_masks, deepstack = image_mask_BP, list(deepstack_KMH.unbind(0))
+        next_pos_B = torch.tensor([int(r.mrope_3P.max()) + 1 if r.length else 0 for r in rows])
+        return embeds_BPH, position_ids_3BP.to(device), attention_mask_BP.to(device), visual_pos_masks, deepstack, next_pos_B
+
+    def _next_token(self, logits_BV: torch.Tensor, params: SamplingParams):
+        logits_BV = logits_BV.float()
+        logits_BV[:, self.banned_token_ids] = BANNED_LOGIT
+        logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
+        probs_BV = logprobs_BV.exp()
+        if params.top_p < 1.0:
+            probs_BV = _nucleus(probs_BV, params.top_p)
+        token_B = torch.multinomial(probs_BV.cpu(), 1, generator=self.generator).squeeze(1).to(logits_BV.device)
+        return token_B, logprobs_BV.gather(1, token_B.unsqueeze(1)).squeeze(1)
+
+    def _sample(self, policy, rows: list[PreparedPrompt], params: SamplingParams):
+        from transformers import DynamicCache
+
+        lm = policy.language_model
+        device = policy.lm_head.weight.device
+        B = len(rows)
+        embeds, positions, mask, visual_mask, deepstack, next_pos_B = self._prefill_inputs(policy, rows)
+        cache = DynamicCache(config=lm.config)
+        out = lm(
+            inputs_embeds=embeds,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            visual_pos_masks=visual_mask,
+            deepstack_visual_embeds=deepstack,
+        )
+        hidden_BH = out.last_hidden_state[:, -1]
+        tokens_BT = torch.full((B, params.max_tokens), self.pad_token_id, dtype=torch.long)
+        logprobs_BT = torch.zeros(B, params.max_tokens)
+        lengths_B = torch.zeros(B, dtype=torch.long)
+        stopped_B = torch.zeros(B, dtype=torch.bool)
+        stop_ids = torch.tensor(self.stop_token_ids, device=device)
+        next_pos_B = next_pos_B.to(device)
+        for t in range(params.max_tokens):
+            token_B, logprob_B = self._next_token(policy.lm_head(hidden_BH), params)
+            active_B = ~stopped_B
+            tokens_BT[active_B, t] = token_B.cpu()[active_B]
+            logprobs_BT[active_B, t] = logprob_B.cpu()[active_B]
+            lengths_B[active_B] += 1
+            stopped_B |= torch.isin(token_B, stop_ids).cpu() & active_B
+            if bool(stopped_B.all()) or t == params.max_tokens - 1:
+                break
+            # Feed the sampled token; finished rows keep decoding harmlessly and are ignored.
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)
+            step_positions = (next_pos_B + t).view(1, B, 1).expand(3, B, 1)
+            out = lm(
+                inputs_embeds=lm.embed_tokens(token_B.unsqueeze(1)),
+                position_ids=step_positions,
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            hidden_BH = out.last_hidden_state[:, -1]
+        return tokens_BT, logprobs_BT, lengths_B, stopped_B
+
+
+def _nucleus(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero out tokens outside the smallest set whose probability reaches top_p."""
+    sorted_p, order = probs_BV.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
+    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
+    return torch.zeros_like(probs_BV).scatter(-1, order, sorted_p)

@@ -1,0 +1,37 @@
+"""Completions -> TrainingSamples: the token ids exactly as the engine saw and sampled them."""
+
+from __future__ import annotations
+
+import torch
+
+from saccade.inference.engine import Completion
+from saccade.trainer.samples import TrainingSample, make_sample
+
+
+def completion_to_sample(
+    completion: Completion,
+    *,
+    sample_id: str,
+    advantage: float,
+    reward: float,
+    spatial_merge_size: int,
+) -> TrainingSample:
+    """Prompt ids + sampled ids, never re-tokenized; the loss falls on the sampled tokens only."""
+    P, C = completion.prompt_ids.shape[0], completion.completion_ids.shape[0]
+    input_ids = torch.cat([completion.prompt_ids, completion.completion_ids])
+    types = torch.cat([completion.mm_token_type_ids, torch.zeros(C, dtype=torch.long)])
+    loss_mask = torch.cat([torch.zeros(P, dtype=torch.bool), torch.ones(C, dtype=torch.bool)])
+    logprobs = torch.cat([torch.zeros(P), completion.logprobs.float()])
+    return make_sample(
+        sample_id,
+        input_ids,
+        types,
+        completion.image_grid_thw if completion.image_keys else None,
+        completion.image_keys,
+        spatial_merge_size=spatial_merge_size,
+        loss_mask=loss_mask,
+        inference_logprobs=logprobs,
+        advantage=advantage,
+        reward=reward,
+        policy_version=completion.policy_version,
+    )
