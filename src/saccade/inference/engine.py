@@ -21,15 +21,15 @@ VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 means greedy (argmax)
     top_p: float = 1.0
     max_tokens: int = 16
     n: int = 1  # completions per request (the group size G)
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError("temperature must be > 0 (use a small value such as 1e-3 for near-greedy)")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.max_tokens < 1 or self.n < 1:

@@ -159,6 +159,10 @@ class LocalEngine:
     def _next_token(self, logits_BV: torch.Tensor, params: SamplingParams):
         logits_BV = logits_BV.float()
         logits_BV[:, self.banned_token_ids] = BANNED_LOGIT
+        if params.temperature == 0:  # greedy; the logprob reported is the untempered one
+            logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+            token_B = logprobs_BV.argmax(dim=-1)
+            return token_B, logprobs_BV.gather(1, token_B.unsqueeze(1)).squeeze(1)
         logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
         probs_BV = logprobs_BV.exp()
         if params.top_p < 1.0:

@@ -1,0 +1,748 @@
+"""Run configuration: pydantic models, TOML files, dotted command-line overrides, --dry-run.
+
+A run is described by one `RunConfig`, composed of sections (`model`, `lora`, `images`,
+`engine`, `rollout`, `loss`, `trainer`, `sft`, `data`, `eval`, `checkpoint`, `log`). Each
+section is a pydantic model with a docstring, a description on every field and bounds
+wherever a bound means something; unknown keys are refused everywhere (`extra="forbid"`), and
+assignment is validated too (`cfg.trainer.lr = -1` raises).
+
+Where the values come from, later wins:
+  1. the defaults below (a CPU demo on the built-in tiny model),
+  2. a TOML file (tables map to sections: ``[trainer]`` ``lr = 1e-5``),
+  3. dotted overrides from the command line: ``--trainer.lr 1e-5``, ``--trainer.lr=1e-5``,
+     ``--lora.target_modules '["q_proj","v_proj"]'``, ``--rollout.reward_weights.format 0.1``
+     (one key of a dict field). A value is read as JSON when it parses (numbers, ``true``,
+     ``false``, ``null``, lists, objects), else kept as a string; pydantic then validates
+     and coerces it against the field's type. A string field keeps the raw text
+     (``--log.name 123`` gives the string "123").
+
+Every mistake is a `ConfigError` (a `ValueError`) whose message names where the bad value
+came from (the file or the override) and the field path, e.g.
+``--trainer.lr: input should be greater than 0 (got -1)``; an unknown key lists the valid
+keys at that level with a "did you mean" suggestion.
+
+This module imports neither torch nor anything that imports torch: entry points parse and
+print the config (``--help``, ``--dry-run``, errors) before paying torch's import time. The
+``to_*`` helpers on some sections import their targets lazily.
+
+Entry-point pattern (argparse)::
+
+    parser = argparse.ArgumentParser(prog="saccade rl")
+    add_config_arguments(parser)                       # CONFIG (optional) and --dry-run
+    known, overrides = split_overrides(sys.argv[1:])   # --a.b value tokens go to overrides
+    args = parser.parse_args(known)
+    cfg = load_config(RunConfig, args.config, overrides)   # ConfigError -> parser.error(...)
+    if args.dry_run:
+        print(describe(cfg))
+        return 0
+    import torch  # only now
+
+Overrides are split off *before* argparse sees them: ``parse_known_args`` alone would hand
+the value of ``--trainer.lr 1e-5`` to the optional CONFIG positional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "EngineConfig",
+    "EvalConfig",
+    "ImagesConfig",
+    "LogConfig",
+    "LoraConfig",
+    "LossSection",
+    "ModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SHAPES_QUESTION_KINDS",
+    "Section",
+    "SftConfig",
+    "TrainerConfig",
+    "add_config_arguments",
+    "config_to_toml",
+    "describe",
+    "load_config",
+    "parse_overrides",
+    "split_overrides",
+]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or a command-line override; the message says where."""
+
+
+class Section(BaseModel):
+    """Base of every config model: unknown keys refused, assignment validated, no inf/nan."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema of an RL / SFT run
+# ---------------------------------------------------------------------------------------------
+
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SHAPES_QUESTION_KINDS = ["color", "shape", "count"]
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class ModelConfig(Section):
+    """The policy: which Qwen3-VL checkpoint, in which dtype, with which attention kernel."""
+
+    path: str = Field(
+        "tiny",
+        min_length=1,
+        description="Hugging Face hub id or local folder of a Qwen3-VL checkpoint; 'tiny' or 'small' "
+        "for the built-in random presets (built offline, cached)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the trainer's weights and activations (bfloat16 on GPU)"
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="attention kernel of the language model (flash_attention_2 needs a GPU and bf16)"
+    )
+
+    @property
+    def is_preset(self) -> bool:
+        """True for the built-in random presets ('tiny', 'small'), which have no hub id."""
+        return self.path in ("tiny", "small")
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the language model's linears; `enabled = false` is full fine-tuning.
+
+    The vision tower is frozen either way (its embeddings are computed once and cached)."""
+
+    enabled: bool = Field(True, description="train LoRA adapters; false: full fine-tuning of the language model")
+    rank: int = Field(16, ge=1, le=4096, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input, in [0, 1)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        description="names of the language model's linear layers that get adapters",
+    )
+
+    @property
+    def full_finetune(self) -> bool:
+        return not self.enabled
+
+    def to_settings(self):
+        """The `saccade.models.lm.LoraSettings` for `apply_lora` (imports torch)."""
+        from saccade.models.lm import LoraSettings
+
+        return LoraSettings(
+            rank=self.rank, alpha=self.alpha, dropout=self.dropout, target_modules=list(self.target_modules)
+        )
+
+
+class ImagesConfig(Section):
+    """Image limits, applied identically wherever images are processed (engine, trainer, eval)."""
+
+    min_pixels: int = Field(32 * 32, gt=0, description="lower bound of the processor's resize, in pixels (h*w)")
+    max_pixels: int = Field(256 * 256, gt=0, description="upper bound of the processor's resize, in pixels (h*w)")
+    max_source_pixels: int = Field(
+        8192 * 8192, gt=0, description="decoded images with more pixels than this are refused (decompression bombs)"
+    )
+    allow_remote: bool = Field(False, description="allow http(s) image URLs; false refuses them")
+    remote_timeout_s: float = Field(10.0, gt=0, description="total time allowed for one remote image fetch, seconds")
+    max_remote_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest remote image download, bytes")
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> ImagesConfig:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
+        return self
+
+    def to_limits(self):
+        """The `saccade.data.images.ImageLimits` these settings describe."""
+        from saccade.data.images import ImageLimits
+
+        return ImageLimits(**self.model_dump())
+
+
+class EngineConfig(Section):
+    """The inference engine that samples rollouts: embedded in-process, or vLLM servers."""
+
+    kind: Literal["embedded", "vllm"] = Field(
+        "embedded", description="'embedded': sample in the trainer's process; 'vllm': vLLM server(s) at `urls`"
+    )
+    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature (> 0; the trainer uses the same)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold, in (0, 1]")
+    max_tokens: int = Field(16, ge=1, le=262144, description="most tokens sampled per completion")
+    urls: list[str] = Field(
+        default_factory=list, description="base URLs of the vLLM servers (kind = 'vllm'), e.g. http://localhost:8000"
+    )
+    timeout_s: float = Field(600.0, gt=0, description="timeout of one request to a vLLM server, seconds")
+    max_concurrency: int = Field(64, ge=1, description="most requests in flight to the vLLM servers at once")
+
+    @model_validator(mode="after")
+    def _urls_for_vllm(self) -> EngineConfig:
+        if self.kind == "vllm" and not self.urls:
+            raise ValueError("kind 'vllm' needs at least one server in urls, e.g. urls = [\"http://localhost:8000\"]")
+        for url in self.urls:
+            if not re.match(r"^https?://[^/\s]+", url):
+                raise ValueError(f"urls must be http(s)://host[:port] addresses, got {url!r}")
+        return self
+
+
+class RolloutConfig(Section):
+    """How many rollouts each step samples, and how rewards become advantages (GRPO family)."""
+
+    prompts_per_step: int = Field(8, ge=1, description="distinct prompts per optimizer batch")
+    group_size: int = Field(8, ge=2, le=1024, description="completions sampled per prompt (G)")
+    filter_zero_variance: bool = Field(
+        True, description="drop groups whose rewards are all equal: no signal (DAPO dynamic sampling)"
+    )
+    scale_advantages_by_std: bool = Field(
+        True, description="divide advantages by the group's std (GRPO); false: Dr. GRPO"
+    )
+    reward_weights: dict[str, float] = Field(
+        default_factory=lambda: {"correct": 1.0},
+        min_length=1,
+        description="weight of each reward function in the total reward, by name",
+    )
+
+
+class LossSection(Section):
+    """The policy loss; field for field the `saccade.trainer.loss.LossConfig` dataclass."""
+
+    kind: Literal["ppo_clip", "reinforce"] = Field("ppo_clip", description="clipped PPO surrogate, or plain REINFORCE")
+    eps_low: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - eps_low")
+    eps_high: float = Field(
+        0.28, ge=0, le=10, description="the ratio is clipped above at 1 + eps_high (DAPO clip-higher)"
+    )
+    normalization: Literal["sequence", "token", "constant"] = Field(
+        "token",
+        description="'sequence': mean per sequence, then over sequences (GRPO); 'token': over all tokens "
+        "(DAPO); 'constant': sum / (sequences * max_completion_tokens) (Dr. GRPO)",
+    )
+    max_completion_tokens: int = Field(
+        16, ge=1, description="the constant of 'constant' normalization; set it to engine.max_tokens"
+    )
+    tis_cap: float | None = Field(
+        None, gt=0, description="truncated importance sampling cap on pi_old / mu; unset: TIS off"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL(pi || reference) penalty (k3 estimator)")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
+
+    def to_loss_config(self):
+        """The `saccade.trainer.loss.LossConfig` for the loss functions (imports torch)."""
+        from saccade.trainer.loss import LossConfig
+
+        return LossConfig(**self.model_dump())
+
+
+class TrainerConfig(Section):
+    """The optimizer loop (AdamW): steps, learning-rate schedule, micro-batching, seed."""
+
+    steps: int = Field(40, ge=1, description="optimizer batches (RL steps) to train for")
+    lr: float = Field(1e-3, gt=0, le=1, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr over this many steps")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="schedule after warm-up")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for 'linear' and 'cosine' decay")
+    grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
+    max_tokens: int = Field(4096, ge=16, description="token budget of one packed micro-batch")
+    num_iterations: int = Field(1, ge=1, le=64, description="optimizer steps per rollout batch (mu); > 1 is off-policy")
+    seed: int = Field(0, ge=0, description="seed of torch, data order and sampling")
+    torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads; unset: torch's default")
+
+
+class SftConfig(Section):
+    """Supervised fine-tuning (`saccade sft`) on the task's reference answers."""
+
+    steps: int = Field(100, ge=1, description="optimizer steps")
+    lr: float = Field(1e-3, gt=0, le=1, description="peak learning rate (AdamW)")
+    batch_size: int = Field(16, ge=1, description="examples per optimizer step")
+
+
+class DataConfig(Section):
+    """The task: a synthetic one built on the spot (default), or a dataset later."""
+
+    task: str = Field("shapes", min_length=1, description="task name; 'shapes': synthetic shapes, answer by choice")
+    train_size: int = Field(512, ge=1, description="training prompts")
+    eval_size: int = Field(64, ge=0, description="held-out evaluation prompts")
+    question_kinds: list[str] = Field(
+        default_factory=lambda: ["color"], min_length=1, description="kinds of question asked about each image"
+    )
+    num_choices: int = Field(4, ge=3, le=6, description="answer options per question")
+    image_size: int = Field(64, ge=32, le=4096, description="side of the generated square images, pixels")
+    blank_images: bool = Field(
+        False, description="replace every image by a blank one: the control run, which must not learn"
+    )
+    dataset: str | None = Field(None, min_length=1, description="hub id or path of a dataset; unset: synthetic task")
+    split: str = Field("train", min_length=1, description="dataset split to train on")
+
+    @model_validator(mode="after")
+    def _shapes_kinds(self) -> DataConfig:
+        # The same list as saccade.data.shapes.KINDS, repeated so that a typo is caught by
+        # --dry-run without importing the task's code.
+        if self.task == "shapes":
+            unknown = [k for k in self.question_kinds if k not in SHAPES_QUESTION_KINDS]
+            if unknown:
+                choose = ", ".join(SHAPES_QUESTION_KINDS)
+                raise ValueError(f"question_kinds {unknown} unknown to task 'shapes'; choose from {choose}")
+            if len(set(self.question_kinds)) != len(self.question_kinds):
+                raise ValueError(f"question_kinds {self.question_kinds} repeat an entry")
+        return self
+
+
+class EvalConfig(Section):
+    """Periodic evaluation on the held-out prompts."""
+
+    every_steps: int = Field(10, ge=0, description="evaluate every this many steps; 0: never")
+    greedy: bool = Field(True, description="greedy decoding for accuracy; false: sample at engine.temperature")
+    samples_k: int = Field(1, ge=1, le=1024, description="samples per prompt for pass@k (n)")
+
+
+class CheckpointConfig(Section):
+    """Saving the trained weights (the LoRA adapter, or the full model)."""
+
+    dir: str | None = Field(None, min_length=1, description="where checkpoints go; unset: <log.dir>/checkpoints")
+    every_steps: int = Field(0, ge=0, description="save every this many steps, and at the end; 0: only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept on disk; older ones are deleted")
+
+
+class LogConfig(Section):
+    """Where metrics and the resolved config go."""
+
+    dir: str | None = Field(None, min_length=1, description="run folder; unset: runs/<name>")
+    name: str = Field("demo", pattern=_NAME_PATTERN, description="run name (letters, digits, '.', '_', '-')")
+    wandb: bool = Field(False, description="log to Weights & Biases")
+    wandb_project: str = Field("saccade", min_length=1, description="W&B project")
+    tensorboard: bool = Field(False, description="write TensorBoard event files to the run folder")
+    every_steps: int = Field(1, ge=1, description="log metrics every this many steps")
+
+
+class RunConfig(Section):
+    """Everything an RL or SFT run reads. The defaults are a CPU demo on the built-in tiny model."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy checkpoint")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters or full fine-tuning")
+    images: ImagesConfig = Field(default_factory=ImagesConfig, description="image limits")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling and advantages")
+    loss: LossSection = Field(default_factory=LossSection, description="the policy loss")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the optimizer loop")
+    sft: SftConfig = Field(default_factory=SftConfig, description="supervised fine-tuning")
+    data: DataConfig = Field(default_factory=DataConfig, description="the task or dataset")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="periodic evaluation")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving weights")
+    log: LogConfig = Field(default_factory=LogConfig, description="metrics and the run folder")
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder: log.dir, else runs/<log.name>."""
+        return Path(self.log.dir) if self.log.dir else Path("runs") / self.log.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """checkpoint.dir, else <run_dir>/checkpoints."""
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: splitting and parsing dotted overrides
+# ---------------------------------------------------------------------------------------------
+
+_OVERRIDE = re.compile(r"^--([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)+)(=.*)?$", re.DOTALL)
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split argv into (tokens for argparse, dotted override tokens).
+
+    ``--a.b value`` and ``--a.b=value`` (any option whose name has a dot) are overrides; the
+    token after ``--a.b`` is its value, even if it starts with '-' (``--trainer.lr -1``),
+    unless it is itself an option (``--x``). Everything after a bare ``--`` goes to argparse.
+    """
+    known: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            known.extend(argv[i:])
+            break
+        m = _OVERRIDE.match(token)
+        if m is None:
+            known.append(token)
+        elif m.group(2) is not None:
+            overrides.append(token)
+        else:
+            overrides.append(token)
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                overrides.append(argv[i + 1])
+                i += 1
+        i += 1
+    return known, overrides
+
+
+def parse_overrides(tokens: Sequence[str]) -> list[tuple[str, str, str]]:
+    """argv-style override tokens -> [(source, dotted path, raw value)].
+
+    Accepts ``--a.b value``, ``--a.b=value`` and, for top-level fields of a flat model,
+    ``--a value``. `source` is how the override is named in errors (``--a.b``).
+    """
+    out: list[tuple[str, str, str]] = []
+    tokens = list(tokens)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise ConfigError(f"{token!r}: expected an override such as --trainer.lr 1e-5 or --trainer.lr=1e-5")
+        name, eq, value = token[2:].partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", name):
+            raise ConfigError(f"{token!r}: not a valid override name (expected --section.field)")
+        if not eq:
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                raise ConfigError(f"--{name}: needs a value (--{name} VALUE or --{name}=VALUE)")
+            value = tokens[i + 1]
+            i += 1
+        out.append((f"--{name}", name, value))
+        i += 1
+    return out
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the optional CONFIG positional (a TOML file) and --dry-run to `parser`.
+
+    Dotted overrides are not argparse options: split them off with `split_overrides` before
+    `parser.parse_args` (see the module docstring for the whole pattern).
+    """
+    parser.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        metavar="CONFIG",
+        help="a TOML config file (default: the built-in defaults); then any number of dotted "
+        "overrides such as --trainer.lr 1e-5 or --lora.target_modules '[\"q_proj\"]'",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config as TOML and exit without running"
+    )
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The members of a union annotation (or the annotation itself)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return list(typing.get_args(annotation))
+    return [annotation]
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    for member in _unwrap(annotation):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            return member
+    return None
+
+
+def _is_dict(annotation: Any) -> bool:
+    return any(typing.get_origin(m) in (dict, Mapping) or m is dict for m in _unwrap(annotation))
+
+
+def _admits(annotation: Any, kind: type) -> bool:
+    """Does the annotation accept a plain `kind` (str or NoneType), directly or in a union?"""
+    for member in _unwrap(annotation):
+        if member is kind or member is Any:
+            return True
+        if kind is str and typing.get_origin(member) is Literal:
+            if any(isinstance(a, str) for a in typing.get_args(member)):
+                return True
+    return False
+
+
+def _unknown_key(cls: type[BaseModel], prefix: str, key: str) -> str:
+    """'unknown key 'trainer.lrr'; did you mean 'trainer.lr'? Valid keys in [trainer]: ...'."""
+    valid = list(cls.model_fields)
+    dotted = f"{prefix}." if prefix else ""
+    msg = f"unknown key {dotted + key!r}"
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        msg += f"; did you mean {dotted + close[0]!r}?"
+    where = f"in [{prefix}]" if prefix else "at the top level"
+    return msg + f" Valid keys {where}: {', '.join(valid)}"
+
+
+def _field_at(cls: type[BaseModel], path: str, source: str) -> tuple[Any, Any]:
+    """(annotation of the value at `path`, the dict field's FieldInfo if `path` is one key of a
+    dict field, else None). ConfigError for an unknown key, with the valid keys at that level."""
+    parts = path.split(".")
+    current: type[BaseModel] = cls
+    for i, part in enumerate(parts):
+        if part not in current.model_fields:
+            raise ConfigError(f"{source}: {_unknown_key(current, '.'.join(parts[:i]), part)}")
+        info = current.model_fields[part]
+        rest = parts[i + 1 :]
+        if not rest:
+            return info.annotation, None
+        sub = _model_class(info.annotation)
+        if sub is not None:
+            current = sub
+            continue
+        if _is_dict(info.annotation) and len(rest) == 1:
+            for member in _unwrap(info.annotation):
+                args = typing.get_args(member)
+                if len(args) == 2:
+                    return args[1], info
+            return Any, info
+        raise ConfigError(f"{source}: {'.'.join(parts[: i + 1])} is a value, not a section; it has no key {rest[0]!r}")
+    raise AssertionError("unreachable")
+
+
+def _parse_value(raw: str, annotation: Any) -> Any:
+    """JSON when it parses, else the raw string; a string field keeps the raw text."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return None if _admits(annotation, type(None)) or not _admits(annotation, str) else raw
+    if _admits(annotation, str) and not isinstance(value, list | dict):
+        return raw  # "--log.name 123" is the string "123"
+    return value
+
+
+def _set_path(data: dict, parts: list[str], value: Any) -> None:
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _get_path(data: dict, parts: list[str]) -> Any:
+    node: Any = data
+    for part in parts:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _deep_merge(base: Any, update: dict) -> dict:
+    merged = dict(base) if isinstance(base, dict) else {}
+    for key, value in update.items():
+        merged[key] = _deep_merge(merged.get(key), value) if isinstance(value, dict) else value
+    return merged
+
+
+def _loc_to_path(loc: tuple) -> str:
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        else:
+            out += f".{item}" if out else str(item)
+    return out
+
+
+def _touches(override_path: str, error_path: str) -> bool:
+    """Could the override at `override_path` be the cause of an error at `error_path`?"""
+    o, e = override_path, error_path
+    return not e or e == o or e.startswith((o + ".", o + "[")) or o.startswith(e + ".")
+
+
+def _format_error(cls: type[BaseModel], err: dict, file_label: str | None, overrides: list[tuple[str, str]]) -> str:
+    loc = tuple(err["loc"])
+    path = _loc_to_path(loc)
+    if err["type"] == "extra_forbidden" and loc:
+        # The model class that refused the key: walk the schema down to loc[:-1].
+        current: type[BaseModel] | None = cls
+        for part in loc[:-1]:
+            if current is None or not isinstance(part, str) or part not in current.model_fields:
+                current = None
+                break
+            current = _model_class(current.model_fields[part].annotation)
+        key = str(loc[-1])
+        prefix = _loc_to_path(loc[:-1])
+        what = _unknown_key(current, prefix, key) if current is not None else f"unknown key {path!r}"
+    else:
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        msg = msg[:1].lower() + msg[1:]
+        if err["type"] not in ("value_error", "assertion_error", "missing") and "input" in err:
+            shown = err["input"]
+            if not isinstance(shown, dict | BaseModel):
+                msg += f" (got {json.dumps(shown) if not isinstance(shown, str) else repr(shown)})"
+        what = msg
+    # Name the source: the last override touching this path, else the file, else the defaults.
+    source = None
+    for label, opath in reversed(overrides):
+        if _touches(opath, path):
+            source = label
+            break
+    if source is None:
+        source = file_label or "config"
+    if source.startswith("--") and source[2:] == path:
+        return f"{source}: {what}"
+    if err["type"] == "extra_forbidden":
+        return f"{source}: {what}"
+    return f"{source}: {path or '(top level)'}: {what}"
+
+
+def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
+    """Defaults of `cls`, then the TOML file at `path` (if any), then the override tokens.
+
+    `overrides` are argv-style tokens (``["--trainer.lr", "1e-5", "--lora.rank=8"]``), e.g.
+    the second value of `split_overrides`. Raises ConfigError for any mistake.
+    """
+    data: dict[str, Any] = {}
+    file_label = None
+    if path is not None:
+        file_label = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{file_label}: config file not found")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{file_label}: invalid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{file_label}: not UTF-8 text: {e}") from None
+
+    applied: list[tuple[str, str]] = []
+    for source, dotted, raw in parse_overrides(overrides):
+        annotation, dict_field = _field_at(cls, dotted, source)
+        value = _parse_value(raw, annotation)
+        parts = dotted.split(".")
+        if dict_field is not None and not isinstance(_get_path(data, parts[:-1]), dict):
+            # One key of a dict field: the other keys keep their default values.
+            default = dict_field.get_default(call_default_factory=True)
+            _set_path(data, parts[:-1], dict(default) if isinstance(default, dict) else {})
+        if _model_class(annotation) is not None and isinstance(value, dict):
+            value = _deep_merge(_get_path(data, parts), value)  # a section as JSON merges into the file's
+        _set_path(data, parts, value)
+        applied.append((source, dotted))
+
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        lines = [_format_error(cls, err, file_label, applied) for err in e.errors()]
+        if len(lines) == 1:
+            raise ConfigError(lines[0]) from None
+        raise ConfigError(f"{len(lines)} errors in the config:\n  " + "\n  ".join(lines)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing TOML
+# ---------------------------------------------------------------------------------------------
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else _toml_string(key)
+
+
+def _toml_string(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:
+        raise ValueError("TOML has no null; a None value can only be written by leaving its key out")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        return "{ " + ", ".join(f"{_toml_key(str(k))} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise ValueError(f"cannot write {type(value).__name__} {value!r} as TOML")
+
+
+def _comment(text: str | None) -> list[str]:
+    if not text:
+        return []
+    return [f"# {line}".rstrip() for line in text.strip().splitlines()]
+
+
+def _write_model(model: BaseModel, prefix: str, comments: bool, out: list[str]) -> None:
+    fields = type(model).model_fields
+    dumped = model.model_dump(mode="json")
+    tables: list[tuple[str, BaseModel]] = []
+    for name, info in fields.items():
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            tables.append((name, value))
+            continue
+        if value is None:
+            if info.default is not None:
+                raise ValueError(
+                    f"{prefix + '.' if prefix else ''}{name} is None but its default is not: TOML cannot say so"
+                )
+            if comments:
+                out.extend(_comment(info.description))
+                out.append(f"# {_toml_key(name)}: unset")
+            continue
+        if comments:
+            out.extend(_comment(info.description))
+        out.append(f"{_toml_key(name)} = {_toml_value(dumped[name])}")
+    for name, sub in tables:
+        table = f"{prefix}.{_toml_key(name)}" if prefix else _toml_key(name)
+        if out:
+            out.append("")
+        if comments:
+            doc = type(sub).__doc__ or ""
+            out.extend(_comment(doc.strip().split("\n\n")[0]))
+        out.append(f"[{table}]")
+        _write_model(sub, table, comments, out)
+
+
+def config_to_toml(model: BaseModel, *, comments: bool = False) -> str:
+    """The model as TOML text that `load_config(type(model), ...)` reads back to an equal model.
+
+    Nested models become tables; None values are left out (they must be the defaults). With
+    `comments`, each table and key is preceded by its docstring / description.
+    """
+    out: list[str] = []
+    _write_model(model, "", comments, out)
+    return "\n".join(out) + "\n"
+
+
+def describe(model: BaseModel) -> str:
+    """The resolved config as commented TOML, for --dry-run (it loads back like any config file)."""
+    header = f"# resolved {type(model).__name__} (saccade --dry-run); every value below is in effect\n\n"
+    return header + config_to_toml(model, comments=True)

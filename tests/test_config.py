@@ -1,0 +1,300 @@
+"""Config: TOML files into nested models, dotted overrides, clear errors, TOML round trip."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from saccade.config import (
+    ConfigError,
+    RunConfig,
+    Section,
+    add_config_arguments,
+    config_to_toml,
+    describe,
+    load_config,
+    split_overrides,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = [ROOT / "configs" / "demo.toml", ROOT / "configs" / "example-qwen3vl-2b.toml"]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def error(*args) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(RunConfig, *args)
+    assert isinstance(info.value, ValueError)
+    return str(info.value)
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def test_defaults_without_a_file():
+    cfg = load_config(RunConfig, None, [])
+    assert cfg == RunConfig()
+    assert cfg.model.path == "tiny" and cfg.engine.kind == "embedded"
+    assert cfg.rollout.reward_weights == {"correct": 1.0}
+    assert cfg.run_dir == Path("runs/demo") and cfg.checkpoint_dir == Path("runs/demo/checkpoints")
+
+
+def test_toml_tables_map_to_nested_models(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        [model]
+        path = "Qwen/Qwen3-VL-2B-Instruct"
+        dtype = "bfloat16"
+
+        [trainer]
+        lr = 3e-5
+        steps = 7
+
+        [rollout]
+        reward_weights = { correct = 1.0, format = 0.25 }
+
+        [log]
+        name = "x"
+        dir = "/tmp/somewhere"
+        """,
+    )
+    cfg = load_config(RunConfig, path, [])
+    assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct" and cfg.model.dtype == "bfloat16"
+    assert cfg.trainer.lr == 3e-5 and cfg.trainer.steps == 7
+    assert cfg.trainer.seed == 0  # untouched keys keep their defaults
+    assert cfg.rollout.reward_weights == {"correct": 1.0, "format": 0.25}
+    assert cfg.run_dir == Path("/tmp/somewhere")
+    assert cfg.checkpoint_dir == Path("/tmp/somewhere/checkpoints")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(RunConfig, path, [])
+    if "qwen3vl-2b" in path.name:
+        assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
+        assert (cfg.model.dtype, cfg.model.attn_implementation) == ("bfloat16", "flash_attention_2")
+        assert cfg.lora.enabled and cfg.engine.kind == "vllm" and len(cfg.engine.urls) == 1
+        assert cfg.rollout.group_size == 8 and cfg.engine.max_tokens == 1024
+        assert cfg.images.max_pixels == 1003520
+    else:
+        assert cfg.model.path == "tiny" and cfg.engine.kind == "embedded"
+        assert cfg.model.dtype == "float32" and cfg.data.task == "shapes"
+
+
+# --- overrides -------------------------------------------------------------------------------
+
+
+def test_overrides_of_each_type(tmp_path):
+    path = write(tmp_path, "[trainer]\nlr = 1e-3\nsteps = 5\n")
+    cfg = load_config(
+        RunConfig,
+        path,
+        [
+            "--trainer.lr", "1e-5",  # float, over the file's value
+            "--trainer.steps=12",  # int, --a.b=c form
+            "--lora.enabled", "false",  # bool
+            "--data.blank_images=true",
+            "--lora.target_modules", '["q_proj","v_proj"]',  # list as JSON
+            "--model.path", "Qwen/Qwen3-VL-2B-Instruct",  # plain string
+            "--log.name", "123",  # a string field keeps the text, not the number
+            "--engine.top_p", "0.9",
+            "--loss.tis_cap", "2",  # int into float | None
+            "--rollout.reward_weights.format", "0.5",  # one key of a dict field
+            "--data.question_kinds=[\"color\", \"shape\"]",
+        ],
+    )  # fmt: skip
+    assert cfg.trainer.lr == 1e-5 and isinstance(cfg.trainer.lr, float)
+    assert cfg.trainer.steps == 12 and isinstance(cfg.trainer.steps, int)
+    assert cfg.lora.enabled is False and cfg.lora.full_finetune
+    assert cfg.data.blank_images is True
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
+    assert cfg.log.name == "123"
+    assert cfg.engine.top_p == 0.9
+    assert cfg.loss.tis_cap == 2.0
+    assert cfg.rollout.reward_weights == {"correct": 1.0, "format": 0.5}
+    assert cfg.data.question_kinds == ["color", "shape"]
+
+
+def test_override_null_and_whole_dict(tmp_path):
+    path = write(tmp_path, '[loss]\ntis_cap = 2.0\n[data]\ndataset = "some/dataset"\n')
+    cfg = load_config(
+        RunConfig, path, ["--loss.tis_cap", "null", "--data.dataset=null", "--rollout.reward_weights", '{"f": 2}']
+    )
+    assert cfg.loss.tis_cap is None and cfg.data.dataset is None
+    assert cfg.rollout.reward_weights == {"f": 2.0}
+
+
+def test_negative_number_is_a_value_not_an_option():
+    known, overrides = split_overrides(["rl", "cfg.toml", "--trainer.seed", "-1", "--dry-run"])
+    assert known == ["rl", "cfg.toml", "--dry-run"]
+    assert overrides == ["--trainer.seed", "-1"]
+    assert "greater than or equal to 0" in error(None, overrides)
+
+
+def test_split_overrides_and_argparse_pattern():
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    argv = ["configs/demo.toml", "--trainer.lr", "1e-5", "--dry-run", "--lora.rank=4", "--engine.top_p", "0.5"]
+    known, overrides = split_overrides(argv)
+    assert known == ["configs/demo.toml", "--dry-run"]
+    assert overrides == ["--trainer.lr", "1e-5", "--lora.rank=4", "--engine.top_p", "0.5"]
+    args = parser.parse_args(known)
+    assert args.config == "configs/demo.toml" and args.dry_run
+    cfg = load_config(RunConfig, ROOT / args.config, overrides)
+    assert (cfg.trainer.lr, cfg.lora.rank, cfg.engine.top_p) == (1e-5, 4, 0.5)
+    args = parser.parse_args(split_overrides(["--trainer.lr", "1e-5"])[0])
+    assert args.config is None and not args.dry_run
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_unknown_key_in_toml_suggests(tmp_path):
+    path = write(tmp_path, "[trainer]\nlrr = 1e-5\n")
+    msg = error(path, [])
+    assert str(path) in msg
+    assert "unknown key 'trainer.lrr'" in msg and "did you mean 'trainer.lr'" in msg
+    assert "steps" in msg and "weight_decay" in msg  # the valid keys at that level
+
+    path = write(tmp_path, "[trainr]\nlr = 1e-5\n")
+    msg = error(path, [])
+    assert "did you mean 'trainer'" in msg and "lora" in msg
+
+
+def test_unknown_key_in_override_suggests():
+    msg = error(None, ["--trainer.lrr", "1e-5"])
+    assert msg.startswith("--trainer.lrr: ")
+    assert "did you mean 'trainer.lr'" in msg and "num_iterations" in msg
+    msg = error(None, ["--lroa.rank=4"])
+    assert msg.startswith("--lroa.rank: ") and "did you mean 'lora'" in msg
+    assert "has no key" in error(None, ["--trainer.lr.x", "1"])
+    assert "needs a value" in error(None, ["--trainer.lr"])
+
+
+def test_out_of_bounds_names_the_override_and_path(tmp_path):
+    msg = error(None, ["--trainer.lr", "-1"])
+    assert msg.startswith("--trainer.lr: input should be greater than 0")
+    assert "--rollout.group_size" in error(None, ["--rollout.group_size", "1"])
+    assert "lora.target_modules[0]" in error(None, ["--lora.target_modules", "[1]"])
+    assert "--lora.enabled" in error(None, ["--lora.enabled", "maybe"])
+    assert "--trainer.steps" in error(None, ["--trainer.steps", "1.5"])
+    assert "--model.dtype" in error(None, ["--model.dtype", "float16"])
+
+    path = write(tmp_path, "[lora]\ndropout = 1.0\n")
+    msg = error(path, [])
+    assert str(path) in msg and "lora.dropout" in msg and "less than 1" in msg
+
+
+def test_several_errors_are_all_reported(tmp_path):
+    msg = error(None, ["--trainer.lr", "0", "--data.num_choices", "9"])
+    assert "2 errors" in msg and "--trainer.lr" in msg and "--data.num_choices" in msg
+
+
+def test_min_pixels_above_max_pixels_refused(tmp_path):
+    msg = error(None, ["--images.min_pixels", "100000000"])
+    assert "--images.min_pixels" in msg and "min_pixels" in msg and "max_pixels" in msg
+    path = write(tmp_path, "[images]\nmin_pixels = 4096\nmax_pixels = 1024\n")
+    assert str(path) in error(path, [])
+    cfg = RunConfig()
+    with pytest.raises(ValidationError):
+        cfg.images.min_pixels = 10**9  # assignment is validated too
+
+
+def test_vllm_needs_a_url():
+    assert "urls" in error(None, ["--engine.kind", "vllm"])
+    cfg = load_config(RunConfig, None, ["--engine.kind", "vllm", "--engine.urls", '["http://localhost:8000"]'])
+    assert cfg.engine.urls == ["http://localhost:8000"]
+    assert "http" in error(None, ["--engine.urls", '["localhost:8000"]'])
+
+
+def test_shapes_question_kinds_checked():
+    msg = error(None, ["--data.question_kinds", '["colour"]'])
+    assert "--data.question_kinds" in msg and "colour" in msg and "count" in msg
+    assert "repeat" in error(None, ["--data.question_kinds", '["color","color"]'])
+    from saccade.config import SHAPES_QUESTION_KINDS
+    from saccade.data.shapes import KINDS
+
+    assert tuple(SHAPES_QUESTION_KINDS) == KINDS
+
+
+def test_file_errors(tmp_path):
+    assert "not found" in error(tmp_path / "missing.toml", [])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer\nlr = 1")
+    assert "invalid TOML" in error(bad, [])
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def test_config_to_toml_round_trip(tmp_path):
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "--trainer.lr=1.5e-5",
+            "--loss.tis_cap=2.5",
+            "--data.dataset", 'some/ds "quoted" \\ ü',
+            "--rollout.reward_weights", '{"correct": 1, "odd key": 0.1}',
+            "--engine.kind=vllm", "--engine.urls", '["http://a:1", "http://b:2"]',
+            "--trainer.torch_threads=2",
+        ],
+    )  # fmt: skip
+    for text in (config_to_toml(cfg), describe(cfg)):
+        path = tmp_path / "round.toml"
+        path.write_text(text)
+        assert load_config(RunConfig, path, []) == cfg
+    for shipped in SHIPPED:
+        cfg = load_config(RunConfig, shipped, [])
+        path.write_text(config_to_toml(cfg))
+        assert load_config(RunConfig, path, []) == cfg
+
+
+def test_describe_is_commented_toml():
+    text = describe(RunConfig())
+    assert "[trainer]" in text and "lr = 0.001" in text
+    assert "# peak learning rate" in text  # descriptions as comments
+    assert "# tis_cap: unset" in text
+
+
+def test_every_field_has_a_description_and_every_section_a_docstring():
+    def walk(cls):
+        assert cls.__doc__ and cls.__doc__.strip(), cls
+        assert issubclass(cls, Section)
+        assert cls.model_config.get("extra") == "forbid" and cls.model_config.get("validate_assignment")
+        for name, info in cls.model_fields.items():
+            assert info.description, f"{cls.__name__}.{name} has no description"
+            sub = info.annotation
+            if isinstance(sub, type) and issubclass(sub, Section):
+                walk(sub)
+
+    walk(RunConfig)
+
+
+def test_sections_convert_to_the_runtime_objects():
+    cfg = load_config(RunConfig, ROOT / "configs" / "example-qwen3vl-2b.toml", [])
+    limits = cfg.images.to_limits()
+    assert (limits.min_pixels, limits.max_pixels) == (cfg.images.min_pixels, cfg.images.max_pixels)
+    loss = cfg.loss.to_loss_config()
+    assert loss.tis_cap == 2.0 and loss.max_completion_tokens == 1024
+    lora = cfg.lora.to_settings()
+    assert lora.rank == cfg.lora.rank and lora.target_modules == cfg.lora.target_modules
+
+
+def test_import_does_not_import_torch():
+    code = "import saccade.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
