@@ -82,6 +82,43 @@ def cmd_bench_trainer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_run_config(args: argparse.Namespace):
+    from saccade.config import RunConfig, describe, load_config
+
+    cfg = load_config(RunConfig, args.config, args.overrides)
+    if args.dry_run:
+        print(describe(cfg))
+    return cfg
+
+
+def cmd_rl(args: argparse.Namespace) -> int:
+    cfg = _load_run_config(args)
+    if args.dry_run:
+        return 0
+    from saccade.rl import train_rl
+
+    result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume)
+    print(f"done: {result['step']} steps; metrics in {cfg.run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    cfg = _load_run_config(args)
+    if args.dry_run:
+        return 0
+    from saccade.sft import train_sft
+
+    train_sft(cfg, run_dir=cfg.run_dir)
+    print(f"done; metrics in {cfg.run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from saccade.plot import plot_command
+
+    return plot_command(args.run_dir)
+
+
 def cmd_build_model(args: argparse.Namespace) -> int:
     from saccade.models.tiny import build_tiny_qwen3vl, tiny_model_path
 
@@ -135,6 +172,30 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     trainer.set_defaults(func=cmd_bench_trainer)
 
+    from saccade.config import add_config_arguments
+
+    rl = sub.add_parser(
+        "rl",
+        help="GRPO-family RL from a TOML config (dotted overrides: --trainer.lr 1e-5)",
+        description="Train with RL from verifiable rewards. CONFIG is a TOML file (see configs/); any field can be "
+        "overridden as --section.key VALUE. --dry-run prints the resolved config and exits.",
+    )
+    add_config_arguments(rl)
+    rl.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
+    rl.set_defaults(func=cmd_rl)
+
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning on the same packed, cached-image path",
+        description="SFT from a TOML config, on the same data path as RL (images included).",
+    )
+    add_config_arguments(sft)
+    sft.set_defaults(func=cmd_sft)
+
+    plot = sub.add_parser("plot", help="write PNG curves of a run (reward, accuracy, lengths, KL, mismatch)")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder holding metrics.jsonl")
+    plot.set_defaults(func=cmd_plot)
+
     build = sub.add_parser(
         "build-model",
         help="build a random Qwen3-VL offline (tiny or small preset) and print its folder",
@@ -149,7 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from saccade.config import split_overrides
+
+    # Dotted overrides (--trainer.lr 1e-5) are split off before argparse sees them.
+    known, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(known)
+    args.overrides = overrides
     # Quiet the libraries' own progress bars and advice; ours say what matters.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

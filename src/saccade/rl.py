@@ -1,0 +1,401 @@
+"""GRPO-family RL on a VLM, as one visible loop (`train_rl`).
+
+Each step: take the next prompts from the data stream, sample G completions each with
+the engine, score them, turn rewards into group-relative advantages, build
+TrainingSamples from the engine's own token ids, pack them, and take `num_iterations`
+optimizer steps on the clipped objective against the engine's logprobs. Then the engine
+gets the new weights (free with the embedded engine: it shares the module).
+
+Simplified on purpose: rollouts and training alternate in one process (no async
+off-policy buffer); evaluation is greedy accuracy on a held-out split.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from saccade.config import RunConfig
+
+
+@dataclass
+class Setup:
+    """Everything a run holds: built once by `build_setup`, used by the loops."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model_path: str
+    processor: Any
+    model: torch.nn.Module  # PolicyLM, LoRA-wrapped or not
+    encoder: Any
+    engine: Any
+    limits: Any
+    merge: int
+    image_token_id: int
+
+
+def resolve_model(path: str) -> str:
+    from saccade.models.tiny import PRESETS, tiny_model_path
+
+    return str(tiny_model_path(path)) if path in PRESETS else path
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
+    from saccade.data.images import ImageLimits
+    from saccade.inference.local import LocalEngine
+    from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm, set_full_finetune
+    from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.vision import EmbeddingCache, VisionEncoder
+
+    if cfg.trainer.torch_threads:
+        torch.set_num_threads(cfg.trainer.torch_threads)
+    set_seed(cfg.trainer.seed)
+    model_path = resolve_model(cfg.model.path)
+    dtype = getattr(torch, cfg.model.dtype)
+    processor = load_processor(model_path)
+    limits = ImageLimits(
+        min_pixels=cfg.images.min_pixels,
+        max_pixels=cfg.images.max_pixels,
+        max_source_pixels=cfg.images.max_source_pixels,
+        allow_remote=cfg.images.allow_remote,
+    )
+    policy = load_policy_lm(model_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation)
+    if cfg.lora.enabled:
+        model = apply_lora(
+            policy,
+            LoraSettings(
+                rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                target_modules=list(cfg.lora.target_modules),
+            ),
+        )
+    else:
+        model = set_full_finetune(policy)
+    # The engine side holds the frozen tower; the trainer's model never does.
+    tower = load_vision_tower(model_path, dtype=dtype)
+    encoder = VisionEncoder(tower, processor, limits=limits, cache=EmbeddingCache(max_bytes=1 << 30))
+    if cfg.engine.kind != "embedded":
+        raise ValueError(f"engine.kind={cfg.engine.kind!r} is not available yet; use 'embedded'")
+    engine = LocalEngine(model, processor, encoder, limits=limits, seed=cfg.trainer.seed)
+    return Setup(cfg, run_dir, model_path, processor, model, encoder, engine, limits, encoder.merge, policy.image_token_id)
+
+
+def lr_lambda(cfg: RunConfig):
+    """Linear warm-up, then constant, linear or cosine decay to min_lr_ratio, per optimizer step."""
+    t = cfg.trainer
+    total = max(1, t.steps * t.num_iterations)
+
+    def factor(opt_step: int) -> float:
+        if t.warmup_steps and opt_step < t.warmup_steps:
+            return (opt_step + 1) / t.warmup_steps
+        if t.lr_decay == "constant":
+            return 1.0
+        progress = min(1.0, (opt_step - t.warmup_steps) / max(1, total - t.warmup_steps))
+        if t.lr_decay == "linear":
+            shape = 1.0 - progress
+        else:
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * shape
+
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, *, lr: float | None = None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert params, "nothing to train"
+    optimizer = torch.optim.AdamW(params, lr=lr or cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    return optimizer, scheduler
+
+
+def grad_norm_or_none(params: list[torch.Tensor], max_norm: float) -> float | None:
+    """Clip and return the pre-clip norm, or None if any gradient is NaN/inf (the step is then skipped)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm) if torch.isfinite(norm) else None
+
+
+def reward_of(text: str, sample, weights: dict[str, float]) -> tuple[float, dict[str, float]]:
+    from saccade.rewards import correct_reward, format_reward
+
+    parts = {}
+    for name in weights:
+        if name == "correct":
+            parts[name] = float(correct_reward(text, sample))
+        elif name == "format":
+            parts[name] = float(format_reward(text, sample.choices))
+        else:
+            raise ValueError(f"unknown reward function {name!r}; known: correct, format")
+    return sum(weights[n] * v for n, v in parts.items()), parts
+
+
+def task_from_config(cfg: RunConfig, *, blank: bool | None = None):
+    from saccade.data.shapes import ShapesTask
+
+    if cfg.data.task != "shapes":
+        raise ValueError(f"data.task={cfg.data.task!r} is not available yet; use 'shapes'")
+    return ShapesTask(
+        kinds=tuple(cfg.data.question_kinds),
+        num_choices=cfg.data.num_choices,
+        image_size=cfg.data.image_size,
+        blank_images=cfg.data.blank_images if blank is None else blank,
+    )
+
+
+# Train prompts are indices 0, 1, 2, ... of the stream; held-out ones come from another seed.
+EVAL_SEED_OFFSET = 10_000
+
+
+def evaluate(setup: Setup, samples: list, *, max_tokens: int) -> dict[str, float]:
+    """Greedy accuracy on held-out samples."""
+    from saccade.data.shapes import to_messages
+    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.rewards import correct_reward
+
+    requests = [ChatRequest(s.sample_id, to_messages(s)) for s in samples]
+    groups = setup.engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1))
+    correct = [correct_reward(g[0].text, s) for g, s in zip(groups, samples, strict=True)]
+    return {"accuracy": float(np.mean(correct)), "n": len(samples)}
+
+
+def rollout_step(setup: Setup, samples: list, step: int) -> tuple[list, dict[str, float]]:
+    """Sample G completions per prompt, score, compute advantages, build TrainingSamples."""
+    from saccade.data.shapes import to_messages
+    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
+    from saccade.orchestrator.samples import completion_to_sample
+
+    cfg = setup.cfg
+    params = SamplingParams(
+        temperature=cfg.engine.temperature, top_p=cfg.engine.top_p, max_tokens=cfg.engine.max_tokens,
+        n=cfg.rollout.group_size,
+    )
+    requests = [ChatRequest(s.sample_id, to_messages(s)) for s in samples]
+    groups = setup.engine.generate(requests, params)
+    rewards, correct = [], []
+    for group, sample in zip(groups, samples, strict=True):
+        scored = [reward_of(c.text, sample, cfg.rollout.reward_weights) for c in group]
+        rewards.append([r for r, _ in scored])
+        correct.append([parts.get("correct", 0.0) for _, parts in scored])
+    rewards_GN = torch.tensor(rewards, dtype=torch.float32)
+    advantages_GN = group_advantages(rewards_GN, scale_by_std=cfg.rollout.scale_advantages_by_std)
+    keep = torch.ones(len(groups), dtype=torch.bool)
+    if cfg.rollout.filter_zero_variance:
+        keep = ~zero_variance_groups(rewards_GN)
+    train_samples = []
+    for g, (group, sample) in enumerate(zip(groups, samples, strict=True)):
+        if not keep[g]:
+            continue
+        for i, completion in enumerate(group):
+            train_samples.append(
+                completion_to_sample(
+                    completion, sample_id=f"{sample.sample_id}/{i}", advantage=float(advantages_GN[g, i]),
+                    reward=float(rewards_GN[g, i]), spatial_merge_size=setup.merge,
+                )
+            )
+    lengths = torch.tensor([c.completion_ids.numel() for group in groups for c in group], dtype=torch.float32)
+    metrics = {
+        "reward_mean": float(rewards_GN.mean()),
+        "reward_std": float(rewards_GN.std()) if rewards_GN.numel() > 1 else 0.0,
+        "accuracy": float(np.mean(correct)),
+        "completion_len_mean": float(lengths.mean()),
+        "completion_len_max": float(lengths.max()),
+        "stopped_frac": float(np.mean([c.finish_reason == "stop" for g in groups for c in g])),
+        "groups_kept_frac": float(keep.float().mean()),
+        "completion_tokens": float(lengths.sum()),
+    }
+    return train_samples, metrics
+
+
+def train_on_samples(setup: Setup, samples: list, optimizer, scheduler) -> dict[str, float]:
+    """num_iterations optimizer steps over the packed samples; skips a step on NaN/inf."""
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.loss import LossConfig, LossInputs, policy_loss
+    from saccade.trainer.packing import pack
+
+    cfg = setup.cfg
+    model = setup.model
+    banned = setup.engine.banned_token_ids
+    temperature = cfg.engine.temperature
+    loss_cfg = LossConfig(**cfg.loss.model_dump())
+    micro_batches = pack(
+        samples, setup.encoder.cache.get, max_tokens=cfg.trainer.max_tokens,
+        image_token_id=setup.image_token_id, spatial_merge_size=setup.merge,
+    )
+    total_loss_tokens = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
+    total_sequences = float(sum(mb.num_samples for mb in micro_batches))
+    use_ref = cfg.loss.kl_coef > 0
+    if use_ref and not cfg.lora.enabled:
+        raise ValueError("loss.kl_coef > 0 needs LoRA (the reference is the base model with adapters off)")
+
+    # Behaviour logprobs: the engine's. With TIS, the ratio is taken against the trainer's own
+    # logprobs before the update, and the engine/trainer gap is corrected by a capped weight.
+    old_logprobs, ref_logprobs = [], []
+    with torch.no_grad():
+        for mb in micro_batches:
+            if cfg.loss.tis_cap is not None:
+                lp, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True, banned_token_ids=banned)
+                old_logprobs.append(lp)
+            else:
+                old_logprobs.append(mb.inference_logprobs)
+            if use_ref:
+                with model.disable_adapter():
+                    ref, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True, banned_token_ids=banned)
+                ref_logprobs.append(ref)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums: dict[str, float] = {}
+    skipped = 0
+    model.train()
+    for _ in range(cfg.trainer.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        finite = True
+        for k, mb in enumerate(micro_batches):
+            logprobs, entropy = forward_logprobs(
+                model, mb, temperature=temperature, only_loss_tokens=True, banned_token_ids=banned
+            )
+            inputs = LossInputs(
+                logprobs_N=logprobs,
+                old_logprobs_N=old_logprobs[k],
+                advantages_N=mb.advantages,
+                loss_mask_N=mb.loss_mask,
+                cu_seqlens=mb.cu_seqlens,
+                inference_logprobs_N=mb.inference_logprobs,
+                ref_logprobs_N=ref_logprobs[k] if use_ref else None,
+                entropy_N=entropy,
+                total_loss_tokens=total_loss_tokens,
+                total_sequences=total_sequences,
+            )
+            loss, metrics = policy_loss(inputs, loss_cfg)
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            loss.backward()
+            weight = float(mb.loss_mask.sum()) / max(1.0, total_loss_tokens)
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * weight
+        norm = grad_norm_or_none(params, cfg.trainer.grad_clip) if finite else None
+        if norm is None:
+            # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+            reason = "non-finite loss" if not finite else "non-finite gradient"
+            print(f"step skipped: {reason}; the weights were not changed")
+            continue
+        sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
+        optimizer.step()
+        scheduler.step()
+    applied = max(1, cfg.trainer.num_iterations - skipped)
+    out = {k: v / (applied if k == "grad_norm" else cfg.trainer.num_iterations) for k, v in sums.items()}
+    out.update(skipped_steps=float(skipped), micro_batches=float(len(micro_batches)), lr=scheduler.get_last_lr()[0])
+    out["train_tokens"] = float(sum(mb.num_tokens for mb in micro_batches))
+    return out
+
+
+def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,
+             stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """The RL loop. Returns final figures. `stop_after` ends early after that many steps (tests)."""
+    from saccade.data.shapes import make_sample, make_split
+    from saccade.metrics import MetricsLogger, format_step
+    from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup = setup or build_setup(cfg, run_dir)
+    optimizer, scheduler = build_optimizer(setup.model, cfg)
+    task = task_from_config(cfg)
+    eval_samples = make_split(task, cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
+    state = TrainState(step=0, data_position=0, policy_version=0, extra={})
+    if resume:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint under {run_dir}; start without --resume")
+        state = load_checkpoint(path, model=setup.model, optimizer=optimizer, scheduler=scheduler)
+        setup.engine.generator.set_state(torch.tensor(state.extra["engine_rng"], dtype=torch.uint8))
+        setup.engine.policy_version = state.policy_version
+    logger = MetricsLogger(
+        run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, tensorboard=cfg.log.tensorboard,
+        config=cfg.model_dump(), resume=resume,
+    )
+    if resume:
+        logger.truncate_after(state.step)
+    last: dict[str, float] = {}
+    end = cfg.trainer.steps if stop_after is None else min(cfg.trainer.steps, state.step + stop_after)
+    with logger, _progress(progress, end - state.step, "rl") as bar:
+        for step in range(state.step, end):
+            start = time.perf_counter()
+            prompts = [
+                make_sample(task, state.data_position + i, seed=cfg.trainer.seed)
+                for i in range(cfg.rollout.prompts_per_step)
+            ]
+            state.data_position += len(prompts)
+            samples, rollout_metrics = rollout_step(setup, prompts, step)
+            rollout_s = time.perf_counter() - start
+            train_metrics: dict[str, float] = {}
+            if samples:
+                train_metrics = train_on_samples(setup, samples, optimizer, scheduler)
+            sync_s = setup.engine.update_weights()
+            state.policy_version = setup.engine.policy_version
+            train_s = time.perf_counter() - start - rollout_s
+            step_s = time.perf_counter() - start
+            metrics = {**rollout_metrics, **train_metrics}
+            metrics.update(
+                rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync_s, step_s=step_s,
+                tokens_per_s=(train_metrics.get("train_tokens", 0.0) + rollout_metrics["completion_tokens"]) / step_s,
+                cache_hit_rate=setup.encoder.cache.stats.hit_rate,
+            )
+            state.step = step + 1
+            if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
+                ev = evaluate(setup, eval_samples, max_tokens=cfg.engine.max_tokens)
+                logger.log(state.step, {"accuracy": ev["accuracy"]}, phase="eval")
+                metrics["eval_accuracy"] = ev["accuracy"]
+            logger.log(state.step, metrics)
+            last = metrics
+            bar(format_step(metrics))
+            if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
+                state.extra["engine_rng"] = setup.engine.generator.get_state().tolist()
+                save_checkpoint(
+                    run_dir, model=setup.model, optimizer=optimizer, scheduler=scheduler, state=state,
+                    keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path,
+                )
+    return {"step": state.step, "last": last, "setup": setup}
+
+
+class _progress:
+    """A rich progress bar that shows the latest step summary; a no-op when disabled."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled, self.total, self.label = enabled, total, label
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda text: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(self.label, total=self.total, info="")
+
+        def advance(text: str) -> None:
+            self._progress.update(self._task, advance=1, info=text)
+
+        return advance
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._progress.stop()
+        return False

@@ -1,0 +1,107 @@
+"""Supervised fine-tuning on the same packed, cached-image path as RL (`train_sft`).
+
+A sample is the generation prompt exactly as the engine renders it (messages ->
+inputs with the generation prompt) followed by the answer's tokens and the stop token,
+so SFT trains the very token sequence the engine would sample. The loss is the mean
+negative log-likelihood over the answer tokens of the whole batch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from saccade.config import RunConfig
+
+
+def sft_sample(setup, vqa_sample, answer: str, sample_id: str):
+    """TrainingSample for `answer` after the sample's prompt; its images are encoded into the cache."""
+    from saccade.data.messages import messages_to_inputs
+    from saccade.data.shapes import to_messages
+    from saccade.trainer.samples import make_sample
+
+    inputs = messages_to_inputs(
+        to_messages(vqa_sample), setup.processor, limits=setup.limits, add_generation_prompt=True, sample=sample_id
+    )
+    keys = [setup.encoder.cache_key(im) for im in inputs.images]
+    if inputs.images:
+        setup.encoder.encode(inputs.images, keys)
+    tokenizer = setup.processor.tokenizer
+    answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    P, C = inputs.input_ids.shape[0], len(answer_ids)
+    return make_sample(
+        sample_id,
+        torch.cat([inputs.input_ids, torch.tensor(answer_ids)]),
+        torch.cat([inputs.mm_token_type_ids, torch.zeros(C, dtype=torch.long)]),
+        inputs.image_grid_thw,
+        keys,
+        spatial_merge_size=setup.merge,
+        loss_mask=torch.cat([torch.zeros(P, dtype=torch.bool), torch.ones(C, dtype=torch.bool)]),
+    )
+
+
+def sft_step(setup, samples, optimizer, scheduler, *, max_tokens: int, grad_clip: float) -> dict[str, float]:
+    """One optimizer step of token-level NLL over the packed samples (grad accumulation over micro-batches)."""
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.packing import pack
+
+    micro_batches = pack(
+        samples, setup.encoder.cache.get, max_tokens=max_tokens,
+        image_token_id=setup.image_token_id, spatial_merge_size=setup.merge,
+    )
+    total = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
+    setup.model.train()
+    optimizer.zero_grad(set_to_none=True)
+    nll = 0.0
+    for mb in micro_batches:
+        logprobs, _ = forward_logprobs(setup.model, mb, only_loss_tokens=True)
+        loss = -torch.where(mb.loss_mask, logprobs, 0.0).sum() / total
+        loss.backward()
+        nll += float(loss.detach())
+    params = [p for p in setup.model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        print("sft step skipped: non-finite gradient; the weights were not changed")
+        return {"nll": nll, "skipped_steps": 1.0}
+    optimizer.step()
+    scheduler.step()
+    return {"nll": nll, "grad_norm": float(norm), "lr": scheduler.get_last_lr()[0], "skipped_steps": 0.0}
+
+
+def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool = False,
+              progress: bool = True, phase: str = "sft") -> dict:
+    """SFT on the configured task. random_answers: answers drawn uniformly from the choices,
+    independent of the image (the demo's warm start: format without visual signal)."""
+    from saccade.data.shapes import make_sample
+    from saccade.metrics import MetricsLogger, format_step
+    from saccade.rl import _progress, build_optimizer, build_setup, task_from_config
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup = setup or build_setup(cfg, run_dir)
+    s = cfg.sft
+    optimizer, scheduler = build_optimizer(setup.model, cfg, lr=s.lr)
+    # The warm-up/decay schedule of the trainer section is reused, over the SFT steps.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / max(1, s.steps // 10)))
+    task = task_from_config(cfg)
+    rng = random.Random(cfg.trainer.seed + 1)
+    last: dict[str, float] = {}
+    with MetricsLogger(run_dir, config=cfg.model_dump()) as logger, _progress(progress, s.steps, phase) as bar:
+        for step in range(s.steps):
+            start = time.perf_counter()
+            batch = []
+            for i in range(s.batch_size):
+                index = step * s.batch_size + i
+                vqa = make_sample(task, index, seed=cfg.trainer.seed + 777)
+                answer = rng.choice(vqa.choices) if random_answers else vqa.answer
+                batch.append(sft_sample(setup, vqa, answer, f"sft-{index}"))
+            metrics = sft_step(setup, batch, optimizer, scheduler, max_tokens=cfg.trainer.max_tokens,
+                               grad_clip=cfg.trainer.grad_clip)
+            metrics["step_s"] = time.perf_counter() - start
+            logger.log(step + 1, metrics, phase=phase)
+            bar(format_step(metrics))
+            last = metrics
+    return {"setup": setup, "last": last}
