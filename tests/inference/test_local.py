@@ -1,0 +1,143 @@
+"""The embedded engine: samples what the trainer would compute, never a vision token, shares weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from saccade.inference.engine import ChatRequest, SamplingParams
+from saccade.inference.local import LocalEngine
+from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm
+from saccade.orchestrator.samples import completion_to_sample
+from saccade.parity import parity_conversations
+from saccade.trainer.forward import forward_logprobs, unwrap_policy
+from saccade.trainer.packing import pack
+
+MISMATCH_MEAN = 1e-4  # fp32, mean |engine - trainer| over sampled tokens
+MISMATCH_MAX = 1e-3
+
+
+def _requests():
+    # Prompts without the assistant answers: one image, three, mixed sizes, text only, multi-turn.
+    return [
+        ChatRequest(name, [m for m in msgs if m["role"] != "assistant"] if name != "multi_turn" else msgs[:3])
+        for name, msgs in parity_conversations().items()
+    ]
+
+
+@pytest.fixture()
+def lora_engine(tiny_path, processor, encoder):
+    model = apply_lora(load_policy_lm(tiny_path), LoraSettings(rank=4))
+    # Move the adapters off zero so the LoRA path really contributes.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    return LocalEngine(model, processor, encoder, seed=0)
+
+
+def _trainer_logprobs(engine, completions, temperature):
+    policy = unwrap_policy(engine.model)
+    samples = [
+        completion_to_sample(c, sample_id=f"{c.request_id}/{i}", advantage=0.0, reward=0.0,
+                             spatial_merge_size=engine.encoder.merge)
+        for i, c in enumerate(completions)
+    ]
+    diffs = []
+    for mb in pack(samples, engine.encoder.cache.get, max_tokens=4096, image_token_id=policy.image_token_id,
+                   spatial_merge_size=engine.encoder.merge):
+        with torch.no_grad():
+            lp, _ = forward_logprobs(engine.model, mb, temperature=temperature, only_loss_tokens=True,
+                                     banned_token_ids=engine.banned_token_ids)
+        diffs.append((lp - mb.inference_logprobs)[mb.loss_mask].abs())
+    return torch.cat(diffs)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_are_what_the_trainer_computes(lora_engine, temperature):
+    groups = lora_engine.generate(_requests(), SamplingParams(temperature=temperature, max_tokens=8, n=3))
+    assert [len(g) for g in groups] == [3] * 5
+    completions = [c for g in groups for c in g]
+    diff = _trainer_logprobs(lora_engine, completions, temperature)
+    assert diff.numel() >= 5 * 3
+    assert float(diff.mean()) <= MISMATCH_MEAN and float(diff.max()) <= MISMATCH_MAX
+    for c in completions:
+        assert 1 <= c.completion_ids.numel() <= 8
+        assert c.finish_reason in ("stop", "length")
+        assert c.prompt_ids.numel() == c.mm_token_type_ids.numel()
+        assert len(c.image_keys) == c.image_grid_thw.shape[0]
+
+
+def test_vision_tokens_are_never_sampled(tiny_path, processor, encoder):
+    policy = load_policy_lm(tiny_path)
+    engine = LocalEngine(policy, processor, encoder, seed=1)
+    # Make the model adore the vision tokens: without the ban it would sample little else.
+    with torch.no_grad():
+        policy.lm_head.weight[engine.banned_token_ids] *= 400.0
+    plain = policy.lm_head.weight.clone()
+    groups = engine.generate(_requests()[:2], SamplingParams(temperature=1.5, max_tokens=12, n=8))
+    sampled = torch.cat([c.completion_ids for g in groups for c in g])
+    assert sampled.numel() > 50
+    assert not torch.isin(sampled, torch.tensor(engine.banned_token_ids)).any()
+    assert torch.equal(plain, policy.lm_head.weight)  # the ban is applied to logits, not weights
+    # And the ban is what stops them: unbanned, the same model samples vision tokens.
+    engine.banned_token_ids = []
+    groups = engine.generate(_requests()[:1], SamplingParams(temperature=1.5, max_tokens=4, n=8))
+    unbanned = torch.cat([c.completion_ids for g in groups for c in g])
+    assert torch.isin(unbanned, torch.tensor(vision_ids(processor))).any()
+
+
+def vision_ids(processor):
+    from saccade.inference.engine import vision_token_ids
+
+    return vision_token_ids(processor.tokenizer)
+
+
+def test_weights_are_shared_so_the_sync_costs_nothing(lora_engine, encoder):
+    """After an optimizer step the engine samples from the new weights, with no copy at all."""
+    model = lora_engine.model
+    requests = _requests()[:2]
+    groups = lora_engine.generate(requests, SamplingParams(temperature=1.0, max_tokens=6, n=2))
+    completions = [c for g in groups for c in g]
+    pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
+    policy = unwrap_policy(model)
+    samples = [completion_to_sample(c, sample_id=str(i), advantage=1.0, reward=0.0, spatial_merge_size=encoder.merge)
+               for i, c in enumerate(completions)]
+    mb = pack(samples, encoder.cache.get, max_tokens=4096, image_token_id=policy.image_token_id,
+              spatial_merge_size=encoder.merge)[0]
+    lp, _ = forward_logprobs(model, mb, only_loss_tokens=True, banned_token_ids=lora_engine.banned_token_ids)
+    (-(lp * mb.loss_mask).sum()).backward()
+    opt.step()
+
+    seconds = lora_engine.update_weights()
+    assert seconds < 1e-3
+    assert lora_engine.policy_version == 1
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == pointers
+    # Sample again with the same prompts: logprobs now follow the updated weights exactly.
+    after = lora_engine.generate(requests, SamplingParams(temperature=1.0, max_tokens=6, n=2))
+    new = [c for g in after for c in g]
+    assert all(c.policy_version == 1 for c in new)
+    diff = _trainer_logprobs(lora_engine, new, 1.0)
+    assert float(diff.mean()) <= MISMATCH_MEAN
+    # And the old completions' logprobs did change under the new weights (the step was real).
+    stale = _trainer_logprobs(lora_engine, completions, 1.0)
+    assert float(stale.mean()) > 1e-3
+
+
+def test_tiny_top_p_is_greedy_and_greedy_is_deterministic(lora_engine):
+    requests = _requests()[:3]
+    greedy = lora_engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=6))
+    again = lora_engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=6))
+    nucleus = lora_engine.generate(requests, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=6))
+    for a, b, c in zip(greedy, again, nucleus, strict=True):
+        assert torch.equal(a[0].completion_ids, b[0].completion_ids)
+        assert torch.equal(a[0].completion_ids, c[0].completion_ids)
+
+
+def test_sampling_params_are_checked():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
