@@ -1,0 +1,798 @@
+"""Trainer benchmark: what caching image embeddings and packing buy, measured side by side.
+
+`saccade bench trainer` runs, on one synthetic batch of multi-image conversations and in
+one process, three training-step variants, interleaved step by step (the order rotates
+every round), and reports medians and ratios (this machine drifts 20-25% between runs,
+so only the ratios of interleaved runs mean much):
+
+- cached: the saccade trainer. `load_policy_lm` + LoRA; image embeddings (and DeepStack
+  features) come from the cache, which the frozen tower filled once before the bench;
+  samples are packed (first-fit-decreasing) into micro-batches of <= max_tokens.
+- full: the approach of prime-rl and TRL, the vision tower inside the trained model. The
+  whole transformers `Qwen3VLForConditionalGeneration` with the same LoRA targets on the
+  language model only (peft, pattern anchored to `model.language_model`; the tower stays
+  frozen); every step runs the vision tower again on the pixel values. By default it runs
+  on the very same packed micro-batches as `cached` (all images of a micro-batch through
+  the tower in one call, our M-RoPE positions passed in), so the ratio is the cost of
+  re-running the tower alone, not of a layout; `full_layout="per_sample"` runs it one
+  sample at a time (no padding, one forward per sample) instead.
+- padded: the cached path on padded batches: rows of `padded_rows` samples in dataset
+  order, each row right-padded to the longest of its batch (pad tokens at the end, so
+  causal attention keeps the real tokens exact; the loss is masked on pads).
+
+(a) cached vs full: median step time, tokens/s and peak memory. Peak memory is taken in a
+fresh spawned process per path (the two at once, one thread each: a peak does not depend
+on speed), over a warm-up step and one step, as the growth over that process's resident
+set after its imports (CPU: the kernel's VmHWM, reset with /proc/self/clear_refs after
+loading, so the loading transient is left out; CUDA: max_memory_allocated). Not
+`ru_maxrss`: a spawned child inherits its parent's ru_maxrss through exec. The peak holds
+weights, LoRA + AdamW state, the step's inputs and activations.
+(b) packed vs padded: the fraction of pad tokens in the padded layout and real tokens/s
+of both ("packed" is the `cached` variant of (a)). Under sdpa (CPU) a packed row pays
+attention over its whole (N x N) block-diagonal mask, so packing saves the pads' linear
+layers but not all of the attention; keep max_tokens moderate.
+
+All variants compute the same loss on the same tokens, -(advantage * logprob * loss_mask)
+summed over the step's loss tokens / their count, through the chunked logprob function,
+on loss tokens only; then backward and an AdamW step over the LoRA weights. The warm-up
+step runs with lr = 0, so every variant's warm-up loss is taken on the same weights and
+they must agree (`max_warmup_loss_diff`): a check that the three do the same work.
+
+Simplified on purpose: pixel values and tokenization are prepared once, outside the timed
+steps, for every variant (real pipelines do that in data-loading workers); packing and
+collation (cache lookups, padding) are inside the timed steps. No gradient checkpointing,
+no reference model, no KL term; the engine's one-off encoding of the batch's images is
+timed separately (`encode_once_s`) and not charged to the cached path's steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from saccade.data.images import ImageLimits, image_to_data_url
+from saccade.data.messages import messages_to_inputs
+from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm
+from saccade.models.loading import load_full_model, load_processor, load_vision_tower
+from saccade.models.tiny import PRESETS, tiny_model_path
+from saccade.models.vision import ImageEmbedding, VisionEncoder
+from saccade.parity import synthetic_image
+from saccade.trainer.forward import forward_logprobs, predicted_positions, unwrap_policy
+from saccade.trainer.logprobs import token_logprobs_and_entropy
+from saccade.trainer.packing import first_fit_decreasing, pack
+from saccade.trainer.samples import MicroBatch, TrainingSample, make_sample
+
+VARIANTS = ("cached", "full", "padded")
+LR = 1e-4
+# About the size of a padded micro-batch (4 rows of the longest sample) on the default data.
+# Bigger packed rows cost more attention under sdpa, which computes the whole (N x N)
+# block-diagonal mask; flash-attention's varlen kernel would skip the off-diagonal blocks.
+DEFAULT_MAX_TOKENS = 1024
+
+_WORDS = (
+    "red green blue yellow circle square triangle star left right above below count two three "
+    "the a is of on in and largest smallest shape color image picture therefore answer"
+).split()
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class BenchBatch:
+    """One step's worth of samples, with everything each variant needs prepared in advance."""
+
+    samples: list[TrainingSample]
+    embeddings: dict[str, ImageEmbedding]  # the cache: image key -> tower output
+    pixel_values: dict[str, torch.Tensor]  # sample_id -> (patches, C*T*P*P), for the full path
+    image_token_id: int
+    pad_token_id: int
+    merge: int
+    max_tokens: int
+    padded_rows: int
+    full_layout: str
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(int(s.loss_mask.sum()) for s in self.samples)
+
+    def lookup(self, key: str) -> ImageEmbedding:
+        return self.embeddings[key]
+
+
+def bench_conversations(n: int, *, seed: int, max_side: int, max_images: int = 3) -> list[list[dict]]:
+    """OpenAI-format conversations with 1..max_images images of varied sizes and answers of varied length.
+
+    Lengths must vary, or padding costs nothing: image sides are drawn from 64..max_side px
+    (an image costs (w/32)*(h/32) tokens), answers from 4..80 words.
+    """
+    rng = random.Random(seed)
+    sides = list(range(64, max_side + 1, 32)) or [64]
+    conversations = []
+    for i in range(n):
+        parts: list[dict] = []
+        for k in range(rng.randint(1, max_images)):
+            image = synthetic_image(rng.choice(sides), rng.choice(sides), seed * 100_000 + i * 10 + k)
+            parts.append({"type": "image_url", "image_url": {"url": image_to_data_url(image)}})
+        parts.append({"type": "text", "text": f"Q{i}: which shape is largest, and what color is it?"})
+        answer = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 80)))
+        conversations.append([{"role": "user", "content": parts}, {"role": "assistant", "content": answer}])
+    return conversations
+
+
+def prepare_batch(
+    processor,
+    encoder: VisionEncoder,
+    conversations: list[list[dict]],
+    *,
+    seed: int,
+    limits: ImageLimits,
+    max_tokens: int | None,
+    padded_rows: int,
+    full_layout: str,
+) -> tuple[BenchBatch, dict[str, float]]:
+    """Tokenize with `messages_to_inputs` (as generation does), build samples, encode the images.
+
+    Returns the batch and the seconds the engine's side took, once, to preprocess the
+    images (`preprocess_once_s`) and to run the tower on them (`encode_once_s`).
+    """
+    rng = random.Random(seed + 1)
+    samples, pixels, images, keys = [], {}, [], []
+    im_end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for i, messages in enumerate(conversations):
+        sample_id = f"bench-{i}"
+        inputs = messages_to_inputs(messages, processor, limits=limits, sample=sample_id)
+        prompt = messages_to_inputs(messages[:-1], processor, limits=limits, add_generation_prompt=True)
+        n_prompt = prompt.input_ids.shape[0]
+        assert torch.equal(inputs.input_ids[:n_prompt], prompt.input_ids), "chat template is not prefix-stable"
+        # The completion the engine would have sampled: the answer up to and including <|im_end|>.
+        end = int((inputs.input_ids == im_end).nonzero()[-1]) + 1
+        loss_mask = torch.zeros(inputs.input_ids.shape[0], dtype=torch.bool)
+        loss_mask[n_prompt:end] = True
+        sample_keys = [encoder.cache_key(im) for im in inputs.images]
+        images += inputs.images
+        keys += sample_keys
+        advantage = rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5)
+        samples.append(
+            make_sample(
+                sample_id,
+                inputs.input_ids,
+                inputs.mm_token_type_ids,
+                inputs.image_grid_thw,
+                sample_keys,
+                spatial_merge_size=encoder.merge,
+                loss_mask=loss_mask,
+                advantage=advantage,
+            )
+        )
+        pixels[sample_id] = inputs.pixel_values
+    # The engine's side, once for the whole run: preprocess every image and run the frozen
+    # tower on all of them in one call (what `VisionEncoder.encode` does on cache misses).
+    device = encoder.device
+    encoder.encode_pixels(*encoder.preprocess(images[:1]))  # untimed: the first call pays one-off set-up
+    _sync(device)
+    t0 = time.perf_counter()
+    pixels_PD, grid_I3 = encoder.preprocess(images)
+    t1 = time.perf_counter()
+    encoded = encoder.encode_pixels(pixels_PD, grid_I3)
+    _sync(device)
+    timings = {"preprocess_once_s": t1 - t0, "encode_once_s": time.perf_counter() - t1}
+    embeddings = dict(zip(keys, encoded, strict=True))
+    longest = max(s.num_tokens for s in samples)
+    batch = BenchBatch(
+        samples=samples,
+        embeddings=embeddings,
+        pixel_values=pixels,
+        image_token_id=int(processor.image_token_id),
+        pad_token_id=int(processor.tokenizer.pad_token_id),
+        merge=encoder.merge,
+        # Samples are never split, so the budget is at least the longest sample.
+        max_tokens=max(max_tokens or DEFAULT_MAX_TOKENS, longest),
+        padded_rows=padded_rows,
+        full_layout=full_layout,
+    )
+    return batch, timings
+
+
+@dataclass
+class PaddedBatch:
+    input_ids_BL: torch.Tensor
+    position_ids_4BL: torch.Tensor
+    loss_mask_BL: torch.Tensor
+    advantages_BL: torch.Tensor
+    image_embeds_NH: torch.Tensor | None
+    deepstack_KNH: torch.Tensor | None
+
+
+def pad_batches(batch: BenchBatch) -> list[PaddedBatch]:
+    """Rows of `padded_rows` samples in dataset order, each right-padded to the longest of its rows."""
+    out = []
+    for start in range(0, len(batch.samples), batch.padded_rows):
+        group = batch.samples[start : start + batch.padded_rows]
+        B, L = len(group), max(s.num_tokens for s in group)
+        input_ids_BL = torch.full((B, L), batch.pad_token_id, dtype=torch.long)
+        position_ids_4BL = torch.zeros(4, B, L, dtype=torch.long)
+        loss_mask_BL = torch.zeros(B, L, dtype=torch.bool)
+        advantages_BL = torch.zeros(B, L)
+        embeds, deepstack = [], []
+        for b, s in enumerate(group):
+            n = s.num_tokens
+            input_ids_BL[b, :n] = s.input_ids
+            position_ids_4BL[:, b, :n] = s.position_ids
+            # Pads sit after the sample, so causal attention hides them from every real token;
+            # their positions just continue each rotary row.
+            position_ids_4BL[:, b, n:] = s.position_ids[:, -1:] + torch.arange(1, L - n + 1)
+            loss_mask_BL[b, :n] = s.loss_mask
+            advantages_BL[b] = s.advantage
+            # Image features are scattered in row-major token order: row by row, image by image.
+            for key in s.image_keys:
+                embeds.append(batch.lookup(key).embeds)
+                deepstack.append(batch.lookup(key).deepstack)
+        out.append(
+            PaddedBatch(
+                input_ids_BL,
+                position_ids_4BL,
+                loss_mask_BL,
+                advantages_BL,
+                torch.cat(embeds) if embeds else None,
+                torch.cat(deepstack, dim=1) if deepstack else None,
+            )
+        )
+    return out
+
+
+def pad_fraction(batch: BenchBatch) -> tuple[float, float]:
+    """(padded layout, packed layout): pad tokens / tokens run through the model."""
+    padded = pad_batches(batch)
+    padded_total = sum(p.input_ids_BL.numel() for p in padded)
+    bins = first_fit_decreasing([s.num_tokens for s in batch.samples], batch.max_tokens)
+    # Packed rows hold only real tokens: each bin's row is exactly as long as its samples.
+    packed_total = sum(sum(batch.samples[i].num_tokens for i in b) for b in bins)
+    return 1 - batch.num_tokens / padded_total, 1 - batch.num_tokens / packed_total
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def lora_settings() -> LoraSettings:
+    return LoraSettings()
+
+
+def build_cached(model_path, *, dtype: torch.dtype, device: torch.device, seed: int):
+    """The saccade trainer's model: LM only, LoRA on its linears, AdamW over the adapters."""
+    policy = load_policy_lm(model_path, dtype=dtype, device=device)
+    torch.manual_seed(seed)
+    model = apply_lora(policy, lora_settings())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    return model, optimizer
+
+
+def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: int):
+    """The full Qwen3-VL, with the same LoRA targets anchored to the language model: vision stays frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    full = load_full_model(model_path, dtype=dtype).to(device)
+    settings = lora_settings()
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=rf"model\.language_model\..*\.({'|'.join(settings.target_modules)})",
+        bias="none",
+    )
+    torch.manual_seed(seed)
+    model = get_peft_model(full, config)
+    assert not any("visual" in n for n, p in model.named_parameters() if p.requires_grad), "vision must stay frozen"
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    return model, optimizer
+
+
+def count_params(module: torch.nn.Module, *, trainable: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _pg_loss(logprobs_N: torch.Tensor, advantages_N: torch.Tensor, loss_mask_N: torch.Tensor, n_loss: int):
+    # Normalised by the whole step's loss tokens, so micro-batch losses sum to the step loss
+    # whatever the layout.
+    return -(advantages_N * logprobs_N * loss_mask_N).sum() / n_loss
+
+
+def _optimizer_step(optimizer) -> None:
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def cached_step(model, optimizer, batch: BenchBatch, device: torch.device) -> float:
+    """The saccade trainer's step: pack, forward on cached embeddings, loss, backward, AdamW."""
+    total = 0.0
+    mbs = pack(
+        batch.samples,
+        batch.lookup,
+        max_tokens=batch.max_tokens,
+        image_token_id=batch.image_token_id,
+        spatial_merge_size=batch.merge,
+    )
+    for mb in mbs:
+        logprobs_N, _ = forward_logprobs(model, mb, only_loss_tokens=True)
+        loss = _pg_loss(logprobs_N, mb.advantages.to(device), mb.loss_mask.to(device), batch.num_loss_tokens)
+        loss.backward()
+        total += loss.item()
+    _optimizer_step(optimizer)
+    return total
+
+
+def padded_step(model, optimizer, batch: BenchBatch, device: torch.device) -> float:
+    """The cached path on right-padded (rows, longest) batches instead of packed rows."""
+    policy = unwrap_policy(model)
+    total = 0.0
+    for pb in pad_batches(batch):
+        embeds = pb.image_embeds_NH.to(device) if pb.image_embeds_NH is not None else None
+        deepstack = pb.deepstack_KNH.to(device) if pb.deepstack_KNH is not None else None
+        input_ids_BL = pb.input_ids_BL.to(device)
+        hidden_BLH = policy.hidden_states(input_ids_BL, pb.position_ids_4BL.to(device), embeds, deepstack)
+        # Same tokens as the packed path: loss tokens only, each predicted from the state before it.
+        b_T, t_T = pb.loss_mask_BL.to(device).nonzero(as_tuple=True)
+        logprobs_T, _ = token_logprobs_and_entropy(
+            hidden_BLH[b_T, t_T - 1], policy.lm_head.weight, input_ids_BL[b_T, t_T], bias_V=policy.lm_head.bias
+        )
+        loss = -(pb.advantages_BL.to(device)[b_T, t_T] * logprobs_T).sum() / batch.num_loss_tokens
+        loss.backward()
+        total += loss.item()
+    _optimizer_step(optimizer)
+    return total
+
+
+def full_micro_batches(batch: BenchBatch) -> list[tuple[MicroBatch, torch.Tensor | None]]:
+    """The full path's micro-batches: the packed bins (or one sample each) plus their pixel values.
+
+    Like `collate`, but without the cache: the image features come from the tower every step.
+    """
+    if batch.full_layout == "packed":
+        bins = first_fit_decreasing([s.num_tokens for s in batch.samples], batch.max_tokens)
+    else:
+        bins = [[i] for i in range(len(batch.samples))]
+    out = []
+    for b in bins:
+        group = [batch.samples[i] for i in b]
+        lengths = [s.num_tokens for s in group]
+        cu = torch.zeros(len(group) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lengths).cumsum(0)
+        mb = MicroBatch(
+            input_ids=torch.cat([s.input_ids for s in group]).unsqueeze(0),
+            position_ids=torch.cat([s.position_ids for s in group], dim=1).unsqueeze(1),
+            loss_mask=torch.cat([s.loss_mask for s in group]),
+            inference_logprobs=torch.cat([s.inference_logprobs for s in group]),
+            advantages=torch.cat([torch.full((n,), s.advantage) for s, n in zip(group, lengths, strict=True)]),
+            cu_seqlens=cu,
+            image_embeds=None,
+            deepstack=None,
+            image_grid_thw=torch.cat([s.image_grid_thw for s in group]),
+            sample_ids=[s.sample_id for s in group],
+        )
+        pixels = [batch.pixel_values[s.sample_id] for s in group if s.num_images]
+        out.append((mb, torch.cat(pixels) if pixels else None))
+    return out
+
+
+def full_step(model, optimizer, batch: BenchBatch, device: torch.device) -> float:
+    """A full-VLM step: the vision tower runs on the pixel values again, then the same loss."""
+    full = model.get_base_model()
+    dtype = full.lm_head.weight.dtype
+    total = 0.0
+    for mb, pixels_PD in full_micro_batches(batch):
+        kwargs = {}
+        if pixels_PD is not None:
+            kwargs = dict(pixel_values=pixels_PD.to(device, dtype), image_grid_thw=mb.image_grid_thw.to(device))
+        # Positions passed in (with the restarting text row), use_cache=False: without both,
+        # packed samples would attend to each other.
+        out = full.model(
+            input_ids=mb.input_ids.to(device),
+            position_ids=mb.position_ids.to(device),
+            attention_mask=None,
+            use_cache=False,
+            **kwargs,
+        )
+        want_N = predicted_positions(mb, only_loss_tokens=True).to(device)
+        source = want_N.nonzero().squeeze(-1) - 1
+        logprobs_T, _ = token_logprobs_and_entropy(
+            out.last_hidden_state[0, source], full.lm_head.weight, mb.input_ids[0].to(device)[want_N]
+        )
+        logprobs_N = torch.zeros(mb.num_tokens, device=device).masked_scatter(want_N, logprobs_T)
+        loss = _pg_loss(logprobs_N, mb.advantages.to(device), mb.loss_mask.to(device), batch.num_loss_tokens)
+        loss.backward()
+        total += loss.item()
+    _optimizer_step(optimizer)
+    return total
+
+
+STEPS = {"cached": cached_step, "full": full_step, "padded": padded_step}
+
+
+class VisionTimer:
+    """Wall time spent inside the full model's vision tower (forward hooks)."""
+
+    def __init__(self, tower: torch.nn.Module, device: torch.device):
+        self.device, self.seconds, self._start = device, 0.0, 0.0
+        tower.register_forward_pre_hook(self._before)
+        tower.register_forward_hook(self._after)
+
+    def _before(self, *_):
+        _sync(self.device)
+        self._start = time.perf_counter()
+
+    def _after(self, *_):
+        _sync(self.device)
+        self.seconds += time.perf_counter() - self._start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _proc_status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _host_rss_mb() -> float:
+    kb = _proc_status_kb("VmRSS")
+    if kb is None:  # not Linux: ru_maxrss is the best there is (bytes on macOS)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
+    return kb / 1024
+
+
+def _host_peak_mb() -> float:
+    kb = _proc_status_kb("VmHWM")
+    return _host_rss_mb() if kb is None else kb / 1024
+
+
+def _reset_host_peak() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0). False if not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_peak_memory(path_name: str, data_file: str, model_path: str, device: str, dtype: str,
+                        threads: int, seed: int) -> dict:
+    """Runs in a fresh spawned process: load, warm-up step, one step; report peak memory growth."""
+    torch.set_num_threads(threads)
+    # Both paths import the same modules before the baseline, so imports count for neither.
+    import peft  # noqa: F401
+    import transformers.models.qwen3_vl.modeling_qwen3_vl  # noqa: F401
+
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    baseline_mb = _host_rss_mb()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    batch: BenchBatch = torch.load(data_file, weights_only=False)
+    build = build_cached if path_name == "cached" else build_full
+    model, optimizer = build(model_path, dtype=dt, device=dev, seed=seed)
+    loaded_mb = _host_rss_mb() - baseline_mb
+    # Leave out the loading transient (from_pretrained may hold two copies for a moment).
+    reset = _reset_host_peak()
+    for lr in (0.0, LR):
+        _set_lr(optimizer, lr)
+        STEPS[path_name](model, optimizer, batch, dev)
+    _sync(dev)
+    out = {"loaded_mb": loaded_mb, "host_peak_mb": _host_peak_mb() - baseline_mb, "peak_reset": reset}
+    if dev.type == "cuda":
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
+    out["peak_mb"] = out.get("cuda_peak_mb", out["host_peak_mb"])
+    return out
+
+
+def measure_memory_in_fresh_processes(
+    data: BenchBatch, model_path: str, dev: torch.device, dtype_name: str, threads: int, seed: int
+) -> dict[str, dict]:
+    """Both paths' peak memory, each in its own spawned process (a fresh interpreter).
+
+    The two run at the same time, one thread each: a peak does not depend on speed, and
+    the imports (most of their wall time) are single-threaded anyway.
+    """
+    with tempfile.TemporaryDirectory(prefix="saccade-bench-") as tmp:
+        files = {}
+        for name in ("cached", "full"):
+            files[name] = str(Path(tmp) / f"{name}.pt")
+            torch.save(_view_for(name, data), files[name])
+        # max_tasks_per_child=1: each path gets a process of its own, never a used one.
+        with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+            futures = {
+                name: pool.submit(
+                    measure_peak_memory, name, files[name], model_path, str(dev), dtype_name,
+                    max(1, threads // 2), seed,
+                )
+                for name in ("cached", "full")
+            }
+            return {name: f.result() for name, f in futures.items()}
+
+
+# ----------------------------------------------------------------------------- the bench
+
+
+def _load_avg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _view_for(path_name: str, data: BenchBatch) -> BenchBatch:
+    # Each memory process gets only the inputs its path reads: the cache for the cached path,
+    # pixel values for the full path (these count in its peak, as they would in a trainer).
+    if path_name == "cached":
+        return replace(data, pixel_values={})
+    return replace(data, embeddings={})
+
+
+def run_trainer_bench(
+    *,
+    preset: str = "small",
+    steps: int = 3,
+    batch: int = 8,
+    seed: int = 0,
+    device: str = "auto",
+    threads: int = 2,
+    max_tokens: int | None = None,
+    padded_rows: int = 4,
+    max_side: int | None = None,
+    max_images: int = 3,
+    full_layout: str = "packed",
+    measure_memory: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Measure cached vs full-VLM and packed vs padded training steps; see the module docstring.
+
+    steps: measured steps per variant, after one warm-up step each. batch: samples per step.
+    max_tokens: packed micro-batch budget (default DEFAULT_MAX_TOKENS, raised to the longest sample).
+    padded_rows: samples per padded micro-batch. max_side: largest image side drawn (default:
+    the preset's max_pixels side). full_layout: "packed" (same micro-batches as cached) or
+    "per_sample" (one sample per forward). device: "auto" (cuda if available), "cpu", "cuda".
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if min(steps, batch, padded_rows, max_images) < 1:
+        raise ValueError("steps, batch, padded_rows and max_images must be >= 1")
+    if full_layout not in ("packed", "per_sample"):
+        raise ValueError(f"full_layout must be 'packed' or 'per_sample', not {full_layout!r}")
+    from rich.console import Console
+
+    console = Console(stderr=True, quiet=not progress)
+    started = time.perf_counter()
+    # Other processes on the machine change every figure: record how busy it was.
+    load_start = _load_avg()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dev = _resolve_device(device)
+        # fp32 on CPU (bf16 matmuls there are an emulation, not the production setting).
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        dtype_name = str(dtype).removeprefix("torch.")
+        spec = PRESETS[preset]
+        model_path = str(tiny_model_path(preset, seed=0))
+        limits = ImageLimits(min_pixels=32 * 32, max_pixels=spec.max_pixels)
+        side = max_side or math.isqrt(spec.max_pixels)
+
+        # The engine's side, once: tokenize, and encode every image with the frozen tower.
+        console.log(f"preparing {batch} conversations, preset {preset!r}, {dev} {dtype_name}, {threads} threads")
+        processor = load_processor(model_path)
+        tower = load_vision_tower(model_path, dtype=dtype, device=dev)
+        vision_params = count_params(tower)
+        encoder = VisionEncoder(tower, processor, limits=limits)
+        conversations = bench_conversations(batch, seed=seed, max_side=side, max_images=max_images)
+        data, encode_timings = prepare_batch(
+            processor, encoder, conversations, seed=seed, limits=limits,
+            max_tokens=max_tokens, padded_rows=padded_rows, full_layout=full_layout,
+        )
+        del tower, encoder
+        padded_frac, packed_frac = pad_fraction(data)
+        console.log(
+            f"{data.num_tokens:,} tokens in {batch} samples "
+            f"({min(s.num_tokens for s in data.samples)}-{max(s.num_tokens for s in data.samples)} each); "
+            f"padded layout is {padded_frac:.0%} padding"
+        )
+
+        # (a) peak memory: one fresh process per path, one after the other (this one waits).
+        memory: dict[str, dict] = {}
+        if measure_memory:
+            console.log("peak memory of the cached and the full path, each in a fresh process")
+            memory = measure_memory_in_fresh_processes(data, model_path, dev, dtype_name, threads, seed)
+
+        # Timing: the three variants in this process, interleaved step by step.
+        console.log("loading the cached (LM-only) and the full model")
+        cached_model, cached_opt = build_cached(model_path, dtype=dtype, device=dev, seed=seed)
+        full_model, full_opt = build_full(model_path, dtype=dtype, device=dev, seed=seed)
+        lora_params = count_params(cached_model, trainable=True)
+        lm_params = count_params(cached_model) - lora_params
+        vision_timer = VisionTimer(full_model.get_base_model().model.visual, dev)
+        # padded shares the cached model and optimizer: same weights, only the layout differs.
+        runners = {"cached": (cached_model, cached_opt), "full": (full_model, full_opt),
+                   "padded": (cached_model, cached_opt)}
+        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        vision_s: list[float] = []
+        warmup_loss: dict[str, float] = {}
+        for round_ in range(steps + 1):
+            warmup = round_ == 0
+            # Rotate the order every round so that no variant always runs first.
+            order = VARIANTS[round_ % 3 :] + VARIANTS[: round_ % 3]
+            for name in order:
+                model, optimizer = runners[name]
+                # lr 0 on the warm-up step: every variant's warm-up loss is taken on the initial weights.
+                _set_lr(optimizer, 0.0 if warmup else LR)
+                vision_timer.seconds = 0.0
+                _sync(dev)
+                t0 = time.perf_counter()
+                loss = STEPS[name](model, optimizer, data, dev)
+                _sync(dev)
+                elapsed = time.perf_counter() - t0
+                if warmup:
+                    warmup_loss[name] = loss
+                    continue
+                times[name].append(elapsed)
+                if name == "full":
+                    vision_s.append(vision_timer.seconds)
+            if warmup:
+                console.log("warm-up losses: " + "  ".join(f"{n} {warmup_loss[n]:+.6f}" for n in VARIANTS))
+            else:
+                console.log(f"step {round_}/{steps}: " + "  ".join(f"{n} {times[n][-1]:.2f}s" for n in VARIANTS))
+
+        med = {name: statistics.median(times[name]) for name in VARIANTS}
+        tps = {name: data.num_tokens / med[name] for name in VARIANTS}
+        lengths = [s.num_tokens for s in data.samples]
+        result = {
+            "config": {
+                "preset": preset,
+                "model": model_path,
+                "lm_params": lm_params,
+                "vision_params": vision_params,
+                "lora_params": lora_params,
+                "lora": {"rank": lora_settings().rank, "targets": lora_settings().target_modules},
+                "batch": batch,
+                "steps": steps,
+                "warmup_steps": 1,
+                "device": str(dev),
+                "dtype": dtype_name,
+                "torch_threads": torch.get_num_threads(),
+                "max_tokens": data.max_tokens,
+                "padded_rows": padded_rows,
+                "max_side": side,
+                "max_images": max_images,
+                "full_layout": full_layout,
+                "seed": seed,
+            },
+            "batch_tokens": data.num_tokens,
+            "batch_loss_tokens": data.num_loss_tokens,
+            "batch_images": sum(s.num_images for s in data.samples),
+            "batch_image_tokens": sum(int((s.input_ids == data.image_token_id).sum()) for s in data.samples),
+            "sample_tokens_min": min(lengths),
+            "sample_tokens_max": max(lengths),
+            "packed_micro_batches": len(first_fit_decreasing(lengths, data.max_tokens)),
+            "padded_micro_batches": math.ceil(batch / padded_rows),
+            **encode_timings,
+            # (a) cached embeddings vs full VLM
+            "cached_step_s": med["cached"],
+            "full_step_s": med["full"],
+            "full_over_cached_step_time": med["full"] / med["cached"],
+            "cached_tokens_per_s": tps["cached"],
+            "full_tokens_per_s": tps["full"],
+            "full_vision_s": statistics.median(vision_s),
+            "full_vision_share": statistics.median(v / t for v, t in zip(vision_s, times["full"], strict=True)),
+            # (b) packed vs padded; "packed" is the cached variant above
+            "padded_pad_fraction": padded_frac,
+            "packed_pad_fraction": packed_frac,
+            "packed_step_s": med["cached"],
+            "padded_step_s": med["padded"],
+            "packed_tokens_per_s": tps["cached"],
+            "padded_tokens_per_s": tps["padded"],
+            "packed_over_padded_tokens_per_s": tps["cached"] / tps["padded"],
+            # checks and raw figures
+            "warmup_loss": warmup_loss,
+            "max_warmup_loss_diff": max(abs(warmup_loss[n] - warmup_loss["cached"]) for n in VARIANTS),
+            "step_times_s": times,
+        }
+        if memory:
+            result.update(
+                cached_peak_mb=memory["cached"]["peak_mb"],
+                full_peak_mb=memory["full"]["peak_mb"],
+                full_over_cached_peak_memory=memory["full"]["peak_mb"] / memory["cached"]["peak_mb"],
+                memory=memory,
+            )
+        result["config"]["load_avg_1m"] = {"start": load_start, "end": _load_avg()}
+        result["wall_s"] = time.perf_counter() - started
+        return result
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def format_report(result: dict) -> str:
+    """A plain-text table of the figures and their ratios."""
+    c = result["config"]
+    times = result["step_times_s"]
+    spread = lambda name: f"{min(times[name]):.2f}-{max(times[name]):.2f}"  # noqa: E731
+    peak = lambda key: f"{result[key]:>10.0f}" if key in result else f"{'-':>10}"  # noqa: E731
+    load = c.get("load_avg_1m") or {}
+    lines = [
+        f"saccade trainer bench: preset {c['preset']} (LM {c['lm_params'] / 1e6:.1f}M params, "
+        f"vision {c['vision_params'] / 1e6:.1f}M, LoRA r{c['lora']['rank']}: {c['lora_params'] / 1e6:.2f}M trainable)",
+        f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; batch of {c['batch']} samples = "
+        f"{result['batch_tokens']:,} tokens ({result['batch_image_tokens']:,} image, {result['batch_loss_tokens']:,} "
+        f"in the loss), {result['batch_images']} images, {result['sample_tokens_min']}-{result['sample_tokens_max']} "
+        "tokens per sample",
+        f"medians of {c['steps']} interleaved steps per variant after 1 warm-up; packed micro-batches "
+        f"<= {c['max_tokens']} tokens ({result['packed_micro_batches']} per step)",
+        "",
+        f"(a) cached image embeddings vs full VLM (vision tower every step; full layout: {c['full_layout']})",
+        f"  {'':<26}{'step s':>9}{'range s':>13}{'tokens/s':>10}{'peak MB':>10}",
+        f"  {'cached (LM + LoRA)':<26}{result['cached_step_s']:>9.2f}{spread('cached'):>13}"
+        f"{result['cached_tokens_per_s']:>10.0f}" + peak("cached_peak_mb"),
+        f"  {'full VLM (+ LoRA)':<26}{result['full_step_s']:>9.2f}{spread('full'):>13}"
+        f"{result['full_tokens_per_s']:>10.0f}" + peak("full_peak_mb"),
+        f"  {'full / cached':<26}{result['full_over_cached_step_time']:>8.2f}x{'':>23}"
+        + (f"{result['full_over_cached_peak_memory']:>9.2f}x" if "full_over_cached_peak_memory" in result else ""),
+        f"  vision tower: {result['full_vision_share']:.0%} of the full step ({result['full_vision_s']:.2f} s); "
+        f"the same images through the tower once, for the cache: {result['encode_once_s']:.2f} s "
+        f"(+ {result['preprocess_once_s']:.2f} s preprocessing)",
+        "",
+        f"(b) packed vs padded, cached path (padded: {c['padded_rows']} samples per batch, dataset order, "
+        f"{result['padded_micro_batches']} batches per step)",
+        f"  {'':<26}{'pad frac':>9}{'step s':>9}{'range s':>13}{'real tokens/s':>15}",
+        f"  {'packed':<26}{result['packed_pad_fraction']:>9.1%}{result['packed_step_s']:>9.2f}{spread('cached'):>13}"
+        f"{result['packed_tokens_per_s']:>15.0f}",
+        f"  {'padded':<26}{result['padded_pad_fraction']:>9.1%}{result['padded_step_s']:>9.2f}{spread('padded'):>13}"
+        f"{result['padded_tokens_per_s']:>15.0f}",
+        f"  {'packed / padded':<26}{'':>31}{result['packed_over_padded_tokens_per_s']:>14.2f}x",
+        "",
+        f"warm-up losses of the three variants agree to {result['max_warmup_loss_diff']:.1e} (same weights, same "
+        f"tokens); wall time {result['wall_s']:.0f} s",
+    ]
+    if load.get("start") is not None:
+        lines.append(
+            f"machine load (1-min average, lagging) {load['start']:.1f} at start, {load['end']:.1f} at end, "
+            f"{os.cpu_count()} cores; a wide 'range s' means other processes took the cores for a while"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""The trainer benchmark, on the tiny preset: every figure is there, finite, and sane."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+FIGURES = (
+    "cached_step_s",
+    "full_step_s",
+    "full_over_cached_step_time",
+    "cached_peak_mb",
+    "full_peak_mb",
+    "full_over_cached_peak_memory",
+    "padded_pad_fraction",
+    "packed_tokens_per_s",
+    "padded_tokens_per_s",
+    "packed_over_padded_tokens_per_s",
+    "cached_tokens_per_s",
+    "full_tokens_per_s",
+    "full_vision_share",
+)
+
+
+def test_padded_layout_pads_at_the_end_only(processor, encoder, limits):
+    """Varied lengths give pads; pads come after each sample's tokens and never enter the loss."""
+    from saccade.bench.trainer import bench_conversations, pad_batches, pad_fraction, prepare_batch
+
+    conversations = bench_conversations(4, seed=0, max_side=128)
+    batch, timings = prepare_batch(
+        processor, encoder, conversations, seed=0, limits=limits, max_tokens=None, padded_rows=2, full_layout="packed"
+    )
+    assert set(batch.embeddings) == {key for s in batch.samples for key in s.image_keys}
+    assert timings["encode_once_s"] > 0 and timings["preprocess_once_s"] > 0
+    lengths = [s.num_tokens for s in batch.samples]
+    assert len(set(lengths)) > 1, f"the bench data must have varied lengths, got {lengths}"
+    rows = [row for pb in pad_batches(batch) for row in zip(pb.input_ids_BL, pb.loss_mask_BL, strict=True)]
+    for sample, (ids, mask) in zip(batch.samples, rows, strict=True):
+        n = sample.num_tokens
+        assert ids[:n].tolist() == sample.input_ids.tolist()
+        assert (ids[n:] == batch.pad_token_id).all() and not mask[n:].any()
+    padded, packed = pad_fraction(batch)
+    assert padded > 0 and packed == 0
+
+
+@pytest.mark.slow
+def test_trainer_bench_on_tiny_preset():
+    from saccade.bench.trainer import format_report, run_trainer_bench
+
+    result = run_trainer_bench(preset="tiny", steps=1, batch=3, max_side=128, padded_rows=2, progress=False)
+
+    for key in FIGURES:
+        assert key in result, key
+        assert math.isfinite(result[key]) and result[key] > 0, (key, result[key])
+    assert result["packed_pad_fraction"] == 0
+    assert 0 < result["padded_pad_fraction"] < 1
+    assert result["sample_tokens_min"] < result["sample_tokens_max"]
+    # The warm-up step runs every variant on the same weights and tokens: same loss.
+    assert result["max_warmup_loss_diff"] < 1e-4, result["warmup_loss"]
+    config = result["config"]
+    assert config["preset"] == "tiny" and config["lm_params"] > 0 and config["vision_params"] > 0
+    assert config["batch"] == 3 and config["steps"] == 1 and config["torch_threads"] >= 1
+    json.dumps(result)  # JSON-serialisable, as `--json` writes it
+    report = format_report(result)
+    assert "full / cached" in report and "packed / padded" in report
