@@ -18,11 +18,9 @@ def _write_json(path: str | None, result: dict) -> None:
 
 
 def _model_or_tiny(model: str | None) -> str:
-    if model:
-        return model
-    from saccade.models.tiny import tiny_model_path
+    from saccade.models.tiny import resolve_model
 
-    return str(tiny_model_path("tiny"))
+    return resolve_model(model or "tiny")
 
 
 def _print_parity(result: dict) -> None:
@@ -48,27 +46,29 @@ def _print_parity(result: dict) -> None:
     console.print(f"vision cache hit rate: {result['cache']['hit_rate']:.0%} ({result['cache']['entries']} images encoded)")
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    # Until the RL demo lands, the main job checks the frozen-vision path end to end.
-    start = time.perf_counter()
+def _parity(args: argparse.Namespace) -> dict:
     from saccade.parity import run_parity
 
-    model = _model_or_tiny(args.model)
-    result = run_parity(model)
+    start = time.perf_counter()
+    result = run_parity(_model_or_tiny(args.model))
     result["minutes"] = (time.perf_counter() - start) / 60
     _print_parity(result)
     _write_json(args.json, result)
-    ok = result["lm_only_vs_full_max_abs"] <= 1e-5 and result["packed_vs_unpacked_max_abs"] <= 1e-5
+    return result
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    # Until the RL demo lands, the main job checks the frozen-vision path end to end.
+    from saccade.parity import TOLERANCE
+
+    result = _parity(args)
+    ok = result["lm_only_vs_full_max_abs"] <= TOLERANCE and result["packed_vs_unpacked_max_abs"] <= TOLERANCE
     print("parity OK" if ok else "PARITY FAILED: the LM-only path does not reproduce the full model")
     return 0 if ok else 1
 
 
 def cmd_bench_parity(args: argparse.Namespace) -> int:
-    from saccade.parity import run_parity
-
-    result = run_parity(_model_or_tiny(args.model))
-    _print_parity(result)
-    _write_json(args.json, result)
+    _parity(args)
     return 0
 
 
@@ -130,6 +130,11 @@ def cmd_build_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_model_and_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a Qwen3-VL folder or hub id (default: the built-in tiny model)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="saccade",
@@ -143,8 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Builds (once, cached) a tiny random Qwen3-VL, then checks that the trainer's LM-only forward "
         "on cached image embeddings reproduces the full transformers model, packed and unpacked.",
     )
-    demo.add_argument("--model", help="a Qwen3-VL folder or hub id (default: the built-in tiny model)")
-    demo.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    _add_model_and_json(demo)
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks and parity figures")
@@ -155,8 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Writes lm_only_vs_full_max_abs, packed_vs_unpacked_max_abs, deepstack_dropped_max_abs and "
         "positions_1d_max_abs. Runs on any Qwen3-VL folder with --model.",
     )
-    parity.add_argument("--model", help="a Qwen3-VL folder or hub id (default: the built-in tiny model)")
-    parity.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    _add_model_and_json(parity)
     parity.set_defaults(func=cmd_bench_parity)
 
     trainer = bench_sub.add_parser(

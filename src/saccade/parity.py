@@ -23,6 +23,9 @@ from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.packing import collate
 from saccade.trainer.samples import TrainingSample, make_sample
 
+# fp32 bar for the LM-only path against the full model, packed or not (max |Δ logprob|).
+TOLERANCE = 1e-5
+
 
 def synthetic_image(width: int, height: int, seed: int) -> Image.Image:
     """A deterministic picture with structure (shapes on noise), so features differ per image."""
@@ -92,7 +95,7 @@ def prepare(processor, encoder: VisionEncoder, limits: ImageLimits, merge: int) 
     out = []
     for name, messages in parity_conversations().items():
         inputs = messages_to_inputs(messages, processor, limits=limits, sample=name)
-        keys = [encoder.cache_key(im) for im in inputs.images]
+        keys = [encoder.key_for_hash(h) for h in inputs.image_hashes]
         encoder.encode(inputs.images, keys)
         sample = make_sample(
             name, inputs.input_ids, inputs.mm_token_type_ids, inputs.image_grid_thw, keys, spatial_merge_size=merge

@@ -41,12 +41,6 @@ class Setup:
     image_token_id: int
 
 
-def resolve_model(path: str) -> str:
-    from saccade.models.tiny import PRESETS, tiny_model_path
-
-    return str(tiny_model_path(path)) if path in PRESETS else path
-
-
 def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -54,10 +48,10 @@ def set_seed(seed: int) -> None:
 
 
 def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
-    from saccade.data.images import ImageLimits
     from saccade.inference.local import LocalEngine
-    from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm, set_full_finetune
+    from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
     from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.tiny import resolve_model
     from saccade.models.vision import EmbeddingCache, VisionEncoder
 
     if cfg.trainer.torch_threads:
@@ -66,21 +60,10 @@ def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
     model_path = resolve_model(cfg.model.path)
     dtype = getattr(torch, cfg.model.dtype)
     processor = load_processor(model_path)
-    limits = ImageLimits(
-        min_pixels=cfg.images.min_pixels,
-        max_pixels=cfg.images.max_pixels,
-        max_source_pixels=cfg.images.max_source_pixels,
-        allow_remote=cfg.images.allow_remote,
-    )
+    limits = cfg.images.to_limits()
     policy = load_policy_lm(model_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation)
     if cfg.lora.enabled:
-        model = apply_lora(
-            policy,
-            LoraSettings(
-                rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                target_modules=list(cfg.lora.target_modules),
-            ),
-        )
+        model = apply_lora(policy, cfg.lora.to_settings())
     else:
         model = set_full_finetune(policy)
     # The engine side holds the frozen tower; the trainer's model never does.
@@ -112,11 +95,12 @@ def lr_lambda(cfg: RunConfig):
     return factor
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig, *, lr: float | None = None):
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, *, lr: float | None = None, schedule=None):
+    """AdamW over the trainable parameters and a LambdaLR (default: the trainer section's schedule)."""
     params = [p for p in model.parameters() if p.requires_grad]
     assert params, "nothing to train"
     optimizer = torch.optim.AdamW(params, lr=lr or cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or lr_lambda(cfg))
     return optimizer, scheduler
 
 
@@ -221,14 +205,14 @@ def rollout_step(setup: Setup, samples: list, step: int) -> tuple[list, dict[str
 def train_on_samples(setup: Setup, samples: list, optimizer, scheduler) -> dict[str, float]:
     """num_iterations optimizer steps over the packed samples; skips a step on NaN/inf."""
     from saccade.trainer.forward import forward_logprobs
-    from saccade.trainer.loss import LossConfig, LossInputs, policy_loss
+    from saccade.trainer.loss import LossInputs, policy_loss
     from saccade.trainer.packing import pack
 
     cfg = setup.cfg
     model = setup.model
     banned = setup.engine.banned_token_ids
     temperature = cfg.engine.temperature
-    loss_cfg = LossConfig(**cfg.loss.model_dump())
+    loss_cfg = cfg.loss.to_loss_config()
     micro_batches = pack(
         samples, setup.encoder.cache.get, max_tokens=cfg.trainer.max_tokens,
         image_token_id=setup.image_token_id, spatial_merge_size=setup.merge,

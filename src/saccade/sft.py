@@ -19,25 +19,21 @@ from saccade.config import RunConfig
 
 def sft_sample(setup, vqa_sample, answer: str, sample_id: str):
     """TrainingSample for `answer` after the sample's prompt; its images are encoded into the cache."""
-    from saccade.data.messages import messages_to_inputs
     from saccade.data.shapes import to_messages
+    from saccade.inference.engine import ChatRequest
     from saccade.trainer.samples import make_sample
 
-    inputs = messages_to_inputs(
-        to_messages(vqa_sample), setup.processor, limits=setup.limits, add_generation_prompt=True, sample=sample_id
-    )
-    keys = [setup.encoder.cache_key(im) for im in inputs.images]
-    if inputs.images:
-        setup.encoder.encode(inputs.images, keys)
+    # The engine's own prompt preparation: the very ids (and cached images) it samples after.
+    prompt = setup.engine.prepare(ChatRequest(sample_id, to_messages(vqa_sample)))
     tokenizer = setup.processor.tokenizer
     answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    P, C = inputs.input_ids.shape[0], len(answer_ids)
+    P, C = prompt.length, len(answer_ids)
     return make_sample(
         sample_id,
-        torch.cat([inputs.input_ids, torch.tensor(answer_ids)]),
-        torch.cat([inputs.mm_token_type_ids, torch.zeros(C, dtype=torch.long)]),
-        inputs.image_grid_thw,
-        keys,
+        torch.cat([prompt.inputs.input_ids, torch.tensor(answer_ids)]),
+        torch.cat([prompt.inputs.mm_token_type_ids, torch.zeros(C, dtype=torch.long)]),
+        prompt.inputs.image_grid_thw,
+        prompt.image_keys,
         spatial_merge_size=setup.merge,
         loss_mask=torch.cat([torch.zeros(P, dtype=torch.bool), torch.ones(C, dtype=torch.bool)]),
     )
@@ -83,9 +79,9 @@ def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool
     run_dir.mkdir(parents=True, exist_ok=True)
     setup = setup or build_setup(cfg, run_dir)
     s = cfg.sft
-    optimizer, scheduler = build_optimizer(setup.model, cfg, lr=s.lr)
-    # The warm-up/decay schedule of the trainer section is reused, over the SFT steps.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / max(1, s.steps // 10)))
+    # Linear warm-up over the first tenth of the SFT steps, then constant.
+    warmup = max(1, s.steps // 10)
+    optimizer, scheduler = build_optimizer(setup.model, cfg, lr=s.lr, schedule=lambda k: min(1.0, (k + 1) / warmup))
     task = task_from_config(cfg)
     rng = random.Random(cfg.trainer.seed + 1)
     last: dict[str, float] = {}

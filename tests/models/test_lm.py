@@ -45,19 +45,13 @@ def test_packed_matches_per_sample_on_a_mixed_micro_batch(cases, full_model, pol
     assert max_abs(packed, reference) <= TOLERANCE
 
 
-def test_dropping_deepstack_is_caught(cases, full_model, policy, encoder):
+@pytest.mark.parametrize("mistake", ["drop_deepstack", "positions_1d"])
+def test_classic_mistakes_are_caught(mistake, cases, full_model, policy, encoder):
+    """Dropping DeepStack, or 1-D positions in place of M-RoPE, moves logprobs far past tolerance."""
     with_images = [c for c in cases if c.sample.num_images]
     reference = [full_model_logprobs(full_model, c.inputs) for c in with_images]
     common = dict(image_token_id=policy.image_token_id, merge=encoder.merge)
-    broken = lm_logprobs(policy, with_images, encoder, packed=False, drop_deepstack=True, **common)
-    assert max_abs(broken, reference) > MISTAKE_FLOOR
-
-
-def test_1d_positions_are_caught(cases, full_model, policy, encoder):
-    with_images = [c for c in cases if c.sample.num_images]
-    reference = [full_model_logprobs(full_model, c.inputs) for c in with_images]
-    common = dict(image_token_id=policy.image_token_id, merge=encoder.merge)
-    broken = lm_logprobs(policy, with_images, encoder, packed=False, positions_1d=True, **common)
+    broken = lm_logprobs(policy, with_images, encoder, packed=False, **{mistake: True}, **common)
     assert max_abs(broken, reference) > MISTAKE_FLOOR
 
 

@@ -164,7 +164,7 @@ def prepare_batch(
         end = int((inputs.input_ids == im_end).nonzero()[-1]) + 1
         loss_mask = torch.zeros(inputs.input_ids.shape[0], dtype=torch.bool)
         loss_mask[n_prompt:end] = True
-        sample_keys = [encoder.cache_key(im) for im in inputs.images]
+        sample_keys = [encoder.key_for_hash(h) for h in inputs.image_hashes]
         images += inputs.images
         keys += sample_keys
         advantage = rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5)

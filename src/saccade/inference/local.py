@@ -83,7 +83,7 @@ class LocalEngine:
         inputs = messages_to_inputs(
             request.messages, self.processor, limits=self.limits, add_generation_prompt=True, sample=request.request_id
         )
-        keys = [self.encoder.cache_key(im) for im in inputs.images]
+        keys = [self.encoder.key_for_hash(h) for h in inputs.image_hashes]
         embeddings = self.encoder.encode(inputs.images, keys) if inputs.images else []
         mrope = mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, spatial_merge_size=self.encoder.merge)
         return PreparedPrompt(request, inputs, keys, embeddings, mrope)
@@ -142,17 +142,11 @@ class LocalEngine:
             input_ids_BP[b, pad:] = row.inputs.input_ids
             position_ids_3BP[:, b, pad:] = row.mrope_3P
             attention_mask_BP[b, pad:] = 1
-        input_ids_BP = input_ids_BP.to(device)
-        embeds_BPH = policy.language_model.embed_tokens(input_ids_BP)
-        image_mask_BP = input_ids_BP == policy.image_token_id
-        # masked_scatter fills positions in row-major order: rows' images concatenated in row order.
-        all_images = [e for row in rows for e in row.embeddings]
-        visual_pos_masks, deepstack = None, None
-        if all_images:
-            main_MH = torch.cat([e.embeds for e in all_images]).to(device, embeds_BPH.dtype)
-            embeds_BPH = embeds_BPH.masked_scatter(image_mask_BP.unsqueeze(-1), main_MH)
-            deepstack_KMH = torch.cat([e.deepstack for e in all_images], dim=1).to(device, embeds_BPH.dtype)
-            visual_pos_masks, deepstack = image_mask_BP, list(deepstack_KMH.unbind(0))
+        # Rows' images concatenated in row order: the order masked_scatter fills the pads in.
+        images = [e for row in rows for e in row.embeddings]
+        main_MH = torch.cat([e.embeds for e in images]).to(device) if images else None
+        deepstack_KMH = torch.cat([e.deepstack for e in images], dim=1).to(device) if images else None
+        embeds_BPH, visual_pos_masks, deepstack = policy.embed_inputs(input_ids_BP.to(device), main_MH, deepstack_KMH)
         next_pos_B = torch.tensor([int(r.mrope_3P.max()) + 1 if r.length else 0 for r in rows])
         return embeds_BPH, position_ids_3BP.to(device), attention_mask_BP.to(device), visual_pos_masks, deepstack, next_pos_B
 

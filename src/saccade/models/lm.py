@@ -41,6 +41,35 @@ class PolicyLM(nn.Module):
     def language_model(self) -> nn.Module:
         return self.model.language_model
 
+    def embed_inputs(
+        self,
+        input_ids_BL: torch.Tensor,
+        image_embeds_NH: torch.Tensor | None = None,
+        deepstack_KNH: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor] | None]:
+        """Token embeddings with the image features scattered into the image-pad positions.
+
+        masked_scatter fills the pads in row-major order, so image_embeds_NH holds the images
+        of row 0 first, then row 1, ... Returns (inputs_embeds, visual_pos_masks, DeepStack
+        levels), the last two None without images, as the language model takes them.
+        """
+        inputs_embeds_BLH = self.language_model.embed_tokens(input_ids_BL)
+        image_mask_BL = input_ids_BL == self.image_token_id
+        n_image_tokens = int(image_mask_BL.sum())
+        if not n_image_tokens and image_embeds_NH is None:
+            return inputs_embeds_BLH, None, None
+        if image_embeds_NH is None or image_embeds_NH.shape[0] != n_image_tokens:
+            got = None if image_embeds_NH is None else image_embeds_NH.shape[0]
+            raise ValueError(f"{n_image_tokens} image-pad tokens but {got} image embedding rows")
+        inputs_embeds_BLH = inputs_embeds_BLH.masked_scatter(
+            image_mask_BL.unsqueeze(-1), image_embeds_NH.to(inputs_embeds_BLH.dtype)
+        )
+        deepstack = None
+        if deepstack_KNH is not None:
+            assert deepstack_KNH.shape[0] == self.num_deepstack_levels, (deepstack_KNH.shape, self.num_deepstack_levels)
+            deepstack = list(deepstack_KNH.to(inputs_embeds_BLH.dtype).unbind(0))
+        return inputs_embeds_BLH, image_mask_BL, deepstack
+
     def hidden_states(
         self,
         input_ids_BL: torch.Tensor,
@@ -54,26 +83,9 @@ class PolicyLM(nn.Module):
         position_ids_4BL holds [text; t; h; w]. With several samples packed into one row,
         the text row restarts at 0 for each and attention stays inside each sample.
         """
-        embed = self.language_model.embed_tokens
-        inputs_embeds_BLH = embed(input_ids_BL)
-        image_mask_BL = input_ids_BL == self.image_token_id
-        n_image_tokens = int(image_mask_BL.sum())
-        visual_pos_masks = None
-        deepstack = None
-        if n_image_tokens or image_embeds_NH is not None:
-            if image_embeds_NH is None or image_embeds_NH.shape[0] != n_image_tokens:
-                got = None if image_embeds_NH is None else image_embeds_NH.shape[0]
-                raise ValueError(f"{n_image_tokens} image-pad tokens but {got} image embedding rows")
-            inputs_embeds_BLH = inputs_embeds_BLH.masked_scatter(
-                image_mask_BL.unsqueeze(-1), image_embeds_NH.to(inputs_embeds_BLH.dtype)
-            )
-            visual_pos_masks = image_mask_BL
-            if deepstack_KNH is not None:
-                assert deepstack_KNH.shape[0] == self.num_deepstack_levels, (
-                    deepstack_KNH.shape,
-                    self.num_deepstack_levels,
-                )
-                deepstack = list(deepstack_KNH.unbind(0))
+        inputs_embeds_BLH, visual_pos_masks, deepstack = self.embed_inputs(
+            input_ids_BL, image_embeds_NH, deepstack_KNH
+        )
         attn_kwargs = {}
         if cu_seqlens is not None and self.config.text_config._attn_implementation.startswith("flash"):
             # Flash attention takes sample boundaries explicitly (varlen); sdpa and eager get a

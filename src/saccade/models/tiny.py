@@ -140,6 +140,11 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
+def resolve_model(model: str) -> str:
+    """A preset name ("tiny", "small") becomes its built folder; anything else is returned as is."""
+    return str(tiny_model_path(model)) if model in PRESETS else model
+
+
 def tiny_model_path(preset: str = "tiny", seed: int = 0) -> Path:
     """Return the folder of a generated Qwen3-VL, building it on first use."""
     if preset not in PRESETS:

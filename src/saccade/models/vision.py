@@ -179,8 +179,12 @@ class VisionEncoder:
         return next(self.tower.parameters()).device
 
     def cache_key(self, image: Image.Image) -> str:
+        return self.key_for_hash(image_hash(image))
+
+    def key_for_hash(self, content_hash: str) -> str:
+        """The cache key of an image whose `image_hash` is known (ModelInputs.image_hashes)."""
         # The resize bounds change the grid, so they are part of the key.
-        return f"{image_hash(image)}-{self.limits.min_pixels}-{self.limits.max_pixels}"
+        return f"{content_hash}-{self.limits.min_pixels}-{self.limits.max_pixels}"
 
     def preprocess(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         from saccade.data.messages import processor_size
