@@ -315,9 +315,8 @@ class EvalConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Saving the trained weights (the LoRA adapter, or the full model)."""
+    """Saving the trained weights (the LoRA adapter, or the full model) to <run_dir>/checkpoints."""
 
-    dir: str | None = Field(None, min_length=1, description="where checkpoints go; unset: <log.dir>/checkpoints")
     every_steps: int = Field(0, ge=0, description="save every this many steps, and at the end; 0: only at the end")
     keep_last: int = Field(2, ge=1, description="checkpoints kept on disk; older ones are deleted")
 
@@ -356,8 +355,8 @@ class RunConfig(Section):
 
     @property
     def checkpoint_dir(self) -> Path:
-        """checkpoint.dir, else <run_dir>/checkpoints."""
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+        """<run_dir>/checkpoints: where `saccade rl` saves and `--resume` looks."""
+        return self.run_dir / "checkpoints"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -101,6 +101,7 @@ _SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
     ("reward_std", "±"),
     ("accuracy", "acc"),
     ("eval/accuracy", "eval_acc"),
+    ("eval_accuracy", "eval_acc"),
     ("loss", "loss"),
     ("kl", "kl"),
     ("entropy", "ent"),
@@ -110,6 +111,7 @@ _SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
     ("completion_len_mean", "len"),
     ("lr", "lr"),
     ("step_time_s", "s/step"),
+    ("step_s", "s/step"),
 )
 
 

@@ -295,7 +295,10 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     from saccade.metrics import MetricsLogger, format_step
     from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 
+    from saccade.config import describe
+
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
     setup = setup or build_setup(cfg, run_dir)
     optimizer, scheduler = build_optimizer(setup.model, cfg)
     task = task_from_config(cfg)
@@ -347,7 +350,8 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
             logger.log(state.step, metrics)
             last = metrics
             bar(format_step(metrics))
-            if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
+            periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
+            if periodic or state.step == cfg.trainer.steps:  # and always at the end of the run
                 state.extra["engine_rng"] = setup.engine.generator.get_state().tolist()
                 save_checkpoint(
                     run_dir, model=setup.model, optimizer=optimizer, scheduler=scheduler, state=state,

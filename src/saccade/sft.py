@@ -76,7 +76,10 @@ def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool
     from saccade.metrics import MetricsLogger, format_step
     from saccade.rl import _progress, build_optimizer, build_setup, task_from_config
 
+    from saccade.config import describe
+
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
     setup = setup or build_setup(cfg, run_dir)
     s = cfg.sft
     # Linear warm-up over the first tenth of the SFT steps, then constant.

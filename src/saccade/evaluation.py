@@ -1,0 +1,127 @@
+"""Held-out evaluation (`saccade eval CONFIG`): greedy accuracy, pass@k from n samples, and a
+breakdown by category, on the weights of a run's latest checkpoint (or the base model).
+
+pass@k uses the unbiased estimator of Chen et al. (2021): with n samples of which c are
+correct, pass@k = 1 - C(n - c, k) / C(n, k), averaged over questions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from math import comb
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from saccade.config import RunConfig
+
+# Metadata fields that name a category, when a sample has them (shapes: the question kind).
+CATEGORY_FIELDS = ("kind",)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k draws (without replacement) from n samples, c of them
+    correct, is correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def by_category(rows: list[dict[str, Any]], fields: tuple[str, ...] = CATEGORY_FIELDS) -> dict[str, dict]:
+    """{field: {value: {"n", "accuracy"}}} over the rows' greedy correctness."""
+    out: dict[str, dict] = {}
+    for name in fields:
+        groups: dict[str, list[float]] = defaultdict(list)
+        for row in rows:
+            if name in row["metadata"]:
+                groups[str(row["metadata"][name])].append(row["correct"])
+        if groups:
+            out[name] = {v: {"n": len(c), "accuracy": float(np.mean(c))} for v, c in sorted(groups.items())}
+    return out
+
+
+def load_weights(setup, cfg: RunConfig, checkpoint: str | None) -> str:
+    """Load `checkpoint`, else the run's latest one, into the setup's model; say which."""
+    from saccade.trainer.checkpoint import latest_checkpoint, load_checkpoint
+
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(cfg.run_dir)
+    if path is None:
+        return f"base model {cfg.model.path} (no checkpoint under {cfg.run_dir})"
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} is not a folder; pass a step_* folder from <run_dir>/checkpoints")
+    load_checkpoint(path, model=setup.model)
+    return str(path)
+
+
+def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> dict[str, Any]:
+    """Greedy accuracy and (with eval.samples_k = n > 1) pass@1..n on the held-out split."""
+    from saccade.data.shapes import make_split, to_messages
+    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.rewards import correct_reward
+    from saccade.rl import EVAL_SEED_OFFSET, build_setup, task_from_config
+
+    setup = setup or build_setup(cfg, cfg.run_dir)
+    weights = load_weights(setup, cfg, checkpoint)
+    samples = make_split(task_from_config(cfg), cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
+    if not samples:
+        raise ValueError("data.eval_size is 0: nothing to evaluate")
+    requests = [ChatRequest(s.sample_id, to_messages(s)) for s in samples]
+    greedy = setup.engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=cfg.engine.max_tokens, n=1))
+    n = cfg.eval.samples_k
+    sampled = None
+    if n > 1:
+        params = SamplingParams(temperature=cfg.engine.temperature, top_p=cfg.engine.top_p,
+                                max_tokens=cfg.engine.max_tokens, n=n)
+        sampled = setup.engine.generate(requests, params)
+    rows = []
+    for i, sample in enumerate(samples):
+        text = greedy[i][0].text
+        row = {"id": sample.sample_id, "answer": sample.answer, "completion": text,
+               "correct": float(correct_reward(text, sample)), "metadata": _plain(sample.metadata)}
+        if sampled is not None:
+            row["samples"] = [c.text for c in sampled[i]]
+            row["samples_correct"] = int(sum(correct_reward(c.text, sample) for c in sampled[i]))
+        rows.append(row)
+    result: dict[str, Any] = {
+        "weights": weights,
+        "n": len(rows),
+        "accuracy": float(np.mean([r["correct"] for r in rows])),
+        "by_category": by_category(rows),
+    }
+    if sampled is not None:
+        result["samples_per_question"] = n
+        result["pass_at_k"] = {
+            str(k): float(np.mean([pass_at_k(n, r["samples_correct"], k) for r in rows]))
+            for k in sorted({1, *(k for k in (2, 4, 8, 16, 32) if k < n), n})
+        }
+    result["rows"] = rows
+    return result
+
+
+def _plain(meta: dict) -> dict:
+    """Metadata as JSON-safe values (tuples to lists)."""
+    return json.loads(json.dumps(meta, default=list))
+
+
+def format_eval(result: dict[str, Any]) -> str:
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"held-out evaluation: {result['n']} questions ({result['weights']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("greedy accuracy", f"{result['accuracy']:.3f}")
+    for k, v in result.get("pass_at_k", {}).items():
+        table.add_row(f"pass@{k} (n={result['samples_per_question']})", f"{v:.3f}")
+    for field, groups in result["by_category"].items():
+        for value, g in groups.items():
+            table.add_row(f"{field}={value} (n={g['n']})", f"{g['accuracy']:.3f}")
+    buffer = StringIO()
+    Console(file=buffer, width=100).print(table)
+    return buffer.getvalue()
