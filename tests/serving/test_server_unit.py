@@ -1,0 +1,58 @@
+"""The serve helpers that need no running server: exposure, defaults, output layout, weight checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from saccade.serving.server import (
+    DEFAULT_FLAGS, RequestError, check_exposure, check_weights_folder, is_loopback, split_features, with_defaults,
+)
+
+
+@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("::1", True), ("localhost", True),
+                                                ("0.0.0.0", False), ("", False), ("10.1.2.3", False)])
+def test_is_loopback(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_listening_beyond_this_machine_needs_an_api_key():
+    check_exposure("127.0.0.1", None)
+    check_exposure("0.0.0.0", "secret")
+    with pytest.raises(SystemExit, match="--api-key"):
+        check_exposure("0.0.0.0", None)
+
+
+def test_defaults_fill_only_the_flags_the_user_did_not_give():
+    args = with_defaults(["--dtype", "float32", "--host=0.0.0.0"])
+    assert args.count("--host") == 0 and "--host=0.0.0.0" in args
+    assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert args[args.index("--worker-extension-cls") + 1] == DEFAULT_FLAGS["--worker-extension-cls"]
+
+
+def test_split_features_cuts_vllm_layout_into_main_and_deepstack():
+    grid = [[1, 4, 4], [1, 2, 4]]  # 4 and 2 merged tokens
+    hidden, levels = 3, 2
+    features = torch.arange(6 * hidden * (1 + levels), dtype=torch.float32).view(6, hidden * (1 + levels))
+    out = split_features(features, grid, merge=2, levels=levels)
+    assert out["image_grid_thw"].tolist() == grid
+    assert torch.equal(out["embeds.0"], features[:4, :hidden])
+    assert torch.equal(out["deepstack.0"][1], features[:4, 2 * hidden:])
+    assert out["embeds.1"].shape == (2, hidden) and out["deepstack.1"].shape == (levels, 2, hidden)
+    with pytest.raises(RuntimeError, match="rows"):
+        split_features(features[:5], grid, merge=2, levels=levels)
+
+
+def test_weights_folder_checks_name_the_problem(tmp_path):
+    from safetensors.torch import save_file
+
+    reference = {"a.weight": [2, 3], "b.weight": [4]}
+    with pytest.raises(RequestError, match="does not exist"):
+        check_weights_folder(str(tmp_path / "nope"), reference)
+    with pytest.raises(RequestError, match="no \\*.safetensors"):
+        check_weights_folder(str(tmp_path), reference)
+    save_file({"a.weight": torch.zeros(3, 2)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(RequestError, match="wrong shape"):
+        check_weights_folder(str(tmp_path), reference)
+    save_file({"a.weight": torch.zeros(2, 3)}, str(tmp_path / "m.safetensors"))
+    assert check_weights_folder(str(tmp_path), reference) == 1
