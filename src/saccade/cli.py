@@ -105,6 +105,34 @@ def cmd_bench_trainer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_engine_parity(args: argparse.Namespace) -> int:
+    from saccade.bench.engine import format_engine_parity, run_engine_parity
+
+    if args.engine != "vllm":
+        raise ValueError("bench engine-parity compares vLLM with the trainer: use --engine vllm")
+    result = run_engine_parity(args.model or "tiny", url=args.url, temperature=args.temperature)
+    print(format_engine_parity(result))
+    _write_json(args.json, result)
+    ok = result["mean_abs"] <= 1e-4 and result["max_abs"] <= 1e-3 and result["encode_max_abs"] <= 1e-5 \
+        and result["after_update_mean_abs"] <= 1e-4
+    return 0 if ok else 1
+
+
+def cmd_bench_rollout(args: argparse.Namespace) -> int:
+    from saccade.bench.engine import format_rollout, run_rollout_bench
+
+    result = run_rollout_bench(args.model or "tiny", url=args.url)
+    print(format_rollout(result))
+    _write_json(args.json, result)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from saccade.serving.server import main as serve_main
+
+    return serve_main([args.model, *args.vllm_args])
+
+
 def _load_run_config(args: argparse.Namespace):
     from saccade.config import RunConfig, describe, load_config
 
@@ -222,6 +250,42 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--batch", type=int, default=None, help="samples per step")
     trainer.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     trainer.set_defaults(func=cmd_bench_trainer)
+
+    engine_parity = bench_sub.add_parser(
+        "engine-parity",
+        help="vLLM against the trainer: sampled-token logprobs, /encode_images, and after /update_weights",
+        description="Starts `saccade serve` on the model (or uses --url), samples shapes questions with one and "
+        "two images, and writes mean_abs and max_abs (|vLLM logprob - trainer logprob| of every sampled token), "
+        "encode_max_abs (/encode_images against the transformers tower, DeepStack included) and "
+        "after_update_mean_abs (the same gap after one training step and /update_weights). Exit 1 if a bar is missed.",
+    )
+    engine_parity.add_argument("--engine", choices=["vllm"], default="vllm", help="the engine to check (vllm)")
+    engine_parity.add_argument("--url", help="an already running `saccade serve` (default: start one)")
+    engine_parity.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    _add_model_and_json(engine_parity)
+    engine_parity.set_defaults(func=cmd_bench_engine_parity)
+
+    rollout = bench_sub.add_parser(
+        "rollout",
+        help="completion tokens/s: embedded engine against vLLM on the same prompts, side by side",
+        description="32 shapes prompts x 8 samples, up to 16 tokens, three interleaved repeats per engine.",
+    )
+    rollout.add_argument("--url", help="an already running `saccade serve` (default: start one)")
+    _add_model_and_json(rollout)
+    rollout.set_defaults(func=cmd_bench_rollout)
+
+    serve = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server plus /encode_images and /update_weights (needs vLLM)",
+        description="saccade serve MODEL [vLLM arguments]: vLLM's OpenAI-compatible server with saccade's routes. "
+        "Binds 127.0.0.1 unless --host is given (then --api-key is required); logprobs are those of the "
+        "distribution sampled from (--logprobs-mode processed_logprobs). --max-body-mb limits request bodies "
+        "(default 64). On CPU: --dtype float32 --enforce-eager. MODEL may be 'tiny'.",
+        add_help=False,
+    )
+    serve.add_argument("model", metavar="MODEL", help="hub id, local folder, or tiny/small")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to vLLM")
+    serve.set_defaults(func=cmd_serve)
 
     from saccade.config import add_config_arguments
 

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -24,42 +19,17 @@ MEAN_BAR, MAX_BAR, ENCODE_BAR = 1e-4, 1e-3, 1e-5
 BODY_LIMIT_MB = 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_path, tmp_path_factory):
-    """One real server for the module; its log is printed if it fails to start."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    cmd = [sys.executable, "-m", "saccade.serving.server", str(tiny_path), "--dtype", "float32", "--enforce-eager",
-           "--port", str(port), "--max-model-len", "2048", "--max-body-mb", str(BODY_LIMIT_MB)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"saccade serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    else:
-        proc.kill()
-        pytest.fail(f"saccade serve did not come up in 300 s:\n{log_path.read_text()[-4000:]}")
-    yield url
-    proc.terminate()
+    """One real server for the module; its log is in the failure message if it cannot start."""
+    from saccade.serving.launch import CPU_ARGS, served
+
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        with served(str(tiny_path), args=(*CPU_ARGS, "--max-body-mb", str(BODY_LIMIT_MB)), log_path=log) as url:
+            yield url
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 @pytest.fixture(scope="module")
@@ -82,22 +52,10 @@ def shapes_messages(indices, *, extra_image_from=None):
 
 
 def trainer_logprobs(model, completions, engine, temperature):
-    """The trainer's logprobs of the engine's sampled tokens, on the packed cached-image path."""
-    from saccade.orchestrator.samples import completion_to_sample
-    from saccade.trainer.forward import forward_logprobs
-    from saccade.trainer.packing import pack
+    from saccade.bench.engine import trainer_logprob_diffs
 
-    samples = [completion_to_sample(c, sample_id=f"s{i}", advantage=0.0, reward=0.0, spatial_merge_size=2)
-               for i, c in enumerate(completions)]
-    image_token_id = engine.image_pad_id
-    batches = pack(samples, engine.cache.get, max_tokens=4096, image_token_id=image_token_id, spatial_merge_size=2)
-    diffs = []
-    with torch.no_grad():
-        for mb in batches:
-            lp, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True,
-                                     banned_token_ids=engine.banned_token_ids)
-            diffs.append((lp - mb.inference_logprobs)[mb.loss_mask].abs())
-    return torch.cat(diffs)
+    return trainer_logprob_diffs(model, completions, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
+                                 banned_token_ids=engine.banned_token_ids, temperature=temperature)
 
 
 def test_prompt_ids_match_saccade_for_one_and_two_images(engine, processor, limits):
@@ -165,19 +123,9 @@ def test_after_a_training_step_and_update_weights_vllm_samples_the_new_policy(en
     params = SamplingParams(temperature=1.0, max_tokens=8, n=4)
     completions = [c for g in engine.generate(requests, params) for c in g]
 
-    # One real optimizer step: raise the likelihood of what was sampled.
-    from saccade.orchestrator.samples import completion_to_sample
-    from saccade.trainer.forward import forward_logprobs
-    from saccade.trainer.packing import pack
+    from saccade.bench.engine import one_likelihood_step
 
-    optimizer = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=1e-2)
-    samples = [completion_to_sample(c, sample_id=f"x{i}", advantage=1.0, reward=1.0, spatial_merge_size=2)
-               for i, c in enumerate(completions)]
-    for mb in pack(samples, engine.cache.get, max_tokens=4096, image_token_id=engine.image_pad_id, spatial_merge_size=2):
-        lp, _ = forward_logprobs(new, mb, only_loss_tokens=True, banned_token_ids=engine.banned_token_ids)
-        (-lp[mb.loss_mask].mean()).backward()
-    optimizer.step()
-    new.eval()
+    one_likelihood_step(new, engine, completions)  # a real optimizer step: every LM weight changes
 
     engine.exporter = lambda version: str(merge_full_weights_for_engine(new, tiny_path, tmp_path / f"v{version}"))
     version_before = engine.policy_version
@@ -237,3 +185,26 @@ def test_a_body_over_the_limit_is_refused_with_413(server):
                           headers={"content-type": "application/json"})
     assert response.status_code == 413
     assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
+def test_bench_engine_parity_meets_the_bars_and_leaves_the_server_as_found(server, engine, policy):
+    from saccade.bench.engine import run_engine_parity
+    from saccade.inference.engine import ChatRequest, SamplingParams
+
+    result = run_engine_parity("tiny", url=server, prompts=4, n=2, max_tokens=8)
+    assert result["mean_abs"] <= MEAN_BAR and result["max_abs"] <= MAX_BAR
+    assert result["encode_max_abs"] <= ENCODE_BAR and result["images_encoded"] >= 4
+    assert result["after_update_mean_abs"] <= MEAN_BAR
+    # The bench trained and pushed weights; the server must sample the base model again.
+    groups = engine.generate([ChatRequest("after-bench", shapes_messages([30])[0])],
+                             SamplingParams(temperature=1.0, max_tokens=8, n=2))
+    diff = trainer_logprobs(policy, [c for g in groups for c in g], engine, 1.0)
+    assert diff.mean() <= MEAN_BAR
+
+
+def test_bench_rollout_measures_both_engines_on_the_same_prompts(server):
+    from saccade.bench.engine import run_rollout_bench
+
+    result = run_rollout_bench("tiny", url=server, prompts=4, n=2, max_tokens=4, repeats=1)
+    assert result["embedded_tokens_per_s"] > 0 and result["vllm_tokens_per_s"] > 0
+    assert result["vllm_over_embedded"] == pytest.approx(result["vllm_tokens_per_s"] / result["embedded_tokens_per_s"])

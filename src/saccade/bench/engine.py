@@ -1,0 +1,215 @@
+"""Engine benchmarks against a real `saccade serve` (vLLM):
+
+- `run_engine_parity`: sampled-token logprobs of vLLM against the trainer (mean and max
+  |Δ|), /encode_images against the transformers tower (max |Δ|, DeepStack included), and
+  the same logprob gap after one training step and /update_weights.
+- `run_rollout_bench`: completion tokens/s of the embedded engine and of vLLM on the same
+  prompts, measured back to back in one run.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from saccade.data.images import ImageLimits
+
+
+def shapes_requests(n: int, *, seed: int = 5, second_image_every: int = 2):
+    """Shapes questions as chat requests; every `second_image_every`-th carries a second image."""
+    from saccade.data.shapes import ShapesTask, make_sample, to_messages
+    from saccade.inference.engine import ChatRequest
+
+    task = ShapesTask(kinds=("color", "count"), num_choices=3, image_size=64)
+    requests = []
+    for i in range(n):
+        messages = to_messages(make_sample(task, i, seed=seed))
+        if second_image_every and i % second_image_every == 0:
+            other = make_sample(task, 1000 + i, seed=seed + 1)
+            messages[0]["content"].insert(1, {"type": "image", "image": other.images[0]})
+        requests.append(ChatRequest(f"bench-{i}", messages))
+    return requests
+
+
+def trainer_logprob_diffs(model, completions, *, cache_get, image_token_id: int, banned_token_ids, temperature: float,
+                          merge: int = 2) -> torch.Tensor:
+    """|trainer logprob - engine logprob| of every sampled token, on the packed cached-image path."""
+    from saccade.orchestrator.samples import completion_to_sample
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.packing import pack
+
+    samples = [completion_to_sample(c, sample_id=f"s{i}", advantage=0.0, reward=0.0, spatial_merge_size=merge)
+               for i, c in enumerate(completions)]
+    diffs = []
+    with torch.no_grad():
+        for mb in pack(samples, cache_get, max_tokens=4096, image_token_id=image_token_id, spatial_merge_size=merge):
+            lp, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True,
+                                     banned_token_ids=banned_token_ids)
+            diffs.append((lp - mb.inference_logprobs)[mb.loss_mask].abs())
+    return torch.cat(diffs)
+
+
+def _engine_diffs(model, engine, completions, temperature):
+    return trainer_logprob_diffs(model, completions, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
+                                 banned_token_ids=engine.banned_token_ids, temperature=temperature)
+
+
+def one_likelihood_step(model, engine, completions, lr: float = 1e-2) -> None:
+    """A real optimizer step that raises the likelihood of `completions` (changes every LM weight)."""
+    from saccade.orchestrator.samples import completion_to_sample
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.packing import pack
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    samples = [completion_to_sample(c, sample_id=f"x{i}", advantage=1.0, reward=1.0, spatial_merge_size=2)
+               for i, c in enumerate(completions)]
+    model.train()
+    for mb in pack(samples, engine.cache.get, max_tokens=4096, image_token_id=engine.image_pad_id, spatial_merge_size=2):
+        lp, _ = forward_logprobs(model, mb, only_loss_tokens=True, banned_token_ids=engine.banned_token_ids)
+        (-lp[mb.loss_mask].mean()).backward()
+    optimizer.step()
+    model.eval()
+
+
+def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperature: float = 1.0,
+                      prompts: int = 8, n: int = 4, max_tokens: int = 16) -> dict[str, Any]:
+    """Start a server (unless `url` is given) and measure the four figures."""
+    from contextlib import nullcontext
+
+    from saccade.inference.engine import SamplingParams
+    from saccade.inference.vllm import VLLMEngine
+    from saccade.models.lm import load_policy_lm, set_full_finetune
+    from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.tiny import resolve_model
+    from saccade.models.vision import EmbeddingCache, VisionEncoder
+    from saccade.serving.launch import served
+    from saccade.trainer.checkpoint import merge_full_weights_for_engine
+
+    start = time.perf_counter()
+    path = resolve_model(model)
+    processor = load_processor(path)
+    work = Path(tempfile.mkdtemp(prefix="saccade-engine-parity-"))
+    server = nullcontext(url) if url else served(path, log_path=work / "serve.log")
+    with server as base:
+        probe = VLLMEngine([base], processor)
+        info = probe.info()[0]
+        limits = ImageLimits(min_pixels=info["min_pixels"], max_pixels=info["max_pixels"])
+        engine = VLLMEngine([base], processor, limits=limits)
+        requests = shapes_requests(prompts)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=n)
+        completions = [c for g in engine.generate(requests, params) for c in g]
+        policy = set_full_finetune(load_policy_lm(path, dtype=torch.float32))
+        policy.eval()
+        diffs = _engine_diffs(policy, engine, completions, temperature)
+
+        # /encode_images against the transformers tower, on every image the requests used.
+        encoder = VisionEncoder(load_vision_tower(path, dtype=torch.float32), processor, limits=limits,
+                                cache=EmbeddingCache())
+        images = [p["image"] for r in requests for m in r.messages if isinstance(m.get("content"), list)
+                  for p in m["content"] if p.get("type") == "image"]
+        keys = [engine.key_for_hash(h) for h in map(_hash, images)]
+        encode_max = 0.0
+        for key, ours in zip(keys, encoder.encode(images), strict=True):
+            served_emb = engine.cache.get(key)
+            encode_max = max(encode_max, float((served_emb.embeds - ours.embeds).abs().max()),
+                             float((served_emb.deepstack - ours.deepstack).abs().max()))
+
+        # One training step, /update_weights, sample again: the gap to the *new* trainer weights.
+        one_likelihood_step(policy, engine, completions)
+        engine.exporter = lambda version: str(merge_full_weights_for_engine(policy, path, work / f"weights-v{version}"))
+        sync_s = engine.update_weights()
+        after = [c for g in engine.generate(requests, params) for c in g]
+        after_diffs = _engine_diffs(policy, engine, after, temperature)
+        if url:  # leave a server we did not start as we found it
+            engine.exporter = lambda version: str(path)
+            engine.update_weights()
+    return {
+        "model": str(path),
+        "dtype": "float32",
+        "temperature": temperature,
+        "sampled_tokens": int(diffs.numel()),
+        "mean_abs": float(diffs.mean()),
+        "max_abs": float(diffs.max()),
+        "encode_max_abs": encode_max,
+        "images_encoded": len(set(keys)),
+        "after_update_mean_abs": float(after_diffs.mean()),
+        "after_update_max_abs": float(after_diffs.max()),
+        "update_weights_s": sync_s,
+        "minutes": (time.perf_counter() - start) / 60,
+    }
+
+
+def _hash(image) -> str:
+    from saccade.data.images import image_hash
+
+    return image_hash(image)
+
+
+def format_engine_parity(r: dict[str, Any]) -> str:
+    return "\n".join([
+        f"engine parity, vLLM vs trainer ({r['dtype']}, T={r['temperature']}, {r['sampled_tokens']} sampled tokens):",
+        f"  mean |Δ logprob|                 {r['mean_abs']:.2e}   (bar 1e-4)",
+        f"  max  |Δ logprob|                 {r['max_abs']:.2e}   (bar 1e-3)",
+        f"  /encode_images vs transformers   {r['encode_max_abs']:.2e}   (bar 1e-5, {r['images_encoded']} images, DeepStack included)",
+        f"  after a step + /update_weights   {r['after_update_mean_abs']:.2e} mean, {r['after_update_max_abs']:.2e} max"
+        f"   (sync took {r['update_weights_s']:.2f} s)",
+    ])
+
+
+def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: int = 32, n: int = 8,
+                      max_tokens: int = 16, repeats: int = 3) -> dict[str, Any]:
+    """Completion tokens/s of the embedded engine and of vLLM on the same prompts, interleaved."""
+    from contextlib import nullcontext
+
+    from saccade.inference.engine import SamplingParams
+    from saccade.inference.local import LocalEngine
+    from saccade.inference.vllm import VLLMEngine
+    from saccade.models.lm import load_policy_lm
+    from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.tiny import resolve_model
+    from saccade.models.vision import EmbeddingCache, VisionEncoder
+    from saccade.serving.launch import served
+
+    path = resolve_model(model)
+    processor = load_processor(path)
+    work = Path(tempfile.mkdtemp(prefix="saccade-rollout-bench-"))
+    requests = shapes_requests(prompts)
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n)
+    server = nullcontext(url) if url else served(path, log_path=work / "serve.log")
+    with server as base:
+        info = VLLMEngine([base], processor).info()[0]
+        limits = ImageLimits(min_pixels=info["min_pixels"], max_pixels=info["max_pixels"])
+        vllm_engine = VLLMEngine([base], processor, limits=limits)
+        encoder = VisionEncoder(load_vision_tower(path), processor, limits=limits, cache=EmbeddingCache())
+        local = LocalEngine(load_policy_lm(path, dtype=torch.float32), processor, encoder, limits=limits)
+        for engine in (local, vllm_engine):  # warm-up: first-call set-up and image encoding
+            engine.generate(requests[:2], params)
+        times: dict[str, list[float]] = {"embedded": [], "vllm": []}
+        tokens: dict[str, list[int]] = {"embedded": [], "vllm": []}
+        for _ in range(repeats):
+            for name, engine in (("embedded", local), ("vllm", vllm_engine)):
+                t0 = time.perf_counter()
+                groups = engine.generate(requests, params)
+                times[name].append(time.perf_counter() - t0)
+                tokens[name].append(sum(c.completion_ids.numel() for g in groups for c in g))
+    rate = {k: sum(tokens[k]) / sum(times[k]) for k in times}
+    return {
+        "model": str(path), "prompts": prompts, "n": n, "max_tokens": max_tokens, "repeats": repeats,
+        "embedded_tokens_per_s": rate["embedded"], "vllm_tokens_per_s": rate["vllm"],
+        "vllm_over_embedded": rate["vllm"] / rate["embedded"],
+        "embedded_s": times["embedded"], "vllm_s": times["vllm"],
+    }
+
+
+def format_rollout(r: dict[str, Any]) -> str:
+    return "\n".join([
+        f"rollout throughput, {r['prompts']} prompts x {r['n']} samples, <= {r['max_tokens']} tokens, "
+        f"{r['repeats']} interleaved repeats:",
+        f"  embedded engine   {r['embedded_tokens_per_s']:8.1f} completion tokens/s",
+        f"  vLLM              {r['vllm_tokens_per_s']:8.1f} completion tokens/s",
+        f"  vLLM / embedded   {r['vllm_over_embedded']:.2f}x",
+    ])
