@@ -127,10 +127,11 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(argv: list[str]) -> int:
+    # vLLM parses its own arguments: everything after `serve` goes to it untouched.
     from saccade.serving.server import main as serve_main
 
-    return serve_main([args.model, *args.vllm_args])
+    return serve_main(argv)
 
 
 def _load_run_config(args: argparse.Namespace):
@@ -281,11 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Binds 127.0.0.1 unless --host is given (then --api-key is required); logprobs are those of the "
         "distribution sampled from (--logprobs-mode processed_logprobs). --max-body-mb limits request bodies "
         "(default 64). On CPU: --dtype float32 --enforce-eager. MODEL may be 'tiny'.",
-        add_help=False,
     )
-    serve.add_argument("model", metavar="MODEL", help="hub id, local folder, or tiny/small")
-    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to vLLM")
-    serve.set_defaults(func=cmd_serve)
+    serve.add_argument("model", metavar="MODEL", help="hub id, local folder, or tiny/small; then vLLM's arguments")
 
     from saccade.config import add_config_arguments
 
@@ -340,8 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from saccade.config import split_overrides
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return cmd_serve(argv[1:])
     # Dotted overrides (--trainer.lr 1e-5) are split off before argparse sees them.
-    known, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+    known, overrides = split_overrides(argv)
     args = build_parser().parse_args(known)
     args.overrides = overrides
     # Quiet the libraries' own progress bars and advice; ours say what matters.

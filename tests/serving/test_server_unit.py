@@ -56,3 +56,18 @@ def test_weights_folder_checks_name_the_problem(tmp_path):
         check_weights_folder(str(tmp_path), reference)
     save_file({"a.weight": torch.zeros(2, 3)}, str(tmp_path / "m.safetensors"))
     assert check_weights_folder(str(tmp_path), reference) == 1
+
+
+def test_serve_help_and_the_exposure_refusal_from_the_command_line(tiny_path):
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "saccade.cli", "serve", *args], capture_output=True, text=True,
+                              timeout=300)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and "/encode_images" in helped.stdout and "usage: saccade serve MODEL" in helped.stdout
+    pytest.importorskip("vllm")
+    refused = run(str(tiny_path), "--host", "0.0.0.0")
+    assert refused.returncode != 0 and "--api-key" in refused.stderr
