@@ -106,16 +106,14 @@ def cmd_bench_trainer(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine_parity(args: argparse.Namespace) -> int:
-    from saccade.bench.engine import format_engine_parity, run_engine_parity
+    from saccade.bench.engine import format_engine_parity, meets_bars, run_engine_parity
 
     if args.engine != "vllm":
         raise ValueError("bench engine-parity compares vLLM with the trainer: use --engine vllm")
     result = run_engine_parity(args.model or "tiny", url=args.url, temperature=args.temperature)
     print(format_engine_parity(result))
     _write_json(args.json, result)
-    ok = result["mean_abs"] <= 1e-4 and result["max_abs"] <= 1e-3 and result["encode_max_abs"] <= 1e-5 \
-        and result["after_update_mean_abs"] <= 1e-4
-    return 0 if ok else 1
+    return 0 if meets_bars(result) else 1
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:

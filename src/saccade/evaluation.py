@@ -59,27 +59,25 @@ def load_weights(setup, cfg: RunConfig, checkpoint: str | None) -> str:
 
 def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> dict[str, Any]:
     """Greedy accuracy and (with eval.samples_k = n > 1) pass@1..n on the held-out split."""
-    from saccade.data.shapes import make_split, to_messages
-    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.data.shapes import make_split
+    from saccade.inference.engine import SamplingParams
     from saccade.rewards import correct_reward
-    from saccade.rl import EVAL_SEED_OFFSET, build_setup, task_from_config
+    from saccade.rl import EVAL_SEED_OFFSET, build_setup, chat_requests, greedy_texts, task_from_config
 
     setup = setup or build_setup(cfg, cfg.run_dir)
     weights = load_weights(setup, cfg, checkpoint)
     samples = make_split(task_from_config(cfg), cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
     if not samples:
         raise ValueError("data.eval_size is 0: nothing to evaluate")
-    requests = [ChatRequest(s.sample_id, to_messages(s)) for s in samples]
-    greedy = setup.engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=cfg.engine.max_tokens, n=1))
+    greedy = greedy_texts(setup, samples, max_tokens=cfg.engine.max_tokens)
     n = cfg.eval.samples_k
     sampled = None
     if n > 1:
         params = SamplingParams(temperature=cfg.engine.temperature, top_p=cfg.engine.top_p,
                                 max_tokens=cfg.engine.max_tokens, n=n)
-        sampled = setup.engine.generate(requests, params)
+        sampled = setup.engine.generate(chat_requests(samples), params)
     rows = []
-    for i, sample in enumerate(samples):
-        text = greedy[i][0].text
+    for i, (sample, text) in enumerate(zip(samples, greedy, strict=True)):
         row = {"id": sample.sample_id, "answer": sample.answer, "completion": text,
                "correct": float(correct_reward(text, sample)), "metadata": _plain(sample.metadata)}
         if sampled is not None:

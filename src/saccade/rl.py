@@ -141,22 +141,34 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None):
 EVAL_SEED_OFFSET = 10_000
 
 
+def chat_requests(samples: list) -> list:
+    """One chat request per VQA sample, named by its sample id."""
+    from saccade.data.shapes import to_messages
+    from saccade.inference.engine import ChatRequest
+
+    return [ChatRequest(s.sample_id, to_messages(s)) for s in samples]
+
+
+def greedy_texts(setup: Setup, samples: list, *, max_tokens: int) -> list[str]:
+    """The engine's greedy completion text for each sample."""
+    from saccade.inference.engine import SamplingParams
+
+    groups = setup.engine.generate(chat_requests(samples), SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1))
+    return [g[0].text for g in groups]
+
+
 def evaluate(setup: Setup, samples: list, *, max_tokens: int) -> dict[str, float]:
     """Greedy accuracy on held-out samples."""
-    from saccade.data.shapes import to_messages
-    from saccade.inference.engine import ChatRequest, SamplingParams
     from saccade.rewards import correct_reward
 
-    requests = [ChatRequest(s.sample_id, to_messages(s)) for s in samples]
-    groups = setup.engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1))
-    correct = [correct_reward(g[0].text, s) for g, s in zip(groups, samples, strict=True)]
+    texts = greedy_texts(setup, samples, max_tokens=max_tokens)
+    correct = [correct_reward(t, s) for t, s in zip(texts, samples, strict=True)]
     return {"accuracy": float(np.mean(correct)), "n": len(samples)}
 
 
 def rollout_step(setup: Setup, samples: list, step: int) -> tuple[list, dict[str, float]]:
     """Sample G completions per prompt, score, compute advantages, build TrainingSamples."""
-    from saccade.data.shapes import to_messages
-    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.inference.engine import SamplingParams
     from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
     from saccade.orchestrator.samples import completion_to_sample
 
@@ -165,8 +177,7 @@ def rollout_step(setup: Setup, samples: list, step: int) -> tuple[list, dict[str
         temperature=cfg.engine.temperature, top_p=cfg.engine.top_p, max_tokens=cfg.engine.max_tokens,
         n=cfg.rollout.group_size,
     )
-    requests = [ChatRequest(s.sample_id, to_messages(s)) for s in samples]
-    groups = setup.engine.generate(requests, params)
+    groups = setup.engine.generate(chat_requests(samples), params)
     rewards, correct = [], []
     for group, sample in zip(groups, samples, strict=True):
         scored = [reward_of(c.text, sample, cfg.rollout.reward_weights) for c in group]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from saccade.bench.engine import trainer_logprob_diffs
 from saccade.inference.engine import ChatRequest, SamplingParams
 from saccade.inference.local import LocalEngine
 from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm
@@ -37,20 +38,11 @@ def lora_engine(tiny_path, processor, encoder):
 
 
 def _trainer_logprobs(engine, completions, temperature):
-    policy = unwrap_policy(engine.model)
-    samples = [
-        completion_to_sample(c, sample_id=f"{c.request_id}/{i}", advantage=0.0, reward=0.0,
-                             spatial_merge_size=engine.encoder.merge)
-        for i, c in enumerate(completions)
-    ]
-    diffs = []
-    for mb in pack(samples, engine.encoder.cache.get, max_tokens=4096, image_token_id=policy.image_token_id,
-                   spatial_merge_size=engine.encoder.merge):
-        with torch.no_grad():
-            lp, _ = forward_logprobs(engine.model, mb, temperature=temperature, only_loss_tokens=True,
-                                     banned_token_ids=engine.banned_token_ids)
-        diffs.append((lp - mb.inference_logprobs)[mb.loss_mask].abs())
-    return torch.cat(diffs)
+    return trainer_logprob_diffs(
+        engine.model, completions, cache_get=engine.encoder.cache.get,
+        image_token_id=unwrap_policy(engine.model).image_token_id, banned_token_ids=engine.banned_token_ids,
+        temperature=temperature, merge=engine.encoder.merge,
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

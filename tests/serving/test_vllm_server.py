@@ -14,8 +14,8 @@ httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# Bars of issue 4 (fp32).
-MEAN_BAR, MAX_BAR, ENCODE_BAR = 1e-4, 1e-3, 1e-5
+from saccade.bench.engine import ENCODE_BAR, MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
+
 BODY_LIMIT_MB = 1
 
 
@@ -39,18 +39,6 @@ def engine(server, processor, limits):
     return VLLMEngine([server], processor, limits=limits)
 
 
-def shapes_messages(indices, *, extra_image_from=None):
-    from saccade.data.shapes import ShapesTask, make_sample, to_messages
-
-    task = ShapesTask(kinds=("color", "count"), num_choices=3, image_size=64)
-    samples = [make_sample(task, i, seed=5) for i in indices]
-    messages = [to_messages(s) for s in samples]
-    if extra_image_from is not None:  # a second image in the first conversation
-        other = make_sample(task, extra_image_from, seed=6)
-        messages[0][0]["content"].insert(1, {"type": "image", "image": other.images[0]})
-    return messages
-
-
 def trainer_logprobs(model, completions, engine, temperature):
     from saccade.bench.engine import trainer_logprob_diffs
 
@@ -60,11 +48,11 @@ def trainer_logprobs(model, completions, engine, temperature):
 
 def test_prompt_ids_match_saccade_for_one_and_two_images(engine, processor, limits):
     from saccade.data.messages import messages_to_inputs
-    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.inference.engine import SamplingParams
 
-    messages = shapes_messages([0, 1], extra_image_from=7)
-    groups = engine.generate([ChatRequest(f"r{i}", m) for i, m in enumerate(messages)],
-                             SamplingParams(temperature=1.0, max_tokens=6, n=2))
+    requests = shapes_requests(2)  # the first with two images, the second with one
+    messages = [r.messages for r in requests]
+    groups = engine.generate(requests, SamplingParams(temperature=1.0, max_tokens=6, n=2))
     assert [len(g) for g in groups] == [2, 2]
     for group, msgs, images in zip(groups, messages, (2, 1), strict=True):
         ours = messages_to_inputs(msgs, processor, limits=limits, add_generation_prompt=True)
@@ -83,8 +71,7 @@ def test_encode_images_equals_the_transformers_tower(server, encoder, limits):
 
     from saccade.data.images import image_to_data_url
 
-    messages = shapes_messages([2, 3, 4])
-    images = [m[0]["content"][0]["image"] for m in messages]
+    images = [r.messages[0]["content"][0]["image"] for r in shapes_requests(3, seed=9, second_image_every=0)]
     big = images[0].resize((200, 120))  # a different grid
     images.append(big)
     response = httpx.post(server + "/encode_images", json={"images": [image_to_data_url(im) for im in images]},
@@ -101,25 +88,22 @@ def test_encode_images_equals_the_transformers_tower(server, encoder, limits):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_trainer_logprobs_equal_vllm_logprobs(engine, policy, temperature):
-    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.inference.engine import SamplingParams
 
-    messages = shapes_messages([10, 11, 12], extra_image_from=13)
-    groups = engine.generate([ChatRequest(f"t{i}", m) for i, m in enumerate(messages)],
-                             SamplingParams(temperature=temperature, max_tokens=12, n=3))
+    groups = engine.generate(shapes_requests(3, seed=10), SamplingParams(temperature=temperature, max_tokens=12, n=3))
     diff = trainer_logprobs(policy, [c for g in groups for c in g], engine, temperature)
     assert diff.numel() > 20
     assert diff.mean() <= MEAN_BAR and diff.max() <= MAX_BAR, (diff.mean().item(), diff.max().item())
 
 
 def test_after_a_training_step_and_update_weights_vllm_samples_the_new_policy(engine, tiny_path, tmp_path):
-    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.inference.engine import SamplingParams
     from saccade.models.lm import load_policy_lm, set_full_finetune
     from saccade.trainer.checkpoint import merge_full_weights_for_engine
 
     old = load_policy_lm(tiny_path, dtype=torch.float32)
     new = set_full_finetune(load_policy_lm(tiny_path, dtype=torch.float32))
-    messages = shapes_messages([20, 21])
-    requests = [ChatRequest(f"u{i}", m) for i, m in enumerate(messages)]
+    requests = shapes_requests(2, seed=20, second_image_every=0)
     params = SamplingParams(temperature=1.0, max_tokens=8, n=4)
     completions = [c for g in engine.generate(requests, params) for c in g]
 
@@ -189,15 +173,14 @@ def test_a_body_over_the_limit_is_refused_with_413(server):
 
 def test_bench_engine_parity_meets_the_bars_and_leaves_the_server_as_found(server, engine, policy):
     from saccade.bench.engine import run_engine_parity
-    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.inference.engine import SamplingParams
 
     result = run_engine_parity("tiny", url=server, prompts=4, n=2, max_tokens=8)
     assert result["mean_abs"] <= MEAN_BAR and result["max_abs"] <= MAX_BAR
     assert result["encode_max_abs"] <= ENCODE_BAR and result["images_encoded"] >= 4
     assert result["after_update_mean_abs"] <= MEAN_BAR
     # The bench trained and pushed weights; the server must sample the base model again.
-    groups = engine.generate([ChatRequest("after-bench", shapes_messages([30])[0])],
-                             SamplingParams(temperature=1.0, max_tokens=8, n=2))
+    groups = engine.generate(shapes_requests(1, seed=30), SamplingParams(temperature=1.0, max_tokens=8, n=2))
     diff = trainer_logprobs(policy, [c for g in groups for c in g], engine, 1.0)
     assert diff.mean() <= MEAN_BAR
 

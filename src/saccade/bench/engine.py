@@ -16,7 +16,15 @@ from typing import Any
 
 import torch
 
-from saccade.data.images import ImageLimits
+from saccade.data.images import image_hash
+
+# Issue 4's bars (fp32): sampled-token logprobs, vLLM against the trainer, and the served tower.
+MEAN_BAR, MAX_BAR, ENCODE_BAR = 1e-4, 1e-3, 1e-5
+
+
+def meets_bars(result: dict[str, Any]) -> bool:
+    return (result["mean_abs"] <= MEAN_BAR and result["max_abs"] <= MAX_BAR
+            and result["encode_max_abs"] <= ENCODE_BAR and result["after_update_mean_abs"] <= MEAN_BAR)
 
 
 def shapes_requests(n: int, *, seed: int = 5, second_image_every: int = 2):
@@ -95,10 +103,7 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
     work = Path(tempfile.mkdtemp(prefix="saccade-engine-parity-"))
     server = nullcontext(url) if url else served(path, log_path=work / "serve.log")
     with server as base:
-        probe = VLLMEngine([base], processor)
-        info = probe.info()[0]
-        limits = ImageLimits(min_pixels=info["min_pixels"], max_pixels=info["max_pixels"])
-        engine = VLLMEngine([base], processor, limits=limits)
+        engine = VLLMEngine.for_servers([base], processor)
         requests = shapes_requests(prompts)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=n)
         completions = [c for g in engine.generate(requests, params) for c in g]
@@ -107,11 +112,11 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
         diffs = _engine_diffs(policy, engine, completions, temperature)
 
         # /encode_images against the transformers tower, on every image the requests used.
-        encoder = VisionEncoder(load_vision_tower(path, dtype=torch.float32), processor, limits=limits,
+        encoder = VisionEncoder(load_vision_tower(path, dtype=torch.float32), processor, limits=engine.limits,
                                 cache=EmbeddingCache())
         images = [p["image"] for r in requests for m in r.messages if isinstance(m.get("content"), list)
                   for p in m["content"] if p.get("type") == "image"]
-        keys = [engine.key_for_hash(h) for h in map(_hash, images)]
+        keys = [engine.key_for_hash(image_hash(im)) for im in images]
         encode_max = 0.0
         for key, ours in zip(keys, encoder.encode(images), strict=True):
             served_emb = engine.cache.get(key)
@@ -143,18 +148,12 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
     }
 
 
-def _hash(image) -> str:
-    from saccade.data.images import image_hash
-
-    return image_hash(image)
-
-
 def format_engine_parity(r: dict[str, Any]) -> str:
     return "\n".join([
         f"engine parity, vLLM vs trainer ({r['dtype']}, T={r['temperature']}, {r['sampled_tokens']} sampled tokens):",
-        f"  mean |Δ logprob|                 {r['mean_abs']:.2e}   (bar 1e-4)",
-        f"  max  |Δ logprob|                 {r['max_abs']:.2e}   (bar 1e-3)",
-        f"  /encode_images vs transformers   {r['encode_max_abs']:.2e}   (bar 1e-5, {r['images_encoded']} images, DeepStack included)",
+        f"  mean |Δ logprob|                 {r['mean_abs']:.2e}   (bar {MEAN_BAR:g})",
+        f"  max  |Δ logprob|                 {r['max_abs']:.2e}   (bar {MAX_BAR:g})",
+        f"  /encode_images vs transformers   {r['encode_max_abs']:.2e}   (bar {ENCODE_BAR:g}, {r['images_encoded']} images, DeepStack included)",
         f"  after a step + /update_weights   {r['after_update_mean_abs']:.2e} mean, {r['after_update_max_abs']:.2e} max"
         f"   (sync took {r['update_weights_s']:.2f} s)",
     ])
@@ -181,9 +180,8 @@ def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: i
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n)
     server = nullcontext(url) if url else served(path, log_path=work / "serve.log")
     with server as base:
-        info = VLLMEngine([base], processor).info()[0]
-        limits = ImageLimits(min_pixels=info["min_pixels"], max_pixels=info["max_pixels"])
-        vllm_engine = VLLMEngine([base], processor, limits=limits)
+        vllm_engine = VLLMEngine.for_servers([base], processor)
+        limits = vllm_engine.limits
         encoder = VisionEncoder(load_vision_tower(path), processor, limits=limits, cache=EmbeddingCache())
         local = LocalEngine(load_policy_lm(path, dtype=torch.float32), processor, encoder, limits=limits)
         for engine in (local, vllm_engine):  # warm-up: first-call set-up and image encoding

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 
 from saccade.data.images import ImageLimits, image_hash, image_to_data_url, load_image
 from saccade.inference.engine import ChatRequest, Completion, SamplingParams, vision_token_ids
-from saccade.models.vision import EmbeddingCache, ImageEmbedding
+from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
 
 # OpenAI's logit_bias range is [-100, 100]: -100 makes a token's probability e^-100 relative.
 BAN_BIAS = -100
@@ -108,6 +107,13 @@ class VLLMEngine:
         self._in_flight = {u: 0 for u in self.urls}
         self._turn = itertools.count()
 
+    @classmethod
+    def for_servers(cls, urls: list[str], processor, **kwargs) -> VLLMEngine:
+        """An engine whose image limits are the first server's own resize bounds (from /saccade/info)."""
+        info = cls(urls, processor, **kwargs).info()[0]
+        limits = ImageLimits(min_pixels=info["min_pixels"], max_pixels=info["max_pixels"])
+        return cls(urls, processor, limits=limits, **kwargs)
+
     # --- server choice and HTTP ---------------------------------------------------------
     def _pick(self) -> str:
         least = min(self._in_flight.values())
@@ -153,7 +159,7 @@ class VLLMEngine:
 
     # --- images ---------------------------------------------------------------------------
     def key_for_hash(self, content_hash: str) -> str:
-        return f"{content_hash}-{self.limits.min_pixels}-{self.limits.max_pixels}"
+        return image_cache_key(content_hash, self.limits)
 
     async def _ensure_embeddings(self, client, keys: list[str], urls: list[str]) -> None:
         """Encode (once, on a server) the images whose keys are not cached yet."""
@@ -259,4 +265,4 @@ class VLLMEngine:
     def info(self) -> list[dict]:
         import httpx
 
-        return [json.loads(httpx.get(u + "/saccade/info", headers=self.headers, timeout=30).text) for u in self.urls]
+        return [httpx.get(u + "/saccade/info", headers=self.headers, timeout=30).json() for u in self.urls]

@@ -174,7 +174,7 @@ def tiny_model_path(preset: str = "tiny", seed: int = 0) -> Path:
 def build_tiny_qwen3vl(out_dir: str | os.PathLike, *, preset: str = "tiny", seed: int = 0) -> Path:
     """Write a complete random Qwen3-VL folder (tokenizer, processors, config, weights)."""
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     spec = PRESETS[preset]
     out = Path(out_dir)

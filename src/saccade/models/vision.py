@@ -148,6 +148,12 @@ class EmbeddingCache:
         os.replace(tmp, path)  # atomic: readers never see half a file
 
 
+def image_cache_key(content_hash: str, limits: ImageLimits) -> str:
+    """The embedding cache key of an image: its content hash and the resize bounds, which
+    change the grid. Every engine names cached images this way."""
+    return f"{content_hash}-{limits.min_pixels}-{limits.max_pixels}"
+
+
 def split_tower_output(pooler_NH: torch.Tensor, deepstack: list[torch.Tensor], grid_thw_I3: torch.Tensor, merge: int):
     """Cut the tower's concatenated output into one ImageEmbedding per image."""
     sizes = (grid_thw_I3.prod(-1) // merge**2).tolist()
@@ -183,8 +189,7 @@ class VisionEncoder:
 
     def key_for_hash(self, content_hash: str) -> str:
         """The cache key of an image whose `image_hash` is known (ModelInputs.image_hashes)."""
-        # The resize bounds change the grid, so they are part of the key.
-        return f"{content_hash}-{self.limits.min_pixels}-{self.limits.max_pixels}"
+        return image_cache_key(content_hash, self.limits)
 
     def preprocess(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         from saccade.data.messages import processor_size

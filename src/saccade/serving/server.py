@@ -20,7 +20,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 WORKER_EXTENSION = "saccade.serving.worker.SaccadeWorker"
 DEFAULT_MAX_BODY_MB = 64
@@ -114,6 +117,8 @@ class SaccadeState:
         self.merge = int(getattr(ip, "merge_size", 2))
         self.policy_version = 0
         self.vision: dict[str, Any] | None = None
+        # What an uploaded weights folder is checked against: the served checkpoint's tensors.
+        self.reference_shapes = reference_shapes(model_path)
 
     def preprocess(self, images) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Pixels as the chat endpoint feeds vLLM's tower: resized and patched, not normalised."""
@@ -232,7 +237,7 @@ def build_router(state: SaccadeState):
             version = body.get("version", state.policy_version + 1)
             if not isinstance(version, int) or isinstance(version, bool):
                 raise RequestError('"version" must be an integer')
-            count = check_weights_folder(body["path"], reference_shapes(state.model_path))
+            count = check_weights_folder(body["path"], state.reference_shapes)
         except RequestError as err:
             return error(err)
         client = request.app.state.engine_client

@@ -97,7 +97,6 @@ def samples_to_bytes(samples: list[TrainingSample]) -> bytes:
 
 
 def samples_from_bytes(blob: bytes) -> list[TrainingSample]:
-    from safetensors import safe_open
     from safetensors.torch import load
 
     tensors = load(blob)
