@@ -59,7 +59,7 @@ def _parity(args: argparse.Namespace) -> dict:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from saccade.demo import (
-        ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, load_demo_config, run_demo, verdict,
+        ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, demo_engine, load_demo_config, run_demo, verdict,
     )
     from saccade.config import describe
 
@@ -67,11 +67,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(describe(cfg))
         return 0
-    result = run_demo(cfg)
+    with demo_engine(cfg, args.engine) as (cfg, server_minutes):
+        result = run_demo(cfg)
+    # The bar counts the whole demo, starting the vLLM server included.
+    result["server_start_minutes"] = server_minutes
+    result["minutes"] += server_minutes
     _write_json(args.json, result)
     chance = result["chance"]
     print(
-        f"\nheld-out accuracy ({result['eval_size']} questions, chance {chance:.2f}):\n"
+        f"\nheld-out accuracy ({result['eval_size']} questions, chance {chance:.2f}, engine {result['engine']}):\n"
         f"  before GRPO (random-answer warm start): {result['accuracy_before']:.3f}   (bar: chance ± {CHANCE_MARGIN})\n"
         f"  after GRPO:                             {result['accuracy_after']:.3f}   (bar: ≥ {ACCURACY_AFTER_MIN})\n"
         f"  control, GRPO on blank images:          {result['control_accuracy_after']:.3f}   (bar: chance ± {CHANCE_MARGIN})\n"
@@ -223,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", metavar="PATH", help="a TOML config instead of the built-in demo.toml")
     demo.add_argument("--json", metavar="PATH", help="also write accuracy_before, accuracy_after, "
                       "control_accuracy_after, chance and minutes as JSON")
+    demo.add_argument("--engine", choices=["embedded", "vllm"], default="embedded",
+                      help="who samples the rollouts: 'embedded' (default, in-process) or 'vllm' (the servers in "
+                      "--engine.urls, or else a `saccade serve` started for the demo; needs vLLM installed)")
     demo.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     demo.set_defaults(func=cmd_demo)
 

@@ -193,6 +193,17 @@ class EngineConfig(Section):
     )
     timeout_s: float = Field(600.0, gt=0, description="timeout of one request to a vLLM server, seconds")
     max_concurrency: int = Field(64, ge=1, description="most requests in flight to the vLLM servers at once")
+    sync_every_steps: int = Field(
+        1, ge=1,
+        description="push the trainer's weights to the vLLM servers after every k-th step (1: on-policy); "
+        "rollouts in between are sampled from the last pushed policy, and each records its version. "
+        "The embedded engine shares the trainer's module and is always current",
+    )
+    weights_dir: str | None = Field(
+        None,
+        description="folder where weights for the vLLM servers are written (must be readable by every server: "
+        "a shared filesystem for remote ones); default <run_dir>/engine-weights. Only the latest version is kept",
+    )
 
     @model_validator(mode="after")
     def _urls_for_vllm(self) -> EngineConfig:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,28 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor]) ->
         for name, p in model.named_parameters():
             if name in saved:
                 p.copy_(saved[name])
+
+
+@contextmanager
+def demo_engine(cfg: RunConfig, engine: str):
+    """The demo's config on the engine asked for. 'vllm' uses the servers in engine.urls, or,
+    without any, starts `saccade serve` on the demo's model for the length of the demo (its
+    log: <run_dir>/vllm-server.log). Yields (config, minutes spent starting a server)."""
+    if engine == "embedded":
+        yield cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "embedded"})}), 0.0
+        return
+    if cfg.engine.urls:
+        yield cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "vllm"})}), 0.0
+        return
+    from saccade.models.tiny import resolve_model
+    from saccade.serving.launch import served
+
+    start = time.perf_counter()
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    print("starting a vLLM server for the demo (saccade serve; about a minute on CPU) ...", flush=True)
+    with served(resolve_model(cfg.model.path), log_path=cfg.run_dir / "vllm-server.log") as url:
+        engine_cfg = cfg.engine.model_copy(update={"kind": "vllm", "urls": [url]})
+        yield cfg.model_copy(update={"engine": engine_cfg}), (time.perf_counter() - start) / 60
 
 
 def within_chance(accuracy: float, chance: float, margin: float = CHANCE_MARGIN) -> bool:
@@ -112,7 +135,7 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
 
     # 3. Control: the same warm start and sampling seed, every image blank.
     restore_trainable(setup.model, warm)
-    setup.engine.generator.manual_seed(cfg.trainer.seed)
+    setup.engine.reseed(cfg.trainer.seed)
     control_cfg = run_config("control", blank_images=True)
     train_rl(control_cfg, run_dir=control_cfg.run_dir, setup=dataclasses.replace(setup, cfg=control_cfg),
              progress=progress)
@@ -131,6 +154,7 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "question_kinds": list(cfg.data.question_kinds),
         "num_choices": cfg.data.num_choices,
         "grpo_steps": cfg.trainer.steps,
+        "engine": cfg.engine.kind,
         "torch_threads": torch.get_num_threads(),
         "run_dir": str(root),
         "minutes": (time.perf_counter() - start) / 60,

@@ -66,6 +66,7 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
 
     setup = setup or build_setup(cfg, cfg.run_dir)
     weights = load_weights(setup, cfg, checkpoint)
+    setup.engine.update_weights()  # a vLLM server samples from these weights, not whatever it held
     samples = make_split(task_from_config(cfg), cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
     if not samples:
         raise ValueError("data.eval_size is 0: nothing to evaluate")

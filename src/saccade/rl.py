@@ -4,7 +4,8 @@ Each step: take the next prompts from the data stream, sample G completions each
 the engine, score them, turn rewards into group-relative advantages, build
 TrainingSamples from the engine's own token ids, pack them, and take `num_iterations`
 optimizer steps on the clipped objective against the engine's logprobs. Then the engine
-gets the new weights (free with the embedded engine: it shares the module).
+gets the new weights: free with the embedded engine (it shares the module); vLLM servers
+load an exported folder, after every step or every `engine.sync_every_steps`.
 
 Simplified on purpose: rollouts and training alternate in one process (no async
 off-policy buffer); evaluation is greedy accuracy on a held-out split.
@@ -34,8 +35,8 @@ class Setup:
     model_path: str
     processor: Any
     model: torch.nn.Module  # PolicyLM, LoRA-wrapped or not
-    encoder: Any
-    engine: Any
+    engine: Any  # LocalEngine or VLLMEngine
+    cache: Any  # EmbeddingCache: the images' embeddings, filled by the engine, read by the trainer
     limits: Any
     merge: int
     image_token_id: int
@@ -48,11 +49,16 @@ def set_seed(seed: int) -> None:
 
 
 def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
-    from saccade.inference.local import LocalEngine
+    """The trainer's model (LoRA or full) and the engine the config names.
+
+    Embedded: the engine samples from the trainer's module and holds the frozen tower.
+    vLLM: the servers hold the tower; image embeddings come from their /encode_images, so
+    no tower is loaded in this process at all.
+    """
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
-    from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.loading import load_config, load_processor
     from saccade.models.tiny import resolve_model
-    from saccade.models.vision import EmbeddingCache, VisionEncoder
+    from saccade.models.vision import EmbeddingCache
 
     if cfg.trainer.torch_threads:
         torch.set_num_threads(cfg.trainer.torch_threads)
@@ -66,13 +72,54 @@ def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
         model = apply_lora(policy, cfg.lora.to_settings())
     else:
         model = set_full_finetune(policy)
+    cache = EmbeddingCache(max_bytes=1 << 30)
+    if cfg.engine.kind == "vllm":
+        engine = build_vllm_engine(cfg, model, model_path, processor, limits, cache, run_dir)
+    else:
+        engine = build_local_engine(cfg, model, model_path, processor, limits, cache, dtype)
+    merge = int(load_config(model_path).vision_config.spatial_merge_size)
+    return Setup(cfg, run_dir, model_path, processor, model, engine, cache, limits, merge, policy.image_token_id)
+
+
+def build_local_engine(cfg: RunConfig, model, model_path: str, processor, limits, cache, dtype):
+    from saccade.inference.local import LocalEngine
+    from saccade.models.loading import load_vision_tower
+    from saccade.models.vision import VisionEncoder
+
     # The engine side holds the frozen tower; the trainer's model never does.
     tower = load_vision_tower(model_path, dtype=dtype)
-    encoder = VisionEncoder(tower, processor, limits=limits, cache=EmbeddingCache(max_bytes=1 << 30))
-    if cfg.engine.kind != "embedded":
-        raise ValueError(f"engine.kind={cfg.engine.kind!r} is not available yet; use 'embedded'")
-    engine = LocalEngine(model, processor, encoder, limits=limits, seed=cfg.trainer.seed)
-    return Setup(cfg, run_dir, model_path, processor, model, encoder, engine, limits, encoder.merge, policy.image_token_id)
+    encoder = VisionEncoder(tower, processor, limits=limits, cache=cache)
+    return LocalEngine(model, processor, encoder, limits=limits, seed=cfg.trainer.seed)
+
+
+def build_vllm_engine(cfg: RunConfig, model, model_path: str, processor, limits, cache, run_dir: Path):
+    import os
+
+    from saccade.inference.vllm import VLLMEngine
+
+    weights_dir = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else run_dir / "engine-weights"
+    return VLLMEngine.for_servers(
+        cfg.engine.urls, processor, limits=limits, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
+        max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
+        exporter=engine_weights_exporter(model, model_path, weights_dir),
+    )
+
+
+def engine_weights_exporter(model: torch.nn.Module, base_model_path: str, folder: Path):
+    """exporter(version) -> a full HF folder of the model's current weights (LoRA merged),
+    `folder/v{version}`; older versions are removed (the servers have loaded them already)."""
+    import shutil
+
+    from saccade.trainer.checkpoint import merge_full_weights_for_engine
+
+    def export(version: int) -> str:
+        out = merge_full_weights_for_engine(model, base_model_path, folder / f"v{version}")
+        for old in folder.glob("v*"):
+            if old != out and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+        return str(out)
+
+    return export
 
 
 def lr_lambda(cfg: RunConfig):
@@ -209,6 +256,7 @@ def rollout_step(setup: Setup, samples: list, step: int) -> tuple[list, dict[str
         "stopped_frac": float(np.mean([c.finish_reason == "stop" for g in groups for c in g])),
         "groups_kept_frac": float(keep.float().mean()),
         "completion_tokens": float(lengths.sum()),
+        "sampled_policy_version": float(min(c.policy_version for g in groups for c in g)),
     }
     return train_samples, metrics
 
@@ -225,7 +273,7 @@ def train_on_samples(setup: Setup, samples: list, optimizer, scheduler) -> dict[
     temperature = cfg.engine.temperature
     loss_cfg = cfg.loss.to_loss_config()
     micro_batches = pack(
-        samples, setup.encoder.cache.get, max_tokens=cfg.trainer.max_tokens,
+        samples, setup.cache.get, max_tokens=cfg.trainer.max_tokens,
         image_token_id=setup.image_token_id, spatial_merge_size=setup.merge,
     )
     total_loss_tokens = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
@@ -320,8 +368,10 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
         if path is None:
             raise ValueError(f"--resume: no complete checkpoint under {run_dir}; start without --resume")
         state = load_checkpoint(path, model=setup.model, optimizer=optimizer, scheduler=scheduler)
-        setup.engine.generator.set_state(torch.tensor(state.extra["engine_rng"], dtype=torch.uint8))
-        setup.engine.policy_version = state.policy_version
+        setup.engine.set_rng_state(state.extra.get("engine_rng"))
+    # From the first step on, the engine samples from exactly the trainer's weights: a vLLM
+    # server may still hold the base model, or another run's (the embedded engine shares them).
+    setup.engine.update_weights(version=state.policy_version)
     logger = MetricsLogger(
         run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, tensorboard=cfg.log.tensorboard,
         config=cfg.model_dump(), resume=resume,
@@ -343,27 +393,34 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
             train_metrics: dict[str, float] = {}
             if samples:
                 train_metrics = train_on_samples(setup, samples, optimizer, scheduler)
-            sync_s = setup.engine.update_weights()
-            state.policy_version = setup.engine.policy_version
             train_s = time.perf_counter() - start - rollout_s
+            state.step = step + 1
+            evaluating = bool(cfg.eval.every_steps) and state.step % cfg.eval.every_steps == 0
+            checkpointing = bool(cfg.checkpoint.every_steps) and state.step % cfg.checkpoint.every_steps == 0
+            # Push every k-th step, and whenever the run evaluates, checkpoints or ends, so those
+            # see (and a resume restarts from) the engine holding the trainer's current weights.
+            sync_s = 0.0
+            if state.step % cfg.engine.sync_every_steps == 0 or evaluating or checkpointing or state.step == end:
+                sync_s = setup.engine.update_weights(version=state.step)
+            state.policy_version = setup.engine.policy_version
             step_s = time.perf_counter() - start
             metrics = {**rollout_metrics, **train_metrics}
             metrics.update(
                 rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync_s, step_s=step_s,
                 tokens_per_s=(train_metrics.get("train_tokens", 0.0) + rollout_metrics["completion_tokens"]) / step_s,
-                cache_hit_rate=setup.encoder.cache.stats.hit_rate,
+                cache_hit_rate=setup.cache.stats.hit_rate,
+                # Updates the policy made since the weights these rollouts were sampled from.
+                policy_lag=step - rollout_metrics["sampled_policy_version"],
             )
-            state.step = step + 1
-            if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
+            if evaluating:
                 ev = evaluate(setup, eval_samples, max_tokens=cfg.engine.max_tokens)
                 logger.log(state.step, {"accuracy": ev["accuracy"]}, phase="eval")
                 metrics["eval_accuracy"] = ev["accuracy"]
             logger.log(state.step, metrics)
             last = metrics
             bar(format_step(metrics))
-            periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
-            if periodic or state.step == cfg.trainer.steps:  # and always at the end of the run
-                state.extra["engine_rng"] = setup.engine.generator.get_state().tolist()
+            if checkpointing or state.step == cfg.trainer.steps:  # and always at the end of the run
+                state.extra["engine_rng"] = setup.engine.rng_state()
                 save_checkpoint(
                     run_dir, model=setup.model, optimizer=optimizer, scheduler=scheduler, state=state,
                     keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path,

@@ -17,26 +17,31 @@ import torch
 from saccade.config import RunConfig
 
 
-def sft_sample(setup, vqa_sample, answer: str, sample_id: str):
-    """TrainingSample for `answer` after the sample's prompt; its images are encoded into the cache."""
+def sft_samples(setup, items: list[tuple[object, str, str]]) -> list:
+    """TrainingSamples for (vqa_sample, answer, sample_id) items: the answer after the sample's
+    prompt. The engine prepares the prompts, so their images' embeddings land in the cache."""
     from saccade.data.shapes import to_messages
     from saccade.inference.engine import ChatRequest
     from saccade.trainer.samples import make_sample
 
     # The engine's own prompt preparation: the very ids (and cached images) it samples after.
-    prompt = setup.engine.prepare(ChatRequest(sample_id, to_messages(vqa_sample)))
+    prompts = setup.engine.prepare_all([ChatRequest(sample_id, to_messages(vqa)) for vqa, _, sample_id in items])
     tokenizer = setup.processor.tokenizer
-    answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    P, C = prompt.length, len(answer_ids)
-    return make_sample(
-        sample_id,
-        torch.cat([prompt.inputs.input_ids, torch.tensor(answer_ids)]),
-        torch.cat([prompt.inputs.mm_token_type_ids, torch.zeros(C, dtype=torch.long)]),
-        prompt.inputs.image_grid_thw,
-        prompt.image_keys,
-        spatial_merge_size=setup.merge,
-        loss_mask=torch.cat([torch.zeros(P, dtype=torch.bool), torch.ones(C, dtype=torch.bool)]),
-    )
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    for prompt, (_, answer, sample_id) in zip(prompts, items, strict=True):
+        answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [stop]
+        P, C = prompt.length, len(answer_ids)
+        out.append(make_sample(
+            sample_id,
+            torch.cat([prompt.inputs.input_ids, torch.tensor(answer_ids)]),
+            torch.cat([prompt.inputs.mm_token_type_ids, torch.zeros(C, dtype=torch.long)]),
+            prompt.inputs.image_grid_thw,
+            prompt.image_keys,
+            spatial_merge_size=setup.merge,
+            loss_mask=torch.cat([torch.zeros(P, dtype=torch.bool), torch.ones(C, dtype=torch.bool)]),
+        ))
+    return out
 
 
 def sft_step(setup, samples, optimizer, scheduler, *, max_tokens: int, grad_clip: float) -> dict[str, float]:
@@ -45,7 +50,7 @@ def sft_step(setup, samples, optimizer, scheduler, *, max_tokens: int, grad_clip
     from saccade.trainer.packing import pack
 
     micro_batches = pack(
-        samples, setup.encoder.cache.get, max_tokens=max_tokens,
+        samples, setup.cache.get, max_tokens=max_tokens,
         image_token_id=setup.image_token_id, spatial_merge_size=setup.merge,
     )
     total = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
@@ -91,16 +96,19 @@ def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool
     with MetricsLogger(run_dir, config=cfg.model_dump()) as logger, _progress(progress, s.steps, phase) as bar:
         for step in range(s.steps):
             start = time.perf_counter()
-            batch = []
+            items = []
             for i in range(s.batch_size):
                 index = step * s.batch_size + i
                 vqa = make_sample(task, index, seed=cfg.trainer.seed + 777)
                 answer = rng.choice(vqa.choices) if random_answers else vqa.answer
-                batch.append(sft_sample(setup, vqa, answer, f"sft-{index}"))
+                items.append((vqa, answer, f"sft-{index}"))
+            batch = sft_samples(setup, items)
             metrics = sft_step(setup, batch, optimizer, scheduler, max_tokens=cfg.trainer.max_tokens,
                                grad_clip=cfg.trainer.grad_clip)
             metrics["step_s"] = time.perf_counter() - start
             logger.log(step + 1, metrics, phase=phase)
             bar(format_step(metrics))
             last = metrics
+    # A vLLM engine still holds the weights from before SFT: give it the trained ones.
+    setup.engine.update_weights()
     return {"setup": setup, "last": last}

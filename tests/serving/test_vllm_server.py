@@ -16,29 +16,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from saccade.bench.engine import ENCODE_BAR, MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
 
-BODY_LIMIT_MB = 1
-
-
-@pytest.fixture(scope="module")
-def server(tiny_path, tmp_path_factory):
-    """One real server for the module; its log is in the failure message if it cannot start."""
-    from saccade.serving.launch import CPU_ARGS, served
-
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    try:
-        with served(str(tiny_path), args=(*CPU_ARGS, "--max-body-mb", str(BODY_LIMIT_MB)), log_path=log) as url:
-            yield url
-    except RuntimeError as err:
-        pytest.fail(str(err))
-
-
-@pytest.fixture(scope="module")
-def engine(server, processor, limits):
-    from saccade.inference.vllm import VLLMEngine
-
-    return VLLMEngine([server], processor, limits=limits)
-
-
 def trainer_logprobs(model, completions, engine, temperature):
     from saccade.bench.engine import trainer_logprob_diffs
 
@@ -163,8 +140,8 @@ def test_weights_of_the_wrong_shape_are_refused_before_vllm_sees_them(server, tm
     assert response.status_code == 400 and "does not have" in response.text
 
 
-def test_a_body_over_the_limit_is_refused_with_413(server):
-    payload = json.dumps({"images": ["data:image/png;base64," + "A" * (BODY_LIMIT_MB * 1024 * 1024 + 10)]})
+def test_a_body_over_the_limit_is_refused_with_413(server, body_limit_mb):
+    payload = json.dumps({"images": ["data:image/png;base64," + "A" * (body_limit_mb * 1024 * 1024 + 10)]})
     response = httpx.post(server + "/encode_images", content=payload, timeout=60,
                           headers={"content-type": "application/json"})
     assert response.status_code == 413

@@ -71,12 +71,27 @@ class LocalEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self.policy_version = 0
 
+    # The engine samples from the trainer's module itself: new weights need no copy.
+    shares_weights = True
+
     # --- weights ---------------------------------------------------------------------
-    def update_weights(self) -> float:
-        """Nothing to move: the engine samples from the trainer's module itself."""
+    def update_weights(self, version: int | None = None) -> float:
+        """Nothing to move; only the policy version advances (to `version` when given)."""
         start = time.perf_counter()
-        self.policy_version += 1
+        self.policy_version = self.policy_version + 1 if version is None else version
         return time.perf_counter() - start
+
+    # --- sampling randomness ---------------------------------------------------------
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    def rng_state(self) -> list[int]:
+        """The sampler's state, for a checkpoint: a resumed run draws the same samples."""
+        return self.generator.get_state().tolist()
+
+    def set_rng_state(self, state: list[int] | None) -> None:
+        if state is not None:
+            self.generator.set_state(torch.tensor(state, dtype=torch.uint8))
 
     # --- prompts ---------------------------------------------------------------------
     def prepare(self, request: ChatRequest) -> PreparedPrompt:
@@ -87,6 +102,9 @@ class LocalEngine:
         embeddings = self.encoder.encode(inputs.images, keys) if inputs.images else []
         mrope = mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, spatial_merge_size=self.encoder.merge)
         return PreparedPrompt(request, inputs, keys, embeddings, mrope)
+
+    def prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
+        return [self.prepare(r) for r in requests]
 
     # --- sampling --------------------------------------------------------------------
     @torch.no_grad()

