@@ -199,6 +199,11 @@ class EngineConfig(Section):
         "rollouts in between are sampled from the last pushed policy, and each records its version. "
         "The embedded engine shares the trainer's module and is always current",
     )
+    sync_lora_adapter: bool = Field(
+        False,
+        description="with LoRA, push only the adapter (MBs) instead of merged full weights (GBs); the servers "
+        "load it in place and sample with it (start them with --enable-lora --max-lora-rank >= lora.rank)",
+    )
     weights_dir: str | None = Field(
         None,
         description="folder where weights for the vLLM servers are written (must be readable by every server: "

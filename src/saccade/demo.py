@@ -63,12 +63,14 @@ def demo_engine(cfg: RunConfig, engine: str):
         yield cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "vllm"})}), 0.0
         return
     from saccade.models.tiny import resolve_model
-    from saccade.serving.launch import served
+    from saccade.serving.launch import CPU_ARGS, served
 
     start = time.perf_counter()
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     print("starting a vLLM server for the demo (saccade serve; about a minute on CPU) ...", flush=True)
-    with served(resolve_model(cfg.model.path), log_path=cfg.run_dir / "vllm-server.log") as url:
+    # No line per request in the log: the demo makes thousands.
+    args = (*CPU_ARGS, "--disable-uvicorn-access-log")
+    with served(resolve_model(cfg.model.path), args=args, log_path=cfg.run_dir / "vllm-server.log") as url:
         engine_cfg = cfg.engine.model_copy(update={"kind": "vllm", "urls": [url]})
         yield cfg.model_copy(update={"engine": engine_cfg}), (time.perf_counter() - start) / 60
 

@@ -97,23 +97,36 @@ def build_vllm_engine(cfg: RunConfig, model, model_path: str, processor, limits,
 
     from saccade.inference.vllm import VLLMEngine
 
+    lora = cfg.engine.sync_lora_adapter
+    if lora and not cfg.lora.enabled:
+        raise ValueError("engine.sync_lora_adapter needs lora.enabled = true (full fine-tuning pushes full weights)")
     weights_dir = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else run_dir / "engine-weights"
-    return VLLMEngine.for_servers(
+    engine = VLLMEngine.for_servers(
         cfg.engine.urls, processor, limits=limits, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
         max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
-        exporter=engine_weights_exporter(model, model_path, weights_dir),
+        exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora), lora=lora,
     )
+    if lora:
+        no_lora = [info["model"] for info in engine.info() if not info.get("lora_enabled")]
+        if no_lora:
+            raise ValueError("engine.sync_lora_adapter: the servers were started without LoRA support; "
+                             f"restart them with --enable-lora --max-lora-rank {cfg.lora.rank} (or larger)")
+    return engine
 
 
-def engine_weights_exporter(model: torch.nn.Module, base_model_path: str, folder: Path):
-    """exporter(version) -> a full HF folder of the model's current weights (LoRA merged),
-    `folder/v{version}`; older versions are removed (the servers have loaded them already)."""
+def engine_weights_exporter(model: torch.nn.Module, base_model_path: str, folder: Path, *, lora: bool = False):
+    """exporter(version) -> `folder/v{version}`: a full HF folder of the model's current weights
+    (LoRA merged), or with `lora` only its PEFT adapter. Older versions are removed (the
+    servers have loaded them already)."""
     import shutil
 
-    from saccade.trainer.checkpoint import merge_full_weights_for_engine
+    from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
 
     def export(version: int) -> str:
-        out = merge_full_weights_for_engine(model, base_model_path, folder / f"v{version}")
+        if lora:
+            out = save_adapter_for_engine(model, base_model_path, folder / f"v{version}")
+        else:
+            out = merge_full_weights_for_engine(model, base_model_path, folder / f"v{version}")
         for old in folder.glob("v*"):
             if old != out and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)

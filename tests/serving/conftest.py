@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 BODY_LIMIT_MB = 1
+# LoRA on, so the adapter sync can be tested on the same server as everything else.
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8")
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +18,7 @@ def server(tiny_path, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     try:
-        with served(str(tiny_path), args=(*CPU_ARGS, "--max-body-mb", str(BODY_LIMIT_MB)), log_path=log) as url:
+        with served(str(tiny_path), args=(*CPU_ARGS, *LORA_ARGS, "--max-body-mb", str(BODY_LIMIT_MB)), log_path=log) as url:
             yield url
     except RuntimeError as err:
         pytest.fail(str(err))

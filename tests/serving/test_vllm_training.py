@@ -100,6 +100,34 @@ def test_rl_on_vllm_with_sync_every_2_steps_records_the_lag(tmp_path, server, mo
     assert rows[0]["mismatch_abs"] <= MEAN_BAR and rows[2]["mismatch_abs"] <= MEAN_BAR
 
 
+def test_lora_runs_push_only_the_adapter_and_vllm_samples_with_it(tmp_path, server, monkeypatch):
+    import saccade.rl as rl
+
+    monkeypatch.setattr(rl, "reward_of", _text_hash_reward)
+    cfg = vllm_config(tmp_path, server, "--lora.enabled", "true", "--lora.rank", "8",
+                      "--engine.sync_lora_adapter", "true", "--trainer.lr", "1e-2")
+    setup = rl.train_rl(cfg, run_dir=cfg.run_dir, progress=False)["setup"]
+    rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert all(r["mismatch_abs"] <= MEAN_BAR and r["weight_sync_s"] > 0 for r in rows), [
+        (r["mismatch_abs"], r["weight_sync_s"]) for r in rows]
+    [pushed] = list((cfg.run_dir / "engine-weights").iterdir())
+    assert [p.name for p in pushed.glob("*.safetensors")] == ["adapter_model.safetensors"]  # no full weights
+    assert setup.engine.info()[0]["base_modified"] is False  # the adapter sits on the base it was trained on
+    assert setup.engine.info()[0]["lora"] == "saccade-policy"
+    diff = served_policy_diffs(setup)
+    assert diff.mean() <= MEAN_BAR and diff.max() <= MAX_BAR
+    with setup.model.disable_adapter():  # the adapter is really in use on the server
+        assert served_policy_diffs(setup).mean() > 10 * MEAN_BAR
+
+
+def test_adapter_sync_is_refused_for_full_finetuning(tmp_path, server):
+    from saccade.rl import build_setup
+
+    cfg = vllm_config(tmp_path, server, "--engine.sync_lora_adapter", "true")
+    with pytest.raises(ValueError, match="needs lora.enabled"):
+        build_setup(cfg, tmp_path)
+
+
 def test_sft_on_vllm_trains_on_server_embeddings_and_pushes_the_result(tmp_path, server, processor):
     from saccade.data.messages import messages_to_inputs
     from saccade.rl import build_setup

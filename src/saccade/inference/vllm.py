@@ -14,7 +14,9 @@ backoff on connection errors and 5xx; with several servers each request goes to 
 with the fewest requests in flight (ties: round-robin).
 
 Weights: `update_weights()` calls the exporter given at construction (it writes a
-safetensors folder the servers can read) and POSTs it to every server's /update_weights.
+safetensors folder the servers can read) and POSTs it to every server's /update_weights:
+full weights (LoRA merged), or with `lora=True` only the adapter, which the servers load
+in place and requests then name as their model.
 
 Prompts for training without sampling (SFT): `prepare_all` tokenizes with saccade's own
 messages -> inputs (the ids the server produces, a test holds them equal) and fetches the
@@ -97,6 +99,7 @@ class VLLMEngine:
         backoff_s: float = 0.5,
         exporter: Callable[[int], str] | None = None,
         model: str | None = None,
+        lora: bool = False,
     ):
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL (engine.urls)")
@@ -112,6 +115,10 @@ class VLLMEngine:
         self.backoff_s = backoff_s
         self.exporter = exporter
         self.model = model
+        # lora: the exporter writes a PEFT adapter folder; the servers load it as an adapter
+        # and requests name it as their model. Otherwise it writes full weights.
+        self.lora = lora
+        self._adapter_loaded = False
         self.banned_token_ids = vision_token_ids(self.tokenizer)
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self.policy_version = 0
@@ -182,6 +189,11 @@ class VLLMEngine:
         return httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
 
     async def _model_name(self, client) -> str:
+        """The model requests name: the trainer's adapter once one is loaded, else the served model."""
+        from saccade.serving.server import LORA_NAME
+
+        if self._adapter_loaded:
+            return LORA_NAME
         if self.model is None:
             response = await client.get(self.urls[0] + "/v1/models", headers=self.headers)
             response.raise_for_status()
@@ -319,14 +331,26 @@ class VLLMEngine:
         folder = self.exporter(version)
         asyncio.run(self._push(folder, version))
         self.policy_version = version
+        self._adapter_loaded = self.lora
         return time.perf_counter() - start
 
     async def _push(self, folder: str, version: int) -> None:
         async with self._client() as client:
+            if self.lora and not self._adapter_loaded:
+                await self._restore_base_where_modified(client, version)
             await asyncio.gather(*(
-                self._post(client, "/update_weights", json_body={"path": str(folder), "version": version}, url=u)
+                self._post(client, "/update_weights", json_body={"path": str(folder), "version": version,
+                                                                 "lora": self.lora}, url=u)
                 for u in self.urls
             ))
+
+    async def _restore_base_where_modified(self, client, version: int) -> None:
+        """An adapter only means something on the weights it was trained on: a server that
+        loaded full weights since it started (another run's) first reloads its checkpoint."""
+        for url in self.urls:
+            info = (await client.get(url + "/saccade/info", headers=self.headers)).json()
+            if info.get("base_modified"):
+                await self._post(client, "/update_weights", json_body={"restore_base": True, "version": version}, url=url)
 
     # --- sampling randomness: not seeded (see the module note) --------------------------------
     def reseed(self, seed: int) -> None:

@@ -5,7 +5,11 @@
   Computed by the served model's own vision tower, with the image processor the chat
   endpoint uses (same resize), so the orchestrator never loads a second tower.
 - `POST /update_weights` {"path": DIR, "version": k} -> reload the model's weights from a
-  safetensors folder the trainer wrote, then reset the prefix cache.
+  safetensors folder the trainer wrote, then reset the prefix cache. With "lora": true,
+  DIR is a PEFT adapter folder instead: it is (re)loaded in place as the adapter named
+  `saccade-policy` (the server needs `--enable-lora --max-lora-rank R`), and requests for
+  that model name sample with it; the base weights stay as they are. {"restore_base": true}
+  reloads the served checkpoint itself (an adapter must sit on the weights it was trained on).
 - `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout).
 
 vLLM is extended, not forked: `build_app` is wrapped to add a router, and a worker
@@ -116,6 +120,10 @@ class SaccadeState:
         )
         self.merge = int(getattr(ip, "merge_size", 2))
         self.policy_version = 0
+        self.lora: str | None = None  # the adapter requests sample with, once the trainer pushed one
+        # True once full weights were loaded: an adapter trained on the base would then sit on
+        # other weights, so the LoRA trainer first restores the base ({"restore_base": true}).
+        self.base_modified = False
         self.vision: dict[str, Any] | None = None
         # What an uploaded weights folder is checked against: the served checkpoint's tensors.
         self.reference_shapes = reference_shapes(model_path)
@@ -180,6 +188,34 @@ def check_weights_folder(path: str, reference: dict[str, list[int]]) -> int:
     return len(shapes)
 
 
+# The model name requests use to sample with the trainer's LoRA adapter.
+LORA_NAME = "saccade-policy"
+
+
+def check_adapter_folder(path: str) -> None:
+    """Refuse an adapter folder vLLM would choke on: missing, or without PEFT's two files."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise RequestError(f"adapter folder {path!r} does not exist on the server")
+    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (folder / f).is_file()]
+    if missing:
+        raise RequestError(f"adapter folder {path!r} lacks {missing} (a PEFT save_pretrained folder)")
+
+
+async def load_adapter(app, path: str) -> None:
+    """(Re)load the trainer's adapter under LORA_NAME, in place: the same name and LoRA id,
+    new weights. vLLM's prefix cache keys on the LoRA id, so the caller resets it."""
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    if app.state.vllm_config.lora_config is None:
+        raise RequestError("this server has no LoRA support: start it with --enable-lora --max-lora-rank R")
+    result = await app.state.openai_serving_models.load_lora_adapter(
+        LoadLoRAAdapterRequest(lora_name=LORA_NAME, lora_path=path, load_inplace=True)
+    )
+    if not isinstance(result, str):  # an ErrorResponse: vLLM refused the adapter
+        raise RequestError(f"adapter {path!r} was refused: {result.error.message}")
+
+
 def build_router(state: SaccadeState):
     from fastapi import APIRouter, Request
     from fastapi.responses import JSONResponse, Response
@@ -232,11 +268,22 @@ def build_router(state: SaccadeState):
     async def update_weights(request: Request):
         try:
             body = await read_json(request)
+            if isinstance(body, dict) and body.get("restore_base"):
+                body["path"] = state.model_path  # the served checkpoint: a valid weights folder
             if not isinstance(body, dict) or not isinstance(body.get("path"), str):
                 raise RequestError('the body must be a JSON object with "path": a folder of safetensors weights')
             version = body.get("version", state.policy_version + 1)
             if not isinstance(version, int) or isinstance(version, bool):
                 raise RequestError('"version" must be an integer')
+            if body.get("lora") and body.get("restore_base"):
+                raise RequestError('"lora" and "restore_base" exclude each other')
+            if body.get("lora"):
+                check_adapter_folder(body["path"])
+                await load_adapter(request.app, body["path"])
+                await request.app.state.engine_client.reset_prefix_cache()
+                state.policy_version = version
+                state.lora = LORA_NAME
+                return {"ok": True, "version": version, "lora": LORA_NAME}
             count = check_weights_folder(body["path"], state.reference_shapes)
         except RequestError as err:
             return error(err)
@@ -249,12 +296,15 @@ def build_router(state: SaccadeState):
         await client.reset_encoder_cache()
         await client.reset_prefix_cache()
         state.policy_version = version
+        state.base_modified = not body.get("restore_base", False)
         return {"ok": True, "version": version, "tensors": count}
 
     @router.get("/saccade/info")
     async def info(request: Request):
         return {"policy_version": state.policy_version, "model": state.model_path, **(await vision_info(request)),
-                "min_pixels": state.limits.min_pixels, "max_pixels": state.limits.max_pixels}
+                "min_pixels": state.limits.min_pixels, "max_pixels": state.limits.max_pixels,
+                "lora_enabled": request.app.state.vllm_config.lora_config is not None, "lora": state.lora,
+                "base_modified": state.base_modified}
 
     return router
 

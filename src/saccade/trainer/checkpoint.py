@@ -333,6 +333,26 @@ def merge_full_weights_for_engine(
     return out_dir
 
 
+def save_adapter_for_engine(model: nn.Module, base_model_path: str | os.PathLike, out_dir: Path) -> Path:
+    """Write the live PEFT model's adapter as a PEFT folder under the full Qwen3-VL names
+    (what vLLM's LoRA loader maps onto its modules), atomically. A few MB where
+    `merge_full_weights_for_engine` writes the whole model."""
+    if not _is_peft(model):
+        raise ValueError("save_adapter_for_engine needs a LoRA (PEFT) model; full fine-tuning exports full weights")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _save_adapter(tmp, model, str(resolve_model_path(base_model_path)))
+        _fsync_tree(tmp)
+        _publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def _trained_lm_weights(source, base: Path) -> dict[str, torch.Tensor]:
     """Full-model key -> trained tensor, LoRA merged, tied duplicates left out."""
     if isinstance(source, nn.Module):
