@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Builds (once, cached) a tiny random Qwen3-VL offline; SFT warm start on random answers "
         "(the answer format, no visual signal); GRPO on the synthetic shapes task; then the same GRPO on "
         "blank images as a control. Prints held-out accuracy before, after and for the control, and fails "
-        "(exit 1) if the model did not learn or the control did. About 4 minutes on 2 cores. "
+        "(exit 1) if the model did not learn or the control did. About 6 minutes on 2 cores (8 on vLLM). "
         "Settings: saccade/configs/demo.toml (configs/demo.toml in the repo); dotted overrides apply. "
         "Runs, metrics and plots go to runs/demo/{sft,grpo,control}, replacing a previous demo's.",
     )
