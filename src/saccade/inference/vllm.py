@@ -315,7 +315,9 @@ class VLLMEngine:
                 image_keys=list(keys),
                 image_grid_thw=grid.clone(),
                 finish_reason="stop" if choice["finish_reason"] == "stop" else "length",
-                text=choice["message"].get("content") or "",
+                # Decoded here, as the embedded engine does: vLLM's own text holds back a
+                # trailing incomplete UTF-8 sequence, so a reward would see other text.
+                text=self.tokenizer.decode(ids, skip_special_tokens=True),
                 policy_version=version,
             ))
         return out
