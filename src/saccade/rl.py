@@ -56,7 +56,7 @@ def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
     no tower is loaded in this process at all.
     """
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
-    from saccade.models.loading import load_config, load_processor
+    from saccade.models.loading import load_processor
     from saccade.models.tiny import resolve_model
     from saccade.models.vision import EmbeddingCache
 
@@ -77,7 +77,7 @@ def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
         engine = build_vllm_engine(cfg, model, model_path, processor, limits, cache, run_dir)
     else:
         engine = build_local_engine(cfg, model, model_path, processor, limits, cache, dtype)
-    merge = int(load_config(model_path).vision_config.spatial_merge_size)
+    merge = int(policy.config.vision_config.spatial_merge_size)  # the full model's config; no tower read
     return Setup(cfg, run_dir, model_path, processor, model, engine, cache, limits, merge, policy.image_token_id)
 
 
@@ -101,17 +101,11 @@ def build_vllm_engine(cfg: RunConfig, model, model_path: str, processor, limits,
     if lora and not cfg.lora.enabled:
         raise ValueError("engine.sync_lora_adapter needs lora.enabled = true (full fine-tuning pushes full weights)")
     weights_dir = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else run_dir / "engine-weights"
-    engine = VLLMEngine.for_servers(
+    return VLLMEngine.for_servers(
         cfg.engine.urls, processor, limits=limits, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
         max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
         exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora), lora=lora,
     )
-    if lora:
-        no_lora = [info["model"] for info in engine.info() if not info.get("lora_enabled")]
-        if no_lora:
-            raise ValueError("engine.sync_lora_adapter: the servers were started without LoRA support; "
-                             f"restart them with --enable-lora --max-lora-rank {cfg.lora.rank} (or larger)")
-    return engine
 
 
 def engine_weights_exporter(model: torch.nn.Module, base_model_path: str, folder: Path, *, lora: bool = False):

@@ -135,6 +135,7 @@ class VLLMEngine:
         Without `limits`, the first server's own resize bounds (from /saccade/info) are used.
         With them, every server must resize to the same bounds, or the trainer's prompts
         would not be the ones the servers sample after: that is refused with what to change.
+        With `lora=True`, every server must have LoRA enabled.
         """
         engine = cls(urls, processor, limits=limits, **kwargs)
         infos = engine.info()
@@ -142,6 +143,9 @@ class VLLMEngine:
             limits = ImageLimits(min_pixels=infos[0]["min_pixels"], max_pixels=infos[0]["max_pixels"])
             engine.limits = limits
         for url, info in zip(engine.urls, infos, strict=True):
+            if engine.lora and not info.get("lora_enabled"):
+                raise ValueError(f"the server at {url} has no LoRA support, so it cannot load the trainer's adapter; "
+                                 "restart it with --enable-lora --max-lora-rank R (R >= lora.rank)")
             served = (info["min_pixels"], info["max_pixels"])
             if served != (limits.min_pixels, limits.max_pixels):
                 raise ValueError(

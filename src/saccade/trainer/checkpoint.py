@@ -39,6 +39,7 @@ import re
 import shutil
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -111,14 +112,8 @@ def save_checkpoint(
         raise ValueError(f"TrainState is not JSON-serialisable: {e}") from e
 
     root = Path(run_dir) / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{state.step:06d}"
-    final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    final = root / f"step_{state.step:06d}"
+    with _atomic_dir(final) as tmp:
         if peft:
             _save_adapter(tmp / ADAPTER_DIR, model, base)
         else:
@@ -129,15 +124,9 @@ def save_checkpoint(
             torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
         torch.save(rng, tmp / RNG_FILE)
         (tmp / STATE_FILE).write_text(state_text)
-        _fsync_tree(tmp)
+        _fsync_tree(tmp)  # everything is on disk before COMPLETE says so
         manifest = {"step": state.step, "files": {str(p.relative_to(tmp)): p.stat().st_size for p in _files(tmp)}}
         (tmp / COMPLETE).write_text(json.dumps(manifest, indent=2) + "\n")
-        _fsync_file(tmp / COMPLETE)
-        _fsync_file(tmp)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _prune(root, state.step, keep_last)
     return final
 
@@ -295,12 +284,7 @@ def merge_full_weights_for_engine(
     if bad:
         raise ValueError(f"trained weights have names outside the language model: {bad[:3]}")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    with _atomic_dir(out_dir) as tmp:
         replaced: set[str] = set()
         for file in safetensors_files(base):
             tensors = {}
@@ -325,11 +309,6 @@ def merge_full_weights_for_engine(
         for p in base.iterdir():  # config, generation config, tokenizer, processor, chat template, index
             if p.is_file() and not p.name.endswith(".safetensors") and not p.name.startswith("."):
                 shutil.copy2(p, tmp / p.name)
-        _fsync_tree(tmp)
-        _publish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -340,16 +319,8 @@ def save_adapter_for_engine(model: nn.Module, base_model_path: str | os.PathLike
     if not _is_peft(model):
         raise ValueError("save_adapter_for_engine needs a LoRA (PEFT) model; full fine-tuning exports full weights")
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _atomic_dir(out_dir) as tmp:
         _save_adapter(tmp, model, str(resolve_model_path(base_model_path)))
-        _fsync_tree(tmp)
-        _publish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -528,6 +499,24 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextmanager
+def _atomic_dir(final: Path):
+    """A fresh `.tmp-<name>-<pid>` folder beside `final` to write into. On a clean exit it is
+    fsynced and published as `final` in one step; on any error it is removed, and `final`
+    is left as it was."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _publish(tmp: Path, final: Path) -> None:
