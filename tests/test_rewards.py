@@ -6,10 +6,12 @@ import pytest
 
 from saccade.rewards import (
     REWARD_FUNCTIONS,
+    boxed_format_reward,
     choice_index,
     correct_reward,
     extract_answer,
     format_reward,
+    math_equal,
     parse_number,
     score,
 )
@@ -190,8 +192,118 @@ def test_format_reward_without_choices_and_with_a_sample():
 
 
 def test_reward_registry():
-    assert set(REWARD_FUNCTIONS) >= {"correct", "format"}
+    assert set(REWARD_FUNCTIONS) >= {"correct", "format", "boxed_format"}
     sample = {"answer": "red", "choices": COLORS4, "answer_type": "multi_choice"}
     # Every registered reward is called the same way: fn(completion, sample) -> float.
-    assert {name: fn("A", sample) for name, fn in REWARD_FUNCTIONS.items()} == {"correct": 1.0, "format": 1.0}
-    assert {name: fn("blue", sample) for name, fn in REWARD_FUNCTIONS.items()} == {"correct": 0.0, "format": 1.0}
+    rewards = {name: fn("A", sample) for name, fn in REWARD_FUNCTIONS.items()}
+    assert rewards == {"correct": 1.0, "format": 1.0, "boxed_format": 0.0}
+    rewards = {name: fn("\\boxed{blue}", sample) for name, fn in REWARD_FUNCTIONS.items()}
+    assert rewards == {"correct": 0.0, "format": 1.0, "boxed_format": 1.0}
+
+
+# ------------------------------------------------------------- answer equivalence table
+
+MATHVISTA_CHOICES = ["145°", "135°", "90°", "45°"]
+
+# (completion, answer, choices, answer_type, precision, expected): one row per kind of answer
+# the data sets hold, each kind both equal and not equal.
+EQUIVALENCE_CASES = [
+    # letters, with the options in `choices`
+    ("\\boxed{B}", "135°", MATHVISTA_CHOICES, "multi_choice", None, 1.0),
+    ("Answer: (D)", "135°", MATHVISTA_CHOICES, "multi_choice", None, 0.0),
+    # OpenMMReasoner: a letter gold, options only in the prompt text
+    ("The answer is (C).", "C", None, "multi_choice", None, 1.0),
+    ("\\boxed{C. 12 cm}", "C", None, "multi_choice", None, 1.0),
+    ("\\boxed{A}", "C", None, "multi_choice", None, 0.0),
+    ("\\boxed{12 cm}", "C", None, "multi_choice", None, 0.0),
+    # option text (MathVista's gold is the choice's text)
+    ("\\boxed{135°}", "135°", MATHVISTA_CHOICES, "multi_choice", None, 1.0),
+    ("\\boxed{45°}", "135°", MATHVISTA_CHOICES, "multi_choice", None, 0.0),
+    ("\\boxed{Yes}", "Yes", ["Yes", "No"], "multi_choice", None, 1.0),
+    ("\\boxed{no}", "Yes", ["Yes", "No"], "multi_choice", None, 0.0),
+    # integers: MathVista compares str(int(float(x)))
+    ("\\boxed{27}", "27", None, "integer", None, 1.0),
+    ("\\boxed{27.0}", "27", None, "integer", None, 1.0),
+    ("\\boxed{1,000}", "1000", None, "integer", None, 1.0),
+    ("\\boxed{28}", "27", None, "integer", None, 0.0),
+    # floats with MathVista's precision
+    ("\\boxed{1.456}", "1.46", None, "float", 2, 1.0),
+    ("\\boxed{1.45}", "1.46", None, "float", 2, 0.0),
+    ("\\boxed{0.3}", "0.33", None, "float", 1, 1.0),
+    ("\\boxed{\\frac{1}{3}}", "0.33", None, "float", 2, 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.33", None, "float", 2, 0.0),
+    # fractions
+    ("\\boxed{\\frac{3}{4}}", "0.75", None, None, None, 1.0),
+    ("\\boxed{3/4}", "\\frac{3}{4}", None, None, None, 1.0),
+    ("\\boxed{\\dfrac{4}{3}}", "\\frac{3}{4}", None, None, None, 0.0),
+    # LaTeX expressions
+    ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", None, None, None, 1.0),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\sqrt{3}/2", None, None, None, 1.0),
+    ("\\boxed{3\\sqrt{2}}", "2\\sqrt{3}", None, None, None, 0.0),
+    ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2", None, None, None, 1.0),
+    ("\\boxed{x = 5}", "5", None, None, None, 1.0),
+    # units and degrees
+    ("\\boxed{5 \\text{ cm}}", "5", None, None, None, 1.0),
+    ("Answer: 60°", "60", None, None, None, 1.0),
+    ("\\boxed{60^\\circ}", "60", None, None, None, 1.0),
+    ("\\boxed{6 cm}", "5", None, None, None, 0.0),
+    # lists
+    ("\\boxed{[1, 2, 3]}", "[1, 2, 3]", None, "list", None, 1.0),
+    ("\\boxed{1.01, 2}", "[1.0, 2.0]", None, "list", 1, 1.0),
+    ("\\boxed{[1, 3, 2]}", "[1, 2, 3]", None, "list", None, 0.0),
+    ("\\boxed{[1, 2]}", "[1, 2, 3]", None, "list", None, 0.0),
+    # text
+    ("\\boxed{Paris}", "paris", None, "text", None, 1.0),
+    ("\\boxed{London}", "paris", None, "text", None, 0.0),
+    ("\\boxed{der}", "red", None, "text", None, 0.0),  # sympy would read both as r*e*d
+    # reasoning around the answer
+    ("<think>maybe 4/3</think>So the ratio is \\boxed{\\frac{3}{4}}.", "0.75", None, None, None, 1.0),
+    ("<think>\\boxed{0.75}", "0.75", None, None, None, 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, answer, choices, answer_type, precision, expected", EQUIVALENCE_CASES)
+def test_score_equivalence_table(completion, answer, choices, answer_type, precision, expected):
+    assert score(completion, answer, choices=choices, answer_type=answer_type, precision=precision) == expected
+
+
+def test_equivalence_table_covers_both_outcomes():
+    assert len(EQUIVALENCE_CASES) >= 30
+    assert {case[-1] for case in EQUIVALENCE_CASES} == {0.0, 1.0}
+
+
+def test_math_equal_works_off_the_main_thread():
+    # math-verify's own timeout uses SIGALRM, which only the main thread may set.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda pair: math_equal(*pair), [("\\frac{1}{2}", "0.5"), ("2\\sqrt{3}", "3")]))
+    assert results == [True, False]
+
+
+def test_math_equal_ignores_words_and_long_inputs():
+    assert not math_equal("red", "der")
+    assert not math_equal("1" * 300, "1" * 300)
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("<think>hmm</think>\\boxed{12}", 1.0),
+        ("\\boxed{12}", 1.0),
+        ("12", 0.0),  # no box
+        ("\\boxed{1} or \\boxed{2}", 0.0),  # two answers
+        ("<think>\\boxed{12}", 0.0),  # thinking never finished
+        ("<think>a</think><think>b</think>\\boxed{1}", 0.0),
+        ("\\boxed{}", 0.0),
+        ("\\boxed{12", 0.0),
+    ],
+)
+def test_boxed_format_reward(completion, expected):
+    assert boxed_format_reward(completion) == expected
+
+
+def test_boxed_format_reward_checks_options_of_a_multiple_choice_sample():
+    sample = {"choices": COLORS4, "answer_type": "multi_choice"}
+    assert boxed_format_reward("\\boxed{B}", sample) == 1.0
+    assert boxed_format_reward("\\boxed{purple}", sample) == 0.0

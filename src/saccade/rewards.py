@@ -5,8 +5,14 @@ Two stages, kept apart so later verifiers (math-verify, LLM judges, ...) slot in
 1. :func:`extract_answer` pulls the final answer out of free text: ``<think>`` blocks are
    dropped, then ``\\boxed{...}`` wins, else the text after the last ``Answer:`` (or
    "answer is"), else the last non-empty line.
-2. :func:`score` compares an extracted answer with the reference: choice letters, numbers
-   (``"3" == "3.0" == "three"``) and normalized text.
+2. :func:`score` compares an extracted answer with the reference: choice letters and option
+   text, numbers (``"3" == "3.0" == "three"``), MathVista's answer types (``integer`` compares
+   ``int(float(x))``, ``float`` rounds both sides to ``precision`` places, ``list`` compares
+   item by item), then mathematical equivalence through math-verify (``\\frac{1}{2}`` ==
+   ``0.5``, ``2\\sqrt{3}`` == ``\\sqrt{12}``, ``5 cm`` == ``5``), then normalized text.
+
+Unlike MathVista's official script, a prediction that names no option is not mapped to the
+nearest option by edit distance: as a reward that would pay for unrelated text.
 
 Reward functions take ``(completion, sample)``, where ``sample`` is a
 :class:`saccade.data.shapes.VQASample` or a mapping with the same field names (``answer``,
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -25,7 +32,9 @@ from typing import Any
 __all__ = [
     "REWARD_FUNCTIONS",
     "RewardFunction",
+    "boxed_format_reward",
     "choice_index",
+    "math_equal",
     "correct_reward",
     "extract_answer",
     "format_reward",
@@ -55,6 +64,12 @@ _NUMBER = re.compile(r"^[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?$", re.IGNOREC
 _FRACTION = re.compile(r"^([+-]?\d+)\s*/\s*(\d+)$")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
 _TEXT_CMD = re.compile(r"^\\(?:text|textbf|mathrm|mbox)\s*\{(.*)\}$", re.DOTALL)
+# What makes an answer worth handing to math-verify: a digit, a LaTeX command, pi or a root.
+# Plain words are not: math-verify reads "red" as the product r*e*d, equal to "der".
+_MATHY = re.compile(r"[\d\\π√]")
+# Longer answers are not short final answers; sympy on them can take seconds.
+_MATH_VERIFY_MAX_CHARS = 200
+_MATH_VERIFY_TIMEOUT_S = 5
 
 
 # ----------------------------------------------------------------------- extraction
@@ -198,6 +213,75 @@ def _numbers_equal(a: float, b: float, precision: int | None) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
 
+def _letter(text: str) -> str | None:
+    """The option letter that ``text`` names ("B", "(B)", "B.", "Option B", "B. 45"), upper case."""
+    m = _LETTER.match(text.strip())
+    if m is None or (m.group(2) is None and m.group(1).islower()):
+        return None
+    return m.group(1).upper()
+
+
+def _list_items(text: str) -> list[str]:
+    """"[1, 2.5]", "(1, 2.5)" or "1, 2.5" as its items."""
+    s = text.strip()
+    if s[:1] in "[(" and s[-1:] in "])":
+        s = s[1:-1]
+    return [item.strip() for item in s.split(",") if item.strip()]
+
+
+def _items_equal(gold: str, predicted: str, precision: int | None) -> bool:
+    g, p = parse_number(gold), parse_number(predicted)
+    if g is not None and p is not None:
+        return _numbers_equal(g, p, precision)
+    return normalize_text(gold) == normalize_text(predicted)
+
+
+def _math_verify_timeout() -> int | None:
+    # math-verify times out with SIGALRM, which Python allows only on the main thread; elsewhere
+    # it raises. Off the main thread we run without its timeout: _MATH_VERIFY_MAX_CHARS bounds
+    # the input instead.
+    return _MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _as_latex(text: str) -> str:
+    # math-verify extracts LaTeX only between delimiters: bare "2\sqrt{3}" parses as just "2".
+    return text if "$" in text or "\\boxed" in text else f"${text}$"
+
+
+def math_equal(gold: str, predicted: str, *, precision: int | None = None) -> bool:
+    """Mathematical equivalence by math-verify (sympy): fractions, roots, pi, units, degrees.
+
+    Both sides must look mathematical (a digit, a LaTeX command, pi or a root) and be short.
+    With ``precision``, two numeric values are compared after rounding, as MathVista does.
+    """
+    if not (_MATHY.search(gold) and _MATHY.search(predicted)):
+        return False
+    if max(len(gold), len(predicted)) > _MATH_VERIFY_MAX_CHARS:
+        return False
+    from math_verify import parse, verify
+
+    timeout = _math_verify_timeout()
+    gold_parsed = parse(_as_latex(gold), parsing_timeout=timeout)
+    predicted_parsed = parse(_as_latex(predicted), parsing_timeout=timeout)
+    if not gold_parsed or not predicted_parsed:
+        return False
+    if precision is not None:
+        g, p = _numeric(gold_parsed[0]), _numeric(predicted_parsed[0])
+        if g is not None and p is not None:
+            return _numbers_equal(g, p, precision)
+    return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=timeout))
+
+
+def _numeric(value: Any) -> float | None:
+    """A parsed sympy value as a float, when it is a plain number."""
+    try:
+        if getattr(value, "is_number", False):
+            return float(value)
+    except (TypeError, ValueError):
+        pass
+    return None
+
+
 def score(
     completion: str,
     answer: str,
@@ -208,24 +292,45 @@ def score(
 ) -> float:
     """1.0 when the completion's final answer matches ``answer``, else 0.0.
 
-    Matches, in order: the same choice (by text or letter, when ``choices`` are given and
-    the question is multiple choice), the same number (``precision`` rounds both first),
-    the same normalized text.
+    Tried in order:
+
+    * multiple choice with ``choices``: the same option, by its text or its letter (A = 0),
+      for a gold answer given either way;
+    * multiple choice with a letter gold and no option list (the options are only in the
+      prompt text, as in OpenMMReasoner): the same letter;
+    * ``answer_type="list"``: the same items in order, numbers rounded to ``precision``;
+    * two plain numbers: ``integer`` compares ``int(float(x))`` (MathVista's rule), else equal
+      after rounding to ``precision`` places, or to float tolerance without one;
+    * math-verify equivalence (see :func:`math_equal`);
+    * the same normalized text (case, spaces and trailing punctuation ignored).
     """
     predicted = extract_answer(completion)
     if not predicted:
         return 0.0
     gold = _clean(str(answer))
-    if choices and answer_type in (None, "multi_choice"):
+    multi_choice = answer_type in (None, "multi_choice")
+    if choices and multi_choice:
         gold_index = choice_index(gold, choices)
         predicted_index = choice_index(predicted, choices)
         if gold_index is not None and predicted_index is not None:
             return float(gold_index == predicted_index)
         if predicted_index is not None:
             predicted = str(choices[predicted_index])
+    elif answer_type == "multi_choice" and _letter(gold) == gold.upper() and len(gold) == 1:
+        return float(_letter(predicted) == gold.upper())
+    if answer_type == "list":
+        gold_items, predicted_items = _list_items(gold), _list_items(predicted)
+        return float(
+            len(gold_items) == len(predicted_items)
+            and all(_items_equal(g, p, precision) for g, p in zip(gold_items, predicted_items, strict=True))
+        )
     gold_number, predicted_number = parse_number(gold), parse_number(predicted)
     if gold_number is not None and predicted_number is not None:
+        if answer_type == "integer":
+            return float(int(gold_number) == int(predicted_number))
         return float(_numbers_equal(gold_number, predicted_number, precision))
+    if math_equal(gold, predicted, precision=precision):
+        return 1.0
     if answer_type in ("integer", "float") and gold_number is not None:
         return 0.0
     return float(normalize_text(predicted) == normalize_text(gold))
@@ -272,7 +377,30 @@ def format_reward(completion: str, choices: Sequence[str] | Any | None) -> float
     return float(choice_index(predicted, choices) is not None)
 
 
+def boxed_format_reward(completion: str, sample: Any = None) -> float:
+    """1.0 when the completion finishes any ``<think>`` block and then gives its answer in
+    exactly one ``\\boxed{...}`` (the format reasoning prompts ask for), else 0.0.
+
+    With a multiple-choice ``sample``, the boxed answer must also name one of its options."""
+    if not completion:
+        return 0.0
+    opens, closes = len(_THINK_OPEN.findall(completion)), len(_THINK_CLOSE.findall(completion))
+    if opens > 1 or closes > 1 or (opens and not closes):
+        return 0.0
+    after = completion[_THINK_CLOSE.search(completion).end():] if closes else completion
+    if len(_BOXED.findall(after)) != 1 or _last_boxed(after) is None:
+        return 0.0
+    answer = _clean(_last_boxed(after))
+    if not answer:
+        return 0.0
+    choices = _field(sample, "choices") if sample is not None else None
+    if choices and _field(sample, "answer_type") in (None, "multi_choice"):
+        return float(choice_index(answer, choices) is not None)
+    return 1.0
+
+
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "correct": correct_reward,
     "format": format_reward,
+    "boxed_format": boxed_format_reward,
 }
