@@ -292,21 +292,51 @@ class SftConfig(Section):
 
 
 class DataConfig(Section):
-    """The task: a synthetic one built on the spot (default), or a dataset later."""
+    """The task: the synthetic shapes questions (built on the spot), or a real data set.
 
-    task: str = Field("shapes", min_length=1, description="task name; 'shapes': synthetic shapes, answer by choice")
-    train_size: int = Field(512, ge=1, description="training prompts")
-    eval_size: int = Field(64, ge=0, description="held-out evaluation prompts")
-    question_kinds: list[str] = Field(
-        default_factory=lambda: ["color"], min_length=1, description="kinds of question asked about each image"
+    Data sets (`saccade.data.datasets`) are read through Hugging Face `datasets` from a hub id
+    or a local copy; every unset field below takes the task's default."""
+
+    task: Literal["shapes", "openmmreasoner", "mathvista", "geometry3k"] = Field(
+        "shapes",
+        description="'shapes': synthetic shapes, answer by choice; 'openmmreasoner': OpenMMReasoner-RL-74K "
+        "(training); 'mathvista': MathVista testmini (evaluation); 'geometry3k': Geometry3K",
     )
-    num_choices: int = Field(4, ge=3, le=6, description="answer options per question")
-    image_size: int = Field(64, ge=32, le=4096, description="side of the generated square images, pixels")
+    train_size: int = Field(512, ge=1, description="training prompts (shapes)")
+    eval_size: int = Field(
+        64, ge=0, description="held-out evaluation prompts; data sets: the first this many rows of the eval split"
+    )
+    question_kinds: list[str] = Field(
+        default_factory=lambda: ["color"], min_length=1, description="kinds of question asked about each image (shapes)"
+    )
+    num_choices: int = Field(4, ge=3, le=6, description="answer options per question (shapes)")
+    image_size: int = Field(64, ge=32, le=4096, description="side of the generated square images, pixels (shapes)")
     blank_images: bool = Field(
         False, description="replace every image by a blank one: the control run, which must not learn"
     )
-    dataset: str | None = Field(None, min_length=1, description="hub id or path of a dataset; unset: synthetic task")
+    dataset: str | None = Field(
+        None, min_length=1,
+        description="hub id, local folder or parquet file(s) of the data set; unset: the task's hub id "
+        "(OpenMMReasoner/OpenMMReasoner-RL-74K, AI4Math/MathVista, hiyouga/geometry3k); ignored by 'shapes'",
+    )
     split: str = Field("train", min_length=1, description="dataset split to train on")
+    subsets: list[str] | None = Field(
+        None, min_length=1,
+        description="dataset configs to train on, rows concatenated; unset: openmmreasoner's seven training "
+        "configs (algopuzzle, mmk12, thinklite_vl_hard, tqa_train, virl39k, wemath_pro, wemath_standard), "
+        "else the default config",
+    )
+    eval_dataset: str | None = Field(
+        None, min_length=1, description="hub id or path of the held-out data set; unset: the same as dataset"
+    )
+    eval_split: str | None = Field(
+        None, min_length=1,
+        description="held-out split; unset: openmmreasoner 'val', mathvista 'testmini', geometry3k 'test'",
+    )
+    eval_subsets: list[str] | None = Field(
+        None, min_length=1,
+        description="held-out configs; unset: openmmreasoner ['validation'], else the default config",
+    )
 
     @model_validator(mode="after")
     def _shapes_kinds(self) -> DataConfig:
@@ -319,6 +349,10 @@ class DataConfig(Section):
                 raise ValueError(f"question_kinds {unknown} unknown to task 'shapes'; choose from {choose}")
             if len(set(self.question_kinds)) != len(self.question_kinds):
                 raise ValueError(f"question_kinds {self.question_kinds} repeat an entry")
+        for name in ("subsets", "eval_subsets"):
+            names = getattr(self, name)
+            if names is not None and len(set(names)) != len(names):
+                raise ValueError(f"{name} {names} repeat an entry")
         return self
 
 

@@ -179,16 +179,45 @@ def reward_of(text: str, sample, weights: dict[str, float]) -> tuple[float, dict
 
 
 def task_from_config(cfg: RunConfig, *, blank: bool | None = None):
+    """The run's task: a ShapesTask, or a DatasetTask (`saccade.data.datasets`, splits opened
+    on first use) for data.task = openmmreasoner, mathvista or geometry3k."""
     from saccade.data.shapes import ShapesTask
 
+    blank_images = cfg.data.blank_images if blank is None else blank
     if cfg.data.task != "shapes":
-        raise ValueError(f"data.task={cfg.data.task!r} is not available yet; use 'shapes'")
+        from saccade.data.datasets import DatasetTask
+
+        d = cfg.data
+        return DatasetTask.defaults(
+            d.task, dataset=d.dataset, split=d.split, subsets=d.subsets, eval_dataset=d.eval_dataset,
+            eval_split=d.eval_split, eval_subsets=d.eval_subsets, blank_images=blank_images,
+            limits=cfg.images.to_limits(),
+        )
     return ShapesTask(
         kinds=tuple(cfg.data.question_kinds),
         num_choices=cfg.data.num_choices,
         image_size=cfg.data.image_size,
-        blank_images=cfg.data.blank_images if blank is None else blank,
+        blank_images=blank_images,
     )
+
+
+def train_sample(task, position: int, *, seed: int):
+    """Prompt ``position`` of the training stream: shapes generate it from (position, seed);
+    a data set reads the row at that position of its seeded shuffle (a new order each epoch)."""
+    from saccade.data.shapes import ShapesTask, make_sample
+
+    if isinstance(task, ShapesTask):
+        return make_sample(task, position, seed=seed)
+    return task.train_sample(position, seed=seed)
+
+
+def held_out_samples(task, n: int, *, seed: int) -> list:
+    """The held-out prompts: shapes from another seed's stream; a data set's eval split in order."""
+    from saccade.data.shapes import ShapesTask, make_split
+
+    if isinstance(task, ShapesTask):
+        return make_split(task, n, seed=seed)
+    return task.eval_samples(n)
 
 
 # Train prompts are indices 0, 1, 2, ... of the stream; held-out ones come from another seed.
@@ -357,7 +386,6 @@ def train_on_samples(setup: Setup, samples: list, optimizer, scheduler) -> dict[
 def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,
              stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
     """The RL loop. Returns final figures. `stop_after` ends early after that many steps (tests)."""
-    from saccade.data.shapes import make_sample, make_split
     from saccade.metrics import MetricsLogger, format_step
     from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -368,7 +396,11 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     setup = setup or build_setup(cfg, run_dir)
     optimizer, scheduler = build_optimizer(setup.model, cfg)
     task = task_from_config(cfg)
-    eval_samples = make_split(task, cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
+    # Only built when the run evaluates: a data set's eval split is then opened (downloaded) too.
+    eval_samples = (
+        held_out_samples(task, cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
+        if cfg.eval.every_steps else []
+    )
     state = TrainState(step=0, data_position=0, policy_version=0, extra={})
     if resume:
         path = latest_checkpoint(run_dir)
@@ -391,7 +423,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
         for step in range(state.step, end):
             start = time.perf_counter()
             prompts = [
-                make_sample(task, state.data_position + i, seed=cfg.trainer.seed)
+                train_sample(task, state.data_position + i, seed=cfg.trainer.seed)
                 for i in range(cfg.rollout.prompts_per_step)
             ]
             state.data_position += len(prompts)

@@ -77,9 +77,8 @@ def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool
               progress: bool = True, phase: str = "sft") -> dict:
     """SFT on the configured task. random_answers: answers drawn uniformly from the choices,
     independent of the image (the demo's warm start: format without visual signal)."""
-    from saccade.data.shapes import make_sample
     from saccade.metrics import MetricsLogger, format_step
-    from saccade.rl import _progress, build_optimizer, build_setup, task_from_config
+    from saccade.rl import _progress, build_optimizer, build_setup, task_from_config, train_sample
 
     from saccade.config import describe
 
@@ -99,7 +98,7 @@ def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool
             items = []
             for i in range(s.batch_size):
                 index = step * s.batch_size + i
-                vqa = make_sample(task, index, seed=cfg.trainer.seed + 777)
+                vqa = train_sample(task, index, seed=cfg.trainer.seed + 777)
                 answer = rng.choice(vqa.choices) if random_answers else vqa.answer
                 items.append((vqa, answer, f"sft-{index}"))
             batch = sft_samples(setup, items)

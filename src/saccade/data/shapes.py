@@ -114,10 +114,15 @@ class VQASample:
     sample_id: str
     images: list[Image.Image]
     question: str  # the bare question; `prompt_text` adds the options
-    answer: str  # the correct option text, e.g. "red"
+    answer: str  # the correct option text, e.g. "red" (datasets: a letter, a number, LaTeX, ...)
     choices: list[str] | None
-    answer_type: str  # "multi_choice" here; real datasets also use "integer", "float", "free_form"
+    answer_type: str  # "multi_choice" here; datasets also use "integer", "float", "list", "free_form"
     metadata: dict[str, Any] = field(default_factory=dict)
+    precision: int | None = None  # decimal places a float answer is compared at (MathVista)
+    # Datasets: the chat as the data set wrote it, [{"role", "content"}] with string contents in
+    # which each "<image>" marks where the next image of `images` goes. None: `question` +
+    # options after the images (the synthetic tasks).
+    prompt: list[dict[str, str]] | None = None
 
 
 def task_choices(task: ShapesTask, kind: str) -> list[str]:
@@ -238,16 +243,58 @@ def to_messages(
     with base64 PNG data URLs, ready to send to an OpenAI-compatible server.
     """
     if image_format == "pil":
-        parts: list[dict[str, Any]] = [{"type": "image", "image": im} for im in sample.images]
+        image_parts: list[dict[str, Any]] = [{"type": "image", "image": im} for im in sample.images]
     elif image_format == "data_url":
-        parts = [{"type": "image_url", "image_url": {"url": image_to_data_url(im)}} for im in sample.images]
+        image_parts = [{"type": "image_url", "image_url": {"url": image_to_data_url(im)}} for im in sample.images]
     else:
         raise ValueError(f"to_messages: image_format must be 'pil' or 'data_url', got {image_format!r}")
-    parts.append({"type": "text", "text": prompt_text(sample)})
     messages: list[dict[str, Any]] = []
     if system_prompt:
         messages.append({"role": "system", "content": system_prompt})
+    if sample.prompt is not None:
+        return messages + _placed_images(sample, image_parts)
+    parts = [*image_parts, {"type": "text", "text": prompt_text(sample)}]
     messages.append({"role": "user", "content": parts})
+    return messages
+
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def _placed_images(sample: VQASample, image_parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sample's own chat with an image part wherever its text says "<image>".
+
+    A prompt without any placeholder gets all images at the start of its first user turn
+    (where `prompt_text` samples have them); any other count that differs from the number of
+    images is an error: guessing would show the model the wrong picture."""
+    assert sample.prompt is not None
+    n_marks = sum(str(m.get("content", "")).count(IMAGE_PLACEHOLDER) for m in sample.prompt)
+    if n_marks not in (0, len(image_parts)):
+        raise ValueError(
+            f"sample {sample.sample_id!r}: its prompt has {n_marks} {IMAGE_PLACEHOLDER} placeholders "
+            f"but the sample has {len(image_parts)} images; they must match"
+        )
+    remaining = list(image_parts)
+    front = n_marks == 0
+    messages: list[dict[str, Any]] = []
+    for message in sample.prompt:
+        role, text = message["role"], str(message.get("content", ""))
+        pieces = text.split(IMAGE_PLACEHOLDER)
+        parts: list[dict[str, Any]] = []
+        if front and role == "user":
+            parts.extend(remaining)
+            remaining, front = [], False
+        for i, piece in enumerate(pieces):
+            if i > 0:
+                parts.append(remaining.pop(0))
+            if piece.strip():
+                parts.append({"type": "text", "text": piece})
+        if role == "system" and all(p["type"] == "text" for p in parts):
+            messages.append({"role": role, "content": "".join(p["text"] for p in parts)})
+        else:
+            messages.append({"role": role, "content": parts})
+    if remaining:
+        raise ValueError(f"sample {sample.sample_id!r}: its prompt has images but no user turn to put them in")
     return messages
 
 

@@ -1,0 +1,224 @@
+"""Offline stand-ins for the hub data sets: a few rows each, in the hubs' own layouts.
+
+Each folder is what a download of the hub repository looks like: parquet files written by
+`datasets` (images as Image features, stored as {bytes, path} structs, the features in the
+parquet's "huggingface" metadata) and a README.md whose ``configs`` name each config's files.
+The loaders read them by path through the same `datasets.load_dataset` call as a hub id.
+
+Images are small synthetic PIL drawings, each a different color so rows can be told apart.
+Tests import this file by path (tests/ is not a package): see `load_fixtures_module`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+OPENMMREASONER_TRAIN = (
+    "algopuzzle", "mmk12", "thinklite_vl_hard", "tqa_train", "virl39k", "wemath_pro", "wemath_standard",
+)
+SYSTEM = "You are a careful solver. Put the final answer in \\boxed{}."
+
+
+def load_fixtures_module():
+    """This module, importable from any test folder."""
+    spec = importlib.util.spec_from_file_location("dataset_fixtures", Path(__file__))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def picture(seed: int, size: tuple[int, int] = (56, 48)) -> Image.Image:
+    """A small figure: a colored disc on white, distinct per seed."""
+    image = Image.new("RGB", size, (255, 255, 255))
+    color = ((seed * 67) % 256, (seed * 131 + 40) % 256, (seed * 29 + 90) % 256)
+    ImageDraw.Draw(image).ellipse([8, 8, size[0] - 8, size[1] - 8], fill=color)
+    return image
+
+
+def _readme(configs: dict[str, dict[str, str]]) -> str:
+    """A dataset card whose YAML header maps each config's splits to files, as on the hub."""
+    lines = ["---", "configs:"]
+    for name, splits in configs.items():
+        lines += [f"- config_name: {name}", "  data_files:"]
+        for split, path in splits.items():
+            lines += [f"  - split: {split}", f"    path: {path}"]
+    return "\n".join(lines + ["---", "", "Offline test fixture.", ""])
+
+
+def _write(rows: dict[str, list], features, path: Path) -> None:
+    import datasets
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(str(path))
+
+
+# ------------------------------------------------------------------- OpenMMReasoner
+
+
+def openmmreasoner_rows(subset: str, n: int, *, train: bool, seed: int) -> dict[str, list]:
+    """n rows alternating a multiple-choice question (letter gold, options in the text),
+    a numeric one, and one with two images at two placeholders."""
+    rows: dict[str, list] = {k: [] for k in ("prompt", "images", "data_source", "reward_model", "extra_info")}
+    if train:
+        rows["avg_reward"] = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            text = (f"<image>Which color fills the disc of figure {i}?\n"
+                    "A. red\nB. green\nC. blue\nD. white")
+            images, truth = [picture(seed + i)], "ABCD"[(seed + i) % 4]
+        elif kind == 1:
+            text = f"<image>How many discs are drawn? Add {i}."
+            images, truth = [picture(seed + i)], str(1 + i)
+        else:
+            text = f"Compare <image> and <image>. What is the ratio of their areas in {subset}?"
+            images, truth = [picture(seed + i), picture(seed + i + 50)], "\\frac{1}{2}"
+        rows["prompt"].append([{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}])
+        rows["images"].append(images)
+        rows["data_source"].append(subset)
+        rows["reward_model"].append({"ground_truth": truth, "style": "rule"})
+        rows["extra_info"].append({"index": i, "split": "train" if train else "val"})
+        if train:
+            rows["avg_reward"].append(0.25 * (i % 4))
+    return rows
+
+
+def openmmreasoner_features(train: bool):
+    from datasets import Features, Image, List, Value
+
+    features = {
+        "prompt": List({"role": Value("string"), "content": Value("string")}),
+        "images": List(Image()),
+        "data_source": Value("string"),
+        "reward_model": {"ground_truth": Value("string"), "style": Value("string")},
+        "extra_info": {"index": Value("int64"), "split": Value("string")},
+    }
+    if train:
+        features["avg_reward"] = Value("float64")
+    return Features(features)
+
+
+def write_openmmreasoner(root: Path, *, rows_per_subset: int = 3, val_rows: int = 6) -> Path:
+    """Seven training configs (split ``train``) and ``validation`` (split ``val``)."""
+    configs = {}
+    for k, subset in enumerate(OPENMMREASONER_TRAIN):
+        _write(openmmreasoner_rows(subset, rows_per_subset, train=True, seed=10 * k),
+               openmmreasoner_features(True), root / subset / "train-00000-of-00001.parquet")
+        configs[subset] = {"train": f"{subset}/train-*"}
+    _write(openmmreasoner_rows("validation", val_rows, train=False, seed=500),
+           openmmreasoner_features(False), root / "validation" / "val-00000-of-00001.parquet")
+    configs["validation"] = {"val": "validation/val-*"}
+    (root / "README.md").write_text(_readme(configs))
+    return root
+
+
+# ------------------------------------------------------------------------- MathVista
+
+# (question, choices, answer, question_type, answer_type, precision, task, skills, grade)
+MATHVISTA_ROWS = [
+    ("What is the measure of angle A?", ["145°", "135°", "90°", "45°"], "135°", "multi_choice", "text", None,
+     "geometry problem solving", ["geometry reasoning", "algebraic reasoning"], "high school"),
+    ("Is the disc larger than half the image?", ["Yes", "No"], "Yes", "multi_choice", "text", None,
+     "figure question answering", ["numeric commonsense"], "elementary school"),
+    ("How many discs are there?", None, "1", "free_form", "integer", None,
+     "visual question answering", ["arithmetic reasoning"], "elementary school"),
+    ("What is the ratio of the two sides?", None, "1.5", "free_form", "float", 1.0,
+     "math word problem", ["arithmetic reasoning", "algebraic reasoning"], "high school"),
+    ("What is the slope of the line?", None, "0.33", "free_form", "float", 2.0,
+     "geometry problem solving", ["algebraic reasoning"], "college"),
+    ("List the two values shown.", None, "[2, 5]", "free_form", "list", None,
+     "figure question answering", ["statistical reasoning"], "high school"),
+]
+
+
+def mathvista_query(question: str, choices: list[str] | None, answer_type: str, precision: float | None) -> str:
+    """The ready prompt, worded like MathVista's ``query`` column."""
+    if choices:
+        hint = "Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end."
+        options = "\n".join(f"({chr(65 + i)}) {c}" for i, c in enumerate(choices))
+        return f"Hint: {hint}\nQuestion: {question}\nChoices:\n{options}"
+    if answer_type == "integer":
+        hint = "Please answer the question requiring an integer answer and provide the final value, e.g., 1, 2, 3, at the end."
+    elif answer_type == "float":
+        hint = (f"Please answer the question requiring a floating-point number with {int(precision)} decimal "
+                "place and provide the final value, e.g., 1.2, 1.3, 1.4, at the end.")
+    else:
+        hint = "Please answer the question requiring a Python list as an answer and provide the final list, e.g., [1, 2, 3], at the end."
+    return f"Hint: {hint}\nQuestion: {question}"
+
+
+def write_mathvista(root: Path) -> Path:
+    """The ``testmini`` split of the default config."""
+    from datasets import Features, Image, List, Value
+
+    features = Features({
+        "pid": Value("string"), "question": Value("string"), "image": Value("string"),
+        "decoded_image": Image(), "choices": List(Value("string")), "unit": Value("string"),
+        "precision": Value("float64"), "answer": Value("string"), "question_type": Value("string"),
+        "answer_type": Value("string"),
+        "metadata": {
+            "category": Value("string"), "context": Value("string"), "grade": Value("string"),
+            "img_height": Value("int64"), "img_width": Value("int64"), "language": Value("string"),
+            "skills": List(Value("string")), "source": Value("string"), "split": Value("string"),
+            "task": Value("string"),
+        },
+        "query": Value("string"),
+    })
+    rows: dict[str, list] = {name: [] for name in features}
+    for i, (question, choices, answer, qtype, atype, precision, task, skills, grade) in enumerate(MATHVISTA_ROWS):
+        pid = str(i + 1)
+        rows["pid"].append(pid)
+        rows["question"].append(question)
+        rows["image"].append(f"images/{pid}.jpg")
+        rows["decoded_image"].append(picture(100 + i))
+        rows["choices"].append(choices)
+        rows["unit"].append(None)
+        rows["precision"].append(precision)
+        rows["answer"].append(answer)
+        rows["question_type"].append(qtype)
+        rows["answer_type"].append(atype)
+        rows["metadata"].append({
+            "category": "math-targeted-vqa", "context": "synthetic scene", "grade": grade, "img_height": 48,
+            "img_width": 56, "language": "english", "skills": skills, "source": "fixture", "split": "testmini",
+            "task": task,
+        })
+        rows["query"].append(mathvista_query(question, choices, atype, precision))
+    _write(rows, features, root / "data" / "testmini-00000-of-00001.parquet")
+    (root / "README.md").write_text(_readme({"default": {"testmini": "data/testmini-*"}}))
+    return root
+
+
+# ------------------------------------------------------------------------ Geometry3K
+
+GEOMETRY3K_ANSWERS = ["3\\sqrt{3}", "12", "60", "\\frac{7}{2}", "8.5", "24"]
+
+
+def write_geometry3k(root: Path, sizes: dict[str, int] | None = None) -> Path:
+    """``train`` / ``validation`` / ``test`` splits of the default config."""
+    from datasets import Features, Image, List, Value
+
+    sizes = sizes or {"train": 4, "validation": 2, "test": 3}
+    features = Features({"images": List(Image()), "problem": Value("string"), "answer": Value("string")})
+    configs = {}
+    for s, (split, n) in enumerate(sizes.items()):
+        rows = {
+            "images": [[picture(200 + 10 * s + i)] for i in range(n)],
+            "problem": [f"<image>Find x in figure {split}-{i}." for i in range(n)],
+            "answer": [GEOMETRY3K_ANSWERS[(s + i) % len(GEOMETRY3K_ANSWERS)] for i in range(n)],
+        }
+        _write(rows, features, root / "data" / f"{split}-00000-of-00001.parquet")
+        configs.setdefault("default", {})[split] = f"data/{split}-*"
+    (root / "README.md").write_text(_readme(configs))
+    return root
+
+
+def write_all(root: Path) -> dict[str, Path]:
+    """All three data sets under ``root``; returns {task: folder}."""
+    return {
+        "openmmreasoner": write_openmmreasoner(root / "openmmreasoner"),
+        "mathvista": write_mathvista(root / "mathvista"),
+        "geometry3k": write_geometry3k(root / "geometry3k"),
+    }
