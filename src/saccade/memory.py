@@ -1,0 +1,455 @@
+"""GPU memory estimates for a run: the trainer (LM only, LoRA or full) and a vLLM server.
+
+Pure arithmetic over the model's dimensions: no torch, nothing loaded. `saccade memory CONFIG`
+prints it; the Qwen3-VL configs in `saccade/configs/` carry its numbers in their headers (a
+test keeps them equal). These are estimates, not measurements: no GPU was at hand when they
+were written. What was checked, on CPU with the tiny model: the parameter counts equal the
+real modules' exactly, and the activation bytes equal what autograd saves for backward
+(`torch.autograd.graph.saved_tensors_hooks`, tests/test_memory.py).
+
+What the trainer holds at its peak (the start of backward on the largest micro-batch):
+- weights: the language model and lm_head in `model.dtype`; never the vision tower with a
+  vLLM engine (the servers encode images). The embedded engine loads the tower here too.
+- trainable state: peft keeps LoRA adapters in float32 (its `autocast_adapter_dtype`), so
+  LoRA params, grads and AdamW's two moments are 4 bytes each. Full fine-tuning trains the
+  weights in place: grads and torch AdamW's moments take the parameter's dtype (bf16 states,
+  no fp32 master copy: that is what `saccade.rl.build_optimizer` does today).
+- activations: what autograd keeps for backward over `trainer.max_tokens` tokens; the
+  trainer has no gradient checkpointing, so every layer's are alive at once
+  (`activation_bytes_per_token` spells out the formula).
+- logprob buffers: `saccade.trainer.logprobs` never builds the (tokens x vocab) logits; it
+  holds two (chunk x vocab) float32 buffers, a float32 copy of a bf16 lm_head weight, and,
+  when the lm_head trains, a float32 (vocab x hidden) gradient accumulator.
+- the micro-batch's image embeddings (main + DeepStack levels), bounded by max_tokens rows.
+- CUDA context: an assumed 0.5 GiB; allocator fragmentation is not modelled.
+
+A vLLM server holds the whole model (LM + vision tower) in bf16, LoRA slots when it is
+started with --enable-lora, an assumed 3 GiB of non-KV overhead (profiling activations,
+CUDA graphs, encoder cache; vLLM logs the real figure as "Available KV cache memory") and
+gives the rest of `--gpu-memory-utilization` x GPU to the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 1024**3
+GPU_GIB = 79.0  # what CUDA shows of an 80 GB H100 / A100 (nvidia-smi: 81,559 MiB), rounded down
+CUDA_CONTEXT_GIB = 0.5  # assumed
+VLLM_OVERHEAD_GIB = 3.0  # assumed: vLLM's profiling activations, CUDA graphs, encoder cache
+LOGPROB_CHUNK = 1024  # saccade.trainer.forward.forward_logprobs' default chunk_size
+EMBED_CACHE_HOST_GIB = 1.0  # EmbeddingCache(max_bytes=1 << 30) in saccade.rl.build_setup: host RAM
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TextDims:
+    """The language model, field for field Qwen3VLTextConfig."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear of one decoder layer."""
+        h, q, kv, inter = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+        }
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        # Linears have no bias; two RMSNorms over hidden, q_norm and k_norm over head_dim.
+        linears = sum(i * o for i, o in self.linear_shapes().values())
+        return linears + 2 * self.hidden_size + 2 * self.head_dim
+
+    @property
+    def params(self) -> int:
+        """Language model + lm_head (counted once when tied), as `load_policy_lm` holds them."""
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + self.num_hidden_layers * self.layer_params + self.hidden_size + head
+
+    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """A (rank x in) + B (out x rank) for each targeted linear of every layer."""
+        shapes = self.linear_shapes()
+        return self.num_hidden_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.num_hidden_layers * self.kv_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class VisionDims:
+    """The vision tower, field for field Qwen3VLVisionConfig."""
+
+    hidden_size: int
+    depth: int
+    intermediate_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    deepstack_levels: int
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    spatial_merge_size: int = 2
+
+    @property
+    def params(self) -> int:
+        """Patch embedding (Conv3d + bias), learned positions, ViT blocks (LayerNorms and linears
+        with biases), the patch merger and one merger per DeepStack level (the DeepStack ones
+        normalise after the 2x2 shuffle, over hidden * 4)."""
+        h, inter = self.hidden_size, self.intermediate_size
+        patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h + h
+        block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inter + inter) + (inter * h + h)
+        merged = h * self.spatial_merge_size**2
+        mlp = (merged * merged + merged) + (merged * self.out_hidden_size + self.out_hidden_size)
+        merger = 2 * h + mlp
+        deepstack = 2 * merged + mlp
+        return patch + self.num_position_embeddings * h + self.depth * block + merger + self.deepstack_levels * deepstack
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    name: str
+    text: TextDims
+    vision: VisionDims
+
+    @property
+    def params(self) -> int:
+        return self.text.params + self.vision.params
+
+
+# The published configs (config.json of each hub repo; transformers 4.57 field names). Not read
+# from the hub (no machine here reaches it): vendored copies of those files agree, e.g.
+#   8B: NVIDIA/TensorRT-LLM tests/unittest/_torch/modeling/test_modeling_qwen3vl.py
+#       (QWEN3_VL_8B_CONFIG, "36 layers for full model"); 2B and 4B: copies of the configs in
+#       third-party loaders and tests found with the search tool (docs/qwen3vl.md lists them).
+# Shared by all three: vocab 151,936, head_dim 128, 8 KV heads, vision patch 16, merge 2,
+# 2,304 learned positions (48 x 48), 3 DeepStack levels.
+# The totals match the published sizes: 2B 2.13B, 4B 4.44B, 8B 8.77B parameters.
+QWEN3_VL = {
+    "Qwen/Qwen3-VL-2B-Instruct": ModelDims(
+        "Qwen/Qwen3-VL-2B-Instruct",
+        TextDims(151936, 2048, 28, 16, 8, 128, 6144, tie_word_embeddings=True),
+        VisionDims(1024, 24, 4096, 2048, 2304, deepstack_levels=3),  # DeepStack from ViT blocks 5, 11, 17
+    ),
+    "Qwen/Qwen3-VL-4B-Instruct": ModelDims(
+        "Qwen/Qwen3-VL-4B-Instruct",
+        TextDims(151936, 2560, 36, 32, 8, 128, 9728, tie_word_embeddings=True),
+        VisionDims(1024, 24, 4096, 2560, 2304, deepstack_levels=3),  # blocks 5, 11, 17
+    ),
+    "Qwen/Qwen3-VL-8B-Instruct": ModelDims(
+        "Qwen/Qwen3-VL-8B-Instruct",
+        TextDims(151936, 4096, 36, 32, 8, 128, 12288, tie_word_embeddings=False),
+        VisionDims(1152, 27, 4304, 4096, 2304, deepstack_levels=3),  # blocks 8, 16, 24
+    ),
+}
+
+
+def dims_from_hf_config(config: dict, name: str = "model") -> ModelDims:
+    """ModelDims from a Qwen3-VL config.json dict."""
+    t, v = config["text_config"], config["vision_config"]
+    tied = bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
+    heads = t["num_attention_heads"]
+    text = TextDims(
+        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
+        head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
+        tie_word_embeddings=tied,
+    )
+    vision = VisionDims(
+        hidden_size=v["hidden_size"], depth=v["depth"], intermediate_size=v["intermediate_size"],
+        out_hidden_size=v["out_hidden_size"], num_position_embeddings=v["num_position_embeddings"],
+        deepstack_levels=len(v.get("deepstack_visual_indexes", [])), patch_size=v.get("patch_size", 16),
+        temporal_patch_size=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", 3),
+        spatial_merge_size=v.get("spatial_merge_size", 2),
+    )
+    return ModelDims(name, text, vision)
+
+
+def model_dims(model: str | os.PathLike) -> ModelDims:
+    """The dimensions of `model`: a Qwen3-VL hub id above, a local folder's config.json, or the
+    built-in 'tiny'/'small' presets (built offline on first use; that imports torch)."""
+    name = str(model)
+    if name in QWEN3_VL:
+        return QWEN3_VL[name]
+    if name in ("tiny", "small"):
+        from saccade.models.tiny import tiny_model_path
+
+        return dims_from_hf_config(json.loads((tiny_model_path(name) / "config.json").read_text()), name)
+    path = Path(model) / "config.json"
+    if path.is_file():
+        return dims_from_hf_config(json.loads(path.read_text()), name)
+    known = ", ".join(QWEN3_VL)
+    raise ValueError(f"no dimensions for model {name!r}: give a local folder with a config.json, or one of {known}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------------------------
+
+
+def activation_bytes_per_token(
+    text: TextDims, *, dtype_bytes: int, lora_rank: int | None, lora_targets: tuple[str, ...] = LINEARS,
+    loss_fraction: float = 1.0,
+) -> float:
+    """Bytes autograd keeps for backward per token of a micro-batch (transformers' Qwen3-VL text
+    decoder, peft LoRA or full fine-tuning, flash or sdpa attention, no checkpointing).
+
+    Per decoder layer, with b the dtype's bytes, h hidden, q = heads*head_dim, kv =
+    kv_heads*head_dim, I intermediate:
+      RMSNorm (x2 per layer, and q_norm over q, k_norm over kv): the float32 upcast of its
+        input, 4*n, and one float32 rsqrt per row; full FT also the normalised input, b*n,
+        for the weight's gradient.
+      attention: q, k, v after RoPE and the output, b*(2q + 2kv), + float32 logsumexp per head.
+      MLP: gate and up outputs and silu(gate), 3*b*I.
+      the linears' inputs, kept for their weight gradients: full FT keeps the three shared
+        inputs (norm1 out b*h, shared by q/k/v; attention out, already counted; norm2 out b*h,
+        shared by gate/up; silu*up b*I). LoRA keeps them only for adapted linears, and peft,
+        whose adapters are float32, casts each adapted linear's input to float32 on its own:
+        in bf16 that is one 4*in copy per adapted linear (q, k, v each copy the same h); in
+        float32 the cast is a no-op and inputs are shared. Plus each adapter's rank-r
+        intermediate, 4*r.
+    So bf16, LoRA on all seven linears: 28h + 12q + 8kv + 10I + 28r + 8 heads + 4 kv_heads + 8;
+    bf16 full FT: 16h + 10q + 10kv + 8I + 8 heads + 4 kv_heads + 8.
+    Once per token: RoPE cos and sin (2*b*head_dim), the final norm, the token ids for the
+    embedding's gradient (full FT, int64), two bool masks, and per loss token the gathered
+    hidden state (b*h), its index and target (int64) and the logsumexp and entropy (float32).
+    With LoRA the first layer's input norm keeps nothing (nothing before it trains).
+
+    Exact for LoRA on all seven linears and for full fine-tuning (tested against autograd's
+    saved tensors on the tiny model); for other target sets the first layer is approximate.
+    Not counted: DeepStack's per-image-token index masks (a few bytes per image token);
+    eager attention's (tokens x tokens) probabilities (use flash_attention_2 or sdpa).
+    """
+    full = lora_rank is None
+    targets = set() if full else set(lora_targets)
+    b = dtype_bytes
+    h, q, kv, inter = text.hidden_size, text.q_dim, text.kv_dim, text.intermediate_size
+    cast = b != 4  # peft's float32 adapters: each adapted linear copies its input to float32
+
+    def norm(n: int, rows: int) -> int:
+        return 4 * n + 4 * rows + (b * n if full else 0)
+
+    def inputs(names: tuple[str, ...], n: int) -> int:
+        if full:
+            return b * n
+        adapted = sum(name in targets for name in names)
+        if not adapted:
+            return 0
+        return 4 * n * adapted if cast else b * n
+
+    layer = (
+        norm(h, 1)
+        + inputs(("q_proj", "k_proj", "v_proj"), h)
+        + norm(q, text.num_attention_heads)
+        + norm(kv, text.num_key_value_heads)
+        + b * (2 * q + 2 * kv) + 4 * text.num_attention_heads
+        + (4 * q if cast and "o_proj" in targets else 0)  # otherwise shared with attention's output
+        + norm(h, 1)
+        + inputs(("gate_proj", "up_proj"), h)
+        + 3 * b * inter
+        + inputs(("down_proj",), inter)
+        + 4 * (lora_rank or 0) * len(targets)
+    )
+    per_token = text.num_hidden_layers * layer
+    if not full:
+        per_token -= norm(h, 1)  # layer 0's input norm: nothing before it requires grad
+    per_token += 2 * b * text.head_dim  # RoPE cos, sin
+    per_token += norm(h, 1)  # final norm
+    per_token += 8 if full else 0  # token ids, for the embedding's gradient
+    per_token += 2  # bool masks: predicted positions, scattered back
+    per_token += loss_fraction * (b * h + 8 + 8 + 4 + 4)  # hidden, index, target, lse, entropy
+    return per_token
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimates
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    gib: float
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Rows of a memory estimate; `total` is the peak (rows add up to it)."""
+
+    items: tuple[Item, ...]
+
+    @property
+    def total(self) -> float:
+        return sum(i.gib for i in self.items)
+
+    def get(self, name: str) -> float:
+        return sum(i.gib for i in self.items if i.name == name)
+
+
+def trainer_memory(
+    dims: ModelDims, *, dtype: str = "bfloat16", lora_rank: int | None = 16, lora_targets: tuple[str, ...] = LINEARS,
+    max_tokens: int = 4096, holds_vision_tower: bool = False, loss_fraction: float = 1.0,
+    chunk_size: int = LOGPROB_CHUNK,
+) -> Estimate:
+    """Peak GPU memory of the trainer. `lora_rank=None` is full fine-tuning of the language model.
+
+    `loss_fraction`, the share of micro-batch tokens that are completion tokens, is 1 by default
+    (an upper bound). The peak is the larger of the backward peak (everything below) and the
+    optimizer step's (foreach AdamW allocates about one parameter-sized temporary while the
+    activations are already freed); the second wins only for full fine-tuning with few tokens.
+    """
+    b = DTYPE_BYTES[dtype]
+    t = dims.text
+    full = lora_rank is None
+    lm_params = t.params
+    trainable = lm_params if full else t.lora_params(lora_rank, lora_targets)
+    state_bytes = b if full else 4  # trainable parameters' dtype: LoRA adapters are float32
+    items = [Item("weights", lm_params * b / GiB, f"language model + lm_head, {lm_params / 1e9:.2f}B params, {dtype}")]
+    if holds_vision_tower:
+        items.append(Item("vision tower", dims.vision.params * b / GiB, "embedded engine: the tower lives here"))
+    if not full:
+        items.append(Item("LoRA adapters", trainable * 4 / GiB, f"rank {lora_rank}, {trainable / 1e6:.1f}M params, fp32"))
+    items.append(Item("gradients", trainable * state_bytes / GiB, "fp32" if not full else dtype))
+    items.append(Item("AdamW states", 2 * trainable * state_bytes / GiB, "exp_avg, exp_avg_sq"))
+    per_token = activation_bytes_per_token(
+        t, dtype_bytes=b, lora_rank=lora_rank, lora_targets=lora_targets, loss_fraction=loss_fraction
+    )
+    activations = max_tokens * per_token / GiB
+    head_upcast = t.vocab_size * t.hidden_size * 4 if b != 4 else 0
+    head_grad = t.vocab_size * t.hidden_size * 4 if full else 0  # float32 accumulator of the lm_head grad
+    logprob = (2 * chunk_size * t.vocab_size * 4 + head_upcast + head_grad) / GiB
+    images = max_tokens * t.hidden_size * (1 + dims.vision.deepstack_levels) * b / GiB
+    step_temp = trainable * state_bytes / GiB
+    backward = activations + logprob + images
+    if step_temp > backward:
+        items.append(Item("optimizer step temporaries", step_temp, "foreach AdamW; exceeds the backward's"))
+    else:
+        items.append(Item("activations", activations, f"{max_tokens} tokens x {per_token / 2**20:.2f} MiB, no checkpointing"))
+        items.append(Item("logprob buffers", logprob, f"2 x ({chunk_size} x vocab) fp32 + fp32 lm_head copies"))
+        items.append(Item("image embeddings", images, "a micro-batch's, at most max_tokens rows (main + DeepStack)"))
+    items.append(Item("CUDA context", CUDA_CONTEXT_GIB, "assumed"))
+    return Estimate(tuple(items))
+
+
+def server_memory(
+    dims: ModelDims, *, gpu_memory_utilization: float, gpu_gib: float = GPU_GIB, dtype: str = "bfloat16",
+    max_lora_rank: int | None = None, overhead_gib: float = VLLM_OVERHEAD_GIB,
+) -> Estimate:
+    """A vLLM server's share of its GPU: weights, LoRA slots, overhead, and the KV cache it gets."""
+    b = DTYPE_BYTES[dtype]
+    budget = gpu_memory_utilization * gpu_gib
+    items = [Item("weights", dims.params * b / GiB, f"LM + vision tower, {dims.params / 1e9:.2f}B params, {dtype}")]
+    if max_lora_rank:
+        lora = dims.text.lora_params(max_lora_rank, LINEARS) * b / GiB
+        items.append(Item("LoRA slot", lora, f"--enable-lora --max-lora-rank {max_lora_rank}, one adapter"))
+    items.append(Item("overhead", overhead_gib, "assumed: profiling activations, CUDA graphs, encoder cache"))
+    kv = budget - sum(i.gib for i in items)
+    if kv <= 0:
+        raise ValueError(
+            f"--gpu-memory-utilization {gpu_memory_utilization} gives {budget:.1f} GiB, less than the "
+            f"{budget - kv:.1f} GiB the server needs before its KV cache"
+        )
+    items.append(Item("KV cache", kv, f"{kv_tokens(dims, kv):,} tokens"))
+    return Estimate(tuple(items))
+
+
+def kv_tokens(dims: ModelDims, kv_gib: float, dtype_bytes: int = 2) -> int:
+    """Tokens of KV cache that `kv_gib` holds, rounded down to a thousand."""
+    return int(kv_gib * GiB / dims.text.kv_bytes_per_token(dtype_bytes)) // 1000 * 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# From a run config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunEstimate:
+    """A run's trainer and one of its servers, and whether they fit their GPUs."""
+
+    dims: ModelDims
+    trainer: Estimate
+    server: Estimate | None  # None for the embedded engine
+    gpu_gib: float
+    shared_gpu: bool  # the trainer and one server on the same GPU
+
+    @property
+    def trainer_budget(self) -> float:
+        """What the trainer may use: its GPU, less the server's share when they share it."""
+        return self.gpu_gib - (self.server.total if self.shared_gpu and self.server else 0.0)
+
+    @property
+    def fits(self) -> bool:
+        return self.trainer.total <= self.trainer_budget
+
+
+def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = GPU_GIB, shared_gpu: bool = False,
+                 dims: ModelDims | None = None) -> RunEstimate:
+    """The estimate for a `saccade.config.RunConfig`.
+
+    The servers' --gpu-memory-utilization is not part of the run config: pass it. With
+    `shared_gpu`, one server and the trainer share a GPU (start the server first: vLLM takes its
+    share of the whole GPU, the trainer then fits in what is left).
+    """
+    dims = dims or model_dims(cfg.model.path)
+    lora_rank = cfg.lora.rank if cfg.lora.enabled else None
+    embedded = cfg.engine.kind == "embedded"
+    trainer = trainer_memory(
+        dims, dtype=cfg.model.dtype, lora_rank=lora_rank, lora_targets=tuple(cfg.lora.target_modules),
+        max_tokens=cfg.trainer.max_tokens, holds_vision_tower=embedded,
+    )
+    server = None
+    if not embedded:
+        server = server_memory(
+            dims, gpu_memory_utilization=gpu_memory_utilization, gpu_gib=gpu_gib, dtype=cfg.model.dtype,
+            max_lora_rank=cfg.lora.rank if cfg.engine.sync_lora_adapter else None,
+        )
+    return RunEstimate(dims, trainer, server, gpu_gib, shared_gpu and not embedded)
+
+
+def header_lines(est: RunEstimate) -> list[str]:
+    """The memory lines of a shipped config's header, exactly (tests/test_configs.py compares)."""
+    t = est.trainer
+    state = "LoRA+grads+AdamW" if t.get("LoRA adapters") else "grads+AdamW"
+    short = {"LoRA adapters": state, "gradients": state, "AdamW states": state,
+             "logprob buffers": "logprobs", "image embeddings": "images", "CUDA context": "context"}
+    groups: dict[str, float] = {}
+    for item in t.items:
+        key = short.get(item.name, item.name)
+        groups[key] = groups.get(key, 0.0) + item.gib
+    parts = " + ".join(f"{name} {gib:.1f}" for name, gib in groups.items())
+    lines = [f"#   trainer GPU: {t.total:.1f} GiB peak = {parts}"]
+    if est.server is not None:
+        s = est.server
+        kv = s.get("KV cache")
+        lines.append(
+            f"#   each vLLM server: {s.total:.1f} GiB = weights {s.get('weights'):.1f}"
+            + (f" + LoRA slot {s.get('LoRA slot'):.1f}" if s.get("LoRA slot") else "")
+            + f" + overhead {s.get('overhead'):.1f} (assumed) + KV cache {kv:.1f} ({kv_tokens(est.dims, kv):,} tokens)"
+        )
+    where = "next to its server" if est.shared_gpu else "alone"
+    verdict = "fits" if est.fits else "DOES NOT FIT"
+    lines.append(f"#   trainer {where} on a {est.gpu_gib:.0f} GiB GPU: {t.total:.1f} of {est.trainer_budget:.1f} GiB, {verdict}")
+    return lines
