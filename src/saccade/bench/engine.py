@@ -47,14 +47,22 @@ def trainer_logprob_diffs(model, completions, *, cache_get, image_token_id: int,
                           merge: int = 2) -> torch.Tensor:
     """|trainer logprob - engine logprob| of every sampled token, on the packed cached-image path."""
     from saccade.orchestrator.samples import completion_to_sample
-    from saccade.trainer.forward import forward_logprobs
-    from saccade.trainer.packing import pack
 
     samples = [completion_to_sample(c, sample_id=f"s{i}", advantage=0.0, reward=0.0, spatial_merge_size=merge)
                for i, c in enumerate(completions)]
+    return sample_logprob_diffs(model, samples, cache_get=cache_get, image_token_id=image_token_id,
+                                banned_token_ids=banned_token_ids, temperature=temperature, merge=merge)
+
+
+def sample_logprob_diffs(model, samples, *, cache_get, image_token_id: int, banned_token_ids, temperature: float,
+                         merge: int = 2, max_tokens: int = 4096) -> torch.Tensor:
+    """|trainer logprob - engine logprob| on every loss token of TrainingSamples (multi-turn ones too)."""
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.packing import pack
+
     diffs = []
     with torch.no_grad():
-        for mb in pack(samples, cache_get, max_tokens=4096, image_token_id=image_token_id, spatial_merge_size=merge):
+        for mb in pack(samples, cache_get, max_tokens=max_tokens, image_token_id=image_token_id, spatial_merge_size=merge):
             lp, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True,
                                      banned_token_ids=banned_token_ids)
             diffs.append((lp - mb.inference_logprobs)[mb.loss_mask].abs())

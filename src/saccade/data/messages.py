@@ -123,6 +123,13 @@ def messages_to_inputs(
     """Tokenize a conversation and preprocess its images: the single source of truth."""
     normalized, images = extract_images(messages, limits=limits, sample=sample)
     text = render_chat(processor, normalized, add_generation_prompt=add_generation_prompt)
+    return tokenize_rendered(text, images, processor, limits=limits, sample=sample)
+
+
+def tokenize_rendered(
+    text: str, images: list[Image.Image], processor, *, limits: ImageLimits = ImageLimits(), sample: str | None = None
+) -> ModelInputs:
+    """Rendered chat text (one image placeholder per image) and its images -> model inputs."""
     kwargs: dict[str, Any] = dict(text=[text], return_tensors="pt", return_mm_token_type_ids=True)
     if images:
         kwargs["images"] = images

@@ -43,6 +43,33 @@ class ChatRequest:
 
 
 @dataclass
+class TokenPrompt:
+    """A prompt given as token ids, never re-tokenized: how multi-turn rollouts continue.
+
+    The ids are the trajectory so far, image pads expanded (one per merged patch), exactly as
+    the trainer will see them; `images` are all the trajectory's images in order (an engine
+    that has their embeddings cached by key does not look at the pixels).
+    """
+
+    request_id: str
+    input_ids: torch.Tensor  # (P,) int64: image pads expanded
+    mm_token_type_ids: torch.Tensor  # (P,) int64: 0 text, 1 image
+    image_keys: list[str]  # cache keys, in order
+    image_grid_thw: torch.Tensor  # (n_images, 3) int64
+    images: list[Any] = field(default_factory=list)  # PIL images, in order
+
+    def __post_init__(self):
+        n = len(self.image_keys)
+        if self.image_grid_thw.shape != (n, 3) or (self.images and len(self.images) != n):
+            raise ValueError(
+                f"{self.request_id}: {n} image keys, {len(self.images)} images and grids of shape "
+                f"{tuple(self.image_grid_thw.shape)} do not agree"
+            )
+        if self.input_ids.shape != self.mm_token_type_ids.shape:
+            raise ValueError(f"{self.request_id}: input_ids and mm_token_type_ids differ in shape")
+
+
+@dataclass
 class Completion:
     """One sampled completion of one request, exactly as the engine produced it."""
 
@@ -64,6 +91,10 @@ class Engine(Protocol):
 
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
         """For each request, params.n completions."""
+        ...
+
+    def generate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
+        """For each token prompt, params.n completions; `prompt_ids` report the ids the engine ran."""
         ...
 
     def update_weights(self) -> float:

@@ -27,7 +27,7 @@ from torch import nn
 
 from saccade.data.images import ImageLimits
 from saccade.data.messages import ModelInputs, messages_to_inputs
-from saccade.inference.engine import ChatRequest, Completion, SamplingParams, vision_token_ids
+from saccade.inference.engine import ChatRequest, Completion, SamplingParams, TokenPrompt, vision_token_ids
 from saccade.models.positions import mrope_positions
 from saccade.models.vision import ImageEmbedding, VisionEncoder
 from saccade.trainer.forward import BANNED_LOGIT, unwrap_policy
@@ -35,7 +35,7 @@ from saccade.trainer.forward import BANNED_LOGIT, unwrap_policy
 
 @dataclass
 class PreparedPrompt:
-    request: ChatRequest
+    request: ChatRequest | TokenPrompt
     inputs: ModelInputs
     image_keys: list[str]
     embeddings: list[ImageEmbedding]
@@ -106,10 +106,37 @@ class LocalEngine:
     def prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
         return [self.prepare(r) for r in requests]
 
+    def key_for_hash(self, content_hash: str) -> str:
+        return self.encoder.key_for_hash(content_hash)
+
+    def prepare_tokens(self, prompt: TokenPrompt) -> PreparedPrompt:
+        """A token prompt as it stands: its ids are used, never re-tokenized; images whose
+        embeddings are not cached are encoded (the pixels must then be in `prompt.images`)."""
+        if prompt.image_keys and not prompt.images and any(self.encoder.cache.get(k) is None for k in prompt.image_keys):
+            raise ValueError(f"{prompt.request_id}: image embeddings not cached and no images given to encode")
+        images = prompt.images or [None] * len(prompt.image_keys)
+        embeddings = self.encoder.encode(images, prompt.image_keys) if prompt.image_keys else []
+        grid = prompt.image_grid_thw.long()
+        for i, emb in enumerate(embeddings):
+            if not torch.equal(emb.grid_thw, grid[i]):
+                raise ValueError(f"{prompt.request_id}: image {i} has grid {grid[i].tolist()} in the prompt but "
+                                 f"{emb.grid_thw.tolist()} when encoded: the image limits differ")
+        inputs = ModelInputs(input_ids=prompt.input_ids.long(), mm_token_type_ids=prompt.mm_token_type_ids.long(),
+                             pixel_values=None, image_grid_thw=grid if prompt.image_keys else None)
+        mrope = mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, spatial_merge_size=self.encoder.merge)
+        return PreparedPrompt(prompt, inputs, list(prompt.image_keys), embeddings, mrope)
+
     # --- sampling --------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
-        prepared = [self.prepare(r) for r in requests]
+        return self._generate_prepared([self.prepare(r) for r in requests], params)
+
+    @torch.no_grad()
+    def generate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
+        """Sample after prompts given as token ids (multi-turn rollouts): nothing is re-tokenized."""
+        return self._generate_prepared([self.prepare_tokens(p) for p in prompts], params)
+
+    def _generate_prepared(self, prepared: list[PreparedPrompt], params: SamplingParams) -> list[list[Completion]]:
         rows = [p for p in prepared for _ in range(params.n)]
         results: list[Completion] = []
         for start in range(0, len(rows), self.max_batch_rows):
@@ -144,6 +171,7 @@ class LocalEngine:
                     finish_reason="stop" if bool(stopped_B[b]) else "length",
                     text=self.tokenizer.decode(ids, skip_special_tokens=True),
                     policy_version=self.policy_version,
+                    extra={"mrope_positions": row.mrope_3P},  # the positions the prompt ran at
                 )
             )
         return out

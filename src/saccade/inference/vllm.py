@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from saccade.data.images import ImageLimits, image_hash, image_to_data_url, load_image
-from saccade.inference.engine import ChatRequest, Completion, SamplingParams, vision_token_ids
+from saccade.inference.engine import ChatRequest, Completion, SamplingParams, TokenPrompt, vision_token_ids
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
 
 if TYPE_CHECKING:
@@ -71,6 +71,17 @@ def to_openai_messages(messages: list[dict[str, Any]], limits: ImageLimits, samp
                 parts.append(dict(part))
         out.append({**message, "content": parts})
     return out, hashes
+
+
+def collapse_image_pads(input_ids: list[int], pad_id: int) -> list[int]:
+    """One pad per image: vLLM expands each pad of a token prompt to the image's full count, so
+    sending the trajectory's expanded pads would multiply them (measured on vLLM 0.32)."""
+    out: list[int] = []
+    for token in input_ids:
+        if token == pad_id and out and out[-1] == pad_id:
+            continue
+        out.append(token)
+    return out
 
 
 def parse_embeddings(data: bytes, count: int) -> list[ImageEmbedding]:
@@ -121,6 +132,8 @@ class VLLMEngine:
         self._adapter_loaded = False
         self.banned_token_ids = vision_token_ids(self.tokenizer)
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.stop_token_ids = sorted({self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")})
+        self._urls_by_key: dict[str, str] = {}
         self.policy_version = 0
         self._in_flight = {u: 0 for u in self.urls}
         self._turn = itertools.count()

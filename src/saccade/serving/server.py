@@ -39,6 +39,9 @@ DEFAULT_FLAGS = {
     # what the trainer's ratio needs; vLLM's default reports them before temperature.
     "--logprobs-mode": "processed_logprobs",
     "--worker-extension-cls": WORKER_EXTENSION,
+    # Token-in/token-out sampling (/inference/v1/generate): multi-turn rollouts send the
+    # trajectory's own token ids, never text that vLLM would re-tokenize.
+    "--enable-scale-out": None,
 }
 
 
@@ -66,7 +69,7 @@ def with_defaults(vllm_args: list[str]) -> list[str]:
     out = list(vllm_args)
     for flag, value in DEFAULT_FLAGS.items():
         if flag not in given:
-            out += [flag, value]
+            out += [flag] if value is None else [flag, value]
     return out
 
 
