@@ -232,8 +232,9 @@ def activation_bytes_per_token(
     So bf16, LoRA on all seven linears: 28h + 12q + 8kv + 10I + 28r + 8 heads + 4 kv_heads + 8;
     bf16 full FT: 16h + 10q + 10kv + 8I + 8 heads + 4 kv_heads + 8.
     Once per token: RoPE cos and sin (2*b*head_dim), the final norm, the token ids for the
-    embedding's gradient (full FT, int64), two bool masks, and per loss token the gathered
+    embedding's gradient (full FT, int64), a bool mask, and per loss token the gathered
     hidden state (b*h), its index and target (int64) and the logsumexp and entropy (float32).
+    The loss (`saccade.trainer.loss.policy_loss`) adds a few float32 per token: not counted.
     With LoRA the first layer's input norm keeps nothing (nothing before it trains).
 
     Exact for LoRA on all seven linears and for full fine-tuning (tested against autograd's
@@ -277,7 +278,7 @@ def activation_bytes_per_token(
     per_token += 2 * b * text.head_dim  # RoPE cos, sin
     per_token += norm(h, 1)  # final norm
     per_token += 8 if full else 0  # token ids, for the embedding's gradient
-    per_token += 2  # bool masks: predicted positions, scattered back
+    per_token += 1  # the bool mask of predicted positions (scattered back twice, one tensor)
     per_token += loss_fraction * (b * h + 8 + 8 + 4 + 4)  # hidden, index, target, lse, entropy
     return per_token
 

@@ -1,0 +1,190 @@
+"""The memory estimator: parameter counts equal the real modules', activation bytes equal what
+autograd saves for backward, and the arithmetic behaves (monotone, LoRA below full, a hand case)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from saccade.memory import (
+    GiB, LINEARS, QWEN3_VL, ModelDims, TextDims, VisionDims, activation_bytes_per_token, dims_from_hf_config,
+    model_dims, server_memory, trainer_memory,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dims(tiny_path):
+    return model_dims(tiny_path)
+
+
+def test_parameter_counts_equal_the_tiny_models(tiny_path, tiny_dims):
+    from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm
+    from saccade.models.loading import load_vision_tower
+
+    policy = load_policy_lm(tiny_path)
+    assert tiny_dims.text.params == sum(p.numel() for p in policy.parameters())  # tied head counted once
+    assert tiny_dims.vision.params == sum(p.numel() for p in load_vision_tower(tiny_path).parameters())
+    for rank, targets in ((8, LINEARS), (4, ("q_proj", "v_proj")), (16, ("down_proj",))):
+        peft_model = apply_lora(load_policy_lm(tiny_path), LoraSettings(rank=rank, target_modules=list(targets)))
+        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        assert tiny_dims.text.lora_params(rank, targets) == trainable
+
+
+def test_an_untied_head_counts_twice(tiny_dims):
+    untied = dataclasses.replace(tiny_dims.text, tie_word_embeddings=False)
+    assert untied.params - tiny_dims.text.params == untied.vocab_size * untied.hidden_size
+
+
+def test_published_model_sizes():
+    # Hugging Face lists 2.13B, 4.44B and 8.77B parameters for the three checkpoints.
+    sizes = {name: round(d.params / 1e9, 2) for name, d in QWEN3_VL.items()}
+    assert sizes == {"Qwen/Qwen3-VL-2B-Instruct": 2.13, "Qwen/Qwen3-VL-4B-Instruct": 4.44, "Qwen/Qwen3-VL-8B-Instruct": 8.77}
+
+
+def test_dims_from_config_json(tiny_path, tiny_dims):
+    import json
+
+    config = json.loads((tiny_path / "config.json").read_text())
+    assert dims_from_hf_config(config, tiny_dims.name) == tiny_dims
+    assert tiny_dims.vision.deepstack_levels == len(config["vision_config"]["deepstack_visual_indexes"])
+    with pytest.raises(ValueError, match="no dimensions"):
+        model_dims("someone/Not-A-Known-Model")
+
+
+def saved_activation_bytes(tiny_path, dtype, lora: bool, n_tokens: int, n_image_tokens: int = 0,
+                           with_loss: bool = False) -> int:
+    """Bytes of every tensor autograd saves for backward in the trainer's forward (the model's
+    parameters excluded), each storage counted once: the activation memory of one micro-batch.
+    `with_loss` includes the policy loss (PPO clip with TIS) on top of the logprobs."""
+    from saccade.config import LossSection
+    from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm, set_full_finetune
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.loss import LossInputs, policy_loss
+    from saccade.trainer.samples import MicroBatch
+
+    torch.manual_seed(0)
+    policy = load_policy_lm(tiny_path, dtype=dtype)
+    model = apply_lora(policy, LoraSettings(rank=8)) if lora else set_full_finetune(policy)
+    hidden, levels = policy.config.text_config.hidden_size, policy.num_deepstack_levels
+    ids = torch.randint(0, 500, (1, n_tokens))
+    ids[0, 4 : 4 + n_image_tokens] = policy.image_token_id
+    loss_mask = torch.zeros(n_tokens, dtype=torch.bool)
+    loss_mask[n_tokens // 2 :] = True  # completion: the second half
+    mb = MicroBatch(
+        input_ids=ids, position_ids=torch.arange(n_tokens).expand(4, 1, n_tokens).clone(), loss_mask=loss_mask,
+        inference_logprobs=torch.zeros(n_tokens), advantages=torch.ones(n_tokens),
+        cu_seqlens=torch.tensor([0, n_tokens], dtype=torch.int32),
+        image_embeds=torch.randn(n_image_tokens, hidden, dtype=dtype) if n_image_tokens else None,
+        deepstack=torch.randn(levels, n_image_tokens, hidden, dtype=dtype) if n_image_tokens else None,
+        image_grid_thw=torch.zeros(0, 3, dtype=torch.long), sample_ids=["a"],
+    )
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logprobs, entropy = forward_logprobs(model, mb, only_loss_tokens=True)
+        if with_loss:
+            inputs = LossInputs(
+                logprobs_N=logprobs, old_logprobs_N=logprobs.detach(), advantages_N=mb.advantages,
+                loss_mask_N=mb.loss_mask, cu_seqlens=mb.cu_seqlens, inference_logprobs_N=mb.inference_logprobs,
+                entropy_N=entropy, total_loss_tokens=float(loss_mask.sum()), total_sequences=1.0,
+            )
+            loss, _ = policy_loss(inputs, LossSection(tis_cap=2.0).to_loss_config())
+            assert loss.requires_grad
+    assert logprobs.requires_grad
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_activations_equal_autograds_saved_tensors(tiny_path, tiny_dims, dtype, lora):
+    # torch has no peak-memory counter on CPU; what autograd keeps for backward is the
+    # activation memory itself, and it is counted exactly. The formula must match to the byte
+    # without images; DeepStack's index masks add a few bytes per image token, not modelled.
+    n = 192
+    per_token = activation_bytes_per_token(
+        tiny_dims.text, dtype_bytes=torch.finfo(dtype).bits // 8, lora_rank=8 if lora else None, loss_fraction=0.5
+    )
+    assert saved_activation_bytes(tiny_path, dtype, lora, n) == n * per_token
+    with_images = saved_activation_bytes(tiny_path, dtype, lora, n, n_image_tokens=48)
+    assert 0 <= with_images - n * per_token <= 48 * 16
+    # The loss's own per-token tensors (ratio, clip masks, TIS weights): a few dozen bytes.
+    with_loss = saved_activation_bytes(tiny_path, dtype, lora, n, with_loss=True)
+    assert 0 <= with_loss - n * per_token <= n * 64
+
+
+def test_activations_formula_by_hand():
+    # One bf16 layer, LoRA r=2 on all seven linears, every loss term off (loss_fraction 0):
+    # 28h + 12q + 8kv + 10I + 28r + 8 heads + 4 kv_heads + 8 per layer, less layer 0's input
+    # norm (4h + 4), plus RoPE (2*2*head_dim), the final norm (4h + 4) and a 1-byte mask.
+    text = TextDims(vocab_size=100, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=4, intermediate_size=16, tie_word_embeddings=True)
+    h, q, kv, inter, r = 8, 8, 4, 16, 2
+    layer = 28 * h + 12 * q + 8 * kv + 10 * inter + 28 * r + 8 * 2 + 4 * 1 + 8
+    expected = 2 * layer - (4 * h + 4) + 2 * 2 * 4 + (4 * h + 4) + 1
+    assert activation_bytes_per_token(text, dtype_bytes=2, lora_rank=r, loss_fraction=0) == expected == 1209
+    full = 16 * h + 10 * q + 10 * kv + 8 * inter + 8 * 2 + 4 * 1 + 8
+    assert activation_bytes_per_token(text, dtype_bytes=2, lora_rank=None, loss_fraction=0) == (
+        2 * full + 2 * 2 * 4 + (4 * h + 4 + 2 * h) + 8 + 1
+    )
+
+
+def test_trainer_estimate_by_hand():
+    # The hand-computable rows of Qwen3-VL-2B, LoRA r=32 on all linears, bf16.
+    d = QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
+    est = trainer_memory(d, lora_rank=32, max_tokens=1000)
+    lm = 151936 * 2048 + 28 * (2048 * 2048 * 2 + 2048 * 1024 * 2 + 3 * 2048 * 6144 + 2 * 2048 + 2 * 128) + 2048
+    lora = 28 * 32 * (2 * (2048 + 2048) + 2 * (2048 + 1024) + 3 * (2048 + 6144))
+    assert est.get("weights") == pytest.approx(lm * 2 / GiB)
+    assert est.get("LoRA adapters") == est.get("gradients") == pytest.approx(lora * 4 / GiB)
+    assert est.get("AdamW states") == pytest.approx(2 * lora * 4 / GiB)
+    # two (1024 x vocab) fp32 chunks and the fp32 copy of the bf16 lm_head
+    assert est.get("logprob buffers") == pytest.approx((2 * 1024 * 151936 * 4 + 151936 * 2048 * 4) / GiB)
+    assert est.total == pytest.approx(sum(i.gib for i in est.items))
+
+
+def test_monotone_and_lora_below_full():
+    for d in QWEN3_VL.values():
+        totals = [trainer_memory(d, lora_rank=32, max_tokens=n).total for n in (1024, 2048, 4096, 8192)]
+        assert totals == sorted(totals) and len(set(totals)) == 4
+        ranks = [trainer_memory(d, lora_rank=r, max_tokens=2048).total for r in (8, 32, 128)]
+        assert ranks == sorted(ranks) and len(set(ranks)) == 3
+        for n in (512, 4096):
+            lora, full = trainer_memory(d, lora_rank=64, max_tokens=n), trainer_memory(d, lora_rank=None, max_tokens=n)
+            assert lora.total < full.total
+            assert lora.get("gradients") + lora.get("AdamW states") < full.get("gradients") + full.get("AdamW states")
+        assert trainer_memory(d, holds_vision_tower=True).total > trainer_memory(d).total
+    by_size = [trainer_memory(m, lora_rank=32, max_tokens=4096).total for m in QWEN3_VL.values()]
+    assert by_size == sorted(by_size)
+
+
+def test_full_finetuning_of_few_tokens_peaks_at_the_optimizer_step():
+    d = QWEN3_VL["Qwen/Qwen3-VL-8B-Instruct"]
+    est = trainer_memory(d, lora_rank=None, max_tokens=16)
+    assert est.get("optimizer step temporaries") == pytest.approx(d.text.params * 2 / GiB)
+    assert est.get("activations") == 0
+
+
+def test_server_kv_cache_is_what_is_left():
+    d = QWEN3_VL["Qwen/Qwen3-VL-8B-Instruct"]
+    s = server_memory(d, gpu_memory_utilization=0.9, gpu_gib=80.0)
+    assert s.total == pytest.approx(72.0)
+    assert s.get("weights") == pytest.approx(d.params * 2 / GiB)
+    assert d.text.kv_bytes_per_token() == 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 heads of 128, bf16
+    lora = server_memory(d, gpu_memory_utilization=0.9, gpu_gib=80.0, max_lora_rank=32)
+    assert lora.get("KV cache") < s.get("KV cache")
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        server_memory(d, gpu_memory_utilization=0.2, gpu_gib=80.0)
+
+
+def test_hand_built_dims_need_no_files():
+    tiny = ModelDims("hand", TextDims(10, 4, 1, 1, 1, 4, 8, True), VisionDims(4, 1, 8, 4, 4, deepstack_levels=1))
+    assert trainer_memory(tiny, lora_rank=1, max_tokens=16).total > 0
