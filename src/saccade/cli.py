@@ -184,6 +184,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_memory(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from saccade.config import RunConfig, load_config
+    from saccade.memory import EMBED_CACHE_HOST_GIB, estimate_run, header_lines
+
+    cfg = load_config(RunConfig, args.config, args.overrides)
+    est = estimate_run(cfg, gpu_memory_utilization=args.gpu_memory_utilization, gpu_gib=args.gpu_gib,
+                       shared_gpu=args.shared_gpu)
+    if args.header:
+        print("\n".join(header_lines(est)))
+        return 0
+    console = Console()
+    for title, estimate in (("trainer", est.trainer), ("each vLLM server", est.server)):
+        if estimate is None:
+            continue
+        table = Table(title=f"{cfg.model.path}: {title} (GiB, estimated)")
+        for col in ("", "GiB", "what"):
+            table.add_column(col, justify="right" if col == "GiB" else "left")
+        for item in estimate.items:
+            table.add_row(item.name, f"{item.gib:.2f}", item.note)
+        table.add_row("[bold]total[/bold]", f"[bold]{estimate.total:.2f}[/bold]", "")
+        console.print(table)
+    print("\n".join(line[4:] for line in header_lines(est)[-1:]))
+    print(f"host RAM besides: the image-embedding cache, up to {EMBED_CACHE_HOST_GIB:.0f} GiB. Estimates, not "
+          "measurements: see docs/qwen3vl.md")
+    return 0 if est.fits else 1
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from saccade.plot import plot_command
 
@@ -322,6 +352,25 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ev.add_argument("--samples", metavar="PATH", help="write each question's completions as JSONL")
     ev.set_defaults(func=cmd_eval)
+
+    memory = sub.add_parser(
+        "memory",
+        help="estimated GPU memory of a run: the trainer and each vLLM server (no GPU needed)",
+        description="Arithmetic from the model's dimensions (src/saccade/memory.py): weights, LoRA or full "
+        "fine-tuning state, activations of a trainer.max_tokens micro-batch, logprob buffers; for a vLLM "
+        "server, weights and the KV cache left at --gpu-memory-utilization. Exit 1 if the trainer does not fit.",
+    )
+    add_config_arguments(memory)
+    memory.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="U",
+                        help="the servers' --gpu-memory-utilization (default 0.9)")
+    memory.add_argument("--shared-gpu", action="store_true",
+                        help="the trainer and one server share a GPU (the one-GPU layout)")
+    from saccade.memory import GPU_GIB
+
+    memory.add_argument("--gpu-gib", type=float, default=GPU_GIB, metavar="GIB",
+                        help=f"memory of one GPU as CUDA shows it (default {GPU_GIB:g}: an 80 GB H100)")
+    memory.add_argument("--header", action="store_true", help="print the lines a config header carries")
+    memory.set_defaults(func=cmd_memory)
 
     plot = sub.add_parser("plot", help="write PNG curves of a run (reward, accuracy, lengths, KL, mismatch)")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder holding metrics.jsonl")

@@ -1,0 +1,105 @@
+"""The shipped configs: each loads and passes `saccade rl CONFIG --dry-run`; the Qwen3-VL ones
+carry memory estimates in their headers that must equal `saccade.memory`'s output, and the
+commands in their headers must agree with their bodies."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import saccade
+from saccade.cli import build_parser, main
+from saccade.config import RunConfig, load_config, split_overrides
+from saccade.memory import estimate_run, header_lines
+
+CONFIGS = Path(saccade.__file__).parent / "configs"
+SHIPPED = sorted(CONFIGS.glob("*.toml"))
+QWEN = sorted(CONFIGS.glob("qwen3vl-*.toml"))
+
+
+def test_the_six_qwen3vl_configs_are_shipped():
+    assert [p.name for p in QWEN] == [
+        f"qwen3vl-{size}-{layout}.toml" for size in ("2b", "4b", "8b") for layout in ("1gpu", "8gpu")
+    ]
+    # configs/ at the repository root is a link to the package's configs
+    root = Path(saccade.__file__).parents[2] / "configs"
+    if root.exists():
+        assert root.resolve() == CONFIGS.resolve()
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_config_loads_and_dry_runs(path, capsys, tmp_path):
+    cfg = load_config(RunConfig, path)
+    assert main(["rl", str(path), "--dry-run"]) == 0
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(capsys.readouterr().out)
+    assert load_config(RunConfig, resolved) == cfg  # --dry-run prints every value in effect
+
+
+def estimate_from_command(command: str):
+    """The RunEstimate a `saccade memory CONFIG ...` command line in a header describes."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["saccade", "memory"], command
+    known, overrides = split_overrides(argv[1:])
+    args = build_parser().parse_args(known)
+    args.config = str(CONFIGS / Path(args.config).name)  # configs/ in the repo, the package's here
+    cfg = load_config(RunConfig, args.config, overrides)
+    return estimate_run(cfg, gpu_memory_utilization=args.gpu_memory_utilization, gpu_gib=args.gpu_gib,
+                        shared_gpu=args.shared_gpu)
+
+
+def header_of(path: Path) -> str:
+    return path.read_text().split("\n[", 1)[0]
+
+
+@pytest.mark.parametrize("path", QWEN, ids=lambda p: p.name)
+def test_header_memory_lines_equal_the_estimator(path):
+    header = header_of(path)
+    reproduce = re.search(r"#   reproduce: (saccade memory .+)", header)
+    assert reproduce, f"{path.name}: no 'reproduce: saccade memory ...' line"
+    assert f"configs/{path.name}" in reproduce.group(1)
+    est = estimate_from_command(reproduce.group(1))
+    for line in header_lines(est):
+        assert line in header.splitlines(), f"{path.name}: header out of date; expected line:\n{line}"
+    assert est.fits
+    one_gpu = path.stem.endswith("1gpu")
+    assert est.shared_gpu == one_gpu
+
+
+@pytest.mark.parametrize("path", QWEN, ids=lambda p: p.name)
+def test_header_claims_that_something_does_not_fit_hold(path):
+    # "... does not fit: `saccade memory ...`" (possibly across a line break) must not fit.
+    header = " ".join(line.lstrip("# ").rstrip() for line in header_of(path).splitlines())
+    for command in re.findall(r"does not fit:? `(saccade memory [^`]+)`", header):
+        assert not estimate_from_command(command).fits, command
+    for command in re.findall(r"it fits[^`]*`(saccade memory [^`]+)`", header):
+        assert estimate_from_command(command).fits, command
+
+
+@pytest.mark.parametrize("path", QWEN, ids=lambda p: p.name)
+def test_header_commands_agree_with_the_body(path):
+    cfg = load_config(RunConfig, path)
+    raw = tomllib.loads(path.read_text())
+    header = header_of(path)
+    size = re.match(r"qwen3vl-(\d+b)-", path.name).group(1)
+    assert cfg.model.path == f"Qwen/Qwen3-VL-{size.upper()}-Instruct"
+    assert raw["data"]["task"] == "openmmreasoner"
+    assert cfg.engine.kind == "vllm" and cfg.engine.sync_lora_adapter and cfg.lora.enabled
+    assert cfg.loss.max_completion_tokens == cfg.engine.max_tokens
+    assert cfg.engine.max_concurrency >= cfg.rollout.prompts_per_step
+    # one server on port 8000 next to the trainer, or seven on 8001-8007 beside it
+    ports = [int(u.rsplit(":", 1)[1]) for u in cfg.engine.urls]
+    assert ports == ([8000] if path.stem.endswith("1gpu") else list(range(8001, 8008)))
+    joined = " ".join(line.lstrip("# ").rstrip(" \\") for line in header.splitlines())
+    serve = re.search(r"saccade serve [^&]+&", joined).group(0)
+    assert int(re.search(r"--max-lora-rank (\d+)", serve).group(1)) >= cfg.lora.rank
+    assert f"-max{cfg.images.max_pixels} " in serve  # the served copy carries the run's image bounds
+    util = float(re.search(r"--gpu-memory-utilization ([0-9.]+)", serve).group(1))
+    reproduce = re.search(r"#   reproduce: (saccade memory .+)", header).group(1)
+    assert f"--gpu-memory-utilization {util:.2f}" in reproduce
+    assert int(re.search(r"--max-model-len (\d+)", serve).group(1)) >= cfg.engine.max_tokens + cfg.images.max_pixels // 1024
+    assert f"saccade rl configs/{path.name}" in header
