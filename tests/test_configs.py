@@ -103,3 +103,20 @@ def test_header_commands_agree_with_the_body(path):
     assert f"--gpu-memory-utilization {util:.2f}" in reproduce
     assert int(re.search(r"--max-model-len (\d+)", serve).group(1)) >= cfg.engine.max_tokens + cfg.images.max_pixels // 1024
     assert f"saccade rl configs/{path.name}" in header
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/qwen3vl.md"])
+def test_documented_estimates_equal_the_estimator(doc):
+    # The tables in the README and docs/qwen3vl.md quote each config's trainer and server totals.
+    path = Path(saccade.__file__).parents[2] / doc
+    if not path.exists():
+        pytest.skip(f"{doc} is not shipped with the package")
+    rows = [line for line in path.read_text().splitlines() if line.startswith("| ")]
+    for config in QWEN:
+        reproduce = re.search(r"#   reproduce: (saccade memory .+)", header_of(config)).group(1)
+        est = estimate_from_command(reproduce)
+        short = config.stem.removeprefix("qwen3vl-")
+        row = [r for r in rows if r.startswith((f"| `configs/{config.name}`", f"| {short} "))]
+        assert len(row) == 1, f"{doc}: no single table row for {config.name}"
+        figures = re.findall(r"\d+\.\d", row[0])
+        assert f"{est.trainer.total:.1f}" in figures and f"{est.server.total:.1f}" in figures, (doc, row[0])

@@ -38,7 +38,7 @@ def test_an_untied_head_counts_twice(tiny_dims):
 
 
 def test_published_model_sizes():
-    # Hugging Face lists 2.13B, 4.44B and 8.77B parameters for the three checkpoints.
+    # What the dimensions give; 8.77B is also the size LM Studio's card lists for Qwen3-VL-8B.
     sizes = {name: round(d.params / 1e9, 2) for name, d in QWEN3_VL.items()}
     assert sizes == {"Qwen/Qwen3-VL-2B-Instruct": 2.13, "Qwen/Qwen3-VL-4B-Instruct": 4.44, "Qwen/Qwen3-VL-8B-Instruct": 8.77}
 
