@@ -63,6 +63,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     from saccade.config import describe
 
+    if args.task == "views":
+        return cmd_demo_views(args)
     cfg = load_demo_config(args.overrides, args.config)
     if args.dry_run:
         print(describe(cfg))
@@ -87,6 +89,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("demo missed its bar: " + "; ".join(misses))
         return 1
     print("demo OK: the model learned from the images, and the control without images did not")
+    return 0
+
+
+def cmd_demo_views(args: argparse.Namespace) -> int:
+    from saccade.config import describe
+    from saccade.demo import demo_engine
+    from saccade.demo_views import MINUTES_MAX, SUCCESS_GAIN_MIN, load_views_config, run_views_demo, views_verdict
+
+    cfg = load_views_config(args.overrides, args.config)
+    if args.dry_run:
+        print(describe(cfg))
+        return 0
+    with demo_engine(cfg, args.engine) as (cfg, server_minutes):
+        result = run_views_demo(cfg)
+    result["server_start_minutes"] = server_minutes
+    result["minutes"] += server_minutes
+    _write_json(args.json, result)
+    print(
+        f"\nheld-out episodes ({result['eval_episodes']}, up to {result['max_turns']} turns, engine {result['engine']}):\n"
+        f"  success before GRPO (random-action warm start): {result['success_before']:.3f}"
+        f"   (turns {result['turns_before']:.2f})\n"
+        f"  success after GRPO:                             {result['success_after']:.3f}"
+        f"   (turns {result['turns_after']:.2f}; bar: >= before + {SUCCESS_GAIN_MIN})\n"
+        f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
+    )
+    misses = views_verdict(result)
+    if misses:
+        print("demo missed its bar: " + "; ".join(misses))
+        return 1
+    print("demo OK: the model learned where to look, and to read what it saw")
     return 0
 
 
@@ -171,15 +203,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
     if args.dry_run:
         return 0
-    from saccade.evaluation import format_eval, run_eval
+    from saccade.evaluation import format_eval, run_eval, write_samples
 
     result = run_eval(cfg, checkpoint=args.checkpoint)
     print(format_eval(result))
     rows = result.pop("rows")
     if args.samples:
-        Path(args.samples).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.samples).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        print(f"per-question completions: {args.samples}")
+        print(f"per-question completions: {write_samples(rows, args.samples)}")
     _write_json(args.json, result)
     return 0
 
@@ -253,10 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Settings: saccade/configs/demo.toml (configs/demo.toml in the repo); dotted overrides apply. "
         "Runs, metrics and plots go to runs/demo/{sft,grpo,control}, replacing a previous demo's.",
     )
-    demo.add_argument("task", nargs="?", default="shapes", choices=["shapes"], help="which demo (default: shapes)")
-    demo.add_argument("--config", metavar="PATH", help="a TOML config instead of the built-in demo.toml")
-    demo.add_argument("--json", metavar="PATH", help="also write accuracy_before, accuracy_after, "
-                      "control_accuracy_after, chance and minutes as JSON")
+    demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views"],
+                      help="which demo: 'shapes' (default; single-turn VQA) or 'views' (multi-turn: act to change "
+                      "the view, then answer; configs/views.toml, runs/demo-views, about 10 minutes)")
+    demo.add_argument("--config", metavar="PATH", help="a TOML config instead of the built-in demo.toml / views.toml")
+    demo.add_argument("--json", metavar="PATH", help="also write the figures as JSON: accuracy_before, "
+                      "accuracy_after, control_accuracy_after, chance and minutes (views: success_before, "
+                      "success_after and minutes)")
     demo.add_argument("--engine", choices=["embedded", "vllm"], default="embedded",
                       help="who samples the rollouts: 'embedded' (default, in-process) or 'vllm' (the servers in "
                       "--engine.urls, or else a `saccade serve` started for the demo; needs vLLM installed)")
@@ -344,13 +377,16 @@ def build_parser() -> argparse.ArgumentParser:
         "eval",
         help="held-out accuracy of a run's latest checkpoint (greedy, pass@k, by category)",
         description="Evaluates the latest checkpoint under the config's run folder (or --checkpoint, or the "
-        "base model when there is none) on the held-out split: greedy accuracy, pass@k from eval.samples_k "
-        "samples per question at engine.temperature, and accuracy per category. Prints a table.",
+        "base model when there is none) on the held-out split (shapes: the evaluation seed; a data set, "
+        "data.task = mathvista, openmmreasoner or geometry3k: the first data.eval_size rows of its eval split): "
+        "greedy accuracy, pass@k from eval.samples_k samples per question at engine.temperature, and accuracy "
+        "per category (shapes: kind; MathVista: task, skills, grade; OpenMMReasoner: subset). Prints a table.",
     )
     add_config_arguments(ev)
     ev.add_argument("--checkpoint", metavar="DIR", help="a step_* folder to evaluate instead of the latest")
     ev.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    ev.add_argument("--samples", metavar="PATH", help="write each question's completions as JSONL")
+    ev.add_argument("--samples", metavar="PATH", help="write one JSON line per question: id, question, answer, "
+                    "completion, extracted answer, correct, metadata (and the pass@k samples)")
     ev.set_defaults(func=cmd_eval)
 
     memory = sub.add_parser(

@@ -1,6 +1,11 @@
 """Held-out evaluation (`saccade eval CONFIG`): greedy accuracy, pass@k from n samples, and a
 breakdown by category, on the weights of a run's latest checkpoint (or the base model).
 
+The questions are the task's held-out split: shapes from the evaluation seed, a data set's
+eval split (MathVista testmini, OpenMMReasoner's validation, Geometry3K's test) in order.
+Each row keeps the question, the gold answer, the completion, the answer extracted from it
+and whether it scored, so every figure can be recounted from the samples file.
+
 pass@k uses the unbiased estimator of Chen et al. (2021): with n samples of which c are
 correct, pass@k = 1 - C(n - c, k) / C(n, k), averaged over questions.
 """
@@ -17,8 +22,14 @@ import numpy as np
 
 from saccade.config import RunConfig
 
-# Metadata fields that name a category, when a sample has them (shapes: the question kind).
-CATEGORY_FIELDS = ("kind",)
+# Metadata fields that name a category, per task. MathVista's skills is a list: a row counts
+# in each of its skills.
+CATEGORY_FIELDS: dict[str, tuple[str, ...]] = {
+    "shapes": ("kind",),
+    "openmmreasoner": ("subset",),
+    "mathvista": ("task", "skills", "grade"),
+    "geometry3k": (),
+}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -31,14 +42,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def by_category(rows: list[dict[str, Any]], fields: tuple[str, ...] = CATEGORY_FIELDS) -> dict[str, dict]:
-    """{field: {value: {"n", "accuracy"}}} over the rows' greedy correctness."""
+def by_category(rows: list[dict[str, Any]], fields: tuple[str, ...] = CATEGORY_FIELDS["shapes"]) -> dict[str, dict]:
+    """{field: {value: {"n", "accuracy"}}} over the rows' greedy correctness. A list value
+    (MathVista's skills) puts the row in each of its entries."""
     out: dict[str, dict] = {}
     for name in fields:
         groups: dict[str, list[float]] = defaultdict(list)
         for row in rows:
-            if name in row["metadata"]:
-                groups[str(row["metadata"][name])].append(row["correct"])
+            value = row["metadata"].get(name)
+            if value is None:
+                continue
+            for v in value if isinstance(value, list) else [value]:
+                groups[str(v)].append(row["correct"])
         if groups:
             out[name] = {v: {"n": len(c), "accuracy": float(np.mean(c))} for v, c in sorted(groups.items())}
     return out
@@ -59,17 +74,17 @@ def load_weights(setup, cfg: RunConfig, checkpoint: str | None) -> str:
 
 def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> dict[str, Any]:
     """Greedy accuracy and (with eval.samples_k = n > 1) pass@1..n on the held-out split."""
-    from saccade.data.shapes import make_split
     from saccade.inference.engine import SamplingParams
-    from saccade.rewards import correct_reward
-    from saccade.rl import EVAL_SEED_OFFSET, build_setup, chat_requests, greedy_texts, task_from_config
+    from saccade.rewards import correct_reward, extract_answer
+    from saccade.rl import EVAL_SEED_OFFSET, build_setup, chat_requests, greedy_texts, held_out_samples, task_from_config
 
+    # The questions first: a data set's errors (no such split, a bad image) come before the model loads.
+    samples = held_out_samples(task_from_config(cfg), cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
+    if not samples:
+        raise ValueError("data.eval_size is 0 (or the eval split is empty): nothing to evaluate")
     setup = setup or build_setup(cfg, cfg.run_dir)
     weights = load_weights(setup, cfg, checkpoint)
     setup.engine.update_weights()  # a vLLM server samples from these weights, not whatever it held
-    samples = make_split(task_from_config(cfg), cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
-    if not samples:
-        raise ValueError("data.eval_size is 0: nothing to evaluate")
     greedy = greedy_texts(setup, samples, max_tokens=cfg.engine.max_tokens)
     n = cfg.eval.samples_k
     sampled = None
@@ -79,7 +94,9 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         sampled = setup.engine.generate(chat_requests(samples), params)
     rows = []
     for i, (sample, text) in enumerate(zip(samples, greedy, strict=True)):
-        row = {"id": sample.sample_id, "answer": sample.answer, "completion": text,
+        row = {"id": sample.sample_id, "question": sample.question, "answer": sample.answer,
+               "choices": sample.choices, "answer_type": sample.answer_type, "precision": sample.precision,
+               "completion": text, "extracted": extract_answer(text),
                "correct": float(correct_reward(text, sample)), "metadata": _plain(sample.metadata)}
         if sampled is not None:
             row["samples"] = [c.text for c in sampled[i]]
@@ -89,7 +106,8 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         "weights": weights,
         "n": len(rows),
         "accuracy": float(np.mean([r["correct"] for r in rows])),
-        "by_category": by_category(rows),
+        "task": cfg.data.task,
+        "by_category": by_category(rows, CATEGORY_FIELDS[cfg.data.task]),
     }
     if sampled is not None:
         result["samples_per_question"] = n
@@ -99,6 +117,15 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         }
     result["rows"] = rows
     return result
+
+
+def write_samples(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """One JSON line per question: id, question, answer, completion, extracted answer,
+    correct, metadata (and the n samples with their correct count for pass@k)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
 
 
 def _plain(meta: dict) -> dict:
@@ -112,7 +139,8 @@ def format_eval(result: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"held-out evaluation: {result['n']} questions ({result['weights']})")
+    task = result.get("task", "shapes")
+    table = Table(title=f"held-out evaluation on {task}: {result['n']} questions")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("greedy accuracy", f"{result['accuracy']:.3f}")
@@ -123,4 +151,5 @@ def format_eval(result: dict[str, Any]) -> str:
             table.add_row(f"{field}={value} (n={g['n']})", f"{g['accuracy']:.3f}")
     buffer = StringIO()
     Console(file=buffer, width=100).print(table)
-    return buffer.getvalue()
+    # Outside the table: a long checkpoint path would wrap inside its title.
+    return f"weights: {result['weights']}\n{buffer.getvalue()}"

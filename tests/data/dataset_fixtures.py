@@ -222,3 +222,21 @@ def write_all(root: Path) -> dict[str, Path]:
         "mathvista": write_mathvista(root / "mathvista"),
         "geometry3k": write_geometry3k(root / "geometry3k"),
     }
+
+
+# ------------------------------------------------------------- a model that knows them
+
+
+def fine_tune_and_checkpoint(cfg) -> Path:
+    """SFT the configured model on cfg's training split and save it as the run's checkpoint, so
+    `saccade eval` loads it. A tiny random model then memorises most of a few fixture rows:
+    evaluations on them hold right and wrong answers, not only wrong ones."""
+    from saccade.sft import train_sft
+    from saccade.trainer.checkpoint import TrainState, save_checkpoint
+
+    setup = train_sft(cfg, run_dir=cfg.run_dir, progress=False)["setup"]
+    return save_checkpoint(
+        cfg.run_dir, model=setup.model, optimizer=None, scheduler=None,
+        state=TrainState(step=cfg.sft.steps, data_position=0, policy_version=0), keep_last=1,
+        base_model_path=setup.model_path,
+    )
