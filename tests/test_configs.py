@@ -120,3 +120,16 @@ def test_documented_estimates_equal_the_estimator(doc):
         assert len(row) == 1, f"{doc}: no single table row for {config.name}"
         figures = re.findall(r"\d+\.\d", row[0])
         assert f"{est.trainer.total:.1f}" in figures and f"{est.server.total:.1f}" in figures, (doc, row[0])
+
+
+def test_memory_command(capsys):
+    path = str(CONFIGS / "qwen3vl-8b-1gpu.toml")
+    args = [path, "--gpu-memory-utilization", "0.30", "--shared-gpu"]
+    assert main(["memory", *args, "--header"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == header_lines(estimate_from_command(f"saccade memory configs/qwen3vl-8b-1gpu.toml {' '.join(args[1:])}"))
+    assert main(["memory", *args]) == 0  # the tables
+    out = capsys.readouterr().out
+    assert "activations" in out and "KV cache" in out and "fits" in out
+    assert main(["memory", *args, "--trainer.max_tokens", "8192"]) == 1  # does not fit: exit 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
