@@ -133,68 +133,13 @@ def fixtures():
     return module
 
 
-def mathvista_overrides(dataset: Path, run_dir: Path) -> list[str]:
-    """Evaluate on the MathVista fixture's 6 rows; SFT trains on the same split (the point
-    is a model that answers some rows right, not generalisation)."""
-    return [
-        "--data.task", "mathvista", "--data.dataset", str(dataset), "--data.split", "testmini",
-        "--data.eval_size", "1000", "--eval.samples_k", "3", "--engine.max_tokens", "8",
-        "--sft.steps", "30", "--sft.batch_size", "6", "--sft.lr", "1e-2", "--log.dir", str(run_dir),
-    ]
-
-
 @pytest.fixture(scope="module")
 def mathvista_run(tmp_path_factory):
     """(overrides, checkpoint): the tiny model fine-tuned on the MathVista fixture."""
     root = tmp_path_factory.mktemp("mathvista-eval")
-    overrides = mathvista_overrides(fixtures().write_mathvista(root / "mathvista"), root / "run")
+    overrides = fixtures().mathvista_overrides(fixtures().write_mathvista(root / "mathvista"), root / "run")
     checkpoint = fixtures().fine_tune_and_checkpoint(load_config(RunConfig, "configs/demo.toml", overrides))
     return overrides, checkpoint
-
-
-def recount(rows: list[dict], fields: tuple[str, ...]) -> dict:
-    """Accuracy and per-category counts recomputed from samples-file rows, by hand."""
-    counts: dict[str, dict[str, list[int]]] = {}
-    for row in rows:
-        for name in fields:
-            value = row["metadata"].get(name)
-            for v in value if isinstance(value, list) else [value]:
-                tally = counts.setdefault(name, {}).setdefault(str(v), [0, 0])
-                tally[0] += 1
-                tally[1] += int(row["correct"])
-    return {
-        "accuracy": sum(r["correct"] for r in rows) / len(rows),
-        "by_category": {name: {v: {"n": n, "accuracy": right / n} for v, (n, right) in groups.items()}
-                        for name, groups in counts.items()},
-    }
-
-
-def check_rows_against_score(rows: list[dict]) -> None:
-    """Every row's verdict is what `score` says of its completion, called directly."""
-    from saccade.rewards import extract_answer, score
-
-    for row in rows:
-        assert row["extracted"] == extract_answer(row["completion"])
-        verdict = score(row["completion"], row["answer"], choices=row["choices"], answer_type=row["answer_type"],
-                        precision=row["precision"])
-        assert verdict == row["correct"], row
-        assert row["samples_correct"] == sum(
-            score(t, row["answer"], choices=row["choices"], answer_type=row["answer_type"], precision=row["precision"])
-            for t in row["samples"])
-
-
-def check_eval_outputs(result: dict, rows: list[dict], fields: tuple[str, ...], n: int, k: int) -> None:
-    hand = recount(rows, fields)
-    assert result["n"] == len(rows) == n
-    assert result["accuracy"] == pytest.approx(hand["accuracy"])
-    assert {f: set(g) for f, g in result["by_category"].items()} == {f: set(g) for f, g in hand["by_category"].items()}
-    for name, groups in hand["by_category"].items():
-        for value, g in groups.items():
-            assert result["by_category"][name][value]["n"] == g["n"]
-            assert result["by_category"][name][value]["accuracy"] == pytest.approx(g["accuracy"])
-    assert result["pass_at_k"]["1"] == pytest.approx(sum(r["samples_correct"] for r in rows) / (k * len(rows)))
-    assert result["pass_at_k"][str(k)] == pytest.approx(sum(r["samples_correct"] > 0 for r in rows) / len(rows))
-    check_rows_against_score(rows)
 
 
 @pytest.mark.slow
@@ -213,7 +158,7 @@ def test_saccade_eval_on_mathvista_matches_a_hand_count(mathvista_run, tmp_path)
     assert result["weights"] == str(checkpoint) and result["task"] == "mathvista"
     assert [r["id"] for r in rows] == [f"mathvista-{i}" for i in range(1, 7)]
     assert {"id", "question", "answer", "completion", "extracted", "correct", "metadata"} <= set(rows[0])
-    check_eval_outputs(result, rows, ("task", "skills", "grade"), n=6, k=3)
+    fixtures().check_eval_outputs(result, rows, ("task", "skills", "grade"), n=6, k=3)
     # The fine-tuned model gets some rows right: the count above is not a count of zeros.
     assert sum(r["correct"] for r in rows) >= 2
     # A row in two skills counts in both.
@@ -234,7 +179,7 @@ def test_run_eval_on_the_other_data_sets(task, tmp_path):
     result = run_eval(cfg)
     rows = result["rows"]
     # Geometry3K's test split holds 3 rows: eval_size caps, it does not pad.
-    check_eval_outputs(result, rows, CATEGORY_FIELDS[task], n=5 if task == "openmmreasoner" else 3, k=2)
+    fixtures().check_eval_outputs(result, rows, CATEGORY_FIELDS[task], n=5 if task == "openmmreasoner" else 3, k=2)
     if task == "openmmreasoner":
         # 3 rows of mmk12, then 2 of virl39k: the subset breakdown counts them so.
         assert {v: g["n"] for v, g in result["by_category"]["subset"].items()} == {"mmk12": 3, "virl39k": 2}

@@ -6,6 +6,8 @@ parquet's "huggingface" metadata) and a README.md whose ``configs`` name each co
 The loaders read them by path through the same `datasets.load_dataset` call as a hub id.
 
 Images are small synthetic PIL drawings, each a different color so rows can be told apart.
+Also here, shared by the embedded and vLLM evaluation tests: a fine-tuned checkpoint that
+knows some fixture answers, and the hand recount of an evaluation's figures from its rows.
 Tests import this file by path (tests/ is not a package): see `load_fixtures_module`.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 from PIL import Image, ImageDraw
 
 OPENMMREASONER_TRAIN = (
@@ -240,3 +243,64 @@ def fine_tune_and_checkpoint(cfg) -> Path:
         state=TrainState(step=cfg.sft.steps, data_position=0, policy_version=0), keep_last=1,
         base_model_path=setup.model_path,
     )
+
+
+# ------------------------------------------------------ checking an evaluation by hand
+
+
+def mathvista_overrides(dataset: Path, run_dir: Path) -> list[str]:
+    """Evaluate on the MathVista fixture's 6 rows; SFT trains on the same split (the point
+    is a model that answers some rows right, not generalisation)."""
+    return [
+        "--data.task", "mathvista", "--data.dataset", str(dataset), "--data.split", "testmini",
+        "--data.eval_size", "1000", "--eval.samples_k", "3", "--engine.max_tokens", "8",
+        "--sft.steps", "30", "--sft.batch_size", "6", "--sft.lr", "1e-2", "--log.dir", str(run_dir),
+    ]
+
+
+def recount(rows: list[dict], fields: tuple[str, ...]) -> dict:
+    """Accuracy and per-category counts recomputed from samples-file rows, by hand."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for row in rows:
+        for name in fields:
+            value = row["metadata"].get(name)
+            if value is None:  # not in this category at all
+                continue
+            for v in value if isinstance(value, list) else [value]:
+                tally = counts.setdefault(name, {}).setdefault(str(v), [0, 0])
+                tally[0] += 1
+                tally[1] += int(row["correct"])
+    return {
+        "accuracy": sum(r["correct"] for r in rows) / len(rows),
+        "by_category": {name: {v: {"n": n, "accuracy": right / n} for v, (n, right) in groups.items()}
+                        for name, groups in counts.items()},
+    }
+
+
+def check_rows_against_score(rows: list[dict]) -> None:
+    """Every row's verdict is what `score` says of its completion, called directly."""
+    from saccade.rewards import extract_answer, score
+
+    for row in rows:
+        assert row["extracted"] == extract_answer(row["completion"])
+        verdict = score(row["completion"], row["answer"], choices=row["choices"], answer_type=row["answer_type"],
+                        precision=row["precision"])
+        assert verdict == row["correct"], row
+        assert row["samples_correct"] == sum(
+            score(t, row["answer"], choices=row["choices"], answer_type=row["answer_type"], precision=row["precision"])
+            for t in row["samples"])
+
+
+def check_eval_outputs(result: dict, rows: list[dict], fields: tuple[str, ...], n: int, k: int) -> None:
+    """`saccade eval`'s figures (n questions, k samples each) equal a recount from its rows."""
+    hand = recount(rows, fields)
+    assert result["n"] == len(rows) == n
+    assert result["accuracy"] == pytest.approx(hand["accuracy"])
+    assert {f: set(g) for f, g in result["by_category"].items()} == {f: set(g) for f, g in hand["by_category"].items()}
+    for name, groups in hand["by_category"].items():
+        for value, g in groups.items():
+            assert result["by_category"][name][value]["n"] == g["n"]
+            assert result["by_category"][name][value]["accuracy"] == pytest.approx(g["accuracy"])
+    assert result["pass_at_k"]["1"] == pytest.approx(sum(r["samples_correct"] for r in rows) / (k * len(rows)))
+    assert result["pass_at_k"][str(k)] == pytest.approx(sum(r["samples_correct"] > 0 for r in rows) / len(rows))
+    check_rows_against_score(rows)
