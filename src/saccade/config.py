@@ -297,9 +297,10 @@ class DataConfig(Section):
     Data sets (`saccade.data.datasets`) are read through Hugging Face `datasets` from a hub id
     or a local copy; every unset field below takes the task's default."""
 
-    task: Literal["shapes", "openmmreasoner", "mathvista", "geometry3k"] = Field(
+    task: Literal["shapes", "views", "openmmreasoner", "mathvista", "geometry3k"] = Field(
         "shapes",
-        description="'shapes': synthetic shapes, answer by choice; 'openmmreasoner': OpenMMReasoner-RL-74K "
+        description="'shapes': synthetic shapes, answer by choice; 'views': multi-turn view selection "
+        "(see [env]); 'openmmreasoner': OpenMMReasoner-RL-74K "
         "(training); 'mathvista': MathVista testmini (evaluation); 'geometry3k': Geometry3K",
     )
     train_size: int = Field(512, ge=1, description="training prompts (shapes)")
@@ -382,6 +383,40 @@ class LogConfig(Section):
     every_steps: int = Field(1, ge=1, description="log metrics every this many steps")
 
 
+VIEW_PLACES = ("left", "right", "ceiling", "floor", "far")
+
+
+class EnvConfig(Section):
+    """Multi-turn episodes (data.task = "views"): turns, rewards, and what the loss trains on."""
+
+    max_turns: int = Field(3, ge=1, le=64, description="assistant turns per episode at most")
+    turn_cost: float = Field(0.0, ge=0, le=1, description="reward subtracted per extra turn taken")
+    places: list[str] = Field(
+        default_factory=lambda: list(VIEW_PLACES), min_length=1,
+        description="views: where the asked-about object may be (left, right, ceiling, floor, far)",
+    )
+    image_size: int = Field(64, ge=32, le=1024, description="views: side of the rendered square views, pixels")
+    distractors: int = Field(2, ge=0, le=4, description="views: objects in the start view (never the answer's color)")
+    max_total_tokens: int = Field(4096, ge=64, description="an episode ends once its next turn would not fit this")
+    loss_on: Literal["assistant", "markers"] = Field(
+        "assistant", description="train on every sampled assistant token, or only on those inside loss_markers"
+    )
+    loss_markers: list[str] = Field(
+        default_factory=lambda: ["[ACTION]", "[/ACTION]"], min_length=2, max_length=2,
+        description="the open and close markers for loss_on = 'markers'",
+    )
+    check_consistency: Literal["first", "always", "never"] = Field(
+        "first", description="compare the engine's inputs with the training samples on the first step, every step, or never"
+    )
+
+    @model_validator(mode="after")
+    def _known_places(self) -> EnvConfig:
+        unknown = [p for p in self.places if p not in VIEW_PLACES]
+        if unknown:
+            raise ValueError(f"places {unknown} unknown; choose from {', '.join(VIEW_PLACES)}")
+        return self
+
+
 class RunConfig(Section):
     """Everything an RL or SFT run reads. The defaults are a CPU demo on the built-in tiny model."""
 
@@ -394,6 +429,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the optimizer loop")
     sft: SftConfig = Field(default_factory=SftConfig, description="supervised fine-tuning")
     data: DataConfig = Field(default_factory=DataConfig, description="the task or dataset")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="multi-turn episodes")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="periodic evaluation")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving weights")
     log: LogConfig = Field(default_factory=LogConfig, description="metrics and the run folder")

@@ -40,6 +40,7 @@ class Setup:
     limits: Any
     merge: int
     image_token_id: int
+    continuation: Any = None  # ChatContinuation, built on the first multi-turn rollout
 
 
 def set_seed(seed: int) -> None:
@@ -184,6 +185,13 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None):
     from saccade.data.shapes import ShapesTask
 
     blank_images = cfg.data.blank_images if blank is None else blank
+    if cfg.data.task == "views":
+        from saccade.envs.views import ViewsTask
+
+        e = cfg.env
+        return ViewsTask(places=tuple(e.places), num_choices=cfg.data.num_choices, image_size=e.image_size,
+                         max_turns=e.max_turns, turn_cost=e.turn_cost, eval_seed=cfg.trainer.seed + EVAL_SEED_OFFSET,
+                         distractors=e.distractors)
     if cfg.data.task != "shapes":
         from saccade.data.datasets import DatasetTask
 
@@ -240,19 +248,105 @@ def greedy_texts(setup: Setup, samples: list, *, max_tokens: int) -> list[str]:
     return [g[0].text for g in groups]
 
 
-def evaluate(setup: Setup, samples: list, *, max_tokens: int) -> dict[str, float]:
-    """Greedy accuracy on held-out samples."""
+def is_episodic(task) -> bool:
+    """Tasks whose samples run as environment episodes (multi-turn), not single prompts."""
+    return hasattr(task, "make_env")
+
+
+def evaluate(setup: Setup, samples: list, *, max_tokens: int, task=None) -> dict[str, float]:
+    """Greedy accuracy on held-out samples (episodes: the share answered correctly)."""
     from saccade.rewards import correct_reward
+
+    if task is not None and is_episodic(task):
+        from saccade.inference.engine import SamplingParams
+
+        trajectories = run_task_episodes(setup, task, samples, [s.sample_id for s in samples],
+                                         SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        return {"accuracy": float(np.mean([episode_success(t) for t in trajectories])), "n": len(samples),
+                "turns": float(np.mean([len(t.turns) for t in trajectories]))}
 
     texts = greedy_texts(setup, samples, max_tokens=max_tokens)
     correct = [correct_reward(t, s) for t, s in zip(texts, samples, strict=True)]
     return {"accuracy": float(np.mean(correct)), "n": len(samples)}
 
 
-def rollout_step(setup: Setup, samples: list, step: int) -> tuple[list, dict[str, float]]:
-    """Sample G completions per prompt, score, compute advantages, build TrainingSamples."""
-    from saccade.inference.engine import SamplingParams
+def episode_success(trajectory) -> float:
+    """1.0 when the episode's last turn was scored correct by its environment."""
+    return float(bool(trajectory.infos) and trajectory.infos[-1].get("correct", 0.0) >= 1.0)
+
+
+def run_task_episodes(setup: Setup, task, samples: list, sample_ids: list[str], params) -> list:
+    """One episode per sample, each in a fresh environment of the task."""
+    from saccade.envs.rollout import run_episodes
+    from saccade.envs.trajectory import ChatContinuation
+
+    if setup.continuation is None:
+        setup.continuation = ChatContinuation(setup.processor, limits=setup.limits)
+    envs = [task.make_env() for _ in samples]
+    return run_episodes(setup.engine, envs, samples, sample_ids, params, continuation=setup.continuation,
+                        max_total_tokens=setup.cfg.env.max_total_tokens)
+
+
+def group_advantages_and_keep(cfg: RunConfig, rewards_GN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages, and which groups to keep (zero-variance ones teach nothing)."""
     from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
+
+    advantages_GN = group_advantages(rewards_GN, scale_by_std=cfg.rollout.scale_advantages_by_std)
+    keep = torch.ones(rewards_GN.shape[0], dtype=torch.bool)
+    if cfg.rollout.filter_zero_variance:
+        keep = ~zero_variance_groups(rewards_GN)
+    return advantages_GN, keep
+
+
+def episode_rollout_step(setup: Setup, task, samples: list, step: int) -> tuple[list, dict[str, float]]:
+    """G episodes per sample (G environments reset with it), token-in/token-out; each whole
+    trajectory is one training sample, its advantage from the episode's return."""
+    from saccade.envs.trajectory import check_consistency, to_training_sample
+    from saccade.inference.engine import SamplingParams
+
+    cfg = setup.cfg
+    G = cfg.rollout.group_size
+    params = SamplingParams(temperature=cfg.engine.temperature, top_p=cfg.engine.top_p, max_tokens=cfg.engine.max_tokens)
+    episodes = [s for s in samples for _ in range(G)]
+    ids = [f"{s.sample_id}/{i}" for s in samples for i in range(G)]
+    trajectories = run_task_episodes(setup, task, episodes, ids, params)
+    rewards_GN = torch.tensor([t.total_reward for t in trajectories], dtype=torch.float32).view(len(samples), G)
+    advantages_GN, keep = group_advantages_and_keep(cfg, rewards_GN)
+    markers = tuple(cfg.env.loss_markers) if cfg.env.loss_on == "markers" else None
+    check = cfg.env.check_consistency == "always" or (cfg.env.check_consistency == "first" and step == 0)
+    train_samples = []
+    for k, t in enumerate(trajectories):
+        g, i = divmod(k, G)
+        sample = to_training_sample(t, spatial_merge_size=setup.merge, advantage=float(advantages_GN[g, i]),
+                                    tokenizer=setup.processor.tokenizer, markers=markers)
+        if check:  # fails loudly: a run whose trainer sees other inputs than the engine must not go on
+            check_consistency(sample, t.turns, spatial_merge_size=setup.merge)
+        if keep[g]:
+            train_samples.append(sample)
+    sampled = torch.tensor([sum(turn.completion_ids.numel() for turn in t.turns) for t in trajectories],
+                           dtype=torch.float32)
+    metrics = {
+        "reward_mean": float(rewards_GN.mean()),
+        "reward_std": float(rewards_GN.std()) if rewards_GN.numel() > 1 else 0.0,
+        "accuracy": float(np.mean([episode_success(t) for t in trajectories])),
+        "turns_mean": float(np.mean([len(t.turns) for t in trajectories])),
+        "images_mean": float(np.mean([len(t.image_keys) for t in trajectories])),
+        "episode_tokens_mean": float(np.mean([t.num_tokens for t in trajectories])),
+        "completion_len_mean": float(sampled.mean()),
+        "completion_len_max": float(sampled.max()),
+        "stopped_frac": float(np.mean([r == "stop" for t in trajectories for r in t.finish_reasons])),
+        "groups_kept_frac": float(keep.float().mean()),
+        "completion_tokens": float(sampled.sum()),
+        "sampled_policy_version": float(min(t.policy_version for t in trajectories)),
+    }
+    return train_samples, metrics
+
+
+def rollout_step(setup: Setup, samples: list, step: int, task=None) -> tuple[list, dict[str, float]]:
+    """Sample G completions per prompt, score, compute advantages, build TrainingSamples."""
+    if task is not None and is_episodic(task):
+        return episode_rollout_step(setup, task, samples, step)
+    from saccade.inference.engine import SamplingParams
     from saccade.orchestrator.samples import completion_to_sample
 
     cfg = setup.cfg
@@ -267,10 +361,7 @@ def rollout_step(setup: Setup, samples: list, step: int) -> tuple[list, dict[str
         rewards.append([r for r, _ in scored])
         correct.append([parts.get("correct", 0.0) for _, parts in scored])
     rewards_GN = torch.tensor(rewards, dtype=torch.float32)
-    advantages_GN = group_advantages(rewards_GN, scale_by_std=cfg.rollout.scale_advantages_by_std)
-    keep = torch.ones(len(groups), dtype=torch.bool)
-    if cfg.rollout.filter_zero_variance:
-        keep = ~zero_variance_groups(rewards_GN)
+    advantages_GN, keep = group_advantages_and_keep(cfg, rewards_GN)
     train_samples = []
     for g, (group, sample) in enumerate(zip(groups, samples, strict=True)):
         if not keep[g]:
@@ -427,7 +518,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 for i in range(cfg.rollout.prompts_per_step)
             ]
             state.data_position += len(prompts)
-            samples, rollout_metrics = rollout_step(setup, prompts, step)
+            samples, rollout_metrics = rollout_step(setup, prompts, step, task)
             rollout_s = time.perf_counter() - start
             train_metrics: dict[str, float] = {}
             if samples:
@@ -452,7 +543,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 policy_lag=step - rollout_metrics["sampled_policy_version"],
             )
             if evaluating:
-                ev = evaluate(setup, eval_samples, max_tokens=cfg.engine.max_tokens)
+                ev = evaluate(setup, eval_samples, max_tokens=cfg.engine.max_tokens, task=task)
                 logger.log(state.step, {"accuracy": ev["accuracy"]}, phase="eval")
                 metrics["eval_accuracy"] = ev["accuracy"]
             logger.log(state.step, metrics)

@@ -109,6 +109,11 @@ class LocalEngine:
     def key_for_hash(self, content_hash: str) -> str:
         return self.encoder.key_for_hash(content_hash)
 
+    def encode_images(self, images: list, keys: list[str]) -> None:
+        """Put these images' embeddings in the cache the trainer reads (SFT on trajectories)."""
+        if keys:
+            self.encoder.encode(images, keys)
+
     def prepare_tokens(self, prompt: TokenPrompt) -> PreparedPrompt:
         """A token prompt as it stands: its ids are used, never re-tokenized; images whose
         embeddings are not cached are encoded (the pixels must then be in `prompt.images`)."""

@@ -339,6 +339,15 @@ class VLLMEngine:
             ))
         return out
 
+    def encode_images(self, images: list, keys: list[str]) -> None:
+        """Put these images' embeddings (a server's) in the cache the trainer reads."""
+        if keys:
+            asyncio.run(self._encode_images(images, keys))
+
+    async def _encode_images(self, images: list, keys: list[str]) -> None:
+        async with self._client() as client:
+            await self._ensure_embeddings(client, keys, [self._data_url(k, im) for k, im in zip(keys, images, strict=True)])
+
     # --- sampling after token prompts (multi-turn) -------------------------------------------
     def generate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
         """Sample after prompts given as token ids, through vLLM's /inference/v1/generate
