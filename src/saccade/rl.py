@@ -191,7 +191,7 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None):
         e = cfg.env
         return ViewsTask(places=tuple(e.places), num_choices=cfg.data.num_choices, image_size=e.image_size,
                          max_turns=e.max_turns, turn_cost=e.turn_cost, eval_seed=cfg.trainer.seed + EVAL_SEED_OFFSET,
-                         distractors=e.distractors)
+                         distractors=e.distractors, require_seen=e.require_seen)
     if cfg.data.task != "shapes":
         from saccade.data.datasets import DatasetTask
 

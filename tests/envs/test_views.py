@@ -68,8 +68,15 @@ def test_episode_rewards_turn_cost_and_max_turns():
     final = env.step({"role": "assistant", "content": sample.answer})
     assert final.done and final.reward == pytest.approx(1.0 - 0.05) and final.info["correct"] == 1.0
     env.reset(sample)
+    unseen = env.step({"role": "assistant", "content": sample.answer})
+    assert unseen.done and unseen.reward == 0.0  # right color, never looked: a guess
+    guesser = ViewsEnv(max_turns=3, require_seen=False)
+    guesser.reset(sample)
+    assert guesser.step({"role": "assistant", "content": sample.answer}).reward == 1.0
+    env.reset(sample)
+    env.step({"role": "assistant", "content": PLACES[sample.scene.place]})
     wrong = next(c for c in sample.choices if c != sample.answer)
-    assert env.step({"role": "assistant", "content": wrong}).reward == 0.0
+    assert env.step({"role": "assistant", "content": wrong}).reward == pytest.approx(-0.05)  # wrong, one turn spent
     env.reset(sample)
     env.step({"role": "assistant", "content": "look up"})
     env.step({"role": "assistant", "content": "look down"})

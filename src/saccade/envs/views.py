@@ -113,7 +113,7 @@ def make_scene(index: int, *, seed: int, places: tuple[str, ...] = tuple(PLACES)
     objects = []
     for p in PLACES:
         color = target_color if p == place else str(rng.choice(palette))
-        objects.append(SceneObject(str(rng.choice(SPRITES)), color, _place_position(p, rng), 0.7 if p != "far" else 0.9))
+        objects.append(SceneObject(str(rng.choice(SPRITES)), color, _place_position(p, rng), 1.2 if p != "far" else 0.9))
     target = list(PLACES).index(place)
     for k, color in enumerate(near_colors):  # visible from the start: what the answer is not
         x = -1.4 + 2.8 * k / max(1, distractors - 1) + float(rng.uniform(-0.2, 0.2))
@@ -240,6 +240,11 @@ def move(pose: Pose, action: str) -> Pose:
     return pose
 
 
+def target_pose(scene: Scene) -> Pose:
+    """The pose from which the asked-about object is in view: one action from the start."""
+    return move(Pose(), PLACES[scene.place])
+
+
 def prompt_text(sample: ViewSample) -> str:
     # Short on purpose: every turn of every episode carries it (the tiny demo model reads it all).
     return f"{sample.question} Options: {', '.join(sample.choices)}. Or act: {', '.join(ACTIONS)}."
@@ -248,10 +253,14 @@ def prompt_text(sample: ViewSample) -> str:
 class ViewsEnv:
     """One episode in one scene: act to change the view, then answer with a color."""
 
-    def __init__(self, renderer: Renderer | None = None, *, max_turns: int = 3, turn_cost: float = 0.0):
+    def __init__(self, renderer: Renderer | None = None, *, max_turns: int = 3, turn_cost: float = 0.0,
+                 require_seen: bool = True):
         self.renderer = renderer or RaycastRenderer()
         self.max_turns = max_turns
         self.turn_cost = turn_cost
+        # An answer counts only once the object has been in view: a lucky guess is not success.
+        self.require_seen = require_seen
+        self.seen = False
         self.sample: ViewSample | None = None
         self.pose = Pose()
         self.turns = 0
@@ -261,7 +270,7 @@ class ViewsEnv:
         return {"type": "image", "image": image}  # a PIL image: nothing to encode and decode again
 
     def reset(self, sample: ViewSample) -> list[dict[str, Any]]:
-        self.sample, self.pose, self.turns = sample, Pose(), 0
+        self.sample, self.pose, self.turns, self.seen = sample, Pose(), 0, False
         return [{"role": "user", "content": [self.view(), {"type": "text", "text": prompt_text(sample)}]}]
 
     def step(self, assistant_message: dict[str, Any]) -> StepResult:
@@ -271,12 +280,15 @@ class ViewsEnv:
         info = {"action": action, "place": self.sample.scene.place}
         if action is None:  # an answer
             correct = score(text, self.sample.answer, choices=self.sample.choices)
+            if self.require_seen and not self.seen:
+                correct = 0.0
             info.update(correct=correct, answered=True)
             return StepResult([], correct - self.turn_cost * (self.turns - 1), True, info)
         if self.turns >= self.max_turns:
             info.update(correct=0.0, answered=False)
             return StepResult([], -self.turn_cost * self.turns, True, info)
         self.pose = move(self.pose, action)
+        self.seen = self.seen or self.pose == target_pose(self.sample.scene)
         reply = {"role": "user", "content": [self.view(), {"type": "text", "text": f"You {action}."}]}
         return StepResult([reply], 0.0, False, info)
 
@@ -292,6 +304,7 @@ class ViewsTask:
     turn_cost: float = 0.0
     eval_seed: int = 10_000  # held-out scenes come from another seed's stream
     distractors: int = 2
+    require_seen: bool = True
 
     def sample(self, index: int, *, seed: int) -> ViewSample:
         return make_view_sample(index, seed=seed, places=self.places, num_choices=self.num_choices,
@@ -304,7 +317,8 @@ class ViewsTask:
         return [self.sample(i, seed=self.eval_seed) for i in range(n)]
 
     def make_env(self) -> ViewsEnv:
-        return ViewsEnv(RaycastRenderer(self.image_size), max_turns=self.max_turns, turn_cost=self.turn_cost)
+        return ViewsEnv(RaycastRenderer(self.image_size), max_turns=self.max_turns, turn_cost=self.turn_cost,
+                        require_seen=self.require_seen)
 
 
 def scripted_replies(sample: ViewSample, rng: np.random.Generator, *, max_turns: int) -> list[str]:

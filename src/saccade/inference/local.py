@@ -139,6 +139,10 @@ class LocalEngine:
     @torch.no_grad()
     def generate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
         """Sample after prompts given as token ids (multi-turn rollouts): nothing is re-tokenized."""
+        # New images of all prompts through the tower in one call, not one call per prompt.
+        missing = {k: im for p in prompts for k, im in zip(p.image_keys, p.images) if self.encoder.cache.get(k) is None}
+        if missing:
+            self.encoder.encode(list(missing.values()), list(missing))
         return self._generate_prepared([self.prepare_tokens(p) for p in prompts], params)
 
     def _generate_prepared(self, prepared: list[PreparedPrompt], params: SamplingParams) -> list[list[Completion]]:
