@@ -57,24 +57,40 @@ def _parity(args: argparse.Namespace) -> dict:
     return result
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from saccade.demo import (
-        ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, demo_engine, load_demo_config, run_demo, verdict,
-    )
+def _run_demo(args: argparse.Namespace, load_config, run) -> dict | None:
+    """Load the demo's config (None after --dry-run), run it on the chosen engine, add the
+    server's start to the minutes (the bar counts the whole demo), write the JSON."""
     from saccade.config import describe
+    from saccade.demo import demo_engine
 
-    if args.task == "views":
-        return cmd_demo_views(args)
-    cfg = load_demo_config(args.overrides, args.config)
+    cfg = load_config(args.overrides, args.config)
     if args.dry_run:
         print(describe(cfg))
-        return 0
+        return None
     with demo_engine(cfg, args.engine) as (cfg, server_minutes):
-        result = run_demo(cfg)
-    # The bar counts the whole demo, starting the vLLM server included.
+        result = run(cfg)
     result["server_start_minutes"] = server_minutes
     result["minutes"] += server_minutes
     _write_json(args.json, result)
+    return result
+
+
+def _demo_exit(misses: list[str], ok: str) -> int:
+    if misses:
+        print("demo missed its bar: " + "; ".join(misses))
+        return 1
+    print(ok)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from saccade.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, load_demo_config, run_demo, verdict
+
+    if args.task == "views":
+        return cmd_demo_views(args)
+    result = _run_demo(args, load_demo_config, run_demo)
+    if result is None:
+        return 0
     chance = result["chance"]
     print(
         f"\nheld-out accuracy ({result['eval_size']} questions, chance {chance:.2f}, engine {result['engine']}):\n"
@@ -84,28 +100,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"  control model on the real images:       {result['control_accuracy_on_real_images']:.3f}\n"
         f"  minutes: {result['minutes']:.1f} (bar: ≤ {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
-    misses = verdict(result)
-    if misses:
-        print("demo missed its bar: " + "; ".join(misses))
-        return 1
-    print("demo OK: the model learned from the images, and the control without images did not")
-    return 0
+    return _demo_exit(verdict(result), "demo OK: the model learned from the images, and the control without images did not")
 
 
 def cmd_demo_views(args: argparse.Namespace) -> int:
-    from saccade.config import describe
-    from saccade.demo import demo_engine
     from saccade.demo_views import MINUTES_MAX, SUCCESS_GAIN_MIN, load_views_config, run_views_demo, views_verdict
 
-    cfg = load_views_config(args.overrides, args.config)
-    if args.dry_run:
-        print(describe(cfg))
+    result = _run_demo(args, load_views_config, run_views_demo)
+    if result is None:
         return 0
-    with demo_engine(cfg, args.engine) as (cfg, server_minutes):
-        result = run_views_demo(cfg)
-    result["server_start_minutes"] = server_minutes
-    result["minutes"] += server_minutes
-    _write_json(args.json, result)
     print(
         f"\nheld-out episodes ({result['eval_episodes']}, up to {result['max_turns']} turns, engine {result['engine']}):\n"
         f"  success before GRPO (random-action warm start): {result['success_before']:.3f}"
@@ -114,12 +117,7 @@ def cmd_demo_views(args: argparse.Namespace) -> int:
         f"   (turns {result['turns_after']:.2f}; bar: >= before + {SUCCESS_GAIN_MIN})\n"
         f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
-    misses = views_verdict(result)
-    if misses:
-        print("demo missed its bar: " + "; ".join(misses))
-        return 1
-    print("demo OK: the model learned where to look, and to read what it saw")
-    return 0
+    return _demo_exit(views_verdict(result), "demo OK: the model learned where to look, and to read what it saw")
 
 
 def cmd_bench_parity(args: argparse.Namespace) -> int:

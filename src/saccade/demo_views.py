@@ -62,36 +62,23 @@ def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = T
     """SFT on scripted episodes: random valid actions, then a random choice as the answer."""
     from saccade.envs.trajectory import ChatContinuation, to_training_sample
     from saccade.envs.views import scripted_replies
-    from saccade.metrics import MetricsLogger, format_step
-    from saccade.rl import _progress, build_optimizer
-    from saccade.sft import sft_step
+    from saccade.sft import sft_loop
 
     if setup.continuation is None:
         setup.continuation = ChatContinuation(setup.processor, limits=setup.limits)
-    s = cfg.sft
-    warmup = max(1, s.steps // 10)
-    optimizer, scheduler = build_optimizer(setup.model, cfg, lr=s.lr, schedule=lambda k: min(1.0, (k + 1) / warmup))
     rng = np.random.default_rng(cfg.trainer.seed + 1)
-    last: dict[str, float] = {}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with MetricsLogger(run_dir, config=cfg.model_dump()) as logger, _progress(progress, s.steps, "warm-start") as bar:
-        for step in range(s.steps):
-            start = time.perf_counter()
-            batch = []
-            for i in range(s.batch_size):
-                index = step * s.batch_size + i
-                sample = task.sample(index, seed=cfg.trainer.seed + 777)
-                replies = scripted_replies(sample, rng, max_turns=task.max_turns)
-                t = scripted_trajectory(setup, task, sample, replies, f"warm-{index}")
-                batch.append(to_training_sample(t, spatial_merge_size=setup.merge))
-            metrics = sft_step(setup, batch, optimizer, scheduler, max_tokens=cfg.trainer.max_tokens,
-                               grad_clip=cfg.trainer.grad_clip)
-            metrics["step_s"] = time.perf_counter() - start
-            logger.log(step + 1, metrics, phase="warm-start")
-            bar(format_step(metrics))
-            last = metrics
-    setup.engine.update_weights()
-    return last
+
+    def make_batch(step: int) -> list:
+        batch = []
+        for i in range(cfg.sft.batch_size):
+            index = step * cfg.sft.batch_size + i
+            sample = task.sample(index, seed=cfg.trainer.seed + 777)
+            replies = scripted_replies(sample, rng, max_turns=task.max_turns)
+            t = scripted_trajectory(setup, task, sample, replies, f"warm-{index}")
+            batch.append(to_training_sample(t, spatial_merge_size=setup.merge))
+        return batch
+
+    return sft_loop(cfg, setup, run_dir=run_dir, make_batch=make_batch, progress=progress, phase="warm-start")
 
 
 def run_views_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:

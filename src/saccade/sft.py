@@ -73,35 +73,21 @@ def sft_step(setup, samples, optimizer, scheduler, *, max_tokens: int, grad_clip
     return {"nll": nll, "grad_norm": float(norm), "lr": scheduler.get_last_lr()[0], "skipped_steps": 0.0}
 
 
-def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool = False,
-              progress: bool = True, phase: str = "sft") -> dict:
-    """SFT on the configured task. random_answers: answers drawn uniformly from the choices,
-    independent of the image (the demo's warm start: format without visual signal)."""
+def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool = True, phase: str = "sft") -> dict:
+    """cfg.sft.steps optimizer steps on make_batch(step) -> TrainingSamples; a linear warm-up
+    over the first tenth of the steps, then constant; the engine gets the weights after."""
     from saccade.metrics import MetricsLogger, format_step
-    from saccade.rl import _progress, build_optimizer, build_setup, task_from_config, train_sample
+    from saccade.rl import _progress, build_optimizer
 
-    from saccade.config import describe
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
-    setup = setup or build_setup(cfg, run_dir)
     s = cfg.sft
-    # Linear warm-up over the first tenth of the SFT steps, then constant.
     warmup = max(1, s.steps // 10)
     optimizer, scheduler = build_optimizer(setup.model, cfg, lr=s.lr, schedule=lambda k: min(1.0, (k + 1) / warmup))
-    task = task_from_config(cfg)
-    rng = random.Random(cfg.trainer.seed + 1)
     last: dict[str, float] = {}
+    run_dir.mkdir(parents=True, exist_ok=True)
     with MetricsLogger(run_dir, config=cfg.model_dump()) as logger, _progress(progress, s.steps, phase) as bar:
         for step in range(s.steps):
             start = time.perf_counter()
-            items = []
-            for i in range(s.batch_size):
-                index = step * s.batch_size + i
-                vqa = train_sample(task, index, seed=cfg.trainer.seed + 777)
-                answer = rng.choice(vqa.choices) if random_answers else vqa.answer
-                items.append((vqa, answer, f"sft-{index}"))
-            batch = sft_samples(setup, items)
+            batch = make_batch(step)
             metrics = sft_step(setup, batch, optimizer, scheduler, max_tokens=cfg.trainer.max_tokens,
                                grad_clip=cfg.trainer.grad_clip)
             metrics["step_s"] = time.perf_counter() - start
@@ -110,4 +96,30 @@ def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool
             last = metrics
     # A vLLM engine still holds the weights from before SFT: give it the trained ones.
     setup.engine.update_weights()
+    return last
+
+
+def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool = False,
+              progress: bool = True, phase: str = "sft") -> dict:
+    """SFT on the configured task. random_answers: answers drawn uniformly from the choices,
+    independent of the image (the demo's warm start: format without visual signal)."""
+    from saccade.config import describe
+    from saccade.rl import build_setup, task_from_config, train_sample
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
+    setup = setup or build_setup(cfg, run_dir)
+    task = task_from_config(cfg)
+    rng = random.Random(cfg.trainer.seed + 1)
+
+    def make_batch(step: int) -> list:
+        items = []
+        for i in range(cfg.sft.batch_size):
+            index = step * cfg.sft.batch_size + i
+            vqa = train_sample(task, index, seed=cfg.trainer.seed + 777)
+            answer = rng.choice(vqa.choices) if random_answers else vqa.answer
+            items.append((vqa, answer, f"sft-{index}"))
+        return sft_samples(setup, items)
+
+    last = sft_loop(cfg, setup, run_dir=run_dir, make_batch=make_batch, progress=progress, phase=phase)
     return {"setup": setup, "last": last}

@@ -272,32 +272,36 @@ class VLLMEngine:
         return asyncio.run(self.agenerate(requests, params))
 
     async def agenerate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
+        return await self._gather(requests, self._complete, params)
+
+    async def _gather(self, items: list, complete, params: SamplingParams) -> list[list[Completion]]:
+        """complete(client, model, item, params) for every item, at most max_concurrency at once."""
         gate = asyncio.Semaphore(self.max_concurrency)
         async with self._client() as client:
             model = await self._model_name(client)
 
-            async def one(request: ChatRequest) -> list[Completion]:
+            async def one(item) -> list[Completion]:
                 async with gate:
-                    return await self._complete(client, model, request, params)
+                    return await complete(client, model, item, params)
 
-            return list(await asyncio.gather(*(one(r) for r in requests)))
+            return list(await asyncio.gather(*(one(item) for item in items)))
 
-    def _body(self, model: str, messages, params: SamplingParams) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": messages,
+    def _sampling(self, params: SamplingParams) -> dict[str, Any]:
+        """The sampling fields both routes share; vision tokens banned with a logit bias."""
+        fields: dict[str, Any] = {
             "n": params.n,
             "temperature": params.temperature,
             "top_p": params.top_p,
             "max_tokens": params.max_tokens,
-            "logprobs": True,
-            "return_token_ids": True,
-            "skip_special_tokens": True,
             "logit_bias": {str(t): BAN_BIAS for t in self.banned_token_ids},
         }
         if params.seed is not None:
-            body["seed"] = params.seed
-        return body
+            fields["seed"] = params.seed
+        return fields
+
+    def _body(self, model: str, messages, params: SamplingParams) -> dict[str, Any]:
+        return {"model": model, "messages": messages, **self._sampling(params), "logprobs": True,
+                "return_token_ids": True, "skip_special_tokens": True}
 
     async def _complete(self, client, model: str, request: ChatRequest, params: SamplingParams) -> list[Completion]:
         messages, hashes = to_openai_messages(request.messages, self.limits, request.request_id)
@@ -353,18 +357,7 @@ class VLLMEngine:
         """Sample after prompts given as token ids, through vLLM's /inference/v1/generate
         (`saccade serve` enables it): nothing is re-tokenized or re-rendered. Each image pad
         run goes as one pad, and the server's expanded prompt must equal ours exactly."""
-        return asyncio.run(self._agenerate_tokens(prompts, params))
-
-    async def _agenerate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
-        gate = asyncio.Semaphore(self.max_concurrency)
-        async with self._client() as client:
-            model = await self._model_name(client)
-
-            async def one(prompt: TokenPrompt) -> list[Completion]:
-                async with gate:
-                    return await self._complete_tokens(client, model, prompt, params)
-
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return asyncio.run(self._gather(prompts, self._complete_tokens, params))
 
     def _data_url(self, key: str, image) -> str:
         url = self._urls_by_key.get(key)
@@ -379,13 +372,8 @@ class VLLMEngine:
             raise ValueError(f"{prompt.request_id}: a vLLM server needs the images themselves, not only their keys")
         urls = [self._data_url(k, im) for k, im in zip(prompt.image_keys, prompt.images, strict=True)]
         await self._ensure_embeddings(client, list(prompt.image_keys), urls)
-        sampling: dict[str, Any] = {
-            "n": params.n, "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
-            "logprobs": 0, "stop_token_ids": self.stop_token_ids,
-            "logit_bias": {str(t): BAN_BIAS for t in self.banned_token_ids},
-        }
-        if params.seed is not None:
-            sampling["seed"] = params.seed
+        # vLLM's own SamplingParams here: logprobs=0 is the sampled token's; stops are not implied.
+        sampling = {**self._sampling(params), "logprobs": 0, "stop_token_ids": self.stop_token_ids}
         body = {
             "model": model, "token_ids": collapse_image_pads(prompt.input_ids.tolist(), self.image_pad_id),
             "content_parts": [{"type": "image_url", "url": u} for u in urls],
