@@ -77,3 +77,18 @@ def test_nan_gradients_skip_the_step_without_touching_weights(tmp_path, monkeypa
     for n, p in setup.model.named_parameters():
         if p.requires_grad:
             assert torch.equal(p, before[n]), n
+
+
+def test_final_info_means_turns_what_envs_report_into_metrics():
+    from saccade.envs.trajectory import Trajectory
+    from saccade.rl import final_info_means
+
+    def episode(*infos):
+        return Trajectory(sample_id="s", infos=list(infos))
+
+    trajectories = [
+        episode({"seen": False}, {"correct": 1.0, "seen": True, "action": None, "place": "left"}),
+        episode({"correct": 0.0, "seen": False, "answered": True}),
+        episode(),  # ended before any step: nothing to report
+    ]
+    assert final_info_means(trajectories) == {"env_answered": 1.0, "env_correct": 0.5, "env_seen": 0.5}

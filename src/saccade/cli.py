@@ -115,9 +115,12 @@ def cmd_demo_views(args: argparse.Namespace) -> int:
         f"   (turns {result['turns_before']:.2f})\n"
         f"  success after GRPO:                             {result['success_after']:.3f}"
         f"   (turns {result['turns_after']:.2f}; bar: >= before + {SUCCESS_GAIN_MIN})\n"
+        f"  brought the object into view:  before {result['seen_before']:.3f}, after {result['seen_after']:.3f}\n"
+        f"  right color once it was seen:  before {result['correct_when_seen_before']:.3f}, "
+        f"after {result['correct_when_seen_after']:.3f}   (chance {result['color_chance']:.2f})\n"
         f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
-    return _demo_exit(views_verdict(result), "demo OK: the model learned where to look, and to read what it saw")
+    return _demo_exit(views_verdict(result), "demo OK: success rose by the bar or more within the time")
 
 
 def cmd_bench_parity(args: argparse.Namespace) -> int:

@@ -398,6 +398,9 @@ class EnvConfig(Section):
     image_size: int = Field(64, ge=32, le=1024, description="views: side of the rendered square views, pixels")
     distractors: int = Field(2, ge=0, le=4, description="views: objects in the start view (never the answer's color)")
     require_seen: bool = Field(True, description="views: an answer counts only once the object has been in view")
+    look_reward: float = Field(
+        0.0, ge=0, le=1, description="views: per-turn reward for the action that first brings the object into view"
+    )
     max_total_tokens: int = Field(4096, ge=64, description="an episode ends once its next turn would not fit this")
     loss_on: Literal["assistant", "markers"] = Field(
         "assistant", description="train on every sampled assistant token, or only on those inside loss_markers"

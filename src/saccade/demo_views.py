@@ -112,6 +112,12 @@ def run_views_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "success_after": after["accuracy"],
         "turns_before": before["turns"],
         "turns_after": after["turns"],
+        # The two skills success needs: looking the right way, then reading the color.
+        "seen_before": before["env_seen"],
+        "seen_after": after["env_seen"],
+        "correct_when_seen_before": correct_when_seen(before),
+        "correct_when_seen_after": correct_when_seen(after),
+        "color_chance": 1 / cfg.data.num_choices,
         "eval_episodes": cfg.data.eval_size,
         "places": list(cfg.env.places),
         "max_turns": cfg.env.max_turns,
@@ -121,6 +127,12 @@ def run_views_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "run_dir": str(root),
         "minutes": (time.perf_counter() - start) / 60,
     }
+
+
+def correct_when_seen(result: dict[str, float]) -> float:
+    """The share of right answers among episodes that brought the object into view (an answer
+    only counts once it was seen, so this is success / seen)."""
+    return result["env_correct"] / result["env_seen"] if result["env_seen"] else 0.0
 
 
 def views_verdict(result: dict[str, Any]) -> list[str]:

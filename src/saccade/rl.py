@@ -191,7 +191,8 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None):
         e = cfg.env
         return ViewsTask(places=tuple(e.places), num_choices=cfg.data.num_choices, image_size=e.image_size,
                          max_turns=e.max_turns, turn_cost=e.turn_cost, eval_seed=cfg.trainer.seed + EVAL_SEED_OFFSET,
-                         distractors=e.distractors, require_seen=e.require_seen)
+                         distractors=e.distractors, require_seen=e.require_seen,
+                         look_reward=e.look_reward)
     if cfg.data.task != "shapes":
         from saccade.data.datasets import DatasetTask
 
@@ -263,7 +264,7 @@ def evaluate(setup: Setup, samples: list, *, max_tokens: int, task=None) -> dict
         trajectories = run_task_episodes(setup, task, samples, [s.sample_id for s in samples],
                                          SamplingParams(temperature=0.0, max_tokens=max_tokens))
         return {"accuracy": float(np.mean([episode_success(t) for t in trajectories])), "n": len(samples),
-                "turns": float(np.mean([len(t.turns) for t in trajectories]))}
+                "turns": float(np.mean([len(t.turns) for t in trajectories])), **final_info_means(trajectories)}
 
     texts = greedy_texts(setup, samples, max_tokens=max_tokens)
     correct = [correct_reward(t, s) for t, s in zip(texts, samples, strict=True)]
@@ -273,6 +274,17 @@ def evaluate(setup: Setup, samples: list, *, max_tokens: int, task=None) -> dict
 def episode_success(trajectory) -> float:
     """1.0 when the episode's last turn was scored correct by its environment."""
     return float(bool(trajectory.infos) and trajectory.infos[-1].get("correct", 0.0) >= 1.0)
+
+
+def final_info_means(trajectories: list) -> dict[str, float]:
+    """The mean of every numeric or boolean value in the episodes' last `info`, as "env_<key>":
+    what an environment reports about its episodes (answered, seen, ...) becomes a metric."""
+    values: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in (t.infos[-1] if t.infos else {}).items():
+            if isinstance(value, (bool, int, float)):
+                values.setdefault(f"env_{key}", []).append(float(value))
+    return {key: float(np.mean(v)) for key, v in sorted(values.items())}
 
 
 def run_task_episodes(setup: Setup, task, samples: list, sample_ids: list[str], params) -> list:
@@ -338,6 +350,7 @@ def episode_rollout_step(setup: Setup, task, samples: list, step: int) -> tuple[
         "groups_kept_frac": float(keep.float().mean()),
         "completion_tokens": float(sampled.sum()),
         "sampled_policy_version": float(min(t.policy_version for t in trajectories)),
+        **final_info_means(trajectories),
     }
     return train_samples, metrics
 
@@ -544,7 +557,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
             )
             if evaluating:
                 ev = evaluate(setup, eval_samples, max_tokens=cfg.engine.max_tokens, task=task)
-                logger.log(state.step, {"accuracy": ev["accuracy"]}, phase="eval")
+                logger.log(state.step, {k: v for k, v in ev.items() if k != "n"}, phase="eval")
                 metrics["eval_accuracy"] = ev["accuracy"]
             logger.log(state.step, metrics)
             last = metrics

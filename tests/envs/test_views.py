@@ -84,13 +84,36 @@ def test_episode_rewards_turn_cost_and_max_turns():
     assert last.done and last.info["answered"] is False  # acting on the last turn is not answering
 
 
-def test_scripted_replies_are_valid_actions_then_a_choice():
+def test_look_reward_is_paid_once_for_the_action_that_shows_the_object():
+    sample = make_view_sample(0, seed=0, places=("left",))
+    env = ViewsEnv(max_turns=4, look_reward=0.25)
+    env.reset(sample)
+    away = env.step({"role": "assistant", "content": "turn right"})
+    assert away.reward == 0.0 and away.info["seen"] is False
+    back = env.step({"role": "assistant", "content": "turn left"})  # back at the start: still not seen
+    assert back.reward == 0.0 and back.info["seen"] is False
+    look = env.step({"role": "assistant", "content": "turn left"})
+    assert look.reward == 0.25 and look.info["seen"] is True
+    answer = env.step({"role": "assistant", "content": sample.answer})
+    assert answer.reward == 1.0 and answer.info["seen"] is True
+    env.reset(sample)
+    env.step({"role": "assistant", "content": "turn left"})
+    env.step({"role": "assistant", "content": "turn right"})
+    again = env.step({"role": "assistant", "content": "turn left"})
+    assert again.reward == 0.0  # seen before: no second payment for looking again
+
+
+def test_scripted_replies_look_then_answer():
     sample = make_view_sample(2, seed=0)
     rng = np.random.default_rng(0)
-    for _ in range(20):
+    lengths = set()
+    for _ in range(40):
         replies = scripted_replies(sample, rng, max_turns=3)
-        assert 1 <= len(replies) <= 3
+        lengths.add(len(replies))
         assert all(r in ACTIONS for r in replies[:-1]) and replies[-1] in sample.choices
+    assert lengths == {2, 3}  # at least one look, never past max_turns
+    assert len(scripted_replies(sample, rng, max_turns=2)) == 2
+    assert len(scripted_replies(sample, rng, max_turns=1)) == 1  # no room to look: answer
 
 
 class CheckerRenderer:

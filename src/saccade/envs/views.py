@@ -48,6 +48,9 @@ SPRITES = ("circle", "square", "triangle", "diamond")
 ROOM_HALF_WIDTH, ROOM_HEIGHT, ROOM_DEPTH = 3.0, 2.0, 12.0  # x in [-3, 3], y in [-2, 2], z in [-1, 12]
 FORWARD_STEP = 7.0
 FOG_DISTANCE = 8.0  # beyond this, colors fade to gray: the far object's color cannot be read
+# Sprite radii. A side-wall object spans ~70% of its 64-px view (it was 1.2, ~40%): more of each
+# 32-px image token is its color.
+NEAR_RADIUS, FAR_RADIUS = 2.0, 0.9
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ def make_scene(index: int, *, seed: int, places: tuple[str, ...] = tuple(PLACES)
     objects = []
     for p in PLACES:
         color = target_color if p == place else str(rng.choice(palette))
-        objects.append(SceneObject(str(rng.choice(SPRITES)), color, _place_position(p, rng), 1.2 if p != "far" else 0.9))
+        objects.append(SceneObject(str(rng.choice(SPRITES)), color, _place_position(p, rng),
+                                   NEAR_RADIUS if p != "far" else FAR_RADIUS))
     target = list(PLACES).index(place)
     for k, color in enumerate(near_colors):  # visible from the start: what the answer is not
         x = -1.4 + 2.8 * k / max(1, distractors - 1) + float(rng.uniform(-0.2, 0.2))
@@ -246,18 +250,24 @@ def target_pose(scene: Scene) -> Pose:
 
 
 def prompt_text(sample: ViewSample) -> str:
-    # Short on purpose: every turn of every episode carries it (the tiny demo model reads it all).
-    return f"{sample.question} Options: {', '.join(sample.choices)}. Or act: {', '.join(ACTIONS)}."
+    # Short on purpose: every turn of every episode carries it. The actions are not listed:
+    # with "turn left, turn right, ..." in every prompt the tiny model copied from the list
+    # instead of reading the question (SFT on right answers learned the action in 60 steps
+    # without the list and not at all with it); the warm start teaches what the actions are.
+    return f"{sample.question} Options: {', '.join(sample.choices)}."
 
 
 class ViewsEnv:
     """One episode in one scene: act to change the view, then answer with a color."""
 
     def __init__(self, renderer: Renderer | None = None, *, max_turns: int = 3, turn_cost: float = 0.0,
-                 require_seen: bool = True):
+                 require_seen: bool = True, look_reward: float = 0.0):
         self.renderer = renderer or RaycastRenderer()
         self.max_turns = max_turns
         self.turn_cost = turn_cost
+        # A per-turn reward for the action that first brings the asked-about object into view:
+        # progress the agent can be credited for before it answers.
+        self.look_reward = look_reward
         # An answer counts only once the object has been in view: a lucky guess is not success.
         self.require_seen = require_seen
         self.seen = False
@@ -282,15 +292,17 @@ class ViewsEnv:
             correct = score(text, self.sample.answer, choices=self.sample.choices)
             if self.require_seen and not self.seen:
                 correct = 0.0
-            info.update(correct=correct, answered=True)
+            info.update(correct=correct, answered=True, seen=self.seen)
             return StepResult([], correct - self.turn_cost * (self.turns - 1), True, info)
         if self.turns >= self.max_turns:
-            info.update(correct=0.0, answered=False)
+            info.update(correct=0.0, answered=False, seen=self.seen)
             return StepResult([], -self.turn_cost * self.turns, True, info)
         self.pose = move(self.pose, action)
-        self.seen = self.seen or self.pose == target_pose(self.sample.scene)
+        first_look = not self.seen and self.pose == target_pose(self.sample.scene)
+        self.seen = self.seen or first_look
+        info["seen"] = self.seen
         reply = {"role": "user", "content": [self.view(), {"type": "text", "text": f"You {action}."}]}
-        return StepResult([reply], 0.0, False, info)
+        return StepResult([reply], self.look_reward if first_look else 0.0, False, info)
 
 
 @dataclass(frozen=True)
@@ -305,6 +317,7 @@ class ViewsTask:
     eval_seed: int = 10_000  # held-out scenes come from another seed's stream
     distractors: int = 2
     require_seen: bool = True
+    look_reward: float = 0.0
 
     def sample(self, index: int, *, seed: int) -> ViewSample:
         return make_view_sample(index, seed=seed, places=self.places, num_choices=self.num_choices,
@@ -318,11 +331,12 @@ class ViewsTask:
 
     def make_env(self) -> ViewsEnv:
         return ViewsEnv(RaycastRenderer(self.image_size), max_turns=self.max_turns, turn_cost=self.turn_cost,
-                        require_seen=self.require_seen)
+                        require_seen=self.require_seen, look_reward=self.look_reward)
 
 
 def scripted_replies(sample: ViewSample, rng: np.random.Generator, *, max_turns: int) -> list[str]:
-    """Warm-start replies: random valid actions (0 up to max_turns - 1 of them), then a random
-    choice as the answer. They teach the format, not the task."""
-    n_actions = int(rng.integers(0, max_turns))
+    """Warm-start replies: random valid actions (1 up to max_turns - 1 of them), then a random
+    choice as the answer. They teach the format (look, then answer), not the task: which
+    action shows the object and which color it has are left to RL."""
+    n_actions = int(rng.integers(min(1, max_turns - 1), max_turns))
     return [str(rng.choice(ACTIONS)) for _ in range(n_actions)] + [str(rng.choice(sample.choices))]
