@@ -197,3 +197,11 @@ def test_by_category_counts_a_list_value_in_each_entry():
         "skills": {"a": {"n": 1, "accuracy": 1.0}, "b": {"n": 2, "accuracy": 0.5}},
         "grade": {"x": {"n": 2, "accuracy": 0.5}},
     }
+
+
+def test_eval_refuses_multi_turn_tasks_with_a_clear_error():
+    from saccade.demo_views import load_views_config
+    from saccade.evaluation import run_eval
+
+    with pytest.raises(ValueError, match="multi-turn episodes.*saccade rl"):
+        run_eval(load_views_config())

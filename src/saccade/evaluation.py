@@ -76,8 +76,21 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
     """Greedy accuracy and (with eval.samples_k = n > 1) pass@1..n on the held-out split."""
     from saccade.inference.engine import SamplingParams
     from saccade.rewards import correct_reward, extract_answer
-    from saccade.rl import EVAL_SEED_OFFSET, build_setup, chat_requests, greedy_texts, held_out_samples, task_from_config
+    from saccade.rl import (
+        EVAL_SEED_OFFSET,
+        build_setup,
+        chat_requests,
+        greedy_texts,
+        held_out_samples,
+        is_episodic,
+        task_from_config,
+    )
 
+    if is_episodic(task_from_config(cfg)):
+        # Episodes need the environment loop, which this single-turn report does not run yet.
+        raise ValueError(f"saccade eval scores single-turn questions; data.task = {cfg.data.task!r} runs "
+                         "multi-turn episodes. Their greedy success is logged during `saccade rl` "
+                         "(eval.every_steps) and printed by `saccade demo views`.")
     # The questions first: a data set's errors (no such split, a bad image) come before the model loads.
     samples = held_out_samples(task_from_config(cfg), cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
     if not samples:
