@@ -86,13 +86,14 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         task_from_config,
     )
 
-    if is_episodic(task_from_config(cfg)):
+    task = task_from_config(cfg)
+    if is_episodic(task):
         # Episodes need the environment loop, which this single-turn report does not run yet.
         raise ValueError(f"saccade eval scores single-turn questions; data.task = {cfg.data.task!r} runs "
                          "multi-turn episodes. Their greedy success is logged during `saccade rl` "
                          "(eval.every_steps) and printed by `saccade demo views`.")
     # The questions first: a data set's errors (no such split, a bad image) come before the model loads.
-    samples = held_out_samples(task_from_config(cfg), cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
+    samples = held_out_samples(task, cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
     if not samples:
         raise ValueError("data.eval_size is 0 (or the eval split is empty): nothing to evaluate")
     setup = setup or build_setup(cfg, cfg.run_dir)

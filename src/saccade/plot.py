@@ -2,8 +2,8 @@
 
 `plot_run(run_dir)` writes one PNG per group of metrics that the run has (reward, accuracy,
 completion length, KL, train/inference mismatch, loss, entropy, gradient norm, episode outcomes)
-and an `overview.png` with all of them in a grid, into `run_dir/plots/` by default. Groups the run has no
-metric for are skipped. Rendering uses matplotlib's Agg canvas directly (no pyplot, no display, no
+and an `overview.png` with all of them in a grid, into `run_dir/plots/` by default. Groups the run
+has no metric for are skipped. Rendering uses matplotlib's Agg canvas directly (no pyplot, no display, no
 global backend change), so it is safe to call from a training process or a headless machine.
 
 Series are keyed by (phase, metric): `accuracy` logged with phase "eval" shows as `eval/accuracy`,
