@@ -230,6 +230,18 @@ def test_shapes_question_kinds_checked():
     assert tuple(SHAPES_QUESTION_KINDS) == KINDS
 
 
+def test_views_colors_checked():
+    assert "purpel" in error(None, ["--env.colors", '["red","green","purpel"]'])
+    assert "repeat" in error(None, ["--env.colors", '["red","green","red"]'])
+    msg = error(None, ["--data.task", "views", "--data.num_choices", "4", "--env.colors", '["red","green","blue"]'])
+    assert "num_choices" in msg and "env.colors" in msg
+    assert "distractors" in error(None, ["--env.distractors", "3", "--env.colors", '["red","green","blue"]'])
+    from saccade.config import VIEW_COLORS
+    from saccade.data.shapes import COLORS
+
+    assert tuple(VIEW_COLORS) == tuple(COLORS)
+
+
 def test_file_errors(tmp_path):
     assert "not found" in error(tmp_path / "missing.toml", [])
     bad = tmp_path / "bad.toml"

@@ -384,6 +384,9 @@ class LogConfig(Section):
 
 
 VIEW_PLACES = ("left", "right", "ceiling", "floor", "far")
+# The same list as saccade.data.shapes.COLORS, repeated so that --dry-run catches a typo
+# without importing the renderer (tests/test_config.py checks the two agree).
+VIEW_COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
 
 
 class EnvConfig(Section):
@@ -400,6 +403,10 @@ class EnvConfig(Section):
     require_seen: bool = Field(True, description="views: an answer counts only once the object has been in view")
     look_reward: float = Field(
         0.0, ge=0, le=1, description="views: per-turn reward for the action that first brings the object into view"
+    )
+    colors: list[str] = Field(
+        default_factory=lambda: list(VIEW_COLORS), min_length=3,
+        description="views: the objects' colors, and so the answers (red, green, blue, yellow, purple, orange)",
     )
     max_total_tokens: int = Field(4096, ge=64, description="an episode ends once its next turn would not fit this")
     loss_on: Literal["assistant", "markers"] = Field(
@@ -418,6 +425,14 @@ class EnvConfig(Section):
         unknown = [p for p in self.places if p not in VIEW_PLACES]
         if unknown:
             raise ValueError(f"places {unknown} unknown; choose from {', '.join(VIEW_PLACES)}")
+        unknown = [c for c in self.colors if c not in VIEW_COLORS]
+        if unknown:
+            raise ValueError(f"colors {unknown} unknown; choose from {', '.join(VIEW_COLORS)}")
+        if len(set(self.colors)) != len(self.colors):
+            raise ValueError(f"colors {self.colors} repeat an entry")
+        if len(self.colors) <= self.distractors:
+            raise ValueError(f"{self.distractors} distractors need more than {len(self.colors)} colors: "
+                             "lower env.distractors or add colors")
         return self
 
 
@@ -447,6 +462,13 @@ class RunConfig(Section):
     def checkpoint_dir(self) -> Path:
         """<run_dir>/checkpoints: where `saccade rl` saves and `--resume` looks."""
         return self.run_dir / "checkpoints"
+
+    @model_validator(mode="after")
+    def _views_choices_fit_palette(self) -> RunConfig:
+        if self.data.task == "views" and self.data.num_choices > len(self.env.colors):
+            raise ValueError(f"data.num_choices = {self.data.num_choices} options need at least as many "
+                             f"env.colors, got {self.env.colors}: lower data.num_choices or add colors")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None):
         return ViewsTask(places=tuple(e.places), num_choices=cfg.data.num_choices, image_size=e.image_size,
                          max_turns=e.max_turns, turn_cost=e.turn_cost, eval_seed=cfg.trainer.seed + EVAL_SEED_OFFSET,
                          distractors=e.distractors, require_seen=e.require_seen,
-                         look_reward=e.look_reward)
+                         look_reward=e.look_reward, colors=tuple(e.colors))
     if cfg.data.task != "shapes":
         from saccade.data.datasets import DatasetTask
 

@@ -51,11 +51,33 @@ def test_places_rotate_through_the_stream():
     assert [task.sample(i, seed=0).scene.place for i in range(4)] == ["left", "far", "left", "far"]
 
 
+def test_a_palette_limits_every_color_and_option():
+    task = ViewsTask(places=("left", "right"), num_choices=3, distractors=1, colors=("red", "green", "blue"))
+    answers = set()
+    for i in range(30):
+        sample = task.sample(i, seed=1)
+        assert {o.color for o in sample.scene.objects} <= {"red", "green", "blue"}
+        assert sorted(sample.choices) == ["blue", "green", "red"]
+        answers.add(sample.answer)
+    assert answers == {"red", "green", "blue"}  # every color is sometimes the answer
+
+
+@pytest.mark.parametrize(("colors", "num_choices", "distractors", "says"), [
+    (("red", "green"), 3, 0, "need at least 3 colors"),
+    (("red", "green", "blue"), 3, 3, "distractors"),
+    (("red", "green", "teal"), 3, 0, "teal"),
+])
+def test_a_palette_that_cannot_make_scenes_is_refused(colors, num_choices, distractors, says):
+    with pytest.raises(ValueError, match=says):
+        ViewsTask(colors=colors, num_choices=num_choices, distractors=distractors)
+
+
 def test_parse_action():
     assert parse_action("Turn left.") == "turn left"
     assert parse_action("I will look up now") == "look up"
     assert parse_action("red") is None
     assert parse_action("turn left then turn right") is None  # ambiguous: treated as an answer
+    assert parse_action("turn leftturn leftturnturn") is None  # a reply cut by max_tokens while repeating
 
 
 def test_episode_rewards_turn_cost_and_max_turns():

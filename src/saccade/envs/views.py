@@ -104,12 +104,28 @@ def _place_position(place: str, rng: np.random.Generator) -> tuple[float, float,
     }[place]
 
 
+def check_palette(colors: tuple[str, ...], *, num_choices: int, distractors: int) -> None:
+    """Raise a ValueError that says what to change when scenes cannot be drawn from `colors`."""
+    unknown = [c for c in colors if c not in COLORS]
+    if unknown:
+        raise ValueError(f"colors {unknown} unknown; choose from {', '.join(COLORS)}")
+    if len(set(colors)) != len(colors):
+        raise ValueError(f"colors {list(colors)} repeat a color")
+    if len(colors) < num_choices:
+        raise ValueError(f"{num_choices} answer options need at least {num_choices} colors, got {list(colors)}")
+    if len(colors) <= distractors:
+        raise ValueError(f"{distractors} distractors of other colors than the answer need more than "
+                         f"{distractors} colors, got {list(colors)}")
+
+
 def make_scene(index: int, *, seed: int, places: tuple[str, ...] = tuple(PLACES), num_choices: int = 4,
-               distractors: int = 2) -> Scene:
+               distractors: int = 2, colors: tuple[str, ...] = tuple(COLORS)) -> Scene:
     """Scene `index` of the stream for `seed`: one object in every place, and `distractors`
-    objects near ahead, in the start view, none of them the target's color."""
+    objects near ahead, in the start view, none of them the target's color. Every object's
+    color, and every answer option, comes from `colors`."""
+    check_palette(colors, num_choices=num_choices, distractors=distractors)
     rng = np.random.default_rng([seed, index, 71])
-    palette = list(COLORS)
+    palette = list(colors)
     place = places[index % len(places)]
     near_colors = [str(c) for c in rng.choice(palette, size=distractors, replace=False)]
     target_color = str(rng.choice([c for c in palette if c not in near_colors]))
@@ -129,8 +145,9 @@ def make_scene(index: int, *, seed: int, places: tuple[str, ...] = tuple(PLACES)
 
 
 def make_view_sample(index: int, *, seed: int, places: tuple[str, ...] = tuple(PLACES), num_choices: int = 4,
-                     distractors: int = 2) -> ViewSample:
-    scene = make_scene(index, seed=seed, places=places, num_choices=num_choices, distractors=distractors)
+                     distractors: int = 2, colors: tuple[str, ...] = tuple(COLORS)) -> ViewSample:
+    scene = make_scene(index, seed=seed, places=places, num_choices=num_choices, distractors=distractors,
+                       colors=colors)
     target = scene.objects[scene.target]
     question = f"What color is the {target.shape} {PLACE_PHRASES[scene.place]}?"
     return ViewSample(f"views-{seed}-{index}", scene, question, target.color, list(scene.choices),
@@ -223,10 +240,15 @@ def _sprite(draw: ImageDraw.ImageDraw, shape: str, x: float, y: float, r: float,
 
 
 def parse_action(text: str) -> str | None:
-    """The action named in a reply ("turn left", "Look up."), or None."""
+    """The one action named in a reply ("turn left", "Look up."), or None (an answer).
+
+    Exactly one mention counts: "turn left then turn right" is ambiguous, and a reply that
+    repeats itself until max_tokens cut it ("turn leftturn leftturn...") is not a valid
+    action either. Taking the latter as "turn left" once let a policy that had stopped
+    ending its turns keep being paid for its looks (docs/envs.md)."""
     cleaned = re.sub(r"[^a-z ]", " ", text.lower())
     cleaned = " ".join(cleaned.split())
-    found = [a for a in ACTIONS if a in cleaned]
+    found = [a for a in ACTIONS for _ in re.finditer(re.escape(a), cleaned)]
     return found[0] if len(found) == 1 else None
 
 
@@ -318,10 +340,14 @@ class ViewsTask:
     distractors: int = 2
     require_seen: bool = True
     look_reward: float = 0.0
+    colors: tuple[str, ...] = tuple(COLORS)  # the objects' palette; the demo uses three
+
+    def __post_init__(self) -> None:
+        check_palette(self.colors, num_choices=self.num_choices, distractors=self.distractors)
 
     def sample(self, index: int, *, seed: int) -> ViewSample:
         return make_view_sample(index, seed=seed, places=self.places, num_choices=self.num_choices,
-                                distractors=self.distractors)
+                                distractors=self.distractors, colors=self.colors)
 
     def train_sample(self, position: int, *, seed: int) -> ViewSample:
         return self.sample(position, seed=seed)
