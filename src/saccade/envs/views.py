@@ -244,8 +244,8 @@ def parse_action(text: str) -> str | None:
 
     Exactly one mention counts: "turn left then turn right" is ambiguous, and a reply that
     repeats itself until max_tokens cut it ("turn leftturn leftturn...") is not a valid
-    action either. Taking the latter as "turn left" once let a policy that had stopped
-    ending its turns keep being paid for its looks (docs/envs.md)."""
+    action either: taken as "turn left", it counted a policy that had stopped ending its
+    turns as looking correctly (and paid it, with look_reward) (docs/envs.md)."""
     cleaned = re.sub(r"[^a-z ]", " ", text.lower())
     cleaned = " ".join(cleaned.split())
     found = [a for a in ACTIONS for _ in re.finditer(re.escape(a), cleaned)]
