@@ -79,6 +79,20 @@ def test_nan_gradients_skip_the_step_without_touching_weights(tmp_path, monkeypa
             assert torch.equal(p, before[n]), n
 
 
+def test_a_run_with_no_signal_left_says_so(tmp_path, monkeypatch):
+    import saccade.rl as rl
+
+    monkeypatch.setattr(rl, "reward_of", lambda text, sample, weights: (0.0, {"correct": 0.0}))
+    monkeypatch.setattr(rl, "STALL_STEPS", 2)
+    cfg = _config(tmp_path, "stalled", "--trainer.steps", "3", "--rollout.filter_zero_variance", "true",
+                  "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
+    with pytest.warns(RuntimeWarning, match="no group has had reward variance for 2 steps") as caught:
+        train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    stalls = [str(w.message) for w in caught if "reward variance" in str(w.message)]
+    assert len(stalls) == 1  # once, not every step
+    assert str(cfg.run_dir / "metrics.jsonl") in stalls[0]
+
+
 def test_final_info_means_turns_what_envs_report_into_metrics():
     from saccade.envs.trajectory import Trajectory
     from saccade.rl import final_info_means

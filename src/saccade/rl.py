@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,23 @@ def held_out_samples(task, n: int, *, seed: int) -> list:
 
 # Train prompts are indices 0, 1, 2, ... of the stream; held-out ones come from another seed.
 EVAL_SEED_OFFSET = 10_000
+# Steps in a row with nothing to train on before the run says so. Zero-variance filtering
+# can leave a collapsed policy (e.g. one whose replies no longer end) with no signal at
+# all: the loop goes on, the weights never move again, and nothing else would tell.
+STALL_STEPS = 20
+
+
+def stall_message(steps_without_signal: int, metrics: dict[str, float], run_dir: Path) -> str | None:
+    """The warning for a run that has had nothing to train on for STALL_STEPS steps, or None."""
+    if steps_without_signal != STALL_STEPS:
+        return None
+    return (
+        f"no group has had reward variance for {STALL_STEPS} steps (every episode of a prompt scores "
+        f"the same; reward_mean {metrics.get('reward_mean', float('nan')):.3f}, completion_len_mean "
+        f"{metrics.get('completion_len_mean', float('nan')):.1f}), so the weights have not changed since. "
+        f"See {run_dir / 'metrics.jsonl'}; if the policy collapsed, resume from an earlier checkpoint with "
+        "a lower trainer.lr, or raise rollout.group_size or engine.temperature"
+    )
 
 
 def chat_requests(samples: list) -> list:
@@ -522,6 +540,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     if resume:
         logger.truncate_after(state.step)
     last: dict[str, float] = {}
+    steps_without_signal = 0
     end = cfg.trainer.steps if stop_after is None else min(cfg.trainer.steps, state.step + stop_after)
     with logger, _progress(progress, end - state.step, "rl") as bar:
         for step in range(state.step, end):
@@ -537,6 +556,10 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
             if samples:
                 train_metrics = train_on_samples(setup, samples, optimizer, scheduler)
             train_s = time.perf_counter() - start - rollout_s
+            steps_without_signal = 0 if samples else steps_without_signal + 1
+            stalled = stall_message(steps_without_signal, rollout_metrics, run_dir)
+            if stalled:
+                warnings.warn(stalled, RuntimeWarning, stacklevel=2)
             state.step = step + 1
             evaluating = bool(cfg.eval.every_steps) and state.step % cfg.eval.every_steps == 0
             checkpointing = bool(cfg.checkpoint.every_steps) and state.step % cfg.checkpoint.every_steps == 0
