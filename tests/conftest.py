@@ -22,9 +22,9 @@ def tiny_path():
 
 @pytest.fixture(scope="session")
 def limits():
-    from saccade.data.images import ImageLimits
+    from saccade.config import ImagesConfig
 
-    return ImageLimits(min_pixels=32 * 32, max_pixels=256 * 256)
+    return ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256)
 
 
 @pytest.fixture(scope="session")

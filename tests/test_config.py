@@ -13,6 +13,9 @@ from pydantic import ValidationError
 
 from saccade.config import (
     ConfigError,
+    ImagesConfig,
+    LoraConfig,
+    LossConfig,
     RunConfig,
     Section,
     add_config_arguments,
@@ -296,14 +299,19 @@ def test_every_field_has_a_description_and_every_section_a_docstring():
     walk(RunConfig)
 
 
-def test_sections_convert_to_the_runtime_objects():
+def test_the_runtime_code_takes_the_sections_themselves():
+    """One config type per concept: the loss, LoRA and image code take the pydantic sections,
+    with no dataclass twin that re-checks them with other defaults."""
+    import saccade.data.images as images
+    import saccade.models.lm as lm
+    import saccade.trainer.loss as loss
+
+    assert loss.LossConfig is LossConfig and images.ImagesConfig is ImagesConfig and lm.LoraConfig is LoraConfig
     cfg = load_config(RunConfig, ROOT / "configs" / "example-qwen3vl-2b.toml", [])
-    limits = cfg.images.to_limits()
-    assert (limits.min_pixels, limits.max_pixels) == (cfg.images.min_pixels, cfg.images.max_pixels)
-    loss = cfg.loss.to_loss_config()
-    assert loss.tis_cap == 2.0 and loss.max_completion_tokens == 1024
-    lora = cfg.lora.to_settings()
-    assert lora.rank == cfg.lora.rank and lora.target_modules == cfg.lora.target_modules
+    assert cfg.loss.tis_cap == 2.0 and cfg.loss.max_completion_tokens == 1024
+    for module in (images, lm, loss):
+        twins = [name for name in vars(module) if name in ("ImageLimits", "LoraSettings", "LossSection")]
+        assert not twins, f"{module.__name__} still defines {twins}"
 
 
 def test_import_does_not_import_torch():

@@ -59,21 +59,34 @@ FAST = [
 
 @pytest.mark.slow
 def test_eval_of_the_saved_checkpoint_equals_the_trained_model(tmp_path):
-    import saccade.rl as rl
-    from saccade.data.shapes import make_split
-    from saccade.evaluation import run_eval
+    """Trained with a reward that moves the weights, so an eval that ignored the checkpoint
+    (and scored the base model) would sample other completions and fail here."""
+    from stub_tasks import scored_task
+
+    from saccade.evaluation import evaluate, run_eval
+    from saccade.rl import train_rl
+    from saccade.tasks import task_from_config
 
     cfg = load_config(RunConfig, "configs/demo.toml", [*FAST, "--log.dir", str(tmp_path / "run")])
-    trained = rl.train_rl(cfg, run_dir=cfg.run_dir, progress=False)["setup"]
-    held_out = make_split(rl.task_from_config(cfg), 6, seed=cfg.trainer.seed + rl.EVAL_SEED_OFFSET)
-    in_memory = rl.evaluate(trained, held_out, max_tokens=cfg.engine.max_tokens)
+    task = task_from_config(cfg)
+    held_out = task.eval_samples(6)
+    base = run_eval(cfg.model_copy(update={"log": cfg.log.model_copy(update={"dir": str(tmp_path / "none")})}))
+    assert base["weights"].startswith("base model")
+
+    # Rewards that vary within each group (a hash of the text): the weights move.
+    trained = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)["setup"]
+    in_memory = evaluate(trained, task, held_out, max_tokens=cfg.engine.max_tokens)
     greedy_texts = [g[0].text for g in trained.engine.generate(
         [rl_request(s) for s in held_out], greedy_params(cfg))]
 
-    # A fresh process-like setup (base weights), then the checkpoint loaded by `run_eval`.
+    # A fresh setup (base weights), then the checkpoint loaded by `run_eval`.
     result = run_eval(cfg)
     assert result["weights"].endswith("step_000002")
     assert [r["completion"] for r in result["rows"]] == greedy_texts
+    # The tiny random model's greedy answer is blank lines before and after two steps; the
+    # pass@k samples (the same seeded stream in both evals) show whose weights were scored.
+    base_samples, trained_samples = ([r["samples"] for r in e["rows"]] for e in (base, result))
+    assert trained_samples != base_samples, "eval sampled the base model, not the checkpoint"
     assert result["accuracy"] == in_memory["accuracy"]
     # Hand count from the rows themselves, overall and per kind.
     rows = result["rows"]

@@ -20,14 +20,15 @@ def tiny_dims(tiny_path):
 
 
 def test_parameter_counts_equal_the_tiny_models(tiny_path, tiny_dims):
-    from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm
+    from saccade.config import LoraConfig
+    from saccade.models.lm import apply_lora, load_policy_lm
     from saccade.models.loading import load_vision_tower
 
     policy = load_policy_lm(tiny_path)
     assert tiny_dims.text.params == sum(p.numel() for p in policy.parameters())  # tied head counted once
     assert tiny_dims.vision.params == sum(p.numel() for p in load_vision_tower(tiny_path).parameters())
     for rank, targets in ((8, LINEARS), (4, ("q_proj", "v_proj")), (16, ("down_proj",))):
-        peft_model = apply_lora(load_policy_lm(tiny_path), LoraSettings(rank=rank, target_modules=list(targets)))
+        peft_model = apply_lora(load_policy_lm(tiny_path), LoraConfig(rank=rank, target_modules=list(targets)))
         trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         assert tiny_dims.text.lora_params(rank, targets) == trainable
 
@@ -54,19 +55,38 @@ def test_dims_from_config_json(tiny_path, tiny_dims):
 
 
 def saved_activation_bytes(tiny_path, dtype, lora: bool, n_tokens: int, n_image_tokens: int = 0,
-                           with_loss: bool = False) -> int:
+                           with_loss: bool = False, checkpointing: bool = False):
     """Bytes of every tensor autograd saves for backward in the trainer's forward (the model's
     parameters excluded), each storage counted once: the activation memory of one micro-batch.
-    `with_loss` includes the policy loss (PPO clip with TIS) on top of the logprobs."""
-    from saccade.config import LossSection
-    from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm, set_full_finetune
+    `with_loss` includes the policy loss (PPO clip with TIS) on top of the logprobs.
+    With `checkpointing`: (what autograd saves, the layers' inputs among it; what the
+    checkpoints hold besides, in the keyword arguments of their recompute), each storage
+    counted once."""
+    from saccade.config import LossConfig
+    from saccade.config import LoraConfig
+    from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.loss import LossInputs, policy_loss
     from saccade.trainer.samples import MicroBatch
 
     torch.manual_seed(0)
     policy = load_policy_lm(tiny_path, dtype=dtype)
-    model = apply_lora(policy, LoraSettings(rank=8)) if lora else set_full_finetune(policy)
+    held: dict[int, int] = {}
+    if checkpointing:
+        policy.enable_activation_checkpointing()
+        for layer in policy.language_model.layers:
+            original = layer._gradient_checkpointing_func
+
+            def recording(fn, *args, _original=original, **kwargs):
+                for value in fn.keywords.values():
+                    for t in value if isinstance(value, tuple) else (value,):
+                        if isinstance(t, torch.Tensor) and t.is_floating_point():
+                            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return _original(fn, *args, **kwargs)
+
+            layer._gradient_checkpointing_func = recording
+    model = apply_lora(policy, LoraConfig(rank=8)) if lora else set_full_finetune(policy)
+    model.train()
     hidden, levels = policy.config.text_config.hidden_size, policy.num_deepstack_levels
     ids = torch.randint(0, 500, (1, n_tokens))
     ids[0, 4 : 4 + n_image_tokens] = policy.image_token_id
@@ -97,9 +117,11 @@ def saved_activation_bytes(tiny_path, dtype, lora: bool, n_tokens: int, n_image_
                 loss_mask_N=mb.loss_mask, cu_seqlens=mb.cu_seqlens, inference_logprobs_N=mb.inference_logprobs,
                 entropy_N=entropy, total_loss_tokens=float(loss_mask.sum()), total_sequences=1.0,
             )
-            loss, _ = policy_loss(inputs, LossSection(tis_cap=2.0).to_loss_config())
+            loss, _ = policy_loss(inputs, LossConfig(tis_cap=2.0))
             assert loss.requires_grad
     assert logprobs.requires_grad
+    if checkpointing:
+        return sum(saved.values()), sum(held.values())
     return sum(saved.values())
 
 
@@ -119,6 +141,40 @@ def test_activations_equal_autograds_saved_tensors(tiny_path, tiny_dims, dtype, 
     # The loss's own per-token tensors (ratio, clip masks, TIS weights): a few dozen bytes.
     with_loss = saved_activation_bytes(tiny_path, dtype, lora, n, with_loss=True)
     assert 0 <= with_loss - n * per_token <= n * 64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_checkpointed_activations_equal_what_autograd_and_the_checkpoints_hold(tiny_path, tiny_dims, dtype, lora):
+    """Per-layer checkpointing: autograd saves each layer's input (the checkpoint's) and exactly
+    the formula's terms outside the layers; the recompute's arguments hold RoPE's cos and sin
+    (shared by every layer), to the byte. The formula adds one layer's activations, alive while
+    that layer's backward runs."""
+    from saccade.memory import outside_layers_bytes_per_token
+
+    n, b, text = 192, torch.finfo(dtype).bits // 8, tiny_dims.text
+    rank = 8 if lora else None
+    saved, held = saved_activation_bytes(tiny_path, dtype, lora, n, checkpointing=True)
+    outside = outside_layers_bytes_per_token(text, dtype_bytes=b, full=not lora, loss_fraction=0.5)
+    inputs = text.num_hidden_layers * b * text.hidden_size
+    assert saved == n * (inputs + outside)
+    assert held == n * 2 * b * text.head_dim
+    inputs_and_rope = inputs + 2 * b * text.head_dim
+    plain = activation_bytes_per_token(text, dtype_bytes=b, lora_rank=rank, loss_fraction=0.5)
+    checkpointed = activation_bytes_per_token(text, dtype_bytes=b, lora_rank=rank, loss_fraction=0.5,
+                                              checkpointing=True)
+    # plain = L * layer - (LoRA: layer 0's input norm) + rope + outside; checkpointed adds one layer.
+    layer_0_norm = 0 if not lora else 4 * text.hidden_size + 4
+    one_layer = (plain - 2 * b * text.head_dim - outside + layer_0_norm) / text.num_hidden_layers
+    assert checkpointed == pytest.approx(inputs_and_rope + one_layer + outside)
+    assert checkpointed < plain
+
+
+def test_checkpointing_shrinks_the_real_models_activations():
+    for name, dims in QWEN3_VL.items():
+        plain = activation_bytes_per_token(dims.text, dtype_bytes=2, lora_rank=32)
+        checkpointed = activation_bytes_per_token(dims.text, dtype_bytes=2, lora_rank=32, checkpointing=True)
+        assert checkpointed < plain / 5, name  # 28-36 layers: about one layer's worth plus the inputs
 
 
 def test_activations_formula_by_hand():
@@ -169,7 +225,7 @@ def test_monotone_and_lora_below_full():
 def test_full_finetuning_of_few_tokens_peaks_at_the_optimizer_step():
     d = QWEN3_VL["Qwen/Qwen3-VL-8B-Instruct"]
     est = trainer_memory(d, lora_rank=None, max_tokens=16)
-    assert est.get("optimizer step temporaries") == pytest.approx(d.text.params * 2 / GiB)
+    assert est.get("optimizer step temporaries") == pytest.approx(d.text.params * 4 / GiB)  # fp32 masters
     assert est.get("activations") == 0
 
 

@@ -1,9 +1,11 @@
-"""The RL loop end to end on the tiny model: it runs, logs, checkpoints and resumes exactly."""
+"""The RL loop end to end on the tiny model: it runs, logs, checkpoints and resumes exactly;
+a NaN/inf step is skipped without touching the weights; a run with no signal says so."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from stub_tasks import scored_task
 
 from saccade.config import RunConfig, load_config
 from saccade.metrics import read_metrics
@@ -23,33 +25,23 @@ FAST = [
     "--checkpoint.every_steps", "2",
     "--checkpoint.keep_last", "3",
 ]
+ONE_STEP = ["--trainer.steps", "1", "--checkpoint.every_steps", "0", "--eval.every_steps", "0"]
 
 
 def _config(tmp_path, name, *extra):
     return load_config(RunConfig, "configs/demo.toml", [*FAST, "--log.dir", str(tmp_path / name), *extra])
 
 
-def _text_hash_reward(text, sample, weights):
-    """A reward that depends on what was sampled, so a random model gets non-zero advantages."""
-    import zlib
-
-    value = (zlib.crc32(text.encode()) % 7) / 6.0
-    return value, {"correct": float(value > 0.5)}
-
-
 @pytest.mark.slow
-def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path, monkeypatch):
-    import saccade.rl as rl
-
-    monkeypatch.setattr(rl, "reward_of", _text_hash_reward)
+def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path):
     cfg = _config(tmp_path, "straight")
-    train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     straight = read_metrics(cfg.run_dir)
 
     cfg2 = _config(tmp_path, "killed")
-    train_rl(cfg2, run_dir=cfg2.run_dir, progress=False, stop_after=2)  # "killed" after step 2
+    train_rl(cfg2, run_dir=cfg2.run_dir, task=scored_task(cfg2), progress=False, stop_after=2)  # "killed" after 2
     assert (cfg2.run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()
-    train_rl(cfg2, run_dir=cfg2.run_dir, resume=True, progress=False)
+    train_rl(cfg2, run_dir=cfg2.run_dir, task=scored_task(cfg2), resume=True, progress=False)
     resumed = read_metrics(cfg2.run_dir)
 
     assert [(r["step"], r["phase"]) for r in resumed] == [(r["step"], r["phase"]) for r in straight]
@@ -64,45 +56,126 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path, monkeypatch):
     assert len({round(r["loss"], 8) for r in train}) > 1
 
 
-@pytest.mark.slow
-def test_nan_gradients_skip_the_step_without_touching_weights(tmp_path, monkeypatch):
-    import saccade.rl as rl
+def _trainable(setup) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in setup.model.named_parameters() if p.requires_grad}
 
-    cfg = _config(tmp_path, "nan", "--trainer.steps", "1", "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
-    setup = rl.build_setup(cfg, cfg.run_dir)
-    before = {n: p.detach().clone() for n, p in setup.model.named_parameters() if p.requires_grad}
-    monkeypatch.setattr(rl, "grad_norm_or_none", lambda params, max_norm: None)
-    result = train_rl(cfg, run_dir=cfg.run_dir, setup=setup, progress=False)
-    assert result["last"]["skipped_steps"] == 1.0
-    for n, p in setup.model.named_parameters():
-        if p.requires_grad:
-            assert torch.equal(p, before[n]), n
+
+def _one_step(tmp_path, name, *, poison=None):
+    """One RL step with rewards that vary (so the weights would move); `poison(setup)` may
+    plant a NaN or inf first. Returns (the step's metrics, weights before, weights after)."""
+    from saccade.setup import build_setup
+
+    cfg = _config(tmp_path, name, *ONE_STEP)
+    setup = build_setup(cfg, cfg.run_dir)
+    if poison is not None:
+        poison(setup)
+    before = _trainable(setup)
+    result = train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
+    return result["last"], before, _trainable(setup)
+
+
+def _nan_gradient(setup):
+    """A real NaN in one parameter's gradient, planted by a hook during backward."""
+    param = next(p for n, p in setup.model.named_parameters() if p.requires_grad and "layers.0.mlp" in n)
+    param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+
+
+@pytest.mark.slow
+def test_nan_gradients_skip_the_step_without_touching_weights(tmp_path):
+    control, before, after = _one_step(tmp_path, "control")
+    assert control["skipped_steps"] == 0.0 and control["grad_norm"] > 0
+    assert any(not torch.equal(after[n], before[n]) for n in before), "control: the weights must move"
+
+    poisoned, before, after = _one_step(tmp_path, "nan", poison=_nan_gradient)
+    assert poisoned["skipped_steps"] == 1.0 and "grad_norm" not in poisoned
+    assert all(torch.equal(after[n], before[n]) for n in before), "a NaN gradient reached the weights"
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_skips_the_step_without_touching_weights(tmp_path, monkeypatch):
+    """A NaN behaviour logprob on one loss token makes the loss itself NaN, before any backward."""
+    import saccade.orchestrator.rollout as rollout
+
+    original = rollout.completion_to_sample
+
+    def poisoned(completion, **kwargs):
+        sample = original(completion, **kwargs)
+        sample.inference_logprobs[-1] = float("nan")  # the ratio against it is NaN
+        return sample
+
+    monkeypatch.setattr(rollout, "completion_to_sample", poisoned)
+    last, before, after = _one_step(tmp_path, "nan-loss")
+    assert last["skipped_steps"] == 1.0 and "loss" not in last
+    assert all(torch.equal(after[n], before[n]) for n in before)
+
+
+@pytest.mark.slow
+def test_sft_skips_a_step_with_a_nan_gradient(tmp_path):
+    from saccade.setup import build_setup
+    from saccade.sft import train_sft
+
+    cfg = load_config(RunConfig, "configs/demo.toml", ["--sft.steps", "1", "--sft.batch_size", "4",
+                                                       "--log.dir", str(tmp_path / "sft")])
+    setup = build_setup(cfg, cfg.run_dir)
+    before = _trainable(setup)
+    control = train_sft(cfg, run_dir=cfg.run_dir, setup=setup, progress=False)["last"]
+    assert control["skipped_steps"] == 0.0
+    moved = _trainable(setup)
+    assert any(not torch.equal(moved[n], before[n]) for n in before), "control: SFT must move the weights"
+
+    _nan_gradient(setup)
+    skipped = train_sft(cfg, run_dir=tmp_path / "sft-nan", setup=setup, progress=False)["last"]
+    assert skipped["skipped_steps"] == 1.0
+    assert all(torch.equal(p, moved[n]) for n, p in _trainable(setup).items())
 
 
 def test_a_run_with_no_signal_left_says_so(tmp_path, monkeypatch):
     import saccade.rl as rl
 
-    monkeypatch.setattr(rl, "reward_of", lambda text, sample, weights: (0.0, {"correct": 0.0}))
     monkeypatch.setattr(rl, "STALL_STEPS", 2)
     cfg = _config(tmp_path, "stalled", "--trainer.steps", "3", "--rollout.filter_zero_variance", "true",
                   "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
     with pytest.warns(RuntimeWarning, match="no group has had reward variance for 2 steps") as caught:
-        train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+        train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg, lambda text, sample: 0.0), progress=False)
     stalls = [str(w.message) for w in caught if "reward variance" in str(w.message)]
     assert len(stalls) == 1  # once, not every step
     assert str(cfg.run_dir / "metrics.jsonl") in stalls[0]
 
 
-def test_final_info_means_turns_what_envs_report_into_metrics():
-    from saccade.envs.trajectory import Trajectory
-    from saccade.rl import final_info_means
+@pytest.mark.slow
+def test_a_cache_smaller_than_one_steps_images_trains_the_same(tmp_path):
+    """`--images.cache_bytes 200000` on the demo config: one step's 32 images (8 KB each) do not
+    fit, yet every image stays until its train step ends, and the losses equal the unbounded
+    run's bit for bit; the cache evicts between steps."""
+    common = ["--trainer.steps", "3", "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
+              "--rollout.group_size", "4"]
 
-    def episode(*infos):
-        return Trajectory(sample_id="s", infos=list(infos))
+    def run(name: str, *extra: str) -> list[dict]:
+        cfg = load_config(RunConfig, "configs/demo.toml", [*common, "--log.dir", str(tmp_path / name), *extra])
+        train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
+        return [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
 
-    trajectories = [
-        episode({"seen": False}, {"correct": 1.0, "seen": True, "action": None, "place": "left"}),
-        episode({"correct": 0.0, "seen": False, "answered": True}),
-        episode(),  # ended before any step: nothing to report
-    ]
-    assert final_info_means(trajectories) == {"env_answered": 1.0, "env_correct": 0.5, "env_seen": 0.5}
+    unbounded = run("unbounded")
+    small = run("small", "--images.cache_bytes", "200000")
+    assert all("loss" in r for r in unbounded)
+    assert [r["loss"] for r in small] == [r["loss"] for r in unbounded]
+    assert [r["grad_norm"] for r in small] == [r["grad_norm"] for r in unbounded]
+    evictions = [r["cache_evictions"] for r in small]
+    assert 0 < evictions[0] < evictions[1] < evictions[2], evictions
+    assert all(r["cache_evictions"] == 0 for r in unbounded)
+    assert all(r["cache_mb"] * 2**20 <= 200000 for r in small)  # back under the budget after each step
+
+
+@pytest.mark.slow
+def test_bfloat16_on_the_cpu_trains_and_logs_its_mismatch(tmp_path):
+    """`--model.dtype bfloat16` on the demo config: the engine and the trainer both compute in
+    bf16 (full fine-tuning with float32 master weights); the per-step engine/trainer mismatch
+    is in metrics.jsonl, above fp32's float noise and below a real discrepancy."""
+    cfg = _config(tmp_path, "bf16", "--model.dtype", "bfloat16", "--trainer.steps", "2",
+                  "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
+    setup = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)["setup"]
+    assert {p.dtype for p in setup.model.parameters()} == {torch.bfloat16}
+    rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert len(rows) == 2 and all(r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in rows)
+    assert all(1e-5 < r["mismatch_abs"] < 1e-2 for r in rows), [r["mismatch_abs"] for r in rows]
+    assert all(r["peak_rss_mb"] >= r["rss_mb"] > 0 for r in rows)

@@ -66,7 +66,7 @@ __all__ = [
     "ImagesConfig",
     "LogConfig",
     "LoraConfig",
-    "LossSection",
+    "LossConfig",
     "ModelConfig",
     "RolloutConfig",
     "RunConfig",
@@ -114,7 +114,9 @@ class ModelConfig(Section):
         "for the built-in random presets (built offline, cached)",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype of the trainer's weights and activations (bfloat16 on GPU)"
+        "float32",
+        description="compute dtype (bfloat16 on GPU): frozen weights and image embeddings are stored in it; "
+        "trainable weights, optimizer state, logprobs and the loss stay float32 (docs/precision.md)",
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="attention kernel of the language model (flash_attention_2 needs a GPU and bf16)"
@@ -145,17 +147,12 @@ class LoraConfig(Section):
     def full_finetune(self) -> bool:
         return not self.enabled
 
-    def to_settings(self):
-        """The `saccade.models.lm.LoraSettings` for `apply_lora` (imports torch)."""
-        from saccade.models.lm import LoraSettings
-
-        return LoraSettings(
-            rank=self.rank, alpha=self.alpha, dropout=self.dropout, target_modules=list(self.target_modules)
-        )
-
 
 class ImagesConfig(Section):
-    """Image limits, applied identically wherever images are processed (engine, trainer, eval)."""
+    """Image limits, applied identically wherever images are processed (engine, trainer, eval),
+    and the cache of their embeddings (the frozen tower's output, computed once per image).
+
+    This one type is also what the image code takes as its `limits`."""
 
     min_pixels: int = Field(32 * 32, gt=0, description="lower bound of the processor's resize, in pixels (h*w)")
     max_pixels: int = Field(256 * 256, gt=0, description="upper bound of the processor's resize, in pixels (h*w)")
@@ -165,18 +162,22 @@ class ImagesConfig(Section):
     allow_remote: bool = Field(False, description="allow http(s) image URLs; false refuses them")
     remote_timeout_s: float = Field(10.0, gt=0, description="total time allowed for one remote image fetch, seconds")
     max_remote_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest remote image download, bytes")
+    cache_bytes: int = Field(
+        1 << 30, gt=0,
+        description="host-memory budget of the image-embedding cache, bytes. The images a step uses stay pinned "
+        "from its rollout until its train step ends (the cache may exceed the budget meanwhile); then the least "
+        "recently used go first",
+    )
+    cache_dir: str | None = Field(
+        None, min_length=1,
+        description="folder for a disk layer under the cache (safetensors per image, kept across runs); unset: none",
+    )
 
     @model_validator(mode="after")
     def _min_below_max(self) -> ImagesConfig:
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
         return self
-
-    def to_limits(self):
-        """The `saccade.data.images.ImageLimits` these settings describe."""
-        from saccade.data.images import ImageLimits
-
-        return ImageLimits(**self.model_dump())
 
 
 class EngineConfig(Section):
@@ -238,8 +239,8 @@ class RolloutConfig(Section):
     )
 
 
-class LossSection(Section):
-    """The policy loss; field for field the `saccade.trainer.loss.LossConfig` dataclass."""
+class LossConfig(Section):
+    """The policy loss (`saccade.trainer.loss.policy_loss` takes this very type)."""
 
     kind: Literal["ppo_clip", "reinforce"] = Field("ppo_clip", description="clipped PPO surrogate, or plain REINFORCE")
     eps_low: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - eps_low")
@@ -260,12 +261,6 @@ class LossSection(Section):
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL(pi || reference) penalty (k3 estimator)")
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
 
-    def to_loss_config(self):
-        """The `saccade.trainer.loss.LossConfig` for the loss functions (imports torch)."""
-        from saccade.trainer.loss import LossConfig
-
-        return LossConfig(**self.model_dump())
-
 
 class TrainerConfig(Section):
     """The optimizer loop (AdamW): steps, learning-rate schedule, micro-batching, seed."""
@@ -281,6 +276,16 @@ class TrainerConfig(Section):
     num_iterations: int = Field(1, ge=1, le=64, description="optimizer steps per rollout batch (mu); > 1 is off-policy")
     seed: int = Field(0, ge=0, description="seed of torch, data order and sampling")
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads; unset: torch's default")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="where the trainer's model (and the embedded engine) runs: 'auto' is the local rank's CUDA "
+        "device when there is one (LOCAL_RANK, else cuda:0), else the CPU; or 'cpu', 'cuda', 'cuda:N'",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in backward instead of keeping them: activation "
+        "memory drops to about one layer's plus each layer's input, for one extra forward per micro-batch",
+    )
 
 
 class SftConfig(Section):
@@ -303,7 +308,6 @@ class DataConfig(Section):
         "(see [env]); 'openmmreasoner': OpenMMReasoner-RL-74K "
         "(training); 'mathvista': MathVista testmini (evaluation); 'geometry3k': Geometry3K",
     )
-    train_size: int = Field(512, ge=1, description="training prompts (shapes)")
     eval_size: int = Field(
         64, ge=0, description="held-out evaluation prompts; data sets: the first this many rows of the eval split"
     )
@@ -360,9 +364,10 @@ class DataConfig(Section):
 class EvalConfig(Section):
     """Periodic evaluation on the held-out prompts."""
 
-    every_steps: int = Field(10, ge=0, description="evaluate every this many steps; 0: never")
-    greedy: bool = Field(True, description="greedy decoding for accuracy; false: sample at engine.temperature")
-    samples_k: int = Field(1, ge=1, le=1024, description="samples per prompt for pass@k (n)")
+    every_steps: int = Field(10, ge=0, description="evaluate (greedy decoding) every this many steps; 0: never")
+    samples_k: int = Field(
+        1, ge=1, le=1024, description="saccade eval: samples per prompt at engine.temperature, for pass@k (n)"
+    )
 
 
 class CheckpointConfig(Section):
@@ -380,7 +385,6 @@ class LogConfig(Section):
     wandb: bool = Field(False, description="log to Weights & Biases")
     wandb_project: str = Field("saccade", min_length=1, description="W&B project")
     tensorboard: bool = Field(False, description="write TensorBoard event files to the run folder")
-    every_steps: int = Field(1, ge=1, description="log metrics every this many steps")
 
 
 VIEW_PLACES = ("left", "right", "ceiling", "floor", "far")
@@ -444,7 +448,7 @@ class RunConfig(Section):
     images: ImagesConfig = Field(default_factory=ImagesConfig, description="image limits")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling and advantages")
-    loss: LossSection = Field(default_factory=LossSection, description="the policy loss")
+    loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the optimizer loop")
     sft: SftConfig = Field(default_factory=SftConfig, description="supervised fine-tuning")
     data: DataConfig = Field(default_factory=DataConfig, description="the task or dataset")

@@ -13,7 +13,6 @@ The settings live in `saccade/configs/demo.toml` (also `configs/demo.toml` in th
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import time
 from contextlib import contextmanager
@@ -99,10 +98,12 @@ def verdict(result: dict[str, float]) -> list[str]:
 def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     """Warm start, GRPO, control. Writes sft/, grpo/ and control/ (metrics, plots, checkpoint)
     under cfg.run_dir, replacing a previous demo's; returns the figures."""
-    from saccade.data.shapes import make_split
+    from saccade.evaluation import evaluate
     from saccade.plot import plot_run
-    from saccade.rl import EVAL_SEED_OFFSET, build_setup, evaluate, task_from_config, train_rl
+    from saccade.rl import train_rl
+    from saccade.setup import build_setup
     from saccade.sft import train_sft
+    from saccade.tasks import task_from_config
 
     start = time.perf_counter()
     root = cfg.run_dir
@@ -117,12 +118,11 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         )
 
     setup = build_setup(cfg, root)
-    eval_seed = cfg.trainer.seed + EVAL_SEED_OFFSET
-    held_out = make_split(task_from_config(cfg, blank=False), cfg.data.eval_size, seed=eval_seed)
-    held_out_blank = make_split(task_from_config(cfg, blank=True), cfg.data.eval_size, seed=eval_seed)
+    task, blank_task = task_from_config(cfg, blank=False), task_from_config(cfg, blank=True)
+    held_out, held_out_blank = task.eval_samples(cfg.data.eval_size), blank_task.eval_samples(cfg.data.eval_size)
 
     def accuracy(samples) -> float:
-        return evaluate(setup, samples, max_tokens=cfg.engine.max_tokens)["accuracy"]
+        return evaluate(setup, task, samples, max_tokens=cfg.engine.max_tokens)["accuracy"]
 
     # 1. Warm start on answers that carry no visual signal.
     train_sft(run_config("sft"), run_dir=root / "sft", setup=setup, random_answers=True, progress=progress,
@@ -132,15 +132,14 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
 
     # 2. GRPO on the real images.
     grpo_cfg = run_config("grpo")
-    train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=dataclasses.replace(setup, cfg=grpo_cfg), progress=progress)
+    train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=setup, progress=progress)
     accuracy_after = accuracy(held_out)
 
     # 3. Control: the same warm start and sampling seed, every image blank.
     restore_trainable(setup.model, warm)
     setup.engine.reseed(cfg.trainer.seed)
     control_cfg = run_config("control", blank_images=True)
-    train_rl(control_cfg, run_dir=control_cfg.run_dir, setup=dataclasses.replace(setup, cfg=control_cfg),
-             progress=progress)
+    train_rl(control_cfg, run_dir=control_cfg.run_dir, setup=setup, progress=progress)
     control_after = accuracy(held_out_blank)
     control_on_real_images = accuracy(held_out)
 

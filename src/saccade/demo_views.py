@@ -12,7 +12,6 @@ and after GRPO; the demo requires success_after >= success_before + 0.3 in <= 15
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import shutil
 import time
@@ -43,7 +42,7 @@ def scripted_trajectory(setup, task, sample, replies: list[str], sample_id: str)
 
     env = task.make_env()
     engine = setup.engine
-    t = start_trajectory(sample_id, env.reset(sample), setup.processor, limits=setup.limits,
+    t = start_trajectory(sample_id, env.reset(sample), setup.processor, limits=setup.images,
                          key_for_hash=engine.key_for_hash, sample=sample)
     for reply in replies:
         add_forced_turn(t, reply, setup.processor.tokenizer, end_of_turn_id=setup.continuation.end_of_turn_id)
@@ -60,12 +59,10 @@ def scripted_trajectory(setup, task, sample, replies: list[str], sample_id: str)
 
 def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = True) -> dict[str, float]:
     """SFT on scripted episodes: random valid actions, then a random choice as the answer."""
-    from saccade.envs.trajectory import ChatContinuation, to_training_sample
+    from saccade.envs.trajectory import to_training_sample
     from saccade.envs.views import scripted_replies
     from saccade.sft import sft_loop
 
-    if setup.continuation is None:
-        setup.continuation = ChatContinuation(setup.processor, limits=setup.limits)
     rng = np.random.default_rng(cfg.trainer.seed + 1)
 
     def make_batch(step: int) -> list:
@@ -83,8 +80,11 @@ def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = T
 
 def run_views_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     """Warm start, then GRPO on view-selection episodes; returns the figures."""
+    from saccade.evaluation import evaluate
     from saccade.plot import plot_run
-    from saccade.rl import build_setup, evaluate, task_from_config, train_rl
+    from saccade.rl import train_rl
+    from saccade.setup import build_setup
+    from saccade.tasks import task_from_config
 
     if cfg.data.task != "views":
         raise ValueError(f"saccade demo views needs data.task = 'views', got {cfg.data.task!r}")
@@ -99,12 +99,12 @@ def run_views_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     held_out = task.eval_samples(cfg.data.eval_size)
 
     def success() -> dict[str, float]:
-        return evaluate(setup, held_out, max_tokens=cfg.engine.max_tokens, task=task)
+        return evaluate(setup, task, held_out, max_tokens=cfg.engine.max_tokens, env=cfg.env)
 
     warm_start(cfg, setup, task, run_dir=root / "warm-start", progress=progress)
     before = success()
     grpo_cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"dir": str(root / "grpo")})})
-    train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=dataclasses.replace(setup, cfg=grpo_cfg), progress=progress)
+    train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=setup, task=task, progress=progress)
     after = success()
     plot_run(root / "grpo")
     return {

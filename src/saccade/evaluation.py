@@ -1,4 +1,5 @@
-"""Held-out evaluation (`saccade eval CONFIG`): greedy accuracy, pass@k from n samples, and a
+"""Held-out evaluation: `evaluate`, the greedy success the RL loop logs every eval.every_steps,
+and `saccade eval CONFIG` (`run_eval`): greedy accuracy, pass@k from n samples, and a
 breakdown by category, on the weights of a run's latest checkpoint (or the base model).
 
 The questions are the task's held-out split: shapes from the evaluation seed, a data set's
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from saccade.config import RunConfig
+from saccade.config import EnvConfig, RunConfig
 
 # Metadata fields that name a category, per task. MathVista's skills is a list: a row counts
 # in each of its skills.
@@ -30,6 +31,21 @@ CATEGORY_FIELDS: dict[str, tuple[str, ...]] = {
     "mathvista": ("task", "skills", "grade"),
     "geometry3k": (),
 }
+
+
+def evaluate(setup, task, samples: list, *, max_tokens: int, env: EnvConfig | None = None) -> dict[str, float]:
+    """Greedy decoding on held-out prompts, one answer or episode each, scored by the task's
+    environments: `accuracy` (the share scored fully correct), `n`, `turns` and the mean of
+    every number the environments reported at their last step (`env_<key>`)."""
+    from saccade.inference.engine import SamplingParams
+    from saccade.orchestrator.rollout import final_info_means, sample_groups
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1)
+    groups = sample_groups(setup.engine, task, samples, greedy, merge=setup.merge, continuation=setup.continuation,
+                           env=env, tokenizer=setup.processor.tokenizer)
+    rollouts = [group[0] for group in groups]
+    return {"accuracy": float(np.mean([r.correct for r in rollouts])), "n": len(rollouts),
+            "turns": float(np.mean([r.turns for r in rollouts])), **final_info_means([r.info for r in rollouts])}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -75,46 +91,44 @@ def load_weights(setup, cfg: RunConfig, checkpoint: str | None) -> str:
 def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> dict[str, Any]:
     """Greedy accuracy and (with eval.samples_k = n > 1) pass@1..n on the held-out split."""
     from saccade.inference.engine import SamplingParams
-    from saccade.rewards import correct_reward, extract_answer
-    from saccade.rl import (
-        EVAL_SEED_OFFSET,
-        build_setup,
-        chat_requests,
-        greedy_texts,
-        held_out_samples,
-        is_episodic,
-        task_from_config,
-    )
+    from saccade.orchestrator.rollout import sample_groups
+    from saccade.rewards import extract_answer
+    from saccade.setup import build_setup
+    from saccade.tasks import task_from_config
 
     task = task_from_config(cfg)
-    if is_episodic(task):
+    if task.max_turns > 1:
         # Episodes need the environment loop, which this single-turn report does not run yet.
         raise ValueError(f"saccade eval scores single-turn questions; data.task = {cfg.data.task!r} runs "
                          "multi-turn episodes. Their greedy success is logged during `saccade rl` "
                          "(eval.every_steps) and printed by `saccade demo views`.")
     # The questions first: a data set's errors (no such split, a bad image) come before the model loads.
-    samples = held_out_samples(task, cfg.data.eval_size, seed=cfg.trainer.seed + EVAL_SEED_OFFSET)
+    samples = task.eval_samples(cfg.data.eval_size)
     if not samples:
         raise ValueError("data.eval_size is 0 (or the eval split is empty): nothing to evaluate")
     setup = setup or build_setup(cfg, cfg.run_dir)
     weights = load_weights(setup, cfg, checkpoint)
     setup.engine.update_weights()  # a vLLM server samples from these weights, not whatever it held
-    greedy = greedy_texts(setup, samples, max_tokens=cfg.engine.max_tokens)
+
+    def answers(params: SamplingParams) -> list[list]:
+        return sample_groups(setup.engine, task, samples, params, merge=setup.merge)
+
+    greedy = answers(SamplingParams(temperature=0.0, max_tokens=cfg.engine.max_tokens, n=1))
     n = cfg.eval.samples_k
     sampled = None
     if n > 1:
-        params = SamplingParams(temperature=cfg.engine.temperature, top_p=cfg.engine.top_p,
-                                max_tokens=cfg.engine.max_tokens, n=n)
-        sampled = setup.engine.generate(chat_requests(samples), params)
+        sampled = answers(SamplingParams(temperature=cfg.engine.temperature, top_p=cfg.engine.top_p,
+                                         max_tokens=cfg.engine.max_tokens, n=n))
     rows = []
-    for i, (sample, text) in enumerate(zip(samples, greedy, strict=True)):
+    for i, (sample, (answer,)) in enumerate(zip(samples, greedy, strict=True)):
+        text = answer.texts[-1]
         row = {"id": sample.sample_id, "question": sample.question, "answer": sample.answer,
                "choices": sample.choices, "answer_type": sample.answer_type, "precision": sample.precision,
                "completion": text, "extracted": extract_answer(text),
-               "correct": float(correct_reward(text, sample)), "metadata": _plain(sample.metadata)}
+               "correct": float(answer.info["correct"]), "metadata": _plain(sample.metadata)}
         if sampled is not None:
-            row["samples"] = [c.text for c in sampled[i]]
-            row["samples_correct"] = int(sum(correct_reward(c.text, sample) for c in sampled[i]))
+            row["samples"] = [r.texts[-1] for r in sampled[i]]
+            row["samples_correct"] = int(sum(r.info["correct"] for r in sampled[i]))
         rows.append(row)
     result: dict[str, Any] = {
         "weights": weights,

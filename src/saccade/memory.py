@@ -11,12 +11,14 @@ What the trainer holds at its peak (the start of backward on the largest micro-b
 - weights: the language model and lm_head in `model.dtype`; never the vision tower with a
   vLLM engine (the servers encode images). The embedded engine loads the tower here too.
 - trainable state: peft keeps LoRA adapters in float32 (its `autocast_adapter_dtype`), so
-  LoRA params, grads and AdamW's two moments are 4 bytes each. Full fine-tuning trains the
-  weights in place: grads and torch AdamW's moments take the parameter's dtype (bf16 states,
-  no fp32 master copy: that is what `saccade.rl.build_optimizer` does today).
-- activations: what autograd keeps for backward over `trainer.max_tokens` tokens; the
-  trainer has no gradient checkpointing, so every layer's are alive at once
-  (`activation_bytes_per_token` spells out the formula).
+  LoRA params, grads and AdamW's two moments are 4 bytes each. Full fine-tuning in bf16
+  keeps float32 master weights beside the bf16 ones the model computes with
+  (`saccade.trainer.step.MasterWeights`): masters, their gradients and AdamW's moments are
+  4 bytes each (in float32 the weights are their own masters).
+- activations: what autograd keeps for backward over `trainer.max_tokens` tokens. Without
+  activation checkpointing every layer's are alive at once; with it, each layer's input
+  and one layer's activations while its backward runs (`activation_bytes_per_token` spells
+  out both formulas).
 - logprob buffers: `saccade.trainer.logprobs` never builds the (tokens x vocab) logits; it
   holds two (chunk x vocab) float32 buffers, a float32 copy of a bf16 lm_head weight, and,
   when the lm_head trains, a float32 (vocab x hidden) gradient accumulator.
@@ -41,7 +43,7 @@ GPU_GIB = 79.0  # what CUDA shows of an 80 GB H100 / A100 (nvidia-smi: 81,559 Mi
 CUDA_CONTEXT_GIB = 0.5  # assumed
 VLLM_OVERHEAD_GIB = 3.0  # assumed: vLLM's profiling activations, CUDA graphs, encoder cache
 LOGPROB_CHUNK = 1024  # saccade.trainer.forward.forward_logprobs' default chunk_size
-EMBED_CACHE_HOST_GIB = 1.0  # EmbeddingCache(max_bytes=1 << 30) in saccade.rl.build_setup: host RAM
+EMBED_CACHE_HOST_GIB = 1.0  # images.cache_bytes' default (1 GiB of host RAM), pinned images besides
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -210,10 +212,18 @@ def model_dims(model: str | os.PathLike) -> ModelDims:
 
 def activation_bytes_per_token(
     text: TextDims, *, dtype_bytes: int, lora_rank: int | None, lora_targets: tuple[str, ...] = LINEARS,
-    loss_fraction: float = 1.0,
+    loss_fraction: float = 1.0, checkpointing: bool = False,
 ) -> float:
-    """Bytes autograd keeps for backward per token of a micro-batch (transformers' Qwen3-VL text
-    decoder, peft LoRA or full fine-tuning, flash or sdpa attention, no checkpointing).
+    """Bytes kept for backward per token of a micro-batch (transformers' Qwen3-VL text
+    decoder, peft LoRA or full fine-tuning, flash or sdpa attention), at the peak.
+
+    With `checkpointing` (per-layer activation checkpointing): each layer's input hidden
+    state, b*h, held for the recompute; RoPE's cos and sin, shared by all layers; one layer's
+    activations (the per-layer term below) while that layer's backward runs; and the
+    per-token terms outside the layers. Exact against what autograd saves outside the layers
+    and what the checkpoints hold (tests/test_memory.py).
+
+    Without it (what follows), everything autograd saves, every layer's at once.
 
     Per decoder layer, with b the dtype's bytes, h hidden, q = heads*head_dim, kv =
     kv_heads*head_dim, I intermediate:
@@ -272,15 +282,23 @@ def activation_bytes_per_token(
         + inputs(("down_proj",), inter)
         + 4 * (lora_rank or 0) * len(targets)
     )
-    per_token = text.num_hidden_layers * layer
-    if not full:
-        per_token -= norm(h, 1)  # layer 0's input norm: nothing before it requires grad
-    per_token += 2 * b * text.head_dim  # RoPE cos, sin
-    per_token += norm(h, 1)  # final norm
-    per_token += 8 if full else 0  # token ids, for the embedding's gradient
-    per_token += 1  # the bool mask of predicted positions (scattered back twice, one tensor)
-    per_token += loss_fraction * (b * h + 8 + 8 + 4 + 4)  # hidden, index, target, lse, entropy
-    return per_token
+    rope = 2 * b * text.head_dim  # cos, sin: computed once, shared by every layer
+    if checkpointing:
+        per_token = text.num_hidden_layers * b * h + layer  # inputs held, one layer recomputed
+    else:
+        per_token = text.num_hidden_layers * layer
+        if not full:
+            per_token -= norm(h, 1)  # layer 0's input norm: nothing before it requires grad
+    return per_token + rope + outside_layers_bytes_per_token(text, dtype_bytes=b, full=full, loss_fraction=loss_fraction)
+
+
+def outside_layers_bytes_per_token(text: TextDims, *, dtype_bytes: int, full: bool, loss_fraction: float) -> float:
+    """What autograd saves per token outside the decoder layers: the final norm, the token ids
+    for the embedding's gradient (full fine-tuning), the predicted-positions mask, and per
+    loss token the gathered hidden state, its index and target, the logsumexp and entropy."""
+    b, h = dtype_bytes, text.hidden_size
+    final_norm = 4 * h + 4 + (b * h if full else 0)
+    return final_norm + (8 if full else 0) + 1 + loss_fraction * (b * h + 8 + 8 + 4 + 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +330,7 @@ class Estimate:
 def trainer_memory(
     dims: ModelDims, *, dtype: str = "bfloat16", lora_rank: int | None = 16, lora_targets: tuple[str, ...] = LINEARS,
     max_tokens: int = 4096, holds_vision_tower: bool = False, loss_fraction: float = 1.0,
-    chunk_size: int = LOGPROB_CHUNK,
+    chunk_size: int = LOGPROB_CHUNK, activation_checkpointing: bool = False,
 ) -> Estimate:
     """Peak GPU memory of the trainer. `lora_rank=None` is full fine-tuning of the language model.
 
@@ -326,16 +344,19 @@ def trainer_memory(
     full = lora_rank is None
     lm_params = t.params
     trainable = lm_params if full else t.lora_params(lora_rank, lora_targets)
-    state_bytes = b if full else 4  # trainable parameters' dtype: LoRA adapters are float32
+    state_bytes = 4  # LoRA adapters, and full fine-tuning's master weights, are float32
     items = [Item("weights", lm_params * b / GiB, f"language model + lm_head, {lm_params / 1e9:.2f}B params, {dtype}")]
     if holds_vision_tower:
         items.append(Item("vision tower", dims.vision.params * b / GiB, "embedded engine: the tower lives here"))
     if not full:
         items.append(Item("LoRA adapters", trainable * 4 / GiB, f"rank {lora_rank}, {trainable / 1e6:.1f}M params, fp32"))
-    items.append(Item("gradients", trainable * state_bytes / GiB, "fp32" if not full else dtype))
+    elif b != 4:
+        items.append(Item("master weights", trainable * 4 / GiB, "fp32 copies the optimizer steps"))
+    items.append(Item("gradients", trainable * state_bytes / GiB, "fp32"))
     items.append(Item("AdamW states", 2 * trainable * state_bytes / GiB, "exp_avg, exp_avg_sq"))
     per_token = activation_bytes_per_token(
-        t, dtype_bytes=b, lora_rank=lora_rank, lora_targets=lora_targets, loss_fraction=loss_fraction
+        t, dtype_bytes=b, lora_rank=lora_rank, lora_targets=lora_targets, loss_fraction=loss_fraction,
+        checkpointing=activation_checkpointing,
     )
     activations = max_tokens * per_token / GiB
     head_upcast = t.vocab_size * t.hidden_size * 4 if b != 4 else 0
@@ -347,7 +368,8 @@ def trainer_memory(
     if step_temp > backward:
         items.append(Item("optimizer step temporaries", step_temp, "foreach AdamW; exceeds the backward's"))
     else:
-        items.append(Item("activations", activations, f"{max_tokens} tokens x {per_token / 2**20:.2f} MiB, no checkpointing"))
+        how = "per-layer checkpointing" if activation_checkpointing else "no checkpointing"
+        items.append(Item("activations", activations, f"{max_tokens} tokens x {per_token / 2**20:.2f} MiB, {how}"))
         items.append(Item("logprob buffers", logprob, f"2 x ({chunk_size} x vocab) fp32 + fp32 lm_head copies"))
         items.append(Item("image embeddings", images, "a micro-batch's, at most max_tokens rows (main + DeepStack)"))
     items.append(Item("CUDA context", CUDA_CONTEXT_GIB, "assumed"))
@@ -420,6 +442,7 @@ def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = G
     trainer = trainer_memory(
         dims, dtype=cfg.model.dtype, lora_rank=lora_rank, lora_targets=tuple(cfg.lora.target_modules),
         max_tokens=cfg.trainer.max_tokens, holds_vision_tower=embedded,
+        activation_checkpointing=cfg.trainer.activation_checkpointing,
     )
     server = None
     if not embedded:
@@ -433,8 +456,9 @@ def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = G
 def header_lines(est: RunEstimate) -> list[str]:
     """The memory lines of a shipped config's header, exactly (tests/test_configs.py compares)."""
     t = est.trainer
-    state = "LoRA+grads+AdamW" if t.get("LoRA adapters") else "grads+AdamW"
-    short = {"LoRA adapters": state, "gradients": state, "AdamW states": state,
+    state = "LoRA+grads+AdamW" if t.get("LoRA adapters") else "masters+grads+AdamW" if t.get("master weights") \
+        else "grads+AdamW"
+    short = {"LoRA adapters": state, "master weights": state, "gradients": state, "AdamW states": state,
              "logprob buffers": "logprobs", "image embeddings": "images", "CUDA context": "context"}
     groups: dict[str, float] = {}
     for item in t.items:

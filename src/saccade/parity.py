@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from saccade.data.images import ImageLimits
+from saccade.config import ImagesConfig
 from saccade.data.messages import ModelInputs, messages_to_inputs
 from saccade.models.vision import VisionEncoder
 from saccade.trainer.forward import forward_logprobs
@@ -91,7 +91,7 @@ def full_model_logprobs(full_model, inputs: ModelInputs) -> torch.Tensor:
     return logprobs
 
 
-def prepare(processor, encoder: VisionEncoder, limits: ImageLimits, merge: int) -> list[ParityInputs]:
+def prepare(processor, encoder: VisionEncoder, limits: ImagesConfig, merge: int) -> list[ParityInputs]:
     out = []
     for name, messages in parity_conversations().items():
         inputs = messages_to_inputs(messages, processor, limits=limits, sample=name)
@@ -135,7 +135,7 @@ def max_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b, strict=True))
 
 
-def run_parity(model_path, *, limits: ImageLimits | None = None, dtype: torch.dtype = torch.float32) -> dict:
+def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.dtype = torch.float32) -> dict:
     """All four figures plus per-case detail, on any Qwen3-VL folder."""
     from saccade.models.lm import load_policy_lm
     from saccade.models.loading import load_full_model, load_processor, load_vision_tower
@@ -143,7 +143,7 @@ def run_parity(model_path, *, limits: ImageLimits | None = None, dtype: torch.dt
     processor = load_processor(model_path)
     if limits is None:
         size = processor.image_processor.size
-        limits = ImageLimits(min_pixels=size["shortest_edge"], max_pixels=min(size["longest_edge"], 256 * 256))
+        limits = ImagesConfig(min_pixels=size["shortest_edge"], max_pixels=min(size["longest_edge"], 256 * 256))
     full = load_full_model(model_path, dtype=dtype)
     tower = load_vision_tower(model_path, dtype=dtype)
     policy = load_policy_lm(model_path, dtype=dtype).eval()

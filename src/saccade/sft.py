@@ -44,26 +44,21 @@ def sft_samples(setup, items: list[tuple[object, str, str]]) -> list:
     return out
 
 
-def sft_step(setup, samples, optimizer, scheduler, *, max_tokens: int, grad_clip: float) -> dict[str, float]:
-    """One optimizer step of token-level NLL over the packed samples (grad accumulation over micro-batches)."""
+def sft_step(model, optimizer, scheduler, micro_batches: list, *, grad_clip: float) -> dict[str, float]:
+    """One optimizer step of token-level NLL over the packed micro-batches (gradients accumulated)."""
     from saccade.trainer.forward import forward_logprobs
-    from saccade.trainer.packing import pack
+    from saccade.trainer.step import optimized_params
 
-    micro_batches = pack(
-        samples, setup.cache.get, max_tokens=max_tokens,
-        image_token_id=setup.image_token_id, spatial_merge_size=setup.merge,
-    )
     total = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
-    setup.model.train()
+    model.train()
     optimizer.zero_grad(set_to_none=True)
     nll = 0.0
     for mb in micro_batches:
-        logprobs, _ = forward_logprobs(setup.model, mb, only_loss_tokens=True)
+        logprobs, _ = forward_logprobs(model, mb, only_loss_tokens=True)
         loss = -torch.where(mb.loss_mask, logprobs, 0.0).sum() / total
         loss.backward()
         nll += float(loss.detach())
-    params = [p for p in setup.model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(optimized_params(optimizer), grad_clip)
     if not torch.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         print("sft step skipped: non-finite gradient; the weights were not changed")
@@ -76,20 +71,27 @@ def sft_step(setup, samples, optimizer, scheduler, *, max_tokens: int, grad_clip
 def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool = True, phase: str = "sft") -> dict:
     """cfg.sft.steps optimizer steps on make_batch(step) -> TrainingSamples; a linear warm-up
     over the first tenth of the steps, then constant; the engine gets the weights after."""
-    from saccade.metrics import MetricsLogger, format_step
-    from saccade.rl import _progress, build_optimizer
+    from saccade.metrics import MetricsLogger, ProgressBar, format_step
+    from saccade.trainer.packing import pack
+    from saccade.trainer.step import build_optimizer
 
     s = cfg.sft
     warmup = max(1, s.steps // 10)
-    optimizer, scheduler = build_optimizer(setup.model, cfg, lr=s.lr, schedule=lambda k: min(1.0, (k + 1) / warmup))
+    optimizer, scheduler = build_optimizer(setup.model, lr=s.lr, weight_decay=cfg.trainer.weight_decay,
+                                           schedule=lambda k: min(1.0, (k + 1) / warmup))
     last: dict[str, float] = {}
     run_dir.mkdir(parents=True, exist_ok=True)
-    with MetricsLogger(run_dir, config=cfg.model_dump()) as logger, _progress(progress, s.steps, phase) as bar:
+    with MetricsLogger(run_dir, config=cfg.model_dump()) as logger, ProgressBar(progress, s.steps, phase) as bar:
         for step in range(s.steps):
             start = time.perf_counter()
-            batch = make_batch(step)
-            metrics = sft_step(setup, batch, optimizer, scheduler, max_tokens=cfg.trainer.max_tokens,
+            pins = setup.cache.pins(f"{phase} step {step + 1}")
+            with pins:  # the batch's image embeddings stay in memory until its step is done
+                batch = make_batch(step)
+            micro_batches = pack(batch, setup.cache.get, max_tokens=cfg.trainer.max_tokens,
+                                 image_token_id=setup.image_token_id, spatial_merge_size=setup.merge)
+            metrics = sft_step(setup.model, optimizer, scheduler, [mb.to(setup.device) for mb in micro_batches],
                                grad_clip=cfg.trainer.grad_clip)
+            pins.release()
             metrics["step_s"] = time.perf_counter() - start
             logger.log(step + 1, metrics, phase=phase)
             bar(format_step(metrics))
@@ -101,10 +103,11 @@ def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool
 
 def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool = False,
               progress: bool = True, phase: str = "sft") -> dict:
-    """SFT on the configured task. random_answers: answers drawn uniformly from the choices,
-    independent of the image (the demo's warm start: format without visual signal)."""
+    """SFT on the configured task's questions. random_answers: answers drawn uniformly from the
+    choices, independent of the image (the demo's warm start: format without visual signal)."""
     from saccade.config import describe
-    from saccade.rl import build_setup, task_from_config, train_sample
+    from saccade.setup import build_setup
+    from saccade.tasks import task_from_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
@@ -116,7 +119,7 @@ def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool
         items = []
         for i in range(cfg.sft.batch_size):
             index = step * cfg.sft.batch_size + i
-            vqa = train_sample(task, index, seed=cfg.trainer.seed + 777)
+            vqa = task.train_sample(index, seed=cfg.trainer.seed + 777)
             answer = rng.choice(vqa.choices) if random_answers else vqa.answer
             items.append((vqa, answer, f"sft-{index}"))
         return sft_samples(setup, items)

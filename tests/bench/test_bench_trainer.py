@@ -21,6 +21,10 @@ FIGURES = (
     "cached_tokens_per_s",
     "full_tokens_per_s",
     "full_vision_share",
+    "checkpointed_step_s",
+    "checkpointed_peak_mb",
+    "activation_checkpointing_step_ratio",
+    "activation_checkpointing_peak_ratio",
 )
 
 

@@ -187,7 +187,8 @@ def test_the_stream_visits_every_row_once_per_epoch_in_a_seeded_order():
     n = 7
     epochs = [[shuffled_index(e * n + i, n, seed=3) for i in range(n)] for e in range(3)]
     assert all(sorted(epoch) == list(range(n)) for epoch in epochs)
-    assert epochs[0] != epochs[1] or epochs[1] != epochs[2]  # each epoch its own order
+    # each epoch its own order: all three differ (a stream that repeated an epoch would fail here)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2]
     assert [shuffled_index(i, n, seed=3) for i in range(2 * n)] == epochs[0] + epochs[1]
     assert [shuffled_index(i, n, seed=4) for i in range(n)] != epochs[0]
     with pytest.raises(ValueError, match="no rows"):
@@ -278,17 +279,19 @@ def test_parse_options(text, options):
 
 
 def test_config_selects_a_data_set_task(paths):
-    from saccade.rl import held_out_samples, task_from_config, train_sample
+    from saccade.tasks import QuestionTask, task_from_config
 
     cfg = load_config(RunConfig, None, ["--data.task", "openmmreasoner", "--data.dataset", paths["openmmreasoner"],
                                         "--data.subsets", '["mmk12", "virl39k"]', "--data.eval_size", "2"])
     task = task_from_config(cfg)
-    assert isinstance(task, DatasetTask) and task.subsets == ("mmk12", "virl39k")
-    assert len(task.train_rows) == 6 and task.eval_dataset == paths["openmmreasoner"]
-    assert train_sample(task, 0, seed=0).metadata["subset"] in ("mmk12", "virl39k")
-    assert [s.sample_id for s in held_out_samples(task, 2, seed=0)] == [
+    assert isinstance(task, QuestionTask) and task.max_turns == 1
+    rows = task.questions
+    assert isinstance(rows, DatasetTask) and rows.subsets == ("mmk12", "virl39k")
+    assert len(rows.train_rows) == 6 and rows.eval_dataset == paths["openmmreasoner"]
+    assert task.train_sample(0, seed=0).metadata["subset"] in ("mmk12", "virl39k")
+    assert [s.sample_id for s in task.eval_samples(2)] == [
         "openmmreasoner-validation-val-0", "openmmreasoner-validation-val-1"]
-    default = task_from_config(load_config(RunConfig, None, ["--data.task", "mathvista"]))
+    default = task_from_config(load_config(RunConfig, None, ["--data.task", "mathvista"])).questions
     assert (default.dataset, default.eval_split) == ("AI4Math/MathVista", "testmini")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saccade.data.images import ImageError, ImageLimits, image_hash, image_to_data_url
+from saccade.data.images import ImageError, ImagesConfig, image_hash, image_to_data_url
 from saccade.data.messages import messages_to_inputs
 from saccade.parity import synthetic_image
 
@@ -152,8 +152,8 @@ def test_rgba_and_grayscale_are_normalised(processor, limits, picture):
 
 def test_image_limits_change_the_grid(processor, ids):
     big = synthetic_image(256, 256, 5)
-    small_limits = ImageLimits(min_pixels=32 * 32, max_pixels=64 * 64)
-    large_limits = ImageLimits(min_pixels=32 * 32, max_pixels=256 * 256)
+    small_limits = ImagesConfig(min_pixels=32 * 32, max_pixels=64 * 64)
+    large_limits = ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256)
     small = messages_to_inputs(user(image_part(big)), processor, limits=small_limits)
     large = messages_to_inputs(user(image_part(big)), processor, limits=large_limits)
     assert small.image_grid_thw.tolist() == [[1, 4, 4]]
@@ -167,7 +167,7 @@ def test_image_limits_change_the_grid(processor, ids):
 
 def test_min_pixels_upscales_a_tiny_image(processor):
     tiny = synthetic_image(16, 16, 6)
-    inp = messages_to_inputs(user(image_part(tiny)), processor, limits=ImageLimits(min_pixels=64 * 64, max_pixels=256 * 256))
+    inp = messages_to_inputs(user(image_part(tiny)), processor, limits=ImagesConfig(min_pixels=64 * 64, max_pixels=256 * 256))
     t, h, w = inp.image_grid_thw[0].tolist()
     assert h * w * 16 * 16 >= 64 * 64
 

@@ -19,7 +19,7 @@ from saccade.envs.trajectory import (
 from saccade.inference.engine import SamplingParams
 from saccade.inference.local import LocalEngine
 from saccade.models.lm import load_policy_lm
-from saccade.trainer.forward import unwrap_policy
+from saccade.models.lm import unwrap_policy
 from saccade.trainer.samples import make_sample
 
 MISMATCH_MEAN = 1e-4  # fp32, mean |engine - trainer| over every sampled token of the trajectories

@@ -206,17 +206,23 @@ def test_episodes_on_the_embedded_engine(vf_env, local_engine, processor, limits
 def test_rl_rollout_step_runs_verifiers_episodes(vf_env, tmp_path):
     """RL's episodic path takes the task as it is: G episodes per row, whole trajectories as
     samples, the consistency check on the first step."""
-    from saccade import rl
     from saccade.config import RunConfig, load_config
+    from saccade.inference.engine import SamplingParams
+    from saccade.orchestrator.rollout import rollout_step
+    from saccade.setup import build_setup
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--log.dir", str(tmp_path), "--rollout.group_size", "2", "--rollout.filter_zero_variance", "false",
         "--engine.max_tokens", "4", "--lora.rank", "4"])
-    setup = rl.build_setup(cfg, tmp_path)
+    setup = build_setup(cfg, tmp_path)
     task = VerifiersTask(vf_env, correct_metric="correct")
-    assert rl.is_episodic(task)
-    samples, metrics = rl.rollout_step(setup, [task.train_sample(0, seed=0), task.train_sample(1, seed=0)], 0,
-                                       task=task)
+    assert task.max_turns > 1  # the episodic path
+    batch = rollout_step(
+        setup.engine, task, [task.train_sample(0, seed=0), task.train_sample(1, seed=0)],
+        sampling=SamplingParams(max_tokens=cfg.engine.max_tokens), rollout=cfg.rollout, env=cfg.env,
+        merge=setup.merge, continuation=setup.continuation, tokenizer=setup.processor.tokenizer, check=True,
+    )
+    samples, metrics = batch.samples, batch.metrics
     assert len(samples) == 4 and metrics["images_mean"] == metrics["turns_mean"] <= 3
     assert all(int(s.loss_mask.sum()) > 0 and len(s.image_keys) >= 1 for s in samples)
 

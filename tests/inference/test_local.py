@@ -8,10 +8,12 @@ import torch
 from saccade.bench.engine import trainer_logprob_diffs
 from saccade.inference.engine import ChatRequest, SamplingParams
 from saccade.inference.local import LocalEngine
-from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm
+from saccade.config import LoraConfig
+from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.orchestrator.samples import completion_to_sample
 from saccade.parity import parity_conversations
-from saccade.trainer.forward import forward_logprobs, unwrap_policy
+from saccade.models.lm import unwrap_policy
+from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.packing import pack
 
 MISMATCH_MEAN = 1e-4  # fp32, mean |engine - trainer| over sampled tokens
@@ -28,7 +30,7 @@ def _requests():
 
 @pytest.fixture()
 def lora_engine(tiny_path, processor, encoder):
-    model = apply_lora(load_policy_lm(tiny_path), LoraSettings(rank=4))
+    model = apply_lora(load_policy_lm(tiny_path), LoraConfig(rank=4))
     # Move the adapters off zero so the LoRA path really contributes.
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saccade.models.lm import LoraSettings, apply_lora, assert_no_vision_tower, load_policy_lm, set_full_finetune
+from saccade.config import LoraConfig
+from saccade.models.lm import apply_lora, assert_no_vision_tower, load_policy_lm, set_full_finetune
 from saccade.parity import full_model_logprobs, lm_logprobs, max_abs, parity_conversations, prepare
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.packing import collate
@@ -98,7 +99,7 @@ def _training_batch(cases, encoder, policy):
 
 
 def test_lora_gradients_reach_only_lora_and_a_step_changes_them(tiny_path, cases, encoder):
-    model = apply_lora(load_policy_lm(tiny_path), LoraSettings(rank=4, alpha=8))
+    model = apply_lora(load_policy_lm(tiny_path), LoraConfig(rank=4, alpha=8))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert all(".language_model." in n for n in trainable)
@@ -123,7 +124,7 @@ def test_lora_gradients_reach_only_lora_and_a_step_changes_them(tiny_path, cases
 
 
 def test_lora_targets_are_configurable(tiny_path):
-    model = apply_lora(load_policy_lm(tiny_path), LoraSettings(rank=2, target_modules=["q_proj", "v_proj"]))
+    model = apply_lora(load_policy_lm(tiny_path), LoraConfig(rank=2, target_modules=["q_proj", "v_proj"]))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(("q_proj" in n or "v_proj" in n) for n in trainable)
 
@@ -137,3 +138,69 @@ def test_full_finetune_trains_every_lm_parameter(tiny_path, cases, encoder):
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is not None for g in grads.values())
     assert grads["model.language_model.layers.0.mlp.down_proj.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients(tiny_path, cases, encoder, lora):
+    """Per-layer recomputation changes memory, not the gradients (fp32: within 1e-6; in fact
+    bit for bit on this CPU). Images with DeepStack are in the batch."""
+
+    def gradients(checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)  # the same LoRA initialisation both times
+        policy = load_policy_lm(tiny_path)
+        if checkpointing:
+            policy.enable_activation_checkpointing()
+        model = apply_lora(policy, LoraConfig(rank=4, alpha=8)) if lora else set_full_finetune(policy)
+        if lora:  # lora_B starts at 0: move it so that lora_A gets a gradient too
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.normal_(0, 0.02)
+        model.train()
+        mb = _training_batch(cases, encoder, policy)
+        loss = _loss(model, mb)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    plain_loss, plain = gradients(False)
+    checkpointed_loss, checkpointed = gradients(True)
+    assert mb_has_images(cases)
+    assert torch.equal(plain_loss, checkpointed_loss)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 10
+    worst = max(float((plain[n] - checkpointed[n]).abs().max()) for n in plain)
+    assert worst <= 1e-6, worst
+    assert all(plain[n].abs().sum() > 0 for n in plain if "layers.0." in n)  # not vacuous
+
+
+def test_activation_checkpointing_recomputes_in_backward(tiny_path, cases, encoder):
+    """It is really on: fewer tensors are kept for backward, and each layer runs twice."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    def kept_bytes_and_layer_calls(checkpointing: bool) -> tuple[int, int]:
+        policy = load_policy_lm(tiny_path)
+        if checkpointing:
+            policy.enable_activation_checkpointing()
+        model = set_full_finetune(policy).train()
+        calls = []
+        # A pre-hook: the recomputation stops early (torch's checkpoint early stop), before any post-hook.
+        policy.language_model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        kept = []
+        with saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t, lambda t: t):
+            loss = _loss(model, _training_batch(cases, encoder, policy))
+        loss.backward()
+        return sum(kept), len(calls)
+
+    plain_bytes, plain_calls = kept_bytes_and_layer_calls(False)
+    ckpt_bytes, ckpt_calls = kept_bytes_and_layer_calls(True)
+    assert (plain_calls, ckpt_calls) == (1, 2)
+    assert ckpt_bytes < plain_bytes / 2
+
+
+def mb_has_images(cases) -> bool:
+    return any(c.sample.num_images for c in cases)
+
+
+def test_lora_on_a_bf16_base_keeps_float32_adapters(tiny_path):
+    model = apply_lora(load_policy_lm(tiny_path, dtype=torch.bfloat16), LoraConfig(rank=4))
+    dtypes = {("lora_" in n, p.dtype) for n, p in model.named_parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}

@@ -7,7 +7,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from saccade.data.images import ImageLimits, image_hash
+from saccade.config import ImagesConfig
+from saccade.data.images import image_hash
 from saccade.data.messages import messages_to_inputs
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, VisionEncoder
 from saccade.parity import synthetic_image
@@ -109,8 +110,8 @@ def test_cache_key_is_content_and_limits(encoder, images):
 def test_different_limits_give_different_keys_and_grids(tower, processor):
     big = synthetic_image(512, 384, 21)
     shared = EmbeddingCache()
-    fine = VisionEncoder(tower, processor, limits=ImageLimits(min_pixels=32 * 32, max_pixels=256 * 256), cache=shared)
-    coarse = VisionEncoder(tower, processor, limits=ImageLimits(min_pixels=32 * 32, max_pixels=96 * 96), cache=shared)
+    fine = VisionEncoder(tower, processor, limits=ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256), cache=shared)
+    coarse = VisionEncoder(tower, processor, limits=ImagesConfig(min_pixels=32 * 32, max_pixels=96 * 96), cache=shared)
     assert fine.cache_key(big) != coarse.cache_key(big)
     with count_tower_calls(tower) as calls:
         (e_fine,) = fine.encode([big])
@@ -215,3 +216,76 @@ def test_disk_cache_is_shared_across_instances(tower, processor, limits, images,
         reader.encode([images[2]])
     assert calls == [1]
     assert reader.cache.stats.misses == 1
+
+
+# ------------------------------------------------------------------------- pins
+
+
+def test_pinned_entries_outlive_the_budget_until_released():
+    one = _entry(4).nbytes
+    cache = EmbeddingCache(max_bytes=2 * one)
+    pins = cache.pins("step 1")
+    with pins:  # a rollout: everything put or read is pinned
+        for k in range(5):
+            cache.put(f"k{k}", _entry(4, fill=float(k)))
+    assert len(cache) == 5 and cache.nbytes == 5 * one > cache.max_bytes
+    assert cache.stats.evictions == 0 and cache.pinned_bytes == 5 * one
+    cache.put("later", _entry(4))  # outside the scope: not pinned, so the one to go
+    assert "later" not in cache and cache.stats.evictions == 1
+    pins.release()  # the train step is over: back under the budget, least recently used first
+    assert cache.nbytes <= cache.max_bytes and cache.pinned_bytes == 0
+    assert [k for k in ("k3", "k4") if k in cache] == ["k3", "k4"] and "k0" not in cache
+    assert cache.stats.evictions == 1 + 3
+
+
+def test_a_read_pins_an_entry_and_two_scopes_count_separately():
+    one = _entry(4).nbytes
+    cache = EmbeddingCache(max_bytes=2 * one)
+    cache.put("old", _entry(4))
+    first, second = cache.pins("step 1"), cache.pins("step 2")
+    with first:
+        assert cache.get("old") is not None  # read during the rollout: pinned too
+    with second:
+        cache.get("old")
+        cache.put("new", _entry(4))
+    cache.put("x", _entry(4))
+    cache.put("y", _entry(4))
+    assert "old" in cache and "new" in cache  # both pinned; x and y had to go
+    first.release()
+    assert "old" in cache  # still held by the second step
+    second.release()
+    cache.put("z", _entry(4))
+    assert cache.nbytes <= cache.max_bytes
+
+
+def test_an_oversized_entry_is_kept_while_pinned():
+    cache = EmbeddingCache(max_bytes=_entry(1).nbytes)
+    pins = cache.pins()
+    with pins:
+        cache.put("huge", _entry(16))
+    assert "huge" in cache
+    pins.release()
+    assert "huge" not in cache
+
+
+def test_entries_are_stored_in_the_cache_dtype():
+    cache = EmbeddingCache(dtype=torch.bfloat16)
+    stored = cache.put("k", _entry(4))
+    assert stored.embeds.dtype == stored.deepstack.dtype == torch.bfloat16
+    assert cache.get("k").embeds.dtype == torch.bfloat16 and stored.grid_thw.dtype == torch.long
+
+
+def test_a_miss_when_packing_names_the_sample_the_image_and_the_setting(encoder, images, policy):
+    from saccade.models.vision import EmbeddingCacheMiss
+    from saccade.trainer.packing import collate
+    from saccade.trainer.samples import make_sample
+
+    [emb] = encoder.encode([images[0]])
+    n = emb.num_tokens
+    ids = torch.tensor([1] + [policy.image_token_id] * n + [2])
+    types = torch.tensor([0] + [1] * n + [0])
+    sample = make_sample("prompt-7/3", ids, types, emb.grid_thw[None], ["no-such-key"],
+                         spatial_merge_size=encoder.merge)
+    with pytest.raises(EmbeddingCacheMiss, match=r"sample 'prompt-7/3'.*image 0 \(cache key no-such-key\).*"
+                       r"raise images.cache_bytes"):
+        collate([sample], encoder.cache.get, image_token_id=policy.image_token_id, spatial_merge_size=encoder.merge)

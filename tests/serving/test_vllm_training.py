@@ -13,9 +13,13 @@ pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs v
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+from stub_tasks import scored_task  # noqa: E402
+
 from saccade.bench.engine import MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
 from saccade.config import RunConfig, load_config  # noqa: E402
 from saccade.metrics import read_metrics  # noqa: E402
+from saccade.rl import train_rl  # noqa: E402
+from saccade.setup import build_setup  # noqa: E402
 
 FAST = [
     "--trainer.steps", "3",
@@ -37,14 +41,6 @@ def vllm_config(tmp_path, server, *extra) -> RunConfig:
     ])
 
 
-def _text_hash_reward(text, sample, weights):
-    """A reward that depends on what was sampled, so every group carries advantage."""
-    import zlib
-
-    value = (zlib.crc32(text.encode()) % 7) / 6.0
-    return value, {"correct": float(value > 0.5)}
-
-
 def served_policy_diffs(setup, temperature=1.0):
     """|trainer - vLLM| logprobs on fresh vLLM samples, with the trainer's current weights."""
     from saccade.bench.engine import trainer_logprob_diffs
@@ -58,21 +54,16 @@ def served_policy_diffs(setup, temperature=1.0):
 
 
 def test_a_vllm_setup_loads_no_vision_tower(tmp_path, server):
-    from saccade.rl import build_setup
-
     setup = build_setup(vllm_config(tmp_path, server), tmp_path)
     names = [n for n, _ in setup.model.named_parameters()]
     assert names and not any("visual" in n for n in names)
     assert not hasattr(setup.engine, "encoder")  # image features come from the server's /encode_images
 
 
-def test_rl_on_vllm_pushes_every_step_and_stays_on_policy(tmp_path, server, monkeypatch):
-    import saccade.rl as rl
-
-    monkeypatch.setattr(rl, "reward_of", _text_hash_reward)
+def test_rl_on_vllm_pushes_every_step_and_stays_on_policy(tmp_path, server):
     # A large lr: one step moves the logprobs far more than the parity bar.
     cfg = vllm_config(tmp_path, server, "--trainer.lr", "1e-2")
-    out = rl.train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    out = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -86,12 +77,9 @@ def test_rl_on_vllm_pushes_every_step_and_stays_on_policy(tmp_path, server, monk
     assert diff.mean() <= MEAN_BAR and diff.max() <= MAX_BAR
 
 
-def test_rl_on_vllm_with_sync_every_2_steps_records_the_lag(tmp_path, server, monkeypatch):
-    import saccade.rl as rl
-
-    monkeypatch.setattr(rl, "reward_of", _text_hash_reward)
+def test_rl_on_vllm_with_sync_every_2_steps_records_the_lag(tmp_path, server):
     cfg = vllm_config(tmp_path, server, "--trainer.lr", "1e-2", "--engine.sync_every_steps", "2")
-    rl.train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     assert [r["policy_lag"] for r in rows] == [0, 1, 0]
     assert [r["weight_sync_s"] > 0 for r in rows] == [False, True, True]  # step 3 ends the run: pushed
@@ -100,13 +88,10 @@ def test_rl_on_vllm_with_sync_every_2_steps_records_the_lag(tmp_path, server, mo
     assert rows[0]["mismatch_abs"] <= MEAN_BAR and rows[2]["mismatch_abs"] <= MEAN_BAR
 
 
-def test_lora_runs_push_only_the_adapter_and_vllm_samples_with_it(tmp_path, server, monkeypatch):
-    import saccade.rl as rl
-
-    monkeypatch.setattr(rl, "reward_of", _text_hash_reward)
+def test_lora_runs_push_only_the_adapter_and_vllm_samples_with_it(tmp_path, server):
     cfg = vllm_config(tmp_path, server, "--lora.enabled", "true", "--lora.rank", "8",
                       "--engine.sync_lora_adapter", "true", "--trainer.lr", "1e-2")
-    setup = rl.train_rl(cfg, run_dir=cfg.run_dir, progress=False)["setup"]
+    setup = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)["setup"]
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     assert all(r["mismatch_abs"] <= MEAN_BAR and r["weight_sync_s"] > 0 for r in rows), [
         (r["mismatch_abs"], r["weight_sync_s"]) for r in rows]
@@ -121,8 +106,6 @@ def test_lora_runs_push_only_the_adapter_and_vllm_samples_with_it(tmp_path, serv
 
 
 def test_adapter_sync_is_refused_for_full_finetuning(tmp_path, server):
-    from saccade.rl import build_setup
-
     cfg = vllm_config(tmp_path, server, "--engine.sync_lora_adapter", "true")
     with pytest.raises(ValueError, match="needs lora.enabled"):
         build_setup(cfg, tmp_path)
@@ -130,7 +113,6 @@ def test_adapter_sync_is_refused_for_full_finetuning(tmp_path, server):
 
 def test_sft_on_vllm_trains_on_server_embeddings_and_pushes_the_result(tmp_path, server, processor):
     from saccade.data.messages import messages_to_inputs
-    from saccade.rl import build_setup
     from saccade.sft import train_sft
 
     cfg = vllm_config(tmp_path, server, "--sft.lr", "1e-2")
@@ -147,7 +129,7 @@ def test_sft_on_vllm_trains_on_server_embeddings_and_pushes_the_result(tmp_path,
     # The prompts SFT trained on are the server's own: the same ids vLLM reports.
     request = shapes_requests(1, seed=5)[0]
     [prepared] = setup.engine.prepare_all([request])
-    ours = messages_to_inputs(request.messages, processor, limits=setup.limits, add_generation_prompt=True)
+    ours = messages_to_inputs(request.messages, processor, limits=setup.images, add_generation_prompt=True)
     assert torch.equal(prepared.inputs.input_ids, ours.input_ids)
     from saccade.inference.engine import SamplingParams
 
@@ -156,15 +138,13 @@ def test_sft_on_vllm_trains_on_server_embeddings_and_pushes_the_result(tmp_path,
     assert [e.grid_thw.tolist() for e in prepared.embeddings] == sampled.image_grid_thw.tolist()
 
 
-def test_eval_on_vllm_pushes_the_checkpoint_and_agrees_with_the_embedded_engine(tmp_path, server, monkeypatch):
-    import saccade.rl as rl
+def test_eval_on_vllm_pushes_the_checkpoint_and_agrees_with_the_embedded_engine(tmp_path, server):
     from saccade.evaluation import run_eval
 
-    monkeypatch.setattr(rl, "reward_of", _text_hash_reward)
     cfg = vllm_config(tmp_path, server, "--trainer.lr", "1e-2", "--trainer.steps", "1", "--data.eval_size", "16")
-    rl.train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     # Put the base model back on the server: eval must push the checkpoint itself.
-    base = rl.build_setup(cfg, tmp_path / "base")
+    base = build_setup(cfg, tmp_path / "base")
     base.engine.update_weights(version=0)
 
     on_vllm = run_eval(cfg)
@@ -175,20 +155,17 @@ def test_eval_on_vllm_pushes_the_checkpoint_and_agrees_with_the_embedded_engine(
     differ = [(a["completion"], b["completion"]) for a, b in zip(on_vllm["rows"], embedded["rows"], strict=True)
               if a["completion"] != b["completion"]]
     assert sum(agree) >= 15, differ  # greedy on fp32: a near-tie may flip one
-    served = rl.build_setup(cfg, tmp_path / "check").engine.info()[0]
+    served = build_setup(cfg, tmp_path / "check").engine.info()[0]
     assert served["policy_version"] == 1
 
 
 def test_image_limits_that_differ_from_the_servers_are_refused(tmp_path, server):
-    from saccade.rl import build_setup
-
     cfg = vllm_config(tmp_path, server, "--images.max_pixels", str(128 * 128))
     with pytest.raises(ValueError, match="images.max_pixels = 65536"):
         build_setup(cfg, tmp_path)
 
 
 def test_an_unreachable_server_is_named(tmp_path):
-    from saccade.rl import build_setup
     from saccade.serving.launch import free_port
 
     url = f"http://127.0.0.1:{free_port()}"

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import saccade.trainer.checkpoint as ckpt
-from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm, set_full_finetune
+from saccade.config import LoraConfig
+from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
 from saccade.trainer.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -21,7 +22,7 @@ from saccade.trainer.checkpoint import (
     merge_full_weights_for_engine,
     save_checkpoint,
 )
-from saccade.trainer.forward import unwrap_policy
+from saccade.models.lm import unwrap_policy
 
 TOLERANCE = 1e-5  # fp32 logits, max |Δ|: the same math in a different order (merged W vs W + BA)
 L = 12  # tokens in the text-only test input
@@ -42,7 +43,7 @@ def _make(tiny_path, kind: str, seed: int = 0):
     torch.manual_seed(seed)
     policy = load_policy_lm(tiny_path)
     if kind == "lora":
-        model = apply_lora(policy, LoraSettings(rank=4, alpha=8))
+        model = apply_lora(policy, LoraConfig(rank=4, alpha=8))
     else:
         model = set_full_finetune(policy)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -326,7 +327,7 @@ def test_mismatched_kind_and_missing_files_are_value_errors(tiny_path, lora_bund
     with pytest.raises(ValueError, match="full fine-tuning checkpoint but the model is a peft"):
         load_checkpoint(full_path, model=lora_bundle[0])
     # Different LoRA settings would silently change the function: refused.
-    other = apply_lora(load_policy_lm(tiny_path), LoraSettings(rank=4, alpha=16))
+    other = apply_lora(load_policy_lm(tiny_path), LoraConfig(rank=4, alpha=16))
     with pytest.raises(ValueError, match="lora_alpha"):
         load_checkpoint(lora_path, model=other)
     with open(full_path / "rng.pt", "ab") as f:  # a file changed after the save

@@ -20,7 +20,8 @@ import math
 import pytest
 import torch
 
-from saccade.trainer.loss import LossConfig, LossInputs, masked_mean, per_sequence_mean, policy_loss
+from saccade.config import LossConfig
+from saccade.trainer.loss import LossInputs, masked_mean, per_sequence_mean, policy_loss
 
 MASK = [False, True, True, True, False, True, True]
 CU = [0, 4, 7]

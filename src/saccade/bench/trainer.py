@@ -1,7 +1,7 @@
 """Trainer benchmark: what caching image embeddings and packing buy, measured side by side.
 
 `saccade bench trainer` runs, on one synthetic batch of multi-image conversations and in
-one process, three training-step variants, interleaved step by step (the order rotates
+one process, four training-step variants, interleaved step by step (the order rotates
 every round), and reports medians and ratios (this machine drifts 20-25% between runs,
 so only the ratios of interleaved runs mean much):
 
@@ -19,6 +19,8 @@ so only the ratios of interleaved runs mean much):
 - padded: the cached path on padded batches: rows of `padded_rows` samples in dataset
   order, each row right-padded to the longest of its batch (pad tokens at the end, so
   causal attention keeps the real tokens exact; the loss is masked on pads).
+- checkpointed: the cached path with per-layer activation checkpointing
+  (`trainer.activation_checkpointing`): each decoder layer is recomputed in backward.
 
 (a) cached vs full: median step time, tokens/s and peak memory. Peak memory is taken in a
 fresh spawned process per path (the two at once, one thread each: a peak does not depend
@@ -28,7 +30,10 @@ loading, so the loading transient is left out; CUDA: max_memory_allocated). Not
 `ru_maxrss`: a spawned child inherits its parent's ru_maxrss through exec. The peak holds
 weights, LoRA + AdamW state, the step's inputs and activations.
 (b) packed vs padded: the fraction of pad tokens in the padded layout and real tokens/s
-of both ("packed" is the `cached` variant of (a)). Under sdpa (CPU) a packed row pays
+of both ("packed" is the `cached` variant of (a)).
+(c) activation checkpointing: step time and peak memory of `checkpointed` over `cached`
+(`activation_checkpointing_step_ratio`, `activation_checkpointing_peak_ratio`), the peak
+measured like (a)'s, in a fresh process. Under sdpa (CPU) a packed row pays
 attention over its whole (N x N) block-diagonal mask, so packing saves the pads' linear
 layers but not all of the attention; keep max_tokens moderate.
 
@@ -36,7 +41,7 @@ All variants compute the same loss on the same tokens, -(advantage * logprob * l
 summed over the step's loss tokens / their count, through the chunked logprob function,
 on loss tokens only; then backward and an AdamW step over the LoRA weights. The warm-up
 step runs with lr = 0, so every variant's warm-up loss is taken on the same weights and
-they must agree (`max_warmup_loss_diff`): a check that the three do the same work.
+they must agree (`max_warmup_loss_diff`): a check that the four do the same work.
 
 Simplified on purpose: pixel values and tokenization are prepared once, outside the timed
 steps, for every variant (real pipelines do that in data-loading workers); packing and
@@ -61,19 +66,22 @@ from pathlib import Path
 
 import torch
 
-from saccade.data.images import ImageLimits, image_to_data_url
+from saccade.config import ImagesConfig
+from saccade.data.images import image_to_data_url
 from saccade.data.messages import messages_to_inputs
-from saccade.models.lm import LoraSettings, apply_lora, load_policy_lm
+from saccade.config import LoraConfig
+from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.models.loading import load_full_model, load_processor, load_vision_tower
 from saccade.models.tiny import PRESETS, tiny_model_path
 from saccade.models.vision import ImageEmbedding, VisionEncoder
 from saccade.parity import synthetic_image
-from saccade.trainer.forward import forward_logprobs, predicted_positions, unwrap_policy
+from saccade.models.lm import unwrap_policy
+from saccade.trainer.forward import forward_logprobs, predicted_positions
 from saccade.trainer.logprobs import token_logprobs_and_entropy
 from saccade.trainer.packing import first_fit_decreasing, pack
 from saccade.trainer.samples import MicroBatch, TrainingSample, make_sample
 
-VARIANTS = ("cached", "full", "padded")
+VARIANTS = ("cached", "full", "padded", "checkpointed")
 LR = 1e-4
 # About the size of a padded micro-batch (4 rows of the longest sample) on the default data.
 # Bigger packed rows cost more attention under sdpa, which computes the whole (N x N)
@@ -141,7 +149,7 @@ def prepare_batch(
     conversations: list[list[dict]],
     *,
     seed: int,
-    limits: ImageLimits,
+    limits: ImagesConfig,
     max_tokens: int | None,
     padded_rows: int,
     full_layout: str,
@@ -269,13 +277,15 @@ def pad_fraction(batch: BenchBatch) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- models
 
 
-def lora_settings() -> LoraSettings:
-    return LoraSettings()
+def lora_settings() -> LoraConfig:
+    return LoraConfig()
 
 
-def build_cached(model_path, *, dtype: torch.dtype, device: torch.device, seed: int):
+def build_cached(model_path, *, dtype: torch.dtype, device: torch.device, seed: int, checkpointing: bool = False):
     """The saccade trainer's model: LM only, LoRA on its linears, AdamW over the adapters."""
     policy = load_policy_lm(model_path, dtype=dtype, device=device)
+    if checkpointing:
+        policy.enable_activation_checkpointing()
     torch.manual_seed(seed)
     model = apply_lora(policy, lora_settings())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -284,11 +294,11 @@ def build_cached(model_path, *, dtype: torch.dtype, device: torch.device, seed: 
 
 def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: int):
     """The full Qwen3-VL, with the same LoRA targets anchored to the language model: vision stays frozen."""
-    from peft import LoraConfig, get_peft_model
+    import peft
 
     full = load_full_model(model_path, dtype=dtype).to(device)
     settings = lora_settings()
-    config = LoraConfig(
+    config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
@@ -296,7 +306,7 @@ def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: in
         bias="none",
     )
     torch.manual_seed(seed)
-    model = get_peft_model(full, config)
+    model = peft.get_peft_model(full, config)
     assert not any("visual" in n for n, p in model.named_parameters() if p.requires_grad), "vision must stay frozen"
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     return model, optimizer
@@ -423,7 +433,7 @@ def full_step(model, optimizer, batch: BenchBatch, device: torch.device) -> floa
     return total
 
 
-STEPS = {"cached": cached_step, "full": full_step, "padded": padded_step}
+STEPS = {"cached": cached_step, "full": full_step, "padded": padded_step, "checkpointed": cached_step}
 
 
 class VisionTimer:
@@ -502,8 +512,11 @@ def measure_peak_memory(path_name: str, data_file: str, model_path: str, device:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     batch: BenchBatch = torch.load(data_file, weights_only=False)
-    build = build_cached if path_name == "cached" else build_full
-    model, optimizer = build(model_path, dtype=dt, device=dev, seed=seed)
+    if path_name == "full":
+        model, optimizer = build_full(model_path, dtype=dt, device=dev, seed=seed)
+    else:
+        model, optimizer = build_cached(model_path, dtype=dt, device=dev, seed=seed,
+                                        checkpointing=path_name == "checkpointed")
     loaded_mb = _host_rss_mb() - baseline_mb
     # Leave out the loading transient (from_pretrained may hold two copies for a moment).
     reset = _reset_host_peak()
@@ -521,14 +534,16 @@ def measure_peak_memory(path_name: str, data_file: str, model_path: str, device:
 def measure_memory_in_fresh_processes(
     data: BenchBatch, model_path: str, dev: torch.device, dtype_name: str, threads: int, seed: int
 ) -> dict[str, dict]:
-    """Both paths' peak memory, each in its own spawned process (a fresh interpreter).
+    """The cached, full and checkpointed paths' peak memory, each in its own spawned process
+    (a fresh interpreter).
 
-    The two run at the same time, one thread each: a peak does not depend on speed, and
-    the imports (most of their wall time) are single-threaded anyway.
+    Two run at the same time, one thread each: a peak does not depend on speed, and the
+    imports (most of their wall time) are single-threaded anyway.
     """
+    names = ("cached", "full", "checkpointed")
     with tempfile.TemporaryDirectory(prefix="saccade-bench-") as tmp:
         files = {}
-        for name in ("cached", "full"):
+        for name in names:
             files[name] = str(Path(tmp) / f"{name}.pt")
             torch.save(_view_for(name, data), files[name])
         # max_tasks_per_child=1: each path gets a process of its own, never a used one.
@@ -538,7 +553,7 @@ def measure_memory_in_fresh_processes(
                     measure_peak_memory, name, files[name], model_path, str(dev), dtype_name,
                     max(1, threads // 2), seed,
                 )
-                for name in ("cached", "full")
+                for name in names
             }
             return {name: f.result() for name, f in futures.items()}
 
@@ -560,9 +575,9 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _view_for(path_name: str, data: BenchBatch) -> BenchBatch:
-    # Each memory process gets only the inputs its path reads: the cache for the cached path,
+    # Each memory process gets only the inputs its path reads: the cache for the cached paths,
     # pixel values for the full path (these count in its peak, as they would in a trainer).
-    if path_name == "cached":
+    if path_name != "full":
         return replace(data, pixel_values={})
     return replace(data, embeddings={})
 
@@ -612,7 +627,7 @@ def run_trainer_bench(
         dtype_name = str(dtype).removeprefix("torch.")
         spec = PRESETS[preset]
         model_path = str(tiny_model_path(preset, seed=0))
-        limits = ImageLimits(min_pixels=32 * 32, max_pixels=spec.max_pixels)
+        limits = ImagesConfig(min_pixels=32 * 32, max_pixels=spec.max_pixels)
         side = max_side or math.isqrt(spec.max_pixels)
 
         # The engine's side, once: tokenize, and encode every image with the frozen tower.
@@ -640,23 +655,25 @@ def run_trainer_bench(
             console.log("peak memory of the cached and the full path, each in a fresh process")
             memory = measure_memory_in_fresh_processes(data, model_path, dev, dtype_name, threads, seed)
 
-        # Timing: the three variants in this process, interleaved step by step.
+        # Timing: the four variants in this process, interleaved step by step.
         console.log("loading the cached (LM-only) and the full model")
         cached_model, cached_opt = build_cached(model_path, dtype=dtype, device=dev, seed=seed)
         full_model, full_opt = build_full(model_path, dtype=dtype, device=dev, seed=seed)
+        ckpt_model, ckpt_opt = build_cached(model_path, dtype=dtype, device=dev, seed=seed, checkpointing=True)
         lora_params = count_params(cached_model, trainable=True)
         lm_params = count_params(cached_model) - lora_params
         vision_timer = VisionTimer(full_model.get_base_model().model.visual, dev)
         # padded shares the cached model and optimizer: same weights, only the layout differs.
         runners = {"cached": (cached_model, cached_opt), "full": (full_model, full_opt),
-                   "padded": (cached_model, cached_opt)}
+                   "padded": (cached_model, cached_opt), "checkpointed": (ckpt_model, ckpt_opt)}
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         vision_s: list[float] = []
         warmup_loss: dict[str, float] = {}
         for round_ in range(steps + 1):
             warmup = round_ == 0
             # Rotate the order every round so that no variant always runs first.
-            order = VARIANTS[round_ % 3 :] + VARIANTS[: round_ % 3]
+            k = round_ % len(VARIANTS)
+            order = VARIANTS[k:] + VARIANTS[:k]
             for name in order:
                 model, optimizer = runners[name]
                 # lr 0 on the warm-up step: every variant's warm-up loss is taken on the initial weights.
@@ -727,6 +744,9 @@ def run_trainer_bench(
             "packed_tokens_per_s": tps["cached"],
             "padded_tokens_per_s": tps["padded"],
             "packed_over_padded_tokens_per_s": tps["cached"] / tps["padded"],
+            # (c) activation checkpointing, on the cached path
+            "checkpointed_step_s": med["checkpointed"],
+            "activation_checkpointing_step_ratio": med["checkpointed"] / med["cached"],
             # checks and raw figures
             "warmup_loss": warmup_loss,
             "max_warmup_loss_diff": max(abs(warmup_loss[n] - warmup_loss["cached"]) for n in VARIANTS),
@@ -737,6 +757,8 @@ def run_trainer_bench(
                 cached_peak_mb=memory["cached"]["peak_mb"],
                 full_peak_mb=memory["full"]["peak_mb"],
                 full_over_cached_peak_memory=memory["full"]["peak_mb"] / memory["cached"]["peak_mb"],
+                checkpointed_peak_mb=memory["checkpointed"]["peak_mb"],
+                activation_checkpointing_peak_ratio=memory["checkpointed"]["peak_mb"] / memory["cached"]["peak_mb"],
                 memory=memory,
             )
         result["config"]["load_avg_1m"] = {"start": load_start, "end": _load_avg()}
@@ -787,7 +809,15 @@ def format_report(result: dict) -> str:
         f"{result['padded_tokens_per_s']:>15.0f}",
         f"  {'packed / padded':<26}{'':>31}{result['packed_over_padded_tokens_per_s']:>14.2f}x",
         "",
-        f"warm-up losses of the three variants agree to {result['max_warmup_loss_diff']:.1e} (same weights, same "
+        "(c) activation checkpointing (per decoder layer), cached path",
+        f"  {'':<26}{'step s':>9}{'range s':>13}{'peak MB':>10}",
+        f"  {'without':<26}{result['cached_step_s']:>9.2f}{spread('cached'):>13}" + peak("cached_peak_mb"),
+        f"  {'with':<26}{result['checkpointed_step_s']:>9.2f}{spread('checkpointed'):>13}" + peak("checkpointed_peak_mb"),
+        f"  {'with / without':<26}{result['activation_checkpointing_step_ratio']:>8.2f}x{'':>13}"
+        + (f"{result['activation_checkpointing_peak_ratio']:>9.2f}x" if "activation_checkpointing_peak_ratio" in result
+           else ""),
+        "",
+        f"warm-up losses of the four variants agree to {result['max_warmup_loss_diff']:.1e} (same weights, same "
         f"tokens); wall time {result['wall_s']:.0f} s",
     ]
     if load.get("start") is not None:

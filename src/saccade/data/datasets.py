@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from saccade.data.images import ImageLimits, load_image
+from saccade.config import ImagesConfig
+from saccade.data.images import load_image
 from saccade.data.shapes import BLANK_GRAY, IMAGE_PLACEHOLDER, VQASample
 
 __all__ = [
@@ -135,11 +136,11 @@ class DatasetRows:
     """Indexed, lazy access to the rows of one split across one or more configs."""
 
     def __init__(self, task: str, source: str, *, subsets: tuple[str, ...] | None, split: str,
-                 limits: ImageLimits | None = None) -> None:
+                 limits: ImagesConfig | None = None) -> None:
         if task not in DATASET_TASKS:
             raise ValueError(f"unknown dataset task {task!r}; choose from {', '.join(DATASET_TASKS)}")
         self.task, self.source, self.split = task, source, split
-        self.limits = limits or ImageLimits()
+        self.limits = limits or ImagesConfig()
         names: list[str | None] = list(subsets) if subsets and not _is_parquet_source(source) else [None]
         self.parts = [(name, load_split(source, subset=name, split=split, task=task)) for name in names]
         self.starts = np.cumsum([0] + [len(t) for _, t in self.parts]).tolist()
@@ -170,7 +171,7 @@ class DatasetRows:
 # ------------------------------------------------------------------ rows -> samples
 
 
-def _images(values: Any, *, sample_id: str, column: str, limits: ImageLimits) -> list[Image.Image]:
+def _images(values: Any, *, sample_id: str, column: str, limits: ImagesConfig) -> list[Image.Image]:
     if values is None:
         return []
     if not isinstance(values, list):
@@ -233,7 +234,7 @@ def _scalars(values: Any) -> dict[str, Any]:
 
 
 def openmmreasoner_sample(row: dict[str, Any], *, sample_id: str, subset: str | None,
-                          limits: ImageLimits | None = None) -> VQASample:
+                          limits: ImagesConfig | None = None) -> VQASample:
     """One OpenMMReasoner-RL row: its own chat (images at the placeholders), a letter or
     free-form ground truth, options parsed from the prompt for letter answers."""
     chat = _chat(row["prompt"], sample_id=sample_id)
@@ -253,7 +254,7 @@ def openmmreasoner_sample(row: dict[str, Any], *, sample_id: str, subset: str | 
     }
     return VQASample(
         sample_id=sample_id,
-        images=_images(row["images"], sample_id=sample_id, column="images", limits=limits or ImageLimits()),
+        images=_images(row["images"], sample_id=sample_id, column="images", limits=limits or ImagesConfig()),
         question=question,
         answer=answer,
         choices=choices,
@@ -263,7 +264,7 @@ def openmmreasoner_sample(row: dict[str, Any], *, sample_id: str, subset: str | 
     )
 
 
-def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImageLimits | None = None) -> VQASample:
+def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfig | None = None) -> VQASample:
     """One MathVista row: the ready ``query`` after the image; gold is a choice's text for
     multiple choice, else typed (integer / float with precision / list / text)."""
     sample_id = f"mathvista-{row['pid']}"  # MathVista's own ids, the ones its results use
@@ -274,7 +275,7 @@ def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImageLimits
     return VQASample(
         sample_id=sample_id,
         images=_images(row["decoded_image"], sample_id=sample_id, column="decoded_image",
-                       limits=limits or ImageLimits()),
+                       limits=limits or ImagesConfig()),
         question=row["question"],
         answer=str(row["answer"]),
         choices=list(row["choices"]) if multi_choice and row["choices"] else None,
@@ -287,12 +288,12 @@ def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImageLimits
     )
 
 
-def geometry3k_sample(row: dict[str, Any], *, sample_id: str, limits: ImageLimits | None = None) -> VQASample:
+def geometry3k_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfig | None = None) -> VQASample:
     """One Geometry3K row: the problem with its figure at the ``<image>`` placeholder."""
     chat = [{"role": "user", "content": str(row["problem"])}]
     return VQASample(
         sample_id=sample_id,
-        images=_images(row["images"], sample_id=sample_id, column="images", limits=limits or ImageLimits()),
+        images=_images(row["images"], sample_id=sample_id, column="images", limits=limits or ImagesConfig()),
         question=_user_text(chat),
         answer=str(row["answer"]),
         choices=None,
@@ -333,7 +334,7 @@ class DatasetTask:
     eval_split: str
     eval_subsets: tuple[str, ...] | None
     blank_images: bool = False  # the control: every image replaced by a uniform gray one
-    limits: ImageLimits | None = None
+    limits: ImagesConfig | None = None
 
     @classmethod
     def defaults(cls, task: str, *, dataset: str | None = None, split: str | None = None,

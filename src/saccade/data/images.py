@@ -18,7 +18,6 @@ import binascii
 import contextlib
 import hashlib
 import io
-import math
 import os
 import struct
 import time
@@ -28,7 +27,6 @@ import urllib.request
 import warnings
 import zlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from http.client import HTTPException
 from pathlib import Path
 from typing import IO, Any, TypeAlias
@@ -36,9 +34,10 @@ from typing import IO, Any, TypeAlias
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from saccade.config import ImagesConfig
+
 __all__ = [
     "ImageError",
-    "ImageLimits",
     "ImageSource",
     "image_hash",
     "image_to_data_url",
@@ -61,50 +60,7 @@ _MAX_SHOWN_CHARS = 80
 _REMOTE_CHUNK_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True)
-class ImageLimits:
-    """Limits applied wherever images are processed (generation, training, evaluation)."""
-
-    # Lower/upper bounds for the processor's resize, passed on to the Qwen2-VL image
-    # processor as size.shortest_edge / size.longest_edge (both are pixel counts).
-    min_pixels: int = 32 * 32
-    max_pixels: int = 512 * 512
-    # Decoded images larger than this are refused (decompression bombs).
-    max_source_pixels: int = 8192 * 8192
-    # http(s) URLs are refused unless this is True.
-    allow_remote: bool = False
-    # Total time allowed for one remote fetch (connect + all reads).
-    remote_timeout_s: float = 10.0
-    max_remote_bytes: int = 32 * 1024 * 1024
-
-    def __post_init__(self) -> None:
-        for name in ("min_pixels", "max_pixels", "max_source_pixels", "max_remote_bytes"):
-            _require_positive_int(name, getattr(self, name))
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(
-                f"ImageLimits: min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})"
-            )
-        if not isinstance(self.allow_remote, bool):
-            raise ValueError(f"ImageLimits: allow_remote must be a bool, got {self.allow_remote!r}")
-        timeout = self.remote_timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ValueError(
-                f"ImageLimits: remote_timeout_s must be a finite number > 0, got {timeout!r}"
-            )
-
-
-def _require_positive_int(name: str, value: object) -> None:
-    # bool is an int subclass; ImageLimits(max_pixels=True) is certainly a mistake.
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"ImageLimits: {name} must be a positive integer, got {value!r}")
-
-
-_DEFAULT_LIMITS = ImageLimits()
+_DEFAULT_LIMITS = ImagesConfig()
 
 
 class ImageError(ValueError):
@@ -145,7 +101,7 @@ def _rebuild_image_error(cls: type[ImageError], reason: str, sample: str | None)
 def load_image(
     source: ImageSource,
     *,
-    limits: ImageLimits = _DEFAULT_LIMITS,
+    limits: ImagesConfig = _DEFAULT_LIMITS,
     sample: str | None = None,
 ) -> Image.Image:
     """Load, validate and normalise one image.
@@ -168,7 +124,7 @@ def load_image(
         raise
 
 
-def _load(source: object, limits: ImageLimits, depth: int) -> Image.Image:
+def _load(source: object, limits: ImagesConfig, depth: int) -> Image.Image:
     if isinstance(source, Image.Image):
         return _from_pil(source, limits)
     if isinstance(source, bytes | bytearray | memoryview):
@@ -209,7 +165,7 @@ def _unwrap_dict(source: Mapping[str, Any]) -> object:
     )
 
 
-def _from_string(source: str, limits: ImageLimits) -> Image.Image:
+def _from_string(source: str, limits: ImagesConfig) -> Image.Image:
     lowered = source[:16].lower()
     if lowered.startswith("data:"):
         return _from_bytes(_decode_data_url(source), limits)
@@ -272,11 +228,11 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def _fetch_remote(url: str, limits: ImageLimits) -> bytes:
+def _fetch_remote(url: str, limits: ImagesConfig) -> bytes:
     if not limits.allow_remote:
         raise ImageError(
             f"remote image URLs are refused ({_shorten(url)}); download the image and pass "
-            "a local path, or set ImageLimits(allow_remote=True)"
+            "a local path, or set ImagesConfig(allow_remote=True)"
         )
     opener = urllib.request.build_opener(_HttpOnlyRedirects())
     request = urllib.request.Request(url, headers={"User-Agent": "saccade"})
@@ -285,7 +241,7 @@ def _fetch_remote(url: str, limits: ImageLimits) -> bytes:
     deadline = time.monotonic() + limits.remote_timeout_s
     cap = limits.max_remote_bytes
     too_big = (
-        f"remote image {_shorten(url)} is larger than ImageLimits.max_remote_bytes={cap:,}; "
+        f"remote image {_shorten(url)} is larger than ImagesConfig.max_remote_bytes={cap:,}; "
         "download it yourself or raise max_remote_bytes"
     )
     try:
@@ -302,7 +258,7 @@ def _fetch_remote(url: str, limits: ImageLimits) -> bytes:
                 if time.monotonic() > deadline:
                     raise ImageError(
                         f"remote image {_shorten(url)} took longer than "
-                        f"ImageLimits.remote_timeout_s={limits.remote_timeout_s}s to download"
+                        f"ImagesConfig.remote_timeout_s={limits.remote_timeout_s}s to download"
                     )
                 chunks.append(chunk)
     except ImageError:
@@ -318,7 +274,7 @@ def _fetch_remote(url: str, limits: ImageLimits) -> bytes:
     return b"".join(chunks)
 
 
-def _from_path(path: Path, limits: ImageLimits) -> Image.Image:
+def _from_path(path: Path, limits: ImagesConfig) -> Image.Image:
     try:
         handle = path.open("rb")
     except FileNotFoundError as err:
@@ -332,13 +288,13 @@ def _from_path(path: Path, limits: ImageLimits) -> Image.Image:
         return _decode(handle, limits)
 
 
-def _from_bytes(data: bytes, limits: ImageLimits) -> Image.Image:
+def _from_bytes(data: bytes, limits: ImagesConfig) -> Image.Image:
     if not data:
         raise ImageError("image is empty (0 bytes)")
     return _decode(io.BytesIO(data), limits)
 
 
-def _decode(stream: IO[bytes], limits: ImageLimits) -> Image.Image:
+def _decode(stream: IO[bytes], limits: ImagesConfig) -> Image.Image:
     with _pil_errors(stream):
         Image.init()  # so that the format list below includes every registered plugin
         formats = [name for name in Image.ID if name not in _EXTERNAL_PROGRAM_FORMATS]
@@ -351,7 +307,7 @@ def _decode(stream: IO[bytes], limits: ImageLimits) -> Image.Image:
     return _to_rgb(oriented)
 
 
-def _from_pil(image: Image.Image, limits: ImageLimits) -> Image.Image:
+def _from_pil(image: Image.Image, limits: ImagesConfig) -> Image.Image:
     # A caller may pass a lazily opened (not yet decoded) image: same checks as a file.
     with _pil_errors(None):
         _check_dimensions(image.size, limits)
@@ -359,7 +315,7 @@ def _from_pil(image: Image.Image, limits: ImageLimits) -> Image.Image:
     return _to_rgb(oriented)
 
 
-def _loaded_and_oriented(image: Image.Image, limits: ImageLimits) -> Image.Image:
+def _loaded_and_oriented(image: Image.Image, limits: ImagesConfig) -> Image.Image:
     """Decode the pixels (truncation errors surface here) and return an oriented copy."""
     image.load()
     # Some formats (e.g. ICO, multi-resolution files) only know their final size
@@ -372,7 +328,7 @@ def _loaded_and_oriented(image: Image.Image, limits: ImageLimits) -> Image.Image
         return image.copy()
 
 
-def _check_dimensions(size: tuple[int, int], limits: ImageLimits) -> None:
+def _check_dimensions(size: tuple[int, int], limits: ImagesConfig) -> None:
     width, height = size
     if width <= 0 or height <= 0:
         raise ImageError(f"image has zero size ({width}x{height}); the image is empty")
@@ -380,7 +336,7 @@ def _check_dimensions(size: tuple[int, int], limits: ImageLimits) -> None:
     if pixels > limits.max_source_pixels:
         raise ImageError(
             f"image is {width}x{height} = {pixels:,} pixels, more than "
-            f"ImageLimits.max_source_pixels={limits.max_source_pixels:,} (possible decompression "
+            f"ImagesConfig.max_source_pixels={limits.max_source_pixels:,} (possible decompression "
             "bomb); downscale it beforehand, or raise max_source_pixels if the image is trusted"
         )
 

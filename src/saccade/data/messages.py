@@ -8,7 +8,7 @@ follow the OpenAI chat format; an image part may be
     {"type": "image", "image": PIL.Image | bytes | path | url}
 
 Images are loaded and checked by `saccade.data.images.load_image` (clear errors naming the
-sample) and resized by the model's own image processor within `ImageLimits.min_pixels`
+sample) and resized by the model's own image processor within `ImagesConfig.min_pixels`
 and `max_pixels`, the same values everywhere.
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from PIL import Image
 
-from saccade.data.images import ImageLimits, image_hash, load_image
+from saccade.config import ImagesConfig
+from saccade.data.images import image_hash, load_image
 
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 # Tokens that only the processor may write: typed into text they would desynchronise the
@@ -58,7 +59,7 @@ class ModelInputs:
 
 
 def extract_images(
-    messages: list[dict[str, Any]], *, limits: ImageLimits, sample: str | None = None
+    messages: list[dict[str, Any]], *, limits: ImagesConfig, sample: str | None = None
 ) -> tuple[list[dict[str, Any]], list[Image.Image]]:
     """Load every image in order; return messages whose image parts are plain {"type": "image"}."""
     if not isinstance(messages, list) or not messages:
@@ -107,7 +108,7 @@ def render_chat(processor, messages: list[dict[str, Any]], *, add_generation_pro
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def processor_size(limits: ImageLimits) -> dict[str, int]:
+def processor_size(limits: ImagesConfig) -> dict[str, int]:
     """The image processor's `size` for these limits: the resize bounds in pixels."""
     return {"shortest_edge": limits.min_pixels, "longest_edge": limits.max_pixels}
 
@@ -116,7 +117,7 @@ def messages_to_inputs(
     messages: list[dict[str, Any]],
     processor,
     *,
-    limits: ImageLimits = ImageLimits(),
+    limits: ImagesConfig = ImagesConfig(),
     add_generation_prompt: bool = False,
     sample: str | None = None,
 ) -> ModelInputs:
@@ -127,7 +128,7 @@ def messages_to_inputs(
 
 
 def tokenize_rendered(
-    text: str, images: list[Image.Image], processor, *, limits: ImageLimits = ImageLimits(), sample: str | None = None
+    text: str, images: list[Image.Image], processor, *, limits: ImagesConfig = ImagesConfig(), sample: str | None = None
 ) -> ModelInputs:
     """Rendered chat text (one image placeholder per image) and its images -> model inputs."""
     kwargs: dict[str, Any] = dict(text=[text], return_tensors="pt", return_mm_token_type_ids=True)

@@ -83,6 +83,15 @@ class ShapesTask:
     num_choices: int = 4  # 3..6 answer options shown in the prompt
     image_size: int = 64
     blank_images: bool = False  # the control: same questions, uniform gray images
+    eval_seed: int = 10_000  # held-out questions come from this seed's stream
+
+    def train_sample(self, position: int, *, seed: int) -> VQASample:
+        """Question ``position`` of the training stream for ``seed``."""
+        return make_sample(self, position, seed=seed)
+
+    def eval_samples(self, n: int) -> list[VQASample]:
+        """The first ``n`` questions of the held-out stream."""
+        return make_split(self, n, seed=self.eval_seed)
 
     def __post_init__(self) -> None:
         kinds = self.kinds

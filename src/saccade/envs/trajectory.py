@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from saccade.data.images import ImageLimits
+from saccade.config import ImagesConfig
 from saccade.data.messages import extract_images, messages_to_inputs, render_chat, tokenize_rendered
 from saccade.inference.engine import Completion, TokenPrompt
 from saccade.models.positions import mrope_positions
@@ -52,7 +52,7 @@ class ChatContinuation:
     later one is added cannot be continued this way and are refused.
     """
 
-    def __init__(self, processor, *, limits: ImageLimits):
+    def __init__(self, processor, *, limits: ImagesConfig):
         self.processor = processor
         self.limits = limits
         self.end_of_turn_id = processor.tokenizer.convert_tokens_to_ids(END_OF_TURN)
@@ -155,7 +155,7 @@ class Trajectory:
             self.grids += list(inputs.image_grid_thw.long())
 
 
-def start_trajectory(sample_id: str, messages: list[dict[str, Any]], processor, *, limits: ImageLimits,
+def start_trajectory(sample_id: str, messages: list[dict[str, Any]], processor, *, limits: ImagesConfig,
                      key_for_hash, sample: Any = None) -> Trajectory:
     """The opening messages through the chat template, with the generation prompt."""
     inputs = messages_to_inputs(messages, processor, limits=limits, add_generation_prompt=True, sample=sample_id)

@@ -10,7 +10,7 @@ episode ends the rubric scores it the way verifiers' own `run_rollout` does, so 
 rubric's total and the info holds each function's score.
 
 Messages stay in OpenAI format. Images are `image_url` parts with data URLs, which saccade's
-message code already loads (`saccade.data.images.load_image`, with the run's `ImageLimits`), so
+message code already loads (`saccade.data.images.load_image`, with the run's `ImagesConfig`), so
 they are passed on as they are. verifiers is imported only when an adapter is made: it is a dev
 dependency of saccade (the tests run it), never a runtime one.
 """

@@ -87,18 +87,48 @@ class Completion:
 
 
 class Engine(Protocol):
-    policy_version: int
+    """Every member the loops (RL, SFT, evaluation, the demos) use; both engines have them all."""
+
+    policy_version: int  # the weights version the engine samples under
+    banned_token_ids: list[int]  # never sampled (the vision tokens); the trainer bans them too
+    shares_weights: bool  # True: samples from the trainer's own module, so a weight sync costs nothing
 
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
-        """For each request, params.n completions."""
+        """For each chat request, params.n completions (the n share the prompt's prefill)."""
         ...
 
     def generate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
         """For each token prompt, params.n completions; `prompt_ids` report the ids the engine ran."""
         ...
 
-    def update_weights(self) -> float:
-        """Make the engine sample from the trainer's current weights; returns seconds spent."""
+    def prepare_all(self, requests: list[ChatRequest]) -> list:
+        """The requests' prompts as the engine would run them (`PreparedPrompt`), their images'
+        embeddings put in the cache the trainer reads (SFT trains on these ids)."""
+        ...
+
+    def encode_images(self, images: list, keys: list[str]) -> None:
+        """Put these images' embeddings in the cache the trainer reads."""
+        ...
+
+    def key_for_hash(self, content_hash: str) -> str:
+        """The embedding-cache key of an image with this `image_hash` under the engine's limits."""
+        ...
+
+    def update_weights(self, version: int | None = None) -> float:
+        """Make the engine sample from the trainer's current weights (reporting `version`, default
+        the next one); returns seconds spent."""
+        ...
+
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling stream from `seed` (a no-op where sampling is not seeded)."""
+        ...
+
+    def rng_state(self) -> Any:
+        """The sampler's state for a checkpoint (None where sampling is not seeded)."""
+        ...
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore `rng_state()`'s value (None: leave the stream as it is)."""
         ...
 
 

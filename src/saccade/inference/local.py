@@ -15,6 +15,13 @@ Logprobs: the engine reports log softmax(logits / temperature) with the vision t
 masked out, i.e. exactly what `forward_logprobs(..., temperature, banned_token_ids)`
 computes in the trainer. With top_p < 1 the draw itself is restricted to the nucleus;
 the reported logprob stays the temperature-only one (what the trainer can reproduce).
+Like the trainer's, the logits are computed in float32 from the final hidden state (never
+rounded to bf16 in between), so both score the same distribution in any precision.
+
+Device: the engine runs where the model is. Sampled tokens, logprobs and stop flags stay
+on that device during decoding, drawn with a generator on it; the host learns whether
+every row has stopped only every `stop_check_every` tokens (every token on the CPU, where
+reading it costs nothing), so a GPU decode loop does not wait on the host token by token.
 """
 
 from __future__ import annotations
@@ -25,12 +32,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from saccade.data.images import ImageLimits
+from saccade.config import ImagesConfig
 from saccade.data.messages import ModelInputs, messages_to_inputs
 from saccade.inference.engine import ChatRequest, Completion, SamplingParams, TokenPrompt, vision_token_ids
+from saccade.models.lm import BANNED_LOGIT, unwrap_policy
 from saccade.models.positions import mrope_positions
 from saccade.models.vision import ImageEmbedding, VisionEncoder
-from saccade.trainer.forward import BANNED_LOGIT, unwrap_policy
 
 
 @dataclass
@@ -53,7 +60,7 @@ class LocalEngine:
         processor,
         encoder: VisionEncoder,
         *,
-        limits: ImageLimits | None = None,
+        limits: ImagesConfig | None = None,
         seed: int = 0,
         max_batch_rows: int = 512,
     ):
@@ -68,7 +75,10 @@ class LocalEngine:
             {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         )
         self.pad_token_id = self.tokenizer.pad_token_id or self.stop_token_ids[0]
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = unwrap_policy(model).lm_head.weight.device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # CPU: checking every token is free. GPU: one host read per 16 tokens, not one per token.
+        self.stop_check_every = 1 if self.device.type == "cpu" else 16
         self.policy_version = 0
 
     # The engine samples from the trainer's module itself: new weights need no copy.
@@ -205,6 +215,14 @@ class LocalEngine:
         next_pos_B = torch.tensor([int(r.mrope_3P.max()) + 1 if r.length else 0 for r in rows])
         return embeds_BPH, position_ids_3BP.to(device), attention_mask_BP.to(device), visual_pos_masks, deepstack, next_pos_B
 
+    @staticmethod
+    def _logits(policy, hidden_BH: torch.Tensor) -> torch.Tensor:
+        """float32 logits, as the trainer computes them (`saccade.trainer.logprobs`): from the
+        final hidden state and the lm_head upcast, never rounded to bf16 in between."""
+        head = policy.lm_head
+        bias = head.bias.float() if head.bias is not None else None
+        return torch.nn.functional.linear(hidden_BH.float(), head.weight.float(), bias)
+
     def _next_token(self, logits_BV: torch.Tensor, params: SamplingParams):
         logits_BV = logits_BV.float()
         logits_BV[:, self.banned_token_ids] = BANNED_LOGIT
@@ -216,7 +234,7 @@ class LocalEngine:
         probs_BV = logprobs_BV.exp()
         if params.top_p < 1.0:
             probs_BV = _nucleus(probs_BV, params.top_p)
-        token_B = torch.multinomial(probs_BV.cpu(), 1, generator=self.generator).squeeze(1).to(logits_BV.device)
+        token_B = torch.multinomial(probs_BV, 1, generator=self.generator).squeeze(1)
         return token_B, logprobs_BV.gather(1, token_B.unsqueeze(1)).squeeze(1)
 
     def _sample(self, policy, rows: list[PreparedPrompt], params: SamplingParams):
@@ -224,7 +242,7 @@ class LocalEngine:
 
         lm = policy.language_model
         device = policy.lm_head.weight.device
-        B = len(rows)
+        B, T = len(rows), params.max_tokens
         embeds, positions, mask, visual_mask, deepstack, next_pos_B = self._prefill_inputs(policy, rows)
         cache = DynamicCache(config=lm.config)
         out = lm(
@@ -237,20 +255,21 @@ class LocalEngine:
             deepstack_visual_embeds=deepstack,
         )
         hidden_BH = out.last_hidden_state[:, -1]
-        tokens_BT = torch.full((B, params.max_tokens), self.pad_token_id, dtype=torch.long)
-        logprobs_BT = torch.zeros(B, params.max_tokens)
-        lengths_B = torch.zeros(B, dtype=torch.long)
-        stopped_B = torch.zeros(B, dtype=torch.bool)
+        # On the model's device for the whole decode: nothing goes to the host token by token.
+        tokens_BT = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs_BT = torch.zeros(B, T, device=device)
+        lengths_B = torch.zeros(B, dtype=torch.long, device=device)
+        stopped_B = torch.zeros(B, dtype=torch.bool, device=device)
         stop_ids = torch.tensor(self.stop_token_ids, device=device)
         next_pos_B = next_pos_B.to(device)
-        for t in range(params.max_tokens):
-            token_B, logprob_B = self._next_token(policy.lm_head(hidden_BH), params)
+        for t in range(T):
+            token_B, logprob_B = self._next_token(self._logits(policy, hidden_BH), params)
             active_B = ~stopped_B
-            tokens_BT[active_B, t] = token_B.cpu()[active_B]
-            logprobs_BT[active_B, t] = logprob_B.cpu()[active_B]
-            lengths_B[active_B] += 1
-            stopped_B |= torch.isin(token_B, stop_ids).cpu() & active_B
-            if bool(stopped_B.all()) or t == params.max_tokens - 1:
+            tokens_BT[:, t] = torch.where(active_B, token_B, tokens_BT[:, t])
+            logprobs_BT[:, t] = torch.where(active_B, logprob_B, logprobs_BT[:, t])
+            lengths_B += active_B
+            stopped_B |= torch.isin(token_B, stop_ids) & active_B
+            if t == T - 1 or ((t + 1) % self.stop_check_every == 0 and bool(stopped_B.all())):
                 break
             # Feed the sampled token; finished rows keep decoding harmlessly and are ignored.
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)
@@ -263,7 +282,7 @@ class LocalEngine:
                 use_cache=True,
             )
             hidden_BH = out.last_hidden_state[:, -1]
-        return tokens_BT, logprobs_BT, lengths_B, stopped_B
+        return tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.cpu()
 
 
 def _nucleus(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from saccade.data.images import ImageLimits, image_hash, image_to_data_url, load_image
+from saccade.config import ImagesConfig
+from saccade.data.images import image_hash, image_to_data_url, load_image
 from saccade.inference.engine import ChatRequest, Completion, SamplingParams, TokenPrompt, vision_token_ids
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
 
@@ -51,7 +52,7 @@ class ServerError(RuntimeError):
     """A server answered with an error that retrying will not fix (a 4xx), or kept failing."""
 
 
-def to_openai_messages(messages: list[dict[str, Any]], limits: ImageLimits, sample: str):
+def to_openai_messages(messages: list[dict[str, Any]], limits: ImagesConfig, sample: str):
     """Messages with every image as an image_url data URL, plus the images' content hashes in order."""
     out, hashes = [], []
     for message in messages:
@@ -91,8 +92,8 @@ def parse_embeddings(data: bytes, count: int) -> list[ImageEmbedding]:
     grid = tensors["image_grid_thw"].long()
     if grid.shape[0] != count:
         raise ServerError(f"/encode_images returned {grid.shape[0]} images for {count} sent")
-    return [ImageEmbedding(tensors[f"embeds.{i}"].float(), tensors[f"deepstack.{i}"].float(), grid[i].clone())
-            for i in range(count)]
+    # As served; the cache stores them in the trainer's dtype.
+    return [ImageEmbedding(tensors[f"embeds.{i}"], tensors[f"deepstack.{i}"], grid[i].clone()) for i in range(count)]
 
 
 class VLLMEngine:
@@ -102,7 +103,7 @@ class VLLMEngine:
         processor,
         *,
         cache: EmbeddingCache | None = None,
-        limits: ImageLimits | None = None,
+        limits: ImagesConfig | None = None,
         api_key: str | None = None,
         max_concurrency: int = 64,
         timeout_s: float = 600.0,
@@ -118,7 +119,7 @@ class VLLMEngine:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.cache = cache if cache is not None else EmbeddingCache()
-        self.limits = limits or ImageLimits()
+        self.limits = limits or ImagesConfig()
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.max_concurrency = max_concurrency
         self.timeout_s = timeout_s
@@ -142,7 +143,7 @@ class VLLMEngine:
     shares_weights = False
 
     @classmethod
-    def for_servers(cls, urls: list[str], processor, *, limits: ImageLimits | None = None, **kwargs) -> VLLMEngine:
+    def for_servers(cls, urls: list[str], processor, *, limits: ImagesConfig | None = None, **kwargs) -> VLLMEngine:
         """An engine on these servers, with image limits that match theirs.
 
         Without `limits`, the first server's own resize bounds (from /saccade/info) are used.
@@ -153,7 +154,7 @@ class VLLMEngine:
         engine = cls(urls, processor, limits=limits, **kwargs)
         infos = engine.info()
         if limits is None:
-            limits = ImageLimits(min_pixels=infos[0]["min_pixels"], max_pixels=infos[0]["max_pixels"])
+            limits = ImagesConfig(min_pixels=infos[0]["min_pixels"], max_pixels=infos[0]["max_pixels"])
             engine.limits = limits
         for url, info in zip(engine.urls, infos, strict=True):
             if engine.lora and not info.get("lora_enabled"):

@@ -7,17 +7,28 @@ the DeepStack features after the first decoder layers, exactly as
 `Qwen3VLForConditionalGeneration` (`model.language_model.*`, `lm_head.*`), so state
 dicts, LoRA adapters and checkpoints written from here load into the full model and
 into vLLM unchanged.
+
+Precision (docs/precision.md): the weights are stored and computed in the model's dtype,
+as an inference engine runs them. LoRA adapters stay float32 (peft keeps them so on a bf16
+base); full fine-tuning in bf16 keeps float32 master weights in the optimizer
+(`saccade.trainer.step.MasterWeights`). The trainer's logprobs and the embedded engine's
+sampling distribution are float32 either way.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from saccade.config import LoraConfig
 from saccade.models.loading import LM_HEAD_KEY, LM_PREFIX, load_config, read_state_dict, resolve_model_path
+
+
+# A token the engine must never sample gets this logit: exp(-1e4) is exactly 0 in float32 and
+# bfloat16, yet stays finite, so p * log p = 0 and no NaN. The engine and the trainer both use it.
+BANNED_LOGIT = -1e4
 
 
 class _Container(nn.Module):
@@ -40,6 +51,13 @@ class PolicyLM(nn.Module):
     @property
     def language_model(self) -> nn.Module:
         return self.model.language_model
+
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute each decoder layer in backward instead of keeping its activations
+        (transformers' per-layer checkpointing, non-reentrant: gradients equal those without
+        it; module names, and so checkpoints and adapters, are unchanged). Inactive in eval
+        mode, so the embedded engine's sampling is unaffected."""
+        self.language_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def embed_inputs(
         self,
@@ -105,6 +123,19 @@ class PolicyLM(nn.Module):
         return out.last_hidden_state
 
 
+def unwrap_policy(model: nn.Module) -> PolicyLM:
+    """The PolicyLM inside a peft wrapper (LoRA layers are injected in place, so it runs them)."""
+    inner = model
+    while not isinstance(inner, PolicyLM):
+        if hasattr(inner, "base_model") and inner.base_model is not inner:
+            inner = inner.base_model
+        elif hasattr(inner, "model"):
+            inner = inner.model
+        else:
+            raise TypeError(f"no PolicyLM inside {type(model).__name__}")
+    return inner
+
+
 def load_policy_lm(
     model: str | os.PathLike,
     *,
@@ -146,35 +177,25 @@ def assert_no_vision_tower(module: nn.Module) -> None:
     assert not vision, f"vision tower found in the trainer's model: {vision[:3]}"
 
 
-@dataclass
-class LoraSettings:
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-
-
-def apply_lora(policy: PolicyLM, settings: LoraSettings):
+def apply_lora(policy: PolicyLM, lora: LoraConfig):
     """Wrap the language model's linears with LoRA (peft). Only the adapters train.
 
     The adapter keys come out as `base_model.model.model.language_model.layers.N...`, the
     names the full Qwen3-VL model uses, so the adapter loads onto it with peft as usual.
+    The adapters are float32 whatever the base's dtype (`autocast_adapter_dtype`).
     """
-    from peft import LoraConfig, get_peft_model
+    import peft
 
     # Only the language model's linears: anchor the patterns so nothing else can match.
-    targets = rf"model\.language_model\..*\.({'|'.join(settings.target_modules)})"
-    config = LoraConfig(
-        r=settings.rank,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
+    targets = rf"model\.language_model\..*\.({'|'.join(lora.target_modules)})"
+    config = peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
         target_modules=targets,
         bias="none",
     )
-    peft_model = get_peft_model(policy, config)
-    return peft_model
+    return peft.get_peft_model(policy, config, autocast_adapter_dtype=True)
 
 
 def set_full_finetune(policy: PolicyLM) -> PolicyLM:

@@ -5,20 +5,27 @@ every epoch and every micro-batch can reuse them. `VisionEncoder.encode` looks e
 image up by content hash in an `EmbeddingCache` (in-memory LRU under a byte budget,
 optionally backed by safetensors files on disk) and runs the tower only on the misses,
 all of them in one batched call.
+
+A step's images must outlive the budget: the trainer reads them after the whole rollout
+has put them. `EmbeddingCache.pins()` gives a `Pins` scope: while it is active, every
+entry put or read is pinned (never evicted), and stays so until `Pins.release()`, after
+the step's train step. Meanwhile the cache may hold more than its budget; the release
+brings it back under. Embeddings are stored in the cache's dtype (the model's).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from saccade.data.images import ImageLimits, image_hash
+from saccade.config import ImagesConfig
+from saccade.data.images import image_hash
 
 
 @dataclass
@@ -58,23 +65,71 @@ class CacheStats:
         return (self.hits + self.disk_hits) / total if total else 0.0
 
 
-class EmbeddingCache:
-    """LRU of ImageEmbedding by key, bounded in bytes; optional on-disk safetensors layer.
+class EmbeddingCacheMiss(ValueError):
+    """An image's embedding is not in the cache when a micro-batch is built from it."""
 
-    An entry bigger than the whole budget is still returned to the caller but not kept.
-    Thread-safe: the engine and the trainer may share one.
+
+class Pins:
+    """Cache keys kept in memory until `release()`: one step's images, from its rollout until
+    its train step ends. While active (`with pins:`), every entry the cache puts or returns is
+    added; `add` pins a key by hand."""
+
+    def __init__(self, cache: EmbeddingCache, name: str):
+        self.cache, self.name = cache, name
+        self.keys: set[str] = set()
+
+    def add(self, key: str) -> None:
+        with self.cache._lock:
+            self._add(key)
+
+    def _add(self, key: str) -> None:  # the cache's lock is held
+        if key not in self.keys:
+            self.keys.add(key)
+            self.cache._pin_counts[key] += 1
+
+    def release(self) -> None:
+        """Unpin every key; the least recently used unpinned entries then go until the cache is
+        back under its budget."""
+        with self.cache._lock:
+            for key in self.keys:
+                self.cache._pin_counts[key] -= 1
+                if not self.cache._pin_counts[key]:
+                    del self.cache._pin_counts[key]
+            self.keys.clear()
+            self.cache._shrink()
+
+    def __enter__(self) -> Pins:
+        with self.cache._lock:
+            self.cache._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.cache._lock:
+            self.cache._active.remove(self)
+
+
+class EmbeddingCache:
+    """LRU of ImageEmbedding by key, bounded in bytes, with pinning; optional on-disk layer.
+
+    An unpinned entry bigger than the whole budget is still returned to the caller but not
+    kept. Thread-safe: the engine and the trainer may share one. `dtype`: what entries are
+    stored in (None: as given).
     """
 
-    def __init__(self, max_bytes: int = 1 << 30, disk_dir: str | os.PathLike | None = None):
+    def __init__(self, max_bytes: int = 1 << 30, disk_dir: str | os.PathLike | None = None, *,
+                 dtype: torch.dtype | None = None):
         if max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
         self.max_bytes = max_bytes
+        self.dtype = dtype
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
         self._entries: OrderedDict[str, ImageEmbedding] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._pin_counts: Counter[str] = Counter()
+        self._active: list[Pins] = []
         self.stats = CacheStats()
 
     def __len__(self) -> int:
@@ -87,12 +142,22 @@ class EmbeddingCache:
     def nbytes(self) -> int:
         return self._bytes
 
+    @property
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return sum(self._entries[k].nbytes for k in self._pin_counts if k in self._entries)
+
+    def pins(self, name: str = "step") -> Pins:
+        """A new pin scope (see `Pins`)."""
+        return Pins(self, name)
+
     def get(self, key: str) -> ImageEmbedding | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
+                self._pin_active(key)
                 return entry
         entry = self._read_disk(key)
         with self._lock:
@@ -100,24 +165,43 @@ class EmbeddingCache:
                 self.stats.misses += 1
                 return None
             self.stats.disk_hits += 1
+            self._pin_active(key)
             self._insert(key, entry)
             return entry
 
-    def put(self, key: str, entry: ImageEmbedding) -> None:
+    def put(self, key: str, entry: ImageEmbedding) -> ImageEmbedding:
+        """Store `entry` (in the cache's dtype) and return what was stored."""
+        if self.dtype is not None and entry.embeds.dtype != self.dtype:
+            entry = ImageEmbedding(entry.embeds.to(self.dtype), entry.deepstack.to(self.dtype), entry.grid_thw)
         with self._lock:
+            self._pin_active(key)
             self._insert(key, entry)
         self._write_disk(key, entry)
+        return entry
+
+    def _pin_active(self, key: str) -> None:
+        for pins in self._active:
+            pins._add(key)
 
     def _insert(self, key: str, entry: ImageEmbedding) -> None:
         if key in self._entries:
             self._bytes -= self._entries.pop(key).nbytes
-        if entry.nbytes > self.max_bytes:
+        if entry.nbytes > self.max_bytes and not self._pin_counts[key]:
             return
         self._entries[key] = entry
         self._bytes += entry.nbytes
-        while self._bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self._bytes -= evicted.nbytes
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Evict least recently used unpinned entries until the cache is within its budget."""
+        if self._bytes <= self.max_bytes:
+            return
+        for key in list(self._entries):
+            if self._bytes <= self.max_bytes:
+                break
+            if self._pin_counts[key]:
+                continue
+            self._bytes -= self._entries.pop(key).nbytes
             self.stats.evictions += 1
 
     def _disk_path(self, key: str) -> Path:
@@ -148,7 +232,7 @@ class EmbeddingCache:
         os.replace(tmp, path)  # atomic: readers never see half a file
 
 
-def image_cache_key(content_hash: str, limits: ImageLimits) -> str:
+def image_cache_key(content_hash: str, limits: ImagesConfig) -> str:
     """The embedding cache key of an image: its content hash and the resize bounds, which
     change the grid. Every engine names cached images this way."""
     return f"{content_hash}-{limits.min_pixels}-{limits.max_pixels}"
@@ -172,7 +256,7 @@ def split_tower_output(pooler_NH: torch.Tensor, deepstack: list[torch.Tensor], g
 class VisionEncoder:
     """Frozen tower + image processor + cache: PIL images in, ImageEmbedding out."""
 
-    def __init__(self, tower, processor, *, limits: ImageLimits = ImageLimits(), cache: EmbeddingCache | None = None):
+    def __init__(self, tower, processor, *, limits: ImagesConfig = ImagesConfig(), cache: EmbeddingCache | None = None):
         self.tower = tower
         self.image_processor = processor.image_processor
         self.limits = limits
@@ -199,12 +283,11 @@ class VisionEncoder:
 
     @torch.no_grad()
     def encode_pixels(self, pixel_values: torch.Tensor, grid_thw_I3: torch.Tensor) -> list[ImageEmbedding]:
+        """The tower's output for these images, on the host, in the tower's dtype."""
         dtype = next(self.tower.parameters()).dtype
         out = self.tower(pixel_values.to(self.device, dtype), grid_thw=grid_thw_I3.to(self.device), return_dict=True)
         embeddings = split_tower_output(out.pooler_output, list(out.deepstack_features), grid_thw_I3, self.merge)
-        return [
-            ImageEmbedding(e.embeds.float().cpu(), e.deepstack.float().cpu(), e.grid_thw.cpu()) for e in embeddings
-        ]
+        return [ImageEmbedding(e.embeds.cpu(), e.deepstack.cpu(), e.grid_thw.cpu()) for e in embeddings]
 
     def encode(self, images: list[Image.Image], keys: list[str] | None = None) -> list[ImageEmbedding]:
         """One ImageEmbedding per image, in order; the tower runs once on all misses together."""
@@ -222,6 +305,5 @@ class VisionEncoder:
         if missing:
             pixels, grid = self.preprocess(list(missing.values()))
             for key, emb in zip(missing, self.encode_pixels(pixels, grid), strict=True):
-                self.cache.put(key, emb)
-                found[key] = emb
+                found[key] = self.cache.put(key, emb)
         return [found[k] for k in keys]

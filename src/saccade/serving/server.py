@@ -109,7 +109,7 @@ class SaccadeState:
     def __init__(self, model_path: str, max_body_bytes: int, api_key: str | None = None):
         from transformers import AutoProcessor
 
-        from saccade.data.images import ImageLimits
+        from saccade.config import ImagesConfig
 
         self.model_path = model_path
         self.max_body_bytes = max_body_bytes
@@ -117,7 +117,7 @@ class SaccadeState:
         self.processor = AutoProcessor.from_pretrained(model_path)
         ip = self.processor.image_processor
         size = getattr(ip, "size", None) or {}
-        self.limits = ImageLimits(
+        self.limits = ImagesConfig(
             min_pixels=int(size.get("shortest_edge", getattr(ip, "min_pixels", 56 * 56))),
             max_pixels=int(size.get("longest_edge", getattr(ip, "max_pixels", 28 * 28 * 1280))),
         )

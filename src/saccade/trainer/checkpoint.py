@@ -117,7 +117,7 @@ def save_checkpoint(
         if peft:
             _save_adapter(tmp / ADAPTER_DIR, model, base)
         else:
-            _save_full(tmp / FULL_WEIGHTS, model)
+            _save_full(tmp / FULL_WEIGHTS, model, masters=_masters(optimizer))
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         if scheduler is not None:
@@ -155,7 +155,15 @@ def _save_adapter(adapter_dir: Path, model, base_model_path: str | None) -> None
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _save_full(path: Path, model: nn.Module) -> None:
+def _masters(optimizer) -> dict[str, torch.Tensor] | None:
+    """The float32 master weights of full fine-tuning in bf16 (`saccade.trainer.step.MasterWeights`), by name."""
+    masters = getattr(optimizer, "master_weights", None)
+    return masters.named if masters is not None else None
+
+
+def _save_full(path: Path, model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> None:
+    """The model's state dict; where float32 master weights exist, those (not the rounded
+    bf16 copies the model computes with), so a resume continues from exactly them."""
     from safetensors.torch import save_file
 
     state = model.state_dict()
@@ -166,6 +174,9 @@ def _save_full(path: Path, model: nn.Module) -> None:
             "pass the PeftModel that get_peft_model returned"
         )
     kept, _ = _dedupe(state)
+    for name, master in (masters or {}).items():
+        if name in kept:
+            kept[name] = master
     save_file({k: v.detach().to("cpu").contiguous() for k, v in kept.items()}, str(path), metadata={"format": "pt"})
 
 
@@ -192,7 +203,7 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer=None, scheduler=N
     if peft:
         _load_adapter(path / ADAPTER_DIR, model)
     else:
-        _load_full(path / FULL_WEIGHTS, model)
+        _load_full(path / FULL_WEIGHTS, model, masters=_masters(optimizer))
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
     if scheduler is not None:
@@ -225,7 +236,7 @@ def _load_adapter(adapter_dir: Path, model) -> None:
         )
 
 
-def _load_full(path: Path, model: nn.Module) -> None:
+def _load_full(path: Path, model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> None:
     from safetensors.torch import load_file
 
     saved = load_file(str(path))
@@ -239,6 +250,9 @@ def _load_full(path: Path, model: nn.Module) -> None:
         model.load_state_dict({k: saved[k] if k in saved else saved[aliases[k]] for k in own}, strict=True)
     except RuntimeError as e:  # shape mismatches
         raise ValueError(f"{path} does not fit {type(model).__name__}: {e}") from e
+    with torch.no_grad():
+        for name, master in (masters or {}).items():
+            master.copy_(saved[name] if name in saved else saved[aliases[name]])
 
 
 def _check_complete(path: Path) -> dict:

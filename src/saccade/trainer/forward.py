@@ -11,22 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from saccade.models.lm import PolicyLM
+from saccade.models.lm import BANNED_LOGIT, unwrap_policy
 from saccade.trainer.logprobs import token_logprobs_and_entropy
 from saccade.trainer.samples import MicroBatch
-
-
-def unwrap_policy(model: nn.Module) -> PolicyLM:
-    """The PolicyLM inside a peft wrapper (LoRA layers are injected in place, so it runs them)."""
-    inner = model
-    while not isinstance(inner, PolicyLM):
-        if hasattr(inner, "base_model") and inner.base_model is not inner:
-            inner = inner.base_model
-        elif hasattr(inner, "model"):
-            inner = inner.model
-        else:
-            raise TypeError(f"no PolicyLM inside {type(model).__name__}")
-    return inner
 
 
 def predicted_positions(mb: MicroBatch, only_loss_tokens: bool) -> torch.Tensor:
@@ -35,10 +22,6 @@ def predicted_positions(mb: MicroBatch, only_loss_tokens: bool) -> torch.Tensor:
     want = mb.loss_mask.clone() if only_loss_tokens else torch.ones(N, dtype=torch.bool)
     want[mb.cu_seqlens[:-1].long()] = False
     return want
-
-
-# exp(-1e4) is exactly 0 in float32 and bfloat16, yet stays finite, so p * log p = 0 and no NaN.
-BANNED_LOGIT = -1e4
 
 
 def ban_bias(head: nn.Linear, banned_token_ids: list[int] | None) -> torch.Tensor | None:

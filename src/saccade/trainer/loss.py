@@ -49,43 +49,11 @@ when inference logprobs are given, and ``loss_tokens`` (count in this micro-batc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-_KINDS = ("ppo_clip", "reinforce")
-_NORMALIZATIONS = ("sequence", "token", "constant")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    kind: Literal["ppo_clip", "reinforce"] = "ppo_clip"
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
-    eps_high: float = 0.28  # ratio clipped above at 1 + eps_high (clip-higher, DAPO)
-    normalization: Literal["sequence", "token", "constant"] = "token"
-    max_completion_tokens: int = 1024  # the constant of "constant" (Dr. GRPO)
-    tis_cap: float | None = None  # truncated importance sampling cap; None: off
-    kl_coef: float = 0.0  # KL(pi || ref) penalty, k3 estimator
-    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
-
-    def __post_init__(self):
-        if self.kind not in _KINDS:
-            raise ValueError(f"loss kind must be one of {_KINDS}, got {self.kind!r}")
-        if self.normalization not in _NORMALIZATIONS:
-            raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}")
-        if not 0.0 <= self.eps_low < 1.0:
-            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
-        if not self.eps_high >= 0.0:
-            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
-        if self.max_completion_tokens < 1:
-            raise ValueError(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
-        if self.tis_cap is not None and not self.tis_cap > 0.0:
-            raise ValueError(f"tis_cap must be > 0 (or None to disable TIS), got {self.tis_cap}")
-        if not self.kl_coef >= 0.0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if not self.entropy_coef >= 0.0:
-            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+from saccade.config import LossConfig
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from saccade.models.vision import ImageEmbedding
+from saccade.models.vision import EmbeddingCacheMiss, ImageEmbedding
 from saccade.trainer.samples import MicroBatch, TrainingSample
 
 
@@ -47,7 +47,7 @@ def first_fit_decreasing(lengths: list[int], max_tokens: int, *, names: list[str
 
 def collate(
     samples: list[TrainingSample],
-    lookup: Callable[[str], ImageEmbedding],
+    lookup: Callable[[str], ImageEmbedding | None],
     *,
     image_token_id: int,
     spatial_merge_size: int,
@@ -61,8 +61,15 @@ def collate(
     for s in samples:
         n_pads = int((s.input_ids == image_token_id).sum())
         need = 0
-        for key, grid in zip(s.image_keys, s.image_grid_thw, strict=True):
+        for i, (key, grid) in enumerate(zip(s.image_keys, s.image_grid_thw, strict=True)):
             emb = lookup(key)
+            if emb is None:
+                raise EmbeddingCacheMiss(
+                    f"sample {s.sample_id!r}: the embedding of its image {i} (cache key {key}) is not in the "
+                    "image-embedding cache. A step's images stay pinned from its rollout until its train step "
+                    "ends, so it was never encoded, or was evicted by an earlier budget: raise "
+                    "images.cache_bytes, or set images.cache_dir for a disk layer under it"
+                )
             if not torch.equal(emb.grid_thw.long(), grid.long()):
                 raise ValueError(
                     f"sample {s.sample_id}: image {key} was encoded with grid {emb.grid_thw.tolist()} but the sample "
@@ -91,7 +98,7 @@ def collate(
 
 def pack(
     samples: list[TrainingSample],
-    lookup: Callable[[str], ImageEmbedding],
+    lookup: Callable[[str], ImageEmbedding | None],
     *,
     max_tokens: int,
     image_token_id: int,

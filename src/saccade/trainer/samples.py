@@ -10,7 +10,7 @@ bytes, scalars and strings in the header metadata, never floats as JSON lists.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -134,6 +134,20 @@ class MicroBatch:
     @property
     def num_samples(self) -> int:
         return len(self.sample_ids)
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """This micro-batch's tensors on `device`. To CUDA, host tensors are pinned first, so the
+        copies are asynchronous (non_blocking) and the host never waits on them."""
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if cuda and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        moved = {f.name: move(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
 
     def sample_slices(self) -> list[slice]:
         b = self.cu_seqlens.tolist()

@@ -1,0 +1,183 @@
+"""The rollout path: prompts in, scored training samples with group-relative advantages out.
+
+One path for every task. Each prompt is sampled G times (a group); each sample is an answer
+(single-turn tasks) or a whole episode (multi-turn), scored by its own environment and turned
+into one `TrainingSample` from the engine's own token ids. Then, the same for both:
+group-relative advantages, the zero-variance filter, and the step's rollout metrics.
+
+How the G samples are drawn is the one thing that depends on the task, through its
+`max_turns`: a single-turn prompt goes to the engine once with n = G (the G answers share the
+prompt's prefill); a multi-turn task runs G environments reset with the prompt, turn by turn,
+token-in/token-out (`saccade.envs.rollout.run_episodes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from saccade.config import EnvConfig, RolloutConfig
+from saccade.envs.base import as_step_result, maybe_await
+from saccade.inference.engine import ChatRequest, Engine, SamplingParams
+from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
+from saccade.orchestrator.samples import completion_to_sample
+from saccade.tasks import Task
+from saccade.trainer.samples import TrainingSample
+
+
+@dataclass
+class Rollout:
+    """One scored answer or episode, before its advantage is known."""
+
+    sample: TrainingSample  # the whole sequence as the engine ran it; advantage set later
+    reward: float  # the episode's return (single-turn: the answer's reward)
+    info: dict[str, Any]  # what the environment reported at the last step
+    completion_tokens: int  # tokens the engine sampled, over all turns
+    finish_reasons: list[str]  # one per turn: "stop" or "length"
+    texts: list[str]  # each assistant turn's text, decoded from the sampled ids
+    policy_version: int  # the oldest weights any of its turns was sampled under
+
+    @property
+    def turns(self) -> int:
+        return len(self.texts)
+
+    @property
+    def correct(self) -> float:
+        """1.0 when the environment scored the last turn fully correct."""
+        return float(float(self.info.get("correct", 0.0)) >= 1.0)
+
+
+@dataclass
+class RolloutBatch:
+    """A step's rollouts: the training samples of the groups kept, and the metrics of all."""
+
+    samples: list[TrainingSample]
+    metrics: dict[str, float]
+    groups: list[list[Rollout]] = field(default_factory=list)
+
+
+def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingParams, *,
+                   merge: int) -> list[list[Rollout]]:
+    """Single-turn: one request per prompt with n = params.n; each answer scored by its own
+    environment (reset with the prompt, stepped with the answer)."""
+    G = params.n
+    envs = [[task.make_env() for _ in range(G)] for _ in prompts]
+    openings = _run(_gather(maybe_await(env.reset(p)) for group, p in zip(envs, prompts, strict=True)
+                            for env in group))
+    requests = [ChatRequest(p.sample_id, openings[g * G]) for g, p in enumerate(prompts)]
+    groups = engine.generate(requests, params)
+    replies = [{"role": "assistant", "content": c.text} for group in groups for c in group]
+    results = _run(_gather(maybe_await(env.step(m)) for env, m in
+                           zip((e for group in envs for e in group), replies, strict=True)))
+    out = []
+    for g, (group, prompt) in enumerate(zip(groups, prompts, strict=True)):
+        rollouts = []
+        for i, completion in enumerate(group):
+            result = as_step_result(results[g * G + i])
+            sample = completion_to_sample(completion, sample_id=f"{prompt.sample_id}/{i}", advantage=0.0,
+                                          reward=result.reward, spatial_merge_size=merge)
+            rollouts.append(Rollout(sample, result.reward, result.info, completion.completion_ids.numel(),
+                                    [completion.finish_reason], [completion.text], completion.policy_version))
+        out.append(rollouts)
+    return out
+
+
+def sample_episodes(engine: Engine, task: Task, prompts: list, params: SamplingParams, *, merge: int,
+                    continuation, env: EnvConfig, tokenizer, check: bool) -> list[list[Rollout]]:
+    """Multi-turn: params.n environments per prompt, each episode one training sample. With
+    `check`, every turn's generation-time inputs must equal the training sample's."""
+    from saccade.envs.rollout import run_episodes
+    from saccade.envs.trajectory import check_consistency, to_training_sample
+
+    G = params.n
+    episodes = [p for p in prompts for _ in range(G)]
+    ids = [f"{p.sample_id}/{i}" for p in prompts for i in range(G)]
+    trajectories = run_episodes(engine, [task.make_env() for _ in episodes], episodes, ids, replace(params, n=1),
+                                continuation=continuation, max_total_tokens=env.max_total_tokens)
+    markers = tuple(env.loss_markers) if env.loss_on == "markers" else None
+    rollouts = []
+    for t in trajectories:
+        sample = to_training_sample(t, spatial_merge_size=merge, tokenizer=tokenizer, markers=markers)
+        if check:  # fails loudly: a run whose trainer sees other inputs than the engine must not go on
+            check_consistency(sample, t.turns, spatial_merge_size=merge)
+        rollouts.append(Rollout(
+            sample, t.total_reward, t.infos[-1] if t.infos else {},
+            sum(turn.completion_ids.numel() for turn in t.turns), list(t.finish_reasons), list(t.texts),
+            t.policy_version,
+        ))
+    return [rollouts[g * G:(g + 1) * G] for g in range(len(prompts))]
+
+
+def sample_groups(engine: Engine, task: Task, prompts: list, params: SamplingParams, *, merge: int,
+                  continuation=None, env: EnvConfig | None = None, tokenizer=None,
+                  check: bool = False) -> list[list[Rollout]]:
+    """params.n scored rollouts per prompt, answers or episodes as the task's max_turns says."""
+    if task.max_turns == 1:
+        return sample_answers(engine, task, prompts, params, merge=merge)
+    return sample_episodes(engine, task, prompts, params, merge=merge, continuation=continuation,
+                           env=env or EnvConfig(), tokenizer=tokenizer, check=check)
+
+
+def rollout_step(engine: Engine, task: Task, prompts: list, *, sampling: SamplingParams, rollout: RolloutConfig,
+                 env: EnvConfig, merge: int, continuation=None, tokenizer=None, check: bool = False) -> RolloutBatch:
+    """G rollouts per prompt, advantages within each group, the groups worth training on, metrics."""
+    params = replace(sampling, n=rollout.group_size)
+    groups = sample_groups(engine, task, prompts, params, merge=merge, continuation=continuation, env=env,
+                           tokenizer=tokenizer, check=check)
+    rewards_GN = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
+    advantages_GN = group_advantages(rewards_GN, scale_by_std=rollout.scale_advantages_by_std)
+    keep_G = torch.ones(len(groups), dtype=torch.bool)
+    if rollout.filter_zero_variance:
+        keep_G = ~zero_variance_groups(rewards_GN)
+    samples = []
+    for g, group in enumerate(groups):
+        for i, r in enumerate(group):
+            r.sample.advantage = float(advantages_GN[g, i])
+            if keep_G[g]:
+                samples.append(r.sample)
+    return RolloutBatch(samples, rollout_metrics(groups, rewards_GN, keep_G), groups)
+
+
+def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_G: torch.Tensor) -> dict[str, float]:
+    """Rewards, accuracy, lengths, turns, images and how many groups were kept; plus the mean of
+    every number the environments reported at their last step, as env_<key>."""
+    flat = [r for group in groups for r in group]
+    lengths = torch.tensor([r.completion_tokens for r in flat], dtype=torch.float32)
+    return {
+        "reward_mean": float(rewards_GN.mean()),
+        "reward_std": float(rewards_GN.std()) if rewards_GN.numel() > 1 else 0.0,
+        "accuracy": float(np.mean([r.correct for r in flat])),
+        "completion_len_mean": float(lengths.mean()),
+        "completion_len_max": float(lengths.max()),
+        "stopped_frac": float(np.mean([reason == "stop" for r in flat for reason in r.finish_reasons])),
+        "groups_kept_frac": float(keep_G.float().mean()),
+        "completion_tokens": float(lengths.sum()),
+        "sampled_policy_version": float(min(r.policy_version for r in flat)),
+        "turns_mean": float(np.mean([r.turns for r in flat])),
+        "images_mean": float(np.mean([r.sample.num_images for r in flat])),
+        "episode_tokens_mean": float(np.mean([r.sample.num_tokens for r in flat])),
+        **final_info_means([r.info for r in flat]),
+    }
+
+
+def final_info_means(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """The mean of every numeric or boolean value in the episodes' last `info`, as "env_<key>":
+    what an environment reports about its episodes (answered, seen, ...) becomes a metric."""
+    values: dict[str, list[float]] = {}
+    for info in infos:
+        for key, value in info.items():
+            if isinstance(value, (bool, int, float)):
+                values.setdefault(f"env_{key}", []).append(float(value))
+    return {key: float(np.mean(v)) for key, v in sorted(values.items())}
+
+
+async def _gather(awaitables) -> list:
+    return list(await asyncio.gather(*awaitables))
+
+
+def _run(coroutine):
+    return asyncio.run(coroutine)

@@ -1,0 +1,150 @@
+"""What a run holds, built once from its config: the trainer's model, the engine, the image cache.
+
+`build_setup` places the model on `trainer.device`, in the precision `model.dtype` asks for
+(docs/precision.md), with LoRA or for full fine-tuning, optionally with activation
+checkpointing; builds the embedding cache (`images.cache_bytes`, `images.cache_dir`, stored
+in the model's dtype); and the engine the config names:
+
+- embedded: samples in this process from the trainer's very module, on the same device,
+  and holds the frozen vision tower that fills the cache;
+- vLLM: the servers hold the tower; image embeddings come from their /encode_images, so no
+  tower is loaded in this process at all. Weights reach them through an exported folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from saccade.config import ImagesConfig, RunConfig
+from saccade.inference.engine import Engine
+from saccade.models.vision import EmbeddingCache
+
+
+@dataclass
+class Setup:
+    """Everything a run holds besides its config: built once by `build_setup`, used by the loops."""
+
+    model_path: str
+    processor: Any
+    model: nn.Module  # PolicyLM, LoRA-wrapped or not, on `device`
+    engine: Engine
+    cache: EmbeddingCache  # the images' embeddings: filled by the engine, read by the trainer
+    images: ImagesConfig  # the image limits every stage applies
+    merge: int  # the vision tower's spatial merge size (2x2 patches per image token)
+    image_token_id: int
+    device: torch.device
+
+    @functools.cached_property
+    def continuation(self):
+        """The chat template's incremental form, for multi-turn trajectories (built on first use)."""
+        from saccade.envs.trajectory import ChatContinuation
+
+        return ChatContinuation(self.processor, limits=self.images)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto': this process's CUDA device (LOCAL_RANK under torchrun, else cuda:0) when CUDA is
+    there, else the CPU. 'cuda' without an index means the same local device."""
+    if name in ("auto", "cuda"):
+        if not torch.cuda.is_available():
+            if name == "cuda":
+                raise ValueError("trainer.device = 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"trainer.device = {name!r} but torch sees no CUDA device; use 'auto' or 'cpu'")
+    return device
+
+
+def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
+    """The trainer's model (LoRA or full) on its device, the embedding cache, and the engine."""
+    from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
+    from saccade.models.loading import load_processor
+    from saccade.models.tiny import resolve_model
+
+    if cfg.trainer.torch_threads:
+        torch.set_num_threads(cfg.trainer.torch_threads)
+    set_seed(cfg.trainer.seed)
+    device = resolve_device(cfg.trainer.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model_path = resolve_model(cfg.model.path)
+    # The model computes in model.dtype, as an inference engine does; what trains keeps float32
+    # copies: LoRA adapters are float32, full fine-tuning's optimizer holds master weights.
+    dtype = getattr(torch, cfg.model.dtype)
+    processor = load_processor(model_path)
+    policy = load_policy_lm(model_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
+                            device=device)
+    if cfg.trainer.activation_checkpointing:
+        policy.enable_activation_checkpointing()
+    model = apply_lora(policy, cfg.lora) if cfg.lora.enabled else set_full_finetune(policy)
+    cache = EmbeddingCache(cfg.images.cache_bytes, cfg.images.cache_dir, dtype=dtype)
+    if cfg.engine.kind == "vllm":
+        engine = build_vllm_engine(cfg, model, model_path, processor, cache, run_dir)
+    else:
+        engine = build_local_engine(cfg, model, model_path, processor, cache, dtype, device)
+    merge = int(policy.config.vision_config.spatial_merge_size)  # the full model's config; no tower read
+    return Setup(model_path, processor, model, engine, cache, cfg.images, merge, policy.image_token_id, device)
+
+
+def build_local_engine(cfg: RunConfig, model: nn.Module, model_path: str, processor, cache: EmbeddingCache,
+                       dtype: torch.dtype, device: torch.device) -> Engine:
+    from saccade.inference.local import LocalEngine
+    from saccade.models.loading import load_vision_tower
+    from saccade.models.vision import VisionEncoder
+
+    # The engine side holds the frozen tower; the trainer's model never does.
+    tower = load_vision_tower(model_path, dtype=dtype, device=device)
+    encoder = VisionEncoder(tower, processor, limits=cfg.images, cache=cache)
+    return LocalEngine(model, processor, encoder, limits=cfg.images, seed=cfg.trainer.seed)
+
+
+def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, processor, cache: EmbeddingCache,
+                      run_dir: Path) -> Engine:
+    from saccade.inference.vllm import VLLMEngine
+
+    lora = cfg.engine.sync_lora_adapter
+    if lora and not cfg.lora.enabled:
+        raise ValueError("engine.sync_lora_adapter needs lora.enabled = true (full fine-tuning pushes full weights)")
+    weights_dir = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else run_dir / "engine-weights"
+    return VLLMEngine.for_servers(
+        cfg.engine.urls, processor, limits=cfg.images, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
+        max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
+        exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora), lora=lora,
+    )
+
+
+def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path, *, lora: bool = False):
+    """exporter(version) -> `folder/v{version}`: a full HF folder of the model's current weights
+    (LoRA merged), or with `lora` only its PEFT adapter. Older versions are removed (the
+    servers have loaded them already)."""
+    from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
+
+    def export(version: int) -> str:
+        if lora:
+            out = save_adapter_for_engine(model, base_model_path, folder / f"v{version}")
+        else:
+            out = merge_full_weights_for_engine(model, base_model_path, folder / f"v{version}")
+        for old in folder.glob("v*"):
+            if old != out and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+        return str(out)
+
+    return export

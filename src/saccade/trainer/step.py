@@ -1,0 +1,236 @@
+"""One RL train step over packed micro-batches, with every input an explicit argument.
+
+`train_step` never sees a run's setup or config file: it gets the model, the optimizer and
+its scheduler, the step's micro-batches (already packed and on the model's device), the loss
+settings, the sampling temperature and banned tokens (so the trainer scores exactly the
+distribution the engine sampled from), and optionally a reference policy for the KL term.
+A distributed trainer or an async orchestrator calls it the same way.
+
+Per step: behaviour logprobs first (the engine's, or with TIS the trainer's own before the
+update), reference logprobs when the KL term is on, then `num_iterations` optimizer steps,
+each accumulating gradients over every micro-batch with the step-global token and sequence
+counts (so the micro-batch losses sum to the loss of the whole batch). A step whose loss or
+gradient is NaN/inf is skipped: the weights and the optimizer state are left as they were.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from saccade.config import LossConfig, TrainerConfig
+from saccade.trainer.forward import forward_logprobs
+from saccade.trainer.loss import LossInputs, policy_loss
+from saccade.trainer.samples import MicroBatch
+
+# A reference policy: a micro-batch in, the reference's logprob of each of its tokens out.
+Reference = Callable[[MicroBatch], torch.Tensor]
+
+
+def lr_schedule(trainer: TrainerConfig) -> Callable[[int], float]:
+    """Linear warm-up, then constant, linear or cosine decay to min_lr_ratio, per optimizer step."""
+    total = max(1, trainer.steps * trainer.num_iterations)
+
+    def factor(opt_step: int) -> float:
+        if trainer.warmup_steps and opt_step < trainer.warmup_steps:
+            return (opt_step + 1) / trainer.warmup_steps
+        if trainer.lr_decay == "constant":
+            return 1.0
+        progress = min(1.0, (opt_step - trainer.warmup_steps) / max(1, total - trainer.warmup_steps))
+        if trainer.lr_decay == "linear":
+            shape = 1.0 - progress
+        else:
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return trainer.min_lr_ratio + (1.0 - trainer.min_lr_ratio) * shape
+
+    return factor
+
+
+class MasterWeights:
+    """float32 master copies of parameters that train in a narrower dtype (full fine-tuning in
+    bf16), the way mixed-precision trainers keep them.
+
+    The model computes in bf16 (as the inference engine does). During backward, each bf16
+    gradient is added into its master's float32 gradient as soon as it is complete (a
+    post-accumulate-grad hook) and dropped, so micro-batches accumulate in float32 and at most
+    one bf16 gradient lives at a time. The optimizer steps the masters; a post-step hook
+    copies them back into the model. `named` maps the model's parameter names to masters
+    (checkpoints save and restore these, not the rounded bf16 weights)."""
+
+    def __init__(self, model: nn.Module):
+        # A model gets one set at a time: a new optimizer (SFT, then RL) replaces the old hooks.
+        previous = _MASTERS.get(model)
+        if previous is not None:
+            previous.detach()
+        _MASTERS[model] = self
+        self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.named: dict[str, torch.Tensor] = {}
+        self._hooks = []
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            master = param.detach().to(torch.float32).clone().requires_grad_(True)
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate(master)))
+            self.pairs.append((param, master))
+            self.named[name] = master
+
+    def detach(self) -> None:
+        """Stop collecting the model's gradients (another optimizer takes over)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    @staticmethod
+    def _accumulate(master: torch.Tensor):
+        def hook(param: nn.Parameter) -> None:
+            grad = param.grad.to(torch.float32)
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            param.grad = None
+
+        return hook
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [master for _, master in self.pairs]
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for param, master in self.pairs:
+            param.copy_(master)
+
+
+_MASTERS: weakref.WeakKeyDictionary[nn.Module, MasterWeights] = weakref.WeakKeyDictionary()
+
+
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, schedule: Callable[[int], float]):
+    """AdamW over the trainable parameters and a LambdaLR following `schedule`.
+
+    Trainable parameters narrower than float32 (full fine-tuning in bf16) get float32 master
+    weights (`MasterWeights`, kept as `optimizer.master_weights`): the optimizer and its
+    state, the gradients and the clipping are all float32. LoRA adapters are float32 already."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert params, "nothing to train"
+    masters = None
+    if any(p.dtype != torch.float32 for p in params):
+        masters = MasterWeights(model)
+        params = masters.params
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    optimizer.master_weights = masters
+    if masters is not None:
+        optimizer.register_step_post_hook(lambda *_: masters.copy_to_model())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return optimizer, scheduler
+
+
+def optimized_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors the optimizer steps (where the gradients end up): the trainable parameters,
+    or their float32 masters."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def grad_norm_or_none(params: list[torch.Tensor], max_norm: float) -> float | None:
+    """Clip and return the pre-clip norm, or None if any gradient is NaN/inf (the step is then skipped)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm) if torch.isfinite(norm) else None
+
+
+def adapter_free_reference(model: nn.Module, *, temperature: float, banned_token_ids: list[int]) -> Reference:
+    """The base model, LoRA adapters switched off, as the reference policy (no second copy held)."""
+    if not hasattr(model, "disable_adapter"):
+        raise ValueError("loss.kl_coef > 0 needs LoRA (the reference is the base model with adapters off)")
+
+    @torch.no_grad()
+    def reference(mb: MicroBatch) -> torch.Tensor:
+        with model.disable_adapter():
+            logprobs, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True,
+                                           banned_token_ids=banned_token_ids)
+        return logprobs
+
+    return reference
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    micro_batches: list[MicroBatch],
+    *,
+    loss: LossConfig,
+    num_iterations: int,
+    grad_clip: float,
+    temperature: float,
+    banned_token_ids: list[int],
+    reference: Reference | None = None,
+) -> dict[str, float]:
+    """`num_iterations` optimizer steps over the micro-batches; returns the step's metrics."""
+    if loss.kl_coef > 0 and reference is None:
+        raise ValueError("loss.kl_coef > 0 needs a reference policy")
+    total_loss_tokens = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
+    total_sequences = float(sum(mb.num_samples for mb in micro_batches))
+
+    # Behaviour logprobs: the engine's. With TIS, the ratio is taken against the trainer's own
+    # logprobs before the update, and the engine/trainer gap is corrected by a capped weight.
+    old_logprobs, ref_logprobs = [], []
+    with torch.no_grad():
+        for mb in micro_batches:
+            if loss.tis_cap is not None:
+                logprobs, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True,
+                                               banned_token_ids=banned_token_ids)
+                old_logprobs.append(logprobs)
+            else:
+                old_logprobs.append(mb.inference_logprobs)
+            if reference is not None:
+                ref_logprobs.append(reference(mb))
+
+    params = optimized_params(optimizer)
+    sums: dict[str, float] = {}
+    skipped = 0
+    model.train()
+    for _ in range(num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        finite = True
+        for k, mb in enumerate(micro_batches):
+            logprobs, entropy = forward_logprobs(
+                model, mb, temperature=temperature, only_loss_tokens=True, banned_token_ids=banned_token_ids
+            )
+            inputs = LossInputs(
+                logprobs_N=logprobs,
+                old_logprobs_N=old_logprobs[k],
+                advantages_N=mb.advantages,
+                loss_mask_N=mb.loss_mask,
+                cu_seqlens=mb.cu_seqlens,
+                inference_logprobs_N=mb.inference_logprobs,
+                ref_logprobs_N=ref_logprobs[k] if reference is not None else None,
+                entropy_N=entropy,
+                total_loss_tokens=total_loss_tokens,
+                total_sequences=total_sequences,
+            )
+            loss_value, metrics = policy_loss(inputs, loss)
+            if not torch.isfinite(loss_value):
+                finite = False
+                break
+            loss_value.backward()
+            weight = float(mb.loss_mask.sum()) / max(1.0, total_loss_tokens)
+            sums["loss"] = sums.get("loss", 0.0) + float(loss_value.detach())
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * weight
+        norm = grad_norm_or_none(params, grad_clip) if finite else None
+        if norm is None:
+            # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+            reason = "non-finite loss" if not finite else "non-finite gradient"
+            print(f"step skipped: {reason}; the weights were not changed")
+            continue
+        sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
+        optimizer.step()
+        scheduler.step()
+    applied = max(1, num_iterations - skipped)
+    out = {k: v / (applied if k == "grad_norm" else num_iterations) for k, v in sums.items()}
+    out.update(skipped_steps=float(skipped), micro_batches=float(len(micro_batches)), lr=scheduler.get_last_lr()[0])
+    out["train_tokens"] = float(sum(mb.num_tokens for mb in micro_batches))
+    return out

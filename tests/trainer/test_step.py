@@ -1,0 +1,107 @@
+"""The train step's helpers: the learning-rate schedule by hand, and float32 master weights for
+full fine-tuning in bf16 (gradients accumulated in float32, the model updated from them,
+checkpoints that keep them)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from saccade.config import TrainerConfig
+from saccade.models.lm import load_policy_lm, set_full_finetune
+from saccade.trainer.step import build_optimizer, lr_schedule, optimized_params
+
+
+@pytest.mark.parametrize(
+    ("decay", "expected"),
+    [
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0]),
+        # after the warm-up, progress (step - 2) / (10 - 2) runs from 0 to 1
+        ("linear", [0.5, 1.0, 1.0, 1.0 - 0.9 * 1 / 8, 1.0 - 0.9 * 2 / 8]),
+        ("cosine", [0.5, 1.0, *(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in (0, 1, 2))]),
+    ],
+)
+def test_lr_schedule_by_hand(decay, expected):
+    schedule = lr_schedule(TrainerConfig(steps=10, warmup_steps=2, lr_decay=decay, min_lr_ratio=0.1))
+    assert [schedule(k) for k in range(5)] == pytest.approx(expected)
+
+
+def _bf16_model(tiny_path):
+    return set_full_finetune(load_policy_lm(tiny_path, dtype=torch.bfloat16))
+
+
+def _loss(model, ids):
+    from saccade.models.lm import unwrap_policy
+
+    policy = unwrap_policy(model)
+    positions = torch.arange(ids.shape[1]).expand(4, 1, ids.shape[1])
+    hidden = policy.hidden_states(ids, positions)
+    return policy.lm_head(hidden).float().logsumexp(-1).mean()
+
+
+def test_bf16_full_finetuning_keeps_float32_master_weights(tiny_path):
+    model = _bf16_model(tiny_path)
+    optimizer, scheduler = build_optimizer(model, lr=1e-2, weight_decay=0.0, schedule=lambda k: 1.0)
+    masters = optimizer.master_weights
+    assert masters is not None and all(m.dtype == torch.float32 for m in optimized_params(optimizer))
+    assert len(masters.pairs) == sum(1 for p in model.parameters() if p.requires_grad)
+
+    # Two micro-batches: each bf16 gradient lands in float32 and is dropped from the model.
+    first, second = torch.randint(0, 400, (1, 12)), torch.randint(0, 400, (1, 9))
+    _loss(model, first).backward()
+    once = {id(m): m.grad.clone() for m in masters.params}
+    assert all(p.grad is None for p, _ in masters.pairs)
+    _loss(model, second).backward()
+    for param, master in masters.pairs[:3]:
+        assert master.grad.dtype == torch.float32 and not torch.equal(master.grad, once[id(master)])
+
+    before = {n: m.detach().clone() for n, m in masters.named.items()}
+    optimizer.step()
+    scheduler.step()
+    name = "model.language_model.layers.0.mlp.down_proj.weight"
+    master = masters.named[name]
+    param = dict(model.named_parameters())[name]
+    assert not torch.equal(master, before[name])  # the step moved the float32 weights...
+    assert torch.equal(param, master.to(torch.bfloat16))  # ...and the model computes with them, rounded
+    # Updates smaller than bf16's resolution accumulate in the masters instead of vanishing.
+    assert (master - before[name]).abs().min() < (param.float() - before[name].to(torch.bfloat16).float()).abs().max()
+
+
+def test_a_new_optimizer_takes_the_gradients_over(tiny_path):
+    model = _bf16_model(tiny_path)
+    old, _ = build_optimizer(model, lr=1e-2, weight_decay=0.0, schedule=lambda k: 1.0)
+    new, _ = build_optimizer(model, lr=1e-2, weight_decay=0.0, schedule=lambda k: 1.0)
+    _loss(model, torch.randint(0, 400, (1, 8))).backward()
+    assert all(m.grad is None for m in optimized_params(old))
+    assert all(m.grad is not None for m in optimized_params(new))
+
+
+def test_float32_parameters_get_no_masters(tiny_path):
+    model = set_full_finetune(load_policy_lm(tiny_path))
+    optimizer, _ = build_optimizer(model, lr=1e-3, weight_decay=0.0, schedule=lambda k: 1.0)
+    assert optimizer.master_weights is None
+    assert optimized_params(optimizer) == [p for p in model.parameters() if p.requires_grad]
+
+
+def test_a_checkpoint_keeps_the_master_weights_exactly(tiny_path, tmp_path):
+    from saccade.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+
+    model = _bf16_model(tiny_path)
+    optimizer, scheduler = build_optimizer(model, lr=1e-2, weight_decay=0.0, schedule=lambda k: 1.0)
+    _loss(model, torch.randint(0, 400, (1, 8))).backward()
+    optimizer.step()
+    saved = {n: m.detach().clone() for n, m in optimizer.master_weights.named.items()}
+    save_checkpoint(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler,
+                    state=TrainState(step=1, data_position=0, policy_version=1), keep_last=1)
+
+    fresh = _bf16_model(tiny_path)
+    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, lr=1e-2, weight_decay=0.0, schedule=lambda k: 1.0)
+    load_checkpoint(tmp_path / "checkpoints" / "step_000001", model=fresh, optimizer=fresh_optimizer,
+                    scheduler=fresh_scheduler)
+    restored = fresh_optimizer.master_weights.named
+    assert all(torch.equal(restored[n], saved[n]) for n in saved)  # float32, not rounded through bf16
+    assert all(p.dtype == torch.bfloat16 for p in fresh.parameters())
+    assert torch.equal(dict(fresh.named_parameters())["model.language_model.norm.weight"],
+                       dict(model.named_parameters())["model.language_model.norm.weight"])
