@@ -3,7 +3,6 @@ optional W&B / TensorBoard mirrors that degrade to a warning when not installed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -300,16 +299,27 @@ def test_tensorboardx_fallback_writer(tmp_path, monkeypatch):
     assert scalars[-1] == ("close",)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None,
-    reason="neither tensorboard nor tensorboardX is installed",
-)
-def test_real_tensorboard_writes_an_event_file(tmp_path):
+def test_real_tensorboard_writes_events_that_read_back(tmp_path):
+    """The real writer (tensorboard is a dev dependency): the scalars read back, phase-tagged,
+    at their steps; a non-finite value is not mirrored; a resume purges the steps after it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     with MetricsLogger(tmp_path, tensorboard=True) as lg:
         assert lg.tensorboard_active
-        lg.log(1, {"reward_mean": 0.5})
-    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert events and events[0].stat().st_size > 0
+        lg.log(1, {"reward_mean": 0.5, "loss": float("nan")})
+        lg.log(2, {"reward_mean": 0.75})
+        lg.log(2, {"accuracy": 0.25}, phase="eval")
+
+    def scalars() -> dict[str, list[tuple[int, float]]]:
+        acc = EventAccumulator(str(tmp_path / "tensorboard"))
+        acc.Reload()
+        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+    assert scalars() == {"train/reward_mean": [(1, 0.5), (2, 0.75)], "eval/accuracy": [(2, 0.25)]}
+    with MetricsLogger(tmp_path, tensorboard=True, resume=True) as lg:
+        lg.truncate_after(1)
+        lg.log(2, {"reward_mean": 0.125})
+    assert scalars()["train/reward_mean"] == [(1, 0.5), (2, 0.125)]
 
 
 def test_format_step():

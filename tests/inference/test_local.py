@@ -105,16 +105,16 @@ def test_weights_are_shared_so_the_sync_costs_nothing(lora_engine, encoder):
     (-(lp * mb.loss_mask).sum()).backward()
     opt.step()
 
-    seconds = lora_engine.update_weights()
-    assert seconds < 1e-3
+    lora_engine.update_weights()
     assert lora_engine.policy_version == 1
+    # Nothing was copied: the engine samples from the very tensors the optimizer updated.
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == pointers
     # Sample again with the same prompts: logprobs now follow the updated weights exactly.
     after = lora_engine.generate(requests, SamplingParams(temperature=1.0, max_tokens=6, n=2))
     new = [c for g in after for c in g]
     assert all(c.policy_version == 1 for c in new)
     diff = _trainer_logprobs(lora_engine, new, 1.0)
-    assert float(diff.mean()) <= MISMATCH_MEAN
+    assert float(diff.mean()) <= MISMATCH_MEAN and float(diff.max()) <= MISMATCH_MAX
     # And the old completions' logprobs did change under the new weights (the step was real).
     stale = _trainer_logprobs(lora_engine, completions, 1.0)
     assert float(stale.mean()) > 1e-3

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -184,11 +183,9 @@ def test_tiny_model_path_returns_the_cached_folder(tiny_path):
     assert (tiny_path / "model.safetensors").exists()
     assert "seed0" in tiny_path.name and "tiny" in tiny_path.name
     mtime = (tiny_path / "model.safetensors").stat().st_mtime_ns
-    start = time.perf_counter()
     again = tiny_model_path("tiny", seed=0)
-    elapsed = time.perf_counter() - start
     assert again == tiny_path
-    assert elapsed < 0.5, f"second call took {elapsed:.2f}s: it rebuilt instead of using the cache"
+    # Not rebuilt: the weights file is the very one written before (a rebuild would rewrite it).
     assert (tiny_path / "model.safetensors").stat().st_mtime_ns == mtime
     # No half-built temp folders are left beside it.
     assert not [p for p in tiny_path.parent.glob(f".{tiny_path.name}.*")]

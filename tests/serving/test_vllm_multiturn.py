@@ -16,6 +16,7 @@ from saccade.inference.vllm import collapse_image_pads
 pytestmark = pytest.mark.vllm
 
 MISMATCH_MEAN = 1e-4  # fp32, mean |server - trainer| over every sampled token
+MISMATCH_MAX = 1e-3  # fp32, the worst single token (the engine-parity bench's max bar)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,7 @@ def test_three_turn_trajectories_on_vllm_match_the_trainer(base_server, engine, 
                                 banned_token_ids=engine.banned_token_ids, temperature=1.0)
     assert diff.numel() == sum(int(s.loss_mask.sum()) for s in samples) >= n * 3
     assert float(diff.mean()) <= MISMATCH_MEAN, float(diff.mean())
+    assert float(diff.max()) <= MISMATCH_MAX, float(diff.max())
 
 
 def test_expanded_pads_would_be_expanded_again(base_server, engine, processor, limits):
