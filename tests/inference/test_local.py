@@ -135,3 +135,25 @@ def test_sampling_params_are_checked():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
+
+
+def test_the_decode_mask_built_here_equals_transformers_own(policy, processor, encoder, monkeypatch):
+    """Padded rows (prompts of different lengths): decoding with the 4-D mask the engine builds
+    (so transformers never asks the host whether the mask is all ones) gives bit for bit the
+    tokens and logprobs of transformers' own mask from the 2-D one."""
+    import saccade.inference.local as local
+
+    requests = _requests()
+    lengths = {len(r.messages) for r in requests}
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=2)
+
+    def sample(decode_mask):
+        monkeypatch.setattr(local, "decode_mask", decode_mask)
+        groups = LocalEngine(policy, processor, encoder, seed=3).generate(requests, params)
+        return [c for g in groups for c in g]
+
+    ours = sample(local.decode_mask)
+    theirs = sample(lambda mask, padded, implementation: mask)  # the 2-D mask, every token
+    assert len(lengths) > 1 or len({c.prompt_ids.numel() for c in ours}) > 1  # padding is there
+    assert [c.completion_ids.tolist() for c in ours] == [c.completion_ids.tolist() for c in theirs]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(ours, theirs, strict=True))

@@ -255,6 +255,9 @@ class LocalEngine:
             deepstack_visual_embeds=deepstack,
         )
         hidden_BH = out.last_hidden_state[:, -1]
+        # Padded rows need a mask while decoding; a batch without padding needs none. Deciding
+        # here, once, keeps transformers from checking the mask on the host at every token.
+        padded = bool((mask == 0).any())
         # On the model's device for the whole decode: nothing goes to the host token by token.
         tokens_BT = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
         logprobs_BT = torch.zeros(B, T, device=device)
@@ -277,12 +280,26 @@ class LocalEngine:
             out = lm(
                 inputs_embeds=lm.embed_tokens(token_B.unsqueeze(1)),
                 position_ids=step_positions,
-                attention_mask=mask,
+                attention_mask=decode_mask(mask, padded, lm.config._attn_implementation),
                 past_key_values=cache,
                 use_cache=True,
             )
             hidden_BH = out.last_hidden_state[:, -1]
         return tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.cpu()
+
+
+def decode_mask(mask_BK: torch.Tensor, padded: bool, attn_implementation: str) -> torch.Tensor | None:
+    """The attention mask of one decode step (one new query per row over K cached keys).
+
+    Without padding: none (every row attends to all its keys). With padding under sdpa: the
+    4-D boolean mask transformers would build from the 2-D one, built here, because
+    transformers first asks the host whether the 2-D mask is all ones (a device sync at
+    every token). Other kernels get the 2-D mask as it is."""
+    if not padded:
+        return None
+    if attn_implementation == "sdpa":
+        return mask_BK.bool()[:, None, None, :]
+    return mask_BK
 
 
 def _nucleus(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
