@@ -99,6 +99,8 @@ class Section(BaseModel):
 # The schema of an RL / SFT run
 # ---------------------------------------------------------------------------------------------
 
+# The built-in random models (saccade.models.tiny.PRESETS; a test keeps the two lists equal).
+PRESET_NAMES = ("tiny", "small", "qwen3vl-2b")
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES_QUESTION_KINDS = ["color", "shape", "count"]
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -110,8 +112,8 @@ class ModelConfig(Section):
     path: str = Field(
         "tiny",
         min_length=1,
-        description="Hugging Face hub id or local folder of a Qwen3-VL checkpoint; 'tiny' or 'small' "
-        "for the built-in random presets (built offline, cached)",
+        description="Hugging Face hub id or local folder of a Qwen3-VL checkpoint; 'tiny', 'small' or "
+        "'qwen3vl-2b' (Qwen3-VL-2B's shapes) for the built-in random presets (built offline, cached)",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -124,8 +126,8 @@ class ModelConfig(Section):
 
     @property
     def is_preset(self) -> bool:
-        """True for the built-in random presets ('tiny', 'small'), which have no hub id."""
-        return self.path in ("tiny", "small")
+        """True for the built-in random presets, which have no hub id."""
+        return self.path in PRESET_NAMES
 
 
 class LoraConfig(Section):

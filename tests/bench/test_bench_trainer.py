@@ -25,6 +25,10 @@ FIGURES = (
     "checkpointed_peak_mb",
     "activation_checkpointing_step_ratio",
     "activation_checkpointing_peak_ratio",
+    "lm_flops_per_step",
+    "cached_tflops",
+    "estimated_cached_peak_mb",
+    "estimated_checkpointed_peak_mb",
 )
 
 
@@ -68,4 +72,34 @@ def test_trainer_bench_on_tiny_preset():
     assert config["batch"] == 3 and config["steps"] == 1 and config["torch_threads"] >= 1
     json.dumps(result)  # JSON-serialisable, as `--json` writes it
     report = format_report(result)
-    assert "full / cached" in report and "packed / padded" in report
+    assert "full / cached" in report and "packed / padded" in report and "with / without" in report
+    assert result["cached_mfu"] is None  # no peak known for a CPU
+    # Checkpointing recomputes: never faster in the model's FLOPs, and estimated lighter.
+    assert result["estimated_checkpointed_peak_mb"] < result["estimated_cached_peak_mb"]
+
+
+def test_lm_step_flops_by_hand():
+    from saccade.bench.trainer import lm_step_flops
+    from saccade.memory import TextDims
+
+    text = TextDims(vocab_size=10, hidden_size=4, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=2, intermediate_size=8, tie_word_embeddings=True)
+    # per layer: q 4x4, k 4x2, v 4x2, o 4x4, gate 4x8, up 4x8, down 8x4 = 16+8+8+16+32+32+32 = 144
+    linear, attention, head = 2 * 144, 6 * 2 * 4, 10 * 4
+    lengths, loss = [3, 5], 4
+    assert lm_step_flops(text, lengths, loss, full_finetune=False) == (
+        4 * linear * 8 + attention * (9 + 25) + 4 * head * loss)
+    assert lm_step_flops(text, lengths, loss, full_finetune=True) == (
+        6 * linear * 8 + attention * (9 + 25) + 6 * head * loss)
+
+
+@pytest.mark.slow
+def test_trainer_bench_full_finetuning_on_tiny_preset():
+    from saccade.bench.trainer import run_trainer_bench
+
+    result = run_trainer_bench(preset="tiny", steps=1, batch=2, max_side=96, padded_rows=2, progress=False,
+                               full_finetune=True, measure_memory=False)
+    # Every variant trains every LM weight from the same start: the same warm-up loss.
+    assert result["config"]["full_finetune"] and result["max_warmup_loss_diff"] < 1e-4, result["warmup_loss"]
+    assert result["cached_tflops"] > 0
+    assert result["config"]["trainable_params"] == result["config"]["lm_params"]

@@ -211,3 +211,21 @@ def test_small_preset_parameter_count_without_building():
     assert len(config.vision_config.deepstack_visual_indexes) >= 2
     assert max(config.vision_config.deepstack_visual_indexes) < config.text_config.num_hidden_layers
     assert sum(config.text_config.rope_parameters["mrope_section"]) == config.text_config.head_dim // 2
+
+
+def test_the_2b_preset_has_exactly_qwen3_vl_2bs_shapes():
+    """The GPU benchmarks' random model: its config (built here without its 4 GB of weights)
+    has Qwen3-VL-2B-Instruct's dimensions, parameter count included."""
+    from saccade.config import PRESET_NAMES
+    from saccade.memory import QWEN3_VL, dims_from_hf_config, model_dims
+    from saccade.models.tiny import PRESETS, build_config, build_tokenizer
+
+    assert tuple(PRESETS) == PRESET_NAMES
+    spec = PRESETS["qwen3vl-2b"]
+    config = build_config(build_tokenizer(1024), spec).to_dict()
+    real = QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
+    dims = dims_from_hf_config(config)
+    assert (dims.text, dims.vision) == (real.text, real.vision)
+    assert round(dims.params / 1e9, 2) == 2.13
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [24, 20, 20]  # Qwen3-VL's
+    assert model_dims("qwen3vl-2b") == real and spec.weights_dtype == "bfloat16"

@@ -37,6 +37,14 @@ measured like (a)'s, in a fresh process. Under sdpa (CPU) a packed row pays
 attention over its whole (N x N) block-diagonal mask, so packing saves the pads' linear
 layers but not all of the attention; keep max_tokens moderate.
 
+(d) the language model's FLOPs per step (`lm_step_flops`: the vision tower, which the cached
+path never runs, and recomputation are not counted), the cached path's achieved TFLOP/s
+and, given the device's peak (`--peak-tflops`; known for H100/H200/A100), its MFU; and
+`saccade memory`'s estimate of each cached path's peak beside the measured one.
+
+`full_finetune=True` trains every language-model weight (bf16 weights with float32 master
+weights on a GPU, as the trainer does) in every variant instead of LoRA.
+
 All variants compute the same loss on the same tokens, -(advantage * logprob * loss_mask)
 summed over the step's loss tokens / their count, through the chunked logprob function,
 on loss tokens only; then backward and an AdamW step over the LoRA weights. The warm-up
@@ -52,6 +60,7 @@ timed separately (`encode_once_s`) and not charged to the cached path's steps.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -70,6 +79,7 @@ from saccade.config import ImagesConfig
 from saccade.data.images import image_to_data_url
 from saccade.data.messages import messages_to_inputs
 from saccade.config import LoraConfig
+from saccade.memory import TextDims, dims_from_hf_config, trainer_memory
 from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.models.loading import load_full_model, load_processor, load_vision_tower
 from saccade.models.tiny import PRESETS, tiny_model_path
@@ -281,22 +291,38 @@ def lora_settings() -> LoraConfig:
     return LoraConfig()
 
 
-def build_cached(model_path, *, dtype: torch.dtype, device: torch.device, seed: int, checkpointing: bool = False):
-    """The saccade trainer's model: LM only, LoRA on its linears, AdamW over the adapters."""
+def _optimizer(model: torch.nn.Module):
+    """The trainer's own AdamW (float32 master weights for bf16 full fine-tuning)."""
+    from saccade.trainer.step import build_optimizer
+
+    optimizer, _ = build_optimizer(model, lr=LR, weight_decay=0.0, schedule=lambda k: 1.0)
+    return optimizer
+
+
+def build_cached(model_path, *, dtype: torch.dtype, device: torch.device, seed: int, checkpointing: bool = False,
+                 full_finetune: bool = False):
+    """The saccade trainer's model: LM only, LoRA on its linears (or every LM weight), AdamW."""
+    from saccade.models.lm import set_full_finetune
+
     policy = load_policy_lm(model_path, dtype=dtype, device=device)
     if checkpointing:
         policy.enable_activation_checkpointing()
     torch.manual_seed(seed)
-    model = apply_lora(policy, lora_settings())
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    return model, optimizer
+    model = set_full_finetune(policy) if full_finetune else apply_lora(policy, lora_settings())
+    return model, _optimizer(model)
 
 
-def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: int):
-    """The full Qwen3-VL, with the same LoRA targets anchored to the language model: vision stays frozen."""
+def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: int, full_finetune: bool = False):
+    """The full Qwen3-VL, with the same LoRA targets anchored to the language model (or every
+    language-model weight training): vision stays frozen."""
     import peft
 
     full = load_full_model(model_path, dtype=dtype).to(device)
+    if full_finetune:
+        for name, p in full.named_parameters():
+            p.requires_grad_(".language_model." in name or name.startswith("lm_head"))
+        full.train()
+        return _FullFinetuned(full), _optimizer(full)
     settings = lora_settings()
     config = peft.LoraConfig(
         r=settings.rank,
@@ -308,8 +334,18 @@ def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: in
     torch.manual_seed(seed)
     model = peft.get_peft_model(full, config)
     assert not any("visual" in n for n, p in model.named_parameters() if p.requires_grad), "vision must stay frozen"
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    return model, optimizer
+    return model, _optimizer(model)
+
+
+class _FullFinetuned(torch.nn.Module):
+    """The full model without peft, answering `get_base_model()` as a PeftModel does."""
+
+    def __init__(self, full: torch.nn.Module):
+        super().__init__()
+        self.full = full
+
+    def get_base_model(self) -> torch.nn.Module:
+        return self.full
 
 
 def count_params(module: torch.nn.Module, *, trainable: bool = False) -> int:
@@ -500,7 +536,7 @@ def _reset_host_peak() -> bool:
 
 
 def measure_peak_memory(path_name: str, data_file: str, model_path: str, device: str, dtype: str,
-                        threads: int, seed: int) -> dict:
+                        threads: int, seed: int, full_finetune: bool = False) -> dict:
     """Runs in a fresh spawned process: load, warm-up step, one step; report peak memory growth."""
     torch.set_num_threads(threads)
     # Both paths import the same modules before the baseline, so imports count for neither.
@@ -513,10 +549,10 @@ def measure_peak_memory(path_name: str, data_file: str, model_path: str, device:
         torch.cuda.reset_peak_memory_stats(dev)
     batch: BenchBatch = torch.load(data_file, weights_only=False)
     if path_name == "full":
-        model, optimizer = build_full(model_path, dtype=dt, device=dev, seed=seed)
+        model, optimizer = build_full(model_path, dtype=dt, device=dev, seed=seed, full_finetune=full_finetune)
     else:
         model, optimizer = build_cached(model_path, dtype=dt, device=dev, seed=seed,
-                                        checkpointing=path_name == "checkpointed")
+                                        checkpointing=path_name == "checkpointed", full_finetune=full_finetune)
     loaded_mb = _host_rss_mb() - baseline_mb
     # Leave out the loading transient (from_pretrained may hold two copies for a moment).
     reset = _reset_host_peak()
@@ -532,7 +568,8 @@ def measure_peak_memory(path_name: str, data_file: str, model_path: str, device:
 
 
 def measure_memory_in_fresh_processes(
-    data: BenchBatch, model_path: str, dev: torch.device, dtype_name: str, threads: int, seed: int
+    data: BenchBatch, model_path: str, dev: torch.device, dtype_name: str, threads: int, seed: int,
+    full_finetune: bool = False,
 ) -> dict[str, dict]:
     """The cached, full and checkpointed paths' peak memory, each in its own spawned process
     (a fresh interpreter).
@@ -551,7 +588,7 @@ def measure_memory_in_fresh_processes(
             futures = {
                 name: pool.submit(
                     measure_peak_memory, name, files[name], model_path, str(dev), dtype_name,
-                    max(1, threads // 2), seed,
+                    max(1, threads // 2), seed, full_finetune,
                 )
                 for name in names
             }
@@ -597,6 +634,8 @@ def run_trainer_bench(
     full_layout: str = "packed",
     measure_memory: bool = True,
     progress: bool = True,
+    full_finetune: bool = False,
+    peak_tflops: float | None = None,
 ) -> dict:
     """Measure cached vs full-VLM and packed vs padded training steps; see the module docstring.
 
@@ -605,6 +644,8 @@ def run_trainer_bench(
     padded_rows: samples per padded micro-batch. max_side: largest image side drawn (default:
     the preset's max_pixels side). full_layout: "packed" (same micro-batches as cached) or
     "per_sample" (one sample per forward). device: "auto" (cuda if available), "cpu", "cuda".
+    full_finetune: train every language-model weight instead of LoRA. peak_tflops: the
+    device's dense bf16 peak for the MFU (default: known GPUs' spec sheet; none on a CPU).
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -653,15 +694,17 @@ def run_trainer_bench(
         memory: dict[str, dict] = {}
         if measure_memory:
             console.log("peak memory of the cached and the full path, each in a fresh process")
-            memory = measure_memory_in_fresh_processes(data, model_path, dev, dtype_name, threads, seed)
+            memory = measure_memory_in_fresh_processes(data, model_path, dev, dtype_name, threads, seed,
+                                                       full_finetune=full_finetune)
 
         # Timing: the four variants in this process, interleaved step by step.
         console.log("loading the cached (LM-only) and the full model")
-        cached_model, cached_opt = build_cached(model_path, dtype=dtype, device=dev, seed=seed)
-        full_model, full_opt = build_full(model_path, dtype=dtype, device=dev, seed=seed)
-        ckpt_model, ckpt_opt = build_cached(model_path, dtype=dtype, device=dev, seed=seed, checkpointing=True)
-        lora_params = count_params(cached_model, trainable=True)
-        lm_params = count_params(cached_model) - lora_params
+        common = dict(dtype=dtype, device=dev, seed=seed, full_finetune=full_finetune)
+        cached_model, cached_opt = build_cached(model_path, **common)
+        full_model, full_opt = build_full(model_path, **common)
+        ckpt_model, ckpt_opt = build_cached(model_path, checkpointing=True, **common)
+        trainable_params = count_params(cached_model, trainable=True)
+        lm_params = count_params(cached_model) - (0 if full_finetune else trainable_params)
         vision_timer = VisionTimer(full_model.get_base_model().model.visual, dev)
         # padded shares the cached model and optimizer: same weights, only the layout differs.
         runners = {"cached": (cached_model, cached_opt), "full": (full_model, full_opt),
@@ -698,14 +741,19 @@ def run_trainer_bench(
         med = {name: statistics.median(times[name]) for name in VARIANTS}
         tps = {name: data.num_tokens / med[name] for name in VARIANTS}
         lengths = [s.num_tokens for s in data.samples]
+        text = dims_from_hf_config(json.loads((Path(model_path) / "config.json").read_text())).text
+        flops = lm_step_flops(text, lengths, data.num_loss_tokens, full_finetune=full_finetune)
+        peak = peak_tflops if peak_tflops is not None else spec_peak_tflops(dev)
         result = {
             "config": {
                 "preset": preset,
                 "model": model_path,
                 "lm_params": lm_params,
                 "vision_params": vision_params,
-                "lora_params": lora_params,
+                "trainable_params": trainable_params,
                 "lora": {"rank": lora_settings().rank, "targets": lora_settings().target_modules},
+                "full_finetune": full_finetune,
+                "peak_tflops": peak,
                 "batch": batch,
                 "steps": steps,
                 "warmup_steps": 1,
@@ -747,6 +795,13 @@ def run_trainer_bench(
             # (c) activation checkpointing, on the cached path
             "checkpointed_step_s": med["checkpointed"],
             "activation_checkpointing_step_ratio": med["checkpointed"] / med["cached"],
+            # (d) the language model's FLOPs (no vision tower, no recomputation)
+            "lm_flops_per_step": flops,
+            "cached_tflops": flops / med["cached"] / 1e12,
+            "cached_mfu": flops / med["cached"] / 1e12 / peak if peak else None,
+            "estimated_cached_peak_mb": estimated_peak_mb(text, data, dtype_name, full_finetune, checkpointing=False),
+            "estimated_checkpointed_peak_mb": estimated_peak_mb(text, data, dtype_name, full_finetune,
+                                                                checkpointing=True),
             # checks and raw figures
             "warmup_loss": warmup_loss,
             "max_warmup_loss_diff": max(abs(warmup_loss[n] - warmup_loss["cached"]) for n in VARIANTS),
@@ -768,6 +823,55 @@ def run_trainer_bench(
         torch.set_num_threads(previous_threads)
 
 
+# ----------------------------------------------------------------------------- FLOPs, estimates
+
+
+def lm_step_flops(text: TextDims, lengths: list[int], loss_tokens: int, *, full_finetune: bool) -> float:
+    """The language model's FLOPs in one training step over samples of these lengths.
+
+    Counted: the decoder's linears (P weights: 2 P per token forward, 2 P backward for the
+    inputs' gradients, and with full fine-tuning 2 P for the weights'; LoRA's adapters are
+    negligible); causal attention (2 q_dim n^2 per layer forward for a sample of n tokens,
+    twice that backward); the lm_head on the loss tokens only, as the trainer computes it
+    (2 V H each way, and the weight's gradient with full fine-tuning). Not counted: the vision
+    tower (the cached path never runs it), norms and elementwise work, and recomputation
+    (activation checkpointing, the chunked logprobs' backward): MFU counts the model's work.
+    """
+    linear = text.num_hidden_layers * sum(i * o for i, o in text.linear_shapes().values())
+    passes = 6 if full_finetune else 4
+    attention = 6 * text.num_hidden_layers * text.q_dim * sum(n * n for n in lengths)
+    head = passes * text.vocab_size * text.hidden_size * loss_tokens
+    return passes * linear * sum(lengths) + attention + head
+
+
+# Dense bf16 peak, TFLOP/s, from the spec sheets (SXM parts), by the name CUDA reports.
+SPEC_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def spec_peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in SPEC_PEAK_TFLOPS.items() if k in name), None)
+
+
+def estimated_peak_mb(text: TextDims, data: BenchBatch, dtype_name: str, full_finetune: bool, *,
+                      checkpointing: bool) -> float:
+    """`saccade memory`'s estimate of the cached path's peak for this batch (the assumed CUDA
+    context left out: the measured peak is what the allocator handed out)."""
+    from saccade.memory import ModelDims, VisionDims
+
+    # The vision dims only size the micro-batch's image embeddings (main + DeepStack levels).
+    levels = len(next(iter(data.embeddings.values())).deepstack) if data.embeddings else 0
+    vision = VisionDims(1, 1, 1, text.hidden_size, 1, deepstack_levels=levels)
+    est = trainer_memory(
+        ModelDims("bench", text, vision), dtype=dtype_name, lora_rank=None if full_finetune else lora_settings().rank,
+        max_tokens=data.max_tokens, loss_fraction=data.num_loss_tokens / data.num_tokens,
+        activation_checkpointing=checkpointing,
+    )
+    return (est.total - est.get("CUDA context")) * 1024
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -780,7 +884,9 @@ def format_report(result: dict) -> str:
     load = c.get("load_avg_1m") or {}
     lines = [
         f"saccade trainer bench: preset {c['preset']} (LM {c['lm_params'] / 1e6:.1f}M params, "
-        f"vision {c['vision_params'] / 1e6:.1f}M, LoRA r{c['lora']['rank']}: {c['lora_params'] / 1e6:.2f}M trainable)",
+        f"vision {c['vision_params'] / 1e6:.1f}M, "
+        + ("full fine-tuning" if c["full_finetune"] else f"LoRA r{c['lora']['rank']}")
+        + f": {c['trainable_params'] / 1e6:.2f}M trainable)",
         f"{c['device']} {c['dtype']}, {c['torch_threads']} torch threads; batch of {c['batch']} samples = "
         f"{result['batch_tokens']:,} tokens ({result['batch_image_tokens']:,} image, {result['batch_loss_tokens']:,} "
         f"in the loss), {result['batch_images']} images, {result['sample_tokens_min']}-{result['sample_tokens_max']} "
@@ -816,6 +922,12 @@ def format_report(result: dict) -> str:
         f"  {'with / without':<26}{result['activation_checkpointing_step_ratio']:>8.2f}x{'':>13}"
         + (f"{result['activation_checkpointing_peak_ratio']:>9.2f}x" if "activation_checkpointing_peak_ratio" in result
            else ""),
+        "",
+        f"(d) language-model FLOPs per step {result['lm_flops_per_step'] / 1e12:.3f} T (no vision tower, no "
+        f"recomputation): cached path {result['cached_tflops']:.2f} TFLOP/s"
+        + (f", MFU {result['cached_mfu']:.1%} of {c['peak_tflops']:g}" if result.get("cached_mfu") else "")
+        + f"; saccade memory estimates the peak at {result['estimated_cached_peak_mb']:.0f} MB "
+        f"({result['estimated_checkpointed_peak_mb']:.0f} MB checkpointed)",
         "",
         f"warm-up losses of the four variants agree to {result['max_warmup_loss_diff']:.1e} (same weights, same "
         f"tokens); wall time {result['wall_s']:.0f} s",

@@ -12,6 +12,10 @@ Presets:
   because vLLM's CPU attention refuses 16.
 - "small": about 110M parameters (LM ~80M, vision ~30M) with Qwen3-VL's layer shapes
   scaled down; for benchmarks. Its BPE stops at ~1.7k tokens: the corpus has no more merges.
+- "qwen3vl-2b": random weights at exactly Qwen3-VL-2B-Instruct's shapes (2.13B parameters,
+  the 151,936-row vocabulary included, DeepStack from ViT blocks 5, 11, 17), saved in bf16
+  (4.3 GB): what the GPU benchmarks measure speed, memory and bf16 parity on, offline.
+  The tokenizer is the small BPE's; ids past it are rows nobody samples.
 
 Built folders are cached under `cache_dir()` keyed by preset, seed and a build version,
 so a second call is a directory lookup.
@@ -97,6 +101,8 @@ class TinyPreset:
     patch_size: int = 16
     min_pixels: int = 32 * 32
     max_pixels: int = 256 * 256
+    vocab_size: int | None = None  # model vocabulary rows; None: the tokenizer's size
+    weights_dtype: str = "float32"  # what the weights are saved in
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -131,6 +137,25 @@ PRESETS: dict[str, TinyPreset] = {
         vision_position_grid=24,
         max_pixels=448 * 448,
     ),
+    # Qwen/Qwen3-VL-2B-Instruct's config.json (saccade.memory.QWEN3_VL has the same numbers).
+    "qwen3vl-2b": TinyPreset(
+        bpe_vocab_size=8192,
+        text_hidden=2048,
+        text_layers=28,
+        text_heads=16,
+        text_kv_heads=8,
+        text_head_dim=128,
+        text_intermediate=6144,
+        vision_hidden=1024,
+        vision_depth=24,
+        vision_heads=16,
+        vision_intermediate=4096,
+        deepstack_indexes=(5, 11, 17),
+        vision_position_grid=48,
+        max_pixels=448 * 448,
+        vocab_size=151936,
+        weights_dtype="bfloat16",
+    ),
 }
 
 
@@ -141,7 +166,7 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str) -> str:
-    """A preset name ("tiny", "small") becomes its built folder; anything else is returned as is."""
+    """A preset name ("tiny", "small", "qwen3vl-2b") becomes its built folder; anything else is returned as is."""
     return str(tiny_model_path(model)) if model in PRESETS else model
 
 
@@ -189,7 +214,7 @@ def build_tiny_qwen3vl(out_dir: str | os.PathLike, *, preset: str = "tiny", seed
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3VLForConditionalGeneration(config)
-    model.save_pretrained(out, safe_serialization=True)
+    model.to(getattr(torch, spec.weights_dtype)).save_pretrained(out, safe_serialization=True)
     return out
 
 
@@ -203,7 +228,7 @@ def build_config(tokenizer, spec: TinyPreset):
     mrope_section = [half - 2 * h_w, h_w, h_w]
     return Qwen3VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer),
+            vocab_size=max(len(tokenizer), spec.vocab_size or 0),
             hidden_size=spec.text_hidden,
             intermediate_size=spec.text_intermediate,
             num_hidden_layers=spec.text_layers,
