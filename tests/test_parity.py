@@ -15,4 +15,6 @@ def test_bf16_parity_on_the_cpu(tiny_path):
     assert result["dtype"] == "bfloat16" and tolerance("bfloat16") == BF16_TOLERANCE
     assert 0 < result["lm_only_vs_full_max_abs"] <= BF16_TOLERANCE  # bf16 rounding, not zero
     assert result["packed_vs_unpacked_max_abs"] <= BF16_TOLERANCE
-    assert min(result["deepstack_dropped_max_abs"], result["positions_1d_max_abs"]) > 2 * BF16_TOLERANCE
+    mistakes = min(result["deepstack_dropped_max_abs"], result["positions_1d_max_abs"])
+    assert mistakes > 10 * result["lm_only_vs_full_max_abs"]  # bf16 noise is not a mistake's size
+    assert result["lm_only_vs_full_mean_abs"] < result["lm_only_vs_full_max_abs"]

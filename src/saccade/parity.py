@@ -25,10 +25,11 @@ from saccade.trainer.samples import TrainingSample, make_sample
 
 # fp32 bar for the LM-only path against the full model, packed or not (max |Δ logprob|).
 TOLERANCE = 1e-5
-# bf16: the two paths round differently (another batch shape, another kernel, the images
-# through the tower in another grouping); measured on the tiny model on this CPU, see
-# docs/precision.md. A real mistake (DeepStack dropped, 1-D positions) is far above it.
-BF16_TOLERANCE = 0.05
+# bf16: the two paths round differently (the full model's causal attention against the packed
+# path's block mask: another sdpa kernel, and 28 layers of bf16 rounding after it). Measured
+# on this CPU (docs/precision.md): tiny 4.6e-3; the qwen3vl-2b preset 0.10 (mean 0.024).
+# The real mistakes move it by 1.2-2.0 at 2B (DeepStack dropped, 1-D positions).
+BF16_TOLERANCE = 0.25
 
 
 def tolerance(dtype: str) -> float:
@@ -150,6 +151,11 @@ def max_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b, strict=True))
 
 
+def mean_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Mean |Δ| over every token of every case (the first token of each, never predicted, left out)."""
+    return float(torch.cat([(x[1:] - y[1:]).abs() for x, y in zip(a, b, strict=True)]).mean())
+
+
 def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> dict:
     """All four figures plus per-case detail, on any Qwen3-VL folder, in `dtype` on `device`."""
@@ -189,6 +195,8 @@ def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.d
         "lm_only_vs_full_max_abs": max_abs(single, reference),
         "packed_vs_unpacked_max_abs": max_abs(packed, single),
         "packed_vs_full_max_abs": max_abs(packed, reference),
+        "lm_only_vs_full_mean_abs": mean_abs(single, reference),
+        "packed_vs_unpacked_mean_abs": mean_abs(packed, single),
         # The two mistakes are measured on the cases that have images (text-only is unaffected).
         "deepstack_dropped_max_abs": max_abs(pick(no_deepstack), pick(reference)),
         "positions_1d_max_abs": max_abs(pick(flat_positions), pick(reference)),
