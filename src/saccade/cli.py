@@ -229,7 +229,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from saccade.config import RunConfig, load_config
-    from saccade.memory import EMBED_CACHE_HOST_GIB, estimate_run, header_lines
+    from saccade.memory import estimate_run, header_lines
 
     cfg = load_config(RunConfig, args.config, args.overrides)
     est = estimate_run(cfg, gpu_memory_utilization=args.gpu_memory_utilization, gpu_gib=args.gpu_gib,
@@ -249,8 +249,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
         table.add_row("[bold]total[/bold]", f"[bold]{estimate.total:.2f}[/bold]", "")
         console.print(table)
     print("\n".join(line[4:] for line in header_lines(est)[-1:]))
-    print(f"host RAM besides: the image-embedding cache, up to {EMBED_CACHE_HOST_GIB:.0f} GiB. Estimates, not "
-          "measurements: see docs/qwen3vl.md")
+    print(f"host RAM besides: the image-embedding cache, images.cache_bytes = {cfg.images.cache_bytes / 2**30:.2f} GiB "
+          "(a step's images pinned beyond it until its train step ends). Estimates, not measurements: see "
+          "docs/qwen3vl.md")
     return 0 if est.fits else 1
 
 

@@ -43,7 +43,6 @@ GPU_GIB = 79.0  # what CUDA shows of an 80 GB H100 / A100 (nvidia-smi: 81,559 Mi
 CUDA_CONTEXT_GIB = 0.5  # assumed
 VLLM_OVERHEAD_GIB = 3.0  # assumed: vLLM's profiling activations, CUDA graphs, encoder cache
 LOGPROB_CHUNK = 1024  # saccade.trainer.forward.forward_logprobs' default chunk_size
-EMBED_CACHE_HOST_GIB = 1.0  # images.cache_bytes' default (1 GiB of host RAM), pinned images besides
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
