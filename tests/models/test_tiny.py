@@ -177,16 +177,22 @@ def test_build_is_deterministic_in_the_seed(tmp_path):
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
 
 
-def test_tiny_model_path_returns_the_cached_folder(tiny_path):
+def test_tiny_model_path_returns_the_cached_folder(tiny_path, monkeypatch):
     assert (tiny_path / ".complete").exists()
     assert (tiny_path / "config.json").exists()
     assert (tiny_path / "model.safetensors").exists()
     assert "seed0" in tiny_path.name and "tiny" in tiny_path.name
+    import saccade.models.tiny as tiny
+
     mtime = (tiny_path / "model.safetensors").stat().st_mtime_ns
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("tiny_model_path rebuilt a model it had cached")
+
+    monkeypatch.setattr(tiny, "build_tiny_qwen3vl", no_build)
     again = tiny_model_path("tiny", seed=0)
     assert again == tiny_path
-    # Not rebuilt: the weights file is the very one written before (a rebuild would rewrite it).
-    assert (tiny_path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert (tiny_path / "model.safetensors").stat().st_mtime_ns == mtime  # the very file written before
     # No half-built temp folders are left beside it.
     assert not [p for p in tiny_path.parent.glob(f".{tiny_path.name}.*")]
     assert BUILD_VERSION >= 1
