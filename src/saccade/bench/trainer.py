@@ -80,6 +80,7 @@ from saccade.data.images import image_to_data_url
 from saccade.data.messages import messages_to_inputs
 from saccade.config import LoraConfig
 from saccade.memory import TextDims, dims_from_hf_config, trainer_memory
+from saccade.metrics import proc_status_kb
 from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.models.loading import load_full_model, load_processor, load_vision_tower
 from saccade.models.tiny import PRESETS, tiny_model_path
@@ -502,18 +503,8 @@ def _set_lr(optimizer, lr: float) -> None:
 # ----------------------------------------------------------------------------- memory
 
 
-def _proc_status_kb(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def _host_rss_mb() -> float:
-    kb = _proc_status_kb("VmRSS")
+    kb = proc_status_kb("VmRSS")
     if kb is None:  # not Linux: ru_maxrss is the best there is (bytes on macOS)
         import resource
 
@@ -522,7 +513,7 @@ def _host_rss_mb() -> float:
 
 
 def _host_peak_mb() -> float:
-    kb = _proc_status_kb("VmHWM")
+    kb = proc_status_kb("VmHWM")
     return _host_rss_mb() if kb is None else kb / 1024
 
 
