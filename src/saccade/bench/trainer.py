@@ -30,13 +30,12 @@ loading, so the loading transient is left out; CUDA: max_memory_allocated). Not
 `ru_maxrss`: a spawned child inherits its parent's ru_maxrss through exec. The peak holds
 weights, LoRA + AdamW state, the step's inputs and activations.
 (b) packed vs padded: the fraction of pad tokens in the padded layout and real tokens/s
-of both ("packed" is the `cached` variant of (a)).
-(c) activation checkpointing: step time and peak memory of `checkpointed` over `cached`
-(`activation_checkpointing_step_ratio`, `activation_checkpointing_peak_ratio`), the peak
-measured like (a)'s, in a fresh process. Under sdpa (CPU) a packed row pays
+of both ("packed" is the `cached` variant of (a)). Under sdpa (CPU) a packed row pays
 attention over its whole (N x N) block-diagonal mask, so packing saves the pads' linear
 layers but not all of the attention; keep max_tokens moderate.
-
+(c) activation checkpointing: step time and peak memory of `checkpointed` over `cached`
+(`activation_checkpointing_step_ratio`, `activation_checkpointing_peak_ratio`), the peak
+measured like (a)'s, in a fresh process.
 (d) the language model's FLOPs per step (`lm_step_flops`: the vision tower, which the cached
 path never runs, and recomputation are not counted), the cached path's achieved TFLOP/s
 and, given the device's peak (`--peak-tflops`; known for H100/H200/A100), its MFU; and
@@ -60,7 +59,6 @@ timed separately (`encode_once_s`) and not charged to the cached path's steps.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -79,7 +77,7 @@ from saccade.config import ImagesConfig
 from saccade.data.images import image_to_data_url
 from saccade.data.messages import messages_to_inputs
 from saccade.config import LoraConfig
-from saccade.memory import TextDims, dims_from_hf_config, trainer_memory
+from saccade.memory import TextDims, model_dims, trainer_memory
 from saccade.metrics import proc_status_kb
 from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.models.loading import load_full_model, load_processor, load_vision_tower
@@ -732,7 +730,7 @@ def run_trainer_bench(
         med = {name: statistics.median(times[name]) for name in VARIANTS}
         tps = {name: data.num_tokens / med[name] for name in VARIANTS}
         lengths = [s.num_tokens for s in data.samples]
-        text = dims_from_hf_config(json.loads((Path(model_path) / "config.json").read_text())).text
+        text = model_dims(model_path).text
         flops = lm_step_flops(text, lengths, data.num_loss_tokens, full_finetune=full_finetune)
         peak = peak_tflops if peak_tflops is not None else spec_peak_tflops(dev)
         result = {

@@ -19,11 +19,11 @@ from saccade.envs.trajectory import ChatContinuation, Trajectory, add_completion
 from saccade.inference.engine import SamplingParams
 
 
-async def _reset_all(envs: list[Environment], samples: list[Any]) -> list:
+async def reset_all(envs: list[Environment], samples: list[Any]) -> list:
     return list(await asyncio.gather(*(maybe_await(env.reset(s)) for env, s in zip(envs, samples, strict=True))))
 
 
-async def _step_all(envs: list[Environment], messages: list[dict[str, Any]]) -> list[StepResult]:
+async def step_all(envs: list[Environment], messages: list[dict[str, Any]]) -> list[StepResult]:
     results = await asyncio.gather(*(maybe_await(env.step(m)) for env, m in zip(envs, messages, strict=True)))
     return [as_step_result(r) for r in results]
 
@@ -34,7 +34,7 @@ def run_episodes(engine, envs: list[Environment], samples: list[Any], sample_ids
     processor, limits = continuation.processor, continuation.limits
     end_of_turn = continuation.end_of_turn_id
     one = replace(params, n=1)
-    openings = asyncio.run(_reset_all(envs, samples))
+    openings = asyncio.run(reset_all(envs, samples))
     trajectories = [
         start_trajectory(sid, messages, processor, limits=limits, key_for_hash=engine.key_for_hash, sample=s)
         for sid, messages, s in zip(sample_ids, openings, samples, strict=True)
@@ -48,7 +48,7 @@ def run_episodes(engine, envs: list[Environment], samples: list[Any], sample_ids
         for i, group in zip(active, groups, strict=True):
             add_completion(trajectories[i], group[0], end_of_turn_id=end_of_turn)
         replies = [{"role": "assistant", "content": trajectories[i].texts[-1]} for i in active]
-        results = asyncio.run(_step_all([envs[i] for i in active], replies))
+        results = asyncio.run(step_all([envs[i] for i in active], replies))
         for i, result in zip(active, results, strict=True):
             t = trajectories[i]
             t.rewards.append(result.reward)

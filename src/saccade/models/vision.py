@@ -72,15 +72,11 @@ class EmbeddingCacheMiss(ValueError):
 class Pins:
     """Cache keys kept in memory until `release()`: one step's images, from its rollout until
     its train step ends. While active (`with pins:`), every entry the cache puts or returns is
-    added; `add` pins a key by hand."""
+    added."""
 
     def __init__(self, cache: EmbeddingCache, name: str):
         self.cache, self.name = cache, name
         self.keys: set[str] = set()
-
-    def add(self, key: str) -> None:
-        with self.cache._lock:
-            self._add(key)
 
     def _add(self, key: str) -> None:  # the cache's lock is held
         if key not in self.keys:
@@ -127,7 +123,7 @@ class EmbeddingCache:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
         self._entries: OrderedDict[str, ImageEmbedding] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._pin_counts: Counter[str] = Counter()
         self._active: list[Pins] = []
         self.stats = CacheStats()

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from saccade.config import EnvConfig, RolloutConfig
-from saccade.envs.base import as_step_result, maybe_await
 from saccade.inference.engine import ChatRequest, Engine, SamplingParams
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 from saccade.orchestrator.samples import completion_to_sample
@@ -64,20 +63,20 @@ def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingPa
                    merge: int) -> list[list[Rollout]]:
     """Single-turn: one request per prompt with n = params.n; each answer scored by its own
     environment (reset with the prompt, stepped with the answer)."""
+    from saccade.envs.rollout import reset_all, step_all
+
     G = params.n
-    envs = [[task.make_env() for _ in range(G)] for _ in prompts]
-    openings = _run(_gather(maybe_await(env.reset(p)) for group, p in zip(envs, prompts, strict=True)
-                            for env in group))
+    envs = [task.make_env() for _ in prompts for _ in range(G)]
+    openings = asyncio.run(reset_all(envs, [p for p in prompts for _ in range(G)]))
     requests = [ChatRequest(p.sample_id, openings[g * G]) for g, p in enumerate(prompts)]
     groups = engine.generate(requests, params)
     replies = [{"role": "assistant", "content": c.text} for group in groups for c in group]
-    results = _run(_gather(maybe_await(env.step(m)) for env, m in
-                           zip((e for group in envs for e in group), replies, strict=True)))
+    results = asyncio.run(step_all(envs, replies))
     out = []
     for g, (group, prompt) in enumerate(zip(groups, prompts, strict=True)):
         rollouts = []
         for i, completion in enumerate(group):
-            result = as_step_result(results[g * G + i])
+            result = results[g * G + i]
             sample = completion_to_sample(completion, sample_id=f"{prompt.sample_id}/{i}", advantage=0.0,
                                           reward=result.reward, spatial_merge_size=merge)
             rollouts.append(Rollout(sample, result.reward, result.info, completion.completion_ids.numel(),
@@ -173,11 +172,3 @@ def final_info_means(infos: list[dict[str, Any]]) -> dict[str, float]:
             if isinstance(value, (bool, int, float)):
                 values.setdefault(f"env_{key}", []).append(float(value))
     return {key: float(np.mean(v)) for key, v in sorted(values.items())}
-
-
-async def _gather(awaitables) -> list:
-    return list(await asyncio.gather(*awaitables))
-
-
-def _run(coroutine):
-    return asyncio.run(coroutine)
