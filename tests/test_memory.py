@@ -70,7 +70,8 @@ def saved_activation_bytes(tiny_path, dtype, lora: bool, n_tokens: int, n_image_
     from saccade.trainer.samples import MicroBatch
 
     torch.manual_seed(0)
-    policy = load_policy_lm(tiny_path, dtype=dtype)
+    # The formula models transformers' sdpa (and flash); packed_sdpa's extra copies are described there.
+    policy = load_policy_lm(tiny_path, dtype=dtype, attn_implementation="sdpa")
     held: dict[int, int] = {}
     if checkpointing:
         policy.enable_activation_checkpointing()

@@ -170,12 +170,13 @@ def test_a_cache_smaller_than_one_steps_images_trains_the_same(tmp_path):
 def test_bfloat16_on_the_cpu_trains_and_logs_its_mismatch(tmp_path):
     """`--model.dtype bfloat16` on the demo config: the engine and the trainer both compute in
     bf16 (full fine-tuning with float32 master weights); the per-step engine/trainer mismatch
-    is in metrics.jsonl, above fp32's float noise and below a real discrepancy."""
+    is in metrics.jsonl, below a real discrepancy."""
     cfg = _config(tmp_path, "bf16", "--model.dtype", "bfloat16", "--trainer.steps", "2",
                   "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
     setup = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)["setup"]
     assert {p.dtype for p in setup.model.parameters()} == {torch.bfloat16}
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     assert len(rows) == 2 and all(r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in rows)
-    assert all(1e-5 < r["mismatch_abs"] < 1e-2 for r in rows), [r["mismatch_abs"] for r in rows]
+    # packed_sdpa runs the same causal kernel as the engine: 2e-7 here (the masked sdpa path: 8e-4).
+    assert all(0 <= r["mismatch_abs"] < 1e-2 for r in rows), [r["mismatch_abs"] for r in rows]
     assert all(r["peak_rss_mb"] >= r["rss_mb"] > 0 for r in rows)

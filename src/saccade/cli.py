@@ -151,6 +151,16 @@ def cmd_bench_trainer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_step(args: argparse.Namespace) -> int:
+    from saccade.bench.step import format_step_report, run_step_bench
+
+    result = run_step_bench(args.preset, image_size=args.image_size, lora=args.lora, steps=args.steps,
+                            device=args.device, trace_dir=args.trace, max_tokens=args.max_tokens)
+    print(format_step_report(result))
+    _write_json(args.json, result)
+    return 0
+
+
 def cmd_bench_engine_parity(args: argparse.Namespace) -> int:
     from saccade.bench.engine import format_engine_parity, meets_bars, run_engine_parity
 
@@ -165,7 +175,7 @@ def cmd_bench_engine_parity(args: argparse.Namespace) -> int:
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
     from saccade.bench.engine import format_rollout, run_rollout_bench
 
-    result = run_rollout_bench(args.model or "tiny", url=args.url)
+    result = run_rollout_bench(args.model or "tiny", url=args.url, vllm=not args.no_vllm)
     print(format_rollout(result))
     _write_json(args.json, result)
     return 0
@@ -346,6 +356,29 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     trainer.set_defaults(func=cmd_bench_trainer)
 
+    step = bench_sub.add_parser(
+        "step",
+        help="one RL step's wall time broken down, against HF transformers' own path (TRL's) on the same batch",
+        description="8 prompts x G=8, <= 8 new tokens, one shapes image per prompt: saccade's step (rollout on the "
+        "embedded engine, pack, train step, weight sync) timed part by part (env, templating, image_prep, encode, "
+        "prefill, decode, rewards, samples, pack, forward, logprobs, loss, backward, optimizer, weight_sync, other), "
+        "interleaved with the reference: transformers generate on the repeated prompts, then a padded forward and "
+        "backward of the full model from the pixels. Prints saccade_s, reference_s, their ratio (reference / "
+        "saccade), the trainer's tokens/s against the reference's forward+backward, and the overhead's share.",
+    )
+    step.add_argument("--preset", choices=["tiny", "small"], default="tiny", help="model preset (default tiny)")
+    step.add_argument("--image-size", type=int, default=64, help="image side, px (default 64: 4 image tokens; 448: "
+                      "196, the image-heavy shape; max_pixels is raised to match)")
+    step.add_argument("--lora", action="store_true", help="LoRA r16 on both sides (default: full fine-tuning of "
+                      "the language model)")
+    step.add_argument("--steps", type=int, default=3, help="measured steps per side, after one warm-up (default 3)")
+    step.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
+    step.add_argument("--max-tokens", type=int, help="packed micro-batch budget (default: the demo config's "
+                      "trainer.max_tokens)")
+    step.add_argument("--trace", metavar="DIR", help="also write a torch.profiler trace of one step of each side")
+    step.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    step.set_defaults(func=cmd_bench_step)
+
     engine_parity = bench_sub.add_parser(
         "engine-parity",
         help="vLLM against the trainer: sampled-token logprobs, /encode_images, and after /update_weights",
@@ -365,9 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     rollout = bench_sub.add_parser(
         "rollout",
-        help="completion tokens/s: embedded engine against vLLM on the same prompts, side by side",
-        description="32 shapes prompts x 8 samples, up to 16 tokens, three interleaved repeats per engine.",
+        help="completion tokens/s: embedded engine, HF generate and vLLM on the same prompts, side by side",
+        description="32 shapes prompts x 8 samples, up to 16 tokens, three interleaved repeats per engine: the "
+        "embedded engine (each prompt prefilled once for its 8 samples), transformers' generate on the prompts "
+        "repeated 8 times (TRL without vLLM), and a started vLLM server.",
     )
+    rollout.add_argument("--no-vllm", action="store_true", help="leave vLLM out (the embedded engine against HF only)")
     rollout.add_argument("--url", help="an already running `saccade serve` (default: start one)")
     _add_model_and_json(rollout)
     rollout.set_defaults(func=cmd_bench_rollout)

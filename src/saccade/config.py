@@ -120,8 +120,11 @@ class ModelConfig(Section):
         description="compute dtype (bfloat16 on GPU): frozen weights and image embeddings are stored in it; "
         "trainable weights, optimizer state, logprobs and the loss stay float32 (docs/precision.md)",
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="attention kernel of the language model (flash_attention_2 needs a GPU and bf16)"
+    attn_implementation: Literal["auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto",
+        description="attention kernel of the language model. auto = packed_sdpa: each packed sample attends "
+        "causally within itself and masked blocks are never computed (docs/packing.md); sdpa builds the "
+        "block-diagonal mask; flash_attention_2 needs a GPU, bf16 and the flash-attn package",
     )
 
     @property
@@ -287,6 +290,12 @@ class TrainerConfig(Section):
         False,
         description="recompute each decoder layer's activations in backward instead of keeping them: activation "
         "memory drops to about one layer's plus each layer's input, for one extra forward per micro-batch",
+    )
+    share_prompts: bool = Field(
+        True,
+        description="pack each group's common prompt once: its G completions attend to one copy, so the forward "
+        "and backward run the prompt (images included) once per group, not G times. Same logprobs; needs "
+        "model.attn_implementation auto/packed_sdpa (other kernels pack every sample whole)",
     )
 
 

@@ -251,7 +251,11 @@ def activation_bytes_per_token(
     Exact for LoRA on all seven linears and for full fine-tuning (tested against autograd's
     saved tensors on the tiny model); for other target sets the first layer is approximate.
     Not counted: DeepStack's per-image-token index masks (a few bytes per image token);
-    eager attention's (tokens x tokens) probabilities (use flash_attention_2 or sdpa).
+    eager attention's (tokens x tokens) probabilities (use flash_attention_2 or sdpa);
+    packed_sdpa's layout: its q, k, v and output are held as right-padded batches (the pads of
+    `length_buckets`, under 2x a sample's own length) and, in float32 on the CPU, the output
+    once more in row order (b*q per token per layer). Shared prompts (trainer.share_prompts)
+    shrink the token count itself: a group's prompt is held once, not G times.
     """
     full = lora_rank is None
     targets = set() if full else set(lora_targets)

@@ -25,6 +25,7 @@ from typing import Any
 from saccade.config import RunConfig
 from saccade.setup import Setup, build_setup
 from saccade.tasks import Task, task_from_config
+from saccade.timing import timed
 
 # Steps in a row with nothing to train on before the run says so. Zero-variance filtering
 # can leave a collapsed policy (e.g. one whose replies no longer end) with no signal at
@@ -54,6 +55,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     from saccade.metrics import MetricsLogger, ProgressBar, format_step, memory_metrics
     from saccade.orchestrator.rollout import rollout_step
     from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+    from saccade.models.lm import shares_prompts
     from saccade.trainer.packing import pack
     from saccade.trainer.step import adapter_free_reference, build_optimizer, lr_schedule, train_step
 
@@ -68,6 +70,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     reference = None
     if cfg.loss.kl_coef > 0:  # the KL term's reference: the base model, adapters off
         reference = adapter_free_reference(model, temperature=temperature, banned_token_ids=banned)
+    share_prompts = t.share_prompts and shares_prompts(model)  # a group's prompt forwarded once
     sampling = SamplingParams(temperature=temperature, top_p=cfg.engine.top_p, max_tokens=cfg.engine.max_tokens)
     # Only built when the run evaluates: a data set's eval split is then opened (downloaded) too.
     eval_samples = task.eval_samples(cfg.data.eval_size) if cfg.eval.every_steps else []
@@ -112,10 +115,12 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
             # 2. Train: pack like text (never splitting a sample), onto the device, optimize.
             train_metrics: dict[str, float] = {}
             if batch.samples:
-                micro_batches = pack(batch.samples, cache.get, max_tokens=t.max_tokens,
-                                     image_token_id=setup.image_token_id, spatial_merge_size=setup.merge)
+                with timed("pack"):
+                    micro_batches = [mb.to(setup.device) for mb in pack(
+                        batch.samples, cache.get, max_tokens=t.max_tokens, image_token_id=setup.image_token_id,
+                        spatial_merge_size=setup.merge, share_prompts=share_prompts)]
                 train_metrics = train_step(
-                    model, optimizer, scheduler, [mb.to(setup.device) for mb in micro_batches], loss=cfg.loss,
+                    model, optimizer, scheduler, micro_batches, loss=cfg.loss,
                     num_iterations=t.num_iterations, grad_clip=t.grad_clip, temperature=temperature,
                     banned_token_ids=banned, reference=reference,
                 )

@@ -56,8 +56,10 @@ def test_classic_mistakes_are_caught(mistake, cases, full_model, policy, encoder
     assert max_abs(broken, reference) > MISTAKE_FLOOR
 
 
-def test_packing_without_restarting_positions_leaks_across_samples(cases, policy, encoder):
-    """The guard behind packing: if the text row did not restart, samples would see each other."""
+def test_packing_without_restarting_positions_leaks_across_samples(tiny_path, cases, encoder):
+    """The guard behind packing under transformers' sdpa: if the text row did not restart,
+    samples would see each other (packed_sdpa's guard, the boundaries, is in test_attention)."""
+    policy = load_policy_lm(tiny_path, attn_implementation="sdpa").eval()
     mb = collate([c.sample for c in cases], encoder.cache.get, image_token_id=policy.image_token_id,
                  spatial_merge_size=encoder.merge)
     with torch.no_grad():

@@ -79,6 +79,21 @@ def test_encode_preprocess_matches_message_path(processor, limits, encoder, imag
     assert torch.equal(pixels, inputs.pixel_values)
 
 
+def test_encode_reuses_the_processors_pixels_for_the_misses(processor, limits, tower, images, monkeypatch):
+    """The engine hands the tower the pixels its prompt's processor call already made: the same
+    embeddings as preprocessing again, without the second resize (only the misses are taken)."""
+    messages = [{"role": "user", "content": [{"type": "image", "image": im} for im in images]}]
+    inputs = messages_to_inputs(messages, processor, limits=limits)
+    fresh = VisionEncoder(tower, processor, limits=limits, cache=EmbeddingCache()).encode(images)
+    encoder = VisionEncoder(tower, processor, limits=limits, cache=EmbeddingCache())
+    encoder.encode(images[1:2])  # a hit: images 0 and 2 are the misses, their rows picked out
+    monkeypatch.setattr(encoder, "preprocess", lambda *_: pytest.fail("preprocessed again"))
+    reused = encoder.encode(images, pixels=(inputs.pixel_values, inputs.image_grid_thw))
+    for a, b in zip(fresh, reused, strict=True):
+        assert torch.equal(a.grid_thw, b.grid_thw)
+        assert (a.embeds - b.embeds).abs().max() <= TOL and (a.deepstack - b.deepstack).abs().max() <= TOL
+
+
 # ------------------------------------------------------------------------- caching
 
 

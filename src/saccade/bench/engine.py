@@ -183,15 +183,19 @@ def format_engine_parity(r: dict[str, Any]) -> str:
 
 
 def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: int = 32, n: int = 8,
-                      max_tokens: int = 16, repeats: int = 3) -> dict[str, Any]:
-    """Completion tokens/s of the embedded engine and of vLLM on the same prompts, interleaved."""
+                      max_tokens: int = 16, repeats: int = 3, vllm: bool = True) -> dict[str, Any]:
+    """Completion tokens/s on the same prompts, interleaved: the embedded engine, HF transformers'
+    `generate` on the prompts repeated n times (what TRL runs without vLLM; the vision tower and
+    the prefill per row, processor included), and vLLM (unless `vllm` is False)."""
     from contextlib import nullcontext
 
+    from saccade.bench.reference import hf_generate, hf_inputs, repeated_prompts
+    from saccade.config import ImagesConfig
     from saccade.inference.engine import SamplingParams
     from saccade.inference.local import LocalEngine
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm
-    from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.loading import load_full_model, load_processor, load_vision_tower
     from saccade.models.tiny import resolve_model
     from saccade.models.vision import EmbeddingCache, VisionEncoder
     from saccade.serving.launch import served
@@ -201,36 +205,65 @@ def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: i
     work = Path(tempfile.mkdtemp(prefix="saccade-rollout-bench-"))
     requests = shapes_requests(prompts)
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n)
-    server = nullcontext(url) if url else served(path, log_path=work / "serve.log")
+    server = nullcontext(url) if url else served(path, log_path=work / "serve.log") if vllm else nullcontext(None)
     with server as base:
-        vllm_engine = VLLMEngine.for_servers([base], processor)
-        limits = vllm_engine.limits
+        engines: dict[str, Any] = {}
+        limits = ImagesConfig()
+        if vllm:
+            engines["vllm"] = VLLMEngine.for_servers([base], processor)
+            limits = engines["vllm"].limits
         encoder = VisionEncoder(load_vision_tower(path), processor, limits=limits, cache=EmbeddingCache())
         local = LocalEngine(load_policy_lm(path, dtype=torch.float32), processor, encoder, limits=limits)
-        for engine in (local, vllm_engine):  # warm-up: first-call set-up and image encoding
-            engine.generate(requests[:2], params)
-        times: dict[str, list[float]] = {"embedded": [], "vllm": []}
-        tokens: dict[str, list[int]] = {"embedded": [], "vllm": []}
+        full = load_full_model(path)
+
+        def hf(reqs):
+            texts, images = repeated_prompts(processor, [r.messages for r in reqs], n, limits)
+            new_BC = hf_generate(full, hf_inputs(processor, texts, images, limits, "cpu"), max_new_tokens=max_tokens,
+                                 banned=local.banned_token_ids)
+            return _hf_completion_tokens(new_BC, local.stop_token_ids)
+
+        def count(engine):
+            return lambda reqs: sum(c.completion_ids.numel() for g in engine.generate(reqs, params) for c in g)
+
+        runs = {"embedded": count(local), "hf_generate": hf, **{k: count(e) for k, e in engines.items()}}
+        for run in runs.values():  # warm-up: first-call set-up and image encoding
+            run(requests[:2])
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        tokens: dict[str, list[int]] = {k: [] for k in runs}
         for _ in range(repeats):
-            for name, engine in (("embedded", local), ("vllm", vllm_engine)):
+            for name, run in runs.items():
                 t0 = time.perf_counter()
-                groups = engine.generate(requests, params)
+                tokens[name].append(run(requests))
                 times[name].append(time.perf_counter() - t0)
-                tokens[name].append(sum(c.completion_ids.numel() for g in groups for c in g))
     rate = {k: sum(tokens[k]) / sum(times[k]) for k in times}
-    return {
+    result = {
         "model": str(path), "prompts": prompts, "n": n, "max_tokens": max_tokens, "repeats": repeats,
-        "embedded_tokens_per_s": rate["embedded"], "vllm_tokens_per_s": rate["vllm"],
-        "vllm_over_embedded": rate["vllm"] / rate["embedded"],
-        "embedded_s": times["embedded"], "vllm_s": times["vllm"],
+        "embedded_tokens_per_s": rate["embedded"], "hf_generate_tokens_per_s": rate["hf_generate"],
+        "embedded_over_hf_generate": rate["embedded"] / rate["hf_generate"],
+        "embedded_s": times["embedded"], "hf_generate_s": times["hf_generate"],
     }
+    if vllm:
+        result.update(vllm_tokens_per_s=rate["vllm"], vllm_over_embedded=rate["vllm"] / rate["embedded"],
+                      vllm_s=times["vllm"])
+    return result
+
+
+def _hf_completion_tokens(new_BC: torch.Tensor, stop_ids: list[int]) -> int:
+    """Tokens generate sampled: each row up to and including its first stop token."""
+    stops = torch.isin(new_BC, torch.tensor(stop_ids))
+    first = torch.where(stops.any(1), stops.float().argmax(1) + 1, torch.full((len(new_BC),), new_BC.shape[1]))
+    return int(first.sum())
 
 
 def format_rollout(r: dict[str, Any]) -> str:
-    return "\n".join([
+    lines = [
         f"rollout throughput, {r['prompts']} prompts x {r['n']} samples, <= {r['max_tokens']} tokens, "
         f"{r['repeats']} interleaved repeats:",
         f"  embedded engine   {r['embedded_tokens_per_s']:8.1f} completion tokens/s",
-        f"  vLLM              {r['vllm_tokens_per_s']:8.1f} completion tokens/s",
-        f"  vLLM / embedded   {r['vllm_over_embedded']:.2f}x",
-    ])
+        f"  HF generate       {r['hf_generate_tokens_per_s']:8.1f} completion tokens/s  (prompts repeated n times)",
+        f"  embedded / HF     {r['embedded_over_hf_generate']:.2f}x",
+    ]
+    if "vllm_tokens_per_s" in r:
+        lines += [f"  vLLM              {r['vllm_tokens_per_s']:8.1f} completion tokens/s",
+                  f"  vLLM / embedded   {r['vllm_over_embedded']:.2f}x"]
+    return "\n".join(lines)

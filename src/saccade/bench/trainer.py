@@ -311,9 +311,10 @@ def build_cached(model_path, *, dtype: torch.dtype, device: torch.device, seed: 
     return model, _optimizer(model)
 
 
-def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: int, full_finetune: bool = False):
+def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: int, full_finetune: bool = False,
+               lora_rank: int | None = None):
     """The full Qwen3-VL, with the same LoRA targets anchored to the language model (or every
-    language-model weight training): vision stays frozen."""
+    language-model weight training): vision stays frozen. `lora_rank`: another rank (alpha 2x)."""
     import peft
 
     full = load_full_model(model_path, dtype=dtype).to(device)
@@ -323,6 +324,8 @@ def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: in
         full.train()
         return _FullFinetuned(full), _optimizer(full)
     settings = lora_settings()
+    if lora_rank is not None:
+        settings = LoraConfig(rank=lora_rank, alpha=2 * lora_rank)
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from saccade.timing import timed
 from saccade.config import ImagesConfig
 from saccade.data.images import image_hash, load_image
 
@@ -122,9 +123,12 @@ def messages_to_inputs(
     sample: str | None = None,
 ) -> ModelInputs:
     """Tokenize a conversation and preprocess its images: the single source of truth."""
-    normalized, images = extract_images(messages, limits=limits, sample=sample)
-    text = render_chat(processor, normalized, add_generation_prompt=add_generation_prompt)
-    return tokenize_rendered(text, images, processor, limits=limits, sample=sample)
+    with timed("image_prep"):
+        normalized, images = extract_images(messages, limits=limits, sample=sample)
+    with timed("templating"):
+        text = render_chat(processor, normalized, add_generation_prompt=add_generation_prompt)
+    with timed("image_prep"):  # the processor call: tokenizing (cheap) and resizing/patchifying the images
+        return tokenize_rendered(text, images, processor, limits=limits, sample=sample)
 
 
 def tokenize_rendered(

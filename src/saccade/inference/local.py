@@ -7,8 +7,9 @@ policy version. Prompts run the same LM-only path as the trainer: image features
 from the VisionEncoder's cache and are scattered into the token embeddings, DeepStack
 included, with M-RoPE positions from `saccade.models.positions`.
 
-Batching: all requests x n samples are left-padded into one batch; prefill once, then
-decode one token per step for every unfinished row. Simplified on purpose: no paged
+Batching: the distinct prompts are left-padded into one batch and prefilled once; each
+prompt's KV cache is then repeated for its n samples, and one token per step is decoded for
+every row that has not stopped (finished rows leave the batch). Simplified on purpose: no paged
 attention, no continuous batching, no speculative decoding; that is vLLM's job.
 
 Logprobs: the engine reports log softmax(logits / temperature) with the vision tokens
@@ -32,9 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from saccade.timing import timed
 from saccade.config import ImagesConfig
 from saccade.data.messages import ModelInputs, messages_to_inputs
 from saccade.inference.engine import ChatRequest, Completion, SamplingParams, TokenPrompt, vision_token_ids
+from saccade.models.attention import PACKED_SDPA
 from saccade.models.lm import BANNED_LOGIT, unwrap_policy
 from saccade.models.positions import mrope_positions
 from saccade.models.vision import ImageEmbedding, VisionEncoder
@@ -109,7 +112,9 @@ class LocalEngine:
             request.messages, self.processor, limits=self.limits, add_generation_prompt=True, sample=request.request_id
         )
         keys = [self.encoder.key_for_hash(h) for h in inputs.image_hashes]
-        embeddings = self.encoder.encode(inputs.images, keys) if inputs.images else []
+        # The processor's pixels are reused for the tower when the limits agree: no second resize.
+        pixels = (inputs.pixel_values, inputs.image_grid_thw) if self.limits == self.encoder.limits else None
+        embeddings = self.encoder.encode(inputs.images, keys, pixels=pixels) if inputs.images else []
         mrope = mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, spatial_merge_size=self.encoder.merge)
         return PreparedPrompt(request, inputs, keys, embeddings, mrope)
 
@@ -156,44 +161,49 @@ class LocalEngine:
         return self._generate_prepared([self.prepare_tokens(p) for p in prompts], params)
 
     def _generate_prepared(self, prepared: list[PreparedPrompt], params: SamplingParams) -> list[list[Completion]]:
-        rows = [p for p in prepared for _ in range(params.n)]
-        results: list[Completion] = []
-        for start in range(0, len(rows), self.max_batch_rows):
-            results.extend(self._generate_rows(rows[start : start + self.max_batch_rows], params))
-        return [results[i * params.n : (i + 1) * params.n] for i in range(len(prepared))]
+        """n completions of each prompt: prompts in chunks of at most `max_batch_rows` decode rows."""
+        per_chunk = max(1, self.max_batch_rows // params.n)
+        out: list[list[Completion]] = []
+        for start in range(0, len(prepared), per_chunk):
+            out.extend(self._generate_chunk(prepared[start : start + per_chunk], params))
+        return out
 
-    def _generate_rows(self, rows: list[PreparedPrompt], params: SamplingParams) -> list[Completion]:
+    def _generate_chunk(self, prompts: list[PreparedPrompt], params: SamplingParams) -> list[list[Completion]]:
         policy = unwrap_policy(self.model)
         was_training = self.model.training
         self.model.eval()
         try:
-            tokens_BT, logprobs_BT, lengths_B, stopped_B = self._sample(policy, rows, params)
+            tokens_BT, logprobs_BT, lengths_B, stopped_B = self._sample(policy, prompts, params)
         finally:
             self.model.train(was_training)
         out = []
-        for b, row in enumerate(rows):
-            n = int(lengths_B[b])
-            ids = tokens_BT[b, :n].clone()
-            out.append(
-                Completion(
-                    request_id=row.request.request_id,
-                    prompt_ids=row.inputs.input_ids.clone(),
-                    mm_token_type_ids=row.inputs.mm_token_type_ids.clone(),
-                    completion_ids=ids,
-                    logprobs=logprobs_BT[b, :n].clone(),
-                    image_keys=list(row.image_keys),
-                    image_grid_thw=(
-                        row.inputs.image_grid_thw.clone()
-                        if row.inputs.image_grid_thw is not None
-                        else torch.zeros(0, 3, dtype=torch.long)
-                    ),
-                    finish_reason="stop" if bool(stopped_B[b]) else "length",
-                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                    policy_version=self.policy_version,
-                    extra={"mrope_positions": row.mrope_3P},  # the positions the prompt ran at
-                )
-            )
+        for p, prompt in enumerate(prompts):
+            group = []
+            for b in range(p * params.n, (p + 1) * params.n):  # row b is sample b % n of prompt b // n
+                n = int(lengths_B[b])
+                ids = tokens_BT[b, :n].clone()
+                group.append(self._completion(prompt, ids, logprobs_BT[b, :n].clone(), bool(stopped_B[b])))
+            out.append(group)
         return out
+
+    def _completion(self, prompt: PreparedPrompt, ids: torch.Tensor, logprobs: torch.Tensor, stopped: bool) -> Completion:
+        return Completion(
+            request_id=prompt.request.request_id,
+            prompt_ids=prompt.inputs.input_ids.clone(),
+            mm_token_type_ids=prompt.inputs.mm_token_type_ids.clone(),
+            completion_ids=ids,
+            logprobs=logprobs,
+            image_keys=list(prompt.image_keys),
+            image_grid_thw=(
+                prompt.inputs.image_grid_thw.clone()
+                if prompt.inputs.image_grid_thw is not None
+                else torch.zeros(0, 3, dtype=torch.long)
+            ),
+            finish_reason="stop" if stopped else "length",
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            policy_version=self.policy_version,
+            extra={"mrope_positions": prompt.mrope_3P},  # the positions the prompt ran at
+        )
 
     def _prefill_inputs(self, policy, rows: list[PreparedPrompt]):
         """Left-padded batch: embeddings with images scattered in, DeepStack, positions, mask."""
@@ -237,54 +247,93 @@ class LocalEngine:
         token_B = torch.multinomial(probs_BV, 1, generator=self.generator).squeeze(1)
         return token_B, logprobs_BV.gather(1, token_B.unsqueeze(1)).squeeze(1)
 
-    def _sample(self, policy, rows: list[PreparedPrompt], params: SamplingParams):
+    def _sample(self, policy, prompts: list[PreparedPrompt], params: SamplingParams):
+        """Decode n samples of each prompt: rows [p*n, (p+1)*n) belong to prompt p.
+
+        Each distinct prompt is prefilled once; its KV cache and last hidden state are then
+        repeated for its n samples. Rows that have stopped leave the batch (their cache rows
+        dropped) at every stop check, so the batch shrinks as rows finish. Draws are still made
+        over all B rows in one call (finished rows' draws unused): each row's token depends only
+        on its own distribution and its place in the generator's stream, so dropping rows
+        changes no sample.
+        """
         from transformers import DynamicCache
 
         lm = policy.language_model
         device = policy.lm_head.weight.device
-        B, T = len(rows), params.max_tokens
-        embeds, positions, mask, visual_mask, deepstack, next_pos_B = self._prefill_inputs(policy, rows)
-        cache = DynamicCache(config=lm.config)
-        out = lm(
-            inputs_embeds=embeds,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            visual_pos_masks=visual_mask,
-            deepstack_visual_embeds=deepstack,
-        )
-        hidden_BH = out.last_hidden_state[:, -1]
+        n = params.n
+        with timed("prefill"):
+            embeds, positions, mask, visual_mask, deepstack, next_pos_P = self._prefill_inputs(policy, prompts)
+            cache = DynamicCache(config=lm.config)
+            out = lm(
+                inputs_embeds=embeds,
+                position_ids=positions,
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                visual_pos_masks=visual_mask,
+                deepstack_visual_embeds=deepstack,
+            )
+            hidden_AH = out.last_hidden_state[:, -1].repeat_interleave(n, dim=0)
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+        with timed("decode"):
+            return self._decode(policy, cache, hidden_AH, mask.repeat_interleave(n, dim=0),
+                                next_pos_P.to(device).repeat_interleave(n), params)
+
+    def _decode(self, policy, cache, hidden_AH: torch.Tensor, mask: torch.Tensor, next_pos_A: torch.Tensor,
+                params: SamplingParams):
+        """Sample up to max_tokens for every row from its prefilled cache (row b: sample b % n of
+        prompt b // n); returns tokens, logprobs, lengths and stop flags, on the host."""
+        lm = policy.language_model
+        device = policy.lm_head.weight.device
+        B, T = hidden_AH.shape[0], params.max_tokens
         # Padded rows need a mask while decoding; a batch without padding needs none. Deciding
         # here, once, keeps transformers from checking the mask on the host at every token.
         padded = bool((mask == 0).any())
         # On the model's device for the whole decode: nothing goes to the host token by token.
+        # Index A runs over the rows still decoding; alive_A maps them to their row in B.
+        alive_A = torch.arange(B, device=device)
         tokens_BT = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
         logprobs_BT = torch.zeros(B, T, device=device)
         lengths_B = torch.zeros(B, dtype=torch.long, device=device)
         stopped_B = torch.zeros(B, dtype=torch.bool, device=device)
         stop_ids = torch.tensor(self.stop_token_ids, device=device)
-        next_pos_B = next_pos_B.to(device)
+        logits_BV = None
         for t in range(T):
-            token_B, logprob_B = self._next_token(self._logits(policy, hidden_BH), params)
+            logits_AV = self._logits(policy, hidden_AH)
+            if logits_BV is None:
+                logits_BV = torch.zeros(B, logits_AV.shape[1], device=device)
+            logits_BV[alive_A] = logits_AV
+            token_B, logprob_B = self._next_token(logits_BV, params)
             active_B = ~stopped_B
             tokens_BT[:, t] = torch.where(active_B, token_B, tokens_BT[:, t])
             logprobs_BT[:, t] = torch.where(active_B, logprob_B, logprobs_BT[:, t])
             lengths_B += active_B
             stopped_B |= torch.isin(token_B, stop_ids) & active_B
-            if t == T - 1 or ((t + 1) % self.stop_check_every == 0 and bool(stopped_B.all())):
+            if t == T - 1:
                 break
-            # Feed the sampled token; finished rows keep decoding harmlessly and are ignored.
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)
-            step_positions = (next_pos_B + t).view(1, B, 1).expand(3, B, 1)
+            if (t + 1) % self.stop_check_every == 0:
+                keep_A = ~stopped_B[alive_A]
+                if not bool(keep_A.any()):
+                    break
+                if not bool(keep_A.all()):  # drop the finished rows from the batch and the cache
+                    kept = keep_A.nonzero().squeeze(1)
+                    alive_A, mask, next_pos_A = alive_A[kept], mask[kept], next_pos_A[kept]
+                    cache.batch_select_indices(kept)
+            # Feed each live row its sampled token (rows that stopped since the last check
+            # decode on harmlessly; their tokens are not recorded).
+            A = alive_A.shape[0]
+            mask = torch.cat([mask, torch.ones(A, 1, dtype=mask.dtype, device=device)], dim=1)
+            step_positions = (next_pos_A + t).view(1, A, 1).expand(3, A, 1)
             out = lm(
-                inputs_embeds=lm.embed_tokens(token_B.unsqueeze(1)),
+                inputs_embeds=lm.embed_tokens(token_B[alive_A].unsqueeze(1)),
                 position_ids=step_positions,
                 attention_mask=decode_mask(mask, padded, lm.config._attn_implementation),
                 past_key_values=cache,
                 use_cache=True,
             )
-            hidden_BH = out.last_hidden_state[:, -1]
+            hidden_AH = out.last_hidden_state[:, -1]
         return tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.cpu()
 
 
@@ -297,7 +346,7 @@ def decode_mask(mask_BK: torch.Tensor, padded: bool, attn_implementation: str) -
     every token). Other kernels get the 2-D mask as it is."""
     if not padded:
         return None
-    if attn_implementation == "sdpa":
+    if attn_implementation in ("sdpa", PACKED_SDPA):
         return mask_BK.bool()[:, None, None, :]
     return mask_BK
 

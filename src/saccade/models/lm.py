@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from saccade.config import LoraConfig
+from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout, resolve_attention
 from saccade.models.loading import LM_HEAD_KEY, LM_PREFIX, load_config, read_state_dict, resolve_model_path
 
 
@@ -95,26 +96,38 @@ class PolicyLM(nn.Module):
         image_embeds_NH: torch.Tensor | None = None,
         deepstack_KNH: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        context: list[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         """Final hidden states (B, L, H) after the last norm.
 
         position_ids_4BL holds [text; t; h; w]. With several samples packed into one row,
-        the text row restarts at 0 for each and attention stays inside each sample.
+        the text row restarts at 0 for each and attention stays inside each sample. `context`
+        (packed_sdpa only): per segment, the row range of a shared prompt it continues.
         """
         inputs_embeds_BLH, visual_pos_masks, deepstack = self.embed_inputs(
             input_ids_BL, image_embeds_NH, deepstack_KNH
         )
-        attn_kwargs = {}
-        if cu_seqlens is not None and self.config.text_config._attn_implementation.startswith("flash"):
-            # Flash attention takes sample boundaries explicitly (varlen); sdpa and eager get a
-            # block-diagonal mask that transformers derives from the restarting text row.
-            cu = cu_seqlens.to(device=input_ids_BL.device, dtype=torch.int32)
-            longest = int((cu[1:] - cu[:-1]).max())
-            attn_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        attention_mask, attn_kwargs = None, {}
+        implementation = self.config.text_config._attn_implementation
+        if context is not None and implementation != PACKED_SDPA:
+            raise ValueError(f"shared prompts need attn_implementation 'packed_sdpa', not {implementation!r}: "
+                             "pack without share_prompts for this kernel")
+        if cu_seqlens is not None and (implementation == PACKED_SDPA or implementation.startswith("flash")):
+            # Sample boundaries go in explicitly: flash-attention's varlen arguments, or packed_sdpa's
+            # layout (and no mask at all: NO_MASK, so transformers builds none). Plain sdpa and eager
+            # get the block-diagonal mask transformers derives from the restarting text row.
+            if implementation == PACKED_SDPA:
+                attention_mask = NO_MASK
+                attn_kwargs = dict(packed_layout=PackedLayout.from_cu_seqlens(cu_seqlens, input_ids_BL.device,
+                                                                                context))
+            else:
+                longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # read before the copy: no device sync
+                cu = cu_seqlens.to(device=input_ids_BL.device, dtype=torch.int32, non_blocking=True)
+                attn_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         out = self.language_model(
             inputs_embeds=inputs_embeds_BLH,
             position_ids=position_ids_4BL,
-            attention_mask=None,
+            attention_mask=attention_mask,
             use_cache=False,
             visual_pos_masks=visual_pos_masks,
             deepstack_visual_embeds=deepstack,
@@ -136,20 +149,26 @@ def unwrap_policy(model: nn.Module) -> PolicyLM:
     return inner
 
 
+def shares_prompts(model: nn.Module) -> bool:
+    """Whether this model's attention kernel takes shared prompts (`pack(..., share_prompts=True)`)."""
+    return unwrap_policy(model).config.text_config._attn_implementation == PACKED_SDPA
+
+
 def load_policy_lm(
     model: str | os.PathLike,
     *,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     device: str | torch.device = "cpu",
 ) -> PolicyLM:
-    """The language model and lm_head of a Qwen3-VL checkpoint; the vision weights are never read."""
+    """The language model and lm_head of a Qwen3-VL checkpoint; the vision weights are never read.
+    `attn_implementation` "auto" is the measured default (`saccade.models.attention`)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 
     path = resolve_model_path(model)
     config = load_config(path)
     text_config = config.text_config
-    text_config._attn_implementation = attn_implementation
+    text_config._attn_implementation = resolve_attention(attn_implementation, device)
     with torch.device("meta"):
         language_model = Qwen3VLTextModel._from_config(text_config)
         lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from saccade.timing import timed
 from saccade.config import ImagesConfig
 from saccade.data.images import image_hash
 
@@ -249,6 +250,15 @@ def split_tower_output(pooler_NH: torch.Tensor, deepstack: list[torch.Tensor], g
     ]
 
 
+def select_images(pixel_values: torch.Tensor, grid_thw_I3: torch.Tensor,
+                  indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pixel rows and grids of some of a processor batch's images (an image owns t*h*w rows)."""
+    ends = grid_thw_I3.prod(-1).cumsum(0).tolist()
+    starts = [0] + ends[:-1]
+    rows = torch.cat([torch.arange(starts[i], ends[i]) for i in indices])
+    return pixel_values[rows], grid_thw_I3[indices]
+
+
 class VisionEncoder:
     """Frozen tower + image processor + cache: PIL images in, ImageEmbedding out."""
 
@@ -272,6 +282,7 @@ class VisionEncoder:
         return image_cache_key(content_hash, self.limits)
 
     def preprocess(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image processor's (pixel_values, grid_thw) for these images under the limits."""
         from saccade.data.messages import processor_size
 
         out = self.image_processor(images=images, size=processor_size(self.limits), return_tensors="pt")
@@ -285,21 +296,28 @@ class VisionEncoder:
         embeddings = split_tower_output(out.pooler_output, list(out.deepstack_features), grid_thw_I3, self.merge)
         return [ImageEmbedding(e.embeds.cpu(), e.deepstack.cpu(), e.grid_thw.cpu()) for e in embeddings]
 
-    def encode(self, images: list[Image.Image], keys: list[str] | None = None) -> list[ImageEmbedding]:
-        """One ImageEmbedding per image, in order; the tower runs once on all misses together."""
+    def encode(self, images: list[Image.Image], keys: list[str] | None = None,
+               pixels: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[ImageEmbedding]:
+        """One ImageEmbedding per image, in order; the tower runs once on all misses together.
+        `pixels`: (pixel_values, grid_thw) the processor already made of these very images under
+        these limits (`ModelInputs`), used for the misses instead of preprocessing them again."""
         keys = keys if keys is not None else [self.cache_key(im) for im in images]
         found: dict[str, ImageEmbedding] = {}
-        missing: dict[str, Image.Image] = {}
-        for key, image in zip(keys, images, strict=True):
+        missing: dict[str, int] = {}  # key -> index of the image in `images`
+        for i, key in enumerate(keys):
             if key in found or key in missing:
                 continue
             hit = self.cache.get(key)
             if hit is not None:
                 found[key] = hit
             else:
-                missing[key] = image
+                missing[key] = i
         if missing:
-            pixels, grid = self.preprocess(list(missing.values()))
-            for key, emb in zip(missing, self.encode_pixels(pixels, grid), strict=True):
-                found[key] = self.cache.put(key, emb)
+            with timed("encode"):
+                if pixels is not None:
+                    pixels, grid = select_images(*pixels, list(missing.values()))
+                else:
+                    pixels, grid = self.preprocess([images[i] for i in missing.values()])
+                for key, emb in zip(missing, self.encode_pixels(pixels, grid), strict=True):
+                    found[key] = self.cache.put(key, emb)
         return [found[k] for k in keys]

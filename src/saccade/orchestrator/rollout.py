@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from saccade.timing import timed
 from saccade.config import EnvConfig, RolloutConfig
 from saccade.inference.engine import ChatRequest, Engine, SamplingParams
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
@@ -67,11 +68,20 @@ def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingPa
 
     G = params.n
     envs = [task.make_env() for _ in prompts for _ in range(G)]
-    openings = asyncio.run(reset_all(envs, [p for p in prompts for _ in range(G)]))
+    with timed("env"):
+        openings = asyncio.run(reset_all(envs, [p for p in prompts for _ in range(G)]))
     requests = [ChatRequest(p.sample_id, openings[g * G]) for g, p in enumerate(prompts)]
     groups = engine.generate(requests, params)
     replies = [{"role": "assistant", "content": c.text} for group in groups for c in group]
-    results = asyncio.run(step_all(envs, replies))
+    with timed("rewards"):
+        results = asyncio.run(step_all(envs, replies))
+    with timed("samples"):
+        return _scored_groups(groups, prompts, results, merge)
+
+
+def _scored_groups(groups: list[list], prompts: list, results: list, merge: int) -> list[list[Rollout]]:
+    """Each completion with its environment's result, as a Rollout holding its training sample."""
+    G = len(groups[0]) if groups else 0
     out = []
     for g, (group, prompt) in enumerate(zip(groups, prompts, strict=True)):
         rollouts = []
@@ -127,6 +137,12 @@ def rollout_step(engine: Engine, task: Task, prompts: list, *, sampling: Samplin
     params = replace(sampling, n=rollout.group_size)
     groups = sample_groups(engine, task, prompts, params, merge=merge, continuation=continuation, env=env,
                            tokenizer=tokenizer, check=check)
+    with timed("samples"):
+        return _advantages_and_metrics(groups, rollout)
+
+
+def _advantages_and_metrics(groups: list[list[Rollout]], rollout: RolloutConfig) -> RolloutBatch:
+    """Group-relative advantages set on the samples; the kept groups' samples and the metrics."""
     rewards_GN = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
     advantages_GN = group_advantages(rewards_GN, scale_by_std=rollout.scale_advantages_by_std)
     keep_G = torch.ones(len(groups), dtype=torch.bool)

@@ -11,17 +11,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from saccade.timing import timed
 from saccade.models.lm import BANNED_LOGIT, unwrap_policy
 from saccade.trainer.logprobs import token_logprobs_and_entropy
 from saccade.trainer.samples import MicroBatch
 
 
-def predicted_positions(mb: MicroBatch, only_loss_tokens: bool) -> torch.Tensor:
+def predecessors(mb: MicroBatch) -> torch.Tensor:
+    """(N,) int64: the row index of the token each token is predicted from (its sample's
+    previous token), -1 for a sample's first token. A segment that continues a shared prompt
+    is predicted, at its first token, from the prompt's last token."""
+    prev_N = torch.arange(-1, mb.num_tokens - 1)
+    starts = mb.cu_seqlens[:-1].long().cpu()
+    prev_N[starts] = -1
+    for i, (a, b) in enumerate(mb.context or []):
+        if b > a:
+            prev_N[starts[i]] = b - 1
+    return prev_N
+
+
+def predicted_positions(mb: MicroBatch, only_loss_tokens: bool, prev_N: torch.Tensor | None = None) -> torch.Tensor:
     """(N,) bool: tokens whose logprob we compute. Never a sample's first token."""
-    N = mb.num_tokens
-    want = mb.loss_mask.clone() if only_loss_tokens else torch.ones(N, dtype=torch.bool)
-    want[mb.cu_seqlens[:-1].long()] = False
-    return want
+    prev_N = predecessors(mb) if prev_N is None else prev_N
+    want = mb.loss_mask.cpu().clone() if only_loss_tokens else torch.ones(mb.num_tokens, dtype=torch.bool)
+    return want & (prev_N >= 0)
 
 
 def ban_bias(head: nn.Linear, banned_token_ids: list[int] | None) -> torch.Tensor | None:
@@ -54,12 +67,25 @@ def forward_logprobs(
     device = policy.lm_head.weight.device
     image_embeds = mb.image_embeds.to(device) if mb.image_embeds is not None else None
     deepstack = mb.deepstack.to(device) if mb.deepstack is not None else None
-    hidden_1NH = policy.hidden_states(
-        mb.input_ids.to(device), mb.position_ids.to(device), image_embeds, deepstack, cu_seqlens=mb.cu_seqlens
-    )
-    want_N = predicted_positions(mb, only_loss_tokens).to(device)
-    # Token t is predicted from the hidden state at t - 1.
-    source_idx = want_N.nonzero().squeeze(-1) - 1
+    with timed("forward"):
+        hidden_1NH = policy.hidden_states(
+            mb.input_ids.to(device), mb.position_ids.to(device), image_embeds, deepstack, cu_seqlens=mb.cu_seqlens,
+            context=mb.context,
+        )
+    with timed("logprobs"):
+        return _logprobs_at(policy, mb, hidden_1NH, only_loss_tokens, temperature, chunk_size, banned_token_ids)
+
+
+def _logprobs_at(policy, mb: MicroBatch, hidden_1NH: torch.Tensor, only_loss_tokens: bool, temperature: float,
+                 chunk_size: int, banned_token_ids: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lm_head on the predicted positions only, in chunks: (logprobs_N, entropy_N)."""
+    device = hidden_1NH.device
+    prev_N = predecessors(mb)
+    want_cpu_N = predicted_positions(mb, only_loss_tokens, prev_N)
+    # Token t is predicted from the hidden state of its predecessor (t - 1, or a shared prompt's
+    # last token); the indices are worked out on the host, so the device is never waited on.
+    source_idx = prev_N[want_cpu_N].to(device, non_blocking=True)
+    want_N = want_cpu_N.to(device, non_blocking=True)
     hidden_TH = hidden_1NH[0, source_idx]
     targets_T = mb.input_ids[0].to(device)[want_N]
     head = policy.lm_head

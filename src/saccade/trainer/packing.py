@@ -9,6 +9,7 @@ crosses from one sample to the next (docs/packing.md says how, per attention bac
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +46,17 @@ def first_fit_decreasing(lengths: list[int], max_tokens: int, *, names: list[str
     return bins
 
 
+@dataclass(frozen=True)
+class Segment:
+    """What of a sample goes in the row: its tokens from `skip` on (the first `skip` are a
+    shared prompt already in the row at `context`), and its images from `skip_images` on."""
+
+    sample: TrainingSample
+    skip: int = 0
+    skip_images: int = 0
+    context: tuple[int, int] = (0, 0)
+
+
 def collate(
     samples: list[TrainingSample],
     lookup: Callable[[str], ImageEmbedding | None],
@@ -53,47 +65,129 @@ def collate(
     spatial_merge_size: int,
 ) -> MicroBatch:
     """Concatenate samples into one row and gather their image embeddings in token order."""
-    assert samples, "cannot collate zero samples"
-    lengths = [s.num_tokens for s in samples]
-    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    return collate_segments([Segment(s) for s in samples], lookup, image_token_id=image_token_id,
+                            spatial_merge_size=spatial_merge_size)
+
+
+def collate_segments(
+    segments: list[Segment],
+    lookup: Callable[[str], ImageEmbedding | None],
+    *,
+    image_token_id: int,
+    spatial_merge_size: int,
+) -> MicroBatch:
+    """One row from segments (whole samples, or samples continuing a shared prompt)."""
+    assert segments, "cannot collate zero samples"
+    lengths = [seg.sample.num_tokens - seg.skip for seg in segments]
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths).cumsum(0)
     embeds, deepstack, grids = [], [], []
-    for s in samples:
-        n_pads = int((s.input_ids == image_token_id).sum())
-        need = 0
-        for i, (key, grid) in enumerate(zip(s.image_keys, s.image_grid_thw, strict=True)):
-            emb = lookup(key)
-            if emb is None:
-                raise EmbeddingCacheMiss(
-                    f"sample {s.sample_id!r}: the embedding of its image {i} (cache key {key}) is not in the "
-                    "image-embedding cache. A step's images stay pinned from its rollout until its train step "
-                    "ends, so it was never encoded, or was evicted by an earlier budget: raise "
-                    "images.cache_bytes, or set images.cache_dir for a disk layer under it"
-                )
-            if not torch.equal(emb.grid_thw.long(), grid.long()):
-                raise ValueError(
-                    f"sample {s.sample_id}: image {key} was encoded with grid {emb.grid_thw.tolist()} but the sample "
-                    f"expects {grid.tolist()}; the engine and trainer used different min/max pixels"
-                )
+    for seg in segments:
+        s = seg.sample
+        embs = _image_embeddings(s, lookup, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size)
+        for emb, grid in list(zip(embs, s.image_grid_thw, strict=True))[seg.skip_images:]:
             embeds.append(emb.embeds)
             deepstack.append(emb.deepstack)
             grids.append(grid)
-            need += emb.num_tokens
-        if need != n_pads:
-            raise ValueError(f"sample {s.sample_id}: {n_pads} image-pad tokens but its images give {need} embeddings")
-        assert need == int((s.image_grid_thw.prod(-1) // spatial_merge_size**2).sum()) if s.num_images else need == 0
+    cut = [slice(seg.skip, None) for seg in segments]
     return MicroBatch(
-        input_ids=torch.cat([s.input_ids for s in samples]).unsqueeze(0),
-        position_ids=torch.cat([s.position_ids for s in samples], dim=1).unsqueeze(1),
-        loss_mask=torch.cat([s.loss_mask for s in samples]),
-        inference_logprobs=torch.cat([s.inference_logprobs for s in samples]),
-        advantages=torch.cat([torch.full((n,), s.advantage, dtype=torch.float32) for s, n in zip(samples, lengths)]),
+        input_ids=torch.cat([seg.sample.input_ids[c] for seg, c in zip(segments, cut)]).unsqueeze(0),
+        position_ids=torch.cat([seg.sample.position_ids[:, c] for seg, c in zip(segments, cut)], dim=1).unsqueeze(1),
+        loss_mask=torch.cat([seg.sample.loss_mask[c] for seg, c in zip(segments, cut)]),
+        inference_logprobs=torch.cat([seg.sample.inference_logprobs[c] for seg, c in zip(segments, cut)]),
+        advantages=torch.cat([torch.full((n,), seg.sample.advantage, dtype=torch.float32)
+                              for seg, n in zip(segments, lengths)]),
         cu_seqlens=cu,
         image_embeds=torch.cat(embeds) if embeds else None,
         deepstack=torch.cat(deepstack, dim=1) if deepstack else None,
         image_grid_thw=torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long),
-        sample_ids=[s.sample_id for s in samples],
+        sample_ids=[seg.sample.sample_id for seg in segments],
+        context=[seg.context for seg in segments] if any(seg.skip for seg in segments) else None,
     )
+
+
+def _image_embeddings(s: TrainingSample, lookup, *, image_token_id: int, spatial_merge_size: int) -> list:
+    """The sample's image embeddings from the cache, in order, checked against its pads and grids."""
+    n_pads = int((s.input_ids == image_token_id).sum())
+    out, need = [], 0
+    for i, (key, grid) in enumerate(zip(s.image_keys, s.image_grid_thw, strict=True)):
+        emb = lookup(key)
+        if emb is None:
+            raise EmbeddingCacheMiss(
+                f"sample {s.sample_id!r}: the embedding of its image {i} (cache key {key}) is not in the "
+                "image-embedding cache. A step's images stay pinned from its rollout until its train step "
+                "ends, so it was never encoded, or was evicted by an earlier budget: raise "
+                "images.cache_bytes, or set images.cache_dir for a disk layer under it"
+            )
+        if not torch.equal(emb.grid_thw.long(), grid.long()):
+            raise ValueError(
+                f"sample {s.sample_id}: image {key} was encoded with grid {emb.grid_thw.tolist()} but the sample "
+                f"expects {grid.tolist()}; the engine and trainer used different min/max pixels"
+            )
+        out.append(emb)
+        need += emb.num_tokens
+    if need != n_pads:
+        raise ValueError(f"sample {s.sample_id}: {n_pads} image-pad tokens but its images give {need} embeddings")
+    assert need == int((s.image_grid_thw.prod(-1) // spatial_merge_size**2).sum()) if s.num_images else need == 0
+    return out
+
+
+def prompt_length(s: TrainingSample) -> int:
+    """Tokens before the first loss token: the prompt, which a group's samples share."""
+    positions = s.loss_mask.nonzero()
+    return int(positions[0]) if len(positions) else s.num_tokens
+
+
+def prompt_key(s: TrainingSample, image_token_id: int, spatial_merge_size: int) -> tuple | None:
+    """Samples with equal keys have the same prompt: the same ids and the same images (hence the
+    same positions). None for a sample with nothing to share (no prompt, or nothing after it)."""
+    n = prompt_length(s)
+    if n == 0 or n >= s.num_tokens:
+        return None
+    pads = int((s.input_ids[:n] == image_token_id).sum())
+    tokens = (s.image_grid_thw.prod(-1) // spatial_merge_size**2).tolist()
+    images = 0
+    while pads > 0:
+        pads -= tokens[images]
+        images += 1
+    return (s.input_ids[:n].numpy().tobytes(), tuple(s.image_keys[:images]))
+
+
+def prompt_groups(samples: list[TrainingSample], max_tokens: int, *, image_token_id: int,
+                  spatial_merge_size: int) -> list[list[int]]:
+    """Sample indices in units that share one copy of their prompt, each unit at most max_tokens
+    (prompt once + every completion); a sample with no partner is a unit of its own."""
+    families: dict[tuple, list[int]] = {}
+    units: list[list[int]] = []
+    for i, s in enumerate(samples):
+        key = prompt_key(s, image_token_id, spatial_merge_size)
+        if key is None:
+            units.append([i])
+        else:
+            families.setdefault(key, []).append(i)
+    for members in families.values():
+        prompt = prompt_length(samples[members[0]])
+        unit, size = [], prompt
+        for i in members:
+            extra = samples[i].num_tokens - prompt
+            if unit and size + extra > max_tokens:
+                units.append(unit)
+                unit, size = [], prompt
+            unit.append(i)
+            size += extra
+        units.append(unit)
+    return sorted(units, key=min)
+
+
+def _unit_segments(samples: list[TrainingSample], unit: list[int], start: int, image_token_id: int,
+                   spatial_merge_size: int) -> list[Segment]:
+    """The unit's first sample whole, the others after the prompt, continuing it."""
+    first = samples[unit[0]]
+    if len(unit) == 1:
+        return [Segment(first)]
+    prompt = prompt_length(first)
+    images = len(prompt_key(first, image_token_id, spatial_merge_size)[1])
+    return [Segment(first)] + [Segment(samples[i], prompt, images, (start, start + prompt)) for i in unit[1:]]
 
 
 def pack(
@@ -103,10 +197,28 @@ def pack(
     max_tokens: int,
     image_token_id: int,
     spatial_merge_size: int,
+    share_prompts: bool = False,
 ) -> list[MicroBatch]:
-    """First-fit-decreasing into micro-batches of at most max_tokens tokens each."""
-    bins = first_fit_decreasing([s.num_tokens for s in samples], max_tokens, names=[s.sample_id for s in samples])
-    return [
-        collate([samples[i] for i in b], lookup, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size)
-        for b in bins
-    ]
+    """First-fit-decreasing into micro-batches of at most max_tokens tokens each.
+
+    `share_prompts` (needs the packed_sdpa kernel): samples with the same prompt (a GRPO group)
+    keep one copy of it; each further completion attends to that copy. The forward then runs
+    the prompt once per group instead of G times, and computes the same logprobs."""
+    if not share_prompts:
+        bins = first_fit_decreasing([s.num_tokens for s in samples], max_tokens,
+                                    names=[s.sample_id for s in samples])
+        return [collate([samples[i] for i in b], lookup, image_token_id=image_token_id,
+                        spatial_merge_size=spatial_merge_size) for b in bins]
+    units = prompt_groups(samples, max_tokens, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size)
+    sizes = [samples[u[0]].num_tokens + sum(samples[i].num_tokens - prompt_length(samples[u[0]]) for i in u[1:])
+             for u in units]
+    bins = first_fit_decreasing(sizes, max_tokens, names=[samples[u[0]].sample_id for u in units])
+    micro_batches = []
+    for b in bins:
+        segments, start = [], 0
+        for k in b:
+            segments += _unit_segments(samples, units[k], start, image_token_id, spatial_merge_size)
+            start += sizes[k]
+        micro_batches.append(collate_segments(segments, lookup, image_token_id=image_token_id,
+                                              spatial_merge_size=spatial_merge_size))
+    return micro_batches

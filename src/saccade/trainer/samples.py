@@ -114,7 +114,13 @@ def _read_metadata(blob: bytes) -> dict[str, str]:
 
 @dataclass
 class MicroBatch:
-    """Samples packed into one row of at most max_tokens; attention never crosses samples."""
+    """Samples packed into one row of at most max_tokens; attention never crosses samples.
+
+    Segment i (`cu_seqlens[i]:cu_seqlens[i+1]`) holds sample i. With shared prompts
+    (`pack(..., share_prompts=True)`), the samples of a group keep their common prompt once:
+    the group's first segment holds prompt + completion, each further segment only its
+    completion, and `context[i]` is the row range of the prompt it continues ((0, 0): none).
+    Sample i is then row[context[i]] + row[segment i], at its own positions."""
 
     input_ids: torch.Tensor  # (1, N) int64
     position_ids: torch.Tensor  # (4, 1, N) int64: text row restarts at 0 per sample
@@ -126,6 +132,7 @@ class MicroBatch:
     deepstack: torch.Tensor | None  # (levels, M, H)
     image_grid_thw: torch.Tensor  # (n_images, 3)
     sample_ids: list[str]
+    context: list[tuple[int, int]] | None = None  # per segment: the row range it continues; None: no sharing
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +141,12 @@ class MicroBatch:
     @property
     def num_samples(self) -> int:
         return len(self.sample_ids)
+
+    @property
+    def num_sample_tokens(self) -> int:
+        """Tokens of the samples it holds, a shared prompt counted once per sample (num_tokens
+        counts what the forward computes)."""
+        return self.num_tokens + sum(b - a for a, b in self.context or [])
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """This micro-batch's tensors on `device`. To CUDA, host tensors are pinned first, so the
@@ -146,9 +159,12 @@ class MicroBatch:
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
-        moved = {f.name: move(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        # The boundaries stay on the host: they are read there (attention layout, predicted positions).
+        moved = {f.name: move(getattr(self, f.name)) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "cu_seqlens"}
         return replace(self, **moved)
 
     def sample_slices(self) -> list[slice]:
+        """Each segment's row slice (with shared prompts, a group's prompt is in its first segment only)."""
         b = self.cu_seqlens.tolist()
         return [slice(b[i], b[i + 1]) for i in range(len(b) - 1)]

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from saccade.timing import timed
 from saccade.config import LossConfig, TrainerConfig
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.loss import LossInputs, policy_loss
@@ -209,16 +210,19 @@ def train_step(
                 total_loss_tokens=total_loss_tokens,
                 total_sequences=total_sequences,
             )
-            loss_value, metrics = policy_loss(inputs, loss)
+            with timed("loss"):
+                loss_value, metrics = policy_loss(inputs, loss)
             if not torch.isfinite(loss_value):
                 finite = False
                 break
-            loss_value.backward()
+            with timed("backward"):
+                loss_value.backward()
             weight = float(mb.loss_mask.sum()) / max(1.0, total_loss_tokens)
             sums["loss"] = sums.get("loss", 0.0) + float(loss_value.detach())
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * weight
-        norm = grad_norm_or_none(params, grad_clip) if finite else None
+        with timed("optimizer"):
+            norm = grad_norm_or_none(params, grad_clip) if finite else None
         if norm is None:
             # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
             optimizer.zero_grad(set_to_none=True)
@@ -227,10 +231,14 @@ def train_step(
             print(f"step skipped: {reason}; the weights were not changed")
             continue
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
-        optimizer.step()
-        scheduler.step()
+        with timed("optimizer"):
+            optimizer.step()
+            scheduler.step()
     applied = max(1, num_iterations - skipped)
     out = {k: v / (applied if k == "grad_norm" else num_iterations) for k, v in sums.items()}
     out.update(skipped_steps=float(skipped), micro_batches=float(len(micro_batches)), lr=scheduler.get_last_lr()[0])
-    out["train_tokens"] = float(sum(mb.num_tokens for mb in micro_batches))
+    out["loss_tokens"] = total_loss_tokens  # the step's, not a mean over micro-batches (that depends on the packing)
+    # The samples' tokens (a shared prompt once per sample), and what the forward computed.
+    out["train_tokens"] = float(sum(mb.num_sample_tokens for mb in micro_batches))
+    out["forward_tokens"] = float(sum(mb.num_tokens for mb in micro_batches))
     return out

@@ -1,0 +1,254 @@
+"""One RL step, timed part by part, against HF transformers' own path on the same batch.
+
+`saccade bench step` runs the demo config's GRPO step (8 prompts x G=8, at most 8 new tokens,
+one shapes image per prompt) exactly as `saccade rl` runs it: rollout (`rollout_step` on the
+embedded engine), pack, `train_step`, weight sync. Every part is timed where it runs
+(`saccade.timing`), so the breakdown adds up to the step:
+
+- rollout: env (prompt messages), templating (the chat template), image_prep (image checks,
+  resizing and patchifying), encode (the frozen tower, once per new image), prefill, decode,
+  rewards, samples (training samples, advantages, metrics);
+- train: pack (micro-batches onto the device), forward (the language model), logprobs (the
+  lm_head on the loss tokens), loss, backward, optimizer (clip and AdamW);
+- weight_sync; "other" is the step's time no part covers.
+
+The reference, in the same process and interleaved step by step (the order alternates), is
+what TRL's GRPOTrainer runs inside on the same prompts with transformers alone: the processor
+on the repeated prompts (prep), `generate` on all 64 rows (the vision tower and the prefill
+per row), the processor again, then one padded forward of the full model from the pixels
+(lm_head on the completion positions only, as TRL's `logits_to_keep`), backward, and an
+AdamW step. Same LoRA (or full fine-tuning of the language model, the tower frozen), same
+tokens. `ratio` is reference_s / saccade_s: how many times faster saccade's step is.
+
+Simplified on purpose: the prompts (and their images) are drawn before the steps for both
+sides, as a data loader would; new prompts every step, so the tower runs every step. The
+random model earns no reward, so advantages are 0 on both sides; the work does not depend
+on them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from saccade.bench.reference import GROUP, LORA_RANK, NEW_TOKENS
+
+PROMPTS = 8
+# Speed-ups asked of saccade's step over the reference (issue 15), by shape.
+GOALS = {("tiny", 64, False): 2.0, ("small", 64, False): 1.5, ("small", 448, True): 3.0}
+ROLLOUT_PARTS = ("env", "templating", "image_prep", "encode", "prefill", "decode", "rewards", "samples")
+TRAIN_PARTS = ("pack", "forward", "logprobs", "loss", "backward", "optimizer")
+# What the issue counts as overhead: neither the model nor the tower.
+OVERHEAD_PARTS = ("env", "templating", "image_prep", "rewards", "samples", "pack", "loss", "other")
+
+
+def bench_config(preset: str, image_size: int, lora: bool, device: str, run_dir: Path,
+                 max_tokens: int | None = None):
+    """The demo config at the bench's shape (`max_tokens`: another micro-batch budget)."""
+    from saccade.config import ImagesConfig, RunConfig, load_config
+    from saccade.demo import demo_config_path
+
+    max_pixels = max(ImagesConfig().max_pixels, image_size * image_size)
+    return load_config(RunConfig, demo_config_path(), [
+        "--model.path", preset, "--trainer.device", device,
+        "--rollout.prompts_per_step", str(PROMPTS), "--rollout.group_size", str(GROUP),
+        "--rollout.filter_zero_variance", "false", "--engine.max_tokens", str(NEW_TOKENS),
+        "--loss.max_completion_tokens", str(NEW_TOKENS), "--data.image_size", str(image_size),
+        "--images.max_pixels", str(max_pixels), "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
+        "--lora.enabled", str(lora).lower(), "--lora.rank", str(LORA_RANK), "--lora.alpha", str(2 * LORA_RANK),
+        "--log.dir", str(run_dir),
+        *(["--trainer.max_tokens", str(max_tokens)] if max_tokens else []),
+    ])
+
+
+class SaccadeStep:
+    """`saccade rl`'s step, with its setup and optimizer built once."""
+
+    def __init__(self, cfg, run_dir: Path):
+        from saccade.inference.engine import SamplingParams
+        from saccade.setup import build_setup
+        from saccade.tasks import task_from_config
+        from saccade.trainer.step import build_optimizer, lr_schedule
+
+        self.cfg = cfg
+        self.setup = build_setup(cfg, run_dir)
+        self.task = task_from_config(cfg)
+        self.optimizer, self.scheduler = build_optimizer(self.setup.model, lr=cfg.trainer.lr, weight_decay=0.0,
+                                                         schedule=lr_schedule(cfg.trainer))
+        self.sampling = SamplingParams(temperature=cfg.engine.temperature, max_tokens=cfg.engine.max_tokens)
+
+    def prompts(self, step: int) -> list:
+        return [self.task.train_sample(step * PROMPTS + i, seed=self.cfg.trainer.seed) for i in range(PROMPTS)]
+
+    def messages(self, prompts: list) -> list[list[dict]]:
+        """The prompts' opening messages, as the task's environment gives them to the engine."""
+        return [self.task.make_env().reset(p) for p in prompts]
+
+    def __call__(self, prompts: list) -> dict[str, float]:
+        """One step on these prompts; returns tokens trained on and completion tokens sampled."""
+        from saccade.models.lm import shares_prompts
+        from saccade.orchestrator.rollout import rollout_step
+        from saccade.timing import timed
+        from saccade.trainer.packing import pack
+        from saccade.trainer.step import train_step
+
+        s, cfg = self.setup, self.cfg
+        pins = s.cache.pins("bench")
+        with pins:
+            batch = rollout_step(s.engine, self.task, prompts, sampling=self.sampling, rollout=cfg.rollout,
+                                 env=cfg.env, merge=s.merge, continuation=s.continuation,
+                                 tokenizer=s.processor.tokenizer)
+        with timed("pack"):
+            micro_batches = [mb.to(s.device) for mb in pack(
+                batch.samples, s.cache.get, max_tokens=cfg.trainer.max_tokens, image_token_id=s.image_token_id,
+                spatial_merge_size=s.merge, share_prompts=cfg.trainer.share_prompts and shares_prompts(s.model))]
+        metrics = train_step(s.model, self.optimizer, self.scheduler, micro_batches, loss=cfg.loss,
+                             num_iterations=cfg.trainer.num_iterations, grad_clip=cfg.trainer.grad_clip,
+                             temperature=cfg.engine.temperature, banned_token_ids=s.engine.banned_token_ids)
+        pins.release()
+        with timed("weight_sync"):
+            s.engine.update_weights()
+        return {"train_tokens": metrics["train_tokens"], "forward_tokens": metrics["forward_tokens"],
+                "completion_tokens": batch.metrics["completion_tokens"],
+                "micro_batches": metrics["micro_batches"]}
+
+
+def _timed_step(step, prompts, device: torch.device) -> tuple[float, dict[str, float], dict[str, float]]:
+    from saccade.timing import breakdown
+
+    with breakdown(device) as parts:
+        start = time.perf_counter()
+        counts = step(prompts)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        total = time.perf_counter() - start
+    parts = dict(parts)
+    parts["other"] = max(0.0, total - sum(parts.values()))
+    return total, parts, counts
+
+
+def _median_parts(runs: list[dict[str, float]]) -> dict[str, float]:
+    names = sorted({k for r in runs for k in r})
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in names}
+
+
+def _trace(step, prompts, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        step(prompts)
+    prof.export_chrome_trace(str(path))
+    path.with_suffix(".txt").write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+
+
+def run_step_bench(preset: str = "tiny", *, image_size: int = 64, lora: bool = False, steps: int = 3,
+                   device: str = "cpu", trace_dir: str | None = None, max_tokens: int | None = None,
+                   log=print) -> dict[str, Any]:
+    """Median step times of saccade and of the reference, the ratio, and saccade's breakdown."""
+    from saccade.bench.reference import ReferenceStep
+    from saccade.models.loading import load_processor
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = bench_config(preset, image_size, lora, device, Path(tmp), max_tokens)
+        log(f"building saccade's step and the reference on preset {preset!r}, {image_size}px images, "
+            f"{'LoRA r%d' % LORA_RANK if lora else 'full fine-tuning'}")
+        ours = SaccadeStep(cfg, Path(tmp))
+        dev = ours.setup.device
+        reference = ReferenceStep(ours.setup.model_path, load_processor(ours.setup.model_path), cfg.images,
+                                  lora=lora, dtype=getattr(torch, cfg.model.dtype), device=dev, seed=cfg.trainer.seed)
+        results: dict[str, list] = {"saccade": [], "reference": []}
+        for k in range(steps + 1):  # step 0 warms up both
+            prompts = ours.prompts(k)
+            order = [("saccade", ours), ("reference", reference)]
+            inputs = {"saccade": prompts, "reference": ours.messages(prompts)}
+            for name, step in order if k % 2 == 0 else order[::-1]:
+                total, parts, counts = _timed_step(step, inputs[name], dev)
+                if k:
+                    results[name].append((total, parts, counts))
+            if k:
+                log(f"step {k}: saccade {results['saccade'][-1][0]:.2f} s, reference "
+                    f"{results['reference'][-1][0]:.2f} s")
+        if trace_dir:
+            out = Path(trace_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            prompts = ours.prompts(steps + 1)
+            _trace(ours, prompts, out / "saccade_step.json")
+            _trace(reference, ours.messages(prompts), out / "reference_step.json")
+            log(f"traces in {out}: saccade_step.json, reference_step.json (chrome://tracing, Perfetto)")
+    return summarize(results, preset=preset, image_size=image_size, lora=lora, device=str(dev),
+                     max_tokens=cfg.trainer.max_tokens, micro_batches=results["saccade"][0][2]["micro_batches"],
+                     dtype=cfg.model.dtype, image_tokens=_image_tokens(ours, prompts), trace_dir=trace_dir)
+
+
+def _image_tokens(ours: SaccadeStep, prompts: list) -> int:
+    from saccade.data.messages import messages_to_inputs
+
+    inputs = messages_to_inputs(ours.messages(prompts[:1])[0], ours.setup.processor, limits=ours.cfg.images)
+    return int(inputs.mm_token_type_ids.sum())
+
+
+def summarize(results: dict[str, list], **shape) -> dict[str, Any]:
+    """Medians, the ratio, the breakdown and the tokens/s of each side's training."""
+    ours, ref = results["saccade"], results["reference"]
+    saccade_s = statistics.median(r[0] for r in ours)
+    reference_s = statistics.median(r[0] for r in ref)
+    parts = _median_parts([r[1] for r in ours])
+    ref_parts = _median_parts([r[1] for r in ref])
+    train_s = sum(parts.get(p, 0.0) for p in TRAIN_PARTS)
+    ref_train_s = sum(ref_parts.get(p, 0.0) for p in ("forward", "backward", "optimizer"))
+    train_tokens = statistics.median(r[2]["train_tokens"] for r in ours)
+    ref_tokens = statistics.median(r[2]["train_tokens"] for r in ref)
+    overhead = sum(parts.get(p, 0.0) for p in OVERHEAD_PARTS)
+    goal = GOALS.get((shape["preset"], shape["image_size"], shape["lora"]))
+    ratio = reference_s / saccade_s
+    return {
+        **shape,
+        "prompts": PROMPTS, "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "steps": len(ours),
+        "saccade_s": saccade_s, "reference_s": reference_s, "ratio": ratio,
+        "goal_ratio": goal, "meets_goal": None if goal is None else ratio >= goal,
+        "saccade_parts_s": parts,
+        "saccade_rollout_s": sum(parts.get(p, 0.0) for p in ROLLOUT_PARTS),
+        "saccade_train_s": train_s,
+        "overhead_frac": overhead / saccade_s,
+        "reference_parts_s": ref_parts,
+        "train_tokens": train_tokens, "reference_train_tokens": ref_tokens,
+        "forward_tokens": statistics.median(r[2]["forward_tokens"] for r in ours),
+        "reference_padded_tokens": statistics.median(r[2]["padded_tokens"] for r in ref),
+        "trainer_tokens_per_s": train_tokens / train_s,
+        "reference_train_tokens_per_s": ref_tokens / ref_train_s,
+        "trainer_speed_ratio": (train_tokens / train_s) / (ref_tokens / ref_train_s),
+        "completion_tokens": statistics.median(r[2]["completion_tokens"] for r in ours),
+        "reference_completion_tokens": statistics.median(r[2]["completion_tokens"] for r in ref),
+    }
+
+
+def format_step_report(r: dict[str, Any]) -> str:
+    shape = f"{r['preset']}, {r['image_size']}px ({r['image_tokens']} image tokens/prompt), " \
+            f"{'LoRA' if r['lora'] else 'full fine-tuning'}, {r['device']} {r['dtype']}"
+    lines = [
+        f"one RL step, {r['prompts']} prompts x G={r['group_size']}, <= {r['max_new_tokens']} new tokens: {shape}",
+        f"  saccade   {r['saccade_s']:.3f} s/step  (rollout {r['saccade_rollout_s']:.3f}, train "
+        f"{r['saccade_train_s']:.3f})",
+        f"  reference {r['reference_s']:.3f} s/step  (HF generate + padded full-model forward/backward)",
+        f"  ratio     {r['ratio']:.2f}x" + (f"  (goal {r['goal_ratio']:.1f}x: {'met' if r['meets_goal'] else 'MISSED'})"
+                                           if r["goal_ratio"] else ""),
+        f"  trained on {r['train_tokens']:.0f} tokens ({r['forward_tokens']:.0f} computed: each group's prompt once); "
+        f"reference {r['reference_padded_tokens']:.0f} padded",
+        f"  trainer tokens/s {r['trainer_tokens_per_s']:.0f} vs reference forward+backward "
+        f"{r['reference_train_tokens_per_s']:.0f}: {r['trainer_speed_ratio']:.2f}x",
+        f"  overhead (templating, image prep, env, rewards, samples, pack, loss, other): "
+        f"{100 * r['overhead_frac']:.1f}% of the step",
+        "  saccade breakdown (median s):",
+    ]
+    for part in (*ROLLOUT_PARTS, *TRAIN_PARTS, "weight_sync", "other"):
+        value = r["saccade_parts_s"].get(part, 0.0)
+        lines.append(f"    {part:<12} {value:8.4f}  {100 * value / r['saccade_s']:5.1f}%")
+    lines.append("  reference breakdown (median s): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in r["reference_parts_s"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,40 @@
+"""`saccade bench step` and `bench rollout --no-vllm` on the tiny model: real steps, real figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from saccade.bench.step import OVERHEAD_PARTS, ROLLOUT_PARTS, TRAIN_PARTS, run_step_bench
+
+
+@pytest.mark.slow
+def test_step_bench_breaks_the_step_down_and_runs_the_reference(tmp_path):
+    r = run_step_bench("tiny", steps=1, trace_dir=str(tmp_path / "trace"), log=lambda *_: None)
+    assert r["ratio"] == pytest.approx(r["reference_s"] / r["saccade_s"])
+    parts = r["saccade_parts_s"]
+    # Every part of the step was timed where it runs, and together they are the step.
+    for part in ("templating", "image_prep", "encode", "prefill", "decode", "rewards", "samples", "pack",
+                 "forward", "logprobs", "backward", "optimizer"):
+        assert parts[part] > 0, part
+    assert sum(parts.values()) == pytest.approx(r["saccade_s"], rel=1e-6)
+    assert r["saccade_rollout_s"] == pytest.approx(sum(parts.get(p, 0.0) for p in ROLLOUT_PARTS))
+    assert r["saccade_train_s"] == pytest.approx(sum(parts.get(p, 0.0) for p in TRAIN_PARTS))
+    assert 0 < r["overhead_frac"] == pytest.approx(sum(parts.get(p, 0.0) for p in OVERHEAD_PARTS) / r["saccade_s"])
+    assert {"prep", "generate", "forward", "backward", "optimizer"} <= set(r["reference_parts_s"])
+    # 8 prompts x 8 samples on both sides; each group's prompt computed once on saccade's.
+    assert r["completion_tokens"] > 0 and r["reference_completion_tokens"] > 0
+    assert r["forward_tokens"] < r["train_tokens"]
+    assert r["image_tokens"] == 4 and r["goal_ratio"] == 2.0
+    assert (tmp_path / "trace" / "saccade_step.json").stat().st_size > 0
+    assert json.loads((tmp_path / "trace" / "reference_step.json").read_text())
+
+
+@pytest.mark.slow
+def test_rollout_bench_compares_the_embedded_engine_with_hf_generate():
+    from saccade.bench.engine import format_rollout, run_rollout_bench
+
+    r = run_rollout_bench("tiny", prompts=3, n=4, max_tokens=4, repeats=1, vllm=False)
+    assert r["embedded_over_hf_generate"] == pytest.approx(r["embedded_tokens_per_s"] / r["hf_generate_tokens_per_s"])
+    assert "vllm_tokens_per_s" not in r and "HF generate" in format_rollout(r)
