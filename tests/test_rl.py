@@ -146,7 +146,7 @@ def test_a_run_with_no_signal_left_says_so(tmp_path, monkeypatch):
 def test_a_cache_smaller_than_one_steps_images_trains_the_same(tmp_path):
     """`--images.cache_bytes 200000` on the demo config: one step's 32 images (8 KB each) do not
     fit, yet every image stays until its train step ends, and the losses equal the unbounded
-    run's bit for bit; the cache evicts between steps."""
+    run's; the cache evicts between steps."""
     common = ["--trainer.steps", "3", "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
               "--rollout.group_size", "4"]
 
@@ -158,8 +158,11 @@ def test_a_cache_smaller_than_one_steps_images_trains_the_same(tmp_path):
     unbounded = run("unbounded")
     small = run("small", "--images.cache_bytes", "200000")
     assert all("loss" in r for r in unbounded)
-    assert [r["loss"] for r in small] == [r["loss"] for r in unbounded]
-    assert [r["grad_norm"] for r in small] == [r["grad_norm"] for r in unbounded]
+    # Within fp32 noise (1e-6 relative; a wrong or missing embedding moves them by 1e-3 and more).
+    # Not bit for bit: with shared prompts a 1e-9 difference was seen when this ran after other
+    # tests in one process, with identical micro-batches; fp32 kernels vary with the allocator.
+    assert [r["loss"] for r in small] == pytest.approx([r["loss"] for r in unbounded], rel=1e-6, abs=1e-12)
+    assert [r["grad_norm"] for r in small] == pytest.approx([r["grad_norm"] for r in unbounded], rel=1e-6)
     evictions = [r["cache_evictions"] for r in small]
     assert 0 < evictions[0] < evictions[1] < evictions[2], evictions
     assert all(r["cache_evictions"] == 0 for r in unbounded)

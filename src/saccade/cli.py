@@ -144,7 +144,7 @@ def cmd_bench_trainer(args: argparse.Namespace) -> int:
     from saccade.bench.trainer import format_report, run_trainer_bench
 
     kwargs = dict(preset=args.preset, steps=args.steps, batch=args.batch, device=args.device, max_side=args.max_side,
-                  max_tokens=args.max_tokens, peak_tflops=args.peak_tflops)
+                  max_tokens=args.max_tokens, peak_tflops=args.peak_tflops, attention=args.attn)
     result = run_trainer_bench(**{k: v for k, v in kwargs.items() if v is not None}, full_finetune=args.full_finetune)
     print(format_report(result))
     _write_json(args.json, result)
@@ -155,7 +155,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     from saccade.bench.step import format_step_report, run_step_bench
 
     result = run_step_bench(args.preset, image_size=args.image_size, lora=args.lora, steps=args.steps,
-                            device=args.device, trace_dir=args.trace, max_tokens=args.max_tokens)
+                            device=args.device, trace_dir=args.trace, max_tokens=args.max_tokens, dtype=args.dtype)
     print(format_step_report(result))
     _write_json(args.json, result)
     return 0
@@ -351,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--max-side", type=int, default=None, help="largest image side drawn, px (default: the "
                          "preset's max_pixels side)")
     trainer.add_argument("--max-tokens", type=int, default=None, help="packed micro-batch budget (default 1024)")
+    trainer.add_argument("--attn", choices=["auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2"],
+                         default=None, help="the cached paths' attention kernel (default auto = packed_sdpa; sdpa: "
+                         "the dense block mask)")
     trainer.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, for the MFU "
                          "(default: H100/H200 989, A100 312; none on a CPU)")
     trainer.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
@@ -366,7 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
         "backward of the full model from the pixels. Prints saccade_s, reference_s, their ratio (reference / "
         "saccade), the trainer's tokens/s against the reference's forward+backward, and the overhead's share.",
     )
-    step.add_argument("--preset", choices=["tiny", "small"], default="tiny", help="model preset (default tiny)")
+    step.add_argument("--preset", choices=list(PRESET_NAMES), default="tiny", help="model preset (default tiny; "
+                      "qwen3vl-2b: Qwen3-VL-2B's shapes, for a GPU with --dtype bfloat16)")
+    step.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' compute "
+                      "dtype (default float32)")
     step.add_argument("--image-size", type=int, default=64, help="image side, px (default 64: 4 image tokens; 448: "
                       "196, the image-heavy shape; max_pixels is raised to match)")
     step.add_argument("--lora", action="store_true", help="LoRA r16 on both sides (default: full fine-tuning of "

@@ -48,14 +48,14 @@ OVERHEAD_PARTS = ("env", "templating", "image_prep", "rewards", "samples", "pack
 
 
 def bench_config(preset: str, image_size: int, lora: bool, device: str, run_dir: Path,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, dtype: str = "float32"):
     """The demo config at the bench's shape (`max_tokens`: another micro-batch budget)."""
     from saccade.config import ImagesConfig, RunConfig, load_config
     from saccade.demo import demo_config_path
 
     max_pixels = max(ImagesConfig().max_pixels, image_size * image_size)
     return load_config(RunConfig, demo_config_path(), [
-        "--model.path", preset, "--trainer.device", device,
+        "--model.path", preset, "--trainer.device", device, "--model.dtype", dtype,
         "--rollout.prompts_per_step", str(PROMPTS), "--rollout.group_size", str(GROUP),
         "--rollout.filter_zero_variance", "false", "--engine.max_tokens", str(NEW_TOKENS),
         "--loss.max_completion_tokens", str(NEW_TOKENS), "--data.image_size", str(image_size),
@@ -149,13 +149,13 @@ def _trace(step, prompts, path: Path) -> None:
 
 def run_step_bench(preset: str = "tiny", *, image_size: int = 64, lora: bool = False, steps: int = 3,
                    device: str = "cpu", trace_dir: str | None = None, max_tokens: int | None = None,
-                   log=print) -> dict[str, Any]:
+                   dtype: str = "float32", log=print) -> dict[str, Any]:
     """Median step times of saccade and of the reference, the ratio, and saccade's breakdown."""
     from saccade.bench.reference import ReferenceStep
     from saccade.models.loading import load_processor
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = bench_config(preset, image_size, lora, device, Path(tmp), max_tokens)
+        cfg = bench_config(preset, image_size, lora, device, Path(tmp), max_tokens, dtype)
         log(f"building saccade's step and the reference on preset {preset!r}, {image_size}px images, "
             f"{'LoRA r%d' % LORA_RANK if lora else 'full fine-tuning'}")
         ours = SaccadeStep(cfg, Path(tmp))

@@ -299,11 +299,11 @@ def _optimizer(model: torch.nn.Module):
 
 
 def build_cached(model_path, *, dtype: torch.dtype, device: torch.device, seed: int, checkpointing: bool = False,
-                 full_finetune: bool = False):
+                 full_finetune: bool = False, attention: str = "auto"):
     """The saccade trainer's model: LM only, LoRA on its linears (or every LM weight), AdamW."""
     from saccade.models.lm import set_full_finetune
 
-    policy = load_policy_lm(model_path, dtype=dtype, device=device)
+    policy = load_policy_lm(model_path, dtype=dtype, device=device, attn_implementation=attention)
     if checkpointing:
         policy.enable_activation_checkpointing()
     torch.manual_seed(seed)
@@ -528,7 +528,7 @@ def _reset_host_peak() -> bool:
 
 
 def measure_peak_memory(path_name: str, data_file: str, model_path: str, device: str, dtype: str,
-                        threads: int, seed: int, full_finetune: bool = False) -> dict:
+                        threads: int, seed: int, full_finetune: bool = False, attention: str = "auto") -> dict:
     """Runs in a fresh spawned process: load, warm-up step, one step; report peak memory growth."""
     torch.set_num_threads(threads)
     # Both paths import the same modules before the baseline, so imports count for neither.
@@ -544,7 +544,8 @@ def measure_peak_memory(path_name: str, data_file: str, model_path: str, device:
         model, optimizer = build_full(model_path, dtype=dt, device=dev, seed=seed, full_finetune=full_finetune)
     else:
         model, optimizer = build_cached(model_path, dtype=dt, device=dev, seed=seed,
-                                        checkpointing=path_name == "checkpointed", full_finetune=full_finetune)
+                                        checkpointing=path_name == "checkpointed", full_finetune=full_finetune,
+                                        attention=attention)
     loaded_mb = _host_rss_mb() - baseline_mb
     # Leave out the loading transient (from_pretrained may hold two copies for a moment).
     reset = _reset_host_peak()
@@ -561,7 +562,7 @@ def measure_peak_memory(path_name: str, data_file: str, model_path: str, device:
 
 def measure_memory_in_fresh_processes(
     data: BenchBatch, model_path: str, dev: torch.device, dtype_name: str, threads: int, seed: int,
-    full_finetune: bool = False,
+    full_finetune: bool = False, attention: str = "auto",
 ) -> dict[str, dict]:
     """The cached, full and checkpointed paths' peak memory, each in its own spawned process
     (a fresh interpreter).
@@ -580,7 +581,7 @@ def measure_memory_in_fresh_processes(
             futures = {
                 name: pool.submit(
                     measure_peak_memory, name, files[name], model_path, str(dev), dtype_name,
-                    max(1, threads // 2), seed, full_finetune,
+                    max(1, threads // 2), seed, full_finetune, attention,
                 )
                 for name in names
             }
@@ -628,6 +629,7 @@ def run_trainer_bench(
     progress: bool = True,
     full_finetune: bool = False,
     peak_tflops: float | None = None,
+    attention: str = "auto",
 ) -> dict:
     """Measure cached vs full-VLM and packed vs padded training steps; see the module docstring.
 
@@ -687,14 +689,14 @@ def run_trainer_bench(
         if measure_memory:
             console.log("peak memory of the cached and the full path, each in a fresh process")
             memory = measure_memory_in_fresh_processes(data, model_path, dev, dtype_name, threads, seed,
-                                                       full_finetune=full_finetune)
+                                                       full_finetune=full_finetune, attention=attention)
 
         # Timing: the four variants in this process, interleaved step by step.
         console.log("loading the cached (LM-only) and the full model")
         common = dict(dtype=dtype, device=dev, seed=seed, full_finetune=full_finetune)
-        cached_model, cached_opt = build_cached(model_path, **common)
+        cached_model, cached_opt = build_cached(model_path, attention=attention, **common)
         full_model, full_opt = build_full(model_path, **common)
-        ckpt_model, ckpt_opt = build_cached(model_path, checkpointing=True, **common)
+        ckpt_model, ckpt_opt = build_cached(model_path, checkpointing=True, attention=attention, **common)
         trainable_params = count_params(cached_model, trainable=True)
         lm_params = count_params(cached_model) - (0 if full_finetune else trainable_params)
         vision_timer = VisionTimer(full_model.get_base_model().model.visual, dev)
@@ -745,6 +747,7 @@ def run_trainer_bench(
                 "trainable_params": trainable_params,
                 "lora": {"rank": lora_settings().rank, "targets": lora_settings().target_modules},
                 "full_finetune": full_finetune,
+                "attention": unwrap_policy(cached_model).config.text_config._attn_implementation,
                 "peak_tflops": peak,
                 "batch": batch,
                 "steps": steps,
