@@ -157,3 +157,40 @@ def test_the_decode_mask_built_here_equals_transformers_own(policy, processor, e
     assert len(lengths) > 1 or len({c.prompt_ids.numel() for c in ours}) > 1  # padding is there
     assert [c.completion_ids.tolist() for c in ours] == [c.completion_ids.tolist() for c in theirs]
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_each_prompt_is_prefilled_once_and_finished_rows_leave_the_batch(tiny_path, processor, encoder):
+    """Prefill runs on the distinct prompts only (not n copies); a row that stops leaves the decode
+    batch; and neither changes a sample: the tokens equal those of a run where no row stops early."""
+    engine = LocalEngine(load_policy_lm(tiny_path), processor, encoder, seed=3)
+    batch_rows: list[int] = []
+    hook = engine.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_rows.append(int(kwargs["inputs_embeds"].shape[0])), with_kwargs=True)
+    real_next = engine._next_token
+    stop = engine.stop_token_ids[0]
+    steps = {"t": 0}
+
+    def rows_0_to_3_stop_first(logits_BV, params):
+        token_B, logprob_B = real_next(logits_BV, params)
+        if steps["t"] == 0:
+            token_B = token_B.clone()
+            token_B[:4] = stop  # prompt 0's four samples end at once
+        steps["t"] += 1
+        return token_B, logprob_B
+
+    params = SamplingParams(temperature=1.0, max_tokens=5, n=4)
+    requests = _requests()[:2]
+    try:
+        engine.reseed(3)
+        plain = engine.generate(requests, params)
+        batch_rows.clear()
+        engine._next_token = rows_0_to_3_stop_first
+        engine.reseed(3)
+        stopped = engine.generate(requests, params)
+    finally:
+        hook.remove()
+    assert batch_rows[0] == 2  # the prefill: 2 prompts, not 8 rows
+    assert batch_rows[1:] == [4] * (params.max_tokens - 1)  # decode: only prompt 1's 4 rows go on
+    assert all(c.finish_reason == "stop" and c.completion_ids.tolist() == [stop] for c in stopped[0])
+    for a, b in zip(plain[1], stopped[1], strict=True):  # the rows that went on drew the same tokens
+        assert torch.equal(a.completion_ids, b.completion_ids)
