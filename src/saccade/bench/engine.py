@@ -189,7 +189,7 @@ def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: i
     the prefill per row, processor included), and vLLM (unless `vllm` is False)."""
     from contextlib import nullcontext
 
-    from saccade.bench.reference import hf_generate, hf_inputs, repeated_prompts
+    from saccade.bench.reference import completion_mask, hf_generate, hf_inputs, repeated_prompts
     from saccade.config import ImagesConfig
     from saccade.inference.engine import SamplingParams
     from saccade.inference.local import LocalEngine
@@ -220,7 +220,7 @@ def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: i
             texts, images = repeated_prompts(processor, [r.messages for r in reqs], n, limits)
             new_BC = hf_generate(full, hf_inputs(processor, texts, images, limits, "cpu"), max_new_tokens=max_tokens,
                                  banned=local.banned_token_ids)
-            return _hf_completion_tokens(new_BC, local.stop_token_ids)
+            return int(completion_mask(new_BC, local.stop_token_ids).sum())
 
         def count(engine):
             return lambda reqs: sum(c.completion_ids.numel() for g in engine.generate(reqs, params) for c in g)
@@ -246,13 +246,6 @@ def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: i
         result.update(vllm_tokens_per_s=rate["vllm"], vllm_over_embedded=rate["vllm"] / rate["embedded"],
                       vllm_s=times["vllm"])
     return result
-
-
-def _hf_completion_tokens(new_BC: torch.Tensor, stop_ids: list[int]) -> int:
-    """Tokens generate sampled: each row up to and including its first stop token."""
-    stops = torch.isin(new_BC, torch.tensor(stop_ids))
-    first = torch.where(stops.any(1), stops.float().argmax(1) + 1, torch.full((len(new_BC),), new_BC.shape[1]))
-    return int(first.sum())
 
 
 def format_rollout(r: dict[str, Any]) -> str:

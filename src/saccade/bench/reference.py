@@ -39,6 +39,13 @@ def hf_inputs(processor, texts: list[str], images: list[list], limits, device) -
     return {k: v.to(device) for k, v in encoded.items()}
 
 
+def completion_mask(new_BC: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
+    """(B, C) bool: the tokens generate sampled, each row up to and including its first stop."""
+    stops_BC = torch.isin(new_BC, torch.tensor(stop_ids, device=new_BC.device))
+    done_BC = stops_BC.long().cumsum(1)
+    return (done_BC == 0) | ((done_BC == 1) & stops_BC)
+
+
 @torch.no_grad()
 def hf_generate(model, inputs: dict[str, torch.Tensor], *, max_new_tokens: int, banned: list[int],
                 temperature: float = 1.0) -> torch.Tensor:
@@ -57,13 +64,14 @@ class ReferenceStep:
     def __init__(self, model_path: str, processor, limits, *, lora: bool, dtype: torch.dtype, device: torch.device,
                  seed: int):
         from saccade.bench.trainer import build_full
-        from saccade.inference.engine import vision_token_ids
+        from saccade.inference.engine import stop_token_ids, vision_token_ids
 
         self.processor, self.limits, self.device = processor, limits, device
         self.model, self.optimizer = build_full(model_path, dtype=dtype, device=device, seed=seed,
                                                 full_finetune=not lora, lora_rank=LORA_RANK)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.banned = vision_token_ids(processor.tokenizer)
+        self.stops = stop_token_ids(processor.tokenizer)
 
     def __call__(self, prompts: list[list[dict]]) -> dict[str, float]:
         """One step on these prompts (chat messages, as the task's environment opens them)."""
@@ -78,11 +86,7 @@ class ReferenceStep:
             torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=self.generator)))
             completion_BC = hf_generate(model, inputs, max_new_tokens=NEW_TOKENS, banned=self.banned)
         P = inputs["input_ids"].shape[1]
-        eos = torch.tensor(sorted({self.processor.tokenizer.convert_tokens_to_ids(t)
-                                   for t in ("<|im_end|>", "<|endoftext|>")}), device=completion_BC.device)
-        # Completion tokens up to and including the first stop token.
-        done_BC = torch.isin(completion_BC, eos).long().cumsum(1)
-        completion_mask_BC = ((done_BC == 0) | ((done_BC == 1) & torch.isin(completion_BC, eos))).float()
+        completion_mask_BC = completion_mask(completion_BC, self.stops).float()
         with timed("prep"):  # TRL prepares the prompts (images included) again for the loss forward
             inputs = hf_inputs(self.processor, texts, images, self.limits, self.device)
         C = completion_BC.shape[1]

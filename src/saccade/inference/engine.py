@@ -132,6 +132,11 @@ class Engine(Protocol):
         ...
 
 
+def stop_token_ids(tokenizer) -> list[int]:
+    """The tokens that end a completion: Qwen3-VL's end of turn and end of text."""
+    return sorted({tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")})
+
+
 def vision_token_ids(tokenizer) -> list[int]:
     ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
     return sorted({i for i in ids if i is not None and i != tokenizer.unk_token_id})

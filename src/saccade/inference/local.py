@@ -36,7 +36,9 @@ from torch import nn
 from saccade.timing import timed
 from saccade.config import ImagesConfig
 from saccade.data.messages import ModelInputs, messages_to_inputs
-from saccade.inference.engine import ChatRequest, Completion, SamplingParams, TokenPrompt, vision_token_ids
+from saccade.inference.engine import (
+    ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, vision_token_ids,
+)
 from saccade.models.attention import PACKED_SDPA
 from saccade.models.lm import BANNED_LOGIT, unwrap_policy
 from saccade.models.positions import mrope_positions
@@ -74,9 +76,7 @@ class LocalEngine:
         self.limits = limits or encoder.limits
         self.max_batch_rows = max_batch_rows
         self.banned_token_ids = vision_token_ids(self.tokenizer)
-        self.stop_token_ids = sorted(
-            {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-        )
+        self.stop_token_ids = stop_token_ids(self.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id or self.stop_token_ids[0]
         self.device = unwrap_policy(model).lm_head.weight.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -299,12 +299,10 @@ class LocalEngine:
         lengths_B = torch.zeros(B, dtype=torch.long, device=device)
         stopped_B = torch.zeros(B, dtype=torch.bool, device=device)
         stop_ids = torch.tensor(self.stop_token_ids, device=device)
-        logits_BV = None
         for t in range(T):
-            logits_AV = self._logits(policy, hidden_AH)
-            if logits_BV is None:
-                logits_BV = torch.zeros(B, logits_AV.shape[1], device=device)
-            logits_BV[alive_A] = logits_AV
+            logits_BV = self._logits(policy, hidden_AH)
+            if alive_A.shape[0] < B:  # rows have left: their draws are made (and unused) as before
+                logits_BV = logits_BV.new_zeros(B, logits_BV.shape[1]).index_copy_(0, alive_A, logits_BV)
             token_B, logprob_B = self._next_token(logits_BV, params)
             active_B = ~stopped_B
             tokens_BT[:, t] = torch.where(active_B, token_B, tokens_BT[:, t])

@@ -38,7 +38,9 @@ import torch
 
 from saccade.config import ImagesConfig
 from saccade.data.images import image_hash, image_to_data_url, load_image
-from saccade.inference.engine import ChatRequest, Completion, SamplingParams, TokenPrompt, vision_token_ids
+from saccade.inference.engine import (
+    ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, vision_token_ids,
+)
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
 
 if TYPE_CHECKING:
@@ -133,7 +135,7 @@ class VLLMEngine:
         self._adapter_loaded = False
         self.banned_token_ids = vision_token_ids(self.tokenizer)
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        self.stop_token_ids = sorted({self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")})
+        self.stop_token_ids = stop_token_ids(self.tokenizer)
         self._urls_by_key: dict[str, str] = {}
         self.policy_version = 0
         self._in_flight = {u: 0 for u in self.urls}

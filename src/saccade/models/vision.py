@@ -304,7 +304,7 @@ class VisionEncoder:
         keys = keys if keys is not None else [self.cache_key(im) for im in images]
         found: dict[str, ImageEmbedding] = {}
         missing: dict[str, int] = {}  # key -> index of the image in `images`
-        for i, key in enumerate(keys):
+        for i, (key, _) in enumerate(zip(keys, images, strict=True)):
             if key in found or key in missing:
                 continue
             hit = self.cache.get(key)

@@ -138,9 +138,10 @@ def prompt_length(s: TrainingSample) -> int:
     return int(positions[0]) if len(positions) else s.num_tokens
 
 
-def prompt_key(s: TrainingSample, image_token_id: int, spatial_merge_size: int) -> tuple | None:
-    """Samples with equal keys have the same prompt: the same ids and the same images (hence the
-    same positions). None for a sample with nothing to share (no prompt, or nothing after it)."""
+def prompt_span(s: TrainingSample, image_token_id: int, spatial_merge_size: int) -> tuple[int, int] | None:
+    """(tokens, images) of the sample's prompt, or None when it has nothing to share (no prompt,
+    or nothing after it). An image span is never cut by a loss token, so the prompt holds
+    whole images: the first ones, up to its image-pad count."""
     n = prompt_length(s)
     if n == 0 or n >= s.num_tokens:
         return None
@@ -150,6 +151,16 @@ def prompt_key(s: TrainingSample, image_token_id: int, spatial_merge_size: int) 
     while pads > 0:
         pads -= tokens[images]
         images += 1
+    return n, images
+
+
+def prompt_key(s: TrainingSample, image_token_id: int, spatial_merge_size: int) -> tuple | None:
+    """Samples with equal keys have the same prompt: the same ids and the same images (hence the
+    same positions). None for a sample with nothing to share."""
+    span = prompt_span(s, image_token_id, spatial_merge_size)
+    if span is None:
+        return None
+    n, images = span
     return (s.input_ids[:n].numpy().tobytes(), tuple(s.image_keys[:images]))
 
 
@@ -179,15 +190,13 @@ def prompt_groups(samples: list[TrainingSample], max_tokens: int, *, image_token
     return sorted(units, key=min)
 
 
-def _unit_segments(samples: list[TrainingSample], unit: list[int], start: int, image_token_id: int,
-                   spatial_merge_size: int) -> list[Segment]:
-    """The unit's first sample whole, the others after the prompt, continuing it."""
-    first = samples[unit[0]]
-    if len(unit) == 1:
-        return [Segment(first)]
-    prompt = prompt_length(first)
-    images = len(prompt_key(first, image_token_id, spatial_merge_size)[1])
-    return [Segment(first)] + [Segment(samples[i], prompt, images, (start, start + prompt)) for i in unit[1:]]
+def _unit_segments(samples: list[TrainingSample], unit: list[int], start: int,
+                   span: tuple[int, int]) -> list[Segment]:
+    """The unit's first sample whole, the others after its prompt (`span`: tokens, images),
+    continuing the copy at `start`."""
+    prompt, images = span
+    return [Segment(samples[unit[0]])] + [
+        Segment(samples[i], prompt, images, (start, start + prompt)) for i in unit[1:]]
 
 
 def pack(
@@ -210,14 +219,16 @@ def pack(
         return [collate([samples[i] for i in b], lookup, image_token_id=image_token_id,
                         spatial_merge_size=spatial_merge_size) for b in bins]
     units = prompt_groups(samples, max_tokens, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size)
-    sizes = [samples[u[0]].num_tokens + sum(samples[i].num_tokens - prompt_length(samples[u[0]]) for i in u[1:])
+    # Each unit's shared prompt (tokens, images), found once; a lone sample shares nothing.
+    spans = [prompt_span(samples[u[0]], image_token_id, spatial_merge_size) if len(u) > 1 else (0, 0)
              for u in units]
+    sizes = [sum(samples[i].num_tokens for i in u) - span[0] * (len(u) - 1) for u, span in zip(units, spans)]
     bins = first_fit_decreasing(sizes, max_tokens, names=[samples[u[0]].sample_id for u in units])
     micro_batches = []
     for b in bins:
         segments, start = [], 0
         for k in b:
-            segments += _unit_segments(samples, units[k], start, image_token_id, spatial_merge_size)
+            segments += _unit_segments(samples, units[k], start, spans[k])
             start += sizes[k]
         micro_batches.append(collate_segments(segments, lookup, image_token_id=image_token_id,
                                               spatial_merge_size=spatial_merge_size))
