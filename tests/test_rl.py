@@ -158,10 +158,11 @@ def test_a_cache_smaller_than_one_steps_images_trains_the_same(tmp_path):
     unbounded = run("unbounded")
     small = run("small", "--images.cache_bytes", "200000")
     assert all("loss" in r for r in unbounded)
-    # Within fp32 noise (1e-6 relative; a wrong or missing embedding moves them by 1e-3 and more).
-    # Not bit for bit: with shared prompts a 1e-9 difference was seen when this ran after other
-    # tests in one process, with identical micro-batches; fp32 kernels vary with the allocator.
-    assert [r["loss"] for r in small] == pytest.approx([r["loss"] for r in unbounded], rel=1e-6, abs=1e-12)
+    # Within fp32 noise (a wrong or missing embedding moves them by 1e-3 and more). Not bit for
+    # bit: with shared prompts a 7e-9 difference (1.4e-6 of a loss of 0.005, a sum of terms that
+    # cancel) was seen when this ran after other tests in one process, with identical
+    # micro-batches; fp32 kernels vary with the allocator.
+    assert [r["loss"] for r in small] == pytest.approx([r["loss"] for r in unbounded], rel=1e-5, abs=1e-8)
     assert [r["grad_norm"] for r in small] == pytest.approx([r["grad_norm"] for r in unbounded], rel=1e-6)
     evictions = [r["cache_evictions"] for r in small]
     assert 0 < evictions[0] < evictions[1] < evictions[2], evictions

@@ -170,8 +170,8 @@ def test_each_prompt_is_prefilled_once_and_finished_rows_leave_the_batch(tiny_pa
     stop = engine.stop_token_ids[0]
     steps = {"t": 0}
 
-    def rows_0_to_3_stop_first(logits_BV, params):
-        token_B, logprob_B = real_next(logits_BV, params)
+    def rows_0_to_3_stop_first(logits_BV, params, generators):
+        token_B, logprob_B = real_next(logits_BV, params, generators)
         if steps["t"] == 0:
             token_B = token_B.clone()
             token_B[:4] = stop  # prompt 0's four samples end at once
@@ -194,3 +194,27 @@ def test_each_prompt_is_prefilled_once_and_finished_rows_leave_the_batch(tiny_pa
     assert all(c.finish_reason == "stop" and c.completion_ids.tolist() == [stop] for c in stopped[0])
     for a, b in zip(plain[1], stopped[1], strict=True):  # the rows that went on drew the same tokens
         assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_a_seeded_request_samples_the_same_completions_whatever_shares_its_batch(tiny_path, processor, encoder):
+    """Completion j of a request draws from stream_seed(request.seed, j) alone: the same
+    completions alone, batched with other prompts, in another chunk, or after other draws (how
+    a rank of a sharded trainer samples its share of the prompts exactly as one process would)."""
+    from dataclasses import replace
+
+    engine = LocalEngine(load_policy_lm(tiny_path), processor, encoder, seed=0)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=3)
+    seeded = [replace(r, seed=1000 + i) for i, r in enumerate(_requests())]
+
+    def ids(groups):
+        return [[c.completion_ids.tolist() for c in group] for group in groups]
+
+    together = ids(engine.generate(seeded, params))
+    alone = [ids(engine.generate([r], params))[0] for r in reversed(seeded)][::-1]
+    engine.max_batch_rows = params.n  # one prompt per chunk
+    chunked = ids(engine.generate(seeded, params))
+    assert together == alone == chunked
+    assert len({tuple(map(tuple, g)) for g in together}) == len(seeded)  # the prompts' draws differ
+    assert any(len({tuple(c) for c in g}) > 1 for g in together)  # and so do a prompt's n samples
+    other = ids(engine.generate([replace(seeded[0], seed=7)], params))[0]
+    assert other != together[0]  # another seed, another stream

@@ -29,15 +29,19 @@ async def step_all(envs: list[Environment], messages: list[dict[str, Any]]) -> l
 
 
 def run_episodes(engine, envs: list[Environment], samples: list[Any], sample_ids: list[str], params: SamplingParams,
-                 *, continuation: ChatContinuation, max_total_tokens: int = 8192) -> list[Trajectory]:
-    """One episode per (environment, sample); returns their trajectories in order."""
+                 *, continuation: ChatContinuation, max_total_tokens: int = 8192,
+                 seeds: list[int | None] | None = None) -> list[Trajectory]:
+    """One episode per (environment, sample); returns their trajectories in order. `seeds`: each
+    episode's sampling stream (turn k draws from stream_seed(seed, k)); None: the engine's."""
     processor, limits = continuation.processor, continuation.limits
     end_of_turn = continuation.end_of_turn_id
     one = replace(params, n=1)
     openings = asyncio.run(reset_all(envs, samples))
+    seeds = seeds if seeds is not None else [None] * len(samples)
     trajectories = [
-        start_trajectory(sid, messages, processor, limits=limits, key_for_hash=engine.key_for_hash, sample=s)
-        for sid, messages, s in zip(sample_ids, openings, samples, strict=True)
+        start_trajectory(sid, messages, processor, limits=limits, key_for_hash=engine.key_for_hash, sample=s,
+                         seed=seed)
+        for sid, messages, s, seed in zip(sample_ids, openings, samples, seeds, strict=True)
     ]
     max_turns = max(env.max_turns for env in envs)
     for turn in range(max_turns):

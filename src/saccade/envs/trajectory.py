@@ -29,7 +29,7 @@ import torch
 
 from saccade.config import ImagesConfig
 from saccade.data.messages import extract_images, messages_to_inputs, render_chat, tokenize_rendered
-from saccade.inference.engine import Completion, TokenPrompt
+from saccade.inference.engine import Completion, TokenPrompt, stream_seed
 from saccade.models.positions import mrope_positions
 from saccade.trainer.samples import TrainingSample, make_sample
 
@@ -101,6 +101,7 @@ class TurnRecord:
 class Trajectory:
     sample_id: str
     sample: Any = None
+    seed: int | None = None  # the episode's sampling stream (`stream_seed`), or None
     input_ids: list[int] = field(default_factory=list)
     mm_types: list[int] = field(default_factory=list)
     sampled: list[bool] = field(default_factory=list)  # True on tokens the engine sampled
@@ -132,6 +133,9 @@ class Trajectory:
         return min((t.policy_version for t in self.turns), default=0)
 
     def token_prompt(self) -> TokenPrompt:
+        """The trajectory so far as the next turn's prompt; its sampling stream is the episode's
+        seed and the turn's number (none when the episode has no seed)."""
+        turn = len(self.turns)
         return TokenPrompt(
             request_id=f"{self.sample_id}/turn{len(self.turns)}",
             input_ids=torch.tensor(self.input_ids, dtype=torch.long),
@@ -139,6 +143,7 @@ class Trajectory:
             image_keys=list(self.image_keys),
             image_grid_thw=self.grid,
             images=list(self.images),
+            seed=None if self.seed is None else stream_seed(self.seed, turn),
         )
 
     def _append(self, ids: list[int], types: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
@@ -156,10 +161,10 @@ class Trajectory:
 
 
 def start_trajectory(sample_id: str, messages: list[dict[str, Any]], processor, *, limits: ImagesConfig,
-                     key_for_hash, sample: Any = None) -> Trajectory:
+                     key_for_hash, sample: Any = None, seed: int | None = None) -> Trajectory:
     """The opening messages through the chat template, with the generation prompt."""
     inputs = messages_to_inputs(messages, processor, limits=limits, add_generation_prompt=True, sample=sample_id)
-    trajectory = Trajectory(sample_id=sample_id, sample=sample)
+    trajectory = Trajectory(sample_id=sample_id, sample=sample, seed=seed)
     trajectory._append_inputs(inputs, key_for_hash)
     return trajectory
 

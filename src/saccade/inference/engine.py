@@ -10,6 +10,7 @@ The embedded engine (`saccade.inference.local`) and the vLLM client implement it
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,10 +37,21 @@ class SamplingParams:
             raise ValueError("max_tokens and n must be >= 1")
 
 
+def stream_seed(*parts: int) -> int:
+    """A 63-bit seed that is a function of `parts` alone (e.g. run seed, step, prompt index,
+    sample index), the same in every process and on every machine (no Python hash salt)."""
+    digest = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 @dataclass
 class ChatRequest:
     request_id: str
     messages: list[dict[str, Any]]
+    # The request's sampling stream: completion j of it draws from stream_seed(seed, j) alone,
+    # whatever else is in the batch (so a rank samples the same completions as one process
+    # would). None: the embedded engine draws a seed from its own generator.
+    seed: int | None = None
 
 
 @dataclass
@@ -57,6 +69,7 @@ class TokenPrompt:
     image_keys: list[str]  # cache keys, in order
     image_grid_thw: torch.Tensor  # (n_images, 3) int64
     images: list[Any] = field(default_factory=list)  # PIL images, in order
+    seed: int | None = None  # the sampling stream, as ChatRequest.seed
 
     def __post_init__(self):
         n = len(self.image_keys)

@@ -19,8 +19,15 @@ the reported logprob stays the temperature-only one (what the trainer can reprod
 Like the trainer's, the logits are computed in float32 from the final hidden state (never
 rounded to bf16 in between), so both score the same distribution in any precision.
 
+Randomness: every completion draws from its own stream, a generator seeded with
+`stream_seed(request.seed, j)` for completion j of a request (a request without a seed gets
+one from the engine's generator). A token is drawn by the exponential race (argmax of
+p / E, E ~ Exp(1) from the row's stream, which samples p exactly), so a completion does not
+depend on which other rows share its batch: the same request samples the same completion
+alone, in another chunk, or on another rank of a sharded trainer.
+
 Device: the engine runs where the model is. Sampled tokens, logprobs and stop flags stay
-on that device during decoding, drawn with a generator on it; the host learns whether
+on that device during decoding, drawn with generators on it; the host learns whether
 every row has stopped only every `stop_check_every` tokens (every token on the CPU, where
 reading it costs nothing), so a GPU decode loop does not wait on the host token by token.
 """
@@ -37,7 +44,7 @@ from saccade.timing import timed
 from saccade.config import ImagesConfig
 from saccade.data.messages import ModelInputs, messages_to_inputs
 from saccade.inference.engine import (
-    ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, vision_token_ids,
+    ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, stream_seed, vision_token_ids,
 )
 from saccade.models.attention import PACKED_SDPA
 from saccade.models.lm import BANNED_LOGIT, unwrap_policy
@@ -79,7 +86,8 @@ class LocalEngine:
         self.stop_token_ids = stop_token_ids(self.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id or self.stop_token_ids[0]
         self.device = unwrap_policy(model).lm_head.weight.device
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Seeds for requests that bring none; each completion then draws from its own stream.
+        self.generator = torch.Generator().manual_seed(seed)
         # CPU: checking every token is free. GPU: one host read per 16 tokens, not one per token.
         self.stop_check_every = 1 if self.device.type == "cpu" else 16
         self.policy_version = 0
@@ -168,12 +176,25 @@ class LocalEngine:
             out.extend(self._generate_chunk(prepared[start : start + per_chunk], params))
         return out
 
+    def _request_seed(self, prompt: PreparedPrompt) -> int:
+        seed = prompt.request.seed
+        return int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
+
+    def _row_generators(self, prompts: list[PreparedPrompt], params: SamplingParams) -> list[torch.Generator]:
+        """Row b's stream (sample b % n of prompt b // n): stream_seed(request seed, b % n)."""
+        if params.temperature == 0:
+            return []
+        seeds = [self._request_seed(p) for p in prompts]
+        return [torch.Generator(device=self.device).manual_seed(stream_seed(seed, j))
+                for seed in seeds for j in range(params.n)]
+
     def _generate_chunk(self, prompts: list[PreparedPrompt], params: SamplingParams) -> list[list[Completion]]:
         policy = unwrap_policy(self.model)
         was_training = self.model.training
+        generators = self._row_generators(prompts, params)
         self.model.eval()
         try:
-            tokens_BT, logprobs_BT, lengths_B, stopped_B = self._sample(policy, prompts, params)
+            tokens_BT, logprobs_BT, lengths_B, stopped_B = self._sample(policy, prompts, params, generators)
         finally:
             self.model.train(was_training)
         out = []
@@ -233,29 +254,32 @@ class LocalEngine:
         bias = head.bias.float() if head.bias is not None else None
         return torch.nn.functional.linear(hidden_BH.float(), head.weight.float(), bias)
 
-    def _next_token(self, logits_BV: torch.Tensor, params: SamplingParams):
-        logits_BV = logits_BV.float()
-        logits_BV[:, self.banned_token_ids] = BANNED_LOGIT
+    def _next_token(self, logits_AV: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]):
+        """One token per row, row a drawn from its own stream `generators[a]`."""
+        logits_AV = logits_AV.float()
+        logits_AV[:, self.banned_token_ids] = BANNED_LOGIT
         if params.temperature == 0:  # greedy; the logprob reported is the untempered one
-            logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-            token_B = logprobs_BV.argmax(dim=-1)
-            return token_B, logprobs_BV.gather(1, token_B.unsqueeze(1)).squeeze(1)
-        logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
-        probs_BV = logprobs_BV.exp()
+            logprobs_AV = torch.log_softmax(logits_AV, dim=-1)
+            token_A = logprobs_AV.argmax(dim=-1)
+            return token_A, logprobs_AV.gather(1, token_A.unsqueeze(1)).squeeze(1)
+        logprobs_AV = torch.log_softmax(logits_AV / params.temperature, dim=-1)
+        probs_AV = logprobs_AV.exp()
         if params.top_p < 1.0:
-            probs_BV = _nucleus(probs_BV, params.top_p)
-        token_B = torch.multinomial(probs_BV, 1, generator=self.generator).squeeze(1)
-        return token_B, logprobs_BV.gather(1, token_B.unsqueeze(1)).squeeze(1)
+            probs_AV = _nucleus(probs_AV, params.top_p)
+        # The exponential race: argmax p / E with E ~ Exp(1) is a draw from p (vLLM samples
+        # seeded requests the same way), and each row's E comes from that row's stream alone.
+        race_AV = torch.stack([torch.empty_like(probs_AV[0]).exponential_(generator=g) for g in generators])
+        token_A = (probs_AV / race_AV).argmax(dim=-1)
+        return token_A, logprobs_AV.gather(1, token_A.unsqueeze(1)).squeeze(1)
 
-    def _sample(self, policy, prompts: list[PreparedPrompt], params: SamplingParams):
+    def _sample(self, policy, prompts: list[PreparedPrompt], params: SamplingParams,
+                generators: list[torch.Generator]):
         """Decode n samples of each prompt: rows [p*n, (p+1)*n) belong to prompt p.
 
         Each distinct prompt is prefilled once; its KV cache and last hidden state are then
         repeated for its n samples. Rows that have stopped leave the batch (their cache rows
-        dropped) at every stop check, so the batch shrinks as rows finish. Draws are still made
-        over all B rows in one call (finished rows' draws unused): each row's token depends only
-        on its own distribution and its place in the generator's stream, so dropping rows
-        changes no sample.
+        dropped) at every stop check, so the batch shrinks as rows finish; each row draws from
+        its own stream, so dropping rows changes no sample.
         """
         from transformers import DynamicCache
 
@@ -279,10 +303,10 @@ class LocalEngine:
                 cache.batch_repeat_interleave(n)
         with timed("decode"):
             return self._decode(policy, cache, hidden_AH, mask.repeat_interleave(n, dim=0),
-                                next_pos_P.to(device).repeat_interleave(n), params)
+                                next_pos_P.to(device).repeat_interleave(n), params, generators)
 
     def _decode(self, policy, cache, hidden_AH: torch.Tensor, mask: torch.Tensor, next_pos_A: torch.Tensor,
-                params: SamplingParams):
+                params: SamplingParams, generators: list[torch.Generator]):
         """Sample up to max_tokens for every row from its prefilled cache (row b: sample b % n of
         prompt b // n); returns tokens, logprobs, lengths and stop flags, on the host."""
         lm = policy.language_model
@@ -292,23 +316,24 @@ class LocalEngine:
         # here, once, keeps transformers from checking the mask on the host at every token.
         padded = bool((mask == 0).any())
         # On the model's device for the whole decode: nothing goes to the host token by token.
-        # Index A runs over the rows still decoding; alive_A maps them to their row in B.
+        # Index A runs over the rows still decoding; alive_A maps them to their row in B (and
+        # `alive`, the same on the host, to their streams).
+        alive = list(range(B))
         alive_A = torch.arange(B, device=device)
+        row_generators = generators
         tokens_BT = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
         logprobs_BT = torch.zeros(B, T, device=device)
         lengths_B = torch.zeros(B, dtype=torch.long, device=device)
         stopped_B = torch.zeros(B, dtype=torch.bool, device=device)
         stop_ids = torch.tensor(self.stop_token_ids, device=device)
         for t in range(T):
-            logits_BV = self._logits(policy, hidden_AH)
-            if alive_A.shape[0] < B:  # rows have left: their draws are made (and unused) as before
-                logits_BV = logits_BV.new_zeros(B, logits_BV.shape[1]).index_copy_(0, alive_A, logits_BV)
-            token_B, logprob_B = self._next_token(logits_BV, params)
-            active_B = ~stopped_B
-            tokens_BT[:, t] = torch.where(active_B, token_B, tokens_BT[:, t])
-            logprobs_BT[:, t] = torch.where(active_B, logprob_B, logprobs_BT[:, t])
-            lengths_B += active_B
-            stopped_B |= torch.isin(token_B, stop_ids) & active_B
+            token_A, logprob_A = self._next_token(self._logits(policy, hidden_AH), params, row_generators)
+            # Rows that stopped since the last check decode on harmlessly: nothing recorded.
+            active_A = ~stopped_B[alive_A]
+            tokens_BT[alive_A, t] = torch.where(active_A, token_A, tokens_BT[alive_A, t])
+            logprobs_BT[alive_A, t] = torch.where(active_A, logprob_A, logprobs_BT[alive_A, t])
+            lengths_B[alive_A] += active_A
+            stopped_B[alive_A] |= torch.isin(token_A, stop_ids) & active_A
             if t == T - 1:
                 break
             if (t + 1) % self.stop_check_every == 0:
@@ -317,15 +342,16 @@ class LocalEngine:
                     break
                 if not bool(keep_A.all()):  # drop the finished rows from the batch and the cache
                     kept = keep_A.nonzero().squeeze(1)
-                    alive_A, mask, next_pos_A = alive_A[kept], mask[kept], next_pos_A[kept]
+                    token_A, alive_A, mask, next_pos_A = token_A[kept], alive_A[kept], mask[kept], next_pos_A[kept]
+                    alive = [alive[a] for a in kept.tolist()]
+                    row_generators = [generators[b] for b in alive] if generators else []
                     cache.batch_select_indices(kept)
-            # Feed each live row its sampled token (rows that stopped since the last check
-            # decode on harmlessly; their tokens are not recorded).
+            # Feed each live row its sampled token.
             A = alive_A.shape[0]
             mask = torch.cat([mask, torch.ones(A, 1, dtype=mask.dtype, device=device)], dim=1)
             step_positions = (next_pos_A + t).view(1, A, 1).expand(3, A, 1)
             out = lm(
-                inputs_embeds=lm.embed_tokens(token_B[alive_A].unsqueeze(1)),
+                inputs_embeds=lm.embed_tokens(token_A.unsqueeze(1)),
                 position_ids=step_positions,
                 attention_mask=decode_mask(mask, padded, lm.config._attn_implementation),
                 past_key_values=cache,

@@ -22,7 +22,7 @@ import torch
 
 from saccade.timing import timed
 from saccade.config import EnvConfig, RolloutConfig
-from saccade.inference.engine import ChatRequest, Engine, SamplingParams
+from saccade.inference.engine import ChatRequest, Engine, SamplingParams, stream_seed
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 from saccade.orchestrator.samples import completion_to_sample
 from saccade.tasks import Task
@@ -61,16 +61,18 @@ class RolloutBatch:
 
 
 def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingParams, *,
-                   merge: int) -> list[list[Rollout]]:
+                   merge: int, seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """Single-turn: one request per prompt with n = params.n; each answer scored by its own
-    environment (reset with the prompt, stepped with the answer)."""
+    environment (reset with the prompt, stepped with the answer). `seeds`: each prompt's
+    sampling stream (answer j draws from stream_seed(seed, j)); None: the engine's."""
     from saccade.envs.rollout import reset_all, step_all
 
     G = params.n
     envs = [task.make_env() for _ in prompts for _ in range(G)]
     with timed("env"):
         openings = asyncio.run(reset_all(envs, [p for p in prompts for _ in range(G)]))
-    requests = [ChatRequest(p.sample_id, openings[g * G]) for g, p in enumerate(prompts)]
+    seeds = seeds if seeds is not None else [None] * len(prompts)
+    requests = [ChatRequest(p.sample_id, openings[g * G], seed=seeds[g]) for g, p in enumerate(prompts)]
     groups = engine.generate(requests, params)
     replies = [{"role": "assistant", "content": c.text} for group in groups for c in group]
     with timed("rewards"):
@@ -96,7 +98,8 @@ def _scored_groups(groups: list[list], prompts: list, results: list, merge: int)
 
 
 def sample_episodes(engine: Engine, task: Task, prompts: list, params: SamplingParams, *, merge: int,
-                    continuation, env: EnvConfig, tokenizer, check: bool) -> list[list[Rollout]]:
+                    continuation, env: EnvConfig, tokenizer, check: bool,
+                    seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """Multi-turn: params.n environments per prompt, each episode one training sample. With
     `check`, every turn's generation-time inputs must equal the training sample's."""
     from saccade.envs.rollout import run_episodes
@@ -105,8 +108,12 @@ def sample_episodes(engine: Engine, task: Task, prompts: list, params: SamplingP
     G = params.n
     episodes = [p for p in prompts for _ in range(G)]
     ids = [f"{p.sample_id}/{i}" for p in prompts for i in range(G)]
+    # Episode i of a prompt draws from stream_seed(prompt's seed, i), as answer i would.
+    episode_seeds = [None if seed is None else stream_seed(seed, i)
+                     for seed in (seeds if seeds is not None else [None] * len(prompts)) for i in range(G)]
     trajectories = run_episodes(engine, [task.make_env() for _ in episodes], episodes, ids, replace(params, n=1),
-                                continuation=continuation, max_total_tokens=env.max_total_tokens)
+                                continuation=continuation, max_total_tokens=env.max_total_tokens,
+                                seeds=episode_seeds)
     markers = tuple(env.loss_markers) if env.loss_on == "markers" else None
     rollouts = []
     for t in trajectories:
@@ -123,25 +130,33 @@ def sample_episodes(engine: Engine, task: Task, prompts: list, params: SamplingP
 
 def sample_groups(engine: Engine, task: Task, prompts: list, params: SamplingParams, *, merge: int,
                   continuation=None, env: EnvConfig | None = None, tokenizer=None,
-                  check: bool = False) -> list[list[Rollout]]:
-    """params.n scored rollouts per prompt, answers or episodes as the task's max_turns says."""
+                  check: bool = False, seeds: list[int | None] | None = None) -> list[list[Rollout]]:
+    """params.n scored rollouts per prompt, answers or episodes as the task's max_turns says.
+    `seeds`: one sampling stream per prompt (`prompt_seeds`), or None for the engine's own."""
     if task.max_turns == 1:
-        return sample_answers(engine, task, prompts, params, merge=merge)
+        return sample_answers(engine, task, prompts, params, merge=merge, seeds=seeds)
     return sample_episodes(engine, task, prompts, params, merge=merge, continuation=continuation,
-                           env=env or EnvConfig(), tokenizer=tokenizer, check=check)
+                           env=env or EnvConfig(), tokenizer=tokenizer, check=check, seeds=seeds)
+
+
+def prompt_seeds(seed: int, step: int, prompt_indices) -> list[int]:
+    """Each prompt's sampling stream: a function of (run seed, step, prompt index) only, so the
+    same prompts sample the same completions in one process or spread over many."""
+    return [stream_seed(seed, step, i) for i in prompt_indices]
 
 
 def rollout_step(engine: Engine, task: Task, prompts: list, *, sampling: SamplingParams, rollout: RolloutConfig,
-                 env: EnvConfig, merge: int, continuation=None, tokenizer=None, check: bool = False) -> RolloutBatch:
+                 env: EnvConfig, merge: int, continuation=None, tokenizer=None, check: bool = False,
+                 seeds: list[int | None] | None = None) -> RolloutBatch:
     """G rollouts per prompt, advantages within each group, the groups worth training on, metrics."""
     params = replace(sampling, n=rollout.group_size)
     groups = sample_groups(engine, task, prompts, params, merge=merge, continuation=continuation, env=env,
-                           tokenizer=tokenizer, check=check)
+                           tokenizer=tokenizer, check=check, seeds=seeds)
     with timed("samples"):
-        return _advantages_and_metrics(groups, rollout)
+        return score_groups(groups, rollout)
 
 
-def _advantages_and_metrics(groups: list[list[Rollout]], rollout: RolloutConfig) -> RolloutBatch:
+def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> RolloutBatch:
     """Group-relative advantages set on the samples; the kept groups' samples and the metrics."""
     rewards_GN = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
     advantages_GN = group_advantages(rewards_GN, scale_by_std=rollout.scale_advantages_by_std)
