@@ -4,6 +4,9 @@ autograd saves for backward, and the arithmetic behaves (monotone, LoRA below fu
 from __future__ import annotations
 
 import dataclasses
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,3 +248,281 @@ def test_server_kv_cache_is_what_is_left():
 def test_hand_built_dims_need_no_files():
     tiny = ModelDims("hand", TextDims(10, 4, 1, 1, 1, 4, 8, True), VisionDims(4, 1, 8, 4, 4, deepstack_levels=1))
     assert trainer_memory(tiny, lora_rank=1, max_tokens=16).total > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# --world-size: per rank under FSDP2 full sharding
+# ---------------------------------------------------------------------------------------------
+
+SHARDED = ("weights", "LoRA adapters", "gradients", "AdamW states")
+UNSHARDED = ("unsharded layers", "unsharded root")
+PER_RANK = ("activations", "logprob buffers", "image embeddings", "CUDA context")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("lora_rank", [32, None], ids=["lora", "full"])
+@pytest.mark.parametrize("name", list(QWEN3_VL))
+def test_world_size_two_halves_the_sharded_parts_exactly(name, lora_rank, dtype):
+    d = QWEN3_VL[name]
+    kw = {"dtype": dtype, "lora_rank": lora_rank, "max_tokens": 4096}
+    one, two = trainer_memory(d, fsdp=True, **kw), trainer_memory(d, world_size=2, **kw)
+    assert [i.name for i in one.items] == [i.name for i in two.items]
+    for a, b in zip(one.items, two.items):
+        if a.name in SHARDED:
+            assert b.gib == a.gib / 2, a.name  # exactly: dividing by 2 is exact in floating point
+        else:
+            assert a.name in UNSHARDED + PER_RANK
+            assert b.gib == a.gib, a.name  # not divided
+    assert "master weights" not in [i.name for i in two.items]  # FSDP: the fp32 shards are what AdamW steps
+    plain = trainer_memory(d, **kw)  # world size 1 without FSDP: no unsharded copies
+    assert not any(plain.get(n) for n in UNSHARDED)
+    for n in PER_RANK:
+        assert two.get(n) == plain.get(n), n
+    if dtype == "float32":
+        # the same dtypes with and without FSDP: world 2 is world 1's state halved, item by item
+        for n in SHARDED:
+            assert two.get(n) == plain.get(n) / 2, n
+    elif lora_rank is not None:
+        # sharded, the frozen base is loaded in float32: half of 4 bytes is one process's 2
+        assert two.get("weights") == plain.get("weights")
+        for n in ("LoRA adapters", "gradients", "AdamW states"):
+            assert two.get(n) == plain.get(n) / 2, n
+    else:
+        # bf16 full fine-tuning: bf16 weights + fp32 masters (18 bytes a parameter) become
+        # fp32 shards (16 bytes over N), the bf16 copies transient
+        p = d.text.params
+        assert plain.get("weights") + plain.get("master weights") == pytest.approx(p * 6 / GiB)
+        assert two.get("weights") + two.get("gradients") + two.get("AdamW states") == pytest.approx(16 * p / 2 / GiB)
+
+
+@pytest.mark.parametrize("name", list(QWEN3_VL))
+def test_unsharded_copies_by_hand(name):
+    d = QWEN3_VL[name]
+    t = d.text
+    h, q, kv, inter = t.hidden_size, t.q_dim, t.kv_dim, t.intermediate_size
+    layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h + 2 * t.head_dim
+    root = t.vocab_size * h * (1 if t.tie_word_embeddings else 2) + h  # embedding, (lm_head), final norm
+    for n in (2, 4, 8):
+        full = trainer_memory(d, lora_rank=None, world_size=n, max_tokens=4096)
+        assert full.get("unsharded layers") == pytest.approx(2 * layer * 2 / GiB)  # two bf16 layers in flight
+        assert full.get("unsharded root") == pytest.approx(root * 2 / GiB)
+        assert full.get("weights") == pytest.approx(t.params * 4 / n / GiB)  # fp32 shards
+        assert full.get("gradients") == pytest.approx(t.params * 4 / n / GiB)
+        assert full.get("AdamW states") == pytest.approx(t.params * 8 / n / GiB)
+        lora = trainer_memory(d, lora_rank=32, world_size=n, max_tokens=4096)
+        adapters = 32 * (2 * (h + q) + 2 * (h + kv) + 3 * (h + inter))  # one layer's seven A + B
+        assert lora.get("unsharded layers") == pytest.approx(2 * (layer + adapters) * 2 / GiB)
+        assert lora.get("weights") == pytest.approx(t.params * 4 / n / GiB)  # the frozen base: fp32 shards too
+        assert lora.get("LoRA adapters") == pytest.approx(t.lora_params(32, LINEARS) * 4 / n / GiB)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_unsharded_copies_count_the_real_modules(tiny_path, tiny_dims, lora):
+    # What FSDP2 gathers as a unit (shard_model: each decoder layer, then the root's own
+    # parameters, those outside every layer), counted on the tiny model's real modules.
+    from saccade.config import LoraConfig
+    from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
+
+    policy = load_policy_lm(tiny_path)
+    model = apply_lora(policy, LoraConfig(rank=8)) if lora else set_full_finetune(policy)
+    layers = unwrap_policy(model).language_model.layers
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    est = trainer_memory(tiny_dims, dtype="float32", lora_rank=8 if lora else None, world_size=2, max_tokens=4096)
+    assert est.get("unsharded root") * GiB == pytest.approx(root * 4, rel=1e-12)
+    assert est.get("unsharded layers") * GiB == pytest.approx(2 * largest * 4, rel=1e-12)
+
+
+@pytest.mark.parametrize("lora_rank", [32, None], ids=["lora", "full"])
+@pytest.mark.parametrize("name", list(QWEN3_VL))
+def test_per_rank_total_decreases_with_the_world_size(name, lora_rank):
+    d = QWEN3_VL[name]
+    # the FSDP path, torchrun --nproc-per-node 1, 2, 4, 8, 16
+    ests = [trainer_memory(d, lora_rank=lora_rank, world_size=n, max_tokens=4096, fsdp=True) for n in (1, 2, 4, 8, 16)]
+    totals = [e.total for e in ests]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals), totals
+    one_process = trainer_memory(d, lora_rank=lora_rank, max_tokens=4096)
+    if lora_rank is None:
+        assert one_process.total > totals[1]  # 18 bytes a parameter in one process, 16 / N sharded
+    else:
+        # LoRA: the base becomes fp32 shards and the gathered copies are added: two ranks hold
+        # more each than one process (docs/qwen3vl.md says so); four hold less
+        assert totals[1] > one_process.total > totals[2]
+    for e in ests[1:]:
+        for n in PER_RANK:
+            assert e.get(n) == ests[0].get(n), n  # activations and buffers are per rank, never divided
+    # above world size 1, what shrinks is exactly the state over N; the rest stays
+    sharded = [e.total - sum(e.get(n) for n in PER_RANK + UNSHARDED) for e in ests[1:]]
+    assert [sharded[0] / s for s in sharded] == pytest.approx([1, 2, 4, 8])
+
+
+def test_optimizer_step_temporaries_are_sharded_too():
+    d = QWEN3_VL["Qwen/Qwen3-VL-8B-Instruct"]
+    est = trainer_memory(d, lora_rank=None, max_tokens=16, world_size=2)
+    assert est.get("optimizer step temporaries") == pytest.approx(d.text.params * 4 / 2 / GiB)  # one fp32 shard
+    assert est.get("activations") == est.get("unsharded root") == 0  # gathered copies are freed before the step
+
+
+def test_a_world_size_below_one_is_refused():
+    with pytest.raises(ValueError, match="world size"):
+        trainer_memory(QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"], world_size=0)
+
+
+# -- from a run config, the CLI and the shipped 8-GPU configs -------------------------------------
+
+def _configs():
+    import saccade
+
+    return Path(saccade.__file__).parent / "configs"
+
+
+def _estimate(command: str):
+    """The RunEstimate of a `saccade memory CONFIG ...` command line, --world-size included."""
+    from saccade.cli import build_parser
+    from saccade.config import RunConfig, load_config, split_overrides
+    from saccade.memory import estimate_run
+
+    argv = shlex.split(command)
+    assert argv[:2] == ["saccade", "memory"], command
+    known, overrides = split_overrides(argv[1:])
+    args = build_parser().parse_args(known)
+    cfg = load_config(RunConfig, _configs() / Path(args.config).name, overrides)
+    return estimate_run(cfg, gpu_memory_utilization=args.gpu_memory_utilization, gpu_gib=args.gpu_gib,
+                        shared_gpu=args.shared_gpu, world_size=args.world_size)
+
+
+def test_the_server_does_not_depend_on_the_trainers_world_size():
+    from saccade.config import RunConfig, load_config
+    from saccade.memory import estimate_run
+
+    cfg = load_config(RunConfig, _configs() / "qwen3vl-8b-8gpu.toml")
+    one, four = estimate_run(cfg, world_size=1), estimate_run(cfg, world_size=4)
+    assert one.server == four.server and four.world_size == 4
+    assert four.trainer.total < one.trainer.total
+
+
+def test_header_lines_state_the_world_size():
+    from saccade.memory import header_lines
+
+    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora.enabled false --engine.sync_lora_adapter false"
+    one, four = header_lines(_estimate(base)), header_lines(_estimate(base + " --world-size 4"))
+    assert one[0].startswith("#   trainer GPU: ") and one[-1].startswith("#   trainer alone on a 79 GiB GPU: ")
+    assert one[-1].endswith("DOES NOT FIT")  # 8B full fine-tuning on one GPU
+    assert four[0].startswith("#   trainer GPU, per rank of 4 (FSDP2): ")
+    assert "weight shards" in four[0] and "unsharded layers" in four[0] and "unsharded root" in four[0]
+    assert four[-1].startswith("#   each of the 4 trainer ranks alone on a 79 GiB GPU: ")
+    assert four[-1].endswith(", fits")
+    assert one[1] == four[1]  # the server's line
+
+
+def test_memory_command_world_size(capsys):
+    from saccade.cli import main
+    from saccade.memory import header_lines
+
+    path = str(_configs() / "qwen3vl-8b-8gpu.toml")
+    full = ["--lora.enabled", "false", "--engine.sync_lora_adapter", "false"]
+    assert main(["memory", path, "--world-size", "4", "--header", *full]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    command = f"saccade memory configs/qwen3vl-8b-8gpu.toml --world-size 4 {' '.join(full)}"
+    assert printed == header_lines(_estimate(command))
+    assert main(["memory", path, *full]) == 1  # 8B full fine-tuning does not fit one GPU...
+    out = capsys.readouterr().out
+    assert "world size 1" in out and "DOES NOT FIT" in out
+    assert main(["memory", path, "--world-size", "4", *full]) == 0  # ...and fits sharded over four
+    out = capsys.readouterr().out
+    assert "per rank at world size 4" in out and "unsharded root" in out and "activations" in out
+    assert "each of the 4 trainer ranks alone" in out and "fits" in out
+    assert main(["memory", path, "--world-size", "0"]) == 2  # a ValueError, said plainly
+    assert "world size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["memory", path, "--world-size", "four"])
+
+
+def _joined_commands(header: str) -> list[str]:
+    """The header's comment lines with shell continuations (a trailing backslash) joined."""
+    out, current = [], ""
+    for line in header.splitlines():
+        text = line.removeprefix("#").strip()
+        current = f"{current} {text}".strip() if current else text
+        if current.endswith("\\"):
+            current = current[:-1].rstrip()
+        else:
+            out.append(current)
+            current = ""
+    return out
+
+
+EIGHT_GPU = ["qwen3vl-2b-8gpu.toml", "qwen3vl-4b-8gpu.toml", "qwen3vl-8b-8gpu.toml"]
+
+
+@pytest.mark.parametrize("name", EIGHT_GPU)
+def test_eight_gpu_headers_say_how_they_shard(name):
+    """Every `reproduce:` line of an 8-GPU config's header, at the world size it names, gives
+    lines that are in the header; every torchrun launch has a reproduce line at its
+    --nproc-per-node with the same estimate, and its GPUs plus its servers' are at most eight,
+    none shared; every "(X GiB) ... `saccade memory ...`" figure is that command's total."""
+    from saccade.config import RunConfig, load_config, split_overrides
+    from saccade.memory import estimate_run, header_lines
+
+    path = _configs() / name
+    header = path.read_text().split("\n[", 1)[0]
+    lines = header.splitlines()
+    reproduce = re.findall(r"#   reproduce: (saccade memory .+)", header)
+    assert len(reproduce) >= 2, "the shipped layout and a sharded one"
+    by_world: dict[int, list] = {}
+    for command in reproduce:
+        est = _estimate(command)
+        for line in header_lines(est):
+            assert line in lines, f"{name}: header out of date; expected line:\n{line}"
+        assert est.fits, command
+        by_world.setdefault(est.world_size, []).append(est)
+    assert 1 in by_world and any(n > 1 for n in by_world)
+    assert "world size 1" in header and "--world-size K" in header
+
+    launches = [c for c in _joined_commands(header) if c.startswith("CUDA_VISIBLE_DEVICES=") and " torchrun " in c]
+    assert launches, f"{name}: no torchrun command"
+    for launch in launches:
+        argv = shlex.split(launch)
+        env = dict(a.split("=", 1) for a in argv[: argv.index("torchrun")])
+        rest = argv[argv.index("torchrun") + 1:]
+        assert rest[:4] == ["--nproc-per-node", rest[1], "-m", "saccade"] and rest[4] == "rl", launch
+        k = int(rest[1])
+        assert rest[5] == f"configs/{name}"
+        trainer_gpus = {int(g) for g in env["CUDA_VISIBLE_DEVICES"].split(",")}
+        assert len(trainer_gpus) == k
+        _, overrides = split_overrides(rest[6:])
+        cfg = load_config(RunConfig, path, overrides)
+        server_gpus = {int(u.rsplit(":", 1)[1]) - 8000 for u in cfg.engine.urls}  # port 800i on GPU i
+        assert not trainer_gpus & server_gpus and trainer_gpus | server_gpus <= set(range(8)), launch
+        assert k in by_world, f"{name}: no reproduce line at --world-size {k}"
+        est = estimate_run(cfg, gpu_memory_utilization=0.9, world_size=k)
+        assert any(e.trainer == est.trainer and e.server == est.server for e in by_world[k]), launch
+
+    prose = " ".join(_joined_commands(header))
+    claims = re.findall(r"\((\d+\.\d) GiB\)[^`]*`(saccade memory [^`]+)`", prose)
+    assert claims
+    for figure, command in claims:
+        assert f"{_estimate(command).trainer.total:.1f}" == figure, command
+
+
+def test_eight_b_full_finetuning_needs_sharding():
+    """The README's case: Qwen3-VL-8B full fine-tuning does not fit one 80 GB GPU, and fits
+    sharded over four (each rank next to nothing: the servers have the other four GPUs)."""
+    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora.enabled false --engine.sync_lora_adapter false"
+    fits = {n: _estimate(f"{base} --world-size {n}").fits for n in (1, 2, 4, 8)}
+    assert fits == {1: False, 2: False, 4: True, 8: True}
+
+
+def test_documented_world_size_table_equals_the_estimator():
+    # docs/qwen3vl.md: per-rank totals of full fine-tuning at --world-size 1, 2, 4, 8.
+    doc = Path(__file__).parents[1] / "docs" / "qwen3vl.md"
+    if not doc.exists():
+        pytest.skip("docs/qwen3vl.md is not shipped with the package")
+    rows = [r for r in doc.read_text().splitlines() if r.startswith("| full FT, ")]
+    assert len(rows) == 3, rows
+    for row in rows:
+        size = re.match(r"\| full FT, (\d+B), ", row).group(1).lower()
+        figures = re.findall(r"\b\d+\.\d\b", row)
+        base = f"saccade memory configs/qwen3vl-{size}-8gpu.toml --lora.enabled false --engine.sync_lora_adapter false"
+        assert figures == [f"{_estimate(f'{base} --world-size {n}').trainer.total:.1f}" for n in (1, 2, 4, 8)], row

@@ -161,6 +161,16 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_distributed(args: argparse.Namespace) -> int:
+    from saccade.bench.distributed import format_distributed_report, run_distributed_bench
+
+    result = run_distributed_bench(nproc=args.nproc, preset=args.preset, lora=args.lora, steps=args.steps,
+                                   seq_len=args.seq_len, max_tokens=args.max_tokens, device=args.device)
+    print(format_distributed_report(result))
+    _write_json(args.json, result)
+    return 0
+
+
 def cmd_bench_engine_parity(args: argparse.Namespace) -> int:
     from saccade.bench.engine import format_engine_parity, meets_bars, run_engine_parity
 
@@ -201,10 +211,18 @@ def cmd_rl(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
     if args.dry_run:
         return 0
+    from saccade.distributed import close_world, init_world
     from saccade.rl import train_rl
+    from saccade.setup import resolve_device
 
-    result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume)
-    print(f"done: {result['step']} steps; metrics in {cfg.run_dir / 'metrics.jsonl'}")
+    # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU); else one process.
+    world = init_world(resolve_device(cfg.trainer.device).type)
+    try:
+        result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world)
+    finally:
+        close_world(world)
+    if world.is_main:
+        print(f"done: {result['step']} steps on {world.size} rank(s); metrics in {cfg.run_dir / 'metrics.jsonl'}")
     return 0
 
 
@@ -243,12 +261,16 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     cfg = load_config(RunConfig, args.config, args.overrides)
     est = estimate_run(cfg, gpu_memory_utilization=args.gpu_memory_utilization, gpu_gib=args.gpu_gib,
-                       shared_gpu=args.shared_gpu)
+                       shared_gpu=args.shared_gpu, world_size=args.world_size)
     if args.header:
         print("\n".join(header_lines(est)))
         return 0
     console = Console()
-    for title, estimate in (("trainer", est.trainer), ("each vLLM server", est.server)):
+    n = args.world_size
+    trainer_title = ("trainer, world size 1 (one process, no FSDP)" if n == 1
+                     else f"trainer, per rank at world size {n} (FSDP2, torchrun --nproc-per-node {n})")
+    server_title = "each vLLM server" + (" (the same at any trainer world size)" if n > 1 else "")
+    for title, estimate in ((trainer_title, est.trainer), (server_title, est.server)):
         if estimate is None:
             continue
         table = Table(title=f"{cfg.model.path}: {title} (GiB, estimated)")
@@ -385,6 +407,24 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     step.set_defaults(func=cmd_bench_step)
 
+    dist = bench_sub.add_parser(
+        "distributed",
+        help="the FSDP2 trainer at world 1 against world N (torchrun): per-rank memory, step time, export",
+        description="Two torchrun launches on one machine, --nproc-per-node 1 then N, on the same model and global "
+        "batch (16 synthetic samples): per-rank parameter+gradient+AdamW bytes (world N / world 1, about 1/N), the "
+        "train step's time, the engine-weights export's time and peak-RSS rise, and one decode-sized forward with "
+        "the weights whole (the embedded engine's rollout) against sharded (an all-gather per forward).",
+    )
+    dist.add_argument("--nproc", type=int, default=2, help="ranks of the second launch (default 2)")
+    dist.add_argument("--preset", choices=list(PRESET_NAMES), default="small", help="model preset (default small)")
+    dist.add_argument("--lora", action="store_true", help="LoRA (rank 16) instead of full fine-tuning")
+    dist.add_argument("--steps", type=int, default=3, help="timed train steps per launch, after one warm-up")
+    dist.add_argument("--seq-len", type=int, default=256, help="tokens per synthetic sample (default 256)")
+    dist.add_argument("--max-tokens", type=int, default=1024, help="micro-batch budget (default 1024)")
+    dist.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    dist.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    dist.set_defaults(func=cmd_bench_distributed)
+
     engine_parity = bench_sub.add_parser(
         "engine-parity",
         help="vLLM against the trainer: sampled-token logprobs, /encode_images, and after /update_weights",
@@ -430,7 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
         "rl",
         help="GRPO-family RL from a TOML config (dotted overrides: --trainer.lr 1e-5)",
         description="Train with RL from verifiable rewards. CONFIG is a TOML file (see configs/); any field can be "
-        "overridden as --section.key VALUE. --dry-run prints the resolved config and exits.",
+        "overridden as --section.key VALUE. --dry-run prints the resolved config and exits. On several GPUs or "
+        "machines, start it with torchrun (`torchrun --nproc-per-node N -m saccade rl CONFIG`): the trainer is then "
+        "sharded with FSDP2 over the N processes and each samples its share of the prompts (README: Scaling out).",
     )
     add_config_arguments(rl)
     rl.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
@@ -465,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="estimated GPU memory of a run: the trainer and each vLLM server (no GPU needed)",
         description="Arithmetic from the model's dimensions (src/saccade/memory.py): weights, LoRA or full "
         "fine-tuning state, activations of a trainer.max_tokens micro-batch, logprob buffers; for a vLLM "
-        "server, weights and the KV cache left at --gpu-memory-utilization. Exit 1 if the trainer does not fit.",
+        "server, weights and the KV cache left at --gpu-memory-utilization. With --world-size N, the trainer's "
+        "figures are per rank of N under FSDP2 (docs/qwen3vl.md). Exit 1 if the trainer does not fit.",
     )
     add_config_arguments(memory)
     memory.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="U",
@@ -476,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     memory.add_argument("--gpu-gib", type=float, default=GPU_GIB, metavar="GIB",
                         help=f"memory of one GPU as CUDA shows it (default {GPU_GIB:g}: an 80 GB H100)")
+    memory.add_argument("--world-size", type=int, default=1, metavar="N",
+                        help="the trainer's ranks (torchrun --nproc-per-node N): per-rank figures under FSDP2 "
+                        "full sharding; 1 (default) is one process without FSDP. The servers' figures do not change")
     memory.add_argument("--header", action="store_true", help="print the lines a config header carries")
     memory.set_defaults(func=cmd_memory)
 

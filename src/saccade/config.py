@@ -113,7 +113,8 @@ class ModelConfig(Section):
         "tiny",
         min_length=1,
         description="Hugging Face hub id or local folder of a Qwen3-VL checkpoint; 'tiny', 'small' or "
-        "'qwen3vl-2b' (Qwen3-VL-2B's shapes) for the built-in random presets (built offline, cached)",
+        "'qwen3vl-2b' (Qwen3-VL-2B's shapes) for the built-in random presets (built offline, cached); "
+        "'tiny-warm': the tiny model after the demo's warm start (built on first use, cached)",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -130,7 +131,7 @@ class ModelConfig(Section):
     @property
     def is_preset(self) -> bool:
         """True for the built-in random presets, which have no hub id."""
-        return self.path in PRESET_NAMES
+        return self.path in PRESET_NAMES or self.path == "tiny-warm"
 
 
 class LoraConfig(Section):

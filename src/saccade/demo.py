@@ -13,6 +13,7 @@ The settings live in `saccade/configs/demo.toml` (also `configs/demo.toml` in th
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -48,6 +49,42 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor]) ->
         for name, p in model.named_parameters():
             if name in saved:
                 p.copy_(saved[name])
+
+
+WARM_PRESET = "tiny-warm"
+
+
+def warm_model_path() -> Path:
+    """The demo's warm start as a model folder: the tiny model after the demo config's SFT on
+    random answers (step 1 above), LoRA-free full weights in an ordinary Qwen3-VL folder.
+    Built on first use and cached beside the tiny model (`model.path = "tiny-warm"`), so runs
+    that do not go through `saccade demo` (torchrun, `saccade bench distributed`) can start
+    from a policy whose groups have reward variance. Two processes racing both end up with a
+    complete folder."""
+    import hashlib
+
+    from saccade.models.tiny import build_once, cache_dir, tiny_model_path
+
+    cfg = load_demo_config(["--model.path", "tiny"])
+    key = hashlib.sha256((demo_config_path().read_text() + str(tiny_model_path("tiny"))).encode()).hexdigest()[:10]
+    return build_once(cache_dir() / f"{WARM_PRESET}-{key}", lambda tmp: _build_warm_model(cfg, tmp))
+
+
+def _build_warm_model(cfg: RunConfig, out: Path) -> None:
+    from saccade.setup import build_setup
+    from saccade.sft import train_sft
+    from saccade.trainer.checkpoint import merge_full_weights_for_engine
+
+    run_dir = out / "sft-run"
+    cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"dir": str(run_dir)}),
+                                 "trainer": cfg.trainer.model_copy(update={"device": "cpu"})})
+    setup = build_setup(cfg, run_dir)
+    train_sft(cfg, run_dir=run_dir, setup=setup, random_answers=True, progress=False, phase="warm-start")
+    merge_full_weights_for_engine(setup.model, setup.model_path, out / "model")
+    for p in (out / "model").iterdir():
+        os.replace(p, out / p.name)
+    shutil.rmtree(out / "model")
+    shutil.rmtree(run_dir)
 
 
 @contextmanager

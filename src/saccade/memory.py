@@ -25,10 +25,39 @@ What the trainer holds at its peak (the start of backward on the largest micro-b
 - the micro-batch's image embeddings (main + DeepStack levels), bounded by max_tokens rows.
 - CUDA context: an assumed 0.5 GiB; allocator fragmentation is not modelled.
 
+Under FSDP2 (`world_size` N > 1: torchrun, `saccade.distributed.shard_model`: `fully_shard`
+on every decoder layer, then on the PolicyLM as the root), the figures are per rank:
+- every parameter is sharded dim-0 over the N ranks: weights, gradients and AdamW's moments
+  are 1/N each (rounding each parameter's rows up to a multiple of N is ignored: under one
+  row per parameter per rank);
+- sharded, the trainer loads the model in float32 (`saccade.setup.build_setup`) and FSDP's
+  mixed precision computes in `model.dtype` (bf16 all-gathers, float32 gradient reduction):
+  the sharded parameters are float32 (`FSDP_PARAM_BYTES`) and AdamW steps them directly, no
+  separate master copy. Full fine-tuning: 4 + 4 (gradients) + 8 (moments) bytes per
+  parameter, over N. LoRA: the frozen base is float32 shards too (4 bytes over N, against
+  `model.dtype`'s 2 in one process, so LoRA at world size 2 holds more per rank than one
+  process), the float32 adapters, their gradients and moments over N;
+- transient whole copies, in the compute dtype: FSDP all-gathers one decoder layer at a time
+  and prefetches the next, so two layers are counted in flight (forward and backward alike);
+  the root's own parameters (embedding, final norm, lm_head) stay whole from forward to
+  backward (the root does not reshard after forward). A layer's whole gradient, before its
+  reduce-scatter, exists while that layer's own saved activations are being freed: not
+  counted;
+- activations, logprob buffers, image embeddings and the CUDA context are per rank and not
+  divided: each rank runs its own micro-batches of up to `trainer.max_tokens` tokens.
+  The activation formula is the single process's (peft's float32 input copies included, an
+  upper bound: under FSDP's bf16 all-gather the adapters compute in bf16);
+- not modelled: NCCL's buffers and workspace, and the embedded engine's rollouts, during
+  which every parameter is held whole (`saccade.distributed.unsharded`). The vision tower
+  (embedded engine) is not sharded.
+`world_size` 1 is the single process (no FSDP); `fsdp=True` at world size 1 models torchrun
+with one process, which takes the FSDP path.
+
 A vLLM server holds the whole model (LM + vision tower) in bf16, LoRA slots when it is
 started with --enable-lora, an assumed 3 GiB of non-KV overhead (profiling activations,
 CUDA graphs, encoder cache; vLLM logs the real figure as "Available KV cache memory") and
-gives the rest of `--gpu-memory-utilization` x GPU to the KV cache.
+gives the rest of `--gpu-memory-utilization` x GPU to the KV cache. The trainer's world size
+does not change it.
 """
 
 from __future__ import annotations
@@ -44,6 +73,8 @@ CUDA_CONTEXT_GIB = 0.5  # assumed
 VLLM_OVERHEAD_GIB = 3.0  # assumed: vLLM's profiling activations, CUDA graphs, encoder cache
 LOGPROB_CHUNK = 1024  # saccade.trainer.forward.forward_logprobs' default chunk_size
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+UNSHARDED_LAYERS = 2  # FSDP2: decoder layers held whole at once, the one computing and the one prefetched
+FSDP_PARAM_BYTES = 4  # sharded, saccade.setup loads the model in float32 (FSDP mixed precision computes in bf16)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -335,30 +366,51 @@ class Estimate:
 def trainer_memory(
     dims: ModelDims, *, dtype: str = "bfloat16", lora_rank: int | None = 16, lora_targets: tuple[str, ...] = LINEARS,
     max_tokens: int = 4096, holds_vision_tower: bool = False, loss_fraction: float = 1.0,
-    chunk_size: int = LOGPROB_CHUNK, activation_checkpointing: bool = False,
+    chunk_size: int = LOGPROB_CHUNK, activation_checkpointing: bool = False, world_size: int = 1,
+    fsdp: bool | None = None,
 ) -> Estimate:
-    """Peak GPU memory of the trainer. `lora_rank=None` is full fine-tuning of the language model.
+    """Peak GPU memory of the trainer, per rank. `lora_rank=None` is full fine-tuning of the language model.
 
     `loss_fraction`, the share of micro-batch tokens that are completion tokens, is 1 by default
     (an upper bound). The peak is the larger of the backward peak (everything below) and the
     optimizer step's (foreach AdamW allocates about one parameter-sized temporary while the
     activations are already freed); the second wins only for full fine-tuning with few tokens.
+
+    `world_size` N > 1 is FSDP2 full sharding over N ranks (the module docstring says what is
+    divided by N and what is added); `fsdp` forces the FSDP path on or off (default: N > 1).
     """
+    if world_size < 1:
+        raise ValueError(f"the world size (--world-size) must be >= 1, got {world_size}")
+    sharded = world_size > 1 if fsdp is None else fsdp
+    n = world_size if sharded else 1
     b = DTYPE_BYTES[dtype]
     t = dims.text
     full = lora_rank is None
     lm_params = t.params
     trainable = lm_params if full else t.lora_params(lora_rank, lora_targets)
-    state_bytes = 4  # LoRA adapters, and full fine-tuning's master weights, are float32
-    items = [Item("weights", lm_params * b / GiB, f"language model + lm_head, {lm_params / 1e9:.2f}B params, {dtype}")]
+    state_bytes = 4  # LoRA adapters, full fine-tuning's master weights (or FSDP's fp32 shards), float32
+    of_n = f", 1/{n} per rank" if sharded else ""
+    if sharded:
+        # FSDP mixed precision: float32 shards (what AdamW steps, for full fine-tuning), cast for compute.
+        what = "" if full else "frozen base, "
+        weights = Item("weights", lm_params * FSDP_PARAM_BYTES / GiB / n,
+                       f"language model + lm_head, {what}{lm_params / 1e9:.2f}B params, fp32 shards{of_n}; "
+                       f"all-gathered in {dtype}")
+    else:
+        weights = Item("weights", lm_params * b / GiB,
+                       f"language model + lm_head, {lm_params / 1e9:.2f}B params, {dtype}")
+    items = [weights]
     if holds_vision_tower:
-        items.append(Item("vision tower", dims.vision.params * b / GiB, "embedded engine: the tower lives here"))
+        items.append(Item("vision tower", dims.vision.params * b / GiB, "embedded engine: the tower lives here"
+                          + (" (not sharded)" if sharded else "")))
     if not full:
-        items.append(Item("LoRA adapters", trainable * 4 / GiB, f"rank {lora_rank}, {trainable / 1e6:.1f}M params, fp32"))
-    elif b != 4:
+        items.append(Item("LoRA adapters", trainable * 4 / GiB / n,
+                          f"rank {lora_rank}, {trainable / 1e6:.1f}M params, fp32{of_n}"))
+    elif b != 4 and not sharded:
         items.append(Item("master weights", trainable * 4 / GiB, "fp32 copies the optimizer steps"))
-    items.append(Item("gradients", trainable * state_bytes / GiB, "fp32"))
-    items.append(Item("AdamW states", 2 * trainable * state_bytes / GiB, "exp_avg, exp_avg_sq"))
+    items.append(Item("gradients", trainable * state_bytes / GiB / n,
+                      "fp32, reduce-scattered" + of_n if sharded else "fp32"))
+    items.append(Item("AdamW states", 2 * trainable * state_bytes / GiB / n, "exp_avg, exp_avg_sq" + of_n))
     per_token = activation_bytes_per_token(
         t, dtype_bytes=b, lora_rank=lora_rank, lora_targets=lora_targets, loss_fraction=loss_fraction,
         checkpointing=activation_checkpointing,
@@ -368,15 +420,27 @@ def trainer_memory(
     head_grad = t.vocab_size * t.hidden_size * 4 if full else 0  # float32 accumulator of the lm_head grad
     logprob = (2 * chunk_size * t.vocab_size * 4 + head_upcast + head_grad) / GiB
     images = max_tokens * t.hidden_size * (1 + dims.vision.deepstack_levels) * b / GiB
-    step_temp = trainable * state_bytes / GiB
-    backward = activations + logprob + images
-    if step_temp > backward:
+    how = "per-layer checkpointing" if activation_checkpointing else "no checkpointing"
+    backward = [
+        Item("activations", activations, f"{max_tokens} tokens x {per_token / 2**20:.2f} MiB, {how}"
+             + (", per rank" if sharded else "")),
+        Item("logprob buffers", logprob, f"2 x ({chunk_size} x vocab) fp32 + fp32 lm_head copies"),
+        Item("image embeddings", images, "a micro-batch's, at most max_tokens rows (main + DeepStack)"),
+    ]
+    if sharded:
+        layer = t.layer_params + (0 if full else t.lora_params(lora_rank, lora_targets) // t.num_hidden_layers)
+        root = t.params - t.num_hidden_layers * t.layer_params  # embedding, final norm, untied lm_head
+        backward[:0] = [
+            Item("unsharded layers", UNSHARDED_LAYERS * layer * b / GiB,
+                 f"{UNSHARDED_LAYERS} decoder layers all-gathered in {dtype} (one computing, one prefetched)"),
+            Item("unsharded root", root * b / GiB,
+                 f"embedding, final norm, lm_head all-gathered in {dtype}, kept from forward to backward"),
+        ]
+    step_temp = trainable * state_bytes / GiB / n
+    if step_temp > sum(i.gib for i in backward):
         items.append(Item("optimizer step temporaries", step_temp, "foreach AdamW; exceeds the backward's"))
     else:
-        how = "per-layer checkpointing" if activation_checkpointing else "no checkpointing"
-        items.append(Item("activations", activations, f"{max_tokens} tokens x {per_token / 2**20:.2f} MiB, {how}"))
-        items.append(Item("logprob buffers", logprob, f"2 x ({chunk_size} x vocab) fp32 + fp32 lm_head copies"))
-        items.append(Item("image embeddings", images, "a micro-batch's, at most max_tokens rows (main + DeepStack)"))
+        items.extend(backward)
     items.append(Item("CUDA context", CUDA_CONTEXT_GIB, "assumed"))
     return Estimate(tuple(items))
 
@@ -421,7 +485,8 @@ class RunEstimate:
     trainer: Estimate
     server: Estimate | None  # None for the embedded engine
     gpu_gib: float
-    shared_gpu: bool  # the trainer and one server on the same GPU
+    shared_gpu: bool  # the trainer (each rank of it) and one server on the same GPU
+    world_size: int = 1  # the trainer's ranks; `trainer` is per rank (FSDP2 at world size > 1)
 
     @property
     def trainer_budget(self) -> float:
@@ -434,12 +499,14 @@ class RunEstimate:
 
 
 def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = GPU_GIB, shared_gpu: bool = False,
-                 dims: ModelDims | None = None) -> RunEstimate:
+                 dims: ModelDims | None = None, world_size: int = 1) -> RunEstimate:
     """The estimate for a `saccade.config.RunConfig`.
 
     The servers' --gpu-memory-utilization is not part of the run config: pass it. With
     `shared_gpu`, one server and the trainer share a GPU (start the server first: vLLM takes its
-    share of the whole GPU, the trainer then fits in what is left).
+    share of the whole GPU, the trainer then fits in what is left); with `world_size` > 1,
+    each rank shares its GPU with one server. `world_size` is the trainer's torchrun
+    --nproc-per-node: the trainer's figures are per rank under FSDP2; the server's do not change.
     """
     dims = dims or model_dims(cfg.model.path)
     lora_rank = cfg.lora.rank if cfg.lora.enabled else None
@@ -447,7 +514,7 @@ def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = G
     trainer = trainer_memory(
         dims, dtype=cfg.model.dtype, lora_rank=lora_rank, lora_targets=tuple(cfg.lora.target_modules),
         max_tokens=cfg.trainer.max_tokens, holds_vision_tower=embedded,
-        activation_checkpointing=cfg.trainer.activation_checkpointing,
+        activation_checkpointing=cfg.trainer.activation_checkpointing, world_size=world_size,
     )
     server = None
     if not embedded:
@@ -455,22 +522,30 @@ def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = G
             dims, gpu_memory_utilization=gpu_memory_utilization, gpu_gib=gpu_gib, dtype=cfg.model.dtype,
             max_lora_rank=cfg.lora.rank if cfg.engine.sync_lora_adapter else None,
         )
-    return RunEstimate(dims, trainer, server, gpu_gib, shared_gpu and not embedded)
+    return RunEstimate(dims, trainer, server, gpu_gib, shared_gpu and not embedded, world_size)
 
 
 def header_lines(est: RunEstimate) -> list[str]:
-    """The memory lines of a shipped config's header, exactly (tests/test_configs.py compares)."""
+    """The memory lines of a shipped config's header, exactly (tests/test_configs.py compares).
+
+    At world size 1 they say "trainer GPU" (one process); above it, the trainer's lines say
+    "per rank of N (FSDP2)" and name the unsharded copies, so a header states the world size
+    its figures are for."""
     t = est.trainer
+    n = est.world_size
     state = "LoRA+grads+AdamW" if t.get("LoRA adapters") else "masters+grads+AdamW" if t.get("master weights") \
         else "grads+AdamW"
     short = {"LoRA adapters": state, "master weights": state, "gradients": state, "AdamW states": state,
              "logprob buffers": "logprobs", "image embeddings": "images", "CUDA context": "context"}
+    if n > 1:
+        short["weights"] = "weight shards"
     groups: dict[str, float] = {}
     for item in t.items:
         key = short.get(item.name, item.name)
         groups[key] = groups.get(key, 0.0) + item.gib
     parts = " + ".join(f"{name} {gib:.1f}" for name, gib in groups.items())
-    lines = [f"#   trainer GPU: {t.total:.1f} GiB peak = {parts}"]
+    who = "trainer GPU" if n == 1 else f"trainer GPU, per rank of {n} (FSDP2)"
+    lines = [f"#   {who}: {t.total:.1f} GiB peak = {parts}"]
     if est.server is not None:
         s = est.server
         kv = s.get("KV cache")
@@ -481,5 +556,8 @@ def header_lines(est: RunEstimate) -> list[str]:
         )
     where = "next to its server" if est.shared_gpu else "alone"
     verdict = "fits" if est.fits else "DOES NOT FIT"
-    lines.append(f"#   trainer {where} on a {est.gpu_gib:.0f} GiB GPU: {t.total:.1f} of {est.trainer_budget:.1f} GiB, {verdict}")
+    who = "trainer" if n == 1 else f"each of the {n} trainer ranks"
+    lines.append(
+        f"#   {who} {where} on a {est.gpu_gib:.0f} GiB GPU: {t.total:.1f} of {est.trainer_budget:.1f} GiB, {verdict}"
+    )
     return lines

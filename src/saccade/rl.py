@@ -17,12 +17,14 @@ off-policy buffer); evaluation is greedy success on a held-out split.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 from saccade.config import RunConfig
+from saccade.distributed import SINGLE, World, all_gather, balance, barrier, share_embeddings, unsharded
 from saccade.setup import Setup, build_setup
 from saccade.tasks import Task, task_from_config
 from saccade.timing import timed
@@ -47,21 +49,27 @@ def stall_message(steps_without_signal: int, metrics: dict[str, float], run_dir:
 
 
 def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,
-             task: Task | None = None, stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """The RL loop. Returns final figures. `stop_after` ends early after that many steps (tests)."""
+             task: Task | None = None, stop_after: int | None = None, progress: bool = True,
+             world: World = SINGLE) -> dict[str, Any]:
+    """The RL loop. Returns final figures. `stop_after` ends early after that many steps (tests).
+
+    `world`: this process's place among the trainer's ranks (`saccade.distributed`; torchrun
+    started it). Each rank samples its share of the prompts; every rank then holds the whole
+    step's scored batch and trains its share of the micro-batches of the sharded model. Rank 0
+    writes the metrics; every rank takes part in checkpoints and weight exports."""
     from saccade.config import describe
     from saccade.evaluation import evaluate
     from saccade.inference.engine import SamplingParams
     from saccade.metrics import MetricsLogger, ProgressBar, format_step, memory_metrics
-    from saccade.orchestrator.rollout import rollout_step
+    from saccade.orchestrator.rollout import prompt_seeds, sample_groups, score_groups
     from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
     from saccade.models.lm import shares_prompts
-    from saccade.trainer.packing import pack
     from saccade.trainer.step import adapter_free_reference, build_optimizer, lr_schedule, train_step
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
-    setup = setup or build_setup(cfg, run_dir)
+    if world.is_main:
+        (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
+    setup = setup or build_setup(cfg, run_dir, world)
     task = task or task_from_config(cfg)
     model, engine, cache = setup.model, setup.engine, setup.cache
     t = cfg.trainer
@@ -71,7 +79,11 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     if cfg.loss.kl_coef > 0:  # the KL term's reference: the base model, adapters off
         reference = adapter_free_reference(model, temperature=temperature, banned_token_ids=banned)
     share_prompts = t.share_prompts and shares_prompts(model)  # a group's prompt forwarded once
-    sampling = SamplingParams(temperature=temperature, top_p=cfg.engine.top_p, max_tokens=cfg.engine.max_tokens)
+    sampling = SamplingParams(temperature=temperature, top_p=cfg.engine.top_p, max_tokens=cfg.engine.max_tokens,
+                              n=cfg.rollout.group_size)
+    # The embedded engine samples from the sharded module itself: whole weights on every rank
+    # for the rollout (one all-gather), so ranks decode their own prompts without collectives.
+    sampling_weights = (lambda: unsharded(model)) if engine.shares_weights else contextlib.nullcontext
     # Only built when the run evaluates: a data set's eval split is then opened (downloaded) too.
     eval_samples = task.eval_samples(cfg.data.eval_size) if cfg.eval.every_steps else []
 
@@ -85,44 +97,50 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     # From the first step on, the engine samples from exactly the trainer's weights: a vLLM
     # server may still hold the base model, or another run's (the embedded engine shares them).
     engine.update_weights(version=state.policy_version)
+    barrier(world)
     logger = MetricsLogger(
         run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, tensorboard=cfg.log.tensorboard,
         config=cfg.model_dump(), resume=resume,
-    )
+    ) if world.is_main else NoLogger()
     if resume:
         logger.truncate_after(state.step)
     last: dict[str, float] = {}
     steps_without_signal = 0
     end = t.steps if stop_after is None else min(t.steps, state.step + stop_after)
-    with logger, ProgressBar(progress, end - state.step, "rl") as bar:
+    with logger, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar:
         for step in range(state.step, end):
             start = time.perf_counter()
-            prompts = [task.train_sample(state.data_position + i, seed=t.seed)
-                       for i in range(cfg.rollout.prompts_per_step)]
-            state.data_position += len(prompts)
+            # This rank's share of the step's prompts; each prompt's sampling stream depends on
+            # (seed, step, prompt index) only, so any number of ranks samples the same completions.
+            indices = [state.data_position + i for i in world.share(cfg.rollout.prompts_per_step)]
+            prompts = [task.train_sample(i, seed=t.seed) for i in indices]
+            state.data_position += cfg.rollout.prompts_per_step
 
             # 1. Rollouts: G per prompt, scored, advantages, the groups worth training on. Every
             # image embedding they put in or read from the cache stays there until step 2 ends.
             pins = cache.pins(f"step {step + 1}")
             check = cfg.env.check_consistency == "always" or (cfg.env.check_consistency == "first" and step == 0)
-            with pins:
-                batch = rollout_step(
-                    engine, task, prompts, sampling=sampling, rollout=cfg.rollout, env=cfg.env, merge=setup.merge,
-                    continuation=setup.continuation, tokenizer=setup.processor.tokenizer, check=check,
+            with pins, sampling_weights():
+                groups = sample_groups(
+                    engine, task, prompts, sampling, merge=setup.merge, continuation=setup.continuation,
+                    env=cfg.env, tokenizer=setup.processor.tokenizer, check=check,
+                    seeds=prompt_seeds(t.seed, step, indices),
                 )
+            with timed("samples"):  # every rank: the whole step's groups, in prompt order
+                batch = score_groups([g for part in all_gather(groups, world) for g in part], cfg.rollout)
             rollout_s = time.perf_counter() - start
 
-            # 2. Train: pack like text (never splitting a sample), onto the device, optimize.
+            # 2. Train: pack like text (never splitting a sample), this rank's share of the
+            # micro-batches onto the device, optimize.
             train_metrics: dict[str, float] = {}
             if batch.samples:
-                with timed("pack"):
-                    micro_batches = [mb.to(setup.device) for mb in pack(
-                        batch.samples, cache.get, max_tokens=t.max_tokens, image_token_id=setup.image_token_id,
-                        spatial_merge_size=setup.merge, share_prompts=share_prompts)]
+                with timed("pack"), pins:
+                    micro_batches = [mb.to(setup.device) for mb in rank_micro_batches(
+                        batch.samples, setup, max_tokens=t.max_tokens, share_prompts=share_prompts, world=world)]
                 train_metrics = train_step(
                     model, optimizer, scheduler, micro_batches, loss=cfg.loss,
                     num_iterations=t.num_iterations, grad_clip=t.grad_clip, temperature=temperature,
-                    banned_token_ids=banned, reference=reference,
+                    banned_token_ids=banned, reference=reference, world=world,
                 )
             pins.release()
             train_s = time.perf_counter() - start - rollout_s
@@ -139,6 +157,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
             sync_s = 0.0
             if state.step % cfg.engine.sync_every_steps == 0 or evaluating or checkpointing or state.step == end:
                 sync_s = engine.update_weights(version=state.step)
+                barrier(world)  # no rank samples again before the servers hold the new weights
             state.policy_version = engine.policy_version
             step_s = time.perf_counter() - start
 
@@ -153,10 +172,14 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 policy_lag=step - batch.metrics["sampled_policy_version"],
                 **memory_metrics(setup.device),
             )
-            if evaluating:
-                ev = evaluate(setup, task, eval_samples, max_tokens=cfg.engine.max_tokens, env=cfg.env)
-                logger.log(state.step, {k: v for k, v in ev.items() if k != "n"}, phase="eval")
-                metrics["eval_accuracy"] = ev["accuracy"]
+            if evaluating:  # rank 0 evaluates; with the embedded engine, every rank holds whole weights meanwhile
+                with sampling_weights():
+                    ev = evaluate(setup, task, eval_samples, max_tokens=cfg.engine.max_tokens, env=cfg.env) \
+                        if world.is_main else {}
+                    barrier(world)
+                if world.is_main:
+                    logger.log(state.step, {k: v for k, v in ev.items() if k != "n"}, phase="eval")
+                    metrics["eval_accuracy"] = ev["accuracy"]
             logger.log(state.step, metrics)
             last = metrics
             bar(format_step(metrics))
@@ -167,3 +190,37 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                     keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path,
                 )
     return {"step": state.step, "last": last, "setup": setup}
+
+
+def rank_micro_batches(samples: list, setup: Setup, *, max_tokens: int, share_prompts: bool, world: World) -> list:
+    """This rank's micro-batches of the step. Every rank plans the whole step's packing (the same
+    plan as one process), takes its share by `balance` (about the same tokens, the same number
+    of micro-batches: padding ones fill in), fetches from the other ranks the image embeddings
+    it lacks, and collates its share."""
+    from saccade.trainer.packing import collate_segments, pack_plan, padding_micro_batch, planned_tokens
+
+    plan = pack_plan(samples, max_tokens=max_tokens, image_token_id=setup.image_token_id,
+                     spatial_merge_size=setup.merge, share_prompts=share_prompts)
+    assignment = balance([planned_tokens(segments) for segments in plan], world.size)
+    mine = [plan[i] for i in assignment[world.rank]]
+    share_embeddings([k for segments in mine for seg in segments for k in seg.sample.image_keys], setup.cache, world)
+    micro_batches = [collate_segments(segments, setup.cache.get, image_token_id=setup.image_token_id,
+                                      spatial_merge_size=setup.merge) for segments in mine]
+    slots = max(len(a) for a in assignment)
+    return micro_batches + [padding_micro_batch() for _ in range(slots - len(micro_batches))]
+
+
+class NoLogger:
+    """What ranks other than 0 log to: nothing (rank 0 writes the run's metrics)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass

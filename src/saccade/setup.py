@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from saccade.config import ImagesConfig, RunConfig
+from saccade.distributed import SINGLE, World, barrier, shard_model
 from saccade.inference.engine import Engine
 from saccade.models.vision import EmbeddingCache
 
@@ -73,8 +74,13 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
-    """The trainer's model (LoRA or full) on its device, the embedding cache, and the engine."""
+def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
+    """The trainer's model (LoRA or full) on its device, the embedding cache, and the engine.
+
+    Under torchrun (`world.sharded`) the model is FSDP2-sharded over the ranks
+    (`saccade.distributed.shard_model`): its parameters are then float32 shards, computed in
+    `model.dtype` by FSDP's mixed precision (bf16 all-gathers, float32 gradient reduction), so
+    AdamW steps the float32 shards directly and no separate master copy is kept."""
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
     from saccade.models.loading import load_processor
     from saccade.models.tiny import resolve_model
@@ -85,19 +91,25 @@ def build_setup(cfg: RunConfig, run_dir: Path) -> Setup:
     device = resolve_device(cfg.trainer.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if not world.is_main:  # a preset is built once, by rank 0, then read from its cache by all
+        barrier(world)
     model_path = resolve_model(cfg.model.path)
+    if world.is_main:
+        barrier(world)
     # The model computes in model.dtype, as an inference engine does; what trains keeps float32
     # copies: LoRA adapters are float32, full fine-tuning's optimizer holds master weights.
     dtype = getattr(torch, cfg.model.dtype)
     processor = load_processor(model_path)
-    policy = load_policy_lm(model_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
-                            device=device)
+    policy = load_policy_lm(model_path, dtype=torch.float32 if world.sharded else dtype,
+                            attn_implementation=cfg.model.attn_implementation, device=device)
     if cfg.trainer.activation_checkpointing:
         policy.enable_activation_checkpointing()
     model = apply_lora(policy, cfg.lora) if cfg.lora.enabled else set_full_finetune(policy)
+    if world.sharded:
+        shard_model(model, world, device=device, compute_dtype=dtype)
     cache = EmbeddingCache(cfg.images.cache_bytes, cfg.images.cache_dir, dtype=dtype)
     if cfg.engine.kind == "vllm":
-        engine = build_vllm_engine(cfg, model, model_path, processor, cache, run_dir)
+        engine = build_vllm_engine(cfg, model, model_path, processor, cache, run_dir, world)
     else:
         engine = build_local_engine(cfg, model, model_path, processor, cache, dtype, device)
     merge = int(policy.config.vision_config.spatial_merge_size)  # the full model's config; no tower read
@@ -117,7 +129,7 @@ def build_local_engine(cfg: RunConfig, model: nn.Module, model_path: str, proces
 
 
 def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, processor, cache: EmbeddingCache,
-                      run_dir: Path) -> Engine:
+                      run_dir: Path, world: World = SINGLE) -> Engine:
     from saccade.inference.vllm import VLLMEngine
 
     lora = cfg.engine.sync_lora_adapter
@@ -127,14 +139,17 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
     return VLLMEngine.for_servers(
         cfg.engine.urls, processor, limits=cfg.images, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
         max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
-        exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora), lora=lora,
+        exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora, world=world), lora=lora,
+        pushes_weights=world.is_main,
     )
 
 
-def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path, *, lora: bool = False):
+def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path, *, lora: bool = False,
+                            world: World = SINGLE):
     """exporter(version) -> `folder/v{version}`: a full HF folder of the model's current weights
     (LoRA merged), or with `lora` only its PEFT adapter. Older versions are removed (the
-    servers have loaded them already)."""
+    servers have loaded them already). Sharded: every rank calls it (the weights are gathered
+    one parameter at a time), rank 0 writes, and no rank returns before the folder is there."""
     from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
 
     def export(version: int) -> str:
@@ -142,9 +157,11 @@ def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path
             out = save_adapter_for_engine(model, base_model_path, folder / f"v{version}")
         else:
             out = merge_full_weights_for_engine(model, base_model_path, folder / f"v{version}")
-        for old in folder.glob("v*"):
-            if old != out and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
+        if world.is_main:
+            for old in folder.glob("v*"):
+                if old != out and old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+        barrier(world)
         return str(out)
 
     return export

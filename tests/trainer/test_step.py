@@ -105,3 +105,52 @@ def test_a_checkpoint_keeps_the_master_weights_exactly(tiny_path, tmp_path):
     assert all(p.dtype == torch.bfloat16 for p in fresh.parameters())
     assert torch.equal(dict(fresh.named_parameters())["model.language_model.norm.weight"],
                        dict(model.named_parameters())["model.language_model.norm.weight"])
+
+
+def _text_micro_batches(n_samples: int = 4):
+    """Text-only samples with a 5-token completion each, packed into one micro-batch."""
+    from saccade.trainer.packing import pack
+    from saccade.trainer.samples import make_sample
+
+    gen = torch.Generator().manual_seed(3)
+    samples = []
+    for i in range(n_samples):
+        L = 12 + i
+        ids = torch.randint(10, 200, (L,), generator=gen)
+        mask = torch.zeros(L, dtype=torch.bool)
+        mask[-5:] = True
+        samples.append(make_sample(f"s{i}", ids, torch.zeros(L, dtype=torch.long), None, [], spatial_merge_size=2,
+                                   loss_mask=mask, inference_logprobs=torch.where(mask, -2.0, 0.0),
+                                   advantage=(-1.0) ** i))
+    return pack(samples, lambda key: None, max_tokens=256, image_token_id=-1, spatial_merge_size=2)
+
+
+def test_a_padding_micro_batch_changes_nothing_but_runs_a_full_forward_and_backward(tiny_path):
+    """What a rank with fewer micro-batches runs (FSDP needs the same number of calls on every
+    rank): the same metrics and weights as without it, and a gradient (of zeros) for every
+    parameter, so every layer's backward, hence its gradient reduction, takes place."""
+    from saccade.config import LossConfig
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.packing import padding_micro_batch
+    from saccade.trainer.step import train_step
+
+    def step(micro_batches):
+        torch.manual_seed(0)
+        model = set_full_finetune(load_policy_lm(tiny_path))
+        optimizer, scheduler = build_optimizer(model, lr=1e-3, weight_decay=0.0, schedule=lambda s: 1.0)
+        metrics = train_step(model, optimizer, scheduler, micro_batches, loss=LossConfig(), num_iterations=1,
+                             grad_clip=1.0, temperature=1.0, banned_token_ids=[])
+        return metrics, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    real = _text_micro_batches()
+    plain, plain_weights = step(real)
+    padded, padded_weights = step(real + [padding_micro_batch(), padding_micro_batch()])
+    assert plain["grad_norm"] > 0 and plain["micro_batches"] == padded["micro_batches"] == 1
+    assert {k: v for k, v in padded.items()} == plain
+    assert all(torch.equal(plain_weights[n], padded_weights[n]) for n in plain_weights)
+
+    model = set_full_finetune(load_policy_lm(tiny_path))
+    logprobs, entropy = forward_logprobs(model, padding_micro_batch(), only_loss_tokens=True)
+    (logprobs.sum() + entropy.sum()).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and not g.any() for g in grads.values()), [n for n, g in grads.items() if g is None]

@@ -114,6 +114,7 @@ class VLLMEngine:
         exporter: Callable[[int], str] | None = None,
         model: str | None = None,
         lora: bool = False,
+        pushes_weights: bool = True,
     ):
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL (engine.urls)")
@@ -128,6 +129,9 @@ class VLLMEngine:
         self.retries = retries
         self.backoff_s = backoff_s
         self.exporter = exporter
+        # False on ranks other than 0 of a sharded trainer: they take part in the export (a
+        # collective gather) but only rank 0 tells the servers to load it.
+        self.pushes_weights = pushes_weights
         self.model = model
         # lora: the exporter writes a PEFT adapter folder; the servers load it as an adapter
         # and requests name it as their model. Otherwise it writes full weights.
@@ -401,7 +405,8 @@ class VLLMEngine:
         start = time.perf_counter()
         version = self.policy_version + 1 if version is None else version
         folder = self.exporter(version)
-        asyncio.run(self._push(folder, version))
+        if self.pushes_weights:
+            asyncio.run(self._push(folder, version))
         self.policy_version = version
         self._adapter_loaded = self.lora
         return time.perf_counter() - start

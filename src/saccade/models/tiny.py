@@ -166,7 +166,12 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str) -> str:
-    """A preset name ("tiny", "small", "qwen3vl-2b") becomes its built folder; anything else is returned as is."""
+    """A preset name ("tiny", "small", "qwen3vl-2b") becomes its built folder, "tiny-warm" the
+    demo's warm start (`saccade.demo.warm_model_path`); anything else is returned as is."""
+    if model == "tiny-warm":
+        from saccade.demo import warm_model_path
+
+        return str(warm_model_path())
     return str(tiny_model_path(model)) if model in PRESETS else model
 
 
@@ -177,14 +182,19 @@ def tiny_model_path(preset: str = "tiny", seed: int = 0) -> Path:
     spec = PRESETS[preset]
     key = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(spec), seed]).encode()).hexdigest()[:10]
     target = cache_dir() / f"qwen3vl-{preset}-seed{seed}-{key}"
-    if (target / "config.json").exists() and (target / ".complete").exists():
+    return build_once(target, lambda tmp: build_tiny_qwen3vl(tmp, preset=preset, seed=seed))
+
+
+def build_once(target: Path, build) -> Path:
+    """`target`, built by `build(folder)` on first use. Built in a temp folder and renamed: a
+    killed build never leaves a half-written model, and two processes racing both end up with
+    a complete one."""
+    if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a temp folder and rename: a killed build never leaves a half-written model,
-    # and two processes racing both end up with a complete one.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        build_tiny_qwen3vl(tmp, preset=preset, seed=seed)
+        build(tmp)
         (tmp / ".complete").write_text("ok\n")
         try:
             os.rename(tmp, target)

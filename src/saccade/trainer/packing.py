@@ -199,6 +199,46 @@ def _unit_segments(samples: list[TrainingSample], unit: list[int], start: int,
         Segment(samples[i], prompt, images, (start, start + prompt)) for i in unit[1:]]
 
 
+def pack_plan(
+    samples: list[TrainingSample],
+    *,
+    max_tokens: int,
+    image_token_id: int,
+    spatial_merge_size: int,
+    share_prompts: bool = False,
+) -> list[list[Segment]]:
+    """Which samples go in which micro-batch, and how (first-fit-decreasing, at most max_tokens
+    tokens each): the segments of each micro-batch, before any embedding is looked up. A
+    function of the samples alone, so every rank of a sharded trainer plans the same.
+
+    `share_prompts` (needs the packed_sdpa kernel): samples with the same prompt (a GRPO group)
+    keep one copy of it; each further completion attends to that copy. The forward then runs
+    the prompt once per group instead of G times, and computes the same logprobs."""
+    if not share_prompts:
+        bins = first_fit_decreasing([s.num_tokens for s in samples], max_tokens,
+                                    names=[s.sample_id for s in samples])
+        return [[Segment(samples[i]) for i in b] for b in bins]
+    units = prompt_groups(samples, max_tokens, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size)
+    # Each unit's shared prompt (tokens, images), found once; a lone sample shares nothing.
+    spans = [prompt_span(samples[u[0]], image_token_id, spatial_merge_size) if len(u) > 1 else (0, 0)
+             for u in units]
+    sizes = [sum(samples[i].num_tokens for i in u) - span[0] * (len(u) - 1) for u, span in zip(units, spans)]
+    bins = first_fit_decreasing(sizes, max_tokens, names=[samples[u[0]].sample_id for u in units])
+    plan = []
+    for b in bins:
+        segments, start = [], 0
+        for k in b:
+            segments += _unit_segments(samples, units[k], start, spans[k])
+            start += sizes[k]
+        plan.append(segments)
+    return plan
+
+
+def planned_tokens(segments: list[Segment]) -> int:
+    """The row length of a planned micro-batch (what its forward computes)."""
+    return sum(seg.sample.num_tokens - seg.skip for seg in segments)
+
+
 def pack(
     samples: list[TrainingSample],
     lookup: Callable[[str], ImageEmbedding | None],
@@ -208,28 +248,26 @@ def pack(
     spatial_merge_size: int,
     share_prompts: bool = False,
 ) -> list[MicroBatch]:
-    """First-fit-decreasing into micro-batches of at most max_tokens tokens each.
+    """The micro-batches of `pack_plan`, collated with their image embeddings from `lookup`."""
+    plan = pack_plan(samples, max_tokens=max_tokens, image_token_id=image_token_id,
+                     spatial_merge_size=spatial_merge_size, share_prompts=share_prompts)
+    return [collate_segments(segments, lookup, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size)
+            for segments in plan]
 
-    `share_prompts` (needs the packed_sdpa kernel): samples with the same prompt (a GRPO group)
-    keep one copy of it; each further completion attends to that copy. The forward then runs
-    the prompt once per group instead of G times, and computes the same logprobs."""
-    if not share_prompts:
-        bins = first_fit_decreasing([s.num_tokens for s in samples], max_tokens,
-                                    names=[s.sample_id for s in samples])
-        return [collate([samples[i] for i in b], lookup, image_token_id=image_token_id,
-                        spatial_merge_size=spatial_merge_size) for b in bins]
-    units = prompt_groups(samples, max_tokens, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size)
-    # Each unit's shared prompt (tokens, images), found once; a lone sample shares nothing.
-    spans = [prompt_span(samples[u[0]], image_token_id, spatial_merge_size) if len(u) > 1 else (0, 0)
-             for u in units]
-    sizes = [sum(samples[i].num_tokens for i in u) - span[0] * (len(u) - 1) for u, span in zip(units, spans)]
-    bins = first_fit_decreasing(sizes, max_tokens, names=[samples[u[0]].sample_id for u in units])
-    micro_batches = []
-    for b in bins:
-        segments, start = [], 0
-        for k in b:
-            segments += _unit_segments(samples, units[k], start, spans[k])
-            start += sizes[k]
-        micro_batches.append(collate_segments(segments, lookup, image_token_id=image_token_id,
-                                              spatial_merge_size=spatial_merge_size))
-    return micro_batches
+
+def padding_micro_batch(token_id: int = 0) -> MicroBatch:
+    """A one-token micro-batch with nothing in the loss: what a rank of a sharded trainer runs
+    when it has fewer micro-batches than the others, so every rank makes the same number of
+    forward/backward calls (FSDP's collectives hang otherwise). Its loss and gradient are 0."""
+    return MicroBatch(
+        input_ids=torch.tensor([[token_id]]),
+        position_ids=torch.zeros(4, 1, 1, dtype=torch.long),
+        loss_mask=torch.zeros(1, dtype=torch.bool),
+        inference_logprobs=torch.zeros(1),
+        advantages=torch.zeros(1),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+        image_embeds=None,
+        deepstack=None,
+        image_grid_thw=torch.zeros(0, 3, dtype=torch.long),
+        sample_ids=[],
+    )

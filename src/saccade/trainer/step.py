@@ -22,8 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from saccade.timing import timed
 from saccade.config import LossConfig, TrainerConfig
+from saccade.distributed import SINGLE, World, all_reduce_sum
+from saccade.timing import timed
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.loss import LossInputs, policy_loss
 from saccade.trainer.samples import MicroBatch
@@ -134,8 +135,11 @@ def optimized_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def grad_norm_or_none(params: list[torch.Tensor], max_norm: float) -> float | None:
-    """Clip and return the pre-clip norm, or None if any gradient is NaN/inf (the step is then skipped)."""
+    """Clip and return the pre-clip norm, or None if any gradient is NaN/inf (the step is then skipped).
+    With sharded (DTensor) parameters the norm is the whole model's, the same on every rank."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
     return float(norm) if torch.isfinite(norm) else None
 
 
@@ -166,12 +170,20 @@ def train_step(
     temperature: float,
     banned_token_ids: list[int],
     reference: Reference | None = None,
+    world: World = SINGLE,
 ) -> dict[str, float]:
-    """`num_iterations` optimizer steps over the micro-batches; returns the step's metrics."""
+    """`num_iterations` optimizer steps over the micro-batches; returns the step's metrics.
+
+    With a sharded model (`world.size` > 1), `micro_batches` are this rank's share of the step
+    (`saccade.distributed.balance`, padded so that every rank has as many) and the returned
+    metrics are the whole step's: the loss normalisation, the metric sums and the decision to
+    skip a non-finite step are all taken over every rank."""
     if loss.kl_coef > 0 and reference is None:
         raise ValueError("loss.kl_coef > 0 needs a reference policy")
-    total_loss_tokens = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
-    total_sequences = float(sum(mb.num_samples for mb in micro_batches))
+    device = micro_batches[0].loss_mask.device
+    total_loss_tokens, total_sequences = all_reduce_sum(
+        [float(sum(int(mb.loss_mask.sum()) for mb in micro_batches)), float(sum(mb.num_samples for mb in micro_batches))],
+        world, device)
 
     # Behaviour logprobs: the engine's. With TIS, the ratio is taken against the trainer's own
     # logprobs before the update, and the engine/trainer gap is corrected by a capped weight.
@@ -214,13 +226,18 @@ def train_step(
                 loss_value, metrics = policy_loss(inputs, loss)
             if not torch.isfinite(loss_value):
                 finite = False
-                break
+                if world.size == 1:
+                    break
+                # Sharded: every rank must still run its backward (FSDP's reduce-scatters are
+                # collective); the step is skipped on all ranks below.
             with timed("backward"):
                 loss_value.backward()
             weight = float(mb.loss_mask.sum()) / max(1.0, total_loss_tokens)
             sums["loss"] = sums.get("loss", 0.0) + float(loss_value.detach())
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * weight
+        if world.size > 1:  # a non-finite loss on any rank skips the step on all of them
+            finite = all_reduce_sum([float(not finite)], world, device)[0] == 0
         with timed("optimizer"):
             norm = grad_norm_or_none(params, grad_clip) if finite else None
         if norm is None:
@@ -235,10 +252,19 @@ def train_step(
             optimizer.step()
             scheduler.step()
     applied = max(1, num_iterations - skipped)
-    out = {k: v / (applied if k == "grad_norm" else num_iterations) for k, v in sums.items()}
-    out.update(skipped_steps=float(skipped), micro_batches=float(len(micro_batches)), lr=scheduler.get_last_lr()[0])
+    real = [mb for mb in micro_batches if mb.num_samples]  # not the padding micro-batches
+    # Sums over this rank's micro-batches, then over the ranks (the grad norm is global already).
+    summed = sorted(k for k in sums if k != "grad_norm")
+    counts = ["micro_batches", "train_tokens", "forward_tokens"]
+    reduced = all_reduce_sum(
+        [sums[k] for k in summed]
+        # The samples' tokens (a shared prompt once per sample), and what the forward computed.
+        + [float(len(real)), float(sum(mb.num_sample_tokens for mb in real)), float(sum(mb.num_tokens for mb in real))],
+        world, device)
+    out = {k: v / num_iterations for k, v in zip(summed, reduced)}
+    if "grad_norm" in sums:
+        out["grad_norm"] = sums["grad_norm"] / applied
+    out.update(zip(counts, reduced[len(summed):]))
+    out.update(skipped_steps=float(skipped), lr=scheduler.get_last_lr()[0])
     out["loss_tokens"] = total_loss_tokens  # the step's, not a mean over micro-batches (that depends on the packing)
-    # The samples' tokens (a shared prompt once per sample), and what the forward computed.
-    out["train_tokens"] = float(sum(mb.num_sample_tokens for mb in micro_batches))
-    out["forward_tokens"] = float(sum(mb.num_tokens for mb in micro_batches))
     return out

@@ -1,0 +1,259 @@
+"""`saccade bench distributed`: the sharded trainer at world 1 against world N, side by side.
+
+Two torchrun launches of the same worker (this module, `python -m saccade.bench.distributed`),
+first `--nproc-per-node 1` (the FSDP path on one rank), then `--nproc-per-node N`, on the same
+model and the same global batch. Each reports, per rank:
+
+- `state_bytes`: the parameters, gradients and AdamW moments this rank holds (its shards);
+  world N against world 1 should be about 1/N;
+- `step_s`: the median wall time of a `train_step` over the whole global batch (16 samples of
+  `--seq-len` tokens, packed into micro-batches of `--max-tokens`, spread by `balance`);
+- `export_s` and `export_peak_mb`: the engine-weights export (`merge_full_weights_for_engine`,
+  gathered one tensor at a time, rank 0 writing) and the rise of this process's peak resident
+  memory over it (Linux VmHWM, reset before the export);
+- `decode_forward_ms`: one decode-sized forward (8 rows x 1 token) with the weights whole on
+  every rank (`unsharded`: gathered once per rollout, what the embedded engine does) and
+  sharded (FSDP all-gathers every layer at every forward: what ranks decoding in lockstep, as
+  HF's synced_gpus, would pay at every token); `unshard_s`: the one all-gather.
+
+Synthetic text samples (the trainer's work does not depend on what the tokens say); nothing
+here samples or scores. On this CPU two ranks share two cores, so world N's step time says
+what sharding costs here, not what N GPUs gain; the byte ratio holds anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SAMPLES = 16
+LOSS_TOKENS = 32
+
+
+def run_distributed_bench(*, nproc: int = 2, preset: str = "small", lora: bool = False, steps: int = 3,
+                          seq_len: int = 256, max_tokens: int = 1024, device: str = "cpu") -> dict[str, Any]:
+    """World 1 then world `nproc`, each a torchrun launch; the figures and their ratios."""
+    from saccade.models.tiny import resolve_model
+
+    resolve_model(preset)  # built once here, not by every rank
+    runs = {}
+    for world in (1, nproc):
+        with tempfile.TemporaryDirectory(prefix="saccade-bench-dist-") as tmp:
+            out = Path(tmp) / "result.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                   "-m", "saccade.bench.distributed", "--out", str(out), "--preset", preset, "--steps", str(steps),
+                   "--seq-len", str(seq_len), "--max-tokens", str(max_tokens), "--device", device,
+                   "--export-dir", str(Path(tmp) / "export")] + (["--lora"] if lora else [])
+            threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else 1
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"world {world} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+            runs[world] = json.loads(out.read_text())
+    one, many = runs[1], runs[nproc]
+    return {
+        "preset": preset, "lora": lora, "nproc": nproc, "device": device, "seq_len": seq_len,
+        "max_tokens": max_tokens, "samples": SAMPLES,
+        "world1": one, f"world{nproc}": many,
+        "state_bytes_ratio": max(many["state_bytes"]) / max(one["state_bytes"]),
+        "step_time_ratio": many["step_s"] / one["step_s"],
+        "export_time_ratio": many["export_s"] / one["export_s"],
+        "export_peak_ratio": max(many["export_peak_mb"]) / max(max(one["export_peak_mb"]), 1e-9),
+    }
+
+
+def format_distributed_report(result: dict[str, Any]) -> str:
+    n = result["nproc"]
+    one, many = result["world1"], result[f"world{n}"]
+    lines = [
+        f"{result['preset']} ({'LoRA' if result['lora'] else 'full fine-tuning'}), {result['samples']} samples x "
+        f"{result['seq_len']} tokens, micro-batches of {result['max_tokens']}, {result['device']}:",
+        f"  per-rank params+grads+AdamW  world 1 {max(one['state_bytes']) / 2**20:8.1f} MB   world {n} "
+        f"{max(many['state_bytes']) / 2**20:8.1f} MB   ratio {result['state_bytes_ratio']:.3f}",
+        f"  train step                   world 1 {one['step_s']:8.3f} s    world {n} {many['step_s']:8.3f} s    "
+        f"ratio {result['step_time_ratio']:.2f}",
+        f"  engine-weights export        world 1 {one['export_s']:8.3f} s    world {n} {many['export_s']:8.3f} s    "
+        f"ratio {result['export_time_ratio']:.2f}",
+        f"  export peak RSS rise (max)   world 1 {max(one['export_peak_mb']):8.1f} MB   world {n} "
+        f"{max(many['export_peak_mb']):8.1f} MB",
+        f"  decode forward at world {n}: weights whole {many['decode_forward_ms']['unsharded']:.2f} ms, sharded "
+        f"(all-gather per forward) {many['decode_forward_ms']['sharded']:.2f} ms; one unshard {many['unshard_s']:.3f} s",
+    ]
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- the worker
+
+
+def _synthetic_micro_batches(vocab: int, seq_len: int, max_tokens: int, world) -> list:
+    """This rank's share of SAMPLES text samples (loss on their last LOSS_TOKENS), padded."""
+    from saccade.distributed import balance
+    from saccade.trainer.packing import collate_segments, pack_plan, padding_micro_batch, planned_tokens
+    from saccade.trainer.samples import make_sample
+
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(SAMPLES):
+        mask = torch.zeros(seq_len, dtype=torch.bool)
+        mask[-LOSS_TOKENS:] = True
+        samples.append(make_sample(
+            f"s{i}", torch.randint(10, vocab, (seq_len,), generator=gen), torch.zeros(seq_len, dtype=torch.long),
+            None, [], spatial_merge_size=2, loss_mask=mask, inference_logprobs=torch.where(mask, -3.0, 0.0),
+            advantage=float((-1) ** i)))
+    plan = pack_plan(samples, max_tokens=max_tokens, image_token_id=-1, spatial_merge_size=2)
+    assignment = balance([planned_tokens(p) for p in plan], world.size)
+    mine = [collate_segments(plan[i], lambda key: None, image_token_id=-1, spatial_merge_size=2)
+            for i in assignment[world.rank]]
+    return mine + [padding_micro_batch()] * (max(map(len, assignment)) - len(mine))
+
+
+def _state_bytes(model, optimizer) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state (local shards)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    total += sum(local(p.grad).numel() * local(p.grad).element_size() for p in model.parameters() if p.grad is not None)
+    for state in optimizer.state.values():
+        total += sum(local(v).numel() * local(v).element_size() for v in state.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total
+
+
+def _reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM back to the current RSS
+    except OSError:
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def worker(args: argparse.Namespace) -> None:
+    from saccade.config import LossConfig, LoraConfig
+    from saccade.distributed import all_gather, barrier, close_world, init_world, shard_model, unsharded
+    from saccade.metrics import proc_status_kb
+    from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
+    from saccade.models.tiny import resolve_model
+    from saccade.setup import resolve_device
+    from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
+    from saccade.trainer.step import build_optimizer, train_step
+
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    world = init_world(device.type)
+    path = resolve_model(args.preset)
+    policy = load_policy_lm(path, device=device)
+    model = apply_lora(policy, LoraConfig(rank=16)) if args.lora else set_full_finetune(policy)
+    shard_model(model, world, device=device, compute_dtype=torch.float32)
+    optimizer, scheduler = build_optimizer(model, lr=1e-5, weight_decay=0.0, schedule=lambda s: 1.0)
+    # Token ids below the vision tokens (Qwen's special tokens sit at the top of the vocabulary).
+    config = policy.config
+    vision_ids = [getattr(config, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                     "vision_end_token_id")]
+    below = min([i for i in vision_ids if i is not None] + [config.text_config.vocab_size])
+    micro_batches = [mb.to(device) for mb in _synthetic_micro_batches(below, args.seq_len, args.max_tokens, world)]
+
+    times = []
+    for step in range(args.steps + 1):  # the first is a warm-up
+        barrier(world)
+        _sync(device)
+        start = time.perf_counter()
+        train_step(model, optimizer, scheduler, micro_batches, loss=LossConfig(), num_iterations=1, grad_clip=1.0,
+                   temperature=1.0, banned_token_ids=[], world=world)
+        _sync(device)
+        if step:
+            times.append(time.perf_counter() - start)
+    state_bytes = _state_bytes(model, optimizer)  # gradients are kept until the next zero_grad
+
+    barrier(world)
+    _reset_peak_rss()
+    before = proc_status_kb("VmRSS") or 0
+    start = time.perf_counter()
+    if args.lora:
+        save_adapter_for_engine(model, path, Path(args.export_dir))
+    else:
+        merge_full_weights_for_engine(model, path, Path(args.export_dir))
+    export_s = time.perf_counter() - start
+    peak_mb = ((proc_status_kb("VmHWM") or 0) - before) / 1024
+
+    # One decode-sized forward (8 rows x 1 token), weights whole against sharded.
+    ids = torch.randint(10, 100, (1, 8), device=device)
+    positions = torch.arange(8, device=device).view(1, 1, 8).expand(4, 1, 8)
+    cu = torch.arange(9, dtype=torch.int32)  # 8 one-token sequences
+
+    def forwards(n: int = 10) -> float:
+        with torch.no_grad():
+            policy.hidden_states(ids, positions, cu_seqlens=cu)
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                policy.hidden_states(ids, positions, cu_seqlens=cu)
+            _sync(device)
+        return (time.perf_counter() - start) / n * 1000
+
+    barrier(world)
+    sharded_ms = forwards()
+    barrier(world)
+    start = time.perf_counter()
+    with unsharded(model):
+        unshard_s = time.perf_counter() - start
+        whole_ms = forwards()
+    barrier(world)
+
+    mine = {"state_bytes": state_bytes, "export_peak_mb": peak_mb}
+    gathered = all_gather(mine, world)
+    if world.is_main:
+        Path(args.out).write_text(json.dumps({
+            "world_size": world.size,
+            "state_bytes": [g["state_bytes"] for g in gathered],
+            "export_peak_mb": [g["export_peak_mb"] for g in gathered],
+            "step_s": statistics.median(times),
+            "export_s": export_s,
+            "unshard_s": unshard_s,
+            "decode_forward_ms": {"unsharded": whole_ms, "sharded": sharded_ms},
+            "parameters": sum(p.numel() for p in unwrap_policy(model).parameters()),
+        }))
+    close_world(world)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="a worker of `saccade bench distributed` (run under torchrun)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--export-dir", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    worker(args)
+
+
+if __name__ == "__main__":
+    main()
