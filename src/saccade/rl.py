@@ -11,8 +11,13 @@ servers load an exported folder, after every step or every `engine.sync_every_st
 Every image embedding a step reads is pinned in the cache from its rollout until its train
 step has ended (`EmbeddingCache.pins`), so no budget can evict it in between.
 
-Simplified on purpose: rollouts and training alternate in one process (no async
-off-policy buffer); evaluation is greedy success on a held-out split.
+Under torchrun the same loop runs on every rank (`saccade.distributed`, docs/distributed.md):
+each samples its share of the prompts, all hold the whole step's scored batch, and each trains
+its share of the micro-batches of the FSDP2-sharded model. One process is the same loop with
+`World()`, every collective a no-op.
+
+Simplified on purpose: rollouts and training alternate (no async off-policy buffer);
+evaluation is greedy success on a held-out split, run by rank 0.
 """
 
 from __future__ import annotations
@@ -146,7 +151,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
             train_s = time.perf_counter() - start - rollout_s
             steps_without_signal = 0 if batch.samples else steps_without_signal + 1
             stalled = stall_message(steps_without_signal, batch.metrics, run_dir)
-            if stalled:
+            if stalled and world.is_main:  # every rank holds the same batch: say it once
                 warnings.warn(stalled, RuntimeWarning, stacklevel=2)
 
             # 3. Weights to the engine: every k-th step, and whenever the run evaluates,
