@@ -8,7 +8,7 @@ What must hold (issue 16):
   and its per-step loss and grad norm, and its final weights, agree within 1e-5;
 - killed with SIGKILL after a checkpoint and resumed at world 2, it logs the same metrics;
 - a checkpoint resumes at the other world size (2 -> 1 and 1 -> 2);
-- two torchrun launches with --nnodes 2 over 127.0.0.1 train.
+- two torchrun launches with --nnodes 2 over 127.0.0.1 train (LoRA, activation checkpointing).
 """
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ def test_a_checkpoint_resumes_at_the_other_world_size(world1, world2, tmp_path, 
 
 
 def test_two_nodes_over_loopback_train(tmp_path):
-    """Two torchrun launches, one per "node", meeting at a c10d rendezvous on 127.0.0.1."""
+    """Two torchrun launches, one per "node", meeting at a c10d rendezvous on 127.0.0.1: LoRA with
+    activation checkpointing, so that both compose with FSDP2 in a real run."""
     port = free_port()
     run_dir = tmp_path / "run"
     launches = [
@@ -165,7 +166,8 @@ def test_two_nodes_over_loopback_train(tmp_path):
              "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-id", "saccade-test", "-m", "saccade", "rl", "configs/demo.toml", "--model.path", "tiny-warm",
              "--trainer.steps", "2", "--trainer.torch_threads", "1", "--trainer.max_tokens", "256",
-             "--eval.every_steps", "0", "--log.dir", str(run_dir)],
+             "--eval.every_steps", "0", "--lora.enabled", "true", "--trainer.activation_checkpointing", "true",
+             "--log.dir", str(run_dir)],
             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in (0, 1)
     ]
@@ -174,4 +176,5 @@ def test_two_nodes_over_loopback_train(tmp_path):
     metrics = train_metrics(run_dir)
     assert [r["step"] for r in metrics] == [1, 2] and all(r["grad_norm"] > 0 for r in metrics)
     assert "done: 2 steps on 2 rank(s)" in outputs[0]
+    assert (run_dir / "checkpoints" / "step_000002" / "adapter" / "adapter_model.safetensors").is_file()
     assert (run_dir / "checkpoints" / "step_000002" / "COMPLETE").is_file()

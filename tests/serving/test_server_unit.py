@@ -71,3 +71,19 @@ def test_serve_help_and_the_exposure_refusal_from_the_command_line(tiny_path):
     pytest.importorskip("vllm")
     refused = run(str(tiny_path), "--host", "0.0.0.0")
     assert refused.returncode != 0 and "--api-key" in refused.stderr
+
+
+def test_a_cpu_server_takes_a_quarter_of_the_free_memory_for_its_kv_cache_within_1_to_4_gib():
+    from saccade.serving.server import choose_cpu_kv_cache, cpu_kv_cache_gib
+
+    GiB = 2**30
+    assert [cpu_kv_cache_gib(g * GiB) for g in (0, 2, 6, 9, 14, 100)] == [1, 1, 1, 2, 3, 4]
+    assert choose_cpu_kv_cache({"VLLM_CPU_KVCACHE_SPACE": "7"}) is None  # the user's choice stands
+    env: dict[str, str] = {}
+    line = choose_cpu_kv_cache(env)
+    import torch
+
+    if torch.cuda.is_available():  # a GPU server's KV cache is vLLM's --gpu-memory-utilization
+        assert line is None and not env
+    else:
+        assert 1 <= int(env["VLLM_CPU_KVCACHE_SPACE"]) <= 4 and "VLLM_CPU_KVCACHE_SPACE" in line

@@ -22,16 +22,20 @@ def free_port() -> int:
 
 @contextmanager
 def served(model: str, *, args: tuple[str, ...] = CPU_ARGS, log_path: str | Path, timeout_s: float = 300.0,
-           kv_cache_gb: int = 1):
+           kv_cache_gb: int | None = 1):
     """Run `saccade serve MODEL ARGS` on a free local port; yield its base URL; stop it after.
 
-    A server that exits or does not answer /health within timeout_s raises RuntimeError with
-    the end of its log.
+    `kv_cache_gb`: VLLM_CPU_KVCACHE_SPACE for a CPU server; None leaves it unset, so that
+    `saccade serve` chooses (as for a user who starts it by hand). A server that exits or does
+    not answer /health within timeout_s raises RuntimeError with the end of its log.
     """
     import httpx
 
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if kv_cache_gb is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
     cmd = [sys.executable, "-m", "saccade.serving.server", str(model), *args, "--port", str(port)]
     log_path = Path(log_path)
     with open(log_path, "w") as log:

@@ -73,6 +73,42 @@ def with_defaults(vllm_args: list[str]) -> list[str]:
     return out
 
 
+CPU_KV_CACHE_MAX_GIB = 4
+
+
+def cpu_kv_cache_gib(available_bytes: int) -> int:
+    """The KV cache a CPU server takes when VLLM_CPU_KVCACHE_SPACE is unset: a quarter of the
+    memory available now, at least 1 and at most CPU_KV_CACHE_MAX_GIB GiB. Left to itself,
+    vLLM's CPU build asks for 92% of a NUMA node and refuses to start when that much is not
+    free (here: "Available memory on node 0 (8.95/10.71 GiB) ... is less than desired")."""
+    return max(1, min(CPU_KV_CACHE_MAX_GIB, available_bytes // 4 // 2**30))
+
+
+def available_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def choose_cpu_kv_cache(environ: dict[str, str]) -> str | None:
+    """On a machine without CUDA, set VLLM_CPU_KVCACHE_SPACE when the user has not; returns the
+    line that says so (None when nothing was chosen)."""
+    if "VLLM_CPU_KVCACHE_SPACE" in environ:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    gib = cpu_kv_cache_gib(available_memory_bytes())
+    environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+    return (f"saccade serve: no GPU, so a {gib} GiB KV cache in host memory (a quarter of what is free, "
+            f"1-{CPU_KV_CACHE_MAX_GIB} GiB); set VLLM_CPU_KVCACHE_SPACE=<GiB> to choose another size")
+
+
 def check_exposure(host: str, api_key: str | None) -> None:
     if not is_loopback(host) and not api_key:
         raise SystemExit(
@@ -357,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     from saccade.models.tiny import resolve_model
 
     model_path = resolve_model(model)
+    chosen = choose_cpu_kv_cache(os.environ)  # before vLLM reads its environment
+    if chosen:
+        print(chosen, file=sys.stderr, flush=True)
     try:
         import uvloop
         from vllm.entrypoints.launchers.api_server import entry
