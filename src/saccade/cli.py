@@ -171,6 +171,15 @@ def cmd_bench_distributed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_async(args: argparse.Namespace) -> int:
+    from saccade.bench.async_rollouts import format_async_report, run_async_bench
+
+    result = run_async_bench(args.config, args.overrides, url=args.url, out_dir=args.out)
+    print(format_async_report(result))
+    _write_json(args.json, result)
+    return 0
+
+
 def cmd_bench_engine_parity(args: argparse.Namespace) -> int:
     from saccade.bench.engine import format_engine_parity, meets_bars, run_engine_parity
 
@@ -424,6 +433,22 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     dist.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     dist.set_defaults(func=cmd_bench_distributed)
+
+    bench_async = bench_sub.add_parser(
+        "async",
+        help="the vLLM demo config at rollout.max_async_level 0, then 1: seconds per step, ratio, idle fractions",
+        description="Runs the demo config on a vLLM server from the demo's warm start (model tiny-warm), twice back "
+        "to back on the same server: rollout.max_async_level 0 (sample, train, push) and 1 (step n+1 sampled while "
+        "step n trains). Prints seconds per step, the steps-per-second ratio, the fraction of the wall time the "
+        "trainer waited for rollouts and the server had nothing to do, the lag, and each run's held-out accuracy. "
+        "The cores are split: the server's compute threads on the first half, the trainer on the other half. "
+        "Dotted overrides (--trainer.steps 40) apply to both runs.",
+    )
+    bench_async.add_argument("config", nargs="?", default="configs/demo.toml", help="config (default configs/demo.toml)")
+    bench_async.add_argument("--url", help="an already running `saccade serve` of tiny-warm (default: start one)")
+    bench_async.add_argument("--out", metavar="DIR", help="where the two runs are written (default: a temp folder)")
+    bench_async.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    bench_async.set_defaults(func=cmd_bench_async)
 
     engine_parity = bench_sub.add_parser(
         "engine-parity",

@@ -211,6 +211,16 @@ class EngineConfig(Section):
         description="with LoRA, push only the adapter (MBs) instead of merged full weights (GBs); the servers "
         "load it in place and sample with it (start them with --enable-lora --max-lora-rank >= lora.rank)",
     )
+    health_interval_s: float = Field(
+        2.0, ge=0,
+        description="how often servers that were taken out (or failed to answer at the start) are probed; one "
+        "that answers gets the current weights and is put back in (0: never)",
+    )
+    no_server_wait_s: float = Field(
+        60.0, ge=0,
+        description="with every server out, how long a request waits for one to come back before the run saves "
+        "a checkpoint and stops (then restart the servers and --resume)",
+    )
     weights_dir: str | None = Field(
         None,
         description="folder where weights for the vLLM servers are written (must be readable by every server: "
@@ -238,6 +248,12 @@ class RolloutConfig(Section):
     scale_advantages_by_std: bool = Field(
         True, description="divide advantages by the group's std (GRPO); false: Dr. GRPO"
     )
+    max_async_level: int = Field(
+        0, ge=0, le=16,
+        description="steps of rollouts sampled ahead of the trainer (vLLM engine): 0 samples each step's "
+        "rollouts after the previous step's weights reached the servers (on-policy); 1 samples step n+1 while "
+        "step n trains, from weights at most 1 version old. A batch staler than this is never trained on",
+    )
     reward_weights: dict[str, float] = Field(
         default_factory=lambda: {"correct": 1.0},
         min_length=1,
@@ -261,11 +277,30 @@ class LossConfig(Section):
     max_completion_tokens: int = Field(
         16, ge=1, description="the constant of 'constant' normalization; set it to engine.max_tokens"
     )
+    tis: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="truncated importance sampling: 'auto' is on whenever rollouts can come from older weights "
+        "than the trainer's (rollout.max_async_level > 0 or engine.sync_every_steps > 1) or tis_cap is set; "
+        "'on' always; 'off' never",
+    )
     tis_cap: float | None = Field(
-        None, gt=0, description="truncated importance sampling cap on pi_old / mu; unset: TIS off"
+        None, gt=0, description="truncated importance sampling cap on pi_old / mu; unset: 2.0 when TIS is on"
     )
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL(pi || reference) penalty (k3 estimator)")
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
+
+
+DEFAULT_TIS_CAP = 2.0
+
+
+def effective_loss(cfg: RunConfig) -> LossConfig:
+    """The loss a run trains with: `loss`, with tis_cap set when TIS is on (`loss.tis`). Rollouts
+    from older weights than the trainer's (async, or weights pushed every k > 1 steps) are
+    reweighted by min(pi_old / mu, cap), so 'auto' turns it on for them."""
+    loss = cfg.loss
+    off_policy = cfg.rollout.max_async_level > 0 or cfg.engine.sync_every_steps > 1
+    on = loss.tis == "on" or (loss.tis == "auto" and (off_policy or loss.tis_cap is not None))
+    return loss.model_copy(update={"tis_cap": (loss.tis_cap or DEFAULT_TIS_CAP) if on else None})
 
 
 class TrainerConfig(Section):
@@ -478,6 +513,16 @@ class RunConfig(Section):
     def checkpoint_dir(self) -> Path:
         """<run_dir>/checkpoints: where `saccade rl` saves and `--resume` looks."""
         return self.run_dir / "checkpoints"
+
+    @model_validator(mode="after")
+    def _async_needs_servers(self) -> RunConfig:
+        if self.rollout.max_async_level > 0 and self.engine.kind != "vllm":
+            raise ValueError(
+                f"rollout.max_async_level = {self.rollout.max_async_level} needs vLLM servers (engine.kind = "
+                "'vllm'): the embedded engine samples from the very weights being trained, so it cannot sample "
+                "ahead of them; set rollout.max_async_level = 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _views_choices_fit_palette(self) -> RunConfig:

@@ -16,8 +16,12 @@ each samples its share of the prompts, all hold the whole step's scored batch, a
 its share of the micro-batches of the FSDP2-sharded model. One process is the same loop with
 `World()`, every collective a no-op.
 
-Simplified on purpose: rollouts and training alternate (no async off-policy buffer);
-evaluation is greedy success on a held-out split, run by rank 0.
+Rollouts come from a `RolloutSource` (saccade.orchestrator.source): at
+`rollout.max_async_level` 0 each step samples after the previous step's weights reached the
+engine; at k > 0 (vLLM servers) a thread samples up to k steps ahead while the trainer
+trains, from weights at most k versions old, and TIS corrects for the lag (`loss.tis`).
+With every server gone the run saves a checkpoint and stops, saying what to restart.
+Evaluation is greedy success on a held-out split, run by rank 0.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from saccade.config import RunConfig
+from saccade.config import RunConfig, effective_loss
 from saccade.distributed import SINGLE, World, all_gather, balance, barrier, share_embeddings, unsharded
 from saccade.setup import Setup, build_setup
 from saccade.tasks import Task, task_from_config
@@ -65,8 +69,10 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     from saccade.config import describe
     from saccade.evaluation import evaluate
     from saccade.inference.engine import SamplingParams
+    from saccade.inference.servers import NoServerError
     from saccade.metrics import MetricsLogger, ProgressBar, format_step, memory_metrics
-    from saccade.orchestrator.rollout import prompt_seeds, sample_groups, score_groups
+    from saccade.orchestrator.rollout import score_groups
+    from saccade.orchestrator.source import RolloutSource
     from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
     from saccade.models.lm import shares_prompts
     from saccade.trainer.step import adapter_free_reference, build_optimizer, lr_schedule, train_step
@@ -74,10 +80,16 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     run_dir.mkdir(parents=True, exist_ok=True)
     if world.is_main:
         (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
+    if cfg.rollout.max_async_level > 0 and world.size > 1:
+        raise ValueError("rollout.max_async_level > 0 runs in one trainer process for now; under torchrun set "
+                         "rollout.max_async_level = 0")
     setup = setup or build_setup(cfg, run_dir, world)
     task = task or task_from_config(cfg)
     model, engine, cache = setup.model, setup.engine, setup.cache
     t = cfg.trainer
+    loss = effective_loss(cfg)  # TIS on whenever rollouts may come from older weights
+    # The oldest weights a trained batch may come from, in versions behind the trainer's.
+    max_lag = cfg.rollout.max_async_level + cfg.engine.sync_every_steps - 1
     optimizer, scheduler = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, schedule=lr_schedule(t))
     temperature, banned = cfg.engine.temperature, engine.banned_token_ids
     reference = None
@@ -112,89 +124,164 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     last: dict[str, float] = {}
     steps_without_signal = 0
     end = t.steps if stop_after is None else min(t.steps, state.step + stop_after)
-    with logger, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar:
-        for step in range(state.step, end):
-            start = time.perf_counter()
-            # This rank's share of the step's prompts; each prompt's sampling stream depends on
-            # (seed, step, prompt index) only, so any number of ranks samples the same completions.
-            indices = [state.data_position + i for i in world.share(cfg.rollout.prompts_per_step)]
-            prompts = [task.train_sample(i, seed=t.seed) for i in indices]
-            state.data_position += cfg.rollout.prompts_per_step
 
-            # 1. Rollouts: G per prompt, scored, advantages, the groups worth training on. Every
-            # image embedding they put in or read from the cache stays there until step 2 ends.
-            pins = cache.pins(f"step {step + 1}")
-            check = cfg.env.check_consistency == "always" or (cfg.env.check_consistency == "first" and step == 0)
-            with pins, sampling_weights():
-                groups = sample_groups(
-                    engine, task, prompts, sampling, merge=setup.merge, continuation=setup.continuation,
-                    env=cfg.env, tokenizer=setup.processor.tokenizer, check=check,
-                    seeds=prompt_seeds(t.seed, step, indices),
+    first, first_position = state.step, state.data_position
+
+    def sample(step: int):  # one step's rollouts; on the rollout thread when sampling ahead
+        return sample_step(step, engine=engine, task=task, cfg=cfg, setup=setup, world=world, sampling=sampling,
+                           data_position=first_position + (step - first) * cfg.rollout.prompts_per_step,
+                           sampling_weights=sampling_weights)
+
+    source = RolloutSource(sample, first_step=first, end=end, max_async_level=cfg.rollout.max_async_level)
+    engine_before = engine_stats(engine)
+    with logger, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar, source:
+        try:
+            for step in range(state.step, end):
+                start = time.perf_counter()
+                # 1. Rollouts: G per prompt, scored, advantages, the groups worth training on. Every
+                # image embedding they put in or read from the cache stays pinned until step 2 ends.
+                rollouts, waited_s, queue_depth = source.get(step)
+                state.data_position += cfg.rollout.prompts_per_step
+                with timed("samples"):  # every rank: the whole step's groups, in prompt order
+                    groups = [g for part in all_gather(rollouts.groups, world) for g in part]
+                    # Never trained on: a group from weights staler than the bound (none, by
+                    # construction; counted, so a change that breaks it shows).
+                    fresh = [g for g in groups if step - min(r.policy_version for r in g) <= max_lag]
+                    batch = score_groups(fresh or groups, cfg.rollout)
+                    if not fresh:
+                        batch.samples = []
+                rollout_s = time.perf_counter() - start
+
+                # 2. Train: pack like text (never splitting a sample), this rank's share of the
+                # micro-batches onto the device, optimize.
+                pins = rollouts.pins
+                train_metrics: dict[str, float] = {}
+                if batch.samples:
+                    with timed("pack"), pins:
+                        micro_batches = [mb.to(setup.device) for mb in rank_micro_batches(
+                            batch.samples, setup, max_tokens=t.max_tokens, share_prompts=share_prompts, world=world)]
+                    train_metrics = train_step(
+                        model, optimizer, scheduler, micro_batches, loss=loss,
+                        num_iterations=t.num_iterations, grad_clip=t.grad_clip, temperature=temperature,
+                        banned_token_ids=banned, reference=reference, world=world, current_version=step,
+                    )
+                pins.release()
+                train_s = time.perf_counter() - start - rollout_s
+                steps_without_signal = 0 if batch.samples else steps_without_signal + 1
+                stalled = stall_message(steps_without_signal, batch.metrics, run_dir)
+                if stalled and world.is_main:  # every rank holds the same batch: say it once
+                    warnings.warn(stalled, RuntimeWarning, stacklevel=2)
+
+                # 3. Weights to the engine: every k-th step, and whenever the run evaluates,
+                # checkpoints or ends, so those see (and a resume restarts from) the current weights.
+                # Rollouts sampled ahead go on meanwhile, on the weights the servers hold.
+                state.step = step + 1
+                evaluating = bool(cfg.eval.every_steps) and state.step % cfg.eval.every_steps == 0
+                checkpointing = bool(cfg.checkpoint.every_steps) and state.step % cfg.checkpoint.every_steps == 0
+                sync_s, gone = 0.0, None
+                if state.step % cfg.engine.sync_every_steps == 0 or evaluating or checkpointing or state.step == end:
+                    try:
+                        sync_s = engine.update_weights(version=state.step)
+                    except NoServerError as err:  # the step is logged, then the run checkpoints and stops
+                        gone = err
+                    barrier(world)  # no rank samples again before the servers hold the new weights
+                state.policy_version = engine.policy_version
+                source.trained(step)
+                step_s = time.perf_counter() - start
+
+                # 4. Metrics, evaluation, checkpoint.
+                engine_now = engine_stats(engine)
+                metrics = {**batch.metrics, **train_metrics}
+                metrics.update(
+                    rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync_s, step_s=step_s,
+                    tokens_per_s=(train_metrics.get("train_tokens", 0.0) + batch.metrics["completion_tokens"]) / step_s,
+                    cache_hit_rate=cache.stats.hit_rate, cache_evictions=float(cache.stats.evictions),
+                    cache_mb=cache.nbytes / 2**20,
+                    **lag_metrics(groups, step, max_lag),
+                    stale_groups_dropped=float(len(groups) - len(fresh)),
+                    # How the overlap went: seconds the trainer waited for rollouts, rollouts that
+                    # were ready behind this step's, each server's seconds with nothing to do.
+                    sample_s=rollouts.sample_s, trainer_idle_s=waited_s, rollout_queue_depth=float(queue_depth),
+                    **{k: engine_now[k] - engine_before.get(k, 0.0) for k in STEP_COUNTERS if k in engine_now},
+                    **memory_metrics(setup.device),
                 )
-            with timed("samples"):  # every rank: the whole step's groups, in prompt order
-                batch = score_groups([g for part in all_gather(groups, world) for g in part], cfg.rollout)
-            rollout_s = time.perf_counter() - start
-
-            # 2. Train: pack like text (never splitting a sample), this rank's share of the
-            # micro-batches onto the device, optimize.
-            train_metrics: dict[str, float] = {}
-            if batch.samples:
-                with timed("pack"), pins:
-                    micro_batches = [mb.to(setup.device) for mb in rank_micro_batches(
-                        batch.samples, setup, max_tokens=t.max_tokens, share_prompts=share_prompts, world=world)]
-                train_metrics = train_step(
-                    model, optimizer, scheduler, micro_batches, loss=cfg.loss,
-                    num_iterations=t.num_iterations, grad_clip=t.grad_clip, temperature=temperature,
-                    banned_token_ids=banned, reference=reference, world=world,
-                )
-            pins.release()
-            train_s = time.perf_counter() - start - rollout_s
-            steps_without_signal = 0 if batch.samples else steps_without_signal + 1
-            stalled = stall_message(steps_without_signal, batch.metrics, run_dir)
-            if stalled and world.is_main:  # every rank holds the same batch: say it once
-                warnings.warn(stalled, RuntimeWarning, stacklevel=2)
-
-            # 3. Weights to the engine: every k-th step, and whenever the run evaluates,
-            # checkpoints or ends, so those see (and a resume restarts from) the current weights.
-            state.step = step + 1
-            evaluating = bool(cfg.eval.every_steps) and state.step % cfg.eval.every_steps == 0
-            checkpointing = bool(cfg.checkpoint.every_steps) and state.step % cfg.checkpoint.every_steps == 0
-            sync_s = 0.0
-            if state.step % cfg.engine.sync_every_steps == 0 or evaluating or checkpointing or state.step == end:
-                sync_s = engine.update_weights(version=state.step)
-                barrier(world)  # no rank samples again before the servers hold the new weights
-            state.policy_version = engine.policy_version
-            step_s = time.perf_counter() - start
-
-            # 4. Metrics, evaluation, checkpoint.
-            metrics = {**batch.metrics, **train_metrics}
-            metrics.update(
-                rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync_s, step_s=step_s,
-                tokens_per_s=(train_metrics.get("train_tokens", 0.0) + batch.metrics["completion_tokens"]) / step_s,
-                cache_hit_rate=cache.stats.hit_rate, cache_evictions=float(cache.stats.evictions),
-                cache_mb=cache.nbytes / 2**20,
-                # Updates the policy made since the weights these rollouts were sampled from.
-                policy_lag=step - batch.metrics["sampled_policy_version"],
-                **memory_metrics(setup.device),
-            )
-            if evaluating:  # rank 0 evaluates; with the embedded engine, every rank holds whole weights meanwhile
-                with sampling_weights():
-                    ev = evaluate(setup, task, eval_samples, max_tokens=cfg.engine.max_tokens, env=cfg.env) \
-                        if world.is_main else {}
-                    barrier(world)
-                if world.is_main:
-                    logger.log(state.step, {k: v for k, v in ev.items() if k != "n"}, phase="eval")
-                    metrics["eval_accuracy"] = ev["accuracy"]
-            logger.log(state.step, metrics)
-            last = metrics
-            bar(format_step(metrics))
-            if checkpointing or state.step == t.steps:  # and always at the end of the run
-                state.extra["engine_rng"] = engine.rng_state()
-                save_checkpoint(
-                    run_dir, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
-                    keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path,
-                )
+                if "servers_alive" in engine_now:
+                    metrics["servers_alive"] = engine_now["servers_alive"]
+                engine_before = engine_now
+                if evaluating and gone is None:  # rank 0 evaluates; with the embedded engine, every rank holds whole weights meanwhile
+                    with sampling_weights():
+                        ev = evaluate(setup, task, eval_samples, max_tokens=cfg.engine.max_tokens, env=cfg.env) \
+                            if world.is_main else {}
+                        barrier(world)
+                    if world.is_main:
+                        logger.log(state.step, {k: v for k, v in ev.items() if k != "n"}, phase="eval")
+                        metrics["eval_accuracy"] = ev["accuracy"]
+                logger.log(state.step, metrics)
+                last = metrics
+                bar(format_step(metrics))
+                if gone is not None:
+                    raise gone
+                if checkpointing or state.step == t.steps:  # and always at the end of the run
+                    state.extra["engine_rng"] = engine.rng_state()
+                    save_checkpoint(
+                        run_dir, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
+                        keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path,
+                    )
+        except NoServerError as err:
+            # Nothing trained is lost: the weights of every finished step go into a checkpoint.
+            if world.size > 1:
+                raise
+            state.policy_version = state.step
+            state.extra["engine_rng"] = engine.rng_state()
+            saved = save_checkpoint(run_dir, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
+                                    keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path)
+            raise NoServerError(
+                f"{err}. The run stopped after step {state.step} and saved {saved}; once a server answers again, "
+                f"go on with: saccade rl {run_dir / 'config.toml'} --resume"
+            ) from None
     return {"step": state.step, "last": last, "setup": setup}
+
+
+# The engine's counters whose per-step differences are logged (servers of a vLLM engine).
+STEP_COUNTERS = ("requests_retried", "requests_rerouted", "servers_taken_out", "servers_rejoined", "engine_idle_s")
+
+
+def engine_stats(engine) -> dict[str, float]:
+    """The engine's cumulative counters (`VLLMEngine.stats`); none for the embedded engine."""
+    stats = getattr(engine, "stats", None)
+    return stats() if stats is not None else {}
+
+
+def lag_metrics(groups: list, step: int, max_lag: int) -> dict[str, float]:
+    """How far behind the trainer's weights (step) each rollout's were: the mean, the largest,
+    and the fraction at each lag 0..max_lag (a histogram with fixed keys)."""
+    lags = [step - r.policy_version for group in groups for r in group]
+    out = {"policy_lag": float(max(lags)), "policy_lag_mean": sum(lags) / len(lags)}
+    for k in range(max_lag + 1):
+        out[f"policy_lag_{k}_frac"] = sum(lag == k for lag in lags) / len(lags)
+    return out
+
+
+def sample_step(step: int, *, engine, task: Task, cfg: RunConfig, setup: Setup, world: World, sampling,
+                data_position: int, sampling_weights):
+    """This rank's rollouts of one step: its share of the step's prompts, each sampling stream
+    a function of (seed, step, prompt index) only, so any number of ranks samples the same
+    completions. Their image embeddings are pinned until the step has trained."""
+    from saccade.orchestrator.rollout import prompt_seeds, sample_groups
+    from saccade.orchestrator.source import StepRollouts
+
+    indices = [data_position + i for i in world.share(cfg.rollout.prompts_per_step)]
+    prompts = [task.train_sample(i, seed=cfg.trainer.seed) for i in indices]
+    check = cfg.env.check_consistency == "always" or (cfg.env.check_consistency == "first" and step == 0)
+    pins = setup.cache.pins(f"step {step + 1}")
+    start = time.perf_counter()
+    with pins, sampling_weights():
+        groups = sample_groups(
+            engine, task, prompts, sampling, merge=setup.merge, continuation=setup.continuation,
+            env=cfg.env, tokenizer=setup.processor.tokenizer, check=check,
+            seeds=prompt_seeds(cfg.trainer.seed, step, indices),
+        )
+    return StepRollouts(step, groups, pins, time.perf_counter() - start)
 
 
 def rank_micro_batches(samples: list, setup: Setup, *, max_tokens: int, share_prompts: bool, world: World) -> list:

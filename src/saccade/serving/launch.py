@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,44 +21,74 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def served(model: str, *, args: tuple[str, ...] = CPU_ARGS, log_path: str | Path, timeout_s: float = 300.0,
-           kv_cache_gb: int | None = 1):
-    """Run `saccade serve MODEL ARGS` on a free local port; yield its base URL; stop it after.
+class ServerProcess:
+    """One `saccade serve MODEL ARGS` process on a fixed local port, which can be killed and
+    started again on the same port (tests of servers that leave and come back)."""
 
-    `kv_cache_gb`: VLLM_CPU_KVCACHE_SPACE for a CPU server; None leaves it unset, so that
-    `saccade serve` chooses (as for a user who starts it by hand). A server that exits or does
-    not answer /health within timeout_s raises RuntimeError with the end of its log.
-    """
-    import httpx
+    def __init__(self, model: str, *, args: tuple[str, ...] = CPU_ARGS, log_path: str | Path,
+                 kv_cache_gb: int | None = 1, port: int | None = None, env: dict[str, str] | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "saccade.serving.server", str(model), *args, "--port", str(self.port)]
+        self.env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", **(env or {})}
+        self.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if kv_cache_gb is not None:
+            self.env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
 
-    port = free_port()
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    if kv_cache_gb is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
-    cmd = [sys.executable, "-m", "saccade.serving.server", str(model), *args, "--port", str(port)]
-    log_path = Path(log_path)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    def start(self) -> ServerProcess:
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> str:
+        """Wait until /health answers; RuntimeError with the end of the log if it exits or times out."""
+        import httpx
+
         deadline = time.time() + timeout_s
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"saccade serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"saccade serve exited with {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self.url
             except httpx.HTTPError:
                 pass
             if time.time() > deadline:
-                raise RuntimeError(f"saccade serve did not answer in {timeout_s:.0f} s:\n{log_path.read_text()[-4000:]}")
+                raise RuntimeError(f"saccade serve did not answer in {timeout_s:.0f} s:\n{self.log_path.read_text()[-4000:]}")
             time.sleep(2)
-        yield url
-    finally:
-        proc.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL the server and everything it started (vLLM's engine core is a child)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            self.kill()
+
+
+@contextmanager
+def served(model: str, *, args: tuple[str, ...] = CPU_ARGS, log_path: str | Path, timeout_s: float = 300.0,
+           kv_cache_gb: int | None = 1, env: dict[str, str] | None = None):
+    """Run `saccade serve MODEL ARGS` on a free local port; yield its base URL; stop it after.
+
+    `kv_cache_gb`: VLLM_CPU_KVCACHE_SPACE for a CPU server; None leaves it unset, so that
+    `saccade serve` chooses (as for a user who starts it by hand). `env`: more environment
+    (e.g. VLLM_CPU_OMP_THREADS_BIND). A server that exits or does not answer /health within
+    timeout_s raises RuntimeError with the end of its log.
+    """
+    Path(log_path).write_text("")
+    server = ServerProcess(model, args=args, log_path=log_path, kv_cache_gb=kv_cache_gb, env=env).start()
+    try:
+        yield server.wait_ready(timeout_s)
+    finally:
+        server.stop()

@@ -12,6 +12,13 @@
   reloads the served checkpoint itself (an adapter must sit on the weights it was trained on).
 - `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout).
 
+Every response carries `x-saccade-policy-version`: the version the server held when the
+request arrived. A weight update pauses the engine with vLLM's "wait" mode: requests already
+running finish on the old weights, requests that arrive meanwhile queue and run on the new
+ones. So a completion is sampled under one version, never a mix, and its header is that
+version or an older one (a request queued behind an update is labelled with the old one): the
+trainer never believes a sample fresher than it is.
+
 vLLM is extended, not forked: `build_app` is wrapped to add a router, and a worker
 extension class (saccade.serving.worker) runs the tower inside vLLM's worker. Bad input
 gets a 4xx with a reason and the server stays up (the engine never sees it).
@@ -164,6 +171,7 @@ class SaccadeState:
         # other weights, so the LoRA trainer first restores the base ({"restore_base": true}).
         self.base_modified = False
         self.vision: dict[str, Any] | None = None
+        self.update_lock: Any = None  # an asyncio.Lock, made on the server's event loop
         # What an uploaded weights folder is checked against: the served checkpoint's tensors.
         self.reference_shapes = reference_shapes(model_path)
 
@@ -318,25 +326,42 @@ def build_router(state: SaccadeState):
                 raise RequestError('"lora" and "restore_base" exclude each other')
             if body.get("lora"):
                 check_adapter_folder(body["path"])
-                await load_adapter(request.app, body["path"])
-                await request.app.state.engine_client.reset_prefix_cache()
-                state.policy_version = version
-                state.lora = LORA_NAME
-                return {"ok": True, "version": version, "lora": LORA_NAME}
-            count = check_weights_folder(body["path"], state.reference_shapes)
+                count = None
+            else:
+                count = check_weights_folder(body["path"], state.reference_shapes)
         except RequestError as err:
             return error(err)
+        import asyncio
+
+        if state.update_lock is None:
+            state.update_lock = asyncio.Lock()
         client = request.app.state.engine_client
-        await client.collective_rpc("reload_weights", kwargs={"weights_path": body["path"]})
-        await client.collective_rpc("saccade_after_reload")
-        # The worker's reload_weights clears its encoder cache but the scheduler still believes
-        # the images are cached: without this the next image request kills the engine with
-        # "Encoder cache miss" (vLLM 0.32 CPU). Then the KV prefix cache of the old weights.
-        await client.reset_encoder_cache()
-        await client.reset_prefix_cache()
-        state.policy_version = version
-        state.base_modified = not body.get("restore_base", False)
-        return {"ok": True, "version": version, "tensors": count}
+        async with state.update_lock:  # one update at a time
+            # Requests running now finish on the old weights; new ones wait for the new weights.
+            await client.pause_generation(mode="wait", clear_cache=False)
+            try:
+                if body.get("lora"):
+                    try:
+                        await load_adapter(request.app, body["path"])
+                    except RequestError as err:
+                        return error(err)
+                    await client.reset_prefix_cache()
+                    state.policy_version = version
+                    state.lora = LORA_NAME
+                    return {"ok": True, "version": version, "lora": LORA_NAME}
+                await client.collective_rpc("reload_weights", kwargs={"weights_path": body["path"]})
+                await client.collective_rpc("saccade_after_reload")
+                # The worker's reload_weights clears its encoder cache but the scheduler still
+                # believes the images are cached: without this the next image request kills the
+                # engine with "Encoder cache miss" (vLLM 0.32 CPU). Then the KV prefix cache of
+                # the old weights.
+                await client.reset_encoder_cache()
+                await client.reset_prefix_cache()
+                state.policy_version = version
+                state.base_modified = not body.get("restore_base", False)
+                return {"ok": True, "version": version, "tensors": count}
+            finally:
+                await client.resume_generation()
 
     @router.get("/saccade/info")
     async def info(request: Request):
@@ -349,6 +374,8 @@ def build_router(state: SaccadeState):
 
 
 SACCADE_ROUTES = ("/encode_images", "/update_weights", "/saccade/")
+# The policy version a server held when a request arrived, on every response.
+VERSION_HEADER = "x-saccade-policy-version"
 
 
 def _guard_middleware(app, state: SaccadeState):
@@ -363,6 +390,7 @@ def _guard_middleware(app, state: SaccadeState):
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
+        version = state.policy_version  # as the request arrives (see the module note)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
             return JSONResponse(
@@ -373,7 +401,9 @@ def _guard_middleware(app, state: SaccadeState):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
                 return JSONResponse({"error": "missing or wrong API key (Authorization: Bearer KEY)"}, status_code=401)
-        return await call_next(request)
+        response = await call_next(request)
+        response.headers[VERSION_HEADER] = str(version)
+        return response
 
 
 def main(argv: list[str] | None = None) -> int:

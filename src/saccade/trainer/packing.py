@@ -103,6 +103,8 @@ def collate_segments(
         image_grid_thw=torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long),
         sample_ids=[seg.sample.sample_id for seg in segments],
         context=[seg.context for seg in segments] if any(seg.skip for seg in segments) else None,
+        policy_versions=torch.cat([torch.full((n,), seg.sample.policy_version, dtype=torch.long)
+                                   for seg, n in zip(segments, lengths)]),
     )
 
 

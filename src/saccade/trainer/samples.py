@@ -133,6 +133,7 @@ class MicroBatch:
     image_grid_thw: torch.Tensor  # (n_images, 3)
     sample_ids: list[str]
     context: list[tuple[int, int]] | None = None  # per segment: the row range it continues; None: no sharing
+    policy_versions: torch.Tensor | None = None  # (N,) int64: each token's sample's sampling weights version
 
     @property
     def num_tokens(self) -> int:

@@ -171,8 +171,13 @@ def train_step(
     banned_token_ids: list[int],
     reference: Reference | None = None,
     world: World = SINGLE,
+    current_version: int | None = None,
 ) -> dict[str, float]:
     """`num_iterations` optimizer steps over the micro-batches; returns the step's metrics.
+
+    `current_version`: the version of the weights being trained (the step count). Then
+    `mismatch_abs_lag0` is the engine/trainer logprob gap over the tokens sampled under exactly
+    these weights: the numerics gap alone, apart from what the policy moved since older ones.
 
     With a sharded model (`world.size` > 1), `micro_batches` are this rank's share of the step
     (`saccade.distributed.balance`, padded so that every rank has as many) and the returned
@@ -201,9 +206,10 @@ def train_step(
 
     params = optimized_params(optimizer)
     sums: dict[str, float] = {}
+    lag0 = [0.0, 0.0]  # |logprobs - engine's| summed over tokens sampled under these weights, and their count
     skipped = 0
     model.train()
-    for _ in range(num_iterations):
+    for iteration in range(num_iterations):
         optimizer.zero_grad(set_to_none=True)
         finite = True
         for k, mb in enumerate(micro_batches):
@@ -222,6 +228,11 @@ def train_step(
                 total_loss_tokens=total_loss_tokens,
                 total_sequences=total_sequences,
             )
+            if iteration == 0 and current_version is not None and mb.policy_versions is not None:
+                fresh = mb.loss_mask & (mb.policy_versions == current_version)
+                gap = (logprobs.detach() - mb.inference_logprobs).abs()
+                lag0[0] += float(torch.where(fresh, gap, torch.zeros_like(gap)).sum())
+                lag0[1] += float(fresh.sum())
             with timed("loss"):
                 loss_value, metrics = policy_loss(inputs, loss)
             if not torch.isfinite(loss_value):
@@ -267,4 +278,8 @@ def train_step(
     out.update(zip(counts, reduced[len(summed):]))
     out.update(skipped_steps=float(skipped), lr=scheduler.get_last_lr()[0])
     out["loss_tokens"] = total_loss_tokens  # the step's, not a mean over micro-batches (that depends on the packing)
+    if current_version is not None:
+        gap_sum, fresh_tokens = all_reduce_sum(lag0, world, device)
+        if fresh_tokens:
+            out["mismatch_abs_lag0"] = gap_sum / fresh_tokens
     return out

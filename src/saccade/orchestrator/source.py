@@ -1,0 +1,109 @@
+"""Where the RL loop gets each step's rollouts: sampled when asked (on-policy), or up to
+`max_async_level` steps ahead on a thread of their own while the trainer trains.
+
+Level k: the rollouts of step s start once the trainer has finished step s - k - 1 and its
+weights are on the servers, so they are sampled from weights at most k versions older than
+the ones step s trains (k + sync_every_steps - 1 when weights are pushed every few steps).
+Level 0 is today's loop: sample, train, push, sample. Level 1 samples step s + 1 while step
+s trains. At most k sampled steps wait in the queue: the bound is the rule above, not a size.
+
+The sampling thread runs the same rollout code as level 0 (environments, rewards, the engine's
+synchronous calls, which go to the engine's own event loop). An error there (no server left,
+a broken environment) is handed to the trainer, which raises it at its next `get`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepRollouts:
+    """One step's rollouts, as sampled for it."""
+
+    step: int
+    groups: list  # this rank's groups of Rollouts, in prompt order
+    pins: Any  # the cache pins that keep their image embeddings until the step has trained
+    sample_s: float  # wall seconds the sampling took
+    error: BaseException | None = field(default=None, repr=False)
+
+
+class RolloutSource:
+    """`get(step)` returns step's rollouts; `trained(step)` says the step's weights are out."""
+
+    def __init__(self, sample: Callable[[int], StepRollouts], *, first_step: int, end: int, max_async_level: int):
+        self.sample = sample
+        self.level = max_async_level
+        self.end = end
+        self._trained = first_step  # steps before this one have trained and pushed their weights
+        self._ready: deque[StepRollouts] = deque()
+        self._changed = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        if max_async_level > 0:
+            self._thread = threading.Thread(target=self._sample_ahead, args=(first_step,), name="saccade-rollouts",
+                                            daemon=True)
+            self._thread.start()
+
+    def get(self, step: int) -> tuple[StepRollouts, float, int]:
+        """Step's rollouts, the seconds the trainer waited for them, and how many later steps'
+        rollouts were ready in the queue behind them."""
+        start = time.perf_counter()
+        if self._thread is None:
+            item = self.sample(step)
+            return item, time.perf_counter() - start, 0
+        with self._changed:
+            self._changed.wait_for(lambda: bool(self._ready))
+            item = self._ready.popleft()
+            depth = len(self._ready)
+        if item.error is not None:
+            raise item.error
+        if item.step != step:
+            raise RuntimeError(f"rollouts of step {item.step + 1} came when step {step + 1} was due")
+        return item, time.perf_counter() - start, depth
+
+    def trained(self, step: int) -> None:
+        """Step has trained and its weights are where the servers sample (when it pushed any)."""
+        with self._changed:
+            self._trained = step + 1
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stop sampling ahead (a step being sampled finishes first) and drop what is queued."""
+        if self._thread is None:
+            return
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._thread.join(timeout=600)
+        for item in self._ready:
+            if item.pins is not None:
+                item.pins.release()
+        self._ready.clear()
+
+    def __enter__(self) -> RolloutSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _sample_ahead(self, first_step: int) -> None:
+        for step in range(first_step, self.end):
+            with self._changed:
+                self._changed.wait_for(lambda: self._stopping or step - self.level <= self._trained)
+                if self._stopping:
+                    return
+            try:
+                item = self.sample(step)
+            except BaseException as err:  # the trainer raises it at its next get()
+                item = StepRollouts(step, [], None, 0.0, error=err)
+            with self._changed:
+                self._ready.append(item)
+                self._changed.notify_all()
+            if item.error is not None:
+                return

