@@ -37,6 +37,7 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
     from saccade.tasks import task_from_config
 
     out = Path(out_dir or tempfile.mkdtemp(prefix="saccade-bench-async-"))
+    out.mkdir(parents=True, exist_ok=True)
     base = load_config(RunConfig, config, ["--model.path", "tiny-warm", "--eval.every_steps", "0",
                                            "--checkpoint.every_steps", "0", *(overrides or [])])
     server_cores, trainer_cores = split_cores(sorted(os.sched_getaffinity(0)))
@@ -85,7 +86,8 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
         if progress:
             print(f"starting a vLLM server on cores {server_cores}; the trainer runs on {trainer_cores} ...", flush=True)
         args = (*CPU_ARGS, "--disable-uvicorn-access-log")
-        with served(resolve_model("tiny-warm"), args=args, log_path=out / "vllm-server.log", env=env) as url:
+        with served(resolve_model("tiny-warm"), args=args, log_path=out / "vllm-server.log", env=env,
+                    cores=server_cores) as url:
             runs = run_all(url)
     by_level = {r["max_async_level"]: r for r in runs}
     result: dict[str, Any] = {"runs": runs, "server_cores": server_cores, "trainer_cores": trainer_cores,

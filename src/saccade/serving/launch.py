@@ -26,7 +26,8 @@ class ServerProcess:
     started again on the same port (tests of servers that leave and come back)."""
 
     def __init__(self, model: str, *, args: tuple[str, ...] = CPU_ARGS, log_path: str | Path,
-                 kv_cache_gb: int | None = 1, port: int | None = None, env: dict[str, str] | None = None):
+                 kv_cache_gb: int | None = 1, port: int | None = None, env: dict[str, str] | None = None,
+                 cores: list[int] | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "saccade.serving.server", str(model), *args, "--port", str(self.port)]
@@ -35,12 +36,15 @@ class ServerProcess:
         if kv_cache_gb is not None:
             self.env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
         self.log_path = Path(log_path)
+        self.cores = cores  # run the server and everything it starts on these cores only
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
         with open(self.log_path, "a") as log:
+            cores = self.cores
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> str:
@@ -78,16 +82,16 @@ class ServerProcess:
 
 @contextmanager
 def served(model: str, *, args: tuple[str, ...] = CPU_ARGS, log_path: str | Path, timeout_s: float = 300.0,
-           kv_cache_gb: int | None = 1, env: dict[str, str] | None = None):
+           kv_cache_gb: int | None = 1, env: dict[str, str] | None = None, cores: list[int] | None = None):
     """Run `saccade serve MODEL ARGS` on a free local port; yield its base URL; stop it after.
 
     `kv_cache_gb`: VLLM_CPU_KVCACHE_SPACE for a CPU server; None leaves it unset, so that
     `saccade serve` chooses (as for a user who starts it by hand). `env`: more environment
-    (e.g. VLLM_CPU_OMP_THREADS_BIND). A server that exits or does not answer /health within
+    (e.g. VLLM_CPU_OMP_THREADS_BIND); `cores`: the CPU cores it may run on. A server that exits or does not answer /health within
     timeout_s raises RuntimeError with the end of its log.
     """
     Path(log_path).write_text("")
-    server = ServerProcess(model, args=args, log_path=log_path, kv_cache_gb=kv_cache_gb, env=env).start()
+    server = ServerProcess(model, args=args, log_path=log_path, kv_cache_gb=kv_cache_gb, env=env, cores=cores).start()
     try:
         yield server.wait_ready(timeout_s)
     finally:
