@@ -58,6 +58,10 @@ from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_ke
 if TYPE_CHECKING:
     from saccade.inference.local import PreparedPrompt
 
+# One /encode_images request carries at most this many bytes of data URLs (saccade serve
+# refuses bodies over 64 MB by default); a batch's images go in as few requests as that allows.
+ENCODE_CHUNK_BYTES = 8 * 2**20
+
 # OpenAI's logit_bias range is [-100, 100]: -100 makes a token's probability e^-100 relative.
 BAN_BIAS = -100
 
@@ -408,15 +412,25 @@ class VLLMEngine:
         return image_cache_key(content_hash, self.limits)
 
     async def _ensure_embeddings(self, keys: list[str], urls: list[str]) -> None:
-        """Encode (once, on a server) the images whose keys are not cached yet."""
+        """Encode (once, on the servers) the images whose keys are not cached yet: in chunks of
+        at most ENCODE_CHUNK_BYTES of data URLs, sent concurrently (so spread over the servers)."""
         missing: dict[str, str] = {}
         for key, url in zip(keys, urls, strict=True):
             if key not in missing and self.cache.get(key) is None:
                 missing[key] = url
-        if not missing:
-            return
-        response, _ = await self._post("/encode_images", json_body={"images": list(missing.values())})
-        for key, emb in zip(missing, parse_embeddings(response.content, len(missing)), strict=True):
+        chunks: list[dict[str, str]] = []
+        size = ENCODE_CHUNK_BYTES
+        for key, url in missing.items():
+            if size + len(url) > ENCODE_CHUNK_BYTES:
+                chunks.append({})
+                size = 0
+            chunks[-1][key] = url
+            size += len(url)
+        await asyncio.gather(*(self._encode_chunk(chunk) for chunk in chunks))
+
+    async def _encode_chunk(self, chunk: dict[str, str]) -> None:
+        response, _ = await self._post("/encode_images", json_body={"images": list(chunk.values())})
+        for key, emb in zip(chunk, parse_embeddings(response.content, len(chunk)), strict=True):
             self.cache.put(key, emb)
 
     # --- prompts without sampling (SFT) -------------------------------------------------------
@@ -457,7 +471,17 @@ class VLLMEngine:
         return self._run(self.agenerate(requests, params))
 
     async def agenerate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
-        return await self._gather(requests, self._complete, params)
+        # Every image of the batch encoded first, in a few requests, not one request per prompt.
+        converted = [self._openai_messages(r) for r in requests]
+        await self._ensure_embeddings([k for c in converted for k in c[1]], [u for c in converted for u in c[2]])
+        return await self._gather(list(zip(requests, converted, strict=True)), self._complete, params)
+
+    def _openai_messages(self, request: ChatRequest) -> tuple[list, list[str], list[str]]:
+        """The request's messages with data-URL images, their cache keys and their URLs."""
+        messages, hashes = to_openai_messages(request.messages, self.limits, request.request_id)
+        urls = [p["image_url"]["url"] for m in messages if isinstance(m.get("content"), list)
+                for p in m["content"] if p.get("type") == "image_url"]
+        return messages, [self.key_for_hash(h) for h in hashes], urls
 
     async def _gather(self, items: list, complete, params: SamplingParams) -> list[list[Completion]]:
         """complete(model, item, params) for every item; at most max_concurrency requests of the
@@ -488,12 +512,9 @@ class VLLMEngine:
         return {"model": model, "messages": messages, **self._sampling(params), "logprobs": True,
                 "return_token_ids": True, "skip_special_tokens": True}
 
-    async def _complete(self, model: str, request: ChatRequest, params: SamplingParams) -> list[Completion]:
-        messages, hashes = to_openai_messages(request.messages, self.limits, request.request_id)
-        keys = [self.key_for_hash(h) for h in hashes]
-        urls = [p["image_url"]["url"] for m in messages if isinstance(m.get("content"), list)
-                for p in m["content"] if p.get("type") == "image_url"]
-        await self._ensure_embeddings(keys, urls)
+    async def _complete(self, model: str, item: tuple[ChatRequest, tuple], params: SamplingParams) -> list[Completion]:
+        request, (messages, keys, urls) = item
+        await self._ensure_embeddings(keys, urls)  # a no-op unless the cache evicted them since
         response, server = await self._post("/v1/chat/completions", json_body=self._body(model, messages, params))
         return self._completions(request, response.json(), keys, self._version_of(response, server))
 
@@ -537,7 +558,14 @@ class VLLMEngine:
         """Sample after prompts given as token ids, through vLLM's /inference/v1/generate
         (`saccade serve` enables it): nothing is re-tokenized or re-rendered. Each image pad
         run goes as one pad, and the server's expanded prompt must equal ours exactly."""
-        return self._run(self._gather(prompts, self._complete_tokens, params))
+        return self._run(self._agenerate_tokens(prompts, params))
+
+    async def _agenerate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
+        with_images = [p for p in prompts if p.image_keys and p.images]  # the rest fail in _complete_tokens
+        await self._ensure_embeddings(
+            [k for p in with_images for k in p.image_keys],
+            [self._data_url(k, im) for p in with_images for k, im in zip(p.image_keys, p.images, strict=True)])
+        return await self._gather(prompts, self._complete_tokens, params)
 
     def _data_url(self, key: str, image) -> str:
         url = self._urls_by_key.get(key)
