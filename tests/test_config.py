@@ -318,3 +318,23 @@ def test_import_does_not_import_torch():
     code = "import saccade.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_tis_is_on_by_default_whenever_rollouts_can_be_older_than_the_trainer():
+    from saccade.config import DEFAULT_TIS_CAP, effective_loss
+
+    def cap(*overrides):
+        return effective_loss(load_config(RunConfig, None, list(overrides))).tis_cap
+
+    assert cap() is None  # on-policy: off
+    assert cap("--engine.kind", "vllm", "--engine.urls", '["http://a:1"]', "--rollout.max_async_level", "1") \
+        == DEFAULT_TIS_CAP
+    assert cap("--engine.sync_every_steps", "2") == DEFAULT_TIS_CAP
+    assert cap("--loss.tis_cap", "3.0") == 3.0  # set: on, as before
+    assert cap("--loss.tis", "on") == DEFAULT_TIS_CAP
+    assert cap("--engine.sync_every_steps", "2", "--loss.tis", "off") is None
+
+
+def test_sampling_ahead_needs_vllm_servers():
+    with pytest.raises(ConfigError, match="max_async_level = 1 needs vLLM servers"):
+        load_config(RunConfig, None, ["--rollout.max_async_level", "1"])

@@ -184,3 +184,14 @@ def test_bfloat16_on_the_cpu_trains_and_logs_its_mismatch(tmp_path):
     # packed_sdpa runs the same causal kernel as the engine: 2e-7 here (the masked sdpa path: 8e-4).
     assert all(0 <= r["mismatch_abs"] < 1e-2 for r in rows), [r["mismatch_abs"] for r in rows]
     assert all(r["peak_rss_mb"] >= r["rss_mb"] > 0 for r in rows)
+
+
+def test_lag_metrics_are_a_histogram_with_fixed_keys():
+    from types import SimpleNamespace
+
+    from saccade.rl import lag_metrics
+
+    groups = [[SimpleNamespace(policy_version=v) for v in (5, 5, 4, 4)], [SimpleNamespace(policy_version=5)] * 4]
+    out = lag_metrics(groups, step=5, max_lag=2)
+    assert out == {"policy_lag": 1.0, "policy_lag_mean": 0.25, "policy_lag_0_frac": 0.75,
+                   "policy_lag_1_frac": 0.25, "policy_lag_2_frac": 0.0}
