@@ -47,7 +47,7 @@ def _torchrun(nproc: int, jobs: list[dict], folder: Path) -> None:
     jobs_file = folder / f"jobs-{nproc}-{len(list(folder.glob('jobs-*')))}.json"
     jobs_file.write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-           "PYTHONWARNINGS": "ignore"}
+           "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}  # a rank that aborts prints its Python stacks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(WORKER), str(jobs_file)]
     # Its own session, so that a timeout ends torchrun and the workers it started, not only torchrun.

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
 # One /encode_images request carries at most this many bytes of data URLs (saccade serve
 # refuses bodies over 64 MB by default); a batch's images go in as few requests as that allows.
+KEEPALIVE_EXPIRY_S = 2.0  # below the servers' 5 s keep-alive timeout (see VLLMEngine._http)
 ENCODE_CHUNK_BYTES = 8 * 2**20
 
 # OpenAI's logit_bias range is [-100, 100]: -100 makes a token's probability e^-100 relative.
@@ -251,7 +252,12 @@ class VLLMEngine:
         import httpx
 
         if self._http_client is None:
-            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+            # Idle connections are dropped after 2 s, before the server's keep-alive timeout (uvicorn's
+            # and vLLM's default: 5 s) closes them: a request sent on a connection the server is
+            # closing at that instant fails with ReadError, which would take a healthy server out
+            # (seen on the vLLM demo between the GRPO and the control runs).
+            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency,
+                                  keepalive_expiry=KEEPALIVE_EXPIRY_S)
             self._http_client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
             self._gate = asyncio.Semaphore(self.max_concurrency)
             self._weights_lock = asyncio.Lock()
