@@ -223,10 +223,11 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                     raise gone
                 if checkpointing or state.step == t.steps:  # and always at the end of the run
                     state.extra["engine_rng"] = engine.rng_state()
-                    save_checkpoint(
-                        run_dir, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
-                        keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path,
-                    )
+                    with stop_if_unwritable(run_dir, state.step):
+                        save_checkpoint(
+                            run_dir, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
+                            keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path,
+                        )
         except NoServerError as err:
             # Nothing trained is lost: the weights of every finished step go into a checkpoint.
             if world.size > 1:
@@ -240,6 +241,31 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 f"go on with: saccade rl {run_dir / 'config.toml'} --resume"
             ) from None
     return {"step": state.step, "last": last, "setup": setup}
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, folder unwritable): the run stops."""
+
+
+@contextlib.contextmanager
+def stop_if_unwritable(run_dir: Path, step: int):
+    """Turn a failed checkpoint write into an error that says what is safe and what to do. The
+    run stops rather than train on without checkpoints: days of steps that no checkpoint
+    holds would be lost to the next crash. The save itself is atomic, so the previous
+    checkpoint is intact (a half-written one is only ever a `.tmp-*` folder)."""
+    from saccade.trainer.checkpoint import latest_checkpoint
+
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - a full disk fails as OSError, torch.save's writer as RuntimeError
+        previous = latest_checkpoint(run_dir)
+        kept = f"the previous one, {previous}, is intact" if previous else "there is no earlier checkpoint"
+        raise CheckpointWriteError(
+            f"the checkpoint of step {step} could not be written under {run_dir / 'checkpoints'} "
+            f"({type(err).__name__}: {err}); {kept}. The run stopped rather than train on without checkpoints. "
+            f"Fix the cause (a full disk: free space; an unwritable folder: its permissions), then go on "
+            f"with: saccade rl {run_dir / 'config.toml'} --resume"
+        ) from err
 
 
 # The engine's counters whose per-step differences are logged (servers of a vLLM engine).

@@ -150,7 +150,7 @@ def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path
     (LoRA merged), or with `lora` only its PEFT adapter. Older versions are removed (the
     servers have loaded them already). Sharded: every rank calls it (the weights are gathered
     one parameter at a time), rank 0 writes, and no rank returns before the folder is there."""
-    from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
+    from saccade.trainer.checkpoint import merge_full_weights_for_engine, remove_dead_tmp_dirs, save_adapter_for_engine
 
     def export(version: int) -> str:
         if lora:
@@ -161,6 +161,7 @@ def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path
             for old in folder.glob("v*"):
                 if old != out and old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)
+            remove_dead_tmp_dirs(folder)  # an export killed mid-write (a SIGKILLed run) left its temp folder
         barrier(world)
         return str(out)
 

@@ -1172,10 +1172,19 @@ def _prune(root: Path, saved_step: int, keep_last: int) -> None:
     for _, p in older:  # incomplete older step dirs are garbage too
         if p not in keep:
             _remove_dir(p)
-    for p in root.iterdir():
+    remove_dead_tmp_dirs(root)
+
+
+def remove_dead_tmp_dirs(folder: Path) -> list[Path]:
+    """Delete the `.tmp-*-<pid>` folders in `folder` whose writer is gone: what a save or an
+    export killed mid-write leaves behind. Returns what was removed."""
+    removed = []
+    for p in Path(folder).iterdir() if Path(folder).is_dir() else ():
         m = _TMP_RE.match(p.name)
         if m and p.is_dir() and not _pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def _remove_dir(p: Path) -> None:
