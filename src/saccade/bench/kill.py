@@ -3,13 +3,15 @@ compare the result with the same run never killed.
 
 Both runs are `saccade rl CONFIG` processes (the demo config by default, embedded engine,
 from the demo's warm start, a checkpoint every step, fixed seed). The straight run goes first
-and gives the timing the kills are drawn from: each life of the killed run is SIGKILLed
-(its whole process group) after a delay drawn uniformly between a third of the start-up time
-and the start-up plus three steps, so kills land in start-up, loading a checkpoint, sampling,
-training, writing metrics and writing checkpoints alike. After each kill the folder is
-inspected as the next life finds it (a half-written checkpoint folder, a torn metrics line),
-and the run is started again with `--resume` (without it while no checkpoint exists yet).
-Once the kills are spent the last life runs to the end.
+and gives the timing the kills are drawn from. Each life of the killed run is SIGKILLed (its
+whole process group) at a random instant: a quarter of the kills land in start-up (uniform
+over the straight run's start-up time: imports, model, loading the checkpoint), the rest once
+the life has logged a step of its own, uniform over the next 1.5 steps (sampling, training,
+writing metrics, writing checkpoints). Drawn against the life's own progress, not the clock,
+a slow or loaded machine still sees every kill land before the run ends. After each kill the
+folder is inspected as the next life finds it (a half-written checkpoint folder, a torn
+metrics line), and the run is started again with `--resume` (without it while no checkpoint
+exists yet). Once the kills are spent the last life runs to the end.
 
 Compared: every metrics.jsonl line whole, each (step, phase) once, every computed figure
 equal to the straight run's (wall-clock, memory and this process's cache figures left out),
@@ -38,6 +40,7 @@ RUN_DEFAULTS = ["--model.path", "tiny-warm", "--engine.kind", "embedded", "--eva
 NOT_COMPUTED = {"time", "tokens_per_s", "rss_mb", "peak_rss_mb", "cuda_peak_mb", "cache_hit_rate", "cache_evictions",
                 "cache_mb"}
 TOLERANCE = 1e-6  # absolute, on every computed figure: resumed runs are expected to be bit-identical
+STARTUP_SHARE = 0.25  # of the kills, those aimed at start-up rather than at a step under way
 
 
 def rl_command(config: str, run_dir: Path, overrides: list[str], *, resume: bool) -> list[str]:
@@ -113,6 +116,35 @@ def compare_weights(killed_dir: Path, straight_dir: Path) -> dict[str, Any]:
             "weights_files": [str(f) for f in files]}
 
 
+def logged_a_step(run_dir: Path, *, since: float) -> bool:
+    """Whether a life started at `since` (wall clock) has logged a step of its own: metrics.jsonl
+    written since then, and past the checkpoint it resumed from (a resume first drops the lines
+    after that checkpoint, which the killed life had logged)."""
+    from saccade.trainer.checkpoint import latest_checkpoint
+
+    path = run_dir / "metrics.jsonl"
+    if not path.exists() or path.stat().st_mtime < since:
+        return False
+    latest = latest_checkpoint(run_dir)
+    return newest_step(run_dir) > (0 if latest is None else int(latest.name.split("_")[-1]))
+
+
+def newest_step(run_dir: Path) -> int:
+    """The step of metrics.jsonl's last whole line (0 without one)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+        lines = f.read().split(b"\n")[:-1]  # the last element is a torn line or empty
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
 def folder_after_kill(run_dir: Path) -> dict[str, Any]:
     """What the next life finds: its newest complete checkpoint, half-written folders, a torn line."""
     from saccade.trainer.checkpoint import latest_checkpoint
@@ -135,6 +167,7 @@ class Life:
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.started = time.perf_counter()
+        self.started_wall = time.time()
 
     def wait(self, timeout: float | None = None) -> int | None:
         try:
@@ -182,9 +215,7 @@ def run_kill_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     timing = straight_run(rl_command(config, straight_dir, overrides, resume=False), straight_dir,
                           out / "straight.log")
     step_s = (timing["wall_s"] - timing["startup_s"]) / steps
-    low, high = timing["startup_s"] / 3, timing["startup_s"] + 3 * step_s
-    say(f"  {timing['wall_s']:.0f} s, {timing['startup_s']:.1f} s of it starting; kills drawn in "
-        f"[{low:.1f}, {high:.1f}] s after each start")
+    say(f"  {timing['wall_s']:.0f} s, {timing['startup_s']:.1f} s of it starting, {step_s:.2f} s/step")
 
     from saccade.trainer.checkpoint import latest_checkpoint
 
@@ -193,17 +224,27 @@ def run_kill_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     for n in range(1, kills + 1):
         resume = latest_checkpoint(killed_dir) is not None
         life = Life(rl_command(config, killed_dir, overrides, resume=resume), out / "killed.log")
-        delay = rng.uniform(low, high)
-        if life.wait(timeout=delay) is not None:  # it ended before the kill: nothing left to kill
-            if life.proc.returncode != 0:
+        in_startup = rng.random() < STARTUP_SHARE
+        delay = rng.uniform(0, timing["startup_s"] if in_startup else 1.5 * step_s)
+        ended = None
+        if not in_startup:  # wait for a step of this life's own, then aim at the steps after it
+            while ended is None and not logged_a_step(killed_dir, since=life.started_wall):
+                ended = life.wait(timeout=0.05)
+        if ended is None:
+            ended = life.wait(timeout=delay)
+        if ended is not None:  # it ended before the kill: nothing left to kill
+            if ended != 0:
                 raise life.failed(f"life {n} of the killed run")
             say(f"  the run finished before kill {n}")
             break
+        after_s = time.perf_counter() - life.started
         life.kill()
         found = folder_after_kill(killed_dir)
-        events.append({"kill": n, "after_s": round(delay, 2), "resumed": resume, **found})
-        say(f"  kill {n:2d} at {delay:5.1f} s: checkpoint step {found['checkpoint_step']}, "
-            f"half-written {len(found['half_written_folders'])}, torn line {found['torn_metrics_line']}")
+        events.append({"kill": n, "aimed_at": "start-up" if in_startup else "a step", "after_s": round(after_s, 2),
+                       "resumed": resume, **found})
+        say(f"  kill {n:2d} ({events[-1]['aimed_at']}) at {after_s:5.1f} s: checkpoint step "
+            f"{found['checkpoint_step']}, half-written {len(found['half_written_folders'])}, "
+            f"torn line {found['torn_metrics_line']}")
 
     life = Life(rl_command(config, killed_dir, overrides, resume=latest_checkpoint(killed_dir) is not None),
                 out / "killed.log")
