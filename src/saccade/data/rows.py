@@ -121,13 +121,12 @@ def token_budget(processor, limits, *, max_tokens: int, completion_tokens: int) 
     def check(sample) -> None:
         n = prompt_tokens(sample, processor, limits)
         if n + completion_tokens > max_tokens:
-            raise RowSkipped(
+            raise place_error(RowSkipped(
                 "too_long",
                 f"the prompt is {n} tokens (image tokens included); with engine.max_tokens = {completion_tokens} "
                 f"that is over trainer.max_tokens = {max_tokens}. Images are never cut: raise trainer.max_tokens "
                 "or lower images.max_pixels to keep such rows",
-                row_id=sample.sample_id,
-            )
+            ), sample)
 
     return check
 
@@ -150,7 +149,7 @@ def skip_counts(records: Iterable[dict[str, Any]], prefix: str = "skipped_") -> 
 
 
 def place_error(err: RowSkipped, sample) -> RowSkipped:
-    """Fill in where a refused question's row is, from the sample (a check knows only the sample)."""
+    """Fill in where a refused question's row is, from the sample (`VQASample.origin`)."""
     origin = getattr(sample, "origin", None) or {}
     return err.at(row_id=sample.sample_id, split=origin.get("split"), config=origin.get("config"),
                   index=origin.get("index"))
@@ -293,10 +292,7 @@ class PromptStream:
             try:
                 sample = self.read(position)
                 if self.check is not None:
-                    try:
-                        self.check(sample)
-                    except RowSkipped as err:
-                        raise place_error(err, sample) from None
+                    self.check(sample)
             except RowSkipped as err:
                 record = err.record(step=step, position=position)
                 skipped.append(record)
@@ -355,10 +351,7 @@ def usable_rows(read: Callable[[int], Any], indices: Iterable[int], *, check: Ca
         try:
             sample = read(i)
             if check is not None:
-                try:
-                    check(sample)
-                except RowSkipped as err:
-                    raise place_error(err, sample) from None
+                check(sample)
         except RowSkipped as err:
             out.skipped.append(err.record())
             continue
