@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dataset_fixtures import BROKEN_KINDS, BROKEN_LIMITS, write_broken_geometry3k
+from dataset_fixtures import BROKEN_KINDS, BROKEN_LIMITS, picture, write_broken_geometry3k
 
 from saccade.config import ImagesConfig, RunConfig, load_config
 from saccade.data.datasets import DatasetRows, shuffled_index
@@ -26,6 +26,7 @@ from saccade.data.rows import (
     SkipWindow,
     TooManySkippedRows,
     open_prompt_stream,
+    prompt_tokens,
     read_skipped,
     token_budget,
 )
@@ -55,6 +56,19 @@ def test_each_broken_row_is_refused_with_its_reason_and_place(broken, processor)
             reasons[i] = err.reason
             assert (err.row_id, err.split, err.index) == (f"geometry3k-train-{i}", "train", i)
     assert reasons == {i: kind for i, kind in enumerate(KINDS) if kind != "good"}
+
+
+@pytest.mark.parametrize("sizes", [[(56, 48)], [(1024, 768)], [(20, 300), (640, 64)], [(33, 33), (2000, 40)]])
+def test_prompt_tokens_count_what_the_processor_makes(processor, sizes):
+    from saccade.data.messages import messages_to_inputs
+    from saccade.data.shapes import VQASample, to_messages
+
+    limits = ImagesConfig(min_pixels=32 * 32, max_pixels=128 * 128)
+    marks = " and ".join("<image>" for _ in sizes)
+    sample = VQASample("q", [picture(i, size=size) for i, size in enumerate(sizes)], "q", "1", None, "free_form",
+                       prompt=[{"role": "user", "content": f"Compare {marks}: find x."}])
+    made = messages_to_inputs(to_messages(sample), processor, limits=limits, add_generation_prompt=True)
+    assert prompt_tokens(sample, processor, limits) == made.input_ids.numel()
 
 
 # ------------------------------------------------------------------------ the stream
