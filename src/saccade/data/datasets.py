@@ -21,7 +21,9 @@ parquet file or glob (then the whole file is the one split, and configs do not a
 
 Nothing is decoded up front: `datasets` keeps the rows memory-mapped (Arrow), rows are
 read one at a time in Arrow form and their images decoded only then, by
-`saccade.data.images.load_image`, so a bad image is refused naming its row.
+`saccade.data.images.load_image`. A row that cannot be used (a missing or undecodable image,
+placeholders and images that differ in number, no answer) raises `RowSkipped` naming its
+reason and place: the RL loop skips it and lists it (`saccade.data.rows`).
 """
 
 from __future__ import annotations
