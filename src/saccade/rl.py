@@ -1,8 +1,8 @@
 """GRPO-family RL on a VLM, as one visible loop (`train_rl`).
 
 Each step: take the next prompts from the task's stream (`saccade.data.rows.PromptStream`:
-a broken data set row is skipped, listed in skipped.jsonl and counted); sample G answers or episodes per
-prompt with the engine and score them; turn rewards into group-relative advantages and keep
+a broken data set row is skipped, listed in skipped.jsonl and counted); sample G answers or
+episodes per prompt with the engine and score them; turn rewards into group-relative advantages and keep
 the groups that carry a signal (`saccade.orchestrator.rollout`); pack the samples, built
 from the engine's own token ids; take `num_iterations` optimizer steps on the clipped
 objective against the engine's logprobs (`saccade.trainer.step.train_step`). Then the
