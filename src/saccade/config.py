@@ -389,6 +389,11 @@ class DataConfig(Section):
         None, min_length=1,
         description="held-out configs; unset: openmmreasoner ['validation'], else the default config",
     )
+    max_skip_fraction: float = Field(
+        0.05, ge=0, lt=1,
+        description="data sets: stop the run when more than this share of the last 200 rows read were skipped "
+        "as broken (each skipped row is listed in <run_dir>/skipped.jsonl; saccade.data.rows)",
+    )
 
     @model_validator(mode="after")
     def _shapes_kinds(self) -> DataConfig:

@@ -14,7 +14,7 @@ correct, pass@k = 1 - C(n - c, k) / C(n, k), averaged over questions.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from math import comb
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from saccade.config import EnvConfig, RunConfig
+from saccade.data.rows import recheck, row_check
 
 # Metadata fields that name a category, per task. MathVista's skills is a list: a row counts
 # in each of its skills.
@@ -36,7 +37,9 @@ CATEGORY_FIELDS: dict[str, tuple[str, ...]] = {
 def evaluate(setup, task, samples: list, *, max_tokens: int, env: EnvConfig | None = None) -> dict[str, float]:
     """Greedy decoding on held-out prompts, one answer or episode each, scored by the task's
     environments: `accuracy` (the share scored fully correct), `n`, `turns` and the mean of
-    every number the environments reported at their last step (`env_<key>`)."""
+    every number the environments reported at their last step (`env_<key>`). A data set's
+    held-out rows that could not be used (`samples.skipped`, saccade.data.rows) are not
+    scored: `skipped` counts them."""
     from saccade.inference.engine import SamplingParams
     from saccade.orchestrator.rollout import final_info_means, sample_groups
 
@@ -44,8 +47,10 @@ def evaluate(setup, task, samples: list, *, max_tokens: int, env: EnvConfig | No
     groups = sample_groups(setup.engine, task, samples, greedy, merge=setup.merge, continuation=setup.continuation,
                            env=env, tokenizer=setup.processor.tokenizer)
     rollouts = [group[0] for group in groups]
+    skipped = {"skipped": float(len(samples.skipped))} if hasattr(samples, "skipped") else {}
     return {"accuracy": float(np.mean([r.correct for r in rollouts])), "n": len(rollouts),
-            "turns": float(np.mean([r.turns for r in rollouts])), **final_info_means([r.info for r in rollouts])}
+            "turns": float(np.mean([r.turns for r in rollouts])), **skipped,
+            **final_info_means([r.info for r in rollouts])}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -102,11 +107,19 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         raise ValueError(f"saccade eval scores single-turn questions; data.task = {cfg.data.task!r} runs "
                          "multi-turn episodes. Their greedy success is logged during `saccade rl` "
                          "(eval.every_steps) and printed by `saccade demo views`.")
-    # The questions first: a data set's errors (no such split, a bad image) come before the model loads.
+    # The questions first: a data set's errors (no such split) come before the model loads.
     samples = task.eval_samples(cfg.data.eval_size)
-    if not samples:
+    if not samples and not getattr(samples, "skipped", None):
         raise ValueError("data.eval_size is 0 (or the eval split is empty): nothing to evaluate")
     setup = setup or build_setup(cfg, cfg.run_dir)
+    # A data set's broken rows (saccade.data.rows) are reported apart, never counted wrong.
+    fits = row_check(cfg, setup.processor)
+    if fits is not None:
+        samples = recheck(samples, fits)
+    skipped = list(getattr(samples, "skipped", []))
+    if not samples:
+        raise ValueError(f"none of the {len(skipped)} held-out rows could be used (skipped: "
+                         f"{_reasons(skipped)}); see the rows' reasons with saccade eval --json")
     weights = load_weights(setup, cfg, checkpoint)
     setup.engine.update_weights()  # a vLLM server samples from these weights, not whatever it held
 
@@ -132,10 +145,12 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         rows.append(row)
     result: dict[str, Any] = {
         "weights": weights,
-        "n": len(rows),
+        "n": len(rows),  # the rows scored; accuracy is over these, the skipped ones apart
         "accuracy": float(np.mean([r["correct"] for r in rows])),
         "task": cfg.data.task,
         "by_category": by_category(rows, CATEGORY_FIELDS[cfg.data.task]),
+        "skipped": {reason: n for reason, n in Counter(r["reason"] for r in skipped).items()},
+        "skipped_rows": skipped,
     }
     if sampled is not None:
         result["samples_per_question"] = n
@@ -145,6 +160,10 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         }
     result["rows"] = rows
     return result
+
+
+def _reasons(skipped: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{reason} {n}" for reason, n in Counter(r["reason"] for r in skipped).most_common())
 
 
 def write_samples(rows: list[dict[str, Any]], path: str | Path) -> Path:
@@ -168,7 +187,9 @@ def format_eval(result: dict[str, Any]) -> str:
     from rich.table import Table
 
     task = result.get("task", "shapes")
-    table = Table(title=f"held-out evaluation on {task}: {result['n']} questions")
+    skipped = sum(result.get("skipped", {}).values())
+    also = f" ({skipped} rows skipped as broken, not scored)" if skipped else ""
+    table = Table(title=f"held-out evaluation on {task}: {result['n']} questions{also}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("greedy accuracy", f"{result['accuracy']:.3f}")
@@ -180,4 +201,7 @@ def format_eval(result: dict[str, Any]) -> str:
     buffer = StringIO()
     Console(file=buffer, width=100).print(table)
     # Outside the table: a long checkpoint path would wrap inside its title.
-    return f"weights: {result['weights']}\n{buffer.getvalue()}"
+    out = f"weights: {result['weights']}\n{buffer.getvalue()}"
+    if skipped:
+        out += f"skipped: {_reasons(result['skipped_rows'])}\n"
+    return out

@@ -1,7 +1,8 @@
 """GRPO-family RL on a VLM, as one visible loop (`train_rl`).
 
-Each step: take the next prompts from the task's stream; sample G answers or episodes per
-prompt with the engine and score them; turn rewards into group-relative advantages and keep
+Each step: take the next prompts from the task's stream (`saccade.data.rows.PromptStream`:
+a broken data set row is skipped, listed in skipped.jsonl and counted); sample G answers or
+episodes per prompt with the engine and score them; turn rewards into group-relative advantages and keep
 the groups that carry a signal (`saccade.orchestrator.rollout`); pack the samples, built
 from the engine's own token ids; take `num_iterations` optimizer steps on the clipped
 objective against the engine's logprobs (`saccade.trainer.step.train_step`). Then the
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from saccade.config import RunConfig, effective_loss
+from saccade.data.rows import PromptStream, open_prompt_stream, recheck, row_check, skip_counts
 from saccade.distributed import SINGLE, World, all_gather, balance, barrier, share_embeddings, unsharded
 from saccade.setup import Setup, build_setup
 from saccade.tasks import Task, task_from_config
@@ -101,8 +103,12 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     # The embedded engine samples from the sharded module itself: whole weights on every rank
     # for the rollout (one all-gather), so ranks decode their own prompts without collectives.
     sampling_weights = (lambda: unsharded(model)) if engine.shares_weights else contextlib.nullcontext
+    # A data set's rows must also fit the token budget: an image span is never cut (saccade.data.rows).
+    fits = row_check(cfg, setup.processor)
     # Only built when the run evaluates: a data set's eval split is then opened (downloaded) too.
     eval_samples = task.eval_samples(cfg.data.eval_size) if cfg.eval.every_steps else []
+    if fits is not None and eval_samples:
+        eval_samples = recheck(eval_samples, fits)
 
     state = TrainState(step=0, data_position=0, policy_version=0, extra={})
     if resume:
@@ -125,23 +131,27 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     steps_without_signal = 0
     end = t.steps if stop_after is None else min(t.steps, state.step + stop_after)
 
-    first, first_position = state.step, state.data_position
+    # The prompts, read in step order; broken data set rows skipped, listed in skipped.jsonl
+    # (by rank 0), counted, and the step refilled from the rows after them.
+    stream = open_prompt_stream(
+        lambda position: task.train_sample(position, seed=t.seed), run_dir=run_dir, position=state.data_position,
+        done_steps=state.step, resume=resume, max_skip_fraction=cfg.data.max_skip_fraction, check=fits,
+        writes=world.is_main)
 
     def sample(step: int):  # one step's rollouts; on the rollout thread when sampling ahead
         return sample_step(step, engine=engine, task=task, cfg=cfg, setup=setup, world=world, sampling=sampling,
-                           data_position=first_position + (step - first) * cfg.rollout.prompts_per_step,
-                           sampling_weights=sampling_weights)
+                           stream=stream, sampling_weights=sampling_weights)
 
-    source = RolloutSource(sample, first_step=first, end=end, max_async_level=cfg.rollout.max_async_level)
+    source = RolloutSource(sample, first_step=state.step, end=end, max_async_level=cfg.rollout.max_async_level)
     engine_before = engine_stats(engine)
-    with logger, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar, source:
+    with logger, stream, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar, source:
         try:
             for step in range(state.step, end):
                 start = time.perf_counter()
                 # 1. Rollouts: G per prompt, scored, advantages, the groups worth training on. Every
                 # image embedding they put in or read from the cache stays pinned until step 2 ends.
                 rollouts, waited_s, queue_depth = source.get(step)
-                state.data_position += cfg.rollout.prompts_per_step
+                state.data_position = rollouts.rows.end
                 with timed("samples"):  # every rank: the whole step's groups, in prompt order
                     groups = [g for part in all_gather(rollouts.groups, world) for g in part]
                     # Never trained on: a group from weights staler than the bound (none, by
@@ -192,6 +202,8 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 # 4. Metrics, evaluation, checkpoint.
                 engine_now = engine_stats(engine)
                 metrics = {**batch.metrics, **train_metrics}
+                if fits is not None:  # a data set: its broken rows met this step, by reason
+                    metrics.update(skip_counts(rollouts.rows.skipped))
                 metrics.update(
                     rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync_s, step_s=step_s,
                     tokens_per_s=(train_metrics.get("train_tokens", 0.0) + batch.metrics["completion_tokens"]) / step_s,
@@ -289,15 +301,19 @@ def lag_metrics(groups: list, step: int, max_lag: int) -> dict[str, float]:
 
 
 def sample_step(step: int, *, engine, task: Task, cfg: RunConfig, setup: Setup, world: World, sampling,
-                data_position: int, sampling_weights):
+                stream: PromptStream, sampling_weights):
     """This rank's rollouts of one step: its share of the step's prompts, each sampling stream
-    a function of (seed, step, prompt index) only, so any number of ranks samples the same
-    completions. Their image embeddings are pinned until the step has trained."""
+    a function of (seed, step, prompt's stream position) only, so any number of ranks samples
+    the same completions. Their image embeddings are pinned until the step has trained.
+
+    Every rank reads (and checks) all the step's rows, so all skip the same broken ones."""
     from saccade.orchestrator.rollout import prompt_seeds, sample_groups
     from saccade.orchestrator.source import StepRollouts
 
-    indices = [data_position + i for i in world.share(cfg.rollout.prompts_per_step)]
-    prompts = [task.train_sample(i, seed=cfg.trainer.seed) for i in indices]
+    rows = stream.take(cfg.rollout.prompts_per_step, step=step + 1)  # numbered as metrics.jsonl numbers steps
+    mine = world.share(len(rows.prompts))
+    indices = [rows.positions[i] for i in mine]
+    prompts = [rows.prompts[i] for i in mine]
     check = cfg.env.check_consistency == "always" or (cfg.env.check_consistency == "first" and step == 0)
     pins = setup.cache.pins(f"step {step + 1}")
     start = time.perf_counter()
@@ -307,7 +323,7 @@ def sample_step(step: int, *, engine, task: Task, cfg: RunConfig, setup: Setup, 
             env=cfg.env, tokenizer=setup.processor.tokenizer, check=check,
             seeds=prompt_seeds(cfg.trainer.seed, step, indices),
         )
-    return StepRollouts(step, groups, pins, time.perf_counter() - start)
+    return StepRollouts(step, groups, pins, time.perf_counter() - start, rows=rows)
 
 
 def rank_micro_batches(samples: list, setup: Setup, *, max_tokens: int, share_prompts: bool, world: World) -> list:

@@ -4,7 +4,8 @@ Every task offers the same members (the `Task` protocol), whatever it is:
 
 - `max_turns`: assistant turns per episode at most; 1 for single-turn questions;
 - `train_sample(position, seed=...)`: prompt `position` of the training stream, a pure
-  function of (position, seed), so a resumed run draws the same prompts;
+  function of (position, seed), so a resumed run draws the same prompts; a data set's broken
+  row raises `saccade.data.rows.RowSkipped` (the loop's `PromptStream` skips it);
 - `eval_samples(n)`: the held-out prompts, the same every call;
 - `make_env()`: a fresh environment for one episode (`saccade.envs.base.Environment`).
 

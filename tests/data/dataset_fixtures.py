@@ -304,3 +304,46 @@ def check_eval_outputs(result: dict, rows: list[dict], fields: tuple[str, ...], 
     assert result["pass_at_k"]["1"] == pytest.approx(sum(r["samples_correct"] for r in rows) / (k * len(rows)))
     assert result["pass_at_k"][str(k)] == pytest.approx(sum(r["samples_correct"] > 0 for r in rows) / len(rows))
     check_rows_against_score(rows)
+
+
+# --------------------------------------------------------------------- broken rows
+
+# One row of each kind saccade.data.rows skips, as `write_broken_geometry3k` writes them. The
+# runs that read them set images.max_source_pixels = 4096 (the big picture is 80x80, the others
+# 56x48) and trainer.max_tokens = 256 (the long problem is far over it, the others far under).
+BROKEN_KINDS = ("missing_image", "bad_image", "image_count", "no_answer", "too_long", "too_many_pixels")
+BROKEN_LIMITS = ["--images.max_source_pixels", "4096", "--trainer.max_tokens", "256"]
+
+
+def broken_row(kind: str, i: int) -> tuple[list, str, str | None]:
+    """(images, problem, answer) of a Geometry3K row broken in the way `kind` names."""
+    good = ([picture(300 + i)], f"<image>Find x in figure {i}.", "12")
+    if kind == "good":
+        return good
+    if kind == "missing_image":
+        return [None], good[1], good[2]
+    if kind == "bad_image":
+        return [{"bytes": b"not a picture at all", "path": None}], good[1], good[2]
+    if kind == "image_count":
+        return good[0], f"Compare <image> with <image> in figure {i}.", good[2]
+    if kind == "no_answer":
+        return good[0], good[1], None
+    if kind == "too_long":
+        return good[0], good[1] + " Read this with care." * 200, good[2]
+    if kind == "too_many_pixels":
+        return [picture(300 + i, size=(80, 80))], good[1], good[2]
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def write_broken_geometry3k(root: Path, kinds: list[str], splits: tuple[str, ...] = ("train", "test")) -> Path:
+    """A Geometry3K folder in the hub's layout whose rows i are of `kinds[i]` ("good" or one of
+    BROKEN_KINDS), the same rows in each split."""
+    from datasets import Features, Image, List, Value
+
+    features = Features({"images": List(Image()), "problem": Value("string"), "answer": Value("string")})
+    rows = [broken_row(kind, i) for i, kind in enumerate(kinds)]
+    for split in splits:
+        _write({"images": [r[0] for r in rows], "problem": [r[1] for r in rows], "answer": [r[2] for r in rows]},
+               features, root / "data" / f"{split}-00000-of-00001.parquet")
+    (root / "README.md").write_text(_readme({"default": {split: f"data/{split}-*" for split in splits}}))
+    return root

@@ -22,6 +22,7 @@ from saccade.config import RunConfig, load_config
 from saccade.data import datasets as ds
 from saccade.data.datasets import DatasetRows, DatasetTask, parse_options, shuffled_index
 from saccade.data.images import ImageError, image_to_png_bytes
+from saccade.data.rows import RowSkipped
 from saccade.data.shapes import IMAGE_PLACEHOLDER, to_messages
 from saccade.rewards import correct_reward, score
 
@@ -239,8 +240,11 @@ def test_an_image_that_cannot_be_decoded_names_its_row(tmp_path):
     })
     pq.write_table(table, tmp_path / "bad.parquet")
     rows = DatasetRows("geometry3k", str(tmp_path / "bad.parquet"), subsets=None, split="test")
-    with pytest.raises(ImageError, match=r"geometry3k-test-0 \(images\[0\]\)"):
+    with pytest.raises(RowSkipped, match=r"geometry3k-test-0 \(images\[0\]\)") as refused:
         rows.sample(0)
+    # Refused as a broken row (the RL stream skips it), the image's own error kept as the cause.
+    assert (refused.value.reason, refused.value.split, refused.value.index) == ("bad_image", "test", 0)
+    assert isinstance(refused.value.__cause__, ImageError)
 
 
 def test_placeholders_and_images_must_agree(tmp_path):

@@ -21,7 +21,9 @@ parquet file or glob (then the whole file is the one split, and configs do not a
 
 Nothing is decoded up front: `datasets` keeps the rows memory-mapped (Arrow), rows are
 read one at a time in Arrow form and their images decoded only then, by
-`saccade.data.images.load_image`, so a bad image is refused naming its row.
+`saccade.data.images.load_image`. A row that cannot be used (a missing or undecodable image,
+placeholders and images that differ in number, no answer) raises `RowSkipped` naming its
+reason and place: the RL loop skips it and lists it (`saccade.data.rows`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import numpy as np
 from PIL import Image
 
 from saccade.config import ImagesConfig
-from saccade.data.images import load_image
+from saccade.data.images import ImageError, MissingImageError, load_image
+from saccade.data.rows import EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows
 from saccade.data.shapes import BLANK_GRAY, IMAGE_PLACEHOLDER, VQASample
 
 __all__ = [
@@ -158,14 +161,32 @@ class DatasetRows:
         return name, local, table[local].to_pylist()[0]
 
     def sample(self, index: int) -> VQASample:
+        """Row `index` as a question. A row that cannot be used raises `RowSkipped` saying
+        why (saccade.data.rows: a missing or undecodable image, no answer, ...) and where."""
         subset, local, row = self.row(index)
         tag = f"{subset}-" if subset else ""
         sample_id = f"{self.task}-{tag}{self.split}-{local}"
-        if self.task == "openmmreasoner":
-            return openmmreasoner_sample(row, sample_id=sample_id, subset=subset, limits=self.limits)
-        if self.task == "mathvista":
-            return mathvista_sample(row, sample_id=sample_id, limits=self.limits)
-        return geometry3k_sample(row, sample_id=sample_id, limits=self.limits)
+        place = {"split": self.split, "config": subset, "index": local}
+        try:
+            if self.task == "openmmreasoner":
+                sample = openmmreasoner_sample(row, sample_id=sample_id, subset=subset, limits=self.limits)
+            elif self.task == "mathvista":
+                sample = mathvista_sample(row, sample_id=sample_id, limits=self.limits)
+            else:
+                sample = geometry3k_sample(row, sample_id=sample_id, limits=self.limits)
+            check_image_count(sample)
+        except RowSkipped as err:
+            raise err.at(row_id=_row_id(self.task, row, sample_id), **place) from None
+        except ImageError as err:
+            raise RowSkipped(image_error_reason(err), str(err)).at(
+                row_id=_row_id(self.task, row, sample_id), **place) from err
+        sample.origin = place
+        return sample
+
+
+def _row_id(task: str, row: dict[str, Any], sample_id: str) -> str:
+    # MathVista's rows go by their own ids (mathvista_sample names them so).
+    return f"mathvista-{row.get('pid')}" if task == "mathvista" else sample_id
 
 
 # ------------------------------------------------------------------ rows -> samples
@@ -178,6 +199,8 @@ def _images(values: Any, *, sample_id: str, column: str, limits: ImagesConfig) -
         values = [values]
     out = []
     for i, value in enumerate(values):
+        if value is None:
+            raise MissingImageError(f"{column}[{i}] is None", sample=f"{sample_id} ({column}[{i}])")
         # load_image's errors say what is wrong; this names the row and the column.
         out.append(load_image(value, limits=limits, sample=f"{sample_id} ({column}[{i}])"))
     return out
@@ -222,6 +245,14 @@ def parse_options(text: str) -> list[str] | None:
     return None
 
 
+def _answer(value: Any, *, column: str) -> str:
+    """The ground truth as text; a row without one (None, blank) cannot be scored."""
+    text = "" if value is None else str(value).strip()
+    if not text:
+        raise RowSkipped("no_answer", f"{column} is {'None' if value is None else 'blank'}")
+    return text
+
+
 def _is_letter(answer: str) -> bool:
     return len(answer) == 1 and "A" <= answer <= "Z"
 
@@ -239,9 +270,7 @@ def openmmreasoner_sample(row: dict[str, Any], *, sample_id: str, subset: str | 
     free-form ground truth, options parsed from the prompt for letter answers."""
     chat = _chat(row["prompt"], sample_id=sample_id)
     reward_model = row["reward_model"] or {}
-    if "ground_truth" not in reward_model:
-        raise ValueError(f"row {sample_id}: reward_model has no ground_truth; expected {LAYOUTS['openmmreasoner']}")
-    answer = str(reward_model["ground_truth"]).strip()
+    answer = _answer(reward_model.get("ground_truth"), column="reward_model.ground_truth")
     question = _user_text(chat)
     choices = parse_options(question) if _is_letter(answer) else None
     metadata = {
@@ -268,6 +297,9 @@ def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfi
     """One MathVista row: the ready ``query`` after the image; gold is a choice's text for
     multiple choice, else typed (integer / float with precision / list / text)."""
     sample_id = f"mathvista-{row['pid']}"  # MathVista's own ids, the ones its results use
+    answer = _answer(row["answer"], column="answer")
+    if row["decoded_image"] is None:  # every MathVista question is about its image
+        raise RowSkipped("missing_image", "decoded_image is None")
     multi_choice = row["question_type"] == "multi_choice"
     precision = row.get("precision")
     float_answer = row["answer_type"] == "float" and precision is not None and precision == precision  # not NaN
@@ -277,7 +309,7 @@ def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfi
         images=_images(row["decoded_image"], sample_id=sample_id, column="decoded_image",
                        limits=limits or ImagesConfig()),
         question=row["question"],
-        answer=str(row["answer"]),
+        answer=answer,
         choices=list(row["choices"]) if multi_choice and row["choices"] else None,
         answer_type="multi_choice" if multi_choice else str(row["answer_type"]),
         # MathVista's own category fields (task, skills, grade, ...) keep their names.
@@ -291,11 +323,12 @@ def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfi
 def geometry3k_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfig | None = None) -> VQASample:
     """One Geometry3K row: the problem with its figure at the ``<image>`` placeholder."""
     chat = [{"role": "user", "content": str(row["problem"])}]
+    answer = _answer(row["answer"], column="answer")
     return VQASample(
         sample_id=sample_id,
         images=_images(row["images"], sample_id=sample_id, column="images", limits=limits or ImagesConfig()),
         question=_user_text(chat),
-        answer=str(row["answer"]),
+        answer=answer,
         choices=None,
         answer_type="free_form",
         metadata={"dataset": "geometry3k"},
@@ -363,14 +396,16 @@ class DatasetTask:
                            limits=self.limits)
 
     def train_sample(self, position: int, *, seed: int) -> VQASample:
-        """Sample ``position`` of the training stream: rows shuffled by seed, epoch after epoch."""
+        """Sample ``position`` of the training stream: rows shuffled by seed, epoch after epoch.
+        A broken row raises `RowSkipped` (the RL loop's `PromptStream` skips it)."""
         rows = self.train_rows
         return self._maybe_blank(rows.sample(shuffled_index(position, len(rows), seed=seed)))
 
-    def eval_samples(self, n: int) -> list[VQASample]:
-        """The first ``n`` rows of the held-out split, in order (all of them when it has fewer)."""
+    def eval_samples(self, n: int) -> EvalRows:
+        """The usable rows among the first ``n`` of the held-out split, in order (all of them
+        when it has fewer); the broken ones' records in `.skipped`."""
         rows = self.eval_rows
-        return [self._maybe_blank(rows.sample(i)) for i in range(min(n, len(rows)))]
+        return usable_rows(lambda i: self._maybe_blank(rows.sample(i)), range(min(n, len(rows))))
 
     def _maybe_blank(self, sample: VQASample) -> VQASample:
         if self.blank_images:

@@ -39,6 +39,8 @@ from saccade.config import ImagesConfig
 __all__ = [
     "ImageError",
     "ImageSource",
+    "MissingImageError",
+    "TooManyPixelsError",
     "image_hash",
     "image_to_data_url",
     "image_to_png_bytes",
@@ -89,6 +91,14 @@ class ImageError(ValueError):
         # The default pickling calls cls(*args), which would lose `sample` (it is
         # keyword-only) and double the prefix; errors cross DataLoader worker processes.
         return (_rebuild_image_error, (type(self), self.reason, self.sample))
+
+
+class MissingImageError(ImageError):
+    """There is no image where one was expected: a None reference, a file that is not there."""
+
+
+class TooManyPixelsError(ImageError):
+    """The image has more pixels than `ImagesConfig.max_source_pixels` allows (or PIL decodes safely)."""
 
 
 def _rebuild_image_error(cls: type[ImageError], reason: str, sample: str | None) -> ImageError:
@@ -153,11 +163,11 @@ def _unwrap_dict(source: Mapping[str, Any]) -> object:
             return source["bytes"]
         if source.get("path") is not None:
             return source["path"]
-        raise ImageError("image dict has both 'bytes' and 'path' set to None; the image is missing")
+        raise MissingImageError("image dict has both 'bytes' and 'path' set to None; the image is missing")
     for key in ("url", "image_url", "image"):
         if key in source:
             if source[key] is None:
-                raise ImageError(f"image dict has {key!r} set to None; the image is missing")
+                raise MissingImageError(f"image dict has {key!r} set to None; the image is missing")
             return source[key]
     raise ImageError(
         f"unsupported image dict with keys {sorted(map(str, source))}; expected "
@@ -279,7 +289,7 @@ def _from_path(path: Path, limits: ImagesConfig) -> Image.Image:
         handle = path.open("rb")
     except FileNotFoundError as err:
         hint = "" if path.is_absolute() else f" (relative to the working directory {os.getcwd()!r})"
-        raise ImageError(f"image file not found: {_shorten(str(path))}{hint}") from err
+        raise MissingImageError(f"image file not found: {_shorten(str(path))}{hint}") from err
     except IsADirectoryError as err:
         raise ImageError(f"image path is a directory, not a file: {_shorten(str(path))}") from err
     except OSError as err:
@@ -334,7 +344,7 @@ def _check_dimensions(size: tuple[int, int], limits: ImagesConfig) -> None:
         raise ImageError(f"image has zero size ({width}x{height}); the image is empty")
     pixels = width * height
     if pixels > limits.max_source_pixels:
-        raise ImageError(
+        raise TooManyPixelsError(
             f"image is {width}x{height} = {pixels:,} pixels, more than "
             f"ImagesConfig.max_source_pixels={limits.max_source_pixels:,} (possible decompression "
             "bomb); downscale it beforehand, or raise max_source_pixels if the image is trusted"
@@ -355,7 +365,7 @@ def _pil_errors(stream: IO[bytes] | None) -> Iterator[None]:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         # Raised inside Image.open for sizes over 2 * Image.MAX_IMAGE_PIXELS, before
         # our own check can run (the warning only if someone escalated it to an error).
-        raise ImageError(
+        raise TooManyPixelsError(
             f"image is too large to decode safely ({err}); downscale it beforehand"
         ) from err
     except UnidentifiedImageError as err:

@@ -132,6 +132,9 @@ class VQASample:
     # which each "<image>" marks where the next image of `images` goes. None: `question` +
     # options after the images (the synthetic tasks).
     prompt: list[dict[str, str]] | None = None
+    # Datasets: where the row is, {"split", "config", "index" within the config}, for the
+    # records of a refused row (saccade.data.rows). None: generated.
+    origin: dict[str, Any] | None = None
 
 
 def task_choices(task: ShapesTask, kind: str) -> list[str]:

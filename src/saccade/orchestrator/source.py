@@ -31,6 +31,7 @@ class StepRollouts:
     pins: Any  # the cache pins that keep their image embeddings until the step has trained
     sample_s: float  # wall seconds the sampling took
     error: BaseException | None = field(default=None, repr=False)
+    rows: Any = None  # the data rows read for the step (saccade.data.rows.StepRows): positions, skips
 
 
 class RolloutSource:
