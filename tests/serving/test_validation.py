@@ -63,7 +63,7 @@ def test_update_request_types_and_combinations():
         ({}, 'needs "path"'),
         ({"path": 3}, 'needs "path".*number'),
         ({"path": ""}, 'needs "path"'),
-        ({"path": "w", "verison": 3}, r"unknown field\(s\) \['verison'\]"),
+        ({"path": "w", "verison": 3}, r'unknown field\(s\) \["verison"\]; the fields are \["path", "version", "lora", "restore_base"\]'),
         ({"path": "w", "version": True}, '"version" must be an integer'),
         ({"path": "w", "version": 1.5}, '"version" must be an integer'),
         ({"path": "w", "version": -1}, '"version" must be an integer'),

@@ -62,7 +62,8 @@ def check_fields(body: Any, allowed: tuple[str, ...], example: str) -> dict[str,
         raise RequestError(f"the body must be a JSON object, e.g. {example}; got a JSON {json_type(body)}")
     unknown = sorted(set(body) - set(allowed))
     if unknown:
-        raise RequestError(f"unknown field(s) {[k[:40] for k in unknown[:5]]}; the fields are {list(allowed)}")
+        raise RequestError(f"unknown field(s) {json.dumps([k[:40] for k in unknown[:5]])}; "
+                           f"the fields are {json.dumps(list(allowed))}")
     return body
 
 
