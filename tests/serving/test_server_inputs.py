@@ -302,6 +302,11 @@ def test_weights_outside_the_root_are_refused_even_through_a_symlink(server, out
     assert info["policy_version"] != 99 and info["base_modified"] is False
 
 
+def test_a_missing_folder_inside_the_root_is_named(server, tmp_path):
+    response = post(server, "/update_weights", {"path": str(tmp_path / "not-written-yet")})
+    assert response.status_code == 400 and "does not exist" in reason_of(response), response.text[:300]
+
+
 def test_weights_inside_the_root_still_load(server, tiny_path, tmp_path):
     inside = tmp_path / "engine-weights" / "v1"
     inside.mkdir(parents=True)
