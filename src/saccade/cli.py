@@ -513,7 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="saccade serve MODEL [vLLM arguments]: vLLM's OpenAI-compatible server with saccade's routes. "
         "Binds 127.0.0.1 unless --host is given (then --api-key is required); logprobs are those of the "
         "distribution sampled from (--logprobs-mode processed_logprobs). --max-body-mb limits request bodies "
-        "(default 64). On CPU: --dtype float32 --enforce-eager. MODEL may be 'tiny'.",
+        "(default 64). --weights-root DIR: /update_weights loads only from under DIR, symlinks resolved (default: "
+        "the working directory, where a trainer started in the same directory writes <run_dir>/engine-weights). "
+        "On CPU: --dtype float32 --enforce-eager. MODEL may be 'tiny'.",
     )
     serve.add_argument("model", metavar="MODEL", help="hub id, local folder, or tiny/small; then vLLM's arguments")
 

@@ -121,8 +121,10 @@ def demo_engine(cfg: RunConfig, engine: str):
     # No line per request in the log: the demo makes thousands.
     args = (*CPU_ARGS, "--disable-uvicorn-access-log")
     env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, server_cores))} if server_cores else None
+    # The server may load weights only from where this run's trainer writes them.
+    weights_root = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else cfg.run_dir / "engine-weights"
     with served(resolve_model(cfg.model.path), args=args, log_path=cfg.run_dir / "vllm-server.log", env=env,
-                cores=server_cores) as url:
+                cores=server_cores, weights_root=weights_root) as url:
         engine_cfg = cfg.engine.model_copy(update={"kind": "vllm", "urls": [url]})
         minutes = (time.perf_counter() - start) / 60
         threads = torch.get_num_threads()

@@ -18,7 +18,9 @@ def server(tiny_path, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     try:
-        with served(str(tiny_path), args=(*CPU_ARGS, *LORA_ARGS, "--max-body-mb", str(BODY_LIMIT_MB)), log_path=log) as url:
+        # Weights may come from any test's tmp_path (and the bench's folder under the root).
+        with served(str(tiny_path), args=(*CPU_ARGS, *LORA_ARGS, "--max-body-mb", str(BODY_LIMIT_MB)), log_path=log,
+                    weights_root=tmp_path_factory.getbasetemp()) as url:
             yield url
     except RuntimeError as err:
         pytest.fail(str(err))

@@ -68,6 +68,7 @@ def test_serve_help_and_the_exposure_refusal_from_the_command_line(tiny_path):
 
     helped = run("--help")
     assert helped.returncode == 0 and "/encode_images" in helped.stdout and "usage: saccade serve MODEL" in helped.stdout
+    assert "--weights-root DIR" in helped.stdout
     pytest.importorskip("vllm")
     refused = run(str(tiny_path), "--host", "0.0.0.0")
     assert refused.returncode != 0 and "--api-key" in refused.stderr
@@ -87,3 +88,15 @@ def test_a_cpu_server_takes_a_quarter_of_the_free_memory_for_its_kv_cache_within
         assert line is None and not env
     else:
         assert 1 <= int(env["VLLM_CPU_KVCACHE_SPACE"]) <= 4 and "VLLM_CPU_KVCACHE_SPACE" in line
+
+
+def test_saccade_options_are_taken_out_before_vllm_parses_the_rest():
+    from saccade.serving.server import pop_option
+
+    args = ["--dtype", "float32", "--weights-root", "/runs", "--max-body-mb=2", "--port", "8000"]
+    assert pop_option(args, "--weights-root") == "/runs"
+    assert pop_option(args, "--max-body-mb") == "2"
+    assert pop_option(args, "--weights-root") is None
+    assert args == ["--dtype", "float32", "--port", "8000"]
+    with pytest.raises(SystemExit, match="--weights-root needs a value"):
+        pop_option(["--weights-root"], "--weights-root")

@@ -75,7 +75,8 @@ def two_servers(tiny_path, tmp_path_factory):
     from saccade.serving.launch import CPU_ARGS, ServerProcess
 
     logs = tmp_path_factory.mktemp("two-servers")
-    servers = [ServerProcess(str(tiny_path), args=CPU_ARGS, log_path=logs / f"serve{i}.log").start() for i in range(2)]
+    servers = [ServerProcess(str(tiny_path), args=CPU_ARGS, log_path=logs / f"serve{i}.log",
+                             weights_root=tmp_path_factory.getbasetemp()).start() for i in range(2)]
     try:
         for s in servers:
             s.wait_ready()

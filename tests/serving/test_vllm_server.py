@@ -119,7 +119,7 @@ def _data_url(raw: bytes) -> str:
         ("/encode_images", {"images": []}, "non-empty"),
         ("/encode_images", [1, 2], '"images"'),
         ("/update_weights", {}, '"path"'),
-        ("/update_weights", {"path": "/nonexistent/weights"}, "does not exist"),
+        ("/update_weights", {"path": "/nonexistent/weights"}, "outside the server's weights root"),
     ],
 )
 def test_bad_requests_get_a_4xx_with_a_reason_and_the_server_stays_up(server, route, body, reason):

@@ -86,8 +86,9 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
         if progress:
             print(f"starting a vLLM server on cores {server_cores}; the trainer runs on {trainer_cores} ...", flush=True)
         args = (*CPU_ARGS, "--disable-uvicorn-access-log")
+        # Every level's run (and its engine-weights folder, unless overridden) lives under `out`.
         with served(resolve_model("tiny-warm"), args=args, log_path=out / "vllm-server.log", env=env,
-                    cores=server_cores) as url:
+                    cores=server_cores, weights_root=base.engine.weights_dir or out) as url:
             runs = run_all(url)
     by_level = {r["max_async_level"]: r for r in runs}
     result: dict[str, Any] = {"runs": runs, "server_cores": server_cores, "trainer_cores": trainer_cores,

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -123,9 +124,12 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
     torch_dtype = getattr(torch, dtype)
     work = Path(tempfile.mkdtemp(prefix="saccade-engine-parity-"))
     args = tuple(dtype if a == "float32" else a for a in CPU_ARGS)  # --dtype <dtype>
-    server = nullcontext(url) if url else served(path, args=args, log_path=work / "serve.log")
+    server = nullcontext(url) if url else served(path, args=args, log_path=work / "serve.log", weights_root=work)
     with server as base:
         engine = VLLMEngine.for_servers([base], processor)
+        weights_dir = work
+        if url:  # a server we did not start loads weights only from under its --weights-root
+            weights_dir = Path(tempfile.mkdtemp(prefix="saccade-engine-parity-", dir=engine.info()[0]["weights_root"]))
         requests = shapes_requests(prompts)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=n)
         completions = [c for g in engine.generate(requests, params) for c in g]
@@ -147,13 +151,14 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
 
         # One training step, /update_weights, sample again: the gap to the *new* trainer weights.
         one_likelihood_step(policy, engine, completions)
-        engine.exporter = lambda version: str(merge_full_weights_for_engine(policy, path, work / f"weights-v{version}"))
+        engine.exporter = lambda version: str(merge_full_weights_for_engine(policy, path, weights_dir / f"weights-v{version}"))
         sync_s = engine.update_weights()
         after = [c for g in engine.generate(requests, params) for c in g]
         after_diffs = _engine_diffs(policy, engine, after, temperature)
         if url:  # leave a server we did not start as we found it
             engine.exporter = lambda version: str(path)
             engine.update_weights()
+            shutil.rmtree(weights_dir, ignore_errors=True)
     return {
         "model": str(path),
         "dtype": dtype,

@@ -53,6 +53,7 @@ from saccade.inference.engine import (
     ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, vision_token_ids,
 )
 from saccade.inference.servers import NoServerError, Server, ServerPool
+from saccade.serving.validation import MAX_IMAGES_PER_REQUEST
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
 # refuses bodies over 64 MB by default); a batch's images go in as few requests as that allows.
 KEEPALIVE_EXPIRY_S = 2.0  # below the servers' 5 s keep-alive timeout (see VLLMEngine._http)
 ENCODE_CHUNK_BYTES = 8 * 2**20
+# ... and at most as many images as saccade serve takes in one request.
+ENCODE_CHUNK_IMAGES = MAX_IMAGES_PER_REQUEST
 
 # OpenAI's logit_bias range is [-100, 100]: -100 makes a token's probability e^-100 relative.
 BAN_BIAS = -100
@@ -427,7 +430,7 @@ class VLLMEngine:
         chunks: list[dict[str, str]] = []
         size = ENCODE_CHUNK_BYTES
         for key, url in missing.items():
-            if size + len(url) > ENCODE_CHUNK_BYTES:
+            if not chunks or size + len(url) > ENCODE_CHUNK_BYTES or len(chunks[-1]) >= ENCODE_CHUNK_IMAGES:
                 chunks.append({})
                 size = 0
             chunks[-1][key] = url

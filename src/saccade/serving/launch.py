@@ -27,10 +27,12 @@ class ServerProcess:
 
     def __init__(self, model: str, *, args: tuple[str, ...] = CPU_ARGS, log_path: str | Path,
                  kv_cache_gb: int | None = 1, port: int | None = None, env: dict[str, str] | None = None,
-                 cores: list[int] | None = None):
+                 cores: list[int] | None = None, weights_root: str | Path | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "saccade.serving.server", str(model), *args, "--port", str(self.port)]
+        # Where /update_weights may load from; None: the server's default (this process's cwd).
+        root = ("--weights-root", str(weights_root)) if weights_root is not None else ()
+        self.cmd = [sys.executable, "-m", "saccade.serving.server", str(model), *args, *root, "--port", str(self.port)]
         self.env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", **(env or {})}
         self.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if kv_cache_gb is not None:
@@ -82,16 +84,19 @@ class ServerProcess:
 
 @contextmanager
 def served(model: str, *, args: tuple[str, ...] = CPU_ARGS, log_path: str | Path, timeout_s: float = 300.0,
-           kv_cache_gb: int | None = 1, env: dict[str, str] | None = None, cores: list[int] | None = None):
+           kv_cache_gb: int | None = 1, env: dict[str, str] | None = None, cores: list[int] | None = None,
+           weights_root: str | Path | None = None):
     """Run `saccade serve MODEL ARGS` on a free local port; yield its base URL; stop it after.
 
     `kv_cache_gb`: VLLM_CPU_KVCACHE_SPACE for a CPU server; None leaves it unset, so that
     `saccade serve` chooses (as for a user who starts it by hand). `env`: more environment
-    (e.g. VLLM_CPU_OMP_THREADS_BIND); `cores`: the CPU cores it may run on. A server that exits or does not answer /health within
-    timeout_s raises RuntimeError with the end of its log.
+    (e.g. VLLM_CPU_OMP_THREADS_BIND); `cores`: the CPU cores it may run on. `weights_root`: the
+    folder /update_weights may load from (--weights-root; None: the current directory). A server
+    that exits or does not answer /health within timeout_s raises RuntimeError with the end of its log.
     """
     Path(log_path).write_text("")
-    server = ServerProcess(model, args=args, log_path=log_path, kv_cache_gb=kv_cache_gb, env=env, cores=cores).start()
+    server = ServerProcess(model, args=args, log_path=log_path, kv_cache_gb=kv_cache_gb, env=env, cores=cores,
+                           weights_root=weights_root).start()
     try:
         yield server.wait_ready(timeout_s)
     finally:

@@ -10,6 +10,8 @@
   `saccade-policy` (the server needs `--enable-lora --max-lora-rank R`), and requests for
   that model name sample with it; the base weights stay as they are. {"restore_base": true}
   reloads the served checkpoint itself (an adapter must sit on the weights it was trained on).
+  DIR must lie under `--weights-root` (default: the server's working directory), symlinks
+  resolved; anything else is refused with a 403.
 - `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout).
 
 Every response carries `x-saccade-policy-version`: the version the server held when the
@@ -21,7 +23,8 @@ trainer never believes a sample fresher than it is.
 
 vLLM is extended, not forked: `build_app` is wrapped to add a router, and a worker
 extension class (saccade.serving.worker) runs the tower inside vLLM's worker. Bad input
-gets a 4xx with a reason and the server stays up (the engine never sees it).
+gets a 4xx with a reason and the server stays up (the engine never sees it): the checks are
+the pure functions of saccade.serving.validation. /encode_images takes data: URLs only.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the route parameters' real types.
@@ -32,6 +35,11 @@ import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from saccade.serving.validation import (
+    CHAT_ROUTES, RequestError, chat_media_urls, check_aspect_ratio, check_chat_media_url, parse_image_list,
+    parse_json_body, parse_update_request, resolve_weights_path, resolve_weights_root,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -49,15 +57,14 @@ DEFAULT_FLAGS = {
     # Token-in/token-out sampling (/inference/v1/generate): multi-turn rollouts send the
     # trajectory's own token ids, never text that vLLM would re-tokenize.
     "--enable-scale-out": None,
+    # No multimodal processor cache: with it, a request refused after its images were processed
+    # (e.g. max_tokens=-1, n=0) leaves the front end believing the engine holds those images, and
+    # the next valid request with the same image fails with a 500 (vLLM 0.32: "P0/P1 cache drift",
+    # only a retry recovers). Without it, every request carries its processed images; measured
+    # here, 20 chat requests with one 200x200 image each were no slower (1.7 s vs 4.1 s on a busy
+    # machine; 1.2 s vs 1.6 s with the same image 20 times).
+    "--mm-processor-cache-gb": "0",
 }
-
-
-class RequestError(ValueError):
-    """A bad request: becomes a 4xx with this message."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 def is_loopback(host: str | None) -> bool:
@@ -149,12 +156,17 @@ def split_features(features: "torch.Tensor", grid_thw, merge: int, levels: int) 
 class SaccadeState:
     """What the routes need, built once per server process."""
 
-    def __init__(self, model_path: str, max_body_bytes: int, api_key: str | None = None):
+    def __init__(self, model_path: str, max_body_bytes: int, api_key: str | None = None,
+                 weights_root: str | os.PathLike = "."):
         from transformers import AutoProcessor
 
         from saccade.config import ImagesConfig
+        from saccade.models.loading import resolve_model_path
 
         self.model_path = model_path
+        # /update_weights loads only from below this real path (or the served checkpoint itself).
+        self.weights_root = resolve_weights_root(weights_root)
+        self.served_checkpoint = resolve_weights_root(resolve_model_path(model_path))
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key
         self.processor = AutoProcessor.from_pretrained(model_path)
@@ -186,15 +198,6 @@ class SaccadeState:
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
 
-def parse_image_list(body: Any) -> list[str]:
-    if not isinstance(body, dict) or "images" not in body:
-        raise RequestError('the body must be a JSON object with "images": a list of image data URLs')
-    images = body["images"]
-    if not isinstance(images, list) or not images or not all(isinstance(u, str) for u in images):
-        raise RequestError('"images" must be a non-empty list of strings (data:image/...;base64,... URLs)')
-    return images
-
-
 def reference_shapes(model_path: str) -> dict[str, list[int]]:
     """Tensor names and shapes of the served checkpoint, from its safetensors headers."""
     from saccade.models.loading import resolve_model_path
@@ -203,13 +206,27 @@ def reference_shapes(model_path: str) -> dict[str, list[int]]:
     return _header_shapes(sorted(folder.glob("*.safetensors")))
 
 
+# safetensors' own bound on a header; a larger length field means a corrupt or hostile file.
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+
+
 def _header_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Tensor name -> shape from safetensors headers; ValueError for a file that is not one."""
     shapes: dict[str, list[int]] = {}
     for f in files:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= MAX_SAFETENSORS_HEADER_BYTES:
+                raise ValueError(f"{f.name}: header length {n} is not that of a safetensors file")
             header = json.loads(fh.read(n))
-        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+        if not isinstance(header, dict):
+            raise ValueError(f"{f.name}: the header is not a JSON object")
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            if not (isinstance(v, dict) and isinstance(v.get("shape"), list)):
+                raise ValueError(f"{f.name}: tensor {k[:80]!r} has no shape")
+            shapes[k] = v["shape"]
     return shapes
 
 
@@ -273,13 +290,7 @@ def build_router(state: SaccadeState):
     router = APIRouter()
 
     async def read_json(request: Request) -> Any:
-        body = await request.body()
-        if len(body) > state.max_body_bytes:
-            raise RequestError(f"request body of {len(body)} bytes exceeds the limit of {state.max_body_bytes}", 413)
-        try:
-            return json.loads(body)
-        except ValueError as err:
-            raise RequestError(f"the body is not valid JSON: {err}") from None
+        return parse_json_body(await request.body(), state.max_body_bytes)
 
     def error(err: RequestError) -> JSONResponse:
         return JSONResponse({"error": str(err)}, status_code=err.status)
@@ -300,9 +311,13 @@ def build_router(state: SaccadeState):
                     images.append(load_image(url, limits=state.limits, sample=f"images[{i}]"))
                 except ImageError as err:
                     raise RequestError(str(err)) from None
+                check_aspect_ratio(images[-1].size, f"images[{i}]")
+            try:
+                pixels, grid = state.preprocess(images)
+            except ValueError as err:  # the processor's own refusal of an image we did not foresee
+                raise RequestError(f"the image processor refused the images: {str(err)[:300]}") from None
         except RequestError as err:
             return error(err)
-        pixels, grid = state.preprocess(images)
         info = await vision_info(request)
         results = await request.app.state.engine_client.collective_rpc(
             "saccade_encode_images", args=(save({"pixel_values": pixels, "image_grid_thw": grid}),)
@@ -314,23 +329,19 @@ def build_router(state: SaccadeState):
     @router.post("/update_weights")
     async def update_weights(request: Request):
         try:
-            body = await read_json(request)
-            if isinstance(body, dict) and body.get("restore_base"):
-                body["path"] = state.model_path  # the served checkpoint: a valid weights folder
-            if not isinstance(body, dict) or not isinstance(body.get("path"), str):
-                raise RequestError('the body must be a JSON object with "path": a folder of safetensors weights')
-            version = body.get("version", state.policy_version + 1)
-            if not isinstance(version, int) or isinstance(version, bool):
-                raise RequestError('"version" must be an integer')
-            if body.get("lora") and body.get("restore_base"):
-                raise RequestError('"lora" and "restore_base" exclude each other')
-            if body.get("lora"):
-                check_adapter_folder(body["path"])
+            update = parse_update_request(await read_json(request), state.policy_version)
+            if update.restore_base:
+                path = state.model_path  # the served checkpoint: a valid weights folder
+            else:
+                path = str(resolve_weights_path(update.path, state.weights_root, state.served_checkpoint))
+            if update.lora:
+                check_adapter_folder(path)
                 count = None
             else:
-                count = check_weights_folder(body["path"], state.reference_shapes)
+                count = check_weights_folder(path, state.reference_shapes)
         except RequestError as err:
             return error(err)
+        version = update.version
         import asyncio
 
         if state.update_lock is None:
@@ -340,16 +351,16 @@ def build_router(state: SaccadeState):
             # Requests running now finish on the old weights; new ones wait for the new weights.
             await client.pause_generation(mode="wait", clear_cache=False)
             try:
-                if body.get("lora"):
+                if update.lora:
                     try:
-                        await load_adapter(request.app, body["path"])
+                        await load_adapter(request.app, path)
                     except RequestError as err:
                         return error(err)
                     await client.reset_prefix_cache()
                     state.policy_version = version
                     state.lora = LORA_NAME
                     return {"ok": True, "version": version, "lora": LORA_NAME}
-                await client.collective_rpc("reload_weights", kwargs={"weights_path": body["path"]})
+                await client.collective_rpc("reload_weights", kwargs={"weights_path": path})
                 await client.collective_rpc("saccade_after_reload")
                 # The worker's reload_weights clears its encoder cache but the scheduler still
                 # believes the images are cached: without this the next image request kills the
@@ -358,7 +369,7 @@ def build_router(state: SaccadeState):
                 await client.reset_encoder_cache()
                 await client.reset_prefix_cache()
                 state.policy_version = version
-                state.base_modified = not body.get("restore_base", False)
+                state.base_modified = not update.restore_base
                 return {"ok": True, "version": version, "tensors": count}
             finally:
                 await client.resume_generation()
@@ -368,7 +379,7 @@ def build_router(state: SaccadeState):
         return {"policy_version": state.policy_version, "model": state.model_path, **(await vision_info(request)),
                 "min_pixels": state.limits.min_pixels, "max_pixels": state.limits.max_pixels,
                 "lora_enabled": request.app.state.vllm_config.lora_config is not None, "lora": state.lora,
-                "base_modified": state.base_modified}
+                "base_modified": state.base_modified, "weights_root": str(state.weights_root)}
 
     return router
 
@@ -379,7 +390,9 @@ VERSION_HEADER = "x-saccade-policy-version"
 
 
 def _guard_middleware(app, state: SaccadeState):
-    """Body size limit on every route; the API key on saccade's routes (vLLM guards its own)."""
+    """Body size limit on every route (Content-Length, or counted when chunked); the API key on
+    saccade's routes (vLLM guards its own); the chat route's media URLs that vLLM would answer
+    with a 5xx (see validation.CHAT_MEDIA_PARTS)."""
     import hmac
 
     from fastapi import Request
@@ -401,24 +414,87 @@ def _guard_middleware(app, state: SaccadeState):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
                 return JSONResponse({"error": "missing or wrong API key (Authorization: Bearer KEY)"}, status_code=401)
+        try:
+            if length is None and request.method in ("POST", "PUT", "PATCH"):
+                await read_bounded(request, state.max_body_bytes)
+            if request.method == "POST" and request.url.path in CHAT_ROUTES:
+                check_chat_media(await request.body(), request.app.state.vllm_config.model_config)
+        except RequestError as err:
+            # vLLM's routes answer errors in OpenAI's shape; saccade's as {"error": reason}.
+            openai = not request.url.path.startswith(SACCADE_ROUTES)
+            body = {"message": str(err), "type": "BadRequestError", "code": err.status} if openai else str(err)
+            return JSONResponse({"error": body}, status_code=err.status)
         response = await call_next(request)
         response.headers[VERSION_HEADER] = str(version)
         return response
 
 
+USAGE = ("usage: saccade serve MODEL [--max-body-mb N] [--weights-root DIR] "
+         "[vLLM arguments, e.g. --dtype float32 --enforce-eager]")
+WEIGHTS_ROOT_HELP = (
+    "--weights-root DIR: /update_weights loads only folders whose real path (symlinks resolved) is "
+    "under DIR, or the served checkpoint itself; anything else gets a 403. Default: the directory "
+    "`saccade serve` was started in, which holds the trainer's default engine.weights_dir "
+    "(<run_dir>/engine-weights, run_dir relative) when trainer and server start in the same "
+    "directory, as in the README. A trainer writing elsewhere (an absolute run_dir or "
+    "engine.weights_dir) needs --weights-root set to that folder or a parent of it."
+)
+
+
+def pop_option(args: list[str], flag: str) -> str | None:
+    """Remove `flag VALUE` or `flag=VALUE` from `args` (saccade's own options, before vLLM
+    parses the rest); its value, or None when absent."""
+    for i, arg in enumerate(args):
+        if arg == flag:
+            if i + 1 >= len(args):
+                raise SystemExit(f"saccade serve: {flag} needs a value")
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+        if arg.startswith(flag + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+async def read_bounded(request, max_bytes: int) -> None:
+    """Read a body sent without Content-Length (chunked) up to `max_bytes`; 413 beyond. The
+    body is left where Starlette's own `Request.body()` caches it, so the route reads it again."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestError(f"request body exceeds the limit of {max_bytes} bytes (--max-body-mb)", 413)
+        chunks.append(chunk)
+    request._body = b"".join(chunks)
+
+
+def check_chat_media(raw: bytes, model_config) -> None:
+    """The chat body's media URLs that vLLM would answer with a 5xx (validation.check_chat_media_url).
+    A body that is not JSON is left to vLLM, which refuses it with a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return
+    local_files = bool(getattr(model_config, "allowed_local_media_path", ""))
+    remote = bool(getattr(model_config, "allowed_media_domains", None))
+    for where, url in chat_media_urls(body):
+        check_chat_media_url(url, where, local_files=local_files, remote=remote)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """saccade serve MODEL [--max-body-mb N] [vLLM's own arguments ...]"""
+    """saccade serve MODEL [--max-body-mb N] [--weights-root DIR] [vLLM's own arguments ...]"""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        print("usage: saccade serve MODEL [--max-body-mb N] [vLLM arguments, e.g. --dtype float32 --enforce-eager]")
+        print(WEIGHTS_ROOT_HELP)
+        print(USAGE)
         return 0
     model, rest = argv[0], argv[1:]
-    max_body_mb = DEFAULT_MAX_BODY_MB
-    if "--max-body-mb" in rest:
-        i = rest.index("--max-body-mb")
-        max_body_mb = float(rest[i + 1])
-        del rest[i : i + 2]
+    max_body_mb = float(pop_option(rest, "--max-body-mb") or DEFAULT_MAX_BODY_MB)
+    weights_root = resolve_weights_root(pop_option(rest, "--weights-root") or os.getcwd())
+    print(f"saccade serve: /update_weights loads only from under {weights_root} (--weights-root)",
+          file=sys.stderr, flush=True)
 
     from saccade.models.tiny import resolve_model
 
@@ -446,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = api_key or os.environ.get("VLLM_API_KEY")
     check_exposure(args.host, api_key)
 
-    state = SaccadeState(model_path, int(max_body_mb * 1024 * 1024), api_key)
+    state = SaccadeState(model_path, int(max_body_mb * 1024 * 1024), api_key, weights_root)
     original_build_app = entry.build_app
 
     def build_app(*a, **kw):

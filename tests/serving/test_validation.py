@@ -1,0 +1,156 @@
+"""The server's input checks (saccade.serving.validation) without a server: each rule refuses
+what it should with a reason, and lets the requests saccade's own client sends through."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from saccade.serving.validation import (
+    MAX_IMAGES_PER_REQUEST, RequestError, UpdateRequest, chat_media_urls, check_aspect_ratio, check_chat_media_url,
+    parse_image_list, parse_json_body, parse_update_request, resolve_weights_path, resolve_weights_root,
+)
+
+PNG = "data:image/png;base64,iVBORw0KGgo="
+
+
+def test_json_body_too_big_empty_or_not_json_is_refused_with_the_reason():
+    assert parse_json_body(b'{"a": 1}', 100) == {"a": 1}
+    with pytest.raises(RequestError, match="exceeds the limit of 4") as big:
+        parse_json_body(b'{"a": 1}', 4)
+    assert big.value.status == 413
+    for raw, reason in [(b"", "empty"), (b"  \n", "empty"), (b"{nope", "not valid JSON"), (b"\xff\xfe{", "not valid JSON"),
+                        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON")]:
+        with pytest.raises(RequestError, match=reason) as err:
+            parse_json_body(raw, 10**6)
+        assert err.value.status == 400
+
+
+def test_image_list_takes_only_a_bounded_list_of_base64_data_urls():
+    assert parse_image_list({"images": [PNG, PNG]}) == [PNG, PNG]
+    refused = [
+        ([PNG], "must be a JSON object"),
+        ({"pictures": [PNG]}, "unknown field"),
+        ({}, 'needs "images"'),
+        ({"images": []}, "non-empty"),
+        ({"images": PNG}, "non-empty list"),
+        ({"images": [PNG, 5]}, r"images\[1\] must be a string"),
+        ({"images": ["/etc/passwd"]}, "inline only"),
+        ({"images": ["file:///etc/passwd"]}, "inline only"),
+        ({"images": ["http://127.0.0.1/x.png"]}, "inline only"),
+        ({"images": ["data:image/png,abc"]}, "malformed data URL"),
+        ({"images": ["data:image/png;base64"]}, "malformed data URL"),
+        ({"images": [PNG] * (MAX_IMAGES_PER_REQUEST + 1)}, f"at most {MAX_IMAGES_PER_REQUEST}"),
+    ]
+    for body, reason in refused:
+        with pytest.raises(RequestError, match=reason):
+            parse_image_list(body)
+
+
+def test_aspect_ratio_beyond_what_the_processor_resizes_is_refused():
+    check_aspect_ratio((200, 1), "images[0]")  # exactly 200:1 is still resized
+    with pytest.raises(RequestError, match=r"images\[3\]: image of 1x201 pixels"):
+        check_aspect_ratio((1, 201), "images[3]")
+
+
+def test_update_request_types_and_combinations():
+    assert parse_update_request({"path": "w/v3", "version": 3, "lora": False}, 2) == UpdateRequest("w/v3", 3, False, False)
+    assert parse_update_request({"path": "w"}, 7).version == 8  # the next version by default
+    assert parse_update_request({"restore_base": True, "version": 4}, 0) == UpdateRequest(None, 4, False, True)
+    refused = [
+        ("nope", "must be a JSON object"),
+        ({}, 'needs "path"'),
+        ({"path": 3}, 'needs "path".*number'),
+        ({"path": ""}, 'needs "path"'),
+        ({"path": "w", "verison": 3}, r'unknown field\(s\) \["verison"\]; the fields are \["path", "version", "lora", "restore_base"\]'),
+        ({"path": "w", "version": True}, '"version" must be an integer'),
+        ({"path": "w", "version": 1.5}, '"version" must be an integer'),
+        ({"path": "w", "version": -1}, '"version" must be an integer'),
+        ({"path": "w", "version": 2**63}, '"version" must be an integer'),
+        ({"path": "w", "lora": "yes"}, '"lora" must be true or false'),
+        ({"path": "w", "restore_base": 1}, '"restore_base" must be true or false'),
+        ({"path": "w", "lora": True, "restore_base": True}, "exclude each other"),
+        ({"path": "w", "restore_base": True}, 'leave out "path"'),
+        ({"path": "w\x00x"}, "NUL"),
+        ({"path": "w" * 5000}, "at most 4096"),
+    ]
+    for body, reason in refused:
+        with pytest.raises(RequestError, match=reason) as err:
+            parse_update_request(body, 0)
+        assert err.value.status == 400
+
+
+def test_weights_paths_resolve_inside_the_root_or_are_refused(tmp_path, monkeypatch):
+    root = tmp_path / "runs"
+    (root / "run1" / "engine-weights" / "v1").mkdir(parents=True)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    served = tmp_path / "model"
+    served.mkdir()
+    (root / "escape").symlink_to(outside)  # a symlink inside the root that leaves it
+    (root / "alias").symlink_to(root / "run1")  # one that stays inside
+    real_root = resolve_weights_root(root)
+
+    inside = root / "run1" / "engine-weights" / "v1"
+    assert resolve_weights_path(str(inside), real_root) == inside.resolve()
+    assert resolve_weights_path(str(root / "alias" / "engine-weights" / "v1"), real_root) == inside.resolve()
+    assert resolve_weights_path(str(root / "not-written-yet"), real_root) == (root / "not-written-yet").resolve()
+    assert resolve_weights_path(str(served), real_root, resolve_weights_root(served)) == served.resolve()
+    monkeypatch.chdir(root)
+    assert resolve_weights_path("run1/engine-weights/v1", real_root) == inside.resolve()  # relative: from the cwd
+
+    for path in [str(outside), "/etc", str(root / ".." / "elsewhere"), "../elsewhere", str(root / "escape"),
+                 str(root / "escape" / "v1"), str(served), str(tmp_path / "runs-sibling")]:
+        with pytest.raises(RequestError, match="outside the server's weights root") as err:
+            resolve_weights_path(path, real_root)
+        assert err.value.status == 403 and "--weights-root" in str(err.value)
+
+
+def test_a_symlink_loop_is_refused_not_raised(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    root = resolve_weights_root(tmp_path)
+    try:
+        resolved = resolve_weights_path(str(tmp_path / "a"), root)
+    except RequestError as err:
+        assert "cannot be resolved" in str(err) or "outside" in str(err)
+    else:  # Python < 3.13 resolves a loop non-strictly to a path inside the root
+        assert resolved.is_relative_to(root)
+
+
+def test_the_weights_root_need_not_exist_and_is_compared_by_its_real_path(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert resolve_weights_root(tmp_path / "link") == (tmp_path / "real").resolve()
+    assert resolve_weights_root(tmp_path / "later") == (tmp_path / "later").resolve()
+    assert resolve_weights_root("~") == resolve_weights_root(os.path.expanduser("~"))
+
+
+def test_chat_media_urls_are_found_wherever_openai_puts_them():
+    body = {"messages": [
+        {"role": "system", "content": "plain text"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                     {"type": "image_url", "image_url": {"url": "data:a"}},
+                                     {"type": "image_url", "image_url": "file:///x"},
+                                     {"type": "video_url", "video_url": {"url": "http://h/v.mp4"}},
+                                     "junk", {"type": "image_url", "image_url": {"url": 5}}]},
+        "junk",
+    ]}
+    assert chat_media_urls(body) == [("messages[1].content[1].image_url", "data:a"),
+                                     ("messages[1].content[2].image_url", "file:///x"),
+                                     ("messages[1].content[3].video_url", "http://h/v.mp4")]
+    assert chat_media_urls([1]) == chat_media_urls({"messages": "x"}) == []
+
+
+def test_chat_media_urls_that_vllm_answers_with_a_5xx_are_refused():
+    strict = {"local_files": False, "remote": False}
+    check_chat_media_url(PNG, "p", **strict)
+    check_chat_media_url("data:", "p", **strict)  # vLLM answers this one with a 400 itself
+    check_chat_media_url("ftp://h/x.png", "p", **strict)  # so does it this one
+    for url, reason in [("data:image/png,abc", "only base64"), ("FILE:///etc/passwd", "no local files"),
+                        ("https://example.com/x.png", "no remote URLs")]:
+        with pytest.raises(RequestError, match=reason):
+            check_chat_media_url(url, "p", **strict)
+    check_chat_media_url("file:///data/x.png", "p", local_files=True, remote=False)  # vLLM checks its own root
+    check_chat_media_url("https://example.com/x.png", "p", local_files=False, remote=True)
