@@ -15,16 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from saccade.bench.kill import computed
 from saccade.metrics import read_metrics
 from saccade.trainer.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("kill_worker.py")
-# What a run computes, as opposed to how long it took, how much memory it held, and what this
-# process's image-embedding cache holds (it starts empty in a resumed process).
-NOT_COMPUTED = {"time", "tokens_per_s", "rss_mb", "peak_rss_mb", "cuda_peak_mb", "cache_hit_rate", "cache_evictions",
-                "cache_mb"}
 
 
 def _worker(*args: str, expect_killed: bool = False) -> None:
@@ -36,8 +33,9 @@ def _worker(*args: str, expect_killed: bool = False) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def computed(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in NOT_COMPUTED and not k.endswith("_s")} for r in records]
+def computed_figures(records: list[dict]) -> list[dict]:
+    """What the runs computed, not how long it took or what the process's cache held."""
+    return [computed(r) for r in records]
 
 
 def assert_same_run(run_dir: Path, straight_dir: Path) -> None:
@@ -49,7 +47,7 @@ def assert_same_run(run_dir: Path, straight_dir: Path) -> None:
     assert len(keys) == len(set(keys)), "a step logged twice"
     straight = read_metrics(straight_dir)
     assert keys == [(r["step"], r["phase"]) for r in straight]
-    for a, b in zip(computed(lines), computed(straight), strict=True):
+    for a, b in zip(computed_figures(lines), computed_figures(straight), strict=True):
         assert a.keys() == b.keys()
         for k in a:
             if isinstance(a[k], (int, float)) and isinstance(b[k], (int, float)):

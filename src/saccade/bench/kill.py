@@ -38,7 +38,7 @@ RUN_DEFAULTS = ["--model.path", "tiny-warm", "--engine.kind", "embedded", "--eva
                 "--checkpoint.every_steps", "1", "--checkpoint.keep_last", "2"]
 # Figures of how a process ran rather than what the run computed.
 NOT_COMPUTED = {"time", "tokens_per_s", "rss_mb", "peak_rss_mb", "cuda_peak_mb", "cache_hit_rate", "cache_evictions",
-                "cache_mb"}
+                "cache_mb", "cache_entries", "open_fds", "threads", "python_threads"}
 TOLERANCE = 1e-6  # absolute, on every computed figure: resumed runs are expected to be bit-identical
 STARTUP_SHARE = 0.25  # of the kills, those aimed at start-up rather than at a step under way
 
