@@ -472,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_kill.add_argument("config", nargs="?", default="configs/demo.toml", help="config (default configs/demo.toml)")
     bench_kill.add_argument("--kills", type=int, default=20, help="how many times to kill the run (default 20)")
-    bench_kill.add_argument("--steps", type=int, default=40, help="steps of each run (default 40)")
+    bench_kill.add_argument("--steps", type=int, default=60,
+                            help="steps of each run (default 60: a life makes about 2 steps before its kill)")
     bench_kill.add_argument("--seed", type=int, default=0, help="seed of the kill instants (default 0)")
     bench_kill.add_argument("--out", metavar="DIR", help="where the two runs are written (default: a temp folder)")
     bench_kill.add_argument("--json", metavar="PATH", help="write the figures as JSON")
