@@ -102,6 +102,13 @@ def soak_figures(rows: list[dict], warmup: int = WARMUP_STEPS) -> dict[str, Any]
     return figures
 
 
+def python_thread_names() -> list[str]:
+    """The live Python threads by name: what to look at when their count grows."""
+    import threading
+
+    return sorted(t.name for t in threading.enumerate())
+
+
 def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | None = None, *, steps: int = 500,
                    warmup: int = WARMUP_STEPS, out_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
     """Run `steps` RL steps of `config` from tiny-warm in this process and return `soak_figures`,
@@ -121,7 +128,7 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     if not any(o.startswith("--images.cache_bytes") for o in overrides):
         defaults += ["--images.cache_bytes", str(SOAK_CACHE_BYTES)]
     cfg = load_config(RunConfig, config, [*defaults, *overrides])
-    before = process_metrics()
+    before = {**process_metrics(), "python_thread_names": python_thread_names()}
     start = time.perf_counter()
     result = train_rl(cfg, run_dir=cfg.run_dir, progress=progress)
     wall = time.perf_counter() - start
@@ -129,7 +136,7 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     if close is not None:
         close()
     del result
-    after = process_metrics()
+    after = {**process_metrics(), "python_thread_names": python_thread_names()}
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     figures = soak_figures(rows, warmup)
     plots = plot_run(cfg.run_dir)
@@ -158,8 +165,9 @@ def format_soak_report(f: dict[str, Any]) -> str:
         f"  RSS MB: {trio('rss_mb')}; peak {f['peak_rss_mb_end']:.0f}",
         f"open file descriptors: {trio('open_fds')}: {mark[f['flat']['open_fds']]}",
         f"threads (OS): {trio('threads')}; Python threads: {trio('python_threads')}: {mark[f['flat']['threads']]}",
-        f"image-embedding cache: {trio('cache_entries')} entries; {trio('cache_mb', '{:.2f}')} MB; "
-        f"{f['cache_slope_mb_per_100_steps']:+.2f} MB per 100 steps after the warm-up",
+        f"image-embedding cache, entries: {trio('cache_entries')}",
+        f"  MB: {trio('cache_mb', '{:.2f}')}; {f['cache_slope_mb_per_100_steps']:+.2f} MB per 100 steps after "
+        f"the warm-up",
         "  over time (step: entries, MB, evictions): " + ", ".join(
             f"{c['step']}: {c['entries']:.0f}, {c['mb']:.2f}, {c['evictions'] or 0:.0f}" for c in f["cache_over_time"]),
     ]
@@ -167,7 +175,8 @@ def format_soak_report(f: dict[str, Any]) -> str:
         b, a = f["process_before"], f["process_after"]
         lines.append(f"this process before the run / after it: {b.get('open_fds', 0):.0f} / {a.get('open_fds', 0):.0f} "
                      f"descriptors, {b.get('threads', 0):.0f} / {a.get('threads', 0):.0f} threads, "
-                     f"{b['python_threads']:.0f} / {a['python_threads']:.0f} Python threads")
+                     f"{b['python_threads']:.0f} / {a['python_threads']:.0f} Python threads "
+                     f"({', '.join(a['python_thread_names'])})")
     if "cache_budget_mb" in f:
         lines.append(f"cache budget {f['cache_budget_mb']:g} MB; run folder {f['run_dir']}; RSS plot {f['plot']}")
     lines.append("soak OK: memory, descriptors and threads flat" if f["ok"] else "SOAK FAILED: something grows")
