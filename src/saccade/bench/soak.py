@@ -11,6 +11,10 @@ What is fitted: the RSS slope, least squares over the steps after the warm-up (t
 workspaces settle there), in MB per 100 steps. The bar is below 1 MB per 100 steps, with the
 descriptors and threads at the end no higher than at the end of the warm-up.
 
+Zero-variance groups are kept (`rollout.filter_zero_variance = false` unless given): once the
+demo has learned, the filter would drop every group and the steps would stop training, so the
+soak would watch the rollouts alone.
+
 The image cache is bounded (`images.cache_bytes`, 1 GiB by default) and grows until it is full:
 each shapes prompt is a new image, about 0.25 MB of embeddings per demo step on the tiny model,
 so the default budget takes thousands of steps to fill and its growth would read as a slope.
@@ -78,6 +82,7 @@ def soak_figures(rows: list[dict], warmup: int = WARMUP_STEPS) -> dict[str, Any]
 
     figures: dict[str, Any] = {
         "steps": len(rows),
+        "trained_steps": sum("loss" in r for r in rows),  # steps with something to train on
         "warmup_steps": warmup,
         "fitted_steps": [first_fitted, end["step"]],
         "rss_slope_mb_per_100_steps": per_100_steps(rows, "rss_mb", first_fitted),
@@ -91,7 +96,7 @@ def soak_figures(rows: list[dict], warmup: int = WARMUP_STEPS) -> dict[str, Any]
         "cache_mb": at("cache_mb"),
         "cache_over_time": [{"step": r["step"], "entries": r["cache_entries"], "mb": r["cache_mb"],
                              "evictions": r.get("cache_evictions")} for r in evenly_spaced(rows, CACHE_SAMPLES)],
-        "step_s_median": sorted(r["step_s"] for r in rows)[len(rows) // 2] if "step_s" in end else None,
+        "step_s_median": sorted(r["step_s"] for r in rows)[len(rows) // 2],
     }
     figures["flat"] = {
         "rss": figures["rss_slope_mb_per_100_steps"] < RSS_SLOPE_BAR_MB,
@@ -127,6 +132,10 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
                 "--trainer.steps", str(steps), "--log.dir", str(out / "run")]
     if not any(o.startswith("--images.cache_bytes") for o in overrides):
         defaults += ["--images.cache_bytes", str(SOAK_CACHE_BYTES)]
+    # Once the demo has learned, every group scores alike and the filter leaves nothing to train
+    # on: with it off, every step runs the whole path (zero advantages still forward and backward).
+    if not any(o.startswith("--rollout.filter_zero_variance") for o in overrides):
+        defaults += ["--rollout.filter_zero_variance", "false"]
     cfg = load_config(RunConfig, config, [*defaults, *overrides])
     before = {**process_metrics(), "python_thread_names": python_thread_names()}
     start = time.perf_counter()
@@ -158,8 +167,8 @@ def format_soak_report(f: dict[str, Any]) -> str:
     first, last = f["fitted_steps"]
     mark = {True: "flat", False: "GROWS"}
     lines = [
-        f"{f['steps']} steps ({f['warmup_steps']} of warm-up), median {f['step_s_median']:.2f} s/step"
-        if f.get("step_s_median") is not None else f"{f['steps']} steps ({f['warmup_steps']} of warm-up)",
+        f"{f['steps']} steps ({f['warmup_steps']} of warm-up, {f['trained_steps']} trained), median "
+        f"{f['step_s_median']:.2f} s/step",
         f"RSS slope, least squares over steps {first}-{last}: {f['rss_slope_mb_per_100_steps']:+.2f} MB per 100 steps "
         f"(bar < {RSS_SLOPE_BAR_MB:g}): {mark[f['flat']['rss']]}",
         f"  RSS MB: {trio('rss_mb')}; peak {f['peak_rss_mb_end']:.0f}",
