@@ -34,10 +34,10 @@ from saccade.metrics import read_metrics
 from saccade.rl import train_rl
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.json"
-# Wall-clock figures, the logger's own fields and the process's memory differ run to run (and
-# with whatever ran before in the same process); everything else must not.
+# Wall-clock figures, the logger's own fields and the process's memory, descriptors and threads
+# differ run to run (and with whatever ran before in the same process); everything else must not.
 TIMED = {"time", "elapsed_s", "rollout_s", "train_s", "weight_sync_s", "step_s", "tokens_per_s", "sample_s", "trainer_idle_s",
-         "rss_mb", "peak_rss_mb", "cuda_peak_mb"}
+         "rss_mb", "peak_rss_mb", "cuda_peak_mb", "open_fds", "threads", "python_threads"}
 # How the samples were laid out, not what was computed: shared prompts (trainer.share_prompts)
 # pack a step into fewer, shorter micro-batches with the same numerics.
 LAYOUT = {"micro_batches", "forward_tokens"}

@@ -36,7 +36,8 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id.txt"
 RESERVED_KEYS = ("step", "phase", "time", "elapsed_s")
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "ProgressBar", "format_step", "memory_metrics", "read_metrics", "to_scalar"]
+__all__ = ["METRICS_FILE", "MetricsLogger", "ProgressBar", "format_step", "memory_metrics", "process_metrics",
+           "read_metrics", "to_scalar"]
 
 
 def to_scalar(value: Any, key: str = "?") -> float | int | None:
@@ -504,6 +505,24 @@ def memory_metrics(device=None) -> dict[str, float]:
 
         out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+def process_metrics() -> dict[str, float]:
+    """What a long run could leak besides memory: this process's open file descriptors
+    (`open_fds`, entries of /proc/self/fd, the listing's own included), its OS threads (`threads`, /proc/self/status; torch's
+    and the libraries' pools included) and its Python threads (`python_threads`). The first two
+    are left out off Linux."""
+    import threading
+
+    out = {"python_threads": float(threading.active_count())}
+    threads = proc_status_kb("Threads")  # a count, not kB: the same "Name: value" line
+    if threads is not None:
+        out["threads"] = float(threads)
+    try:
+        out["open_fds"] = float(len(os.listdir("/proc/self/fd")))
+    except OSError:
+        pass
     return out
 
 

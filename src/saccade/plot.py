@@ -1,8 +1,8 @@
 """Training curves from a run's metrics.jsonl (written by `saccade.metrics.MetricsLogger`).
 
 `plot_run(run_dir)` writes one PNG per group of metrics that the run has (reward, accuracy,
-completion length, KL, train/inference mismatch, loss, entropy, gradient norm, episode outcomes)
-and an `overview.png` with all of them in a grid, into `run_dir/plots/` by default. Groups the run
+completion length, KL, train/inference mismatch, loss, entropy, gradient norm, episode outcomes,
+memory) and an `overview.png` with all of them in a grid, into `run_dir/plots/` by default. Groups the run
 has no metric for are skipped. Rendering uses matplotlib's Agg canvas directly (no pyplot, no display, no
 global backend change), so it is safe to call from a training process or a headless machine.
 
@@ -61,6 +61,8 @@ GROUPS: tuple[Group, ...] = (
     Group("grad_norm", "Gradient norm", "‖g‖", lambda b: "grad_norm" in b, log_scale=True),
     # Episode outcomes an environment reports in its last info (rl.final_info_means): seen, correct...
     Group("env", "Episodes (what the environment reports)", "mean over episodes", lambda b: b.startswith("env_")),
+    # What a long run must keep flat (`saccade bench soak`): the process's and the image cache's memory.
+    Group("memory", "Memory", "MB", lambda b: b in ("rss_mb", "peak_rss_mb", "cuda_peak_mb", "cache_mb")),
 )
 
 SeriesKey = tuple[str, str]  # (phase, metric key)

@@ -72,7 +72,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     from saccade.evaluation import evaluate
     from saccade.inference.engine import SamplingParams
     from saccade.inference.servers import NoServerError
-    from saccade.metrics import MetricsLogger, ProgressBar, format_step, memory_metrics
+    from saccade.metrics import MetricsLogger, ProgressBar, format_step, memory_metrics, process_metrics
     from saccade.orchestrator.rollout import score_groups
     from saccade.orchestrator.source import RolloutSource
     from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -208,14 +208,14 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                     rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync_s, step_s=step_s,
                     tokens_per_s=(train_metrics.get("train_tokens", 0.0) + batch.metrics["completion_tokens"]) / step_s,
                     cache_hit_rate=cache.stats.hit_rate, cache_evictions=float(cache.stats.evictions),
-                    cache_mb=cache.nbytes / 2**20,
+                    cache_mb=cache.nbytes / 2**20, cache_entries=float(len(cache)),
                     **lag_metrics(groups, step, max_lag),
                     stale_groups_dropped=float(len(groups) - len(fresh)),
                     # How the overlap went: seconds the trainer waited for rollouts, rollouts that
                     # were ready behind this step's, each server's seconds with nothing to do.
                     sample_s=rollouts.sample_s, trainer_idle_s=waited_s, rollout_queue_depth=float(queue_depth),
                     **{k: engine_now[k] - engine_before.get(k, 0.0) for k in STEP_COUNTERS if k in engine_now},
-                    **memory_metrics(setup.device),
+                    **memory_metrics(setup.device), **process_metrics(),
                 )
                 if "servers_alive" in engine_now:
                     metrics["servers_alive"] = engine_now["servers_alive"]

@@ -35,7 +35,8 @@ OVERRIDES = ["--trainer.steps", "4", "--trainer.max_tokens", "256", "--checkpoin
              "--eval.every_steps", "0"]
 # Figures that depend on the machine's clock and memory, or on how a step was laid out.
 NOT_COMPARED = {"time", "elapsed_s", "rollout_s", "train_s", "weight_sync_s", "step_s", "tokens_per_s", "sample_s", "trainer_idle_s",
-                "rss_mb", "peak_rss_mb", "cache_hit_rate", "cache_mb", "cache_evictions"}
+                "rss_mb", "peak_rss_mb", "cache_hit_rate", "cache_mb", "cache_evictions", "cache_entries",
+                "open_fds", "threads", "python_threads"}
 
 pytestmark = pytest.mark.slow
 
