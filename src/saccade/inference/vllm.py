@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 # refuses bodies over 64 MB by default); a batch's images go in as few requests as that allows.
 KEEPALIVE_EXPIRY_S = 2.0  # below the servers' 5 s keep-alive timeout (see VLLMEngine._http)
 ENCODE_CHUNK_BYTES = 8 * 2**20
+DATA_URL_MEMO_BYTES = 256 * 2**20  # the data URLs of multi-turn images kept for their next turn
 # ... and at most as many images as saccade serve takes in one request.
 ENCODE_CHUNK_IMAGES = MAX_IMAGES_PER_REQUEST
 
@@ -192,6 +193,7 @@ class VLLMEngine:
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self.stop_token_ids = stop_token_ids(self.tokenizer)
         self._urls_by_key: dict[str, str] = {}
+        self._urls_bytes = 0
         self.policy_version = 0
         self.health_interval_s = health_interval_s
         self.no_server_wait_s = no_server_wait_s
@@ -579,9 +581,13 @@ class VLLMEngine:
     def _data_url(self, key: str, image) -> str:
         url = self._urls_by_key.get(key)
         if url is None:
-            if len(self._urls_by_key) > 4096:  # a trajectory's images recur turn after turn, not forever
+            # A trajectory's images recur turn after turn, not forever: the memo is emptied once it
+            # holds DATA_URL_MEMO_BYTES (bounded by bytes: a count bound let large images hold GBs).
+            if self._urls_bytes > DATA_URL_MEMO_BYTES:
                 self._urls_by_key.clear()
+                self._urls_bytes = 0
             url = self._urls_by_key[key] = image_to_data_url(image)
+            self._urls_bytes += len(url)
         return url
 
     async def _complete_tokens(self, model: str, prompt: TokenPrompt, params: SamplingParams) -> list[Completion]:
