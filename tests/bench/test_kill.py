@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from saccade.bench.kill import compare_metrics, folder_after_kill, metrics_lines
+from saccade.bench.kill import compare_metrics, folder_after_kill, kills_inside_a_write, metrics_lines
 
 
 def _write(path, records, tail=b""):
@@ -40,3 +40,9 @@ def test_folder_after_kill_sees_a_half_written_checkpoint_and_a_torn_line(tmp_pa
     found = folder_after_kill(tmp_path)
     assert found == {"checkpoint_step": None, "half_written_folders": [".tmp-step_000003-12345"],
                      "torn_metrics_line": True}
+
+
+def test_a_half_written_folder_found_again_after_the_next_kill_counts_once():
+    events = [{"half_written_folders": []}, {"half_written_folders": [".tmp-step_000010-1"]},
+              {"half_written_folders": [".tmp-step_000010-1"]}, {"half_written_folders": [".tmp-step_000018-2"]}]
+    assert kills_inside_a_write(events) == 2
