@@ -239,7 +239,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
     if args.dry_run:
         return 0
-    from saccade.distributed import close_world, init_world
+    from saccade.distributed import close_world, exit_rank, init_world
     from saccade.rl import train_rl
     from saccade.setup import resolve_device
 
@@ -251,6 +251,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
         close_world(world)
     if world.is_main:
         print(f"done: {result['step']} steps on {world.size} rank(s); metrics in {cfg.run_dir / 'metrics.jsonl'}")
+    if world.sharded:
+        exit_rank(0)  # see exit_rank: a finished rank must not abort in the interpreter's teardown
     return 0
 
 

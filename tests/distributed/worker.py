@@ -34,7 +34,7 @@ def main() -> None:
 
     import saccade.orchestrator.rollout as rollout
     from saccade.config import RunConfig, load_config
-    from saccade.distributed import close_world, init_world
+    from saccade.distributed import close_world, exit_rank, init_world
     from saccade.rl import train_rl
 
     torch.set_num_threads(1)  # two ranks share this machine's two cores
@@ -67,6 +67,7 @@ def main() -> None:
 
             save_file(weights, args.weights)
     close_world(world)
+    exit_rank(0)  # as `saccade rl` does under torchrun: no gloo abort in the interpreter's teardown
 
 
 def trainable_weights(model) -> dict[str, torch.Tensor]:

@@ -187,7 +187,7 @@ def run_job(job: dict, world) -> dict:
 
 def main(jobs_file: str) -> None:
     torch.set_num_threads(1)
-    from saccade.distributed import close_world, init_world
+    from saccade.distributed import close_world, exit_rank, init_world
 
     world = init_world("cpu")
     try:
@@ -195,6 +195,8 @@ def main(jobs_file: str) -> None:
             run_job(job, world)
     finally:
         close_world(world)
+    if world.sharded:
+        exit_rank(0)  # as `saccade rl` does under torchrun: no gloo abort in the interpreter's teardown
 
 
 if __name__ == "__main__":

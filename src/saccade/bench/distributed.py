@@ -153,7 +153,7 @@ def _sync(device: torch.device) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     from saccade.config import LossConfig, LoraConfig
-    from saccade.distributed import all_gather, barrier, close_world, init_world, shard_model, unsharded
+    from saccade.distributed import all_gather, barrier, close_world, exit_rank, init_world, shard_model, unsharded
     from saccade.metrics import proc_status_kb
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
     from saccade.models.tiny import resolve_model
@@ -238,6 +238,7 @@ def worker(args: argparse.Namespace) -> None:
             "parameters": sum(p.numel() for p in unwrap_policy(model).parameters()),
         }))
     close_world(world)
+    exit_rank(0)  # see saccade.distributed.exit_rank
 
 
 def main(argv: list[str] | None = None) -> None:
