@@ -24,9 +24,11 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("kill_worker.py")
 
 
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+
 def _worker(*args: str, expect_killed: bool = False) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(WORKER), *args], env=ENV, capture_output=True, text=True, timeout=600)
     if expect_killed:
         assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])
     else:
@@ -135,8 +137,7 @@ except CheckpointWriteError as e:
     sys.exit(3)
 """
     # train_rl imports save_checkpoint inside the function, from the module: the patch is seen.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 3, proc.stderr[-3000:]
     message = proc.stdout.split("STOPPED:", 1)[1]
     assert "step 4" in message and "step_000002" in message and "is intact" in message and "--resume" in message

@@ -116,17 +116,22 @@ def compare_weights(killed_dir: Path, straight_dir: Path) -> dict[str, Any]:
             "weights_files": [str(f) for f in files]}
 
 
+def checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run's newest complete checkpoint, or None."""
+    from saccade.trainer.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    return None if latest is None else int(latest.name.split("_")[-1])
+
+
 def logged_a_step(run_dir: Path, *, since: float) -> bool:
     """Whether a life started at `since` (wall clock) has logged a step of its own: metrics.jsonl
     written since then, and past the checkpoint it resumed from (a resume first drops the lines
     after that checkpoint, which the killed life had logged)."""
-    from saccade.trainer.checkpoint import latest_checkpoint
-
     path = run_dir / "metrics.jsonl"
     if not path.exists() or path.stat().st_mtime < since:
         return False
-    latest = latest_checkpoint(run_dir)
-    return newest_step(run_dir) > (0 if latest is None else int(latest.name.split("_")[-1]))
+    return newest_step(run_dir) > (checkpoint_step(run_dir) or 0)
 
 
 def newest_step(run_dir: Path) -> int:
@@ -147,14 +152,11 @@ def newest_step(run_dir: Path) -> int:
 
 def folder_after_kill(run_dir: Path) -> dict[str, Any]:
     """What the next life finds: its newest complete checkpoint, half-written folders, a torn line."""
-    from saccade.trainer.checkpoint import latest_checkpoint
-
-    latest = latest_checkpoint(run_dir)
     tmp = [p.name for sub in (run_dir / "checkpoints", run_dir / "engine-weights") if sub.is_dir()
            for p in sub.iterdir() if p.name.startswith(".tmp-")]
     path = run_dir / "metrics.jsonl"
     torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-    return {"checkpoint_step": None if latest is None else int(latest.name.split("_")[-1]),
+    return {"checkpoint_step": checkpoint_step(run_dir),
             "half_written_folders": tmp, "torn_metrics_line": torn}
 
 
