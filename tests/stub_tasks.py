@@ -24,22 +24,22 @@ class ScoredQuestionEnv(QuestionEnv):
     """A question whose answer is scored by `score_fn(text, sample) -> reward`; `correct` is
     reward > 0.5."""
 
-    def __init__(self, score_fn: Callable[[str, object], float]):
-        super().__init__({"correct": 1.0})
+    def __init__(self, rewards, score_fn: Callable[[str, object], float]):
+        super().__init__(rewards)
         self.score_fn = score_fn
 
-    def score(self, text: str) -> tuple[float, dict[str, float]]:
+    async def score(self, text: str) -> tuple[float, dict[str, float]]:
         value = float(self.score_fn(text, self.sample))
         return value, {"correct": float(value > 0.5)}
 
 
 class ScoredQuestionTask(QuestionTask):
     def __init__(self, task: QuestionTask, score_fn: Callable[[str, object], float]):
-        super().__init__(task.questions, task.reward_weights)
+        super().__init__(task.questions, task.rewards)
         self.score_fn = score_fn
 
     def make_env(self) -> ScoredQuestionEnv:
-        return ScoredQuestionEnv(self.score_fn)
+        return ScoredQuestionEnv(self.rewards, self.score_fn)
 
 
 def scored_task(cfg, score_fn: Callable[[str, object], float] = lambda text, sample: hash_reward(text)):

@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "CheckpointConfig",
@@ -103,6 +103,8 @@ class Section(BaseModel):
 PRESET_NAMES = ("tiny", "small", "qwen3vl-2b")
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES_QUESTION_KINDS = ["color", "shape", "count"]
+# data.task's built-in names; a user's task is "verifiers:ENV_ID" or "package.module:make_task".
+BUILTIN_TASKS = ("shapes", "views", "openmmreasoner", "mathvista", "geometry3k", "dataset")
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
@@ -257,8 +259,26 @@ class RolloutConfig(Section):
     reward_weights: dict[str, float] = Field(
         default_factory=lambda: {"correct": 1.0},
         min_length=1,
-        description="weight of each reward function in the total reward, by name",
+        description="weight of each reward function in the total reward: a built-in by name (correct, format, "
+        "boxed_format) or your own as 'package.module:function', called as fn(completion, *, sample, messages) "
+        "and returning a float or a dict of named parts (summed; each logged as reward_<name>_<part>); "
+        "docs/rewards.md. Checked when the config loads (your module is imported then)",
     )
+    reward_timeout_s: float = Field(
+        60.0, gt=0, le=86400,
+        description="the most seconds one reward function may take on one answer (async ones, and your sync "
+        "ones, which run on worker threads); past it the answer scores 0 there, counted in reward_timeouts",
+    )
+
+    @field_validator("reward_weights")
+    @classmethod
+    def _known_reward_functions(cls, weights: dict[str, float]) -> dict[str, float]:
+        # Resolving them imports a user's module now, so --dry-run catches a bad name before
+        # any model is built. saccade.scoring imports no torch.
+        from saccade.scoring import reward_functions
+
+        reward_functions(weights)
+        return weights
 
 
 class LossConfig(Section):
@@ -349,11 +369,19 @@ class DataConfig(Section):
     Data sets (`saccade.data.datasets`) are read through Hugging Face `datasets` from a hub id
     or a local copy; every unset field below takes the task's default."""
 
-    task: Literal["shapes", "views", "openmmreasoner", "mathvista", "geometry3k"] = Field(
+    task: str = Field(
         "shapes",
+        min_length=1,
         description="'shapes': synthetic shapes, answer by choice; 'views': multi-turn view selection "
         "(see [env]); 'openmmreasoner': OpenMMReasoner-RL-74K "
-        "(training); 'mathvista': MathVista testmini (evaluation); 'geometry3k': Geometry3K",
+        "(training); 'mathvista': MathVista testmini (evaluation); 'geometry3k': Geometry3K; 'dataset': a data "
+        "set of your own; 'verifiers:ENV_ID': a verifiers environment (load_environment(ENV_ID, **task_args)); "
+        "'package.module:make_task': your own Task, make_task(cfg) (docs/rewards.md)",
+    )
+    task_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments for a 'verifiers:ENV_ID' task's load_environment; a "
+        "'package.module:make_task' task may read them from cfg.data.task_args",
     )
     eval_size: int = Field(
         64, ge=0, description="held-out evaluation prompts; data sets: the first this many rows of the eval split"
@@ -394,6 +422,31 @@ class DataConfig(Section):
         description="data sets: stop the run when more than this share of the last 200 rows read were skipped "
         "as broken (each skipped row is listed in <run_dir>/skipped.jsonl; saccade.data.rows)",
     )
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, task: str) -> str:
+        # A user's make_task module is imported now and a verifiers env's module looked up
+        # (not imported), so --dry-run catches a bad name before any model is built.
+        from saccade.plugins import VERIFIERS_PREFIX, check_verifiers_env, is_import_path, load_callable
+
+        if task.startswith(VERIFIERS_PREFIX):
+            check_verifiers_env(task[len(VERIFIERS_PREFIX):])
+        elif is_import_path(task):
+            load_callable(task)
+        elif task not in BUILTIN_TASKS:
+            close = difflib.get_close_matches(task, BUILTIN_TASKS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"unknown task {task!r}; {hint}built-in: {', '.join(BUILTIN_TASKS)}; or "
+                             "'verifiers:ENV_ID', or your own as 'package.module:make_task'")
+        return task
+
+    @model_validator(mode="after")
+    def _task_args_read(self) -> DataConfig:
+        if self.task_args and self.task in BUILTIN_TASKS:
+            raise ValueError(f"task_args are read only by 'verifiers:ENV_ID' and 'package.module:make_task' "
+                             f"tasks, not by {self.task!r}: remove them")
+        return self
 
     @model_validator(mode="after")
     def _shapes_kinds(self) -> DataConfig:
@@ -446,9 +499,12 @@ VIEW_COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
 
 
 class EnvConfig(Section):
-    """Multi-turn episodes (data.task = "views"): turns, rewards, and what the loss trains on."""
+    """Multi-turn episodes (data.task = "views", a verifiers env): turns, rewards, and what the loss trains on."""
 
-    max_turns: int = Field(3, ge=1, le=64, description="assistant turns per episode at most")
+    max_turns: int = Field(
+        3, ge=1, le=64,
+        description="assistant turns per episode at most (a verifiers env: caps the env's own max_turns)",
+    )
     turn_cost: float = Field(0.0, ge=0, le=1, description="reward subtracted per extra turn taken")
     places: list[str] = Field(
         default_factory=lambda: list(VIEW_PLACES), min_length=1,
@@ -471,6 +527,11 @@ class EnvConfig(Section):
     loss_markers: list[str] = Field(
         default_factory=lambda: ["[ACTION]", "[/ACTION]"], min_length=2, max_length=2,
         description="the open and close markers for loss_on = 'markers'",
+    )
+    correct_metric: str | None = Field(
+        None, min_length=1,
+        description="verifiers environments: the rubric function whose score counts as success (accuracy "
+        "metrics); unset: accuracy stays 0 and the rubric's scores are logged as env_<function>",
     )
     check_consistency: Literal["first", "always", "never"] = Field(
         "first", description="compare the engine's inputs with the training samples on the first step, every step, or never"

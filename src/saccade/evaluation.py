@@ -41,7 +41,7 @@ def evaluate(setup, task, samples: list, *, max_tokens: int, env: EnvConfig | No
     held-out rows that could not be used (`samples.skipped`, saccade.data.rows) are not
     scored: `skipped` counts them."""
     from saccade.inference.engine import SamplingParams
-    from saccade.orchestrator.rollout import final_info_means, sample_groups
+    from saccade.orchestrator.rollout import final_info_means, reward_metrics, sample_groups
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1)
     groups = sample_groups(setup.engine, task, samples, greedy, merge=setup.merge, continuation=setup.continuation,
@@ -50,7 +50,7 @@ def evaluate(setup, task, samples: list, *, max_tokens: int, env: EnvConfig | No
     skipped = {"skipped": float(len(samples.skipped))} if hasattr(samples, "skipped") else {}
     return {"accuracy": float(np.mean([r.correct for r in rollouts])), "n": len(rollouts),
             "turns": float(np.mean([r.turns for r in rollouts])), **skipped,
-            **final_info_means([r.info for r in rollouts])}
+            **final_info_means([r.info for r in rollouts]), **reward_metrics([r.info for r in rollouts])}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -148,7 +148,7 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         "n": len(rows),  # the rows scored; accuracy is over these, the skipped ones apart
         "accuracy": float(np.mean([r["correct"] for r in rows])),
         "task": cfg.data.task,
-        "by_category": by_category(rows, CATEGORY_FIELDS[cfg.data.task]),
+        "by_category": by_category(rows, CATEGORY_FIELDS.get(cfg.data.task, ())),
         "skipped": {reason: n for reason, n in Counter(r["reason"] for r in skipped).items()},
         "skipped_rows": skipped,
     }

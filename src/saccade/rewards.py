@@ -17,7 +17,10 @@ nearest option by edit distance: as a reward that would pay for unrelated text.
 Reward functions take ``(completion, sample)``, where ``sample`` is a
 :class:`saccade.data.shapes.VQASample` or a mapping with the same field names (``answer``,
 ``choices``, ``answer_type``, optional ``precision`` or ``metadata["precision"]``), and
-return a float. :data:`REWARD_FUNCTIONS` names them for configuration files.
+return a float. :data:`REWARD_FUNCTIONS` names them for configuration files
+(``rollout.reward_weights``), beside a user's own functions given as import paths;
+:mod:`saccade.scoring` calls them all (``fn(completion, sample=..., messages=...)``, each
+with the keywords it names: docs/rewards.md).
 """
 
 from __future__ import annotations
@@ -360,13 +363,14 @@ def correct_reward(completion: str, sample: Any) -> float:
     )
 
 
-def format_reward(completion: str, choices: Sequence[str] | Any | None) -> float:
+def format_reward(completion: str, sample: Sequence[str] | Any | None) -> float:
     """1.0 when the final answer is exactly one of the choices (text or letter), else 0.0.
 
-    ``choices`` may be the option list or a sample carrying one (so that every entry of
-    :data:`REWARD_FUNCTIONS` is called as ``fn(completion, sample)``). Without choices,
+    ``sample`` is a sample carrying the option list (every entry of :data:`REWARD_FUNCTIONS`
+    is called as ``fn(completion, sample=...)``), or the option list itself. Without choices,
     any non-empty final answer is well formed.
     """
+    choices = sample
     if choices is not None and not isinstance(choices, list | tuple):
         choices = _field(choices, "choices")
     predicted = extract_answer(completion)

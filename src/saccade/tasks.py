@@ -11,19 +11,27 @@ Every task offers the same members (the `Task` protocol), whatever it is:
 
 Single-turn questions (the synthetic shapes, a data set) are `QuestionTask`: its
 environment's reset gives the question's messages and its step scores the one answer with
-the weighted reward functions (`reward_of`). The views environment and a verifiers env are
-multi-turn tasks of their own. The rollout path (`saccade.orchestrator.rollout`) reads only
-these members; it never asks what kind of task it holds.
+the weighted reward functions (`saccade.scoring.Rewards`). The views environment and a
+verifiers env are multi-turn tasks of their own. The rollout path
+(`saccade.orchestrator.rollout`) reads only these members; it never asks what kind of task
+it holds.
+
+`data.task` picks the task (`task_from_config`): a built-in name; "verifiers:ENV_ID", a
+verifiers environment loaded by verifiers' own `load_environment(ENV_ID, **data.task_args)`
+and run through `saccade.envs.verifiers_env`; or "package.module:make_task", a user's
+function called as `make_task(cfg)` with the whole `RunConfig` that returns a `Task`
+(docs/rewards.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from saccade.config import RunConfig
 from saccade.envs.base import Environment, Message, StepResult, message_text
+from saccade.plugins import VERIFIERS_PREFIX, is_import_path, load_callable
+from saccade.scoring import Rewards
 
 # Held-out prompts come from another seed's stream than the training prompts.
 EVAL_SEED_OFFSET = 10_000
@@ -53,57 +61,46 @@ class QuestionSource(Protocol):
     def eval_samples(self, n: int) -> list[Any]: ...
 
 
-def reward_of(text: str, sample: Any, weights: Mapping[str, float]) -> tuple[float, dict[str, float]]:
-    """The weighted total of the named reward functions (`saccade.rewards.REWARD_FUNCTIONS`) on one
-    answer, and each function's own value."""
-    from saccade.rewards import REWARD_FUNCTIONS
-
-    parts = {}
-    for name in weights:
-        if name not in REWARD_FUNCTIONS:
-            raise ValueError(f"unknown reward function {name!r} in rollout.reward_weights; "
-                             f"known: {', '.join(REWARD_FUNCTIONS)}")
-        parts[name] = float(REWARD_FUNCTIONS[name](text, sample))
-    return sum(weights[n] * v for n, v in parts.items()), parts
-
-
 class QuestionEnv:
     """One visual question: reset gives its messages (images first, then the question and its
-    options), step scores the answer. The info holds each reward function's value, and
-    `correct` always (the accuracy metrics read it), weighted or not."""
+    options), step scores the answer with the run's reward functions (`saccade.scoring.Rewards`:
+    async ones concurrently with the other answers of the step). The info holds `correct`
+    always (the accuracy metrics read it), weighted or not, and each function's value and
+    parts as reward_<name>[_<part>] (the step's reward_* metrics)."""
 
     max_turns = 1
 
-    def __init__(self, reward_weights: Mapping[str, float]):
-        self.reward_weights = dict(reward_weights)
+    def __init__(self, rewards: Rewards):
+        self.rewards = rewards
         self.sample = None
+        self.messages: list[Message] = []
 
     def reset(self, sample: Any) -> list[Message]:
         from saccade.data.shapes import to_messages
 
         self.sample = sample
-        return to_messages(sample)
+        self.messages = to_messages(sample)
+        return self.messages
 
-    def step(self, assistant_message: Message) -> StepResult:
-        text = message_text(assistant_message)
-        total, parts = self.score(text)
-        return StepResult([], total, True, parts)
+    async def step(self, assistant_message: Message) -> StepResult:
+        total, info = await self.score(message_text(assistant_message))
+        return StepResult([], total, True, info)
 
-    def score(self, text: str) -> tuple[float, dict[str, float]]:
+    async def score(self, text: str) -> tuple[float, dict[str, Any]]:
         from saccade.rewards import correct_reward
 
-        total, parts = reward_of(text, self.sample, self.reward_weights)
-        if "correct" not in parts:
-            parts["correct"] = float(correct_reward(text, self.sample))
-        return total, parts
+        total, values = await self.rewards.score(text, sample=self.sample, messages=self.messages)
+        correct = values["reward_correct"] if "correct" in self.rewards.weights else \
+            float(correct_reward(text, self.sample))
+        return total, {"correct": correct, "rewards": values}
 
 
 @dataclass
 class QuestionTask:
-    """Single-turn visual questions from `questions`, each answer scored by `reward_weights`."""
+    """Single-turn visual questions from `questions`, each answer scored by `rewards`."""
 
     questions: QuestionSource
-    reward_weights: dict[str, float] = field(default_factory=lambda: {"correct": 1.0})
+    rewards: Rewards = field(default_factory=lambda: Rewards({"correct": 1.0}))
     max_turns: int = 1
 
     def train_sample(self, position: int, *, seed: int) -> Any:
@@ -113,13 +110,33 @@ class QuestionTask:
         return self.questions.eval_samples(n)
 
     def make_env(self) -> QuestionEnv:
-        return QuestionEnv(self.reward_weights)
+        return QuestionEnv(self.rewards)
+
+
+def rewards_from_config(cfg: RunConfig) -> Rewards:
+    """The run's weighted reward functions (`rollout.reward_weights`, `rollout.reward_timeout_s`):
+    what a user's own single-turn task passes to `QuestionTask` to score like the built-ins."""
+    return Rewards(cfg.rollout.reward_weights, timeout_s=cfg.rollout.reward_timeout_s)
 
 
 def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task:
-    """The run's task: shapes questions, a data set's (splits opened on first use), or the views
-    environment. `blank` overrides data.blank_images (the demo's control)."""
+    """The run's task: shapes questions, a data set's (splits opened on first use), the views
+    environment, a verifiers environment, or a user's own (`make_task(cfg)`). `blank`
+    overrides data.blank_images (the demo's control) for the built-in question tasks."""
     d = cfg.data
+    if d.task.startswith(VERIFIERS_PREFIX):
+        from saccade.envs.verifiers_env import VerifiersTask, load_verifiers_env
+
+        env = load_verifiers_env(d.task[len(VERIFIERS_PREFIX):], d.task_args)
+        # saccade bounds every episode: env.max_turns caps the env's own max_turns.
+        return VerifiersTask(env, max_turns=cfg.env.max_turns, correct_metric=cfg.env.correct_metric)
+    if is_import_path(d.task):
+        task = load_callable(d.task, field="data.task")(cfg)
+        missing = [m for m in ("max_turns", "train_sample", "eval_samples", "make_env") if not hasattr(task, m)]
+        if missing:
+            raise ValueError(f"data.task: {d.task!r} returned a {type(task).__name__}, which lacks "
+                             f"{', '.join(missing)}: make_task(cfg) must return a Task (saccade.tasks.Task)")
+        return task
     blank_images = d.blank_images if blank is None else blank
     eval_seed = cfg.trainer.seed + EVAL_SEED_OFFSET
     if d.task == "views":
@@ -144,4 +161,4 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task:
             d.task, dataset=d.dataset, split=d.split, subsets=d.subsets, eval_dataset=d.eval_dataset,
             eval_split=d.eval_split, eval_subsets=d.eval_subsets, blank_images=blank_images, limits=cfg.images,
         )
-    return QuestionTask(questions, dict(cfg.rollout.reward_weights))
+    return QuestionTask(questions, rewards_from_config(cfg))

@@ -40,6 +40,21 @@ def import_verifiers():
     return verifiers
 
 
+def load_verifiers_env(env_id: str, args: dict[str, Any] | None = None):
+    """The environment verifiers' own `load_environment(env_id, **args)` builds (it imports the
+    module named like the id, '-' as '_', and calls its `load_environment`). What `data.task =
+    "verifiers:ENV_ID"` runs, with `data.task_args` as the keyword arguments.
+
+    Building a verifiers Environment installs its own SIGINT and SIGTERM handlers (teardown,
+    then KeyboardInterrupt or exit 143)."""
+    vf = import_verifiers()
+    env = vf.load_environment(env_id, **(args or {}))
+    if not isinstance(env, vf.MultiTurnEnv):
+        raise ValueError(f"data.task: verifiers environment {env_id!r} is a {type(env).__name__}; saccade runs "
+                         "verifiers MultiTurnEnv environments (SingleTurnEnv, ToolEnv, ... are ones)")
+    return env
+
+
 @dataclass
 class VerifiersSample:
     """One row of a verifiers dataset (prompt or question, answer, info, task, example_id)."""

@@ -174,7 +174,8 @@ def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> Rollout
 
 def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_G: torch.Tensor) -> dict[str, float]:
     """Rewards, accuracy, lengths, turns, images and how many groups were kept; plus the mean of
-    every number the environments reported at their last step, as env_<key>."""
+    every number the environments reported at their last step, as env_<key>, and the reward
+    functions' values, parts and failures (reward_<name>, reward_errors, ...)."""
     flat = [r for group in groups for r in group]
     lengths = torch.tensor([r.completion_tokens for r in flat], dtype=torch.float32)
     return {
@@ -191,6 +192,7 @@ def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_
         "images_mean": float(np.mean([r.sample.num_images for r in flat])),
         "episode_tokens_mean": float(np.mean([r.sample.num_tokens for r in flat])),
         **final_info_means([r.info for r in flat]),
+        **reward_metrics([r.info for r in flat]),
     }
 
 
@@ -203,3 +205,20 @@ def final_info_means(infos: list[dict[str, Any]]) -> dict[str, float]:
             if isinstance(value, (bool, int, float)):
                 values.setdefault(f"env_{key}", []).append(float(value))
     return {key: float(np.mean(v)) for key, v in sorted(values.items())}
+
+
+# Counts, summed over the step's answers; every other reward_* value is a mean.
+REWARD_COUNTS = ("reward_errors", "reward_timeouts")
+
+
+def reward_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """What the reward functions said about the answers (`saccade.scoring.Rewards`, in each
+    info's "rewards"): reward_<name> and reward_<name>_<part>, means over the answers that
+    report them (a function that failed on an answer reports no parts there);
+    reward_errors and reward_timeouts, the step's failed calls. Empty for tasks scored
+    otherwise (views, verifiers: their scores are env_<key>)."""
+    values: dict[str, list[float]] = {}
+    for info in infos:
+        for key, value in (info.get("rewards") or {}).items():
+            values.setdefault(key, []).append(float(value))
+    return {key: float(np.sum(v) if key in REWARD_COUNTS else np.mean(v)) for key, v in sorted(values.items())}
