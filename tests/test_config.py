@@ -134,10 +134,10 @@ def test_overrides_of_each_type(tmp_path):
 def test_override_null_and_whole_dict(tmp_path):
     path = write(tmp_path, '[loss]\ntis_cap = 2.0\n[data]\ndataset = "some/dataset"\n')
     cfg = load_config(
-        RunConfig, path, ["--loss.tis_cap", "null", "--data.dataset=null", "--rollout.reward_weights", '{"f": 2}']
+        RunConfig, path, ["--loss.tis_cap", "null", "--data.dataset=null", "--rollout.reward_weights", '{"format": 2}']
     )
     assert cfg.loss.tis_cap is None and cfg.data.dataset is None
-    assert cfg.rollout.reward_weights == {"f": 2.0}
+    assert cfg.rollout.reward_weights == {"format": 2.0}
 
 
 def test_negative_number_is_a_value_not_an_option():
@@ -263,7 +263,7 @@ def test_config_to_toml_round_trip(tmp_path):
             "--trainer.lr=1.5e-5",
             "--loss.tis_cap=2.5",
             "--data.dataset", 'some/ds "quoted" \\ ü',
-            "--rollout.reward_weights", '{"correct": 1, "odd key": 0.1}',
+            "--rollout.reward_weights", '{"correct": 1, "saccade.rewards:format_reward": 0.1}',
             "--engine.kind=vllm", "--engine.urls", '["http://a:1", "http://b:2"]',
             "--trainer.torch_threads=2",
         ],
