@@ -186,6 +186,54 @@ def test_bfloat16_on_the_cpu_trains_and_logs_its_mismatch(tmp_path):
     assert all(r["peak_rss_mb"] >= r["rss_mb"] > 0 for r in rows)
 
 
+USER_REWARDS = """
+import asyncio
+
+
+def shaped(completion, *, sample, messages):
+    assert messages[0]["content"][0]["type"] == "image"  # the prompt, its image first
+    return {"short": float(len(completion) < 12), "letters": sum(c.isalpha() for c in completion) / 16}
+
+
+def broken(completion, sample):
+    raise RuntimeError("the judge is down")
+
+
+async def slow_judge(completion, *, sample):
+    if len(completion) % 2 == 0:  # never answers on these: they time out
+        await asyncio.sleep(3600)
+    return 1.0
+"""
+
+
+def test_user_rewards_named_in_the_config_train_and_are_logged_by_part(tmp_path, monkeypatch, caplog):
+    """The task from the config alone: a user's module (a real file on sys.path) named by import
+    path, a dict reward logged part by part, a raising reward counted but not fatal (its
+    traceback logged once), an async one that times out on some answers."""
+    import logging
+
+    (tmp_path / "rl_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    weights = '{"rl_rewards:shaped": 1.0, "rl_rewards:broken": 1.0, "rl_rewards:slow_judge": 0.5}'
+    cfg = _config(tmp_path, "user", "--trainer.steps", "2", "--checkpoint.every_steps", "0", "--eval.every_steps",
+                  "0", "--rollout.reward_weights", weights, "--rollout.reward_timeout_s", "0.2")
+    with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
+        assert train_rl(cfg, run_dir=cfg.run_dir, progress=False)["step"] == 2  # the run goes on
+    rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    answers = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    assert len(rows) == 2
+    for r in rows:
+        assert r["reward_shaped"] == pytest.approx(r["reward_shaped_short"] + r["reward_shaped_letters"])
+        assert r["reward_errors"] == answers and r["reward_broken"] == 0.0  # every answer, scored 0
+        assert r["reward_timeouts"] == pytest.approx(answers * (1 - r["reward_slow_judge"]))
+        assert r["reward_mean"] == pytest.approx(r["reward_shaped"] + 0.5 * r["reward_slow_judge"], abs=1e-6)
+        assert "loss" in r
+    assert sum(r["reward_timeouts"] for r in rows) > 0 and sum(r["reward_shaped_letters"] for r in rows) > 0
+    failures = [rec for rec in caplog.records if "rl_rewards:broken" in rec.getMessage()]
+    assert len(failures) == 1 and "the judge is down" in str(failures[0].exc_info[1])  # once, with its traceback
+    assert len([rec for rec in caplog.records if "rl_rewards:slow_judge" in rec.getMessage()]) == 1
+
+
 def test_lag_metrics_are_a_histogram_with_fixed_keys():
     from types import SimpleNamespace
 
