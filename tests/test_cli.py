@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,6 +29,34 @@ def test_unknown_command_is_a_clear_error():
     out = run_cli("frobnicate")
     assert out.returncode == 2
     assert "invalid choice" in out.stderr
+
+
+def test_dry_run_refuses_bad_reward_and_task_names_without_torch(tmp_path):
+    """`saccade rl --dry-run` resolves a user's reward functions and task (importing their module)
+    and refuses bad names, all before torch is imported, let alone a model built."""
+    (tmp_path / "my_rewards.py").write_text("def brevity(completion):\n    return float(len(completion) < 20)\n")
+    script = (
+        "import sys; from saccade.cli import main; rc = main(sys.argv[1:]); "
+        "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)"
+    )
+
+    def dry_run(*overrides):
+        return subprocess.run([sys.executable, "-c", script, "rl", "--dry-run", *overrides], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+
+    good = dry_run("--rollout.reward_weights", '{"correct": 1, "my_rewards:brevity": 0.1}')
+    assert good.returncode == 0, good.stderr
+    assert '"my_rewards:brevity" = 0.1' in good.stdout and good.stdout.rstrip().endswith("no torch")
+    for override, message in [
+        (["--rollout.reward_weights", '{"my_rewards:brevty": 1}'], "'my_rewards' has no attribute 'brevty'; "
+                                                                  "it has brevity"),
+        (["--data.task", "my_rewards:make_task"], "--data.task: 'my_rewards:make_task': 'my_rewards' has no "
+                                                   "attribute 'make_task'"),
+        (["--data.task", "verifiers:no-such-env"], "no module 'no_such_env'"),
+    ]:
+        bad = dry_run(*override)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        assert bad.stdout.rstrip() == "no torch"
 
 
 @pytest.mark.slow

@@ -133,10 +133,12 @@ def test_a_run_with_no_signal_left_says_so(tmp_path, monkeypatch):
     import saccade.rl as rl
 
     monkeypatch.setattr(rl, "STALL_STEPS", 2)
+    # Weight 0: every answer scores 0, so no group ever has reward variance.
     cfg = _config(tmp_path, "stalled", "--trainer.steps", "3", "--rollout.filter_zero_variance", "true",
-                  "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
+                  "--checkpoint.every_steps", "0", "--eval.every_steps", "0", "--rollout.reward_weights",
+                  '{"format": 0.0}')
     with pytest.warns(RuntimeWarning, match="no group has had reward variance for 2 steps") as caught:
-        train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg, lambda text, sample: 0.0), progress=False)
+        train_rl(cfg, run_dir=cfg.run_dir, progress=False)
     stalls = [str(w.message) for w in caught if "reward variance" in str(w.message)]
     assert len(stalls) == 1  # once, not every step
     assert str(cfg.run_dir / "metrics.jsonl") in stalls[0]

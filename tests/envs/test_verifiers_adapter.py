@@ -273,3 +273,66 @@ def test_missing_verifiers_gives_an_install_hint(monkeypatch, vf_env):
     monkeypatch.setitem(sys.modules, "verifiers", v1_only)
     with pytest.raises(ImportError, match="classic MultiTurnEnv API.*0.4.0"):
         module.VerifiersEnv(vf_env)
+
+
+VERIFIERS_ENV_MODULE = """
+import verifiers as vf
+from datasets import Dataset
+
+from saccade.data.images import image_to_data_url
+from saccade.parity import synthetic_image
+
+COLORS = ("red", "green", "blue")
+
+
+def picture(seed):
+    return {"type": "image_url", "image_url": {"url": image_to_data_url(synthetic_image(64, 64, seed))}}
+
+
+class LookTwice(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kwargs):
+        return [{"role": "user", "content": [picture(100 + len(state["trajectory"])),
+                                             {"type": "text", "text": "Look again."}]}]
+
+
+def correct(completion, answer) -> float:
+    return float(answer in completion[-1]["content"])
+
+
+def load_environment(rows: int = 3, max_turns: int = 2):
+    data = [{"prompt": [{"role": "user", "content": [picture(i), {"type": "text", "text": "Which color?"}]}],
+             "answer": COLORS[i % 3]} for i in range(rows)]
+    return LookTwice(dataset=Dataset.from_list(data), rubric=vf.Rubric(funcs=[correct]), max_turns=max_turns)
+"""
+
+
+def test_a_verifiers_env_named_in_the_config_trains(tmp_path, monkeypatch):
+    """data.task = "verifiers:tiny-look-env": verifiers' own load_environment finds the module
+    (a real file on sys.path, '-' as '_'), with data.task_args as its arguments; RL runs it."""
+    from saccade.config import RunConfig, load_config
+    from saccade.metrics import read_metrics
+    from saccade.rl import train_rl
+    from saccade.tasks import task_from_config
+
+    (tmp_path / "tiny_look_env.py").write_text(VERIFIERS_ENV_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(RunConfig, "configs/demo.toml", [
+        "--log.dir", str(tmp_path / "run"), "--data.task", "verifiers:tiny-look-env", "--data.task_args",
+        '{"rows": 5}', "--env.correct_metric", "correct", "--trainer.steps", "1", "--rollout.prompts_per_step", "2",
+        "--rollout.group_size", "2", "--rollout.filter_zero_variance", "false", "--engine.max_tokens", "4",
+        "--loss.max_completion_tokens", "4", "--eval.every_steps", "0", "--checkpoint.every_steps", "0"])
+    task = task_from_config(cfg)
+    assert isinstance(task, VerifiersTask) and len(task.env.get_dataset()) == 5  # task_args reached it
+    assert task.max_turns == 2  # the env's own, below env.max_turns (3)
+    train_rl(cfg, run_dir=cfg.run_dir, progress=False)  # builds its task from the config alone
+    [row] = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert 1 <= row["turns_mean"] <= 2 and row["images_mean"] == row["turns_mean"]  # one image per turn
+    assert "env_correct" in row and row["accuracy"] == row["env_correct"] and "loss" in row
+
+
+def test_a_verifiers_env_that_is_not_installed_is_refused_at_load():
+    from saccade.config import ConfigError, RunConfig, load_config
+
+    with pytest.raises(ConfigError, match="verifiers environment 'not-installed-env': no module "
+                                          "'not_installed_env' on sys.path.*vf-install not-installed-env"):
+        load_config(RunConfig, None, ["--data.task", "verifiers:not-installed-env"])
