@@ -282,6 +282,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from saccade.export import HubUploadError, export_adapter, export_merged, push_to_hub, usage_lines
+
+    if args.merged:
+        result = export_merged(args.checkpoint, args.merged, base_model=args.base_model, force=args.force)
+    else:
+        result = export_adapter(args.checkpoint, args.adapter, base_model=args.base_model, force=args.force)
+    print("\n".join(usage_lines(result)))
+    if args.push_to_hub:
+        try:
+            url = push_to_hub(result.out, args.push_to_hub, private=args.private)
+        except HubUploadError as err:  # not the user's mistake, and nothing written is lost
+            print(f"saccade: error: {err}", file=sys.stderr)
+            return 1
+        print(f"  uploaded to the hub: {url}")
+    return 0
+
+
 def cmd_memory(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -585,6 +603,38 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--samples", metavar="PATH", help="write one JSON line per question: id, question, answer, "
                     "completion, extracted answer, correct, metadata (and the pass@k samples)")
     ev.set_defaults(func=cmd_eval)
+
+    export = sub.add_parser(
+        "export",
+        help="a checkpoint as a folder transformers and vLLM load as they are: merged model or PEFT adapter",
+        description="saccade export CHECKPOINT (--merged OUT | --adapter OUT) [--push-to-hub REPO]. --merged writes "
+        "a complete Qwen3-VL folder: the base model's config, tokenizer, processor, chat template, generation config "
+        "and vision tower (the trainer never trains or saves the tower), with the trained language model, LoRA "
+        "merged in; transformers' Qwen3VLForConditionalGeneration.from_pretrained(OUT) and `vllm serve OUT` load it. "
+        "--adapter writes a LoRA checkpoint's PEFT folder (adapter_config.json, adapter_model.safetensors) for "
+        "peft's PeftModel.from_pretrained on the base model, or vLLM's --enable-lora --lora-modules NAME=OUT; a "
+        "full fine-tuning checkpoint has no adapter: use --merged. Either checkpoint layout (one process, or "
+        "sharded by torchrun), LoRA or full fine-tuning. Written atomically (a temp folder beside OUT, renamed "
+        "when complete); prints the folder, its size and how to serve it.",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a checkpoint folder (<run_dir>/checkpoints/step_000012), or a run folder: then its "
+                        "latest complete checkpoint")
+    what = export.add_mutually_exclusive_group(required=True)
+    what.add_argument("--merged", metavar="OUT", help="write the whole model, LoRA merged, as a Hugging Face folder")
+    what.add_argument("--adapter", metavar="OUT", help="write only the LoRA adapter, as a PEFT folder (a few MB)")
+    export.add_argument("--base-model", metavar="PATH",
+                        help="the Qwen3-VL folder or hub id the run trained from, when the one the checkpoint "
+                        "records (state.json) was moved or is missing. --merged reads its vision tower, config and "
+                        "tokenizer; --adapter only writes it into adapter_config.json (give the hub id you will "
+                        "load it with)")
+    export.add_argument("--force", action="store_true", help="replace OUT if it is not empty (swapped out only once "
+                        "the new folder is complete)")
+    export.add_argument("--push-to-hub", metavar="REPO", help="then upload OUT to this hub model repo (created if "
+                        "needed; token from `hf auth login` or HF_TOKEN). If the upload fails, OUT stays written and "
+                        "the error says how to upload it later")
+    export.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    export.set_defaults(func=cmd_export)
 
     memory = sub.add_parser(
         "memory",

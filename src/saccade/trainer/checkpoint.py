@@ -770,6 +770,43 @@ def save_adapter_for_engine(model: nn.Module, base_model_path: str | os.PathLike
     return _outcome(failure, world, out_dir)
 
 
+def checkpoint_record(path: Path | str) -> dict:
+    """What a complete checkpoint folder holds, for readers that load no model (`saccade export`):
+    its `state.json` "checkpoint" record with `kind` ("lora" or "full"), `layout` ("plain" or
+    "dcp") and `base_model_path` (None when the save did not know it) always present.
+    ValueError for a folder that is not a complete checkpoint."""
+    path = Path(path)
+    manifest = _check_complete(path)
+    info = json.loads((path / STATE_FILE).read_text()).get("checkpoint", {})
+    kind = info.get("kind") or ("lora" if (path / ADAPTER_DIR).is_dir() else "full")
+    layout = "dcp" if DCP_METADATA in manifest["files"] else "plain"
+    return {**info, "kind": kind, "layout": layout, "base_model_path": info.get("base_model_path")}
+
+
+def copy_checkpoint_adapter(path: Path | str, out_dir: Path, *, base_model_name_or_path: str | None = None) -> Path:
+    """A LoRA checkpoint's PEFT folder (either layout: a sharded save gathers it too), copied to
+    `out_dir` atomically: the same files `save_adapter_for_engine` writes for a live model.
+    `base_model_name_or_path`, when given, replaces the base recorded in adapter_config.json
+    (e.g. a hub id instead of the training machine's folder)."""
+    path = Path(path)
+    if checkpoint_record(path)["kind"] != "lora":
+        raise ValueError(f"{path} is a full fine-tuning checkpoint: it has no LoRA adapter")
+    source = path / ADAPTER_DIR
+    missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (source / f).is_file()]
+    if missing:
+        raise ValueError(f"{source} lacks {missing}: not a complete adapter folder")
+    out_dir = Path(out_dir)
+    with _atomic_dir(out_dir) as tmp:
+        for p in sorted(source.iterdir()):
+            if p.is_file():
+                shutil.copy2(p, tmp / p.name)
+        if base_model_name_or_path is not None:
+            config = json.loads((tmp / ADAPTER_CONFIG).read_text())
+            config["base_model_name_or_path"] = str(base_model_name_or_path)
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
 class _LiveWeights:
     """A live model's trained language-model tensors under the full Qwen3-VL names, one at a time.
 
@@ -1175,12 +1212,15 @@ def _prune(root: Path, saved_step: int, keep_last: int) -> None:
     remove_dead_tmp_dirs(root)
 
 
-def remove_dead_tmp_dirs(folder: Path) -> list[Path]:
+def remove_dead_tmp_dirs(folder: Path, name: str | None = None) -> list[Path]:
     """Delete the `.tmp-*-<pid>` folders in `folder` whose writer is gone: what a save or an
-    export killed mid-write leaves behind. Returns what was removed."""
+    export killed mid-write leaves behind. `name`: only the temp folders of `folder/name` (in a
+    folder that is not ours, leave everything else alone). Returns what was removed."""
     removed = []
     for p in Path(folder).iterdir() if Path(folder).is_dir() else ():
         m = _TMP_RE.match(p.name)
+        if name is not None and not (m and p.name == f".tmp-{name}-{m.group(1)}"):
+            continue
         if m and p.is_dir() and not _pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
