@@ -31,6 +31,7 @@ CATEGORY_FIELDS: dict[str, tuple[str, ...]] = {
     "openmmreasoner": ("subset",),
     "mathvista": ("task", "skills", "grade"),
     "geometry3k": (),
+    "dataset": ("category",),  # data.columns.category, when mapped
 }
 
 
