@@ -593,9 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out accuracy of a run's latest checkpoint (greedy, pass@k, by category)",
         description="Evaluates the latest checkpoint under the config's run folder (or --checkpoint, or the "
         "base model when there is none) on the held-out split (shapes: the evaluation seed; a data set, "
-        "data.task = mathvista, openmmreasoner or geometry3k: the first data.eval_size rows of its eval split): "
-        "greedy accuracy, pass@k from eval.samples_k samples per question at engine.temperature, and accuracy "
-        "per category (shapes: kind; MathVista: task, skills, grade; OpenMMReasoner: subset). Prints a table.",
+        "data.task = mathvista, openmmreasoner, geometry3k or dataset: the first data.eval_size rows of its eval "
+        "split): greedy accuracy, pass@k from eval.samples_k samples per question at engine.temperature, and "
+        "accuracy per category (shapes: kind; MathVista: task, skills, grade; OpenMMReasoner: subset; dataset: "
+        "the data.columns.category column). Prints a table.",
     )
     add_config_arguments(ev)
     ev.add_argument("--checkpoint", metavar="DIR", help="a step_* folder to evaluate instead of the latest")

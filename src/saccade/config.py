@@ -60,6 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
+    "ColumnsConfig",
     "DataConfig",
     "EngineConfig",
     "EvalConfig",
@@ -363,6 +364,54 @@ class SftConfig(Section):
     batch_size: int = Field(16, ge=1, description="examples per optimizer step")
 
 
+# The fields data.prompt_template may name, and the placeholder that places an image
+# (saccade.data.shapes.IMAGE_PLACEHOLDER, repeated so this module imports no data code).
+PROMPT_TEMPLATE_FIELDS = ("prompt", "choices")
+DEFAULT_PROMPT_TEMPLATE = "{prompt}\n{choices}"
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def check_prompt_template(template: str) -> None:
+    """Refuse a template that names anything but {prompt} and {choices}, or not {prompt}."""
+    import string
+
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as err:  # an unmatched brace
+        raise ValueError(f"data.prompt_template {template!r}: {err}; write {{{{ and }}}} for literal braces") from None
+    for name, spec, conv in fields:
+        if name not in PROMPT_TEMPLATE_FIELDS or spec or conv:
+            raise ValueError(f"data.prompt_template {template!r} names {{{name}{'!' + conv if conv else ''}"
+                             f"{':' + spec if spec else ''}}}; it may name only {{prompt}} and {{choices}} (write "
+                             "{{ and }} for literal braces)")
+    if "prompt" not in [name for name, _, _ in fields]:
+        raise ValueError(f"data.prompt_template {template!r} does not name {{prompt}}: the question would never "
+                         "reach the model")
+
+
+class ColumnsConfig(Section):
+    """Task 'dataset': the data set's column names for each part of a question.
+
+    ``images`` holds one image or a list of them (Image feature structs, paths relative to
+    the data file, or bytes); ``<image>`` placeholders in the prompt place them, else they go
+    first. ``choices`` is a list column of options. Unset optional columns are not read."""
+
+    prompt: str = Field("question", min_length=1, description="the question text (may hold <image> placeholders)")
+    answer: str = Field("answer", min_length=1, description="the ground truth: option text or letter, number, text")
+    images: str = Field("image", min_length=1, description="the image, or list of images, of each row")
+    choices: str | None = Field(
+        None, min_length=1, description="a list column of answer options; unset: free-form answers"
+    )
+    id: str | None = Field(
+        None, min_length=1, description="the rows' own ids, used in eval samples and skipped.jsonl; "
+        "unset: dataset-<split>-<index>"
+    )
+    category: str | None = Field(
+        None, min_length=1, description="a category per row (text, or a list of them): saccade eval reports "
+        "accuracy per category"
+    )
+
+
 class DataConfig(Section):
     """The task: the synthetic shapes questions (built on the spot), or a real data set.
 
@@ -373,10 +422,10 @@ class DataConfig(Section):
         "shapes",
         min_length=1,
         description="'shapes': synthetic shapes, answer by choice; 'views': multi-turn view selection "
-        "(see [env]); 'openmmreasoner': OpenMMReasoner-RL-74K "
-        "(training); 'mathvista': MathVista testmini (evaluation); 'geometry3k': Geometry3K; 'dataset': a data "
-        "set of your own; 'verifiers:ENV_ID': a verifiers environment (load_environment(ENV_ID, **task_args)); "
-        "'package.module:make_task': your own Task, make_task(cfg) (docs/rewards.md)",
+        "(see [env]); 'openmmreasoner': OpenMMReasoner-RL-74K (training); 'mathvista': MathVista testmini "
+        "(evaluation); 'geometry3k': Geometry3K; 'dataset': your own data set, data.dataset read through "
+        "data.columns (docs/data.md); 'verifiers:ENV_ID': a verifiers environment (load_environment(ENV_ID, "
+        "**task_args)); 'package.module:make_task': your own Task, make_task(cfg) (docs/rewards.md)",
     )
     task_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -396,8 +445,22 @@ class DataConfig(Section):
     )
     dataset: str | None = Field(
         None, min_length=1,
-        description="hub id, local folder or parquet file(s) of the data set; unset: the task's hub id "
-        "(OpenMMReasoner/OpenMMReasoner-RL-74K, AI4Math/MathVista, hiyouga/geometry3k); ignored by 'shapes'",
+        description="hub id, local folder laid out like a hub repository, or parquet / JSONL file(s) (a path or "
+        "glob) of the data set; unset: the task's hub id (OpenMMReasoner/OpenMMReasoner-RL-74K, AI4Math/MathVista, "
+        "hiyouga/geometry3k); required by 'dataset'; ignored by 'shapes'",
+    )
+    columns: ColumnsConfig = Field(
+        default_factory=ColumnsConfig,
+        description="task 'dataset': which column holds what (the prompt, the answer, the images, ...)",
+    )
+    prompt_template: str = Field(
+        DEFAULT_PROMPT_TEMPLATE, min_length=1,
+        description="task 'dataset': the user turn's text, a str.format template over {prompt} (the prompt "
+        "column, required) and {choices} (the options lettered A., B., ... one a line; empty without "
+        "options); the text is stripped. Write {{ and }} for literal braces",
+    )
+    system_prompt: str | None = Field(
+        None, min_length=1, description="task 'dataset': the system turn of every prompt; unset: none"
     )
     split: str = Field("train", min_length=1, description="dataset split to train on")
     subsets: list[str] | None = Field(
@@ -411,7 +474,9 @@ class DataConfig(Section):
     )
     eval_split: str | None = Field(
         None, min_length=1,
-        description="held-out split; unset: openmmreasoner 'val', mathvista 'testmini', geometry3k 'test'",
+        description="held-out split; unset: openmmreasoner 'val', mathvista 'testmini', geometry3k 'test'; "
+        "'dataset': 'test' when the eval data set has it, else 'validation', else refused (a single file "
+        "has no held-out split: set data.eval_dataset to another file)",
     )
     eval_subsets: list[str] | None = Field(
         None, min_length=1,
@@ -463,6 +528,26 @@ class DataConfig(Section):
             names = getattr(self, name)
             if names is not None and len(set(names)) != len(names):
                 raise ValueError(f"{name} {names} repeat an entry")
+        return self
+
+    @model_validator(mode="after")
+    def _own_data_set(self) -> DataConfig:
+        if self.task == "dataset" and self.dataset is None:
+            raise ValueError("data.task = 'dataset' needs data.dataset: a hub id, a local folder laid out like a "
+                             "hub repository, or a parquet / JSONL file or glob")
+        check_prompt_template(self.prompt_template)
+        if self.system_prompt is not None and IMAGE_PLACEHOLDER in self.system_prompt:
+            raise ValueError(f"data.system_prompt holds {IMAGE_PLACEHOLDER}: images go in the user turn; put the "
+                             "placeholder in the prompt column or data.prompt_template")
+        # Fields only 'dataset' reads: changed for another task they would silently do nothing.
+        # (Compared with the defaults, not looked up in model_fields_set: --dry-run writes every value.)
+        if self.task != "dataset":
+            defaults = DataConfig.model_fields
+            unused = [name for name in ("columns", "prompt_template", "system_prompt")
+                      if getattr(self, name) != defaults[name].get_default(call_default_factory=True)]
+            if unused:
+                raise ValueError(f"only data.task = 'dataset' reads data.{', data.'.join(unused)} (the task is "
+                                 f"{self.task!r}): remove them or set data.task = 'dataset'")
         return self
 
 

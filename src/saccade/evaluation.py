@@ -3,7 +3,8 @@ and `saccade eval CONFIG` (`run_eval`): greedy accuracy, pass@k from n samples, 
 breakdown by category, on the weights of a run's latest checkpoint (or the base model).
 
 The questions are the task's held-out split: shapes from the evaluation seed, a data set's
-eval split (MathVista testmini, OpenMMReasoner's validation, Geometry3K's test) in order.
+eval split (MathVista testmini, OpenMMReasoner's validation, Geometry3K's test, one's own
+data set's data.eval_split, else test, else validation) in order.
 Each row keeps the question, the gold answer, the completion, the answer extracted from it
 and whether it scored, so every figure can be recounted from the samples file.
 
@@ -31,6 +32,7 @@ CATEGORY_FIELDS: dict[str, tuple[str, ...]] = {
     "openmmreasoner": ("subset",),
     "mathvista": ("task", "skills", "grade"),
     "geometry3k": (),
+    "dataset": ("category",),  # data.columns.category, when mapped
 }
 
 

@@ -155,10 +155,12 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task:
             blank_images=blank_images, eval_seed=eval_seed,
         )
     else:
-        from saccade.data.datasets import DatasetTask
+        from saccade.data.datasets import DatasetTask, RowLayout
 
+        layout = RowLayout(d.columns, d.prompt_template, d.system_prompt) if d.task == "dataset" else None
         questions = DatasetTask.defaults(
             d.task, dataset=d.dataset, split=d.split, subsets=d.subsets, eval_dataset=d.eval_dataset,
             eval_split=d.eval_split, eval_subsets=d.eval_subsets, blank_images=blank_images, limits=cfg.images,
+            layout=layout,
         )
     return QuestionTask(questions, rewards_from_config(cfg))

@@ -347,3 +347,91 @@ def write_broken_geometry3k(root: Path, kinds: list[str], splits: tuple[str, ...
                features, root / "data" / f"{split}-00000-of-00001.parquet")
     (root / "README.md").write_text(_readme({"default": {split: f"data/{split}-*" for split in splits}}))
     return root
+
+
+# ------------------------------------------------------------------- one's own data
+
+# Pure colors: a random frozen vision tower keeps them apart (docs/demo.md), so a short SFT
+# makes the tiny model answer some rows right.
+DISC_COLORS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 70, 225)}
+OWN_COLUMNS = ["--data.columns.images", "image", "--data.columns.prompt", "question", "--data.columns.answer",
+               "solution", "--data.columns.choices", "options", "--data.columns.id", "pid",
+               "--data.columns.category", "subject"]
+
+
+def disc(color: str, size: tuple[int, int] = (64, 64)) -> Image.Image:
+    """A disc of one of DISC_COLORS on white."""
+    image = Image.new("RGB", size, (255, 255, 255))
+    ImageDraw.Draw(image).ellipse([6, 6, size[0] - 6, size[1] - 6], fill=DISC_COLORS[color])
+    return image
+
+
+def own_rows(split: str, n: int) -> dict[str, list]:
+    """n color questions in columns named unlike saccade's: pid, image, question, options,
+    solution (the option's text; every fourth row its letter instead), subject."""
+    names = list(DISC_COLORS)
+    rows: dict[str, list] = {k: [] for k in ("pid", "image", "question", "options", "solution", "subject")}
+    for i in range(n):
+        color = names[i % len(names)]
+        rows["pid"].append(f"{split}-q{i}")
+        rows["image"].append(disc(color))
+        rows["question"].append("What color is the disc?")
+        rows["options"].append(names)
+        rows["solution"].append("ABC"[names.index(color)] if i % 4 == 3 else color)
+        rows["subject"].append("warm" if color == "red" else "cool")
+    return rows
+
+
+def write_own_parquet(root: Path, sizes: dict[str, int] | None = None) -> Path:
+    """A folder in the hub's layout (README.md configs, data/<split>-*.parquet) of `own_rows`."""
+    from datasets import Features, Image, List, Value
+
+    sizes = sizes or {"train": 6, "test": 6}
+    features = Features({"pid": Value("string"), "image": Image(), "question": Value("string"),
+                         "options": List(Value("string")), "solution": Value("string"), "subject": Value("string")})
+    for split, n in sizes.items():
+        _write(own_rows(split, n), features, root / "data" / f"{split}-00000-of-00001.parquet")
+    (root / "README.md").write_text(_readme({"default": {split: f"data/{split}-*" for split in sizes}}))
+    return root
+
+
+# (question, number of images): the last row's placeholders and images differ in number.
+MULTI_IMAGE_ROWS = [
+    ("Which is redder, <image> or <image>?", 2),
+    ("Look at these.", 2),  # no placeholder: the images go first
+    ("Compare <image> with <image>.", 1),
+]
+
+
+def write_multi_image_parquet(path: Path) -> Path:
+    """One parquet file whose ``pictures`` column holds a list of images per row."""
+    from datasets import Features, Image, List, Value
+
+    features = Features({"pictures": List(Image()), "question": Value("string"), "answer": Value("string")})
+    colors = list(DISC_COLORS)
+    rows = {
+        "pictures": [[disc(colors[(i + k) % 3]) for k in range(n)] for i, (_, n) in enumerate(MULTI_IMAGE_ROWS)],
+        "question": [q for q, _ in MULTI_IMAGE_ROWS],
+        "answer": ["red", "green", "blue"],
+    }
+    _write(rows, features, path)
+    return path
+
+
+def write_own_jsonl(root: Path) -> Path:
+    """data.jsonl with image paths relative to its folder (pics/*.png), one row a list of two
+    paths, one a path to no file; returns the file."""
+    import json
+
+    (root / "pics").mkdir(parents=True, exist_ok=True)
+    for color in DISC_COLORS:
+        disc(color).save(root / "pics" / f"{color}.png")
+    rows = [
+        {"uid": "j0", "img": ["pics/red.png"], "q": "What color is the disc?", "a": "red"},
+        {"uid": "j1", "img": ["pics/green.png", "pics/blue.png"], "q": "<image> then <image>: which is first?",
+         "a": "green"},
+        {"uid": "j2", "img": ["pics/purple.png"], "q": "What color is the disc?", "a": "purple"},
+    ]
+    path = root / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

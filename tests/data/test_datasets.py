@@ -302,7 +302,7 @@ def test_config_selects_a_data_set_task(paths):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["--data.task", "mathvist"], "input should be 'shapes'.*'mathvista'"),
+        (["--data.task", "mathvist"], "unknown task 'mathvist'; did you mean 'mathvista'"),
         (["--data.subsets", '["a", "a"]'], "repeat an entry"),
         (["--data.subsets", "[]"], "at least 1 item"),
     ],

@@ -15,9 +15,15 @@ Three layouts are known, each from a hub id or a local copy:
 * ``geometry3k``: hiyouga/geometry3k (train 2,101 / validation 300 / test 601):
   ``images``, ``problem`` with an ``<image>`` placeholder, ``answer``.
 
+And any other: ``dataset``, whose columns `data.columns` names (`ColumnsConfig`: prompt,
+answer, images, and optionally choices, id, category), its user turn written by
+``data.prompt_template`` after an optional ``data.system_prompt`` (:func:`any_sample`).
+
 A source is a hub id, a local folder laid out like the hub repository (a README.md whose
-``configs`` name each config's files, or the default ``data/<split>-*.parquet``), or one
-parquet file or glob (then the whole file is the one split, and configs do not apply).
+``configs`` name each config's files, or the default ``data/<split>-*.parquet`` / ``.jsonl``),
+or one parquet or JSONL file or glob (then the whole file is the one split, and configs do
+not apply). Image paths in the rows are read relative to the data file's folder (a folder
+source: relative to the folder).
 
 Nothing is decoded up front: `datasets` keeps the rows memory-mapped (Arrow), rows are
 read one at a time in Arrow form and their images decoded only then, by
@@ -38,7 +44,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from saccade.config import ImagesConfig
+from saccade.config import DEFAULT_PROMPT_TEMPLATE, ColumnsConfig, ImagesConfig
 from saccade.data.images import ImageError, MissingImageError, load_image
 from saccade.data.rows import EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows
 from saccade.data.shapes import BLANK_GRAY, IMAGE_PLACEHOLDER, VQASample
@@ -51,7 +57,12 @@ __all__ = [
     "HUB_IDS",
     "OPENMMREASONER_TRAIN_SUBSETS",
     "REQUIRED_COLUMNS",
+    "RowLayout",
+    "any_sample",
+    "format_choices",
     "geometry3k_sample",
+    "held_out_split",
+    "image_base",
     "load_split",
     "mathvista_sample",
     "openmmreasoner_sample",
@@ -59,7 +70,7 @@ __all__ = [
     "shuffled_index",
 ]
 
-DATASET_TASKS = ("openmmreasoner", "mathvista", "geometry3k")
+DATASET_TASKS = ("openmmreasoner", "mathvista", "geometry3k", "dataset")
 HUB_IDS = {
     "openmmreasoner": "OpenMMReasoner/OpenMMReasoner-RL-74K",
     "mathvista": "AI4Math/MathVista",
@@ -97,17 +108,35 @@ LAYOUTS = {
 # ------------------------------------------------------------------------ loading
 
 
-def _is_parquet_source(source: str) -> bool:
-    return source.endswith(".parquet") and (Path(source).is_file() or "*" in source)
+# The `datasets` builder that reads each kind of bare data file.
+FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 
 
-def load_split(source: str, *, subset: str | None, split: str, task: str):
-    """One split of one config as a memory-mapped `datasets.Dataset`, with clear errors."""
+def _file_builder(source: str) -> str | None:
+    """The builder of a bare data file or glob (parquet, JSONL); None for a hub id or folder."""
+    for suffix, builder in FILE_BUILDERS.items():
+        if source.endswith(suffix) and (Path(source).is_file() or "*" in source):
+            return builder
+    return None
+
+
+def _is_file_source(source: str) -> bool:
+    """A bare data file or glob: no configs, no split names of its own."""
+    return _file_builder(source) is not None
+
+
+def load_split(source: str, *, subset: str | None, split: str, task: str,
+               columns: dict[str, str] | None = None):
+    """One split of one config as a memory-mapped `datasets.Dataset`, with clear errors.
+
+    `columns`: for task 'dataset', {data.columns key: column name} of the columns it reads;
+    one the split lacks is refused here, when the split opens, before a row is read."""
     import datasets
 
-    if _is_parquet_source(source):
+    builder = _file_builder(source)
+    if builder is not None:
         # A bare file has no configs or split names of its own: it is the split asked for.
-        table = datasets.load_dataset("parquet", data_files={split: source}, split=split)
+        table = datasets.load_dataset(builder, data_files={split: source}, split=split)
     else:
         if not Path(source).exists() and source.startswith((".", "/", "~")):
             raise ValueError(f"{task}: dataset path {source} does not exist; set data.dataset to a hub id or a path")
@@ -125,6 +154,16 @@ def load_split(source: str, *, subset: str | None, split: str, task: str):
                 "Set data.split (or data.eval_split) to one of those"
             )
         table = datasets.load_dataset(source, name=subset, split=split)
+    if columns is not None:
+        missing_keys = [key for key, name in columns.items() if name not in table.column_names]
+        if missing_keys:
+            named = ", ".join(f"data.columns.{key} = {columns[key]!r}" for key in missing_keys)
+            raise ValueError(
+                f"{task}: {source} ({subset or 'default'}/{split}) has no column for {named}; its columns are "
+                f"{', '.join(table.column_names)}. Set data.columns.{missing_keys[0]} (and the others named) "
+                "to one of those"
+            )
+        return table.with_format("arrow")
     missing = [c for c in REQUIRED_COLUMNS[task] if c not in table.column_names]
     if missing:
         raise ValueError(
@@ -139,14 +178,20 @@ class DatasetRows:
     """Indexed, lazy access to the rows of one split across one or more configs."""
 
     def __init__(self, task: str, source: str, *, subsets: tuple[str, ...] | None, split: str,
-                 limits: ImagesConfig | None = None) -> None:
+                 limits: ImagesConfig | None = None, layout: RowLayout | None = None) -> None:
         if task not in DATASET_TASKS:
             raise ValueError(f"unknown dataset task {task!r}; choose from {', '.join(DATASET_TASKS)}")
+        if (task == "dataset") != (layout is not None):
+            raise ValueError("a RowLayout goes with task 'dataset', and only with it")
         self.task, self.source, self.split = task, source, split
         self.limits = limits or ImagesConfig()
-        names: list[str | None] = list(subsets) if subsets and not _is_parquet_source(source) else [None]
-        self.parts = [(name, load_split(source, subset=name, split=split, task=task)) for name in names]
+        self.layout = layout
+        columns = layout.read_columns() if layout is not None else None
+        names: list[str | None] = list(subsets) if subsets and not _is_file_source(source) else [None]
+        self.parts = [(name, load_split(source, subset=name, split=split, task=task, columns=columns))
+                      for name in names]
         self.starts = np.cumsum([0] + [len(t) for _, t in self.parts]).tolist()
+        self.base = image_base(source)
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -166,9 +211,14 @@ class DatasetRows:
         subset, local, row = self.row(index)
         tag = f"{subset}-" if subset else ""
         sample_id = f"{self.task}-{tag}{self.split}-{local}"
+        if self.layout is not None and self.layout.columns.id is not None and row[self.layout.columns.id] is not None:
+            sample_id = str(row[self.layout.columns.id])  # the data set's own ids, the ones its owner knows
         place = {"split": self.split, "config": subset, "index": local}
         try:
-            if self.task == "openmmreasoner":
+            if self.layout is not None:
+                sample = any_sample(row, sample_id=sample_id, layout=self.layout, dataset=self.source,
+                                    base=self.base, limits=self.limits)
+            elif self.task == "openmmreasoner":
                 sample = openmmreasoner_sample(row, sample_id=sample_id, subset=subset, limits=self.limits)
             elif self.task == "mathvista":
                 sample = mathvista_sample(row, sample_id=sample_id, limits=self.limits)
@@ -336,6 +386,99 @@ def geometry3k_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConf
     )
 
 
+# ---------------------------------------------------------------- any data set
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a row of one's own data set becomes a question (task 'dataset'): which column holds
+    what (`data.columns`), the user turn's template and the system turn (`data.*`)."""
+
+    columns: ColumnsConfig
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+    system_prompt: str | None = None
+
+    def read_columns(self) -> dict[str, str]:
+        """{data.columns key: column name} of every column the rows are read from."""
+        return {key: name for key, name in self.columns.model_dump().items() if name is not None}
+
+
+def image_base(source: str) -> Path | None:
+    """The folder relative image paths of `source` are read from: a local folder itself, a
+    data file's (or glob's) folder; None for a hub id (paths then go from the working folder)."""
+    if "*" in source:
+        head = Path(source.split("*", 1)[0])
+        return head if head.is_dir() else head.parent
+    path = Path(source)
+    if not path.exists():
+        return None
+    return path if path.is_dir() else path.parent
+
+
+def _with_base(value: Any, base: Path | None) -> Any:
+    """An image reference with a relative file path made relative to `base`; others as they are."""
+    if base is None:
+        return value
+    if isinstance(value, dict) and value.get("bytes") is None and isinstance(value.get("path"), str):
+        return {**value, "path": _with_base(value["path"], base)}
+    if isinstance(value, str) and "://" not in value and not value.startswith("data:") and not Path(value).is_absolute():
+        return str(base / value)
+    return value
+
+
+def format_choices(choices: list[str] | None) -> str:
+    """Options as the prompt shows them: one a line, lettered ("A. red\nB. green"); "" for none."""
+    if not choices:
+        return ""
+    return "\n".join(f"{chr(ord('A') + i)}. {choice}" for i, choice in enumerate(choices))
+
+
+def _choices(value: Any, *, column: str) -> list[str] | None:
+    if value is None or (isinstance(value, list) and not value):
+        return None  # a row without options: a free-form answer
+    if not isinstance(value, list):
+        raise ValueError(f"data.columns.choices = {column!r} must name a list column of options; a row holds "
+                         f"{type(value).__name__} {value!r:.80}")
+    return [str(v) for v in value]
+
+
+def any_sample(row: dict[str, Any], *, sample_id: str, layout: RowLayout, dataset: str,
+               base: Path | None = None, limits: ImagesConfig | None = None) -> VQASample:
+    """One row of one's own data set as a question: the prompt column written into
+    ``layout.prompt_template``, its images at its ``<image>`` placeholders (none: first),
+    multiple choice when the row has options, else a free-form answer.
+
+    A row whose image is None is refused (``missing_image``); an empty list is a row without
+    images. The metadata holds the data set, the row's id and category when they are mapped."""
+    c = layout.columns
+    answer = _answer(row[c.answer], column=c.answer)
+    value = row[c.images]
+    if value is None:
+        raise RowSkipped("missing_image", f"{c.images} is None")
+    values = [_with_base(v, base) for v in (value if isinstance(value, list) else [value])]
+    choices = _choices(row[c.choices], column=c.choices) if c.choices else None
+    text = layout.prompt_template.format(prompt=str(row[c.prompt] or ""), choices=format_choices(choices)).strip()
+    chat = [{"role": "user", "content": text}]
+    if layout.system_prompt:
+        chat.insert(0, {"role": "system", "content": layout.system_prompt})
+    metadata: dict[str, Any] = {"dataset": dataset}
+    if c.id is not None:
+        metadata["id"] = None if row[c.id] is None else str(row[c.id])
+    if c.category is not None:
+        category = row[c.category]
+        metadata["category"] = [str(v) for v in category] if isinstance(category, list) else category
+    return VQASample(
+        sample_id=sample_id,
+        images=_images(values, sample_id=sample_id, column=c.images, limits=limits or ImagesConfig()),
+        question=_user_text([chat[-1]]),
+        answer=answer,
+        choices=choices,
+        answer_type="multi_choice" if choices else "free_form",
+        metadata=metadata,
+        prompt=chat,
+    )
+
+
 # ------------------------------------------------------------------- the task
 
 
@@ -353,6 +496,28 @@ def shuffled_index(position: int, n: int, *, seed: int) -> int:
     return int(_epoch_order(n, seed, epoch)[offset])
 
 
+HELD_OUT_SPLITS = ("test", "validation")
+
+
+def held_out_split(source: str, subsets: tuple[str, ...] | None, *, train: str) -> str:
+    """Task 'dataset' without data.eval_split: 'test' when the held-out source has it, else
+    'validation', else a clear refusal. A single file has no splits: another file is its
+    held-out split (any name does); the training file itself is refused."""
+    import datasets
+
+    if _is_file_source(source):
+        if source == train:
+            raise ValueError(f"dataset: {source} is one file, with no held-out split: set data.eval_dataset to "
+                             "another file (or to the same one to evaluate on the training rows)")
+        return HELD_OUT_SPLITS[0]
+    splits = datasets.get_dataset_split_names(source, config_name=subsets[0] if subsets else None)
+    for split in HELD_OUT_SPLITS:
+        if split in splits:
+            return split
+    raise ValueError(f"dataset: {source} has no split {' or '.join(map(repr, HELD_OUT_SPLITS))} to evaluate on; "
+                     f"it has {', '.join(splits)}. Set data.eval_split to one of those (or data.eval_dataset)")
+
+
 @dataclass
 class DatasetTask:
     """A data set as the run sees it: a shuffled training stream and a held-out split.
@@ -364,10 +529,11 @@ class DatasetTask:
     split: str
     subsets: tuple[str, ...] | None
     eval_dataset: str
-    eval_split: str
+    eval_split: str | None  # None: task 'dataset' picks 'test', else 'validation', when the split opens
     eval_subsets: tuple[str, ...] | None
     blank_images: bool = False  # the control: every image replaced by a uniform gray one
     limits: ImagesConfig | None = None
+    layout: RowLayout | None = None  # task 'dataset': how its rows become questions
 
     @classmethod
     def defaults(cls, task: str, *, dataset: str | None = None, split: str | None = None,
@@ -376,6 +542,16 @@ class DatasetTask:
         """Unset fields from the task's defaults (hub id, training and held-out splits)."""
         if task not in DATASET_TASKS:
             raise ValueError(f"unknown dataset task {task!r}; choose from {', '.join(DATASET_TASKS)}")
+        if task == "dataset":
+            # One's own data set: no hub id to fall back on, the default config, and a held-out
+            # split found when it opens (`held_out_split`).
+            if dataset is None:
+                raise ValueError("task 'dataset' needs data.dataset: a hub id, a folder, or parquet / JSONL files")
+            return cls(
+                task=task, dataset=dataset, split=split or "train", subsets=tuple(subsets) if subsets else None,
+                eval_dataset=eval_dataset or dataset, eval_split=eval_split,
+                eval_subsets=tuple(eval_subsets) if eval_subsets else None, **kwargs,
+            )
         train_subsets, train_split = TRAIN_DEFAULTS[task]
         held_subsets, held_split = EVAL_DEFAULTS[task]
         source = dataset or HUB_IDS[task]
@@ -388,12 +564,14 @@ class DatasetTask:
 
     @functools.cached_property
     def train_rows(self) -> DatasetRows:
-        return DatasetRows(self.task, self.dataset, subsets=self.subsets, split=self.split, limits=self.limits)
+        return DatasetRows(self.task, self.dataset, subsets=self.subsets, split=self.split, limits=self.limits,
+                           layout=self.layout)
 
     @functools.cached_property
     def eval_rows(self) -> DatasetRows:
-        return DatasetRows(self.task, self.eval_dataset, subsets=self.eval_subsets, split=self.eval_split,
-                           limits=self.limits)
+        split = self.eval_split or held_out_split(self.eval_dataset, self.eval_subsets, train=self.dataset)
+        return DatasetRows(self.task, self.eval_dataset, subsets=self.eval_subsets, split=split,
+                           limits=self.limits, layout=self.layout)
 
     def train_sample(self, position: int, *, seed: int) -> VQASample:
         """Sample ``position`` of the training stream: rows shuffled by seed, epoch after epoch.
