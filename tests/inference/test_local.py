@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from saccade.models.sampling import SampledDistribution
 from saccade.bench.engine import trainer_logprob_diffs
 from saccade.inference.engine import ChatRequest, SamplingParams
 from saccade.inference.local import LocalEngine
@@ -43,7 +44,7 @@ def _trainer_logprobs(engine, completions, temperature):
     return trainer_logprob_diffs(
         engine.model, completions, cache_get=engine.encoder.cache.get,
         image_token_id=unwrap_policy(engine.model).image_token_id, banned_token_ids=engine.banned_token_ids,
-        temperature=temperature, merge=engine.encoder.merge,
+        distribution=SampledDistribution(temperature=temperature), merge=engine.encoder.merge,
     )
 
 
