@@ -67,17 +67,24 @@ def kept_tokens(z_CV: torch.Tensor, distribution: SampledDistribution) -> torch.
         masked_CV = z_CV.masked_fill(~kept_CV, float("-inf"))
         del probs_CV
     vocab = z_CV.shape[-1]
-    if 0 < distribution.top_k < vocab:
-        # The k-th largest value (ties with it stay, as in vLLM's `logits < kth` mask).
-        kth_C1 = masked_CV.topk(distribution.top_k, dim=-1).values[:, -1:]
-        kept_CV &= masked_CV >= kth_C1
-        masked_CV = masked_CV.masked_fill(~kept_CV, float("-inf"))
-    if distribution.top_p < 1.0:
-        sorted_CV, order_CV = masked_CV.sort(dim=-1, descending=False)
-        cumulative_CV = sorted_CV.softmax(dim=-1).cumsum_(dim=-1)
-        # 1 - p in float32, as vLLM computes it from its float32 top_p tensor.
-        one_minus_p = 1 - torch.tensor(distribution.top_p, dtype=torch.float32, device=z_CV.device)
-        drop_sorted_CV = cumulative_CV <= one_minus_p.to(cumulative_CV.dtype)
-        drop_sorted_CV[:, -1] = False  # the most likely token always stays
-        kept_CV &= ~torch.zeros_like(kept_CV).scatter_(-1, order_CV, drop_sorted_CV)
+    top_k = distribution.top_k if 0 < distribution.top_k < vocab else 0
+    if distribution.top_p == 1.0:
+        if top_k:  # vLLM's top-k-only path: the k-th largest value (ties with it stay)
+            kth_C1 = masked_CV.topk(top_k, dim=-1).values[:, -1:]
+            kept_CV &= masked_CV >= kth_C1
+        return kept_CV
+    # vLLM's sorted path, step for step: one ascending sort, top_k then top_p on the sorted
+    # values. Sorting the same values as vLLM does orders ties as it does, so a tie at the top_p
+    # boundary is decided the same way.
+    sorted_CV, order_CV = masked_CV.sort(dim=-1, descending=False)
+    if top_k:
+        kth_C1 = sorted_CV[:, vocab - top_k : vocab - top_k + 1]
+        sorted_CV = sorted_CV.masked_fill(sorted_CV < kth_C1, float("-inf"))
+    cumulative_CV = sorted_CV.softmax(dim=-1).cumsum_(dim=-1)
+    # 1 - p in float32, as vLLM computes it from its float32 top_p tensor.
+    one_minus_p = 1 - torch.tensor(distribution.top_p, dtype=torch.float32, device=z_CV.device)
+    drop_sorted_CV = cumulative_CV <= one_minus_p.to(cumulative_CV.dtype)
+    drop_sorted_CV[:, -1] = False  # the most likely token always stays
+    drop_sorted_CV |= sorted_CV == float("-inf")  # below the k-th value (or dropped by min_p)
+    kept_CV &= ~torch.zeros_like(kept_CV).scatter_(-1, order_CV, drop_sorted_CV)
     return kept_CV
