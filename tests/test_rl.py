@@ -245,3 +245,17 @@ def test_lag_metrics_are_a_histogram_with_fixed_keys():
     out = lag_metrics(groups, step=5, max_lag=2)
     assert out == {"policy_lag": 1.0, "policy_lag_mean": 0.25, "policy_lag_0_frac": 0.75,
                    "policy_lag_1_frac": 0.25, "policy_lag_2_frac": 0.0}
+
+
+@pytest.mark.slow
+def test_truncated_sampling_trains_on_policy(tmp_path):
+    """engine.top_k, top_p and min_p reach the engine, the trainer and the KL reference: the
+    logged engine/trainer mismatch stays float noise, as without truncation."""
+    cfg = _config(tmp_path, "truncated", "--engine.top_k", "6", "--engine.top_p", "0.9", "--engine.min_p", "0.05",
+                  "--engine.temperature", "0.8", "--lora.enabled", "true", "--loss.kl_coef", "0.01",
+                  "--trainer.steps", "2", "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
+    train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
+    rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert len(rows) == 2 and all(r["skipped_steps"] == 0 for r in rows)
+    assert all(r["mismatch_abs"] <= 1e-4 for r in rows), [r["mismatch_abs"] for r in rows]
+    print("truncated RL mismatch_abs:", [r["mismatch_abs"] for r in rows])

@@ -196,7 +196,20 @@ class EngineConfig(Section):
         "embedded", description="'embedded': sample in the trainer's process; 'vllm': vLLM server(s) at `urls`"
     )
     temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature (> 0; the trainer uses the same)")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold, in (0, 1]")
+    top_p: float = Field(
+        1.0, gt=0, le=1,
+        description="nucleus sampling: keep the most likely tokens whose probability reaches top_p, in (0, 1] "
+        "(1: off). As top_k and min_p, it applies after the temperature, and the trainer scores the same "
+        "truncated, renormalised distribution",
+    )
+    top_k: int = Field(
+        0, ge=0, le=1_000_000, description="keep only the k most likely tokens when sampling (0: off; vLLM's "
+        "convention); applied after min_p and before top_p",
+    )
+    min_p: float = Field(
+        0.0, ge=0, lt=1, description="keep only tokens with probability >= min_p x the most likely one's, "
+        "after the temperature, in [0, 1) (0: off); applied before top_k and top_p",
+    )
     max_tokens: int = Field(16, ge=1, le=262144, description="most tokens sampled per completion")
     urls: list[str] = Field(
         default_factory=list, description="base URLs of the vLLM servers (kind = 'vllm'), e.g. http://localhost:8000"

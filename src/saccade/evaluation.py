@@ -132,8 +132,9 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
     n = cfg.eval.samples_k
     sampled = None
     if n > 1:
-        sampled = answers(SamplingParams(temperature=cfg.engine.temperature, top_p=cfg.engine.top_p,
-                                         max_tokens=cfg.engine.max_tokens, n=n))
+        e = cfg.engine
+        sampled = answers(SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, min_p=e.min_p,
+                                         max_tokens=e.max_tokens, n=n))
     rows = []
     for i, (sample, (answer,)) in enumerate(zip(samples, greedy, strict=True)):
         text = answer.texts[-1]

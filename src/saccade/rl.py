@@ -93,13 +93,15 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     # The oldest weights a trained batch may come from, in versions behind the trainer's.
     max_lag = cfg.rollout.max_async_level + cfg.engine.sync_every_steps - 1
     optimizer, scheduler = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, schedule=lr_schedule(t))
-    temperature, banned = cfg.engine.temperature, engine.banned_token_ids
+    e = cfg.engine
+    sampling = SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, min_p=e.min_p,
+                              max_tokens=e.max_tokens, n=cfg.rollout.group_size)
+    # What the engine samples from, so what the trainer, its old logprobs and the reference score.
+    distribution, banned = sampling.distribution, engine.banned_token_ids
     reference = None
     if cfg.loss.kl_coef > 0:  # the KL term's reference: the base model, adapters off
-        reference = adapter_free_reference(model, temperature=temperature, banned_token_ids=banned)
+        reference = adapter_free_reference(model, distribution=distribution, banned_token_ids=banned)
     share_prompts = t.share_prompts and shares_prompts(model)  # a group's prompt forwarded once
-    sampling = SamplingParams(temperature=temperature, top_p=cfg.engine.top_p, max_tokens=cfg.engine.max_tokens,
-                              n=cfg.rollout.group_size)
     # The embedded engine samples from the sharded module itself: whole weights on every rank
     # for the rollout (one all-gather), so ranks decode their own prompts without collectives.
     sampling_weights = (lambda: unsharded(model)) if engine.shares_weights else contextlib.nullcontext
@@ -172,7 +174,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                             batch.samples, setup, max_tokens=t.max_tokens, share_prompts=share_prompts, world=world)]
                     train_metrics = train_step(
                         model, optimizer, scheduler, micro_batches, loss=loss,
-                        num_iterations=t.num_iterations, grad_clip=t.grad_clip, temperature=temperature,
+                        num_iterations=t.num_iterations, grad_clip=t.grad_clip, distribution=distribution,
                         banned_token_ids=banned, reference=reference, world=world, current_version=step,
                     )
                 pins.release()

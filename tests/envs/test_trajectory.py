@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from saccade.models.sampling import SampledDistribution
 from saccade.bench.engine import sample_logprob_diffs
 from saccade.data.messages import messages_to_inputs
 from saccade.envs.examples import AsyncLookAgainEnv, LookAgainEnv
@@ -60,7 +61,7 @@ def test_three_turn_trajectories_match_the_engine(local_engine, continuation):
         samples.append(sample)
     diff = sample_logprob_diffs(local_engine.model, samples, cache_get=local_engine.encoder.cache.get,
                                 image_token_id=unwrap_policy(local_engine.model).image_token_id,
-                                banned_token_ids=local_engine.banned_token_ids, temperature=1.0, merge=merge)
+                                banned_token_ids=local_engine.banned_token_ids, distribution=SampledDistribution(), merge=merge)
     assert diff.numel() == sum(int(s.loss_mask.sum()) for s in samples) >= 4 * 3
     assert float(diff.mean()) <= MISMATCH_MEAN
     assert float(diff.max()) <= MISMATCH_MAX, float(diff.max())

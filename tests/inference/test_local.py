@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from saccade.models.sampling import SampledDistribution
 from saccade.bench.engine import trainer_logprob_diffs
 from saccade.inference.engine import ChatRequest, SamplingParams
 from saccade.inference.local import LocalEngine
@@ -39,11 +40,14 @@ def lora_engine(tiny_path, processor, encoder):
     return LocalEngine(model, processor, encoder, seed=0)
 
 
-def _trainer_logprobs(engine, completions, temperature):
+def _trainer_logprobs(engine, completions, temperature_or_distribution):
+    distribution = temperature_or_distribution
+    if not isinstance(distribution, SampledDistribution):
+        distribution = SampledDistribution(temperature=distribution)
     return trainer_logprob_diffs(
         engine.model, completions, cache_get=engine.encoder.cache.get,
         image_token_id=unwrap_policy(engine.model).image_token_id, banned_token_ids=engine.banned_token_ids,
-        temperature=temperature, merge=engine.encoder.merge,
+        distribution=distribution, merge=engine.encoder.merge,
     )
 
 
@@ -120,6 +124,24 @@ def test_weights_are_shared_so_the_sync_costs_nothing(lora_engine, encoder):
     assert float(stale.mean()) > 1e-3
 
 
+@pytest.mark.parametrize("options", [{"top_k": 4}, {"min_p": 0.3}, {"top_p": 0.5}],
+                         ids=["top_k", "min_p", "top_p"])
+def test_truncated_sampling_logprobs_are_what_the_trainer_computes(lora_engine, options):
+    """The engine draws from, and reports the logprob under, the truncated distribution; the
+    trainer, recomputing each token's kept set from its own logits, scores the same one. The
+    plain softmax (what the trainer computed before the truncation was modelled) is far off."""
+    params = SamplingParams(temperature=0.8, max_tokens=6, n=3, **options)
+    groups = lora_engine.generate(_requests()[:3], params)
+    completions = [c for g in groups for c in g]
+    diff = _trainer_logprobs(lora_engine, completions, params.distribution)
+    untruncated = _trainer_logprobs(lora_engine, completions, SampledDistribution(temperature=0.8))
+    assert diff.numel() >= 9
+    assert float(diff.mean()) <= MISMATCH_MEAN and float(diff.max()) <= MISMATCH_MAX, float(diff.max())
+    assert float(untruncated.mean()) > 100 * MISMATCH_MEAN, float(untruncated.mean())
+    print(f"{options}: mismatch mean {float(diff.mean()):.2e} max {float(diff.max()):.2e}; "
+          f"untruncated mean {float(untruncated.mean()):.2e} max {float(untruncated.max()):.2e}")
+
+
 def test_tiny_top_p_is_greedy_and_greedy_is_deterministic(lora_engine):
     requests = _requests()[:3]
     greedy = lora_engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=6))
@@ -135,6 +157,10 @@ def test_sampling_params_are_checked():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-1)
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.0)
 
 
 def test_the_decode_mask_built_here_equals_transformers_own(policy, processor, encoder, monkeypatch):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from stub_tasks import HashEpisodesTask, hash_reward, scored_task
 
+from saccade.models.sampling import SampledDistribution
 from saccade.config import RunConfig, load_config
 from saccade.inference.engine import SamplingParams
 from saccade.orchestrator.rollout import final_info_means, rollout_step
@@ -113,7 +114,7 @@ def test_one_grpo_step_raises_what_the_advantages_favour(tmp_path):
             for s in samples:  # one micro-batch each
                 (mb,) = pack([s], setup.cache.get, max_tokens=4096, image_token_id=setup.image_token_id,
                              spatial_merge_size=setup.merge)
-                logprobs, _ = forward_logprobs(setup.model, mb, temperature=cfg.engine.temperature,
+                logprobs, _ = forward_logprobs(setup.model, mb, distribution=SampledDistribution(temperature=cfg.engine.temperature),
                                                only_loss_tokens=True, banned_token_ids=banned)
                 out.append(float(logprobs[mb.loss_mask].sum()))
         return out
@@ -124,7 +125,8 @@ def test_one_grpo_step_raises_what_the_advantages_favour(tmp_path):
     micro_batches = pack(samples, setup.cache.get, max_tokens=cfg.trainer.max_tokens,
                          image_token_id=setup.image_token_id, spatial_merge_size=setup.merge)
     metrics = train_step(setup.model, optimizer, scheduler, micro_batches, loss=cfg.loss, num_iterations=1,
-                         grad_clip=cfg.trainer.grad_clip, temperature=cfg.engine.temperature, banned_token_ids=banned)
+                         grad_clip=cfg.trainer.grad_clip, distribution=SampledDistribution(temperature=cfg.engine.temperature),
+                         banned_token_ids=banned)
     assert metrics["skipped_steps"] == 0.0
     after = sequence_logprobs()
     for s, b, a in zip(samples, before, after, strict=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from saccade.models.sampling import SampledDistribution
 from saccade.bench.engine import sample_logprob_diffs
 from saccade.envs.examples import LookAgainEnv
 from saccade.envs.rollout import run_episodes
@@ -40,7 +41,7 @@ def test_three_turn_trajectories_on_vllm_match_the_trainer(base_server, engine, 
         check_consistency(sample, t.turns, spatial_merge_size=2)  # the server's own prompt ids and types
         samples.append(sample)
     diff = sample_logprob_diffs(policy, samples, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
-                                banned_token_ids=engine.banned_token_ids, temperature=1.0)
+                                banned_token_ids=engine.banned_token_ids, distribution=SampledDistribution())
     assert diff.numel() == sum(int(s.loss_mask.sum()) for s in samples) >= n * 3
     assert float(diff.mean()) <= MISMATCH_MEAN, float(diff.mean())
     assert float(diff.max()) <= MISMATCH_MAX, float(diff.max())

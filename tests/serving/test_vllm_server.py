@@ -14,13 +14,15 @@ httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+from saccade.models.sampling import SampledDistribution  # noqa: E402
 from saccade.bench.engine import ENCODE_BAR, MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
 
 def trainer_logprobs(model, completions, engine, temperature):
     from saccade.bench.engine import trainer_logprob_diffs
 
     return trainer_logprob_diffs(model, completions, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
-                                 banned_token_ids=engine.banned_token_ids, temperature=temperature)
+                                 banned_token_ids=engine.banned_token_ids,
+                                 distribution=SampledDistribution(temperature=temperature))
 
 
 def test_prompt_ids_match_saccade_for_one_and_two_images(engine, processor, limits):

@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from stub_tasks import scored_task  # noqa: E402
 
+from saccade.models.sampling import SampledDistribution  # noqa: E402
 from saccade.bench.engine import MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
 from saccade.config import RunConfig, load_config  # noqa: E402
 from saccade.metrics import read_metrics  # noqa: E402
@@ -49,7 +50,7 @@ def served_policy_diffs(setup, temperature=1.0):
     groups = setup.engine.generate(shapes_requests(2, seed=31), SamplingParams(temperature=temperature, max_tokens=8, n=4))
     return trainer_logprob_diffs(
         setup.model, [c for g in groups for c in g], cache_get=setup.cache.get, image_token_id=setup.image_token_id,
-        banned_token_ids=setup.engine.banned_token_ids, temperature=temperature,
+        banned_token_ids=setup.engine.banned_token_ids, distribution=SampledDistribution(temperature=temperature),
     )
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from saccade.models.sampling import SampledDistribution
 from saccade.config import TrainerConfig
 from saccade.models.lm import load_policy_lm, set_full_finetune
 from saccade.trainer.step import build_optimizer, lr_schedule, optimized_params
@@ -139,7 +140,7 @@ def test_a_padding_micro_batch_changes_nothing_but_runs_a_full_forward_and_backw
         model = set_full_finetune(load_policy_lm(tiny_path))
         optimizer, scheduler = build_optimizer(model, lr=1e-3, weight_decay=0.0, schedule=lambda s: 1.0)
         metrics = train_step(model, optimizer, scheduler, micro_batches, loss=LossConfig(), num_iterations=1,
-                             grad_clip=1.0, temperature=1.0, banned_token_ids=[])
+                             grad_clip=1.0, distribution=SampledDistribution(), banned_token_ids=[])
         return metrics, {n: p.detach().clone() for n, p in model.named_parameters()}
 
     real = _text_micro_batches()

@@ -156,6 +156,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.distributed import all_gather, barrier, close_world, exit_rank, init_world, shard_model, unsharded
     from saccade.metrics import proc_status_kb
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
+    from saccade.models.sampling import SampledDistribution
     from saccade.models.tiny import resolve_model
     from saccade.setup import resolve_device
     from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
@@ -183,7 +184,7 @@ def worker(args: argparse.Namespace) -> None:
         _sync(device)
         start = time.perf_counter()
         train_step(model, optimizer, scheduler, micro_batches, loss=LossConfig(), num_iterations=1, grad_clip=1.0,
-                   temperature=1.0, banned_token_ids=[], world=world)
+                   distribution=SampledDistribution(), banned_token_ids=[], world=world)
         _sync(device)
         if step:
             times.append(time.perf_counter() - start)

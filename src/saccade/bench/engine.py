@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from saccade.data.images import image_hash
+from saccade.models.sampling import SampledDistribution
 
 # Issue 4's bars (fp32): sampled-token logprobs, vLLM against the trainer, and the served tower.
 MEAN_BAR, MAX_BAR, ENCODE_BAR = 1e-4, 1e-3, 1e-5
@@ -55,19 +56,19 @@ def shapes_requests(n: int, *, seed: int = 5, second_image_every: int = 2):
     return requests
 
 
-def trainer_logprob_diffs(model, completions, *, cache_get, image_token_id: int, banned_token_ids, temperature: float,
-                          merge: int = 2) -> torch.Tensor:
+def trainer_logprob_diffs(model, completions, *, cache_get, image_token_id: int, banned_token_ids,
+                          distribution: SampledDistribution, merge: int = 2) -> torch.Tensor:
     """|trainer logprob - engine logprob| of every sampled token, on the packed cached-image path."""
     from saccade.orchestrator.samples import completion_to_sample
 
     samples = [completion_to_sample(c, sample_id=f"s{i}", advantage=0.0, reward=0.0, spatial_merge_size=merge)
                for i, c in enumerate(completions)]
     return sample_logprob_diffs(model, samples, cache_get=cache_get, image_token_id=image_token_id,
-                                banned_token_ids=banned_token_ids, temperature=temperature, merge=merge)
+                                banned_token_ids=banned_token_ids, distribution=distribution, merge=merge)
 
 
-def sample_logprob_diffs(model, samples, *, cache_get, image_token_id: int, banned_token_ids, temperature: float,
-                         merge: int = 2, max_tokens: int = 4096) -> torch.Tensor:
+def sample_logprob_diffs(model, samples, *, cache_get, image_token_id: int, banned_token_ids,
+                         distribution: SampledDistribution, merge: int = 2, max_tokens: int = 4096) -> torch.Tensor:
     """|trainer logprob - engine logprob| on every loss token of TrainingSamples (multi-turn ones too)."""
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.packing import pack
@@ -75,15 +76,15 @@ def sample_logprob_diffs(model, samples, *, cache_get, image_token_id: int, bann
     diffs = []
     with torch.no_grad():
         for mb in pack(samples, cache_get, max_tokens=max_tokens, image_token_id=image_token_id, spatial_merge_size=merge):
-            lp, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True,
+            lp, _ = forward_logprobs(model, mb, distribution=distribution, only_loss_tokens=True,
                                      banned_token_ids=banned_token_ids)
             diffs.append((lp - mb.inference_logprobs)[mb.loss_mask].abs())
     return torch.cat(diffs)
 
 
-def _engine_diffs(model, engine, completions, temperature):
+def _engine_diffs(model, engine, completions, distribution: SampledDistribution):
     return trainer_logprob_diffs(model, completions, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
-                                 banned_token_ids=engine.banned_token_ids, temperature=temperature)
+                                 banned_token_ids=engine.banned_token_ids, distribution=distribution)
 
 
 def one_likelihood_step(model, engine, completions, lr: float = 1e-2) -> None:
@@ -135,7 +136,7 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
         completions = [c for g in engine.generate(requests, params) for c in g]
         policy = set_full_finetune(load_policy_lm(path, dtype=torch_dtype))
         policy.eval()
-        diffs = _engine_diffs(policy, engine, completions, temperature)
+        diffs = _engine_diffs(policy, engine, completions, params.distribution)
 
         # /encode_images against the transformers tower, on every image the requests used.
         encoder = VisionEncoder(load_vision_tower(path, dtype=torch_dtype), processor, limits=engine.limits,
@@ -154,7 +155,7 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
         engine.exporter = lambda version: str(merge_full_weights_for_engine(policy, path, weights_dir / f"weights-v{version}"))
         sync_s = engine.update_weights()
         after = [c for g in engine.generate(requests, params) for c in g]
-        after_diffs = _engine_diffs(policy, engine, after, temperature)
+        after_diffs = _engine_diffs(policy, engine, after, params.distribution)
         if url:  # leave a server we did not start as we found it
             engine.exporter = lambda version: str(path)
             engine.update_weights()

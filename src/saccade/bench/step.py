@@ -80,7 +80,9 @@ class SaccadeStep:
         self.task = task_from_config(cfg)
         self.optimizer, self.scheduler = build_optimizer(self.setup.model, lr=cfg.trainer.lr, weight_decay=0.0,
                                                          schedule=lr_schedule(cfg.trainer))
-        self.sampling = SamplingParams(temperature=cfg.engine.temperature, max_tokens=cfg.engine.max_tokens)
+        e = cfg.engine
+        self.sampling = SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, min_p=e.min_p,
+                                       max_tokens=e.max_tokens)
 
     def prompts(self, step: int) -> list:
         return [self.task.train_sample(step * PROMPTS + i, seed=self.cfg.trainer.seed) for i in range(PROMPTS)]
@@ -109,7 +111,7 @@ class SaccadeStep:
                 spatial_merge_size=s.merge, share_prompts=cfg.trainer.share_prompts and shares_prompts(s.model))]
         metrics = train_step(s.model, self.optimizer, self.scheduler, micro_batches, loss=cfg.loss,
                              num_iterations=cfg.trainer.num_iterations, grad_clip=cfg.trainer.grad_clip,
-                             temperature=cfg.engine.temperature, banned_token_ids=s.engine.banned_token_ids)
+                             distribution=self.sampling.distribution, banned_token_ids=s.engine.banned_token_ids)
         pins.release()
         with timed("weight_sync"):
             s.engine.update_weights()

@@ -4,7 +4,8 @@ An engine takes chat requests (OpenAI-format messages, images included) and retu
 for each, n sampled completions with everything the trainer needs to reproduce them
 exactly: the prompt token ids as the engine saw them (image pads expanded), the
 sampled ids, their logprobs under the distribution actually sampled from
-(temperature applied, vision tokens banned), and the images' cache keys and grids.
+(temperature applied, truncated by top_k/top_p/min_p, vision tokens banned), and the
+images' cache keys and grids.
 The embedded engine (`saccade.inference.local`) and the vLLM client implement it.
 """
 
@@ -16,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from saccade.models.sampling import SampledDistribution
+
 # Tokens an engine must never sample: a sampled image pad would break the next forward.
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 
@@ -23,7 +26,9 @@ VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy (argmax)
-    top_p: float = 1.0
+    top_p: float = 1.0  # the truncations apply to sampling only, never to greedy decoding
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     max_tokens: int = 16
     n: int = 1  # completions per request (the group size G)
     seed: int | None = None
@@ -33,8 +38,19 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0: off)")
+        if not 0 <= self.min_p < 1:
+            raise ValueError("min_p must be in [0, 1)")
         if self.max_tokens < 1 or self.n < 1:
             raise ValueError("max_tokens and n must be >= 1")
+
+    @property
+    def distribution(self) -> SampledDistribution:
+        """The distribution a sampled (temperature > 0) token is drawn from, as the trainer scores it."""
+        assert self.temperature > 0, "greedy decoding has no sampled distribution"
+        return SampledDistribution(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                   min_p=self.min_p)
 
 
 def stream_seed(*parts: int) -> int:

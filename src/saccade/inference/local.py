@@ -13,9 +13,10 @@ every row that has not stopped (finished rows leave the batch). Simplified on pu
 attention, no continuous batching, no speculative decoding; that is vLLM's job.
 
 Logprobs: the engine reports log softmax(logits / temperature) with the vision tokens
-masked out, i.e. exactly what `forward_logprobs(..., temperature, banned_token_ids)`
-computes in the trainer. With top_p < 1 the draw itself is restricted to the nucleus;
-the reported logprob stays the temperature-only one (what the trainer can reproduce).
+masked out and, with top_k, top_p or min_p set, renormalised over the kept set
+(`saccade.models.sampling.kept_tokens`, vLLM's rule): the distribution the token was drawn
+from, i.e. exactly what `forward_logprobs(..., distribution, banned_token_ids)` computes in
+the trainer.
 Like the trainer's, the logits are computed in float32 from the final hidden state (never
 rounded to bf16 in between), so both score the same distribution in any precision.
 
@@ -49,6 +50,7 @@ from saccade.inference.engine import (
 from saccade.models.attention import PACKED_SDPA
 from saccade.models.lm import BANNED_LOGIT, unwrap_policy
 from saccade.models.positions import mrope_positions
+from saccade.models.sampling import kept_tokens
 from saccade.models.vision import ImageEmbedding, VisionEncoder
 
 
@@ -262,10 +264,12 @@ class LocalEngine:
             logprobs_AV = torch.log_softmax(logits_AV, dim=-1)
             token_A = logprobs_AV.argmax(dim=-1)
             return token_A, logprobs_AV.gather(1, token_A.unsqueeze(1)).squeeze(1)
-        logprobs_AV = torch.log_softmax(logits_AV / params.temperature, dim=-1)
+        z_AV = logits_AV / params.temperature
+        distribution = params.distribution
+        if distribution.truncates:  # drawn from, and scored under, the renormalised kept set
+            z_AV = z_AV.masked_fill(~kept_tokens(z_AV, distribution), float("-inf"))
+        logprobs_AV = torch.log_softmax(z_AV, dim=-1)
         probs_AV = logprobs_AV.exp()
-        if params.top_p < 1.0:
-            probs_AV = _nucleus(probs_AV, params.top_p)
         # The exponential race: argmax p / E with E ~ Exp(1) is a draw from p (vLLM samples
         # seeded requests the same way), and each row's E comes from that row's stream alone.
         race_AV = torch.stack([torch.empty_like(probs_AV[0]).exponential_(generator=g) for g in generators])
@@ -373,11 +377,3 @@ def decode_mask(mask_BK: torch.Tensor, padded: bool, attn_implementation: str) -
     if attn_implementation in ("sdpa", PACKED_SDPA):
         return mask_BK.bool()[:, None, None, :]
     return mask_BK
-
-
-def _nucleus(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero out tokens outside the smallest set whose probability reaches top_p."""
-    sorted_p, order = probs_BV.sort(dim=-1, descending=True)
-    before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
-    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
-    return torch.zeros_like(probs_BV).scatter(-1, order, sorted_p)

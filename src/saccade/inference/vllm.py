@@ -6,7 +6,7 @@ For each request it:
    the trainer gets the served tower's own features (DeepStack included) without a tower;
 3. samples n completions with `/v1/chat/completions`, asking for the sampled token ids,
    their logprobs (the server runs with `--logprobs-mode processed_logprobs`, so these are
-   under the temperature actually sampled with) and the prompt ids with the image pads
+   under the temperature and truncation actually sampled with) and the prompt ids with the image pads
    expanded, exactly as vLLM ran them; vision tokens are banned with a logit bias.
 
 All HTTP runs on one event loop, in a thread of its own, with one persistent client: the
@@ -507,11 +507,21 @@ class VLLMEngine:
         return list(await asyncio.gather(*(one(item) for item in items)))
 
     def _sampling(self, params: SamplingParams) -> dict[str, Any]:
-        """The sampling fields both routes share; vision tokens banned with a logit bias."""
+        """The sampling fields both routes share; vision tokens banned with a logit bias.
+
+        Every field that shapes the distribution is sent, even at its "off" value: a field left
+        out takes the model's generation_config.json default (Qwen3-VL's sets top_k = 20), and
+        the trainer would then score another distribution than the one sampled. No penalties:
+        the trainer does not model them."""
         fields: dict[str, Any] = {
             "n": params.n,
             "temperature": params.temperature,
             "top_p": params.top_p,
+            "top_k": params.top_k,  # 0: off, in vLLM as here
+            "min_p": params.min_p,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
             "max_tokens": params.max_tokens,
             "logit_bias": {str(t): BAN_BIAS for t in self.banned_token_ids},
         }

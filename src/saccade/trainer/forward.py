@@ -13,7 +13,8 @@ from torch import nn
 
 from saccade.timing import timed
 from saccade.models.lm import BANNED_LOGIT, unwrap_policy
-from saccade.trainer.logprobs import token_logprobs_and_entropy
+from saccade.models.sampling import SampledDistribution
+from saccade.trainer.logprobs import PLAIN, token_logprobs_and_entropy
 from saccade.trainer.samples import MicroBatch
 
 
@@ -52,13 +53,15 @@ def forward_logprobs(
     model: nn.Module,
     mb: MicroBatch,
     *,
-    temperature: float = 1.0,
+    distribution: SampledDistribution = PLAIN,
     only_loss_tokens: bool = False,
     chunk_size: int = 1024,
     banned_token_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_N, entropy_N), float32, zero where not computed.
 
+    distribution: the temperature and truncation (top_k, top_p, min_p) the engine sampled
+    with; each token's kept set is recomputed from these logits (`saccade.trainer.logprobs`).
     banned_token_ids: tokens the engine can never sample (the vision tokens). They are
     masked out of the softmax here too, so the trainer's distribution is exactly the one
     the engine sampled from.
@@ -73,11 +76,11 @@ def forward_logprobs(
             context=mb.context,
         )
     with timed("logprobs"):
-        return _logprobs_at(policy, mb, hidden_1NH, only_loss_tokens, temperature, chunk_size, banned_token_ids)
+        return _logprobs_at(policy, mb, hidden_1NH, only_loss_tokens, distribution, chunk_size, banned_token_ids)
 
 
-def _logprobs_at(policy, mb: MicroBatch, hidden_1NH: torch.Tensor, only_loss_tokens: bool, temperature: float,
-                 chunk_size: int, banned_token_ids: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _logprobs_at(policy, mb: MicroBatch, hidden_1NH: torch.Tensor, only_loss_tokens: bool,
+                 distribution: SampledDistribution, chunk_size: int, banned_token_ids: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The lm_head on the predicted positions only, in chunks: (logprobs_N, entropy_N)."""
     device = hidden_1NH.device
     prev_N = predecessors(mb)
@@ -91,7 +94,7 @@ def _logprobs_at(policy, mb: MicroBatch, hidden_1NH: torch.Tensor, only_loss_tok
     head = policy.lm_head
     bias_V = ban_bias(head, banned_token_ids)
     logprobs_T, entropy_T = token_logprobs_and_entropy(
-        hidden_TH, head.weight, targets_T, temperature=temperature, chunk_size=chunk_size, bias_V=bias_V
+        hidden_TH, head.weight, targets_T, distribution=distribution, chunk_size=chunk_size, bias_V=bias_V
     )
     logprobs_N = torch.zeros(mb.num_tokens, device=device, dtype=torch.float32)
     entropy_N = torch.zeros(mb.num_tokens, device=device, dtype=torch.float32)

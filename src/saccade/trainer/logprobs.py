@@ -27,6 +27,17 @@ so for upstream gradients g_lp and g_H the gradient w.r.t. the logits is
 and the chain rule through ``z = (hidden @ weight.T + bias) / temperature`` divides by the
 temperature.
 
+Truncation (top_k, top_p, min_p; ``saccade.models.sampling``): the engine samples from, and
+reports the logprob under, softmax(z) renormalised over a kept set K. Here K is recomputed per
+token from the trainer's own z, by the engine's rule (``kept_tokens``), and the sampled target is
+always added to it: where the two sets differ (a token at the set's boundary, whose logit differs
+in the last bits, or a token sampled by older weights) the logprob stays finite, and the gap
+shows in the mismatch metric instead of an infinite ratio. Masked tokens get z = -inf, so p = 0:
+the formulas above hold over K with the sums over K (the set is piecewise constant in z, so no
+gradient flows through its choice), and the entropy is that of the truncated distribution. The
+set is recomputed in backward from the same chunk logits, so it is the forward's. With no
+truncation none of this runs: the numerics are those of the plain softmax, bit for bit.
+
 Numerics: everything is computed in float32 (float64 if an input is float64, so that
 ``gradcheck`` works), whatever the input dtype: bf16 logits have ~3 significant digits,
 which is far too coarse for the policy/reference log-ratios RL depends on. A non-float32
@@ -44,6 +55,10 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from saccade.models.sampling import SampledDistribution, kept_tokens
+
+PLAIN = SampledDistribution()  # temperature 1, nothing truncated
+
 __all__ = ["token_logprobs_and_entropy", "token_logprobs_and_entropy_reference"]
 
 
@@ -52,7 +67,7 @@ def token_logprobs_and_entropy(
     weight_VH: torch.Tensor,
     targets_N: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    distribution: SampledDistribution = PLAIN,
     chunk_size: int = 1024,
     bias_V: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,17 +77,17 @@ def token_logprobs_and_entropy(
         hidden_NH: (N, H) final hidden states (after the final norm).
         weight_VH: (V, H) lm_head weight; gets a gradient only if it requires one.
         targets_N: (N,) integer token ids whose log-probability is wanted.
-        temperature: the logits are divided by it before the softmax, to score the same
-            distribution the inference engine sampled from.
+        distribution: the temperature the logits are divided by and the truncation (top_k,
+            top_p, min_p) of the softmax: the distribution the inference engine sampled from.
         chunk_size: tokens per chunk; extra memory is a few (chunk_size x V) float32 buffers.
         bias_V: optional (V,) lm_head bias.
 
     Returns:
         ``(logprobs_N, entropy_N)``, float32 (float64 if an input is float64).
     """
-    _check_inputs(hidden_NH, weight_VH, targets_N, bias_V, temperature, chunk_size)
+    _check_inputs(hidden_NH, weight_VH, targets_N, bias_V, chunk_size)
     return _ChunkedLogprobsEntropy.apply(
-        hidden_NH, weight_VH, targets_N.long(), bias_V, float(temperature), int(chunk_size)
+        hidden_NH, weight_VH, targets_N.long(), bias_V, distribution, int(chunk_size)
     )
 
 
@@ -81,7 +96,7 @@ def token_logprobs_and_entropy_reference(
     weight_VH: torch.Tensor,
     targets_N: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    distribution: SampledDistribution = PLAIN,
     chunk_size: int | None = None,
     bias_V: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,14 +106,20 @@ def token_logprobs_and_entropy_reference(
     the two functions are interchangeable.
     """
     del chunk_size
-    _check_inputs(hidden_NH, weight_VH, targets_N, bias_V, temperature, 1)
+    _check_inputs(hidden_NH, weight_VH, targets_N, bias_V, 1)
     compute_dtype = _compute_dtype(hidden_NH, weight_VH)
     logits_NV = hidden_NH.to(compute_dtype) @ weight_VH.to(compute_dtype).T
     if bias_V is not None:
         logits_NV = logits_NV + bias_V.to(compute_dtype)
-    logits_NV = logits_NV / temperature
+    logits_NV = logits_NV / distribution.temperature
+    if distribution.truncates:
+        kept_NV = _kept_with_targets(logits_NV.detach(), targets_N.long(), distribution)
+        logits_NV = logits_NV.masked_fill(~kept_NV, float("-inf"))
     logp_NV = torch.log_softmax(logits_NV, dim=-1)
     logprobs_N = logp_NV.gather(1, targets_N.long()[:, None]).squeeze(1)
+    if distribution.truncates:
+        # p log p = 0 where p = 0; masked_fill (not where) so no 0 * inf reaches the gradient.
+        logp_NV = logp_NV.masked_fill(~kept_NV, 0.0)
     entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
     return logprobs_N, entropy_N
 
@@ -113,7 +134,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         weight_VH: torch.Tensor,
         targets_N: torch.Tensor,
         bias_V: torch.Tensor | None,
-        temperature: float,
+        distribution: SampledDistribution,
         chunk_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden_NH.shape[0]
@@ -129,8 +150,9 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             for start in range(0, num_tokens, chunk_size):
                 chunk = slice(start, min(start + chunk_size, num_tokens))
                 logits_CV = _chunk_logits(
-                    hidden_NH[chunk], weight_cd_VH, bias_cd_V, temperature, compute_dtype
+                    hidden_NH[chunk], weight_cd_VH, bias_cd_V, distribution.temperature, compute_dtype
                 )
+                kept_CV = _truncate_(logits_CV, targets_N[chunk], distribution)
                 lse_C = torch.logsumexp(logits_CV, dim=-1)
                 target_logit_C = logits_CV.gather(1, targets_N[chunk, None]).squeeze(1)
                 logprobs_N[chunk] = target_logit_C - lse_C
@@ -139,11 +161,13 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
                 # cancellation between two large numbers when the logits are large.
                 logp_CV = logits_CV.sub_(lse_C[:, None])  # in place: logits are not needed
                 plogp_CV = logp_CV.exp().mul_(logp_CV)
+                if kept_CV is not None:
+                    plogp_CV.masked_fill_(~kept_CV, 0.0)  # p log p = 0 at p = 0 (not 0 * -inf)
                 entropy_N[chunk] = -plogp_CV.sum(dim=-1)
-                del logits_CV, logp_CV, plogp_CV
+                del logits_CV, logp_CV, plogp_CV, kept_CV
 
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, bias_V, lse_N, entropy_N)
-        ctx.temperature = temperature
+        ctx.distribution = distribution
         ctx.chunk_size = chunk_size
         # Entropy is often only logged: let its gradient arrive as None and skip that term.
         ctx.set_materialize_grads(False)
@@ -161,7 +185,8 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
 
         num_tokens = hidden_NH.shape[0]
         compute_dtype = lse_N.dtype
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        distribution, chunk_size = ctx.distribution, ctx.chunk_size
+        temperature = distribution.temperature
         # Fold d z / d logits = 1 / temperature into the per-token upstream gradients.
         g_lp_N = _scaled_upstream(grad_logprobs_N, compute_dtype, temperature)
         g_h_N = _scaled_upstream(grad_entropy_N, compute_dtype, temperature)
@@ -188,8 +213,11 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
                 logits_CV = _chunk_logits(
                     hidden_CH, weight_cd_VH, bias_cd_V, temperature, compute_dtype
                 )
+                # The same logits as in forward, so the same kept set.
+                kept_CV = _truncate_(logits_CV, targets_N[chunk], distribution)
                 grad_logits_CV = _grad_logits_from_logits_(
                     logits_CV,
+                    kept_CV,
                     lse_N[chunk],
                     entropy_N[chunk],
                     targets_N[chunk],
@@ -202,7 +230,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
                     grad_weight_VH.addmm_(grad_logits_CV.T, hidden_CH)
                 if grad_bias_V is not None:
                     grad_bias_V += grad_logits_CV.sum(dim=0)
-                del logits_CV, grad_logits_CV
+                del logits_CV, grad_logits_CV, kept_CV
 
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
@@ -228,6 +256,26 @@ def _chunk_logits(
     return logits_CV
 
 
+def _kept_with_targets(
+    z_CV: torch.Tensor, targets_C: torch.Tensor, distribution: SampledDistribution
+) -> torch.Tensor:
+    """(C, V) bool: the engine's kept set computed from these logits, plus each row's target."""
+    kept_CV = kept_tokens(z_CV, distribution)
+    kept_CV.scatter_(1, targets_C[:, None], True)
+    return kept_CV
+
+
+def _truncate_(
+    logits_CV: torch.Tensor, targets_C: torch.Tensor, distribution: SampledDistribution
+) -> torch.Tensor | None:
+    """Mask, in place, the tokens outside the kept set to -inf; returns the set (None: no truncation)."""
+    if not distribution.truncates:
+        return None
+    kept_CV = _kept_with_targets(logits_CV, targets_C, distribution)
+    logits_CV.masked_fill_(~kept_CV, float("-inf"))
+    return kept_CV
+
+
 def _scaled_upstream(
     grad_N: torch.Tensor | None, compute_dtype: torch.dtype, temperature: float
 ) -> torch.Tensor | None:
@@ -237,6 +285,7 @@ def _scaled_upstream(
 
 def _grad_logits_from_logits_(
     logits_CV: torch.Tensor,
+    kept_CV: torch.Tensor | None,
     lse_C: torch.Tensor,
     entropy_C: torch.Tensor,
     targets_C: torch.Tensor,
@@ -246,10 +295,13 @@ def _grad_logits_from_logits_(
     """d loss / d logits for one chunk; overwrites ``logits_CV`` to keep two (C, V) buffers.
 
     ``g_lp_C`` / ``g_h_C`` are the upstream gradients of logprob / entropy, already divided
-    by the temperature; either may be None (no gradient flows into that output).
+    by the temperature; either may be None (no gradient flows into that output). ``kept_CV``:
+    the truncation's kept set (masked logits are -inf), or None.
     """
     logp_CV = logits_CV.sub_(lse_C[:, None])
     p_CV = logp_CV.exp()
+    if kept_CV is not None:
+        logp_CV.masked_fill_(~kept_CV, 0.0)  # p = 0 there: keeps 0 * -inf out of the products
     if g_h_C is None:
         # Logprob only: -p * g_lp (+ g_lp at the target, below).
         grad_CV = p_CV.mul_(-g_lp_C[:, None])
@@ -282,7 +334,6 @@ def _check_inputs(
     weight_VH: torch.Tensor,
     targets_N: torch.Tensor,
     bias_V: torch.Tensor | None,
-    temperature: float,
     chunk_size: int,
 ) -> None:
     if hidden_NH.dim() != 2 or weight_VH.dim() != 2:
@@ -298,7 +349,5 @@ def _check_inputs(
         raise TypeError(f"targets must be integer token ids; got {targets_N.dtype}")
     if bias_V is not None and bias_V.shape != (weight_VH.shape[0],):
         raise ValueError(f"bias must be ({weight_VH.shape[0]},); got {tuple(bias_V.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0; got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")

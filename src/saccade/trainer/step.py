@@ -2,8 +2,9 @@
 
 `train_step` never sees a run's setup or config file: it gets the model, the optimizer and
 its scheduler, the step's micro-batches (already packed and on the model's device), the loss
-settings, the sampling temperature and banned tokens (so the trainer scores exactly the
-distribution the engine sampled from), and optionally a reference policy for the KL term.
+settings, the sampled distribution (temperature, top_k, top_p, min_p) and the banned tokens
+(so the trainer scores exactly the distribution the engine sampled from), and optionally a
+reference policy for the KL term.
 A distributed trainer or an async orchestrator calls it the same way.
 
 Per step: behaviour logprobs first (the engine's, or with TIS the trainer's own before the
@@ -24,6 +25,7 @@ from torch import nn
 
 from saccade.config import LossConfig, TrainerConfig
 from saccade.distributed import SINGLE, World, all_reduce_sum
+from saccade.models.sampling import SampledDistribution
 from saccade.timing import timed
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.loss import LossInputs, policy_loss
@@ -143,15 +145,17 @@ def grad_norm_or_none(params: list[torch.Tensor], max_norm: float) -> float | No
     return float(norm) if torch.isfinite(norm) else None
 
 
-def adapter_free_reference(model: nn.Module, *, temperature: float, banned_token_ids: list[int]) -> Reference:
-    """The base model, LoRA adapters switched off, as the reference policy (no second copy held)."""
+def adapter_free_reference(model: nn.Module, *, distribution: SampledDistribution,
+                           banned_token_ids: list[int]) -> Reference:
+    """The base model, LoRA adapters switched off, as the reference policy (no second copy held).
+    It scores the same shaped distribution as the policy: its own logits, truncated by the same rule."""
     if not hasattr(model, "disable_adapter"):
         raise ValueError("loss.kl_coef > 0 needs LoRA (the reference is the base model with adapters off)")
 
     @torch.no_grad()
     def reference(mb: MicroBatch) -> torch.Tensor:
         with model.disable_adapter():
-            logprobs, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True,
+            logprobs, _ = forward_logprobs(model, mb, distribution=distribution, only_loss_tokens=True,
                                            banned_token_ids=banned_token_ids)
         return logprobs
 
@@ -167,7 +171,7 @@ def train_step(
     loss: LossConfig,
     num_iterations: int,
     grad_clip: float,
-    temperature: float,
+    distribution: SampledDistribution,
     banned_token_ids: list[int],
     reference: Reference | None = None,
     world: World = SINGLE,
@@ -196,7 +200,7 @@ def train_step(
     with torch.no_grad():
         for mb in micro_batches:
             if loss.tis_cap is not None:
-                logprobs, _ = forward_logprobs(model, mb, temperature=temperature, only_loss_tokens=True,
+                logprobs, _ = forward_logprobs(model, mb, distribution=distribution, only_loss_tokens=True,
                                                banned_token_ids=banned_token_ids)
                 old_logprobs.append(logprobs)
             else:
@@ -214,7 +218,7 @@ def train_step(
         finite = True
         for k, mb in enumerate(micro_batches):
             logprobs, entropy = forward_logprobs(
-                model, mb, temperature=temperature, only_loss_tokens=True, banned_token_ids=banned_token_ids
+                model, mb, distribution=distribution, only_loss_tokens=True, banned_token_ids=banned_token_ids
             )
             inputs = LossInputs(
                 logprobs_N=logprobs,
