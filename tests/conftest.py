@@ -68,7 +68,7 @@ def policy(tiny_path):
 # tests/test_sample_log.py and tests/test_report.py read it; tests that change it copy it first.
 SHORT_RUN = [
     "--trainer.steps", "4", "--trainer.seed", "3",
-    "--rollout.prompts_per_step", "3", "--rollout.group_size", "4", "--rollout.filter_zero_variance", "false",
+    "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.filter_zero_variance", "false",
     "--engine.max_tokens", "4", "--loss.max_completion_tokens", "4",
     "--data.eval_size", "4", "--eval.every_steps", "2",
     "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "2",

@@ -6,6 +6,7 @@ once; every image of a multi-turn episode; a resumed run drops the lines past it
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 
 import pytest
@@ -84,6 +85,10 @@ def test_a_multi_turn_record_holds_every_image_of_each_episode(short_rl_run, tmp
         with Image.open(tmp_path / rel) as im:
             assert max(im.size) <= 32
     json.dumps(rec, allow_nan=False)  # a record is plain JSON
+    # Gathered to the other ranks (pickled), rollouts leave their images behind.
+    (gathered,) = pickle.loads(pickle.dumps(batch.groups))
+    assert [r.env_messages for r in gathered] == [[], []] and [r.texts for r in gathered] == [
+        r.texts for r in batch.groups[0]]
 
 
 def test_a_resumed_run_drops_the_samples_past_its_checkpoint(short_rl_run, tmp_path):
