@@ -61,3 +61,29 @@ def policy(tiny_path):
     from saccade.models.lm import load_policy_lm
 
     return load_policy_lm(tiny_path).eval()
+
+
+# A short real RL run that writes everything a run folder holds: metrics (eval every 2 steps),
+# samples.jsonl at every step with its images, TensorBoard events, checkpoints at steps 2 and 4.
+# tests/test_sample_log.py and tests/test_report.py read it; tests that change it copy it first.
+SHORT_RUN = [
+    "--trainer.steps", "4", "--trainer.seed", "3",
+    "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.filter_zero_variance", "false",
+    "--engine.max_tokens", "4", "--loss.max_completion_tokens", "4",
+    "--data.eval_size", "4", "--eval.every_steps", "2",
+    "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "2",
+    "--log.samples_every", "1", "--log.samples_prompts", "2", "--log.tensorboard", "true",
+]
+
+
+@pytest.fixture(scope="session")
+def short_rl_run(tmp_path_factory):
+    """(config, train_rl's result) of SHORT_RUN on the tiny model with stub rewards."""
+    from stub_tasks import scored_task
+
+    from saccade.config import RunConfig, load_config
+    from saccade.rl import train_rl
+
+    run_dir = tmp_path_factory.mktemp("short-rl") / "run"
+    cfg = load_config(RunConfig, "configs/demo.toml", [*SHORT_RUN, "--log.dir", str(run_dir)])
+    return cfg, train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)

@@ -23,7 +23,8 @@ def _write_run(run_dir, steps=60, *, full=True):
             if full:
                 m.update(accuracy=0.3 + s / 200, completion_len_mean=300 - s, completion_len_max=600 - s,
                          kl=1e-4 * s, mismatch_abs=0.02, mismatch_kl=2e-4, entropy=1.0, grad_norm=1.0,
-                         env_seen=min(1.0, s / 50), rss_mb=900 + s / 100, cache_mb=s / 4)
+                         env_seen=min(1.0, s / 50), rss_mb=900 + s / 100, cache_mb=s / 4,
+                         rollout_s=2.0, train_s=1.0 + s / 100, weight_sync_s=0.1)
             if s == 30:
                 m["loss"] = float("nan")
             lg.log(s, m)

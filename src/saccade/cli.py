@@ -341,6 +341,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return plot_command(args.run_dir)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from saccade.report import report_command
+
+    return report_command(args.run_dir, args.out, max_sample_steps=args.sample_steps)
+
+
 def cmd_build_model(args: argparse.Namespace) -> int:
     from saccade.models.tiny import build_tiny_qwen3vl, tiny_model_path
 
@@ -663,6 +669,21 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="write PNG curves of a run (reward, accuracy, lengths, KL, mismatch)")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder holding metrics.jsonl")
     plot.set_defaults(func=cmd_plot)
+
+    report = sub.add_parser(
+        "report",
+        help="write one self-contained HTML page of a run: curves, evaluations, samples, config",
+        description="Writes RUN_DIR/report.html (or --out): the curves of metrics.jsonl, the held-out "
+        "evaluations (the run's eval steps and any `saccade eval --json` file in the folder, per category), a "
+        "gallery of samples.jsonl (each prompt's images and its completions coloured by reward, with a step "
+        "slider) and the resolved config.toml. Everything is inline: it opens offline in any browser.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder holding metrics.jsonl")
+    report.add_argument("--out", metavar="FILE", help="where to write the page (default RUN_DIR/report.html)")
+    report.add_argument("--sample-steps", type=int, default=50, metavar="N",
+                        help="steps of samples.jsonl the gallery keeps, evenly spread, the last among them "
+                        "(default 50: the page stays a few MB)")
+    report.set_defaults(func=cmd_report)
 
     build = sub.add_parser(
         "build-model",

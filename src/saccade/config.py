@@ -581,13 +581,21 @@ class CheckpointConfig(Section):
 
 
 class LogConfig(Section):
-    """Where metrics and the resolved config go."""
+    """Where metrics, samples of the completions and the resolved config go."""
 
     dir: str | None = Field(None, min_length=1, description="run folder; unset: runs/<name>")
     name: str = Field("demo", pattern=_NAME_PATTERN, description="run name (letters, digits, '.', '_', '-')")
     wandb: bool = Field(False, description="log to Weights & Biases")
     wandb_project: str = Field("saccade", min_length=1, description="W&B project")
     tensorboard: bool = Field(False, description="write TensorBoard event files to the run folder")
+    samples_every: int = Field(
+        10, ge=0, description="every this many RL steps, write a few prompts with their completions, rewards and "
+        "advantages to <run_dir>/samples.jsonl (images under samples/; `saccade report` shows them); 0: never",
+    )
+    samples_prompts: int = Field(2, ge=1, le=64, description="prompts per samples.jsonl step, the step's first ones")
+    samples_image_side: int = Field(
+        256, ge=16, le=4096, description="longest side, pixels, of the PNG thumbnails written under samples/"
+    )
 
 
 VIEW_PLACES = ("left", "right", "ceiling", "floor", "far")

@@ -16,6 +16,10 @@ half-written last line, if the previous run was killed mid-write); `truncate_aft
 `resume_step=` at construction) drops the lines past the checkpoint being resumed, so the resumed
 run's file has no duplicate or ghost steps. Without `resume`, an existing non-empty file is kept
 aside as `metrics.jsonl.N` rather than overwritten.
+
+samples.jsonl (`log_samples`, the records of `saccade.sample_log`: a few prompts of a step with
+their completions) is written, repaired, truncated on resume and set aside the same way, by the
+same functions, and mirrored to the same backends (a W&B table, TensorBoard text and images).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # saccade.sample_log writes its records through `MetricsLogger.log_samples`
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id.txt"
 RESERVED_KEYS = ("step", "phase", "time", "elapsed_s")
@@ -93,6 +98,70 @@ def read_metrics(path: str | os.PathLike, *, phase: str | None = None) -> list[d
         if phase is None or rec.get("phase", "train") == phase:
             records.append(rec)
     return records
+
+
+
+# The run's JSONL files (metrics.jsonl, samples.jsonl) share these three writes.
+
+
+def repair_torn_tail(path: Path) -> None:
+    """Cut a half-written last line (no trailing newline) of a JSONL file, so that appending
+    does not glue the next record onto it."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    cut = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def set_aside(path: Path) -> Path:
+    """Move a previous run's file to the first free `NAME.N` and return where it went."""
+    n = 1
+    while (kept := path.with_name(f"{path.name}.{n}")).exists():
+        n += 1
+    os.replace(path, kept)
+    return kept
+
+
+def truncate_jsonl(path: Path, step: int) -> tuple[list[dict], int]:
+    """Drop every record with step > `step` (and a torn last line) from a JSONL file, rewritten
+    atomically (temp file + fsync + rename). Returns the records kept and how many were dropped."""
+    records = read_metrics(path) if path.exists() else []
+    kept = [rec for rec in records if not (isinstance(rec.get("step"), (int, float)) and rec["step"] > step)]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"".join(json.dumps(rec, allow_nan=False).encode() + b"\n" for rec in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return kept, len(records) - len(kept)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (best effort: some filesystems refuse)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def append_line(file, record: dict) -> None:
+    """One JSON line in one write, flushed and fsync'd: a kill leaves at most this line torn."""
+    file.write(json.dumps(record, allow_nan=False).encode() + b"\n")
+    file.flush()
+    os.fsync(file.fileno())
 
 
 # Console summary: (key, short label), in display order.
@@ -160,6 +229,20 @@ def format_step(metrics: Mapping[str, Any], keys: list[str] | None = None, *, ma
     return " | ".join(parts)
 
 
+def sample_markdown(record: dict) -> str:
+    """A sample record (`saccade.sample_log`) as Markdown: the prompt, then one table row per
+    completion (TensorBoard renders its text plugin's strings as Markdown)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ⏎ ") or "∅"
+
+    lines = [f"**{record['prompt_id']}** (step {record['step']}): {cell(record['prompt']['text'])}", "",
+             "| completion | reward | advantage | finish |", "|---|---:|---:|---|"]
+    for c in record["completions"]:
+        lines.append(f"| {cell(' ⇢ '.join(c['texts']))} | {_fmt_number(c['reward'])} | {_fmt_number(c['advantage'])} | "
+                     f"{','.join(c['finish_reasons'])} |")
+    return "\n".join(lines)
+
+
 class MetricsLogger:
     """Appends one fsync'd JSON line per `log` to `run_dir/metrics.jsonl`; mirrors to W&B and
     TensorBoard when asked and installed. Use as a context manager, or call `close()`.
@@ -183,6 +266,8 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
+        self.samples_path = self.run_dir / SAMPLES_FILE  # opened on the first `log_samples`
+        self._samples_file = None
         self.resume = resume
         self.config = dict(config) if config else {}
         self.nonfinite_counts: Counter[str] = Counter()
@@ -195,13 +280,12 @@ class MetricsLogger:
         if resume:
             self._repair_torn_tail()
             self._elapsed_offset = self._last_elapsed()
-        elif self.path.exists() and self.path.stat().st_size > 0:
-            kept = self._set_aside()
-            warnings.warn(
-                f"{self.path} already existed (a previous run, not resumed): moved it to {kept.name}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        else:
+            for path in (self.path, self.samples_path):
+                if path.exists() and path.stat().st_size > 0:
+                    kept = set_aside(path)
+                    warnings.warn(f"{path} already existed (a previous run, not resumed): moved it to {kept.name}",
+                                  RuntimeWarning, stacklevel=2)
         self._open()
 
         self._wandb = None
@@ -220,26 +304,9 @@ class MetricsLogger:
     def _open(self) -> None:
         self._file = open(self.path, "ab")
 
-    def _set_aside(self) -> Path:
-        n = 1
-        while (kept := self.path.with_name(f"{METRICS_FILE}.{n}")).exists():
-            n += 1
-        os.replace(self.path, kept)
-        return kept
-
     def _repair_torn_tail(self) -> None:
-        """Cut a half-written last line (no trailing newline), so that appending does not glue the
-        next record onto it."""
-        if not self.path.exists():
-            return
-        data = self.path.read_bytes()
-        if not data or data.endswith(b"\n"):
-            return
-        cut = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
-        with open(self.path, "r+b") as f:
-            f.truncate(cut)
-            f.flush()
-            os.fsync(f.fileno())
+        repair_torn_tail(self.path)
+        repair_torn_tail(self.samples_path)
 
     def _last_elapsed(self) -> float:
         if not self.path.exists():
@@ -253,48 +320,24 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> int:
         """Drop every record with step > `step` (the checkpoint a resumed run restarts from), and a
-        torn last line if any. Returns the number of records dropped. The file is rewritten
-        atomically (temp file + fsync + rename). TensorBoard events past `step` are purged too."""
+        torn last line if any, from metrics.jsonl and samples.jsonl. Returns the number of metrics
+        records dropped. Each file is rewritten atomically (temp file + fsync + rename).
+        TensorBoard events past `step` are purged too."""
         self._check_open()
         self._file.close()
-        kept: list[bytes] = []
-        dropped = 0
-        last_elapsed = 0.0
-        if self.path.exists():
-            for rec in read_metrics(self.path):
-                s = rec.get("step")
-                if isinstance(s, (int, float)) and s > step:
-                    dropped += 1
-                    continue
-                kept.append(json.dumps(rec, allow_nan=False).encode() + b"\n")
-                e = rec.get("elapsed_s")
-                if isinstance(e, (int, float)) and math.isfinite(e):
-                    last_elapsed = max(last_elapsed, float(e))
-        tmp = self.path.with_name(METRICS_FILE + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(b"".join(kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        self._fsync_dir()
-        self._elapsed_offset = last_elapsed
+        kept, dropped = truncate_jsonl(self.path, step)
         self._open()
+        if self.samples_path.exists():
+            if self._samples_file is not None:
+                self._samples_file.close()
+                self._samples_file = None
+            truncate_jsonl(self.samples_path, step)
+        self._elapsed_offset = max((float(e) for rec in kept if isinstance(e := rec.get("elapsed_s"), (int, float))
+                                    and math.isfinite(e)), default=0.0)
         if self._tb is not None:
             self._tb.close()
             self._init_tensorboard(purge_step=step + 1)
         return dropped
-
-    def _fsync_dir(self) -> None:
-        try:
-            fd = os.open(self.run_dir, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
     # -- logging --------------------------------------------------------------------------------
 
@@ -320,10 +363,7 @@ class MetricsLogger:
                 self.nonfinite_counts[k] += 1
                 v = None
             record[k] = v
-        line = json.dumps(record, allow_nan=False).encode() + b"\n"
-        self._file.write(line)  # one write: a kill leaves at most this line torn
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        append_line(self._file, record)
 
         # Mirrors get finite values only (inf wrecks W&B/TensorBoard axes); the JSONL has the nulls.
         mirrored = {self._tag(k, phase): v for k, v in record.items() if k in values and v is not None}
@@ -340,6 +380,52 @@ class MetricsLogger:
             except Exception as e:
                 self._backend_failed("tensorboard", e)
         return record
+
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        """Append a step's sample records (`saccade.sample_log`: one per prompt, images already
+        written under `run_dir`) to samples.jsonl, as metrics.jsonl's lines are written, and
+        mirror them: a W&B table with the images, TensorBoard text and images."""
+        self._check_open()
+        if self._samples_file is None:
+            self._samples_file = open(self.samples_path, "ab")
+        for record in records:
+            append_line(self._samples_file, record)
+        if self._wandb_run is not None and records:
+            try:
+                self._wandb_run.log({"samples": self._wandb_table(records)}, step=int(step))
+            except Exception as e:  # a logging mirror must never stop training
+                self._backend_failed("wandb", e)
+        if self._tb is not None and records:
+            try:
+                self._tb_samples(step, records)
+            except Exception as e:
+                self._backend_failed("tensorboard", e)
+
+    def _wandb_table(self, records: list[dict]):
+        """One row per completion: the prompt's first image, its text, the answer and its scores."""
+        columns = ["step", "prompt_id", "image", "prompt", "completion", "reward", "advantage", "finish_reasons"]
+        table = self._wandb.Table(columns=columns)
+        for rec in records:
+            images = rec["prompt"]["images"]
+            image = self._wandb.Image(str(self.run_dir / images[0])) if images else None
+            for c in rec["completions"]:
+                table.add_data(rec["step"], rec["prompt_id"], image, rec["prompt"]["text"], "\n".join(c["texts"]),
+                               c["reward"], c["advantage"], ",".join(c["finish_reasons"]))
+        return table
+
+    def _tb_samples(self, step: int, records: list[dict]) -> None:
+        """Per prompt: a Markdown table of its completions (`samples/<k>`) and its images
+        (`samples/<k>/image<i>`); k is the prompt's place in the step, so the tags stay few."""
+        import numpy as np
+        from PIL import Image
+
+        for k, rec in enumerate(records):
+            self._tb.add_text(f"samples/{k}", sample_markdown(rec), int(step))
+            for i, rel in enumerate(rec["prompt"]["images"]):
+                with Image.open(self.run_dir / rel) as im:
+                    pixels = np.asarray(im.convert("RGB"))
+                self._tb.add_image(f"samples/{k}/image{i}", pixels, int(step), dataformats="HWC")
+        self._tb.flush()
 
     @staticmethod
     def _tag(key: str, phase: str) -> str:
@@ -441,6 +527,8 @@ class MetricsLogger:
         self._closed = True
         if self._file is not None:
             self._file.close()
+        if self._samples_file is not None:
+            self._samples_file.close()
         if self._tb is not None:
             try:
                 self._tb.close()
@@ -527,26 +615,38 @@ def process_metrics() -> dict[str, float]:
 
 
 class ProgressBar:
-    """A rich progress bar that shows the latest step summary; a no-op when disabled.
+    """A rich progress bar that shows the latest step summary, and under it an optional note
+    line (a sample of the step's completions), cut to the terminal's width; a no-op when disabled.
 
-    `with ProgressBar(True, total, "rl") as advance: advance("step 3 | reward 0.5")`."""
+    `with ProgressBar(True, total, "rl") as advance: advance("step 3 | reward 0.5", note="...")`."""
 
     def __init__(self, enabled: bool, total: int, label: str):
         self.enabled, self.total, self.label = enabled, total, label
 
     def __enter__(self):
         if not self.enabled:
-            return lambda text: None
+            return lambda text, note=None: None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.text import Text
 
-        self._progress = Progress(
+        class NotedProgress(Progress):
+            note = ""
+
+            def get_renderables(self):
+                yield from super().get_renderables()
+                if self.note:  # one line, never wrapped: a long sample must not push the bar around
+                    yield Text(self.note, no_wrap=True, overflow="ellipsis", style="dim")
+
+        self._progress = NotedProgress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"),
         )
         self._progress.start()
         self._task = self._progress.add_task(self.label, total=self.total, info="")
 
-        def advance(text: str) -> None:
+        def advance(text: str, note: str | None = None) -> None:
+            if note is not None:
+                self._progress.note = note
             self._progress.update(self._task, advance=1, info=text)
 
         return advance

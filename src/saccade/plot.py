@@ -2,7 +2,7 @@
 
 `plot_run(run_dir)` writes one PNG per group of metrics that the run has (reward, accuracy,
 completion length, KL, train/inference mismatch, loss, entropy, gradient norm, episode outcomes,
-memory) and an `overview.png` with all of them in a grid, into `run_dir/plots/` by default. Groups the run
+step time, memory) and an `overview.png` with all of them in a grid, into `run_dir/plots/` by default. Groups the run
 has no metric for are skipped. Rendering uses matplotlib's Agg canvas directly (no pyplot, no display, no
 global backend change), so it is safe to call from a training process or a headless machine.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from saccade.metrics import METRICS_FILE, RESERVED_KEYS, read_metrics
 
-__all__ = ["GROUPS", "plot_command", "plot_run"]
+__all__ = ["GROUPS", "draw_group", "plot_command", "plot_run", "plotted_groups"]
 
 PLOTS_DIR = "plots"
 SMOOTH_MIN_POINTS = 40  # train series at least this long get an EMA line over the raw one
@@ -61,6 +61,9 @@ GROUPS: tuple[Group, ...] = (
     Group("grad_norm", "Gradient norm", "‖g‖", lambda b: "grad_norm" in b, log_scale=True),
     # Episode outcomes an environment reports in its last info (rl.final_info_means): seen, correct...
     Group("env", "Episodes (what the environment reports)", "mean over episodes", lambda b: b.startswith("env_")),
+    # Where a step's time goes: sampling, training, getting the weights to the engine.
+    Group("step_time", "Step time", "seconds",
+          lambda b: b in ("rollout_s", "train_s", "weight_sync_s", "step_s", "trainer_idle_s")),
     # What a long run must keep flat (`saccade bench soak`): the process's and the image cache's memory.
     Group("memory", "Memory", "MB", lambda b: b in ("rss_mb", "peak_rss_mb", "cuda_peak_mb", "cache_mb")),
 )
@@ -137,7 +140,7 @@ def _group_series(group: Group, series: dict[SeriesKey, dict[float, float]]) -> 
     return sorted(keys, key=lambda pk: (pk[0] != "train", pk[0], pk[1]))
 
 
-def _draw(
+def draw_group(
     ax, group: Group, keys: list[SeriesKey], series: dict[SeriesKey, dict[float, float]], *, compact: bool
 ) -> None:
     import numpy as np
@@ -194,6 +197,13 @@ def _draw(
     ax.legend(fontsize=7 if compact else 9, loc="best", framealpha=0.8)
 
 
+def plotted_groups(records: list[dict]) -> tuple[dict[SeriesKey, dict[float, float]], list[tuple[Group, list[SeriesKey]]]]:
+    """The records' series, and each group the run has a metric for with the series it draws
+    (`draw_group(ax, group, keys, series, compact=...)` draws one; `saccade report` draws them as SVG)."""
+    series = _collect(records)
+    return series, [(g, ks) for g in GROUPS if (ks := _group_series(g, series))]
+
+
 def _save(fig, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -217,8 +227,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     except ImportError as e:
         raise ImportError("plotting needs matplotlib: pip install 'matplotlib>=3.8'") from e
 
-    series = _collect(records)
-    present = [(g, ks) for g in GROUPS if (ks := _group_series(g, series))]
+    series, present = plotted_groups(records)
     if not present:
         names = sorted({_display(p, k) for p, k in series})
         raise ValueError(f"{path}: no plottable metrics (found: {', '.join(names) or 'none'})")
@@ -230,7 +239,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     for group, keys in present:
         fig = Figure(figsize=(8, 4.8), layout="constrained")
         ax = fig.add_subplot()
-        _draw(ax, group, keys, series, compact=False)
+        draw_group(ax, group, keys, series, compact=False)
         fig.suptitle(f"{run_dir.name}", fontsize=9, color="0.4", x=0.99, ha="right")
         p = out / f"{group.name}.png"
         _save(fig, p)
@@ -241,7 +250,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     nrows = math.ceil(n / ncols)
     fig = Figure(figsize=(5.6 * ncols, 3.9 * nrows), layout="constrained")
     for i, (group, keys) in enumerate(present):
-        _draw(fig.add_subplot(nrows, ncols, i + 1), group, keys, series, compact=True)
+        draw_group(fig.add_subplot(nrows, ncols, i + 1), group, keys, series, compact=True)
     fig.suptitle(f"{run_dir.name}: {len(records)} records, last step {last_step}", fontsize=13)
     p = out / "overview.png"
     _save(fig, p)

@@ -22,7 +22,9 @@ Rollouts come from a `RolloutSource` (saccade.orchestrator.source): at
 engine; at k > 0 (vLLM servers) a thread samples up to k steps ahead while the trainer
 trains, from weights at most k versions old, and TIS corrects for the lag (`loss.tis`).
 With every server gone the run saves a checkpoint and stops, saying what to restart.
-Evaluation is greedy success on a held-out split, run by rank 0.
+Evaluation is greedy success on a held-out split, run by rank 0. Every `log.samples_every`
+steps rank 0 also writes the step's first prompts with their completions to samples.jsonl
+(`saccade.sample_log`), for a person to read.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     from saccade.metrics import MetricsLogger, ProgressBar, format_step, memory_metrics, process_metrics
     from saccade.orchestrator.rollout import score_groups
     from saccade.orchestrator.source import RolloutSource
+    from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
     from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
     from saccade.models.lm import shares_prompts
     from saccade.trainer.step import adapter_free_reference, build_optimizer, lr_schedule, train_step
@@ -232,7 +235,16 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                         metrics["eval_accuracy"] = ev["accuracy"]
                 logger.log(state.step, metrics)
                 last = metrics
-                bar(format_step(metrics))
+                note = None
+                if world.is_main and cfg.log.samples_every and state.step % cfg.log.samples_every == 0:
+                    # A few prompts for a person to read (samples.jsonl, `saccade report`): the step's
+                    # first, which rank 0 sampled itself and so still holds their images.
+                    records = step_samples(state.step, rollouts.rows.prompts, groups, rollouts.groups,
+                                           count=cfg.log.samples_prompts, folder=run_dir / SAMPLES_DIR,
+                                           side=cfg.log.samples_image_side)
+                    logger.log_samples(state.step, records)
+                    note = sample_line(records)
+                bar(format_step(metrics), note=note)
                 if gone is not None:
                     raise gone
                 if checkpointing or state.step == t.steps:  # and always at the end of the run
@@ -356,6 +368,9 @@ class NoLogger:
         pass
 
     def log(self, *args, **kwargs) -> None:
+        pass
+
+    def log_samples(self, *args, **kwargs) -> None:
         pass
 
     def truncate_after(self, step: int) -> None:

@@ -32,7 +32,7 @@ WORKER = str(Path(__file__).with_name("worker.py"))
 RTOL = 1e-5
 # Enough to make several micro-batches per step; checkpoints after steps 2 and 4.
 OVERRIDES = ["--trainer.steps", "4", "--trainer.max_tokens", "256", "--checkpoint.every_steps", "2",
-             "--eval.every_steps", "0"]
+             "--eval.every_steps", "0", "--log.samples_every", "2"]
 # Figures that depend on the machine's clock and memory, or on how a step was laid out.
 NOT_COMPARED = {"time", "elapsed_s", "rollout_s", "train_s", "weight_sync_s", "step_s", "tokens_per_s", "sample_s", "trainer_idle_s",
                 "rss_mb", "peak_rss_mb", "cache_hit_rate", "cache_mb", "cache_evictions", "cache_entries",
@@ -113,6 +113,10 @@ def test_world_2_samples_and_trains_like_world_1(world1, world2):
     assert all(r["micro_batches"] >= 3 for r in m1)  # several micro-batches, shared unevenly by 2 ranks
     assert all(0 < r["reward_std"] for r in m1) and len({r["loss"] for r in m1}) == 4  # it trains
     assert_same_metrics(m2, m1, RTOL)
+    # Rank 0 writes samples.jsonl from the prompts it sampled itself: the same records, images included.
+    samples1, samples2 = read_metrics(world1 / "run" / "samples.jsonl"), read_metrics(world2 / "run" / "samples.jsonl")
+    assert [r["step"] for r in samples1] == [2, 2, 4, 4] and samples2 == samples1
+    assert all(r["prompt"]["images"] for r in samples2)
     w1, w2 = load_file(world1 / "weights.safetensors"), load_file(world2 / "weights.safetensors")
     assert w1.keys() == w2.keys() and len(w1) > 10
     for key in w1:

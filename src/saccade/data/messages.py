@@ -82,7 +82,7 @@ def extract_images(
             if kind == "text":
                 parts.append({"type": "text", "text": _check_text(part.get("text"), sample=sample, turn=turn)})
             elif kind in IMAGE_PART_TYPES:
-                images.append(load_image(_image_source(part, kind), limits=limits, sample=sample))
+                images.append(load_image(image_source(part, kind), limits=limits, sample=sample))
                 parts.append({"type": "image"})
             else:
                 raise ValueError(
@@ -93,7 +93,8 @@ def extract_images(
     return normalized, images
 
 
-def _image_source(part: dict[str, Any], kind: str):
+def image_source(part: dict[str, Any], kind: str):
+    """What an image part of kind `kind` (one of IMAGE_PART_TYPES) points at, for `load_image`."""
     value = part.get(kind)
     if value is None and kind == "image":
         value = part.get("url") or part.get("path")

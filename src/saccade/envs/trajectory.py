@@ -113,6 +113,8 @@ class Trajectory:
     texts: list[str] = field(default_factory=list)  # each assistant turn's decoded text
     rewards: list[float] = field(default_factory=list)  # per assistant turn
     infos: list[dict[str, Any]] = field(default_factory=list)
+    # The environment's messages before each assistant turn: the opening, then each reply.
+    env_messages: list[list[dict[str, Any]]] = field(default_factory=list)
     done: bool = False
     finish_reasons: list[str] = field(default_factory=list)
 
@@ -164,7 +166,7 @@ def start_trajectory(sample_id: str, messages: list[dict[str, Any]], processor, 
                      key_for_hash, sample: Any = None, seed: int | None = None) -> Trajectory:
     """The opening messages through the chat template, with the generation prompt."""
     inputs = messages_to_inputs(messages, processor, limits=limits, add_generation_prompt=True, sample=sample_id)
-    trajectory = Trajectory(sample_id=sample_id, sample=sample, seed=seed)
+    trajectory = Trajectory(sample_id=sample_id, sample=sample, seed=seed, env_messages=[messages])
     trajectory._append_inputs(inputs, key_for_hash)
     return trajectory
 
@@ -202,6 +204,7 @@ def add_messages(trajectory: Trajectory, messages: list[dict[str, Any]], continu
     """Append the environment's new messages (images included) through the template's incremental form."""
     inputs = continuation.encode(messages, sample=trajectory.sample_id)
     trajectory._append_inputs(inputs, key_for_hash)
+    trajectory.env_messages.append(messages)
 
 
 # ----------------------------------------------------------------------------- loss masks

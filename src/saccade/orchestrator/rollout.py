@@ -40,6 +40,14 @@ class Rollout:
     finish_reasons: list[str]  # one per turn: "stop" or "length"
     texts: list[str]  # each assistant turn's text, decoded from the sampled ids
     policy_version: int  # the oldest weights any of its turns was sampled under
+    # What the environment said before each assistant turn: [0] the opening messages, [k] its
+    # reply to turn k-1 (images as it sent them). Read by the samples log (saccade.sample_log).
+    env_messages: list[list[dict[str, Any]]] = field(default_factory=list, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Under torchrun the step's groups are gathered to every rank (pickled): the images stay
+        # on the rank that sampled them. Only rank 0 writes samples, from its own prompts.
+        return {**self.__dict__, "env_messages": []}
 
     @property
     def turns(self) -> int:
@@ -78,10 +86,11 @@ def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingPa
     with timed("rewards"):
         results = asyncio.run(step_all(envs, replies))
     with timed("samples"):
-        return _scored_groups(groups, prompts, results, merge)
+        return _scored_groups(groups, prompts, results, merge, openings)
 
 
-def _scored_groups(groups: list[list], prompts: list, results: list, merge: int) -> list[list[Rollout]]:
+def _scored_groups(groups: list[list], prompts: list, results: list, merge: int,
+                   openings: list) -> list[list[Rollout]]:
     """Each completion with its environment's result, as a Rollout holding its training sample."""
     G = len(groups[0]) if groups else 0
     out = []
@@ -92,7 +101,8 @@ def _scored_groups(groups: list[list], prompts: list, results: list, merge: int)
             sample = completion_to_sample(completion, sample_id=f"{prompt.sample_id}/{i}", advantage=0.0,
                                           reward=result.reward, spatial_merge_size=merge)
             rollouts.append(Rollout(sample, result.reward, result.info, completion.completion_ids.numel(),
-                                    [completion.finish_reason], [completion.text], completion.policy_version))
+                                    [completion.finish_reason], [completion.text], completion.policy_version,
+                                    env_messages=[openings[g * G]]))
         out.append(rollouts)
     return out
 
@@ -123,7 +133,7 @@ def sample_episodes(engine: Engine, task: Task, prompts: list, params: SamplingP
         rollouts.append(Rollout(
             sample, t.total_reward, t.infos[-1] if t.infos else {},
             sum(turn.completion_ids.numel() for turn in t.turns), list(t.finish_reasons), list(t.texts),
-            t.policy_version,
+            t.policy_version, env_messages=list(t.env_messages),
         ))
     return [rollouts[g * G:(g + 1) * G] for g in range(len(prompts))]
 
