@@ -250,12 +250,12 @@ def test_vllm_serves_the_merged_export_and_the_adapter(merged, adapter, lora_run
             assert all(c.completion_ids.numel() for c in completions)
             diffs = trainer_logprob_diffs(reference, completions, cache_get=engine.cache.get,
                                           image_token_id=engine.image_pad_id,
-                                          banned_token_ids=engine.banned_token_ids, temperature=1.0)
+                                          banned_token_ids=engine.banned_token_ids, distribution=params.distribution)
             gaps[name or "merged"] = (float(diffs.mean()), float(diffs.max()))
             if name == "adapter":  # not vacuous: without the adapter the same tokens score far apart
                 unadapted = trainer_logprob_diffs(policy, completions, cache_get=engine.cache.get,
                                                   image_token_id=engine.image_pad_id,
-                                                  banned_token_ids=engine.banned_token_ids, temperature=1.0)
+                                                  banned_token_ids=engine.banned_token_ids, distribution=params.distribution)
                 gaps["adapter ignored"] = float(unadapted.max())
             engine.close()
     print("vLLM vs transformers, sampled-token |Δ logprob| (mean, max):", gaps)

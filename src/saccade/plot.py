@@ -211,17 +211,23 @@ def _save(fig, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write the run's curves as PNGs into `out_dir` (default `run_dir/plots`); return their paths
-    (one per group the run has, then `overview.png`). Raises ValueError if the run has no metrics
-    (missing or empty metrics.jsonl) or none that belongs to a group."""
-    run_dir = Path(run_dir)
+def run_records(run_dir: Path) -> list[dict]:
+    """The records of the run's metrics.jsonl; ValueError when there is none or it is empty."""
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise ValueError(f"no {METRICS_FILE} in {run_dir}: run `saccade rl` (or sft) with this run directory first")
     records = read_metrics(path)
     if not records:
         raise ValueError(f"{path} has no records yet: run `saccade rl` (or sft) with this run directory first")
+    return records
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Write the run's curves as PNGs into `out_dir` (default `run_dir/plots`); return their paths
+    (one per group the run has, then `overview.png`). Raises ValueError if the run has no metrics
+    (missing or empty metrics.jsonl) or none that belongs to a group."""
+    run_dir = Path(run_dir)
+    records = run_records(run_dir)
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -230,7 +236,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     series, present = plotted_groups(records)
     if not present:
         names = sorted({_display(p, k) for p, k in series})
-        raise ValueError(f"{path}: no plottable metrics (found: {', '.join(names) or 'none'})")
+        raise ValueError(f"{run_dir / METRICS_FILE}: no plottable metrics (found: {', '.join(names) or 'none'})")
 
     out = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from saccade.metrics import METRICS_FILE, RESERVED_KEYS, SAMPLES_FILE, read_metrics
+from saccade.metrics import RESERVED_KEYS, SAMPLES_FILE, read_metrics
 
 __all__ = ["REPORT_FILE", "build_report", "report_command", "write_report"]
 
@@ -151,13 +151,10 @@ def summary(records: list[dict], run_dir: Path) -> str:
 def build_report(run_dir: str | Path, *, max_sample_steps: int = 50) -> str:
     """The report page of the run in `run_dir`, as HTML text. Raises ValueError when the folder
     has no metrics.jsonl records."""
+    from saccade.plot import run_records
+
     run_dir = Path(run_dir)
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        raise ValueError(f"no {METRICS_FILE} in {run_dir}: run `saccade rl` (or sft) with this run directory first")
-    records = read_metrics(path)
-    if not records:
-        raise ValueError(f"{path} has no records yet: run `saccade rl` (or sft) with this run directory first")
+    records = run_records(run_dir)
     curves = "\n".join(
         f'<figure><img class="curve" alt="{html.escape(title)}" src="{data_url(svg.encode(), "image/svg+xml")}">'
         f"</figure>" for title, svg in curve_svgs(records)) or "<p>No metric of a plotted group.</p>"
