@@ -302,6 +302,8 @@ class ScenesEnv:
                 "render_cache_hit_rate": stats.hit_rate, "render_cache_entries": len(self.renderer), **extra}
 
     def step(self, assistant_message: dict[str, Any]) -> StepResult:
+        from saccade.scenes.camera import quantized
+
         self.turns += 1
         text = message_text(assistant_message)
         # An answer first: "answer: the chair is red" names no action, and an option's text may
@@ -322,7 +324,8 @@ class ScenesEnv:
             return StepResult([], -self.turn_cost * self.turns, True,
                               self.info(action="none", correct=0.0, answered=False))
         if isinstance(action, Action):
-            new_pose = apply_action(self.pose, action)
+            # Quantised before the check: the snapped pose is the one rendered (and cached).
+            new_pose = quantized(apply_action(self.pose, action))
             reason = self.sample.scene.check_pose(new_pose)
             if reason is None:
                 self.pose = new_pose
