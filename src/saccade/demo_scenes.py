@@ -46,6 +46,7 @@ def load_scenes_config(overrides: list[str] | None = None, path: str | None = No
 
 def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = True) -> dict[str, float]:
     """SFT on scripted episodes: random valid actions, then a random option as the answer."""
+    from saccade.data.rows import RowSkipped
     from saccade.envs.scenes import scripted_replies
     from saccade.envs.trajectory import to_training_sample
     from saccade.sft import sft_loop
@@ -60,7 +61,7 @@ def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = T
             index += 1
             try:
                 sample = task.sample(index, seed=cfg.trainer.seed + 777)
-            except ValueError:  # RowSkipped: a room with no usable question
+            except RowSkipped:  # a room with no usable question
                 continue
             replies = scripted_replies(sample, rng, max_turns=task.max_turns, turn_deg=turn)
             t = scripted_trajectory(setup, task, sample, replies, f"warm-{index}")
