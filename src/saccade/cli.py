@@ -234,6 +234,16 @@ def cmd_bench_engine_parity(args: argparse.Namespace) -> int:
     return 0 if meets_bars(result) else 1
 
 
+def cmd_bench_render(args: argparse.Namespace) -> int:
+    from saccade.bench.render import format_render_report, run_render_bench
+
+    result = run_render_bench(size=args.size, renders=args.renders, rooms=args.rooms, device=args.device,
+                              threads=args.threads)
+    print(format_render_report(result))
+    _write_json(args.json, result)
+    return 0
+
+
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
     from saccade.bench.engine import format_rollout, run_rollout_bench
 
@@ -586,6 +596,20 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--url", help="an already running `saccade serve` (default: start one)")
     _add_model_and_json(rollout)
     rollout.set_defaults(func=cmd_bench_rollout)
+
+    render = bench_sub.add_parser(
+        "render",
+        help="renders/s of the mesh renderer on generated rooms, cold and cached",
+        description="Renders random free poses in generated rooms with saccade.scenes' MeshRenderer (cold: every "
+        "pose new) and again through its CachedRenderer (every pose a hit). Prints renders/s of each.",
+    )
+    render.add_argument("--size", type=int, default=256, help="image side, px (default 256)")
+    render.add_argument("--renders", type=int, default=64, help="renders per measurement (default 64)")
+    render.add_argument("--rooms", type=int, default=8, help="generated rooms to cycle through (default 8)")
+    render.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cpu, cuda")
+    render.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    render.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    render.set_defaults(func=cmd_bench_render)
 
     serve = sub.add_parser(
         "serve",

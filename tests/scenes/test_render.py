@@ -1,5 +1,7 @@
 """The renderer against scenes whose views are known by hand."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,12 @@ def test_a_generated_room_renders_its_walls_everywhere():
     out = MeshRenderer(size=48, device="cpu").render_buffers(scene, CameraPose(0.5, 0.5, 1.4, yaw_deg=45))
     assert np.isfinite(out.depth_HW).all()  # a closed room: every pixel sees something
     assert out.rgb_HW3.dtype == np.uint8 and out.object_id_HW.dtype == np.int32
+
+
+def test_cache_checks_the_pose_given_and_renders_it_when_its_snap_would_be_refused(renderer):
+    scene = replace(two_boxes_scene(), bounds_max=(10, 3.97, 3))  # the wall's margin ends at y = 3.77
+    cached = CachedRenderer(renderer)
+    pose = CameraPose(1.0, 3.76, 1.0)  # free, but its snap (y = 3.8) is inside the margin
+    assert scene.check_pose(pose) is None and scene.check_pose(CameraPose(1.0, 3.8, 1.0)) == "inside the wall"
+    assert cached.render_buffers(scene, pose).depth_HW.shape == (64, 64)
+    assert cached.stats.misses == 1

@@ -12,9 +12,10 @@ How (one call of `rasterize`):
 3. Faces crossing the near plane are clipped against it (one face becomes one or two), so
    a floor that runs under the camera still covers the image: a room is seen from inside,
    and every wall and the floor cross that plane.
-4. Each face's pixel bounding box is enumerated (in chunks, to bound memory); pixel
-   centres inside the face (edge functions) become candidates with a depth from the
-   screen-space interpolation of 1/d.
+4. Each face is scan-converted: for every pixel row it covers, the span between its edges'
+   crossings of the row's centre line; the pixels of all spans are enumerated at once (in
+   chunks, to bound memory), each with a depth from the face's plane of 1/d (1/d is linear
+   in screen space).
 5. The depth test is one `scatter_reduce(amin)` over int64 keys (depth bits << 32 | face):
    positive float32s order like their bit patterns, so the smallest key is the nearest
    face, and ties break by face index: deterministic on CPU and CUDA.
@@ -156,42 +157,59 @@ def rasterize(dm: _DeviceMesh, pose: CameraPose, *, size: int, fov_deg: float, n
     sx_T3 = size / 2 + f * p_T33[..., 0] / d_T3
     sy_T3 = size / 2 - f * p_T33[..., 1] / d_T3
     area_T = _edge(sx_T3[:, 0], sy_T3[:, 0], sx_T3[:, 1], sy_T3[:, 1], sx_T3[:, 2], sy_T3[:, 2])
-    # Pixel j's centre is at j + 0.5: the columns whose centres can lie in the face.
-    x0 = torch.ceil(sx_T3.min(1).values - 0.5).clamp(min=0).long()
-    x1 = torch.floor(sx_T3.max(1).values - 0.5).clamp(max=size - 1).long()
+    # Depth: 1/d is linear in screen space; each face's plane, anchored at its first vertex.
+    inv_d_T3 = 1.0 / d_T3
+    safe_area_T = torch.where(area_T.abs() > 1e-12, area_T, torch.ones_like(area_T))
+    dx1, dy1 = sx_T3[:, 1] - sx_T3[:, 0], sy_T3[:, 1] - sy_T3[:, 0]
+    dx2, dy2 = sx_T3[:, 2] - sx_T3[:, 0], sy_T3[:, 2] - sy_T3[:, 0]
+    di1, di2 = inv_d_T3[:, 1] - inv_d_T3[:, 0], inv_d_T3[:, 2] - inv_d_T3[:, 0]
+    plane_a_T = (di1 * dy2 - di2 * dy1) / safe_area_T
+    plane_b_T = (di2 * dx1 - di1 * dx2) / safe_area_T
+
+    # Scanlines: for each face, the rows whose pixel centres (row + 0.5) it spans...
     y0 = torch.ceil(sy_T3.min(1).values - 0.5).clamp(min=0).long()
     y1 = torch.floor(sy_T3.max(1).values - 0.5).clamp(max=size - 1).long()
-    w_T, h_T = (x1 - x0 + 1).clamp(min=0), (y1 - y0 + 1).clamp(min=0)
-    n_T = torch.where(area_T.abs() > 1e-12, w_T * h_T, torch.zeros_like(w_T))
+    rows_T = torch.where(area_T.abs() > 1e-12, (y1 - y0 + 1).clamp(min=0), torch.zeros_like(y0))
+    face_R = torch.repeat_interleave(torch.arange(len(rows_T), device=device), rows_T)
+    row_R = y0[face_R] + torch.arange(len(face_R), device=device) - torch.repeat_interleave(
+        torch.cumsum(rows_T, 0) - rows_T, rows_T)
+    # ...and on each row, the span between the edges' crossings of that scanline: only
+    # covered pixels are enumerated, never the empty half of a bounding box.
+    cy_R = row_R.to(torch.float32) + 0.5
+    xs_R3, ys_R3 = sx_T3[face_R], sy_T3[face_R]
+    ya, yb = ys_R3, ys_R3.roll(-1, 1)
+    xa, xb = xs_R3, xs_R3.roll(-1, 1)
+    crosses = (torch.minimum(ya, yb) <= cy_R[:, None]) & (cy_R[:, None] <= torch.maximum(ya, yb)) & (ya != yb)
+    x_at = xa + (cy_R[:, None] - ya) * (xb - xa) / torch.where(ya != yb, yb - ya, torch.ones_like(ya))
+    left = torch.where(crosses, x_at, torch.full_like(x_at, float("inf"))).min(1).values
+    right = torch.where(crosses, x_at, torch.full_like(x_at, float("-inf"))).max(1).values
+    c0 = torch.ceil(left - 0.5).clamp(min=0, max=size).long()
+    c1 = torch.floor(right - 0.5).clamp(min=-1, max=size - 1).long()
+    width_R = (c1 - c0 + 1).clamp(min=0)
+
+    # Per span: its first pixel's index and 1/d there, and the step of 1/d per column.
+    pixel0_R = row_R * size + c0
+    inv0_R = (inv_d_T3[face_R, 0] + plane_a_T[face_R] * (c0.to(torch.float32) + 0.5 - sx_T3[face_R, 0])
+              + plane_b_T[face_R] * (cy_R - sy_T3[face_R, 0]))
+    step_R = plane_a_T[face_R]
 
     zbuf = torch.full((size * size,), _NO_HIT, dtype=torch.int64, device=device)
-    live = torch.nonzero(n_T > 0).squeeze(1)
-    ends = torch.cumsum(n_T[live], 0)
+    live = torch.nonzero(width_R > 0).squeeze(1)
+    ends = torch.cumsum(width_R[live], 0)
     start = 0
     while start < len(live):
-        # The faces whose candidate pixels fit in this chunk (at least one face).
+        # The spans whose pixels fit in this chunk (at least one span).
         base = ends[start - 1] if start else torch.zeros((), dtype=torch.int64, device=device)
         stop = max(start + 1, int(torch.searchsorted(ends, base + chunk_pixels, right=True)))
-        tri = live[start:stop]
-        counts = n_T[tri]
-        ti = torch.repeat_interleave(tri, counts)
-        offsets = torch.cumsum(counts, 0) - counts
-        local = torch.arange(len(ti), device=device) - torch.repeat_interleave(offsets, counts)
-        col = x0[ti] + local % w_T[ti]
-        row = y0[ti] + torch.div(local, w_T[ti], rounding_mode="floor")
-        px, py = col.float() + 0.5, row.float() + 0.5
-        sx, sy = sx_T3[ti], sy_T3[ti]
-        w0 = _edge(sx[:, 1], sy[:, 1], sx[:, 2], sy[:, 2], px, py)
-        w1 = _edge(sx[:, 2], sy[:, 2], sx[:, 0], sy[:, 0], px, py)
-        w2 = _edge(sx[:, 0], sy[:, 0], sx[:, 1], sy[:, 1], px, py)
-        sign = torch.sign(area_T[ti])
-        hit = (w0 * sign >= 0) & (w1 * sign >= 0) & (w2 * sign >= 0)
-        a = area_T[ti]
-        dd = d_T3[ti]
-        inv_depth = (w0 / dd[:, 0] + w1 / dd[:, 1] + w2 / dd[:, 2]) / a
+        spans = live[start:stop]
+        counts = width_R[spans]
+        si = torch.repeat_interleave(spans, counts)
+        k = torch.arange(len(si), device=device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        inv_depth = inv0_R[si] + step_R[si] * k.to(torch.float32)
+        # At a sliver's edge the plane can overshoot past the eye: keep keys positive.
         depth = (1.0 / inv_depth).clamp(min=near)
-        key = (depth.view(torch.int32).long() << 32) | ti
-        zbuf.scatter_reduce_(0, (row * size + col)[hit], key[hit], reduce="amin")
+        key = (depth.view(torch.int32).long() << 32) | face_R[si]
+        zbuf.scatter_reduce_(0, pixel0_R[si] + k, key, reduce="amin")
         start = stop
 
     # Resolve: the winning face at each covered pixel, its colour and depth there.
@@ -288,8 +306,9 @@ class CacheStats:
 @dataclass
 class CachedRenderer:
     """Renders through `renderer`, cached by (scene.name, quantized(pose), size) in an LRU
-    bounded by `max_entries` and `max_bytes`. The pose is snapped before rendering, so a
-    key always means one image: two poses within a grid step give the very same view.
+    bounded by `max_entries` and `max_bytes`. The pose is checked as given, then snapped
+    before rendering, so two poses within a grid step give the very same view (unless the
+    snapped pose is itself refused, as within a wall's margin: then the pose is rendered).
     Cached arrays are read-only (they are shared between callers)."""
 
     renderer: MeshRenderer
@@ -320,7 +339,14 @@ class CachedRenderer:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
                 return hit
-        rendered = self.renderer.render_buffers(scene, snapped)  # outside the lock: slow
+        reason = scene.check_pose(pose)
+        if reason is not None:
+            raise ValueError(f"cannot render scene {scene.name!r} from {pose}: the camera is {reason}")
+        # The snapped pose is rendered, so that a key means one image whichever pose came
+        # first; where snapping lands inside a margin (a free pose near a wall), the pose
+        # itself is rendered instead.
+        view = snapped if scene.check_pose(snapped) is None else pose
+        rendered = self.renderer.render_mesh(scene.mesh, view)  # outside the lock: slow
         for array in (rendered.rgb_HW3, rendered.depth_HW, rendered.object_id_HW):
             array.setflags(write=False)
         with self._lock:
