@@ -662,6 +662,16 @@ class EnvConfig(Section):
         False, description="scenes with start_turn > 0: the question says which side the objects are on "
         "('What color is the chair to your left?')",
     )
+    view_fill: float = Field(
+        0.9, gt=0, le=4,
+        description="scenes with start_turn > 0: the view a start turns away from frames the objects' box to "
+        "this share of the view's width (above 1: closer, the objects overflow the view)",
+    )
+    start_clear: float = Field(
+        1.0, ge=0, le=1,
+        description="scenes: a start view may show other labelled objects on at most this fraction of its "
+        "pixels (1: no limit; the views demo's 'no distractors' is about 0.01)",
+    )
     view_reward: float = Field(
         0.0, ge=0, le=10,
         description="scenes: weight of the largest fraction of the image the asked-about objects covered in "

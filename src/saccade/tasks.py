@@ -154,6 +154,7 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task:
         return ScenesTask(scene_dir=e.scene_dir, kinds=tuple(d.question_kinds), num_choices=d.num_choices,
                           colors=tuple(e.colors), render_size=e.render_size, fov_deg=e.fov_deg,
                           start_poses=e.start_poses, start_turn=e.start_turn, say_side=e.say_side,
+                          view_fill=e.view_fill, start_clear=e.start_clear,
                           max_turns=e.max_turns, turn_cost=e.turn_cost, view_reward=e.view_reward,
                           require_seen=e.require_seen, seen_fraction=e.seen_fraction,
                           describe_actions=e.describe_actions, eval_seed=eval_seed, eval_scenes=e.eval_scenes)

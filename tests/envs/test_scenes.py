@@ -83,6 +83,32 @@ def test_a_sample_starts_away_from_its_object_and_one_turn_shows_it(task, sample
     assert step.messages[0]["content"][0]["type"] == "image"
 
 
+def test_a_half_turn_start_with_a_close_view_and_no_other_objects_in_sight():
+    """The demo's start (env.start_turn 180, view_fill 1.5, start_clear 0.01): either half turn
+    shows the object, large; the start view shows no other labelled object to speak of."""
+    from saccade.envs.scenes import other_fraction
+
+    near = ScenesTask(**{**DEMO, "start_turn": 180.0, "say_side": False, "view_fill": 1.5, "start_clear": 0.01,
+                         "start_poses": 1})
+    far = ScenesTask(**{**DEMO, "start_turn": 180.0, "say_side": False, "start_poses": 1})
+    shown = {"near": [], "far": []}
+    for index in range(6):
+        for name, t in (("near", near), ("far", far)):
+            s = t.sample(index, seed=0)
+            assert "to your" not in s.question
+            start = render(t.renderer, s.scene, s.start)
+            assert target_fraction(start, s.target_ids) < START_FRACTION_MAX
+            if name == "near":
+                assert other_fraction(start, s.scene, s.target_ids) <= 0.01
+            for side in ("left", "right"):
+                env = t.make_env()
+                env.reset(s)
+                step = env.step({"role": "assistant", "content": f"turn 180 {side}"})
+                assert step.info["seen"]
+            shown[name].append(env.best_fraction)
+    assert sum(shown["near"]) > 1.3 * sum(shown["far"])  # closer: the object covers more of the view
+
+
 def test_samples_are_deterministic_and_eval_rooms_differ(task):
     a, b = task.sample(5, seed=0), task.sample(5, seed=0)
     assert (a.question, a.answer, a.choices, a.start) == (b.question, b.answer, b.choices, b.start)
@@ -137,6 +163,11 @@ def test_scripted_replies_act_then_answer(sample):
         replies = scripted_replies(sample, rng, max_turns=3)
         assert 2 <= len(replies) <= 3 and replies[-1] in sample.choices
         assert all(not isinstance(read_action(r), str) and read_action(r) is not None for r in replies[:-1])
+    for _ in range(20):  # the demo's warm start: turns only, by the given angles
+        replies = scripted_replies(sample, rng, max_turns=2, turns=(90.0, 180.0))
+        assert len(replies) == 2 and replies[-1] in sample.choices
+        action = read_action(replies[0])
+        assert action.verb == "turn" and action.amount in (90.0, 180.0)
 
 
 def test_a_folder_of_scenes_is_split_by_name(tmp_path):

@@ -184,9 +184,9 @@ def target_fraction(rendered, target_ids: tuple[int, ...]) -> float:
     return float(sum(object_pixel_fraction(rendered, i) for i in target_ids))
 
 
-def facing_pose(scene, target_ids: tuple[int, ...], yaw_deg: float, *, fov_deg: float):
+def facing_pose(scene, target_ids: tuple[int, ...], yaw_deg: float, *, fov_deg: float, fill: float = VIEW_FILL):
     """A pose that looks at the objects' box centre from direction `yaw_deg` (the camera stands
-    on the other side), far enough that the box spans about VIEW_FILL of the view."""
+    on the other side), far enough that the box spans about `fill` of the view's width."""
     from saccade.scenes.camera import CameraPose, quantized
 
     boxes = [scene.object(i) for i in target_ids]
@@ -194,7 +194,7 @@ def facing_pose(scene, target_ids: tuple[int, ...], yaw_deg: float, *, fov_deg: 
     hi = np.max([b.bbox_max for b in boxes], axis=0)
     center = (lo + hi) / 2
     extent = float(np.max(hi - lo))
-    distance = max(MIN_VIEW_DISTANCE_M, extent / 2 / math.tan(math.radians(fov_deg) / 2) / VIEW_FILL + extent / 2)
+    distance = max(MIN_VIEW_DISTANCE_M, extent / 2 / math.tan(math.radians(fov_deg) / 2) / fill + extent / 2)
     yaw = math.radians(yaw_deg)
     x, y = center[0] - distance * math.cos(yaw), center[1] - distance * math.sin(yaw)
     floor, ceiling = scene.bounds_min[2], scene.bounds_max[2]
@@ -203,10 +203,19 @@ def facing_pose(scene, target_ids: tuple[int, ...], yaw_deg: float, *, fov_deg: 
     return quantized(CameraPose(float(x), float(y), z, yaw_deg, pitch))
 
 
+def other_fraction(rendered, scene, target_ids: tuple[int, ...]) -> float:
+    """The share of the image covered by labelled objects other than `target_ids`."""
+    from saccade.scenes.render import object_pixel_fraction
+
+    return float(sum(object_pixel_fraction(rendered, o.id) for o in scene.objects if o.id not in target_ids))
+
+
 def start_poses(scene, target_ids: tuple[int, ...], renderer, *, n: int, rng: np.random.Generator,
-                turn_deg: float = 0.0, fov_deg: float = 60.0) -> list[tuple[Any, str]]:
+                turn_deg: float = 0.0, fov_deg: float = 60.0, fill: float = VIEW_FILL,
+                clear: float = 1.0) -> list[tuple[Any, str]]:
     """Up to `n` (start pose, side) pairs: valid poses (scene.check_pose) that do not show the
-    objects (under START_FRACTION_MAX of the view).
+    objects (under START_FRACTION_MAX of the view), nor other labelled objects on more than
+    `clear` of it (1: no limit).
 
     turn_deg = 0: anywhere in the room at eye height, any heading (side ""). turn_deg > 0: the
     start is a pose that frames the objects well, turned away by turn_deg to the left or
@@ -221,7 +230,7 @@ def start_poses(scene, target_ids: tuple[int, ...], renderer, *, n: int, rng: np
         if len(found) >= n:
             break
         if turn_deg > 0:
-            view = facing_pose(scene, target_ids, float(rng.uniform(-180, 180)), fov_deg=fov_deg)
+            view = facing_pose(scene, target_ids, float(rng.uniform(-180, 180)), fov_deg=fov_deg, fill=fill)
             if scene.check_pose(view) is not None:
                 continue
             if target_fraction(render(renderer, scene, view), target_ids) < 10 * START_FRACTION_MAX:
@@ -236,7 +245,10 @@ def start_poses(scene, target_ids: tuple[int, ...], renderer, *, n: int, rng: np
             start, side = quantized(CameraPose(x, y, z, float(rng.uniform(-180, 180)), -10.0)), ""
         if scene.check_pose(start) is not None or any(start == s for s, _ in found):
             continue
-        if target_fraction(render(renderer, scene, start), target_ids) >= START_FRACTION_MAX:
+        shown = render(renderer, scene, start)
+        if target_fraction(shown, target_ids) >= START_FRACTION_MAX:
+            continue
+        if clear < 1.0 and other_fraction(shown, scene, target_ids) > clear:
             continue
         found.append((start, side))
     return found
@@ -367,6 +379,8 @@ class ScenesTask:
     start_poses: int = 4
     start_turn: float = 0.0
     say_side: bool = False
+    view_fill: float = VIEW_FILL
+    start_clear: float = 1.0
     max_turns: int = 3
     turn_cost: float = 0.0
     view_reward: float = 0.0
@@ -406,7 +420,8 @@ class ScenesTask:
         while questions:
             q = questions.pop(int(rng.integers(len(questions))))
             poses = start_poses(scene, q["targets"], self.renderer, n=self.start_poses, rng=rng,
-                                turn_deg=self.start_turn, fov_deg=self.fov_deg)
+                                turn_deg=self.start_turn, fov_deg=self.fov_deg, fill=self.view_fill,
+                                clear=self.start_clear)
             if not poses:
                 continue  # no start hides these objects: try another question
             start, side = poses[int(rng.integers(len(poses)))]
@@ -461,11 +476,15 @@ def _loaded_scene(path: str):
 
 
 def scripted_replies(sample: SceneSample, rng: np.random.Generator, *, max_turns: int,
-                     turn_deg: float = 90.0) -> list[str]:
+                     turn_deg: float = 90.0, turns: tuple[float, ...] | None = None) -> list[str]:
     """Warm-start replies: random valid-looking actions (1 up to max_turns - 1 of them), then a
     random option. They teach the format (act, then answer), not the task: which way to look
-    and what the answer is are left to RL."""
-    actions = [f"turn {turn_deg:g} left", f"turn {turn_deg:g} right", "look 15 up", "look 15 down",
-               "move 0.5 forward", "move 0.5 back"]
+    and what the answer is are left to RL. `turns`: the actions are only "turn A left|right"
+    for A in turns (each equally likely); None: turn_deg left/right, looks and moves."""
+    if turns:
+        actions = [f"turn {a:g} {side}" for a in turns for side in ("left", "right")]
+    else:
+        actions = [f"turn {turn_deg:g} left", f"turn {turn_deg:g} right", "look 15 up", "look 15 down",
+                   "move 0.5 forward", "move 0.5 back"]
     n_actions = int(rng.integers(min(1, max_turns - 1), max_turns))
     return [str(rng.choice(actions)) for _ in range(n_actions)] + [str(rng.choice(sample.choices))]
