@@ -17,7 +17,7 @@ FAST = [
 
 def test_the_scenes_config_ships_inside_the_package():
     cfg = load_scenes_config(["--env.max_turns", "3"])
-    assert cfg.data.task == "scenes" and cfg.env.max_turns == 3 and cfg.env.start_turn == 90
+    assert cfg.data.task == "scenes" and cfg.env.max_turns == 3 and cfg.env.start_turn == 180
     assert cfg.env.render_size == 64 and not cfg.env.describe_actions
 
 

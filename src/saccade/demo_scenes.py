@@ -2,15 +2,16 @@
 
 The scenes are mesh rooms (`saccade.scenes.generate.generate_room`) rendered by
 `saccade.scenes.render.MeshRenderer` at 64 px; the question asks the colour of a labelled
-object that the start view does not show, and says on which side it is ("What color is the
-chair to your left?"). The start pose is a good view of the object turned away by 90
-degrees, so one "turn 90 left" (or right) brings it into view: the views demo's task
-(docs/envs.md) in a real renderer, kept small enough for a 4-layer model to learn from
-pixels in minutes. What the two skills need is logged apart: `seen` (looked the right way)
-and right colour once seen.
+object that the start view does not show ("What color is the chair?"). The start pose is a
+close view of the object turned half a turn away (and shows no other labelled object), so
+"turn 180 left" (or right) brings it into view: the views demo's task (docs/envs.md) in a
+real renderer, kept small enough for a 4-layer model to learn from pixels in minutes. What
+the two skills need is logged apart: `seen` (turned to the object) and right colour once
+seen.
 
-1. Warm start: SFT on scripted episodes, random valid actions then a random option. It
-   teaches the format (act, then answer with an option), not the task.
+1. Warm start: SFT on scripted episodes, a random turn (90 or 180 degrees, left or right)
+   then a random option. It teaches the format (act, then answer with an option), not the
+   task.
 2. GRPO on whole episodes, token-in/token-out (saccade.envs), the consistency check on
    the first batch.
 
@@ -53,6 +54,9 @@ def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = T
 
     rng = np.random.default_rng(cfg.trainer.seed + 1)
     turn = cfg.env.start_turn or 90.0
+    # Turns only, by a quarter or a half turn either way: the one that shows the object is among
+    # them (start_turn 90 or 180) but so are wrong ones; which one to take is left to RL.
+    turns = tuple(sorted({90.0, 180.0, turn})) if cfg.env.start_turn else None
 
     def make_batch(step: int) -> list:
         batch = []
@@ -63,7 +67,7 @@ def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = T
                 sample = task.sample(index, seed=cfg.trainer.seed + 777)
             except RowSkipped:  # a room with no usable question
                 continue
-            replies = scripted_replies(sample, rng, max_turns=task.max_turns, turn_deg=turn)
+            replies = scripted_replies(sample, rng, max_turns=task.max_turns, turn_deg=turn, turns=turns)
             t = scripted_trajectory(setup, task, sample, replies, f"warm-{index}")
             batch.append(to_training_sample(t, spatial_merge_size=setup.merge))
         return batch
