@@ -81,7 +81,7 @@ def test_task_args_only_for_tasks_that_read_them():
         load_config(RunConfig, None, ["--data.task_args", '{"n": 1}'])
 
 
-@pytest.mark.parametrize("task_name", ["shapes", "views"])
+@pytest.mark.parametrize("task_name", ["shapes", "views", "scenes"])
 def test_every_task_offers_the_same_members(task_name):
     cfg = load_config(RunConfig, None, ["--data.task", task_name, "--data.num_choices", "3",
                                         "--env.colors", '["red", "green", "blue"]'])

@@ -95,6 +95,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.task == "views":
         return cmd_demo_views(args)
+    if args.task == "scenes":
+        return cmd_demo_scenes(args)
     result = _run_demo(args, load_demo_config, run_demo)
     if result is None:
         return 0
@@ -128,6 +130,28 @@ def cmd_demo_views(args: argparse.Namespace) -> int:
         f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
     return _demo_exit(views_verdict(result), "demo OK: success rose by the bar or more within the time")
+
+
+def cmd_demo_scenes(args: argparse.Namespace) -> int:
+    from saccade.demo_scenes import MINUTES_MAX, SUCCESS_GAIN_MIN, load_scenes_config, run_scenes_demo, scenes_verdict
+
+    result = _run_demo(args, load_scenes_config, run_scenes_demo)
+    if result is None:
+        return 0
+    print(
+        f"\nheld-out episodes ({result['eval_episodes']} in generated rooms, up to {result['max_turns']} turns, "
+        f"{result['render_size']} px, engine {result['engine']}):\n"
+        f"  success before GRPO (random-action warm start): {result['success_before']:.3f}"
+        f"   (turns {result['turns_before']:.2f})\n"
+        f"  success after GRPO:                             {result['success_after']:.3f}"
+        f"   (turns {result['turns_after']:.2f}; bar: >= before + {SUCCESS_GAIN_MIN})\n"
+        f"  brought the object into view:  before {result['seen_before']:.3f}, after {result['seen_after']:.3f}\n"
+        f"  right color once it was seen:  before {result['correct_when_seen_before']:.3f}, "
+        f"after {result['correct_when_seen_after']:.3f}   (chance {result['color_chance']:.2f})\n"
+        f"  render cache hit rate: {result['render_cache_hit_rate']:.2f}\n"
+        f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
+    )
+    return _demo_exit(scenes_verdict(result), "demo OK: success rose by the bar or more within the time")
 
 
 def cmd_bench_parity(args: argparse.Namespace) -> int:
@@ -208,6 +232,16 @@ def cmd_bench_engine_parity(args: argparse.Namespace) -> int:
     print(format_engine_parity(result))
     _write_json(args.json, result)
     return 0 if meets_bars(result) else 1
+
+
+def cmd_bench_render(args: argparse.Namespace) -> int:
+    from saccade.bench.render import format_render_report, run_render_bench
+
+    result = run_render_bench(size=args.size, renders=args.renders, rooms=args.rooms, device=args.device,
+                              threads=args.threads)
+    print(format_render_report(result))
+    _write_json(args.json, result)
+    return 0
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
@@ -382,13 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
         "Settings: saccade/configs/demo.toml (configs/demo.toml in the repo); dotted overrides apply. "
         "Runs, metrics and plots go to runs/demo/{sft,grpo,control}, replacing a previous demo's.",
     )
-    demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views"],
-                      help="which demo: 'shapes' (default; single-turn VQA) or 'views' (multi-turn: act to change "
-                      "the view, then answer; configs/views.toml, runs/demo-views, about 10 minutes)")
-    demo.add_argument("--config", metavar="PATH", help="a TOML config instead of the built-in demo.toml / views.toml")
+    demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views", "scenes"],
+                      help="which demo: 'shapes' (default; single-turn VQA), 'views' (multi-turn: act to change "
+                      "the view, then answer; configs/views.toml, runs/demo-views, about 10 minutes) or 'scenes' "
+                      "(the same in generated 3D mesh rooms with camera-pose actions; configs/scenes.toml, "
+                      "runs/demo-scenes)")
+    demo.add_argument("--config", metavar="PATH",
+                      help="a TOML config instead of the built-in demo.toml / views.toml / scenes.toml")
     demo.add_argument("--json", metavar="PATH", help="also write the figures as JSON: accuracy_before, "
                       "accuracy_after, control_accuracy_after, chance and minutes (views: success_before, "
-                      "success_after and minutes)")
+                      "success_after and minutes; scenes: the same)")
     demo.add_argument("--engine", choices=["embedded", "vllm"], default="embedded",
                       help="who samples the rollouts: 'embedded' (default, in-process) or 'vllm' (the servers in "
                       "--engine.urls, or else a `saccade serve` started for the demo; needs vLLM installed)")
@@ -559,6 +596,20 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--url", help="an already running `saccade serve` (default: start one)")
     _add_model_and_json(rollout)
     rollout.set_defaults(func=cmd_bench_rollout)
+
+    render = bench_sub.add_parser(
+        "render",
+        help="renders/s of the mesh renderer on generated rooms, cold and cached",
+        description="Renders random free poses in generated rooms with saccade.scenes' MeshRenderer (cold: every "
+        "pose new) and again through its CachedRenderer (every pose a hit). Prints renders/s of each.",
+    )
+    render.add_argument("--size", type=int, default=256, help="image side, px (default 256)")
+    render.add_argument("--renders", type=int, default=64, help="renders per measurement (default 64)")
+    render.add_argument("--rooms", type=int, default=8, help="generated rooms to cycle through (default 8)")
+    render.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cpu, cuda")
+    render.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    render.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    render.set_defaults(func=cmd_bench_render)
 
     serve = sub.add_parser(
         "serve",

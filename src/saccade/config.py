@@ -105,7 +105,9 @@ PRESET_NAMES = ("tiny", "small", "qwen3vl-2b")
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES_QUESTION_KINDS = ["color", "shape", "count"]
 # data.task's built-in names; a user's task is "verifiers:ENV_ID" or "package.module:make_task".
-BUILTIN_TASKS = ("shapes", "views", "openmmreasoner", "mathvista", "geometry3k", "dataset")
+BUILTIN_TASKS = ("shapes", "views", "scenes", "openmmreasoner", "mathvista", "geometry3k", "dataset")
+# The same list as saccade.envs.scenes.SCENE_QUESTION_KINDS (a test keeps them equal).
+SCENE_QUESTION_KINDS = ["color", "count", "on"]
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
@@ -537,6 +539,11 @@ class DataConfig(Section):
                 raise ValueError(f"question_kinds {unknown} unknown to task 'shapes'; choose from {choose}")
             if len(set(self.question_kinds)) != len(self.question_kinds):
                 raise ValueError(f"question_kinds {self.question_kinds} repeat an entry")
+        if self.task == "scenes":
+            unknown = [k for k in self.question_kinds if k not in SCENE_QUESTION_KINDS]
+            if unknown:
+                raise ValueError(f"question_kinds {unknown} unknown to task 'scenes'; choose from "
+                                 f"{', '.join(SCENE_QUESTION_KINDS)}")
         for name in ("subsets", "eval_subsets"):
             names = getattr(self, name)
             if names is not None and len(set(names)) != len(names):
@@ -602,6 +609,8 @@ VIEW_PLACES = ("left", "right", "ceiling", "floor", "far")
 # The same list as saccade.data.shapes.COLORS, repeated so that --dry-run catches a typo
 # without importing the renderer (tests/test_config.py checks the two agree).
 VIEW_COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
+# Mesh scenes also name scanned objects' neutral colours (saccade.scenes.mesh.SCENE_COLORS).
+SCENE_COLORS = (*VIEW_COLORS, "white", "gray", "black", "brown")
 
 
 class EnvConfig(Section):
@@ -626,6 +635,56 @@ class EnvConfig(Section):
         default_factory=lambda: list(VIEW_COLORS), min_length=3,
         description="views: the objects' colors, and so the answers (red, green, blue, yellow, purple, orange)",
     )
+    scene_dir: str | None = Field(
+        None, min_length=1,
+        description="scenes: a folder of scenes loaded with saccade.scenes.loaders.load_scene (ScanNet or "
+        "ARKitScenes scene folders, .ply/.obj/.glb files); unset: generated rooms, training and held-out rooms "
+        "from different seeds",
+    )
+    eval_scenes: int = Field(
+        1, ge=0, le=100_000,
+        description="scenes with env.scene_dir: the last this many scenes (by name) are held out for evaluation; "
+        "0: evaluate on the training scenes (questions from another seed)",
+    )
+    render_size: int = Field(128, ge=32, le=1024, description="scenes: side of the rendered square views, pixels")
+    fov_deg: float = Field(60.0, ge=20, le=120, description="scenes: the camera's horizontal field of view, degrees")
+    start_poses: int = Field(
+        4, ge=1, le=64,
+        description="scenes: candidate start poses per question (valid, not showing the asked-about objects); "
+        "each episode starts from one of them",
+    )
+    start_turn: float = Field(
+        0.0, ge=0, le=180,
+        description="scenes: 0: start poses anywhere in the room; > 0: each start pose is a good view of the "
+        "objects turned away by this many degrees, so one 'turn <start_turn> left/right' shows them",
+    )
+    say_side: bool = Field(
+        False, description="scenes with start_turn > 0: the question says which side the objects are on "
+        "('What color is the chair to your left?')",
+    )
+    view_fill: float = Field(
+        0.9, gt=0, le=4,
+        description="scenes with start_turn > 0: the view a start turns away from frames the objects' box to "
+        "this share of the view's width (above 1: closer, the objects overflow the view)",
+    )
+    start_clear: float = Field(
+        1.0, ge=0, le=1,
+        description="scenes: a start view may show other labelled objects on at most this fraction of its "
+        "pixels (1: no limit; the views demo's 'no distractors' is about 0.01)",
+    )
+    view_reward: float = Field(
+        0.0, ge=0, le=10,
+        description="scenes: weight of the largest fraction of the image the asked-about objects covered in "
+        "any view, added to the answering turn's reward",
+    )
+    seen_fraction: float = Field(
+        0.01, ge=0, le=1,
+        description="scenes: the objects count as seen (env.require_seen) once they cover this fraction of a view",
+    )
+    describe_actions: bool = Field(
+        True, description="scenes: the prompt lists the action grammar (off for the tiny demo model, which "
+        "copies from such lists)",
+    )
     max_total_tokens: int = Field(4096, ge=64, description="an episode ends once its next turn would not fit this")
     loss_on: Literal["assistant", "markers"] = Field(
         "assistant", description="train on every sampled assistant token, or only on those inside loss_markers"
@@ -648,9 +707,10 @@ class EnvConfig(Section):
         unknown = [p for p in self.places if p not in VIEW_PLACES]
         if unknown:
             raise ValueError(f"places {unknown} unknown; choose from {', '.join(VIEW_PLACES)}")
-        unknown = [c for c in self.colors if c not in VIEW_COLORS]
+        unknown = [c for c in self.colors if c not in SCENE_COLORS]
         if unknown:
-            raise ValueError(f"colors {unknown} unknown; choose from {', '.join(VIEW_COLORS)}")
+            raise ValueError(f"colors {unknown} unknown; choose from {', '.join(VIEW_COLORS)} (and, for "
+                             f"data.task = 'scenes', {', '.join(SCENE_COLORS[len(VIEW_COLORS):])})")
         if len(set(self.colors)) != len(self.colors):
             raise ValueError(f"colors {self.colors} repeat an entry")
         if len(self.colors) <= self.distractors:
@@ -694,6 +754,22 @@ class RunConfig(Section):
                 "'vllm'): the embedded engine samples from the very weights being trained, so it cannot sample "
                 "ahead of them; set rollout.max_async_level = 0"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _scenes_fields(self) -> RunConfig:
+        if self.data.task == "views":
+            neutral = [c for c in self.env.colors if c not in VIEW_COLORS]
+            if neutral:
+                raise ValueError(f"env.colors {neutral} are for data.task = 'scenes'; the views room draws "
+                                 f"{', '.join(VIEW_COLORS)}")
+        if self.data.task == "scenes":
+            if self.env.say_side and self.env.start_turn == 0:
+                raise ValueError("env.say_side needs env.start_turn > 0: only then is the asked-about object on "
+                                 "one side of the start view")
+            if "color" in self.data.question_kinds and self.data.num_choices > len(self.env.colors):
+                raise ValueError(f"data.num_choices = {self.data.num_choices} color options need at least as many "
+                                 f"env.colors, got {self.env.colors}: lower data.num_choices or add colors")
         return self
 
     @model_validator(mode="after")

@@ -121,7 +121,7 @@ def rewards_from_config(cfg: RunConfig) -> Rewards:
 
 def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task:
     """The run's task: shapes questions, a data set's (splits opened on first use), the views
-    environment, a verifiers environment, or a user's own (`make_task(cfg)`). `blank`
+    environment, the mesh-scenes environment, a verifiers environment, or a user's own (`make_task(cfg)`). `blank`
     overrides data.blank_images (the demo's control) for the built-in question tasks."""
     d = cfg.data
     if d.task.startswith(VERIFIERS_PREFIX):
@@ -147,6 +147,17 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task:
                          max_turns=e.max_turns, turn_cost=e.turn_cost, eval_seed=eval_seed,
                          distractors=e.distractors, require_seen=e.require_seen,
                          look_reward=e.look_reward, colors=tuple(e.colors))
+    if d.task == "scenes":
+        from saccade.envs.scenes import ScenesTask
+
+        e = cfg.env
+        return ScenesTask(scene_dir=e.scene_dir, kinds=tuple(d.question_kinds), num_choices=d.num_choices,
+                          colors=tuple(e.colors), render_size=e.render_size, fov_deg=e.fov_deg,
+                          start_poses=e.start_poses, start_turn=e.start_turn, say_side=e.say_side,
+                          view_fill=e.view_fill, start_clear=e.start_clear,
+                          max_turns=e.max_turns, turn_cost=e.turn_cost, view_reward=e.view_reward,
+                          require_seen=e.require_seen, seen_fraction=e.seen_fraction,
+                          describe_actions=e.describe_actions, eval_seed=eval_seed, eval_scenes=e.eval_scenes)
     if d.task == "shapes":
         from saccade.data.shapes import ShapesTask
 
