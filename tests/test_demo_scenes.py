@@ -3,7 +3,6 @@ data.task = "scenes" runs on the embedded engine (episodes, consistency check, m
 
 from __future__ import annotations
 
-
 from saccade.demo_scenes import load_scenes_config, scenes_verdict
 from saccade.metrics import read_metrics
 
