@@ -22,8 +22,6 @@ success_before + 0.3 within 15 minutes.
 
 from __future__ import annotations
 
-import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,9 @@ import numpy as np
 import torch
 
 from saccade.config import RunConfig, load_config
-from saccade.demo_views import MINUTES_MAX, SUCCESS_GAIN_MIN, correct_when_seen, scripted_trajectory, views_verdict
+from saccade.demo_views import (
+    MINUTES_MAX, SUCCESS_GAIN_MIN, correct_when_seen, run_episode_demo, scripted_trajectory, views_verdict,
+)
 
 __all__ = ["MINUTES_MAX", "SUCCESS_GAIN_MIN", "load_scenes_config", "run_scenes_demo", "scenes_verdict"]
 
@@ -77,33 +77,8 @@ def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = T
 
 def run_scenes_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     """Warm start, then GRPO on mesh-scene episodes; returns the figures."""
-    from saccade.evaluation import evaluate
-    from saccade.plot import plot_run
-    from saccade.rl import train_rl
-    from saccade.setup import build_setup
-    from saccade.tasks import task_from_config
-
-    if cfg.data.task != "scenes":
-        raise ValueError(f"saccade demo scenes needs data.task = 'scenes', got {cfg.data.task!r}")
-    start = time.perf_counter()
+    task, held_out, before, after, start = run_episode_demo(cfg, "scenes", warm_start, progress=progress)
     root = cfg.run_dir
-    for part in ("warm-start", "grpo"):
-        shutil.rmtree(root / part, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
-    random.seed(cfg.trainer.seed)
-    setup = build_setup(cfg, root)
-    task = task_from_config(cfg)
-    held_out = task.eval_samples(cfg.data.eval_size)
-
-    def success() -> dict[str, float]:
-        return evaluate(setup, task, held_out, max_tokens=cfg.engine.max_tokens, env=cfg.env)
-
-    warm_start(cfg, setup, task, run_dir=root / "warm-start", progress=progress)
-    before = success()
-    grpo_cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"dir": str(root / "grpo")})})
-    train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=setup, task=task, progress=progress)
-    after = success()
-    plot_run(root / "grpo")
     return {
         "success_before": before["accuracy"],
         "success_after": after["accuracy"],

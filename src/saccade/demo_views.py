@@ -78,16 +78,18 @@ def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = T
     return sft_loop(cfg, setup, run_dir=run_dir, make_batch=make_batch, progress=progress, phase="warm-start")
 
 
-def run_views_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Warm start, then GRPO on view-selection episodes; returns the figures."""
+def run_episode_demo(cfg: RunConfig, task_name: str, warm_start, *, progress: bool = True):
+    """The views and scenes demos' common course: a warm start, held-out greedy success, GRPO,
+    success again. `warm_start(cfg, setup, task, run_dir=, progress=)` trains the warm start.
+    Returns (task, held-out samples, success before, success after, start time)."""
     from saccade.evaluation import evaluate
     from saccade.plot import plot_run
     from saccade.rl import train_rl
     from saccade.setup import build_setup
     from saccade.tasks import task_from_config
 
-    if cfg.data.task != "views":
-        raise ValueError(f"saccade demo views needs data.task = 'views', got {cfg.data.task!r}")
+    if cfg.data.task != task_name:
+        raise ValueError(f"saccade demo {task_name} needs data.task = '{task_name}', got {cfg.data.task!r}")
     start = time.perf_counter()
     root = cfg.run_dir
     for part in ("warm-start", "grpo"):
@@ -107,6 +109,13 @@ def run_views_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=setup, task=task, progress=progress)
     after = success()
     plot_run(root / "grpo")
+    return task, held_out, before, after, start
+
+
+def run_views_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Warm start, then GRPO on view-selection episodes; returns the figures."""
+    _, _, before, after, start = run_episode_demo(cfg, "views", warm_start, progress=progress)
+    root = cfg.run_dir
     return {
         "success_before": before["accuracy"],
         "success_after": after["accuracy"],
