@@ -87,7 +87,7 @@ def test_shipped_configs_load(path):
     cfg = load_config(RunConfig, path, [])
     if "qwen3vl-2b" in path.name:
         assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
-        assert (cfg.model.dtype, cfg.model.attn_implementation) == ("bfloat16", "flash_attention_2")
+        assert (cfg.model.dtype, cfg.model.attn_implementation) == ("bfloat16", "auto")
         assert cfg.lora.enabled and cfg.engine.kind == "vllm" and len(cfg.engine.urls) == 1
         assert cfg.rollout.group_size == 8 and cfg.engine.max_tokens == 1024
         assert cfg.images.max_pixels == 1003520
@@ -338,3 +338,13 @@ def test_tis_is_on_by_default_whenever_rollouts_can_be_older_than_the_trainer():
 def test_sampling_ahead_needs_vllm_servers():
     with pytest.raises(ConfigError, match="max_async_level = 1 needs vLLM servers"):
         load_config(RunConfig, None, ["--rollout.max_async_level", "1"])
+
+
+def test_a_kernel_that_cannot_be_imported_is_refused_when_the_config_loads(tmp_path):
+    """flash-attn is not installed here: the config is refused at load (so --dry-run catches it), with the fix."""
+    from saccade.installed import module_available
+
+    if module_available("flash_attn"):
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(ValueError, match="flash-attn package.*Use 'auto'"):
+        load_config(RunConfig, None, ["--model.attn_implementation", "flash_attention_2"])

@@ -133,6 +133,18 @@ class ModelConfig(Section):
         "block-diagonal mask; flash_attention_2 needs a GPU, bf16 and the flash-attn package",
     )
 
+    @field_validator("attn_implementation")
+    @classmethod
+    def _kernel_importable(cls, name: str) -> str:
+        # Checked when the config loads, so --dry-run refuses it before a model is built, not the
+        # first trainer forward after a whole rollout.
+        from saccade.installed import attention_kernel_problem
+
+        problem = attention_kernel_problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
+
     @property
     def is_preset(self) -> bool:
         """True for the built-in random presets, which have no hub id."""
