@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
         "parity",
         help="max |Δ logprob| of the LM-only path vs the full model, packed vs unpacked, and two known bugs",
         description="Writes lm_only_vs_full_max_abs, packed_vs_unpacked_max_abs, deepstack_dropped_max_abs and "
-        "positions_1d_max_abs. Runs on any Qwen3-VL folder with --model (or a preset: tiny, small, qwen3vl-2b). "
+        "positions_1d_max_abs. Runs on any Qwen3-VL folder with --model (or a preset: tiny, small, qwen3vl-2b, qwen3vl-4b). "
         "Bars: 1e-5 in float32, 0.25 in bfloat16 (two bf16 paths round differently; the mistakes move it by "
         "more than 1 at 2B). Mean |Δ| figures are written too.",
     )
@@ -743,8 +743,9 @@ def build_parser() -> argparse.ArgumentParser:
         "$SACCADE_CACHE (default ~/.cache/saccade) and reused.",
     )
     build.add_argument("--preset", choices=list(PRESET_NAMES), default="tiny",
-                       help="tiny (1M parameters, tests and demo), small (110M, CPU benchmarks) or qwen3vl-2b "
-                       "(Qwen3-VL-2B's shapes, 2.13B parameters, bf16, 4.3 GB: GPU benchmarks)")
+                       help="tiny (1M parameters, tests and demo), small (110M, CPU benchmarks), qwen3vl-2b "
+                       "(Qwen3-VL-2B's shapes, 2.13B parameters, bf16, 4.3 GB: GPU benchmarks) or qwen3vl-4b "
+                       "(Qwen3-VL-4B's, 4.44B, 8.9 GB)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--out", help="write here instead of the cache")
     build.set_defaults(func=cmd_build_model)

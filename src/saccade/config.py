@@ -101,7 +101,7 @@ class Section(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 # The built-in random models (saccade.models.tiny.PRESETS; a test keeps the two lists equal).
-PRESET_NAMES = ("tiny", "small", "qwen3vl-2b")
+PRESET_NAMES = ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b")
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES_QUESTION_KINDS = ["color", "shape", "count"]
 # data.task's built-in names; a user's task is "verifiers:ENV_ID" or "package.module:make_task".
@@ -117,8 +117,9 @@ class ModelConfig(Section):
     path: str = Field(
         "tiny",
         min_length=1,
-        description="Hugging Face hub id or local folder of a Qwen3-VL checkpoint; 'tiny', 'small' or "
-        "'qwen3vl-2b' (Qwen3-VL-2B's shapes) for the built-in random presets (built offline, cached); "
+        description="Hugging Face hub id or local folder of a Qwen3-VL checkpoint; 'tiny', 'small', "
+        "'qwen3vl-2b' or 'qwen3vl-4b' (Qwen3-VL-2B's or 4B's shapes) for the built-in random presets "
+        "(built offline, cached); "
         "'tiny-warm': the tiny model after the demo's warm start (built on first use, cached)",
     )
     dtype: Literal["float32", "bfloat16"] = Field(

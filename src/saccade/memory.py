@@ -226,6 +226,8 @@ def model_dims(model: str | os.PathLike) -> ModelDims:
         return QWEN3_VL[name]
     if name == "qwen3vl-2b":  # the random preset at Qwen3-VL-2B's shapes (tests/test_memory.py checks)
         return QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
+    if name == "qwen3vl-4b":  # and at 4B's (tests/models/test_tiny.py checks)
+        return QWEN3_VL["Qwen/Qwen3-VL-4B-Instruct"]
     if name in ("tiny", "small"):
         from saccade.models.tiny import tiny_model_path
 

@@ -235,3 +235,18 @@ def test_the_2b_preset_has_exactly_qwen3_vl_2bs_shapes():
     assert round(dims.params / 1e9, 2) == 2.13
     assert config["text_config"]["rope_parameters"]["mrope_section"] == [24, 20, 20]  # Qwen3-VL's
     assert model_dims("qwen3vl-2b") == real and spec.weights_dtype == "bfloat16"
+
+
+def test_the_4b_preset_has_exactly_qwen3_vl_4bs_shapes():
+    """`saccade bench gpu`'s second parity shape: Qwen3-VL-4B-Instruct's dimensions."""
+    from saccade.memory import QWEN3_VL, dims_from_hf_config, model_dims
+    from saccade.models.tiny import PRESETS, build_config, build_tokenizer
+
+    spec = PRESETS["qwen3vl-4b"]
+    config = build_config(build_tokenizer(1024), spec).to_dict()
+    real = QWEN3_VL["Qwen/Qwen3-VL-4B-Instruct"]
+    dims = dims_from_hf_config(config)
+    assert (dims.text, dims.vision) == (real.text, real.vision)
+    assert round(dims.params / 1e9, 2) == 4.44
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [24, 20, 20]
+    assert model_dims("qwen3vl-4b") == real and spec.weights_dtype == "bfloat16"

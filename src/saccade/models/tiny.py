@@ -16,6 +16,8 @@ Presets:
   the 151,936-row vocabulary included, DeepStack from ViT blocks 5, 11, 17), saved in bf16
   (4.3 GB): what the GPU benchmarks measure speed, memory and bf16 parity on, offline.
   The tokenizer is the small BPE's; ids past it are rows nobody samples.
+- "qwen3vl-4b": the same at Qwen3-VL-4B-Instruct's shapes (4.44B parameters, bf16, 8.9 GB):
+  `saccade bench gpu`'s second parity shape.
 
 Built folders are cached under `cache_dir()` keyed by preset, seed and a build version,
 so a second call is a directory lookup.
@@ -156,6 +158,25 @@ PRESETS: dict[str, TinyPreset] = {
         vocab_size=151936,
         weights_dtype="bfloat16",
     ),
+    # Qwen/Qwen3-VL-4B-Instruct's config.json (saccade.memory.QWEN3_VL has the same numbers).
+    "qwen3vl-4b": TinyPreset(
+        bpe_vocab_size=8192,
+        text_hidden=2560,
+        text_layers=36,
+        text_heads=32,
+        text_kv_heads=8,
+        text_head_dim=128,
+        text_intermediate=9728,
+        vision_hidden=1024,
+        vision_depth=24,
+        vision_heads=16,
+        vision_intermediate=4096,
+        deepstack_indexes=(5, 11, 17),
+        vision_position_grid=48,
+        max_pixels=448 * 448,
+        vocab_size=151936,
+        weights_dtype="bfloat16",
+    ),
 }
 
 
@@ -166,7 +187,7 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str) -> str:
-    """A preset name ("tiny", "small", "qwen3vl-2b") becomes its built folder, "tiny-warm" the
+    """A preset name ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b") becomes its built folder, "tiny-warm" the
     demo's warm start (`saccade.demo.warm_model_path`); anything else is returned as is."""
     if model == "tiny-warm":
         from saccade.demo import warm_model_path
