@@ -244,6 +244,19 @@ def cmd_bench_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_gpu(args: argparse.Namespace) -> int:
+    from saccade.bench import gpu
+
+    if args.list:
+        print(gpu.list_stages())
+        return 0
+    if args.record:  # one stage in this fresh process, for the parent `bench gpu` (saccade.bench.gpu)
+        return gpu.run_recorded_stage(args.stage[0], device=args.device, quick=args.quick, out=args.out,
+                                      record=args.record)
+    return gpu.run_gpu_bench(device=args.device, quick=args.quick, out=args.out, stages=args.stage, force=args.force,
+                             budget_s=args.budget, in_process=args.in_process)
+
+
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
     from saccade.bench.engine import format_rollout, run_rollout_bench
 
@@ -438,13 +451,13 @@ def build_parser() -> argparse.ArgumentParser:
         "parity",
         help="max |Δ logprob| of the LM-only path vs the full model, packed vs unpacked, and two known bugs",
         description="Writes lm_only_vs_full_max_abs, packed_vs_unpacked_max_abs, deepstack_dropped_max_abs and "
-        "positions_1d_max_abs. Runs on any Qwen3-VL folder with --model (or a preset: tiny, small, qwen3vl-2b, qwen3vl-4b). "
-        "Bars: 1e-5 in float32, 0.25 in bfloat16 (two bf16 paths round differently; the mistakes move it by "
-        "more than 1 at 2B). Mean |Δ| figures are written too.",
+        "positions_1d_max_abs. Runs on any Qwen3-VL folder with --model (or a preset: tiny, small, qwen3vl-2b, "
+        "qwen3vl-4b). Bars: 1e-5 in float32, 0.25 in bfloat16 (two bf16 paths round differently; the mistakes move "
+        "it by more than 1 at 2B). Mean |Δ| figures are written too.",
     )
     _add_model_and_json(parity)
     parity.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="default float32")
-    parity.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    parity.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cpu, cuda, cuda:N")
     parity.set_defaults(func=cmd_bench_parity)
 
     trainer = bench_sub.add_parser(
@@ -491,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--lora", action="store_true", help="LoRA r16 on both sides (default: full fine-tuning of "
                       "the language model)")
     step.add_argument("--steps", type=int, default=3, help="measured steps per side, after one warm-up (default 3)")
-    step.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
+    step.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cpu, cuda")
     step.add_argument("--max-tokens", type=int, help="packed micro-batch budget (default: the demo config's "
                       "trainer.max_tokens)")
     step.add_argument("--trace", metavar="DIR", help="also write a torch.profiler trace of one step of each side")
@@ -610,6 +623,34 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     render.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     render.set_defaults(func=cmd_bench_render)
+
+    gpu = bench_sub.add_parser(
+        "gpu",
+        help="every GPU check that needs no vLLM, in stages that resume: one JSON and a markdown table",
+        description="Runs, stage by stage, each in a fresh process: building the random real-shape models (2B, "
+        "4B), bf16 parity at 2B and 4B shapes at 1k and 8k positions, host syncs per decoded token and per trainer "
+        "micro-batch, `bench trainer` at 2B (LoRA, full fine-tuning), `bench step` at 2B, RL steps that train "
+        "(tiny-warm), FSDP2 at world 1 (2B; bf16 mixed precision against fp32), `bench render`. Results go into "
+        "OUT/bench-gpu.json as each stage ends, with OUT/bench-gpu.md (the README's table) and OUT/bench-gpu.log. "
+        "Run again, it skips stages that are ok (--force runs them again) or failed (name them with --stage to "
+        "retry). --budget S starts a stage only if its H100 estimate fits in what is left of S seconds, and exits 3 "
+        "when stages are left: run the same command again. Exit 1 if a stage failed. --device cpu --quick runs "
+        "every stage on the tiny preset (the tests do).",
+    )
+    gpu.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cuda, cpu")
+    gpu.add_argument("--quick", action="store_true", help="the tiny preset, few steps, short lengths (minutes on a "
+                     "CPU)")
+    gpu.add_argument("--out", default="runs/bench-gpu", metavar="DIR", help="results folder (default runs/bench-gpu)")
+    gpu.add_argument("--stage", action="append", metavar="NAME", help="run this stage (repeatable; default: all, "
+                     "in order); `--list` names them")
+    gpu.add_argument("--force", action="store_true", help="run the selected stages even if they are ok")
+    gpu.add_argument("--budget", type=float, metavar="S", help="seconds this invocation may take (stages that do "
+                     "not fit are left for the next; exit 3)")
+    gpu.add_argument("--in-process", action="store_true", help="run the stages in this process, not one fresh "
+                     "process each")
+    gpu.add_argument("--list", action="store_true", help="list the stages and their estimated H100 seconds, and exit")
+    gpu.add_argument("--record", help=argparse.SUPPRESS)  # internal: the child's record file
+    gpu.set_defaults(func=cmd_bench_gpu)
 
     serve = sub.add_parser(
         "serve",

@@ -48,7 +48,7 @@ def run_distributed_bench(*, nproc: int = 2, preset: str = "small", lora: bool =
 
     resolve_model(preset)  # built once here, not by every rank
     runs = {}
-    for world in (1, nproc):
+    for world in sorted({1, nproc}):  # --nproc 1: the FSDP path at world 1 alone, launched once
         with tempfile.TemporaryDirectory(prefix="saccade-bench-dist-") as tmp:
             out = Path(tmp) / "result.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
@@ -63,10 +63,15 @@ def run_distributed_bench(*, nproc: int = 2, preset: str = "small", lora: bool =
                 raise RuntimeError(f"world {world} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
             runs[world] = json.loads(out.read_text())
     one, many = runs[1], runs[nproc]
-    return {
+    result = {
         "preset": preset, "lora": lora, "nproc": nproc, "device": device, "seq_len": seq_len,
         "max_tokens": max_tokens, "samples": SAMPLES,
         "world1": one, f"world{nproc}": many,
+    }
+    if nproc == 1:
+        return result
+    return {
+        **result,
         "state_bytes_ratio": max(many["state_bytes"]) / max(one["state_bytes"]),
         "step_time_ratio": many["step_s"] / one["step_s"],
         "export_time_ratio": many["export_s"] / one["export_s"],
@@ -77,6 +82,16 @@ def run_distributed_bench(*, nproc: int = 2, preset: str = "small", lora: bool =
 def format_distributed_report(result: dict[str, Any]) -> str:
     n = result["nproc"]
     one, many = result["world1"], result[f"world{n}"]
+    if n == 1:
+        return "\n".join([
+            f"{result['preset']} ({'LoRA' if result['lora'] else 'full fine-tuning'}), {result['samples']} samples x "
+            f"{result['seq_len']} tokens, micro-batches of {result['max_tokens']}, {result['device']}, FSDP2 at world 1:",
+            f"  params+grads+AdamW {max(one['state_bytes']) / 2**20:.1f} MB; train step {one['step_s']:.3f} s; "
+            f"engine-weights export {one['export_s']:.3f} s (peak RSS rise {max(one['export_peak_mb']):.1f} MB)"
+            + (f"; peak CUDA memory {one['cuda_peak_mb']:.0f} MB" if one.get("cuda_peak_mb") else ""),
+            f"  decode forward: weights whole {one['decode_forward_ms']['unsharded']:.2f} ms, sharded "
+            f"{one['decode_forward_ms']['sharded']:.2f} ms; one unshard {one['unshard_s']:.3f} s",
+        ])
     lines = [
         f"{result['preset']} ({'LoRA' if result['lora'] else 'full fine-tuning'}), {result['samples']} samples x "
         f"{result['seq_len']} tokens, micro-batches of {result['max_tokens']}, {result['device']}:",
@@ -225,13 +240,15 @@ def worker(args: argparse.Namespace) -> None:
         whole_ms = forwards()
     barrier(world)
 
-    mine = {"state_bytes": state_bytes, "export_peak_mb": peak_mb}
+    mine = {"state_bytes": state_bytes, "export_peak_mb": peak_mb,
+            "cuda_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
     gathered = all_gather(mine, world)
     if world.is_main:
         Path(args.out).write_text(json.dumps({
             "world_size": world.size,
             "state_bytes": [g["state_bytes"] for g in gathered],
             "export_peak_mb": [g["export_peak_mb"] for g in gathered],
+            "cuda_peak_mb": max((g["cuda_peak_mb"] or 0.0) for g in gathered) or None,
             "step_s": statistics.median(times),
             "export_s": export_s,
             "unshard_s": unshard_s,

@@ -48,7 +48,7 @@ OVERHEAD_PARTS = ("env", "templating", "image_prep", "rewards", "samples", "pack
 
 
 def bench_config(preset: str, image_size: int, lora: bool, device: str, run_dir: Path,
-                 max_tokens: int | None = None, dtype: str = "float32"):
+                 max_tokens: int | None = None, dtype: str = "float32", prompts: int = PROMPTS):
     """The demo config at the bench's shape (`max_tokens`: another micro-batch budget)."""
     from saccade.config import ImagesConfig, RunConfig, load_config
     from saccade.demo import demo_config_path
@@ -56,7 +56,7 @@ def bench_config(preset: str, image_size: int, lora: bool, device: str, run_dir:
     max_pixels = max(ImagesConfig().max_pixels, image_size * image_size)
     return load_config(RunConfig, demo_config_path(), [
         "--model.path", preset, "--trainer.device", device, "--model.dtype", dtype,
-        "--rollout.prompts_per_step", str(PROMPTS), "--rollout.group_size", str(GROUP),
+        "--rollout.prompts_per_step", str(prompts), "--rollout.group_size", str(GROUP),
         "--rollout.filter_zero_variance", "false", "--engine.max_tokens", str(NEW_TOKENS),
         "--loss.max_completion_tokens", str(NEW_TOKENS), "--data.image_size", str(image_size),
         "--images.max_pixels", str(max_pixels), "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
@@ -85,7 +85,8 @@ class SaccadeStep:
                                        max_tokens=e.max_tokens)
 
     def prompts(self, step: int) -> list:
-        return [self.task.train_sample(step * PROMPTS + i, seed=self.cfg.trainer.seed) for i in range(PROMPTS)]
+        n = self.cfg.rollout.prompts_per_step
+        return [self.task.train_sample(step * n + i, seed=self.cfg.trainer.seed) for i in range(n)]
 
     def messages(self, prompts: list) -> list[list[dict]]:
         """The prompts' opening messages, as the task's environment gives them to the engine."""
@@ -150,14 +151,15 @@ def _trace(step, prompts, path: Path) -> None:
 
 
 def run_step_bench(preset: str = "tiny", *, image_size: int = 64, lora: bool = False, steps: int = 3,
-                   device: str = "cpu", trace_dir: str | None = None, max_tokens: int | None = None,
-                   dtype: str = "float32", log=print) -> dict[str, Any]:
-    """Median step times of saccade and of the reference, the ratio, and saccade's breakdown."""
+                   device: str = "auto", trace_dir: str | None = None, max_tokens: int | None = None,
+                   dtype: str = "float32", prompts: int = PROMPTS, log=print) -> dict[str, Any]:
+    """Median step times of saccade and of the reference, the ratio, and saccade's breakdown.
+    `prompts`: prompts per step (default PROMPTS; fewer only to run it quickly)."""
     from saccade.bench.reference import ReferenceStep
     from saccade.models.loading import load_processor
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = bench_config(preset, image_size, lora, device, Path(tmp), max_tokens, dtype)
+        cfg = bench_config(preset, image_size, lora, device, Path(tmp), max_tokens, dtype, prompts)
         log(f"building saccade's step and the reference on preset {preset!r}, {image_size}px images, "
             f"{'LoRA r%d' % LORA_RANK if lora else 'full fine-tuning'}")
         ours = SaccadeStep(cfg, Path(tmp))
@@ -183,7 +185,7 @@ def run_step_bench(preset: str = "tiny", *, image_size: int = 64, lora: bool = F
             _trace(ours, prompts, out / "saccade_step.json")
             _trace(reference, ours.messages(prompts), out / "reference_step.json")
             log(f"traces in {out}: saccade_step.json, reference_step.json (chrome://tracing, Perfetto)")
-    return summarize(results, preset=preset, image_size=image_size, lora=lora, device=str(dev),
+    return summarize(results, preset=preset, image_size=image_size, lora=lora, device=str(dev), prompts=prompts,
                      max_tokens=cfg.trainer.max_tokens, micro_batches=results["saccade"][0][2]["micro_batches"],
                      dtype=cfg.model.dtype, image_tokens=_image_tokens(ours, prompts), trace_dir=trace_dir)
 
@@ -211,7 +213,7 @@ def summarize(results: dict[str, list], **shape) -> dict[str, Any]:
     ratio = reference_s / saccade_s
     return {
         **shape,
-        "prompts": PROMPTS, "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "steps": len(ours),
+        "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "steps": len(ours),
         "saccade_s": saccade_s, "reference_s": reference_s, "ratio": ratio,
         "goal_ratio": goal, "meets_goal": None if goal is None else ratio >= goal,
         "saccade_parts_s": parts,

@@ -42,7 +42,13 @@ and, given the device's peak (`--peak-tflops`; known for H100/H200/A100), its MF
 `saccade memory`'s estimate of each cached path's peak beside the measured one.
 
 `full_finetune=True` trains every language-model weight (bf16 weights with float32 master
-weights on a GPU, as the trainer does) in every variant instead of LoRA.
+weights on a GPU, as the trainer does) in every variant instead of LoRA. cached, padded and
+checkpointed share one model and optimizer (checkpointing switched on for its steps only);
+with LoRA the full model is held beside it and all four interleave; with full fine-tuning
+(at 2B about 35 GB of weights, master weights, gradients and AdamW state per model) the
+cached three run first and are freed before the full model loads, so one 80 GB card holds
+the bench, and the full/cached ratios come from runs one after the other, not interleaved.
+The peak-memory processes run one at a time on a GPU, two at a time on the CPU.
 
 All variants compute the same loss on the same tokens, -(advantage * logprob * loss_mask)
 summed over the step's loss tokens / their count, through the chunked logprob function,
@@ -491,6 +497,55 @@ class VisionTimer:
         self.seconds += time.perf_counter() - self._start
 
 
+CACHED_FAMILY = ("cached", "padded", "checkpointed")  # one model and optimizer between them
+
+
+def _set_checkpointing(model, on: bool) -> None:
+    """Per-layer activation checkpointing on or off, on the model the cached variants share."""
+    language_model = unwrap_policy(model).language_model
+    if on:
+        language_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        language_model.gradient_checkpointing_disable()
+
+
+def _run_rounds(names, runners, data, dev, steps, times, vision_s, warmup_loss, vision_timer, console) -> None:
+    """One warm-up round (lr 0) and `steps` measured rounds of these variants, interleaved step
+    by step; the order rotates every round so that no variant always runs first."""
+    for round_ in range(steps + 1):
+        warmup = round_ == 0
+        k = round_ % len(names)
+        for name in names[k:] + names[:k]:
+            model, optimizer = runners[name]
+            if name in CACHED_FAMILY:
+                _set_checkpointing(model, name == "checkpointed")
+            # lr 0 on the warm-up step: every variant's warm-up loss is taken on the initial weights.
+            _set_lr(optimizer, 0.0 if warmup else LR)
+            if vision_timer is not None:
+                vision_timer.seconds = 0.0
+            _sync(dev)
+            t0 = time.perf_counter()
+            loss = STEPS[name](model, optimizer, data, dev)
+            _sync(dev)
+            elapsed = time.perf_counter() - t0
+            if warmup:
+                warmup_loss[name] = loss
+                continue
+            times[name].append(elapsed)
+            if name == "full":
+                vision_s.append(vision_timer.seconds)
+        if not warmup:
+            console.log(f"step {round_}/{steps}: " + "  ".join(f"{n} {times[n][-1]:.2f}s" for n in names))
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -567,21 +622,23 @@ def measure_memory_in_fresh_processes(
     """The cached, full and checkpointed paths' peak memory, each in its own spawned process
     (a fresh interpreter).
 
-    Two run at the same time, one thread each: a peak does not depend on speed, and the
-    imports (most of their wall time) are single-threaded anyway.
+    On the CPU two run at the same time, one thread each: a peak does not depend on speed, and
+    the imports (most of their wall time) are single-threaded anyway. On a GPU one at a time:
+    two 2B full fine-tunings (about 35 GB each) do not fit one 80 GB card together.
     """
     names = ("cached", "full", "checkpointed")
+    at_once = 1 if dev.type == "cuda" else 2
     with tempfile.TemporaryDirectory(prefix="saccade-bench-") as tmp:
         files = {}
         for name in names:
             files[name] = str(Path(tmp) / f"{name}.pt")
             torch.save(_view_for(name, data), files[name])
         # max_tasks_per_child=1: each path gets a process of its own, never a used one.
-        with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+        with ProcessPoolExecutor(max_workers=at_once, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
             futures = {
                 name: pool.submit(
                     measure_peak_memory, name, files[name], model_path, str(dev), dtype_name,
-                    max(1, threads // 2), seed, full_finetune, attention,
+                    max(1, threads // at_once), seed, full_finetune, attention,
                 )
                 for name in names
             }
@@ -691,46 +748,38 @@ def run_trainer_bench(
             memory = measure_memory_in_fresh_processes(data, model_path, dev, dtype_name, threads, seed,
                                                        full_finetune=full_finetune, attention=attention)
 
-        # Timing: the four variants in this process, interleaved step by step.
-        console.log("loading the cached (LM-only) and the full model")
+        # Timing, in this process. cached, padded and checkpointed share one model and optimizer
+        # (the same weights; checkpointing is switched on for its steps alone); the full VLM has
+        # its own. With LoRA both are held and the four variants interleave step by step; with
+        # full fine-tuning (about 35 GB of state per model at 2B) the cached family runs first,
+        # is freed, then the full model runs: never more than one model's state on the device.
+        interleave = not full_finetune
         common = dict(dtype=dtype, device=dev, seed=seed, full_finetune=full_finetune)
-        cached_model, cached_opt = build_cached(model_path, attention=attention, **common)
-        full_model, full_opt = build_full(model_path, **common)
-        ckpt_model, ckpt_opt = build_cached(model_path, checkpointing=True, attention=attention, **common)
-        trainable_params = count_params(cached_model, trainable=True)
-        lm_params = count_params(cached_model) - (0 if full_finetune else trainable_params)
-        vision_timer = VisionTimer(full_model.get_base_model().model.visual, dev)
-        # padded shares the cached model and optimizer: same weights, only the layout differs.
-        runners = {"cached": (cached_model, cached_opt), "full": (full_model, full_opt),
-                   "padded": (cached_model, cached_opt), "checkpointed": (ckpt_model, ckpt_opt)}
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         vision_s: list[float] = []
         warmup_loss: dict[str, float] = {}
-        for round_ in range(steps + 1):
-            warmup = round_ == 0
-            # Rotate the order every round so that no variant always runs first.
-            k = round_ % len(VARIANTS)
-            order = VARIANTS[k:] + VARIANTS[:k]
-            for name in order:
-                model, optimizer = runners[name]
-                # lr 0 on the warm-up step: every variant's warm-up loss is taken on the initial weights.
-                _set_lr(optimizer, 0.0 if warmup else LR)
-                vision_timer.seconds = 0.0
-                _sync(dev)
-                t0 = time.perf_counter()
-                loss = STEPS[name](model, optimizer, data, dev)
-                _sync(dev)
-                elapsed = time.perf_counter() - t0
-                if warmup:
-                    warmup_loss[name] = loss
-                    continue
-                times[name].append(elapsed)
-                if name == "full":
-                    vision_s.append(vision_timer.seconds)
-            if warmup:
-                console.log("warm-up losses: " + "  ".join(f"{n} {warmup_loss[n]:+.6f}" for n in VARIANTS))
-            else:
-                console.log(f"step {round_}/{steps}: " + "  ".join(f"{n} {times[n][-1]:.2f}s" for n in VARIANTS))
+        families = [VARIANTS] if interleave else [CACHED_FAMILY, ("full",)]
+        for family in families:
+            console.log("loading " + " and ".join(
+                ["the cached (LM-only) model"] * any(n != "full" for n in family) + ["the full model"] * ("full" in family)))
+            runners: dict[str, tuple] = {}
+            if any(n != "full" for n in family):
+                cached_model, cached_opt = build_cached(model_path, attention=attention, **common)
+                trainable_params = count_params(cached_model, trainable=True)
+                lm_params = count_params(cached_model) - (0 if full_finetune else trainable_params)
+                attention_used = unwrap_policy(cached_model).config.text_config._attn_implementation
+                runners.update({n: (cached_model, cached_opt) for n in CACHED_FAMILY})
+                del cached_model, cached_opt
+            if "full" in family:
+                full_model, full_opt = build_full(model_path, **common)
+                vision_timer = VisionTimer(full_model.get_base_model().model.visual, dev)
+                runners["full"] = (full_model, full_opt)
+                del full_model, full_opt
+            _run_rounds(family, runners, data, dev, steps, times, vision_s, warmup_loss, vision_timer
+                        if "full" in family else None, console)
+            runners.clear()  # the family's models and optimizers go before the next family's load
+            _free(dev)
+        console.log("warm-up losses: " + "  ".join(f"{n} {warmup_loss[n]:+.6f}" for n in VARIANTS))
 
         med = {name: statistics.median(times[name]) for name in VARIANTS}
         tps = {name: data.num_tokens / med[name] for name in VARIANTS}
@@ -747,7 +796,8 @@ def run_trainer_bench(
                 "trainable_params": trainable_params,
                 "lora": {"rank": lora_settings().rank, "targets": lora_settings().target_modules},
                 "full_finetune": full_finetune,
-                "attention": unwrap_policy(cached_model).config.text_config._attn_implementation,
+                "attention": attention_used,
+                "interleaved": interleave,
                 "peak_tflops": peak,
                 "batch": batch,
                 "steps": steps,
@@ -811,6 +861,9 @@ def run_trainer_bench(
                 activation_checkpointing_peak_ratio=memory["checkpointed"]["peak_mb"] / memory["cached"]["peak_mb"],
                 memory=memory,
             )
+            result.update(estimate_check(result, host=dev.type != "cuda"))
+            if result["estimate_flag"] != "ok":
+                console.log(f"[bold]saccade memory's estimate: {result['estimate_note']}[/bold]")
         result["config"]["load_avg_1m"] = {"start": load_start, "end": _load_avg()}
         result["wall_s"] = time.perf_counter() - started
         return result
@@ -867,6 +920,33 @@ def estimated_peak_mb(text: TextDims, data: BenchBatch, dtype_name: str, full_fi
     return (est.total - est.get("CUDA context")) * 1024
 
 
+# The estimate may sit this far above the measured peak before the bench calls it far above.
+ESTIMATE_FAR_ABOVE = 1.5
+
+
+def estimate_check(result: dict, *, host: bool) -> dict:
+    """`saccade memory`'s estimate against the measured peak of the cached path, with and without
+    activation checkpointing: the ratios (estimate / measured) and a flag, "below" when an
+    estimate is under its measured peak (a run sized by it could run out of memory), "far above"
+    when it is over ESTIMATE_FAR_ABOVE times it (memory left idle), else "ok". On the CPU the
+    measured peak is the process's resident-set growth, which adds torch's CPU allocator and
+    the batch's host data to what the estimate counts (what CUDA would hold): "below" is
+    expected there and says little."""
+    ratios = {name: result[f"estimated_{name}_peak_mb"] / result[f"{name}_peak_mb"]
+              for name in ("cached", "checkpointed")}
+    if min(ratios.values()) < 1:
+        flag = "below"
+    elif max(ratios.values()) > ESTIMATE_FAR_ABOVE:
+        flag = "far above"
+    else:
+        flag = "ok"
+    worst = min(ratios, key=ratios.get) if flag == "below" else max(ratios, key=ratios.get)
+    note = (f"estimate / measured peak {ratios['cached']:.2f} (checkpointed {ratios['checkpointed']:.2f})"
+            + ("" if flag == "ok" else f": the {worst} path's estimate is {flag} the measured peak")
+            + (" (host RSS: the CPU allocator and host data are not in the estimate)" if host else ""))
+    return {"estimate_over_measured": ratios, "estimate_flag": flag, "estimate_note": note}
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -877,6 +957,7 @@ def format_report(result: dict) -> str:
     spread = lambda name: f"{min(times[name]):.2f}-{max(times[name]):.2f}"  # noqa: E731
     peak = lambda key: f"{result[key]:>10.0f}" if key in result else f"{'-':>10}"  # noqa: E731
     load = c.get("load_avg_1m") or {}
+    tuning = " full FT" if c["full_finetune"] else " + LoRA"
     lines = [
         f"saccade trainer bench: preset {c['preset']} (LM {c['lm_params'] / 1e6:.1f}M params, "
         f"vision {c['vision_params'] / 1e6:.1f}M, "
@@ -886,14 +967,15 @@ def format_report(result: dict) -> str:
         f"{result['batch_tokens']:,} tokens ({result['batch_image_tokens']:,} image, {result['batch_loss_tokens']:,} "
         f"in the loss), {result['batch_images']} images, {result['sample_tokens_min']}-{result['sample_tokens_max']} "
         "tokens per sample",
-        f"medians of {c['steps']} interleaved steps per variant after 1 warm-up; packed micro-batches "
+        f"medians of {c['steps']} {'interleaved ' if c.get('interleaved', True) else ''}steps per variant after 1 "
+        f"warm-up; packed micro-batches "
         f"<= {c['max_tokens']} tokens ({result['packed_micro_batches']} per step)",
         "",
         f"(a) cached image embeddings vs full VLM (vision tower every step; full layout: {c['full_layout']})",
         f"  {'':<26}{'step s':>9}{'range s':>13}{'tokens/s':>10}{'peak MB':>10}",
-        f"  {'cached (LM + LoRA)':<26}{result['cached_step_s']:>9.2f}{spread('cached'):>13}"
+        f"  {'cached (LM' + tuning + ')':<26}{result['cached_step_s']:>9.2f}{spread('cached'):>13}"
         f"{result['cached_tokens_per_s']:>10.0f}" + peak("cached_peak_mb"),
-        f"  {'full VLM (+ LoRA)':<26}{result['full_step_s']:>9.2f}{spread('full'):>13}"
+        f"  {'full VLM (' + tuning.strip(' +') + ')':<26}{result['full_step_s']:>9.2f}{spread('full'):>13}"
         f"{result['full_tokens_per_s']:>10.0f}" + peak("full_peak_mb"),
         f"  {'full / cached':<26}{result['full_over_cached_step_time']:>8.2f}x{'':>23}"
         + (f"{result['full_over_cached_peak_memory']:>9.2f}x" if "full_over_cached_peak_memory" in result else ""),
@@ -923,6 +1005,8 @@ def format_report(result: dict) -> str:
         + (f", MFU {result['cached_mfu']:.1%} of {c['peak_tflops']:g}" if result.get("cached_mfu") else "")
         + f"; saccade memory estimates the peak at {result['estimated_cached_peak_mb']:.0f} MB "
         f"({result['estimated_checkpointed_peak_mb']:.0f} MB checkpointed)",
+        *([f"  {'' if result['estimate_flag'] == 'ok' else 'FLAG: '}{result['estimate_note']}"]
+          if "estimate_flag" in result else []),
         "",
         f"warm-up losses of the four variants agree to {result['max_warmup_loss_diff']:.1e} (same weights, same "
         f"tokens); wall time {result['wall_s']:.0f} s",

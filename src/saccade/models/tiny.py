@@ -196,21 +196,28 @@ def resolve_model(model: str) -> str:
     return str(tiny_model_path(model)) if model in PRESETS else model
 
 
-def tiny_model_path(preset: str = "tiny", seed: int = 0) -> Path:
-    """Return the folder of a generated Qwen3-VL, building it on first use."""
+def preset_folder(preset: str = "tiny", seed: int = 0) -> Path:
+    """Where `tiny_model_path` keeps a preset's build (built or not: see `is_built`)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    spec = PRESETS[preset]
-    key = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(spec), seed]).encode()).hexdigest()[:10]
-    target = cache_dir() / f"qwen3vl-{preset}-seed{seed}-{key}"
-    return build_once(target, lambda tmp: build_tiny_qwen3vl(tmp, preset=preset, seed=seed))
+    key = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(PRESETS[preset]), seed]).encode()).hexdigest()[:10]
+    return cache_dir() / f"qwen3vl-{preset}-seed{seed}-{key}"
+
+
+def is_built(folder: Path) -> bool:
+    return (folder / ".complete").exists()
+
+
+def tiny_model_path(preset: str = "tiny", seed: int = 0) -> Path:
+    """Return the folder of a generated Qwen3-VL, building it on first use."""
+    return build_once(preset_folder(preset, seed), lambda tmp: build_tiny_qwen3vl(tmp, preset=preset, seed=seed))
 
 
 def build_once(target: Path, build) -> Path:
     """`target`, built by `build(folder)` on first use. Built in a temp folder and renamed: a
     killed build never leaves a half-written model, and two processes racing both end up with
     a complete one."""
-    if (target / ".complete").exists():
+    if is_built(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -220,7 +227,7 @@ def build_once(target: Path, build) -> Path:
         try:
             os.rename(tmp, target)
         except OSError:
-            if not (target / ".complete").exists():
+            if not is_built(target):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,128 @@
+"""FSDP2 mixed precision against fp32: the same RL steps, sharded, in bfloat16 and in float32.
+
+`run_precision_bench` starts one torchrun launch (`python -m saccade.bench.fsdp_precision`,
+NCCL on CUDA, gloo on the CPU) whose ranks run `saccade rl`'s loop (`train_rl`) twice from
+the demo's warm start (`tiny-warm`, where groups carry reward variance): with
+`model.dtype = bfloat16` (FSDP2's mixed precision: bf16 compute, fp32 shards and gradient
+reduction) and with float32, same seed, same prompts. Rank 0 reads both runs' metrics.
+
+What it shows: both train (steps whose groups carry signal, reward and loss of each step),
+the train/inference mismatch of each precision (the engine samples from the same sharded
+module, so bf16's figure is the rounding of one model seen twice), and seconds per step.
+The two runs sample their own rollouts from their own precision's policy, so their rewards
+are not expected to agree token for token: the comparison is of trends and magnitudes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("bfloat16", "float32")
+# Per-step figures read back from each run's metrics.jsonl.
+FIGURES = ("reward_mean", "groups_kept_frac", "loss", "mismatch_abs", "step_s", "grad_norm")
+
+
+def run_precision_bench(*, device: str = "cpu", nproc: int = 1, steps: int = 5, prompts: int = 32,
+                        model: str = "tiny-warm", timeout_s: float | None = None) -> dict[str, Any]:
+    """One torchrun launch at `nproc` ranks; per dtype the per-step figures and their means."""
+    from saccade.bench.distributed import _free_port
+    from saccade.models.tiny import resolve_model
+
+    resolve_model(model)  # built once here, not by every rank
+    with tempfile.TemporaryDirectory(prefix="saccade-bench-precision-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+               "-m", "saccade.bench.fsdp_precision", "--out", str(out), "--device", device, "--steps", str(steps),
+               "--prompts", str(prompts), "--model", model, "--run-dir", str(Path(tmp) / "runs")]
+        threads = max(1, (os.cpu_count() or 1) // nproc) if device == "cpu" else 1
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"torchrun failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        runs = json.loads(out.read_text())
+    summary = {d: _summary(runs[d]) for d in DTYPES}
+    return {"device": device, "nproc": nproc, "steps": steps, "prompts": prompts, "model": model,
+            "runs": runs, **{f"{d}_{k}": v for d in DTYPES for k, v in summary[d].items()}}
+
+
+def _summary(rows: list[dict[str, float]]) -> dict[str, float | None]:
+    def mean(key: str, part: slice = slice(None)) -> float | None:
+        values = [r[key] for r in rows[part] if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    half = max(1, len(rows) // 2)
+    return {
+        "steps_with_signal": sum(1 for r in rows if (r.get("groups_kept_frac") or 0) > 0),
+        "reward_first_half": mean("reward_mean", slice(None, half)),
+        "reward_second_half": mean("reward_mean", slice(half, None)),
+        "mismatch_abs": mean("mismatch_abs"),
+        "step_s": mean("step_s", slice(1, None)) if len(rows) > 1 else mean("step_s"),
+    }
+
+
+def format_precision_report(r: dict[str, Any]) -> str:
+    lines = [f"FSDP2 at world {r['nproc']} on {r['device']}, {r['model']}, {r['steps']} RL steps of {r['prompts']} "
+             "prompts per dtype:"]
+    for d in DTYPES:
+        fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+        lines.append(
+            f"  {d:<9} steps with signal {r[f'{d}_steps_with_signal']}/{r['steps']}, reward "
+            f"{fmt(r[f'{d}_reward_first_half'])} -> {fmt(r[f'{d}_reward_second_half'])} (first/second half), "
+            f"mismatch {fmt(r[f'{d}_mismatch_abs'])}, {fmt(r[f'{d}_step_s'])} s/step")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    from saccade.config import RunConfig, load_config
+    from saccade.demo import demo_config_path
+    from saccade.distributed import close_world, exit_rank, init_world
+    from saccade.metrics import read_metrics
+    from saccade.rl import train_rl
+    from saccade.setup import resolve_device
+
+    world = init_world(resolve_device(args.device).type)
+    runs = {}
+    for dtype in DTYPES:
+        run_dir = Path(args.run_dir) / dtype
+        cfg = load_config(RunConfig, demo_config_path(), [
+            "--model.path", args.model, "--model.dtype", dtype, "--trainer.device", args.device,
+            "--trainer.steps", str(args.steps), "--rollout.prompts_per_step", str(args.prompts),
+            "--eval.every_steps", "0", "--checkpoint.every_steps", "0", "--log.dir", str(run_dir)])
+        train_rl(cfg, run_dir=cfg.run_dir, world=world, progress=False)
+        if world.is_main:
+            rows = read_metrics(cfg.run_dir, phase="train")
+            runs[dtype] = [{k: r.get(k) for k in ("step", *FIGURES)} for r in rows]
+    if world.is_main:
+        Path(args.out).write_text(json.dumps(runs))
+    close_world(world)
+    exit_rank(0)  # see saccade.distributed.exit_rank
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description="a worker of `saccade bench gpu`'s FSDP precision stage (torchrun)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--model", default="tiny-warm")
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    worker(args)
+
+
+if __name__ == "__main__":
+    main()

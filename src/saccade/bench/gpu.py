@@ -1,0 +1,334 @@
+"""`saccade bench gpu`: every GPU check that needs no vLLM, in one command, in stages that resume.
+
+The stages (saccade.bench.gpu_stages) run in order, each in a fresh Python process (a crash,
+an out-of-memory or a CUDA error in one leaves the next a clean device; `--in-process` runs
+them in this one). Each stage's record (status, seconds, the device, its figures or its
+error) goes into one JSON in the `--out` folder as soon as it ends, and a markdown table the
+README pastes is rewritten beside it (`bench-gpu.json`, `bench-gpu.md`; the stages' output
+is appended to `bench-gpu.log`). Run again, the command skips what finished:
+
+- a stage that is `ok` runs again only with `--force`;
+- a stage that `failed` runs again when named (`--stage NAME`) or with `--force`: a failure
+  usually needs a fix first, and GPU time is short;
+- a stage that was `unavailable` (its code is not in this checkout yet) runs again.
+
+`--budget SECONDS` bounds one invocation: a stage starts only if its estimate (on one H100,
+plus building the real-shape models it loads when they are not built yet) fits in what is
+left, and a running stage is stopped at the budget's end. Exit codes: 0 every selected stage
+is ok; 1 one failed (an error, or a check it makes: parity over its bar); 3 stages are left
+for the next invocation (the budget ran out): run the same command again.
+
+`--device cpu --quick` runs every stage on the tiny preset with few steps and short lengths;
+the tests run it so that the command cannot rot.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from saccade.bench import gpu_stages as S
+
+JSON_NAME, MD_NAME, LOG_NAME = "bench-gpu.json", "bench-gpu.md", "bench-gpu.log"
+EXIT_OK, EXIT_FAILED, EXIT_PENDING = 0, 1, 3
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    what: str  # the table's first column: what the stage checks
+    run: Callable[[S.Plan], dict]
+    summary: Callable[[dict], str]
+    gpu_s: int  # estimated seconds on one H100 (80 GB), its models already built
+    needs: tuple[str, ...] = ()  # real-shape models it loads ("2b", "4b"): built first if missing
+
+
+STAGES = (
+    Stage("models", "random Qwen3-VL at 2B and 4B shapes built on this machine; the demo's warm start",
+          S.models, S.models_summary, 30, needs=("2b", "4b")),
+    Stage("parity-2b", "bf16 parity at 2B shapes, LM-only vs the full model, 1k and 8k positions",
+          lambda p: S.parity(p, "2b"), S.parity_summary, 100, needs=("2b",)),
+    Stage("parity-4b", "bf16 parity at 4B shapes, 1k and 8k positions",
+          lambda p: S.parity(p, "4b"), S.parity_summary, 150, needs=("4b",)),
+    Stage("syncs", "host syncs per decoded token (embedded engine) and per trainer micro-batch",
+          S.syncs, S.syncs_summary, 40),
+    Stage("trainer-lora", "`bench trainer` at 2B shapes, LoRA: tokens/s, MFU, peak vs `saccade memory`",
+          lambda p: S.trainer(p, full_finetune=False), S.trainer_summary, 170, needs=("2b",)),
+    Stage("trainer-full", "`bench trainer` at 2B shapes, full fine-tuning",
+          lambda p: S.trainer(p, full_finetune=True), S.trainer_summary, 220, needs=("2b",)),
+    Stage("step", "`bench step` at 2B shapes, bf16, LoRA, 448 px: one RL step against HF's path",
+          S.step, S.step_summary, 120, needs=("2b",)),
+    Stage("rl", "RL steps with the embedded engine that train (demo config from tiny-warm)",
+          S.rl, S.rl_summary, 150),
+    Stage("fsdp-2b", "FSDP2 at world 1 (torchrun, NCCL), 2B shapes, LoRA and full: step, export, peak",
+          S.fsdp, S.fsdp_summary, 150, needs=("2b",)),
+    Stage("fsdp-bf16", "FSDP2 bf16 mixed precision against fp32: RL steps from tiny-warm",
+          S.fsdp_bf16, S.fsdp_bf16_summary, 60),
+    Stage("render", "`bench render`: the mesh rasterizer on the device (and the CPU beside it)",
+          S.render, S.render_summary, 30),
+)
+BY_NAME = {s.name: s for s in STAGES}
+
+
+# ----------------------------------------------------------------------------- the record
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cuda": torch.version.cuda, "host": platform.node(), "cpus": os.cpu_count()}
+    info["device_name"] = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or "CPU")
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        timeout=5, cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    return info
+
+
+def load_results(out: Path, *, device: str, quick: bool) -> dict[str, Any]:
+    path = out / JSON_NAME
+    if not path.exists():
+        return {"settings": {"device": device, "quick": quick}, "stages": {}}
+    data = json.loads(path.read_text())
+    if data.get("settings") != {"device": device, "quick": quick}:
+        raise ValueError(f"{path} holds results of {data.get('settings')}, not device {device!r} quick {quick}: "
+                         "give another --out")
+    return data
+
+
+def save_results(out: Path, data: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (JSON_NAME + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, out / JSON_NAME)
+    (out / MD_NAME).write_text(markdown(data))
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The table the README pastes: one row per stage, its figures or why there are none."""
+    stages = data["stages"]
+    devices = sorted({r["machine"]["device_name"] for r in stages.values() if r.get("machine")})
+    first = next((r["machine"] for r in stages.values() if r.get("machine")), None)
+    s = data["settings"]
+    head = f"`saccade bench gpu{' --quick' if s['quick'] else ''}` on {', '.join(devices) or s['device']}"
+    if first:
+        head += (f" (torch {first['torch']}, transformers {first['transformers']}, Python {first['python']}"
+                 + (f", saccade {first['commit']}" if first.get("commit") else "") + ")")
+    dates = sorted(r["finished"][:10] for r in stages.values() if r.get("finished"))
+    if dates:
+        head += f", {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "")
+    lines = [head + ":", "", "| stage | checks | result | s |", "|---|---|---|---|"]
+    for stage in STAGES:
+        r = stages.get(stage.name)
+        if r is None:
+            result, seconds = "not run yet", ""
+        else:
+            seconds = f"{r['seconds']:.0f}" + (f" ({r['machine']['device_name']})" if len(devices) > 1 else "")
+            if r["status"] == "ok":
+                try:
+                    result = stage.summary(r["result"])
+                except Exception as err:  # noqa: BLE001 - a summary must never lose the JSON
+                    result = f"ok (no summary: {type(err).__name__}: {err})"
+                if r.get("check") == "failed":
+                    result = "**CHECK FAILED**: " + result
+            else:
+                result = f"**{r['status'].upper()}**: {_last_line(r.get('error'))[:200]}"
+        lines.append(f"| {stage.name} | {stage.what} | {result.replace('|', '/')} | {seconds} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- running a stage
+
+
+def run_stage_here(stage: Stage, plan: S.Plan) -> dict[str, Any]:
+    """Run one stage in this process; its record."""
+    start = time.perf_counter()
+    record: dict[str, Any] = {"started": _now()}
+    try:
+        result = stage.run(plan)
+        record.update(status="ok", result=result)
+        if result.get("passed") is False:
+            record["check"] = "failed"
+    except S.NotAvailable as err:
+        record.update(status="unavailable", error=str(err))
+    except Exception:  # noqa: BLE001 - recorded with its traceback; the next stage runs
+        record.update(status="failed", error=traceback.format_exc())
+    record.update(seconds=time.perf_counter() - start, finished=_now(), machine=machine_info(plan.device))
+    return record
+
+
+def run_stage_child(stage: Stage, plan: S.Plan, timeout_s: float | None) -> dict[str, Any]:
+    """Run one stage in a fresh interpreter (`--record FILE`), its output streamed here and into
+    the log; a crash or a timeout becomes a failed record with the output's last lines."""
+    record_file = plan.out / f".{stage.name}.record.json"
+    record_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "saccade", "bench", "gpu", "--stage", stage.name, "--device", plan.device,
+           "--out", str(plan.out), "--record", str(record_file)] + (["--quick"] if plan.quick else [])
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    start = time.perf_counter()
+    started = _now()
+    # Its own process group: a timeout stops the stage's torchrun workers too.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+    def pump() -> None:
+        with open(plan.out / LOG_NAME, "a") as log:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+                tail.append(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    reader.join(timeout=10)
+    if record_file.exists() and not timed_out:
+        record = json.loads(record_file.read_text())
+        record_file.unlink()
+        return record
+    why = f"timed out after {timeout_s:.0f} s (the budget)" if timed_out else f"the stage's process exited {proc.returncode}"
+    return {"started": started, "status": "failed", "error": f"{why}; its last output:\n{''.join(tail)}",
+            "seconds": time.perf_counter() - start, "finished": _now(), "machine": machine_info(plan.device)}
+
+
+def _last_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def estimate_s(stage: Stage, plan: S.Plan) -> float:
+    """The stage's estimated seconds on one H100, with the builds of the models it needs that
+    are not built yet (a fresh machine, or the models stage not run)."""
+    if plan.quick:
+        return 0.0
+    from saccade.models.tiny import is_built, preset_folder
+
+    build = sum(S.BUILD_S[S.BIG[n]] for n in stage.needs if not is_built(preset_folder(S.BIG[n])))
+    return stage.gpu_s + build
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def select(names: list[str] | None) -> list[Stage]:
+    if not names:
+        return list(STAGES)
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the stages: {', '.join(BY_NAME)}")
+    return [s for s in STAGES if s.name in names]
+
+
+def should_run(stage: Stage, record: dict | None, *, named: bool, force: bool) -> tuple[bool, str]:
+    if force or record is None:
+        return True, ""
+    status = record["status"]
+    if status == "ok":
+        return False, "ok before (--force runs it again)"
+    if status == "failed" and not named:
+        return False, f"failed before (--stage {stage.name} runs it again)"
+    return True, ""
+
+
+def run_gpu_bench(*, device: str = "auto", quick: bool = False, out: str | Path = "runs/bench-gpu",
+                  stages: list[str] | None = None, force: bool = False, budget_s: float | None = None,
+                  in_process: bool = False, log=print) -> int:
+    """Run the selected stages (all by default); the exit code (module docstring)."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"bench gpu: --device is auto, cuda or cpu, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("bench gpu: --device cuda but torch sees no CUDA device; use --device cpu --quick")
+    out = Path(out)
+    data = load_results(out, device=device, quick=quick)
+    plan = S.Plan(device=device, quick=quick, out=out, log=log)
+    chosen = select(stages)
+    started = time.perf_counter()
+    pending = []
+    for k, stage in enumerate(chosen, 1):
+        tag = f"[{k}/{len(chosen)}] {stage.name}"
+        run, why = should_run(stage, data["stages"].get(stage.name), named=bool(stages), force=force)
+        if not run:
+            log(f"{tag}: skipped, {why}")
+            continue
+        left = None if budget_s is None else budget_s - (time.perf_counter() - started)
+        estimate = estimate_s(stage, plan)
+        if left is not None and estimate > left:
+            log(f"{tag}: left for the next run (estimated {estimate:.0f} s, {max(left, 0):.0f} s of the budget left)")
+            pending.append(stage.name)
+            continue
+        log(f"{tag}: {stage.what} ({device}{', quick' if quick else ''}"
+            + (f", about {estimate:.0f} s on an H100" if estimate else "") + ")")
+        record = run_stage_here(stage, plan) if in_process else run_stage_child(stage, plan, left)
+        data["stages"][stage.name] = record
+        save_results(out, data)
+        summary = ""
+        if record["status"] == "ok":
+            try:
+                summary = stage.summary(record["result"])
+            except Exception as err:  # noqa: BLE001
+                summary = f"(no summary: {err})"
+        else:
+            summary = _last_line(record.get("error"))[:300]
+        log(f"{tag}: {record['status']} in {record['seconds']:.0f} s"
+            + (" (CHECK FAILED)" if record.get("check") == "failed" else "") + f": {summary}")
+    save_results(out, data)
+    log(f"results: {out / JSON_NAME}, table: {out / MD_NAME}")
+    records = [data["stages"].get(s.name) for s in chosen]
+    if pending:
+        log(f"{len(pending)} stage(s) left for the next run: {', '.join(pending)}; run the same command again")
+        return EXIT_PENDING
+    failed = [s.name for s, r in zip(chosen, records) if r and (r["status"] == "failed" or r.get("check") == "failed")]
+    unavailable = [s.name for s, r in zip(chosen, records) if r and r["status"] == "unavailable"]
+    if unavailable:
+        log(f"not available in this checkout: {', '.join(unavailable)} (see the table)")
+    if failed:
+        log(f"failed: {', '.join(failed)} (errors in {out / JSON_NAME})")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def run_recorded_stage(name: str, *, device: str, quick: bool, out: str | Path, record: str) -> int:
+    """The child's side of `run_stage_child`: one stage here, its record to `record`."""
+    plan = S.Plan(device=device, quick=quick, out=Path(out))
+    result = run_stage_here(BY_NAME[name], plan)
+    Path(record).write_text(json.dumps(result, default=str))
+    return 0
+
+
+def list_stages() -> str:
+    """The stages and their estimated seconds on one H100 (the models stage with its builds)."""
+    def seconds(stage: Stage) -> int:
+        return stage.gpu_s + (sum(S.BUILD_S[S.BIG[n]] for n in stage.needs) if stage.name == "models" else 0)
+
+    lines = [f"{'stage':<14}{'H100 s':>8}  checks"] + [f"{s.name:<14}{seconds(s):>8}  {s.what}" for s in STAGES]
+    lines.append(f"{'all':<14}{sum(map(seconds, STAGES)):>8}  (estimates; one process start each included)")
+    return "\n".join(lines)
