@@ -86,3 +86,16 @@ def test_the_stage_list_adds_up_to_the_gpu_budget():
     total = int(listing.splitlines()[-1].split()[1])
     assert all(s.name in listing for s in gpu.STAGES)
     assert total <= 25 * 60  # the whole set, models built, in about 25 minutes of one H100
+
+
+def test_a_stage_the_budget_stops_runs_first_next_time_then_fails(tmp_path):
+    """Stopped at the budget's end: `timeout`, run again first next time; stopped again with
+    the whole budget, it has failed (longer than one invocation can take)."""
+    args = ["bench", "gpu", "--device", "cpu", "--quick", "--out", str(tmp_path), "--stage", "render",
+            "--budget", "1"]
+    assert main(args) == gpu.EXIT_PENDING
+    record = json.loads((tmp_path / gpu.JSON_NAME).read_text())["stages"]["render"]
+    assert record["status"] == "timeout" and "timed out after 1 s" in record["error"]
+    assert main(args) == gpu.EXIT_FAILED
+    record = json.loads((tmp_path / gpu.JSON_NAME).read_text())["stages"]["render"]
+    assert record["status"] == "failed" and "longer than the whole budget (1 s) twice" in record["error"]

@@ -103,3 +103,19 @@ def test_trainer_bench_full_finetuning_on_tiny_preset():
     assert result["config"]["full_finetune"] and result["max_warmup_loss_diff"] < 1e-4, result["warmup_loss"]
     assert result["cached_tflops"] > 0
     assert result["config"]["trainable_params"] == result["config"]["lm_params"]
+
+
+def test_the_estimate_is_checked_against_the_measured_peak():
+    from saccade.bench.trainer import estimate_check
+
+    def check(cached, checkpointed, host=False):
+        return estimate_check({"estimated_cached_peak_mb": cached, "cached_peak_mb": 100.0,
+                               "estimated_checkpointed_peak_mb": checkpointed, "checkpointed_peak_mb": 50.0},
+                              host=host)
+
+    ok = check(110.0, 55.0)
+    assert ok["estimate_flag"] == "ok" and ok["estimate_over_measured"] == {"cached": 1.1, "checkpointed": 1.1}
+    below = check(110.0, 40.0)  # a run sized by the estimate could run out of memory
+    assert below["estimate_flag"] == "below" and "checkpointed path's estimate is below" in below["estimate_note"]
+    assert check(200.0, 55.0)["estimate_flag"] == "far above"
+    assert "host RSS" in check(110.0, 55.0, host=True)["estimate_note"]

@@ -14,9 +14,10 @@ is appended to `bench-gpu.log`). Run again, the command skips what finished:
 
 `--budget SECONDS` bounds one invocation: a stage starts only if its estimate (on one H100,
 plus building the real-shape models it loads when they are not built yet) fits in what is
-left, and a running stage is stopped at the budget's end. Exit codes: 0 every selected stage
-is ok; 1 one failed (an error, or a check it makes: parity over its bar); 3 stages are left
-for the next invocation (the budget ran out): run the same command again.
+left, and a running stage is stopped at the budget's end (`timeout`): it runs again first
+in the next invocation, with the whole budget; stopped then too, it has failed. Exit codes:
+0 every selected stage is ok; 1 one failed (an error, or a check it makes: parity over its
+bar); 3 stages are left for the next invocation: run the same command again.
 
 `--device cpu --quick` runs every stage on the tiny preset with few steps and short lengths;
 the tests run it so that the command cannot rot.
@@ -91,13 +92,28 @@ def machine_info(device: str) -> dict[str, Any]:
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "cuda": torch.version.cuda, "host": platform.node(), "cpus": os.cpu_count()}
-    info["device_name"] = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or "CPU")
+    info["device_name"] = _gpu_name() if device == "cuda" else (platform.processor() or "CPU")
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                         timeout=5, cwd=Path(__file__).parent).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         info["commit"] = None
     return info
+
+
+def _gpu_name() -> str:
+    """The GPU's name, without making a CUDA context in a process that has none (the parent of
+    the stages' processes must not hold device memory while they run)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return torch.cuda.get_device_name()
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=10).stdout.split("\n")
+        return names[0].strip() or "CUDA device"
+    except (OSError, subprocess.SubprocessError):
+        return "CUDA device"
 
 
 def load_results(out: Path, *, device: str, quick: bool) -> dict[str, Any]:
@@ -208,7 +224,8 @@ def run_stage_child(stage: Stage, plan: S.Plan, timeout_s: float | None) -> dict
         record_file.unlink()
         return record
     why = f"timed out after {timeout_s:.0f} s (the budget)" if timed_out else f"the stage's process exited {proc.returncode}"
-    return {"started": started, "status": "failed", "error": f"{why}; its last output:\n{''.join(tail)}",
+    return {"started": started, "status": "timeout" if timed_out else "failed",
+            "error": f"{why}; its last output:\n{''.join(tail)}",
             "seconds": time.perf_counter() - start, "finished": _now(), "machine": machine_info(plan.device)}
 
 
@@ -245,6 +262,7 @@ def select(names: list[str] | None) -> list[Stage]:
 
 
 def should_run(stage: Stage, record: dict | None, *, named: bool, force: bool) -> tuple[bool, str]:
+    """Whether to run a stage given its record (see the module docstring); why not, if not."""
     if force or record is None:
         return True, ""
     status = record["status"]
@@ -252,7 +270,7 @@ def should_run(stage: Stage, record: dict | None, *, named: bool, force: bool) -
         return False, "ok before (--force runs it again)"
     if status == "failed" and not named:
         return False, f"failed before (--stage {stage.name} runs it again)"
-    return True, ""
+    return True, ""  # unavailable before, or stopped by the budget: again
 
 
 def run_gpu_bench(*, device: str = "auto", quick: bool = False, out: str | Path = "runs/bench-gpu",
@@ -269,10 +287,12 @@ def run_gpu_bench(*, device: str = "auto", quick: bool = False, out: str | Path 
         raise ValueError("bench gpu: --device cuda but torch sees no CUDA device; use --device cpu --quick")
     out = Path(out)
     data = load_results(out, device=device, quick=quick)
+    out.mkdir(parents=True, exist_ok=True)
     plan = S.Plan(device=device, quick=quick, out=out, log=log)
     chosen = select(stages)
     started = time.perf_counter()
-    pending = []
+    pending: list[str] = []
+    ran = 0  # stages run in this invocation
     for k, stage in enumerate(chosen, 1):
         tag = f"[{k}/{len(chosen)}] {stage.name}"
         run, why = should_run(stage, data["stages"].get(stage.name), named=bool(stages), force=force)
@@ -281,13 +301,25 @@ def run_gpu_bench(*, device: str = "auto", quick: bool = False, out: str | Path 
             continue
         left = None if budget_s is None else budget_s - (time.perf_counter() - started)
         estimate = estimate_s(stage, plan)
-        if left is not None and estimate > left:
-            log(f"{tag}: left for the next run (estimated {estimate:.0f} s, {max(left, 0):.0f} s of the budget left)")
+        record = data["stages"].get(stage.name)
+        # A stage the budget stopped before gets a whole budget: it runs first in an invocation.
+        retry_first = record is not None and record["status"] == "timeout" and ran
+        if left is not None and (estimate > left or retry_first):
+            log(f"{tag}: left for the next run (estimated {estimate:.0f} s, {max(left, 0):.0f} s of the budget left"
+                + (", and the budget stopped it before: it runs first next time" if retry_first else "") + ")")
             pending.append(stage.name)
             continue
+        if record is not None and record["status"] == "timeout" and not ran and left is not None:
+            log(f"{tag}: the budget stopped it before; it has the whole budget now")
         log(f"{tag}: {stage.what} ({device}{', quick' if quick else ''}"
             + (f", about {estimate:.0f} s on an H100" if estimate else "") + ")")
+        previous = record
         record = run_stage_here(stage, plan) if in_process else run_stage_child(stage, plan, left)
+        if record["status"] == "timeout" and previous is not None and previous["status"] == "timeout" and not ran:
+            # Stopped twice, the second time with the whole budget: longer than one invocation.
+            record["status"] = "failed"
+            record["error"] = f"longer than the whole budget ({budget_s:.0f} s) twice: {record['error']}"
+        ran += 1
         data["stages"][stage.name] = record
         save_results(out, data)
         summary = ""
@@ -303,6 +335,7 @@ def run_gpu_bench(*, device: str = "auto", quick: bool = False, out: str | Path 
     save_results(out, data)
     log(f"results: {out / JSON_NAME}, table: {out / MD_NAME}")
     records = [data["stages"].get(s.name) for s in chosen]
+    pending += [s.name for s, r in zip(chosen, records) if r and r["status"] == "timeout" and s.name not in pending]
     if pending:
         log(f"{len(pending)} stage(s) left for the next run: {', '.join(pending)}; run the same command again")
         return EXIT_PENDING

@@ -59,19 +59,22 @@ def models(plan: Plan) -> dict[str, Any]:
     names = ["tiny", "tiny-warm"] if plan.quick else [BIG["2b"], BIG["4b"], "tiny", "tiny-warm"]
     out = {}
     for name in names:
-        cached = name != "tiny-warm" and is_built(preset_folder(name))
+        # The warm start's folder is keyed by the demo config: found, or built, in resolve_model.
+        cached = None if name == "tiny-warm" else is_built(preset_folder(name))
         start = time.perf_counter()
         path = Path(resolve_model(name))
         seconds = time.perf_counter() - start
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         out[name] = {"path": str(path), "seconds": seconds, "gb": size / 1e9, "was_cached": cached}
-        plan.log(f"  {name}: {size / 1e9:.2f} GB, {'cached' if cached else 'built'} in {seconds:.0f} s")
+        how = {True: "cached", False: "built", None: "ready"}[cached]
+        plan.log(f"  {name}: {size / 1e9:.2f} GB, {how} in {seconds:.0f} s")
     return out
 
 
 def models_summary(r: dict) -> str:
     def one(name: str, m: dict) -> str:
-        how = "(cached)" if m["was_cached"] else "in {:.0f} s".format(m["seconds"])
+        how = "(cached)" if m["was_cached"] else "{} in {:.0f} s".format(
+            "built" if m["was_cached"] is False else "ready", m["seconds"])
         return f"{name} {m['gb']:.2f} GB {how}"
 
     return "; ".join(one(name, m) for name, m in r.items())
