@@ -734,6 +734,7 @@ def run_trainer_bench(
             max_tokens=max_tokens, padded_rows=padded_rows, full_layout=full_layout,
         )
         del tower, encoder
+        _free(dev)  # the tower's memory back to the device before the memory processes start
         padded_frac, packed_frac = pad_fraction(data)
         console.log(
             f"{data.num_tokens:,} tokens in {batch} samples "
