@@ -24,7 +24,9 @@ from torch import nn
 
 from saccade.config import LoraConfig
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout, resolve_attention
-from saccade.models.loading import LM_HEAD_KEY, LM_PREFIX, load_config, read_state_dict, resolve_model_path
+from saccade.models.loading import (
+    LM_HEAD_KEY, LM_PREFIX, load_config, read_state_dict, resolve_model_path, to_keeping_rotary_fp32,
+)
 
 
 # A token the engine must never sample gets this logit: exp(-1e4) is exactly 0 in float32 and
@@ -65,16 +67,20 @@ class PolicyLM(nn.Module):
         input_ids_BL: torch.Tensor,
         image_embeds_NH: torch.Tensor | None = None,
         deepstack_KNH: torch.Tensor | None = None,
+        n_image_tokens: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor] | None]:
         """Token embeddings with the image features scattered into the image-pad positions.
 
         masked_scatter fills the pads in row-major order, so image_embeds_NH holds the images
         of row 0 first, then row 1, ... Returns (inputs_embeds, visual_pos_masks, DeepStack
         levels), the last two None without images, as the language model takes them.
+        `n_image_tokens`: the image pads in input_ids, when the caller counted them on the host
+        (a collated micro-batch); else they are counted here, which on a GPU waits for the device.
         """
         inputs_embeds_BLH = self.language_model.embed_tokens(input_ids_BL)
         image_mask_BL = input_ids_BL == self.image_token_id
-        n_image_tokens = int(image_mask_BL.sum())
+        if n_image_tokens is None:
+            n_image_tokens = int(image_mask_BL.sum())
         if not n_image_tokens and image_embeds_NH is None:
             return inputs_embeds_BLH, None, None
         if image_embeds_NH is None or image_embeds_NH.shape[0] != n_image_tokens:
@@ -97,15 +103,17 @@ class PolicyLM(nn.Module):
         deepstack_KNH: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         context: list[tuple[int, int]] | None = None,
+        n_image_tokens: int | None = None,
     ) -> torch.Tensor:
         """Final hidden states (B, L, H) after the last norm.
 
         position_ids_4BL holds [text; t; h; w]. With several samples packed into one row,
         the text row restarts at 0 for each and attention stays inside each sample. `context`
         (packed_sdpa only): per segment, the row range of a shared prompt it continues.
+        `n_image_tokens`: see `embed_inputs`.
         """
         inputs_embeds_BLH, visual_pos_masks, deepstack = self.embed_inputs(
-            input_ids_BL, image_embeds_NH, deepstack_KNH
+            input_ids_BL, image_embeds_NH, deepstack_KNH, n_image_tokens
         )
         attention_mask, attn_kwargs = None, {}
         implementation = self.config.text_config._attn_implementation
@@ -134,6 +142,19 @@ class PolicyLM(nn.Module):
             **attn_kwargs,
         )
         return out.last_hidden_state
+
+
+def ban_bias(head: nn.Linear, banned_token_ids: list[int] | None) -> torch.Tensor | None:
+    """The lm_head's bias as a float32 row on its device, the banned tokens at BANNED_LOGIT
+    (probability 0), or the head's own bias when nothing is banned. Built once per engine, and
+    once per train step: indexing with a list of ids copies it from the host each time."""
+    if not banned_token_ids:
+        return None if head.bias is None else head.bias.float()
+    bias_V = torch.zeros(head.out_features, device=head.weight.device, dtype=torch.float32)
+    bias_V[torch.tensor(sorted(set(banned_token_ids)), device=head.weight.device)] = BANNED_LOGIT
+    if head.bias is not None:
+        bias_V = bias_V + head.bias.float()
+    return bias_V
 
 
 def unwrap_policy(model: nn.Module) -> PolicyLM:
@@ -184,7 +205,7 @@ def load_policy_lm(
         if LM_HEAD_KEY not in head:
             raise ValueError(f"{path}: no {LM_HEAD_KEY} in the checkpoint and tie_word_embeddings is false")
         lm_head.load_state_dict({"weight": head[LM_HEAD_KEY]}, assign=True)
-    policy = PolicyLM(config, language_model, lm_head).to(device=device, dtype=dtype)
+    policy = to_keeping_rotary_fp32(PolicyLM(config, language_model, lm_head), device=device, dtype=dtype)
     assert_no_vision_tower(policy)
     return policy
 
