@@ -37,7 +37,7 @@ def attention_kernel_problem(name: str) -> str | None:
     return (f"model.attn_implementation = {name!r} needs the {module.replace('_', '-')} package, which is not "
             f"installed here. Use 'auto' (packed_sdpa: torch's own kernels, packed samples never attend across "
             f"each other, shared prompts kept; docs/packing.md), or install it on a CUDA machine "
-            f"(uv sync --extra flash-attn, README: Install)")
+            f"(uv sync --no-group cpu --extra vllm --extra flash-attn, README: Install)")
 
 
 # ---------------------------------------------------------------------------------------------
