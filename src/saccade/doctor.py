@@ -295,7 +295,7 @@ def model_size_reason(cfg, on_gpu: bool) -> str | None:
     if on_gpu or cfg.model.path in CPU_SIZED_MODELS:
         return None
     size = _model_size(cfg.model.path)
-    return f"{cfg.model.path}{f', {size},' if size else ''} needs a GPU; torch sees none here"
+    return f"{cfg.model.path}{f', {size},' if size else ''} needs a GPU; torch sees none"
 
 
 def dtype_reason(cfg, machine: Machine, on_gpu: bool) -> str | None:
