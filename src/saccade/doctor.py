@@ -148,7 +148,8 @@ def torch_facts_imported() -> TorchFacts:
     gpus = []
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         p = torch.cuda.get_device_properties(i)
-        gpus.append(Gpu(i, p.name, p.total_memory / 2**30, f"{p.major}.{p.minor}", (p.major, p.minor) >= BF16_CAPABILITY))
+        bf16 = (p.major, p.minor) >= BF16_CAPABILITY
+        gpus.append(Gpu(i, p.name, p.total_memory / 2**30, f"{p.major}.{p.minor}", bf16))
     return TorchFacts(torch.__version__, torch.version.cuda, cudnn, tuple(gpus))
 
 
@@ -217,7 +218,8 @@ def machine_problems(m: Machine) -> tuple[str, ...]:
                         f"torch cannot use the GPU. Install a driver for CUDA {_major(m.torch_cuda)}, or a torch "
                         f"built for CUDA {_major(m.cuda_driver)}")
     elif m.cuda_driver and m.torch_cuda and not m.gpus:
-        problems.append("an NVIDIA driver is installed but torch sees no GPU: check CUDA_VISIBLE_DEVICES and nvidia-smi")
+        problems.append("an NVIDIA driver is installed, and torch sees no GPU: check CUDA_VISIBLE_DEVICES and "
+                        "nvidia-smi")
     if m.torch and m.cuda_driver and not m.torch_cuda:
         problems.append(f"this torch ({m.torch}) is a CPU-only build on a machine with an NVIDIA driver: "
                         f"install the registry's torch ({GPU_SET})")
