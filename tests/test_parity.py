@@ -13,11 +13,14 @@ from saccade.parity import BF16_TOLERANCE, run_parity, tolerance
 def test_bf16_parity_on_the_cpu(tiny_path):
     result = run_parity(tiny_path, dtype=torch.bfloat16)
     assert result["dtype"] == "bfloat16" and tolerance("bfloat16") == BF16_TOLERANCE
-    assert 0 < result["lm_only_vs_full_max_abs"] <= BF16_TOLERANCE  # bf16 rounding, not zero
+    # Exactly 0 on this CPU since the rotary buffers stay float32: one sample runs the same kernels
+    # on the same bf16 weights as the full model (it was 4.6e-3 with them rounded to bf16).
+    assert 0 <= result["lm_only_vs_full_max_abs"] <= BF16_TOLERANCE
     assert result["packed_vs_unpacked_max_abs"] <= BF16_TOLERANCE
     mistakes = min(result["deepstack_dropped_max_abs"], result["positions_1d_max_abs"])
     assert mistakes > 10 * result["lm_only_vs_full_max_abs"]  # bf16 noise is not a mistake's size
-    assert result["lm_only_vs_full_mean_abs"] < result["lm_only_vs_full_max_abs"]
+    assert result["lm_only_vs_full_mean_abs"] <= result["lm_only_vs_full_max_abs"]
+    assert 0 < result["packed_vs_unpacked_max_abs"]  # packing runs other kernels: bf16 rounding, not zero
 
 
 @pytest.mark.slow

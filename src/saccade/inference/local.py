@@ -52,7 +52,7 @@ from saccade.inference.engine import (
 )
 from saccade.models.attention import PACKED_SDPA
 from saccade.models.head import head_logits, matmul_weight
-from saccade.models.lm import ban_bias, unwrap_policy
+from saccade.models.lm import ban_bias, image_positions, unwrap_policy
 from saccade.models.positions import mrope_positions
 from saccade.models.sampling import kept_tokens
 from saccade.models.vision import ImageEmbedding, VisionEncoder
@@ -259,9 +259,9 @@ class LocalEngine:
         images = [e for row in rows for e in row.embeddings]
         main_MH = torch.cat([e.embeds for e in images]).to(device) if images else None
         deepstack_KMH = torch.cat([e.deepstack for e in images], dim=1).to(device) if images else None
-        n_image_tokens = int((input_ids_BP == policy.image_token_id).sum())  # counted on the host
+        positions_N = image_positions(input_ids_BP, policy.image_token_id)  # on the host
         embeds_BPH, visual_pos_masks, deepstack = policy.embed_inputs(input_ids_BP.to(device), main_MH, deepstack_KMH,
-                                                                     n_image_tokens)
+                                                                     positions_N)
         next_pos_B = torch.tensor([int(r.mrope_3P.max()) + 1 if r.length else 0 for r in rows])
         return embeds_BPH, position_ids_3BP.to(device), attention_mask_BP.to(device), visual_pos_masks, deepstack, next_pos_B
 

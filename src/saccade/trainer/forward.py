@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from saccade.timing import timed
-from saccade.models.lm import ban_bias, unwrap_policy
+from saccade.models.lm import ban_bias, image_positions, to_device, unwrap_policy
 from saccade.models.sampling import SampledDistribution
 from saccade.trainer.logprobs import PLAIN, token_logprobs_and_entropy
 from saccade.trainer.samples import MicroBatch
@@ -67,13 +67,12 @@ def forward_logprobs(
     host = mb.on_host
     image_embeds = mb.image_embeds.to(device) if mb.image_embeds is not None else None
     deepstack = mb.deepstack.to(device) if mb.deepstack is not None else None
-    # Image pads were matched to the images' embeddings when the micro-batch was collated: the
-    # count is taken on the host, not from the device copy.
-    n_image_tokens = 0 if image_embeds is None else int(image_embeds.shape[0])
+    # Where the image pads are, from the host copy: the device never has to say.
+    positions_N = image_positions(host.input_ids.cpu(), policy.image_token_id)
     with timed("forward"):
         hidden_1NH = policy.hidden_states(
             mb.input_ids.to(device), mb.position_ids.to(device), image_embeds, deepstack, cu_seqlens=host.cu_seqlens,
-            context=mb.context, n_image_tokens=n_image_tokens,
+            context=mb.context, image_positions_N=positions_N,
         )
     if ban_bias_V is None:
         ban_bias_V = ban_bias(policy.lm_head, banned_token_ids)
@@ -91,19 +90,12 @@ def _logprobs_at(policy, mb: MicroBatch, hidden_1NH: torch.Tensor, only_loss_tok
     # Token t is predicted from the hidden state of its predecessor (t - 1, or a shared prompt's
     # last token). Rows and targets are picked on the host; the device gets index tensors.
     rows_T = predicted_positions(host, only_loss_tokens, prev_N).nonzero().squeeze(1)
-    source_T = _to(prev_N[rows_T], device)
-    targets_T = _to(host.input_ids[0].cpu()[rows_T], device)
-    rows_T = _to(rows_T, device)
+    source_T = to_device(prev_N[rows_T], device)
+    targets_T = to_device(host.input_ids[0].cpu()[rows_T], device)
+    rows_T = to_device(rows_T, device)
     hidden_TH = hidden_1NH[0].index_select(0, source_T)
     logprobs_T, entropy_T = token_logprobs_and_entropy(
         hidden_TH, policy.lm_head.weight, targets_T, distribution=distribution, chunk_size=chunk_size, bias_V=bias_V
     )
     zeros_N = torch.zeros(mb.num_tokens, device=device, dtype=logprobs_T.dtype)
     return zeros_N.index_copy(0, rows_T, logprobs_T), zeros_N.index_copy(0, rows_T, entropy_T)
-
-
-def _to(t_host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device`, asynchronously (through page-locked memory on CUDA)."""
-    if device.type == "cuda":
-        return t_host.pin_memory().to(device, non_blocking=True)
-    return t_host.to(device)

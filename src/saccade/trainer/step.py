@@ -243,7 +243,7 @@ def train_step(
                 del mb
 
     params = optimized_params(optimizer)
-    sums: dict[str, torch.Tensor] = {}  # on the device; read once, at the end
+    sums: dict[str, torch.Tensor] = {}  # the applied iterations' loss and metrics, on the device; read once, at the end
     lag0 = torch.zeros(2, dtype=torch.float64, device=device)  # |logprobs - engine's| over fresh tokens, and their count
     skipped = 0
     grad_norms: list[float] = []
@@ -251,6 +251,7 @@ def train_step(
     for iteration in range(num_iterations):
         optimizer.zero_grad(set_to_none=True)
         finite = torch.ones((), dtype=torch.bool, device=device)
+        iteration_sums: dict[str, torch.Tensor] = {}
         for k, mb in on_device(micro_batches, device):
             logprobs, entropy = forward_logprobs(model, mb, **score)
             inputs = LossInputs(
@@ -277,9 +278,9 @@ def train_step(
             with timed("backward"):
                 loss_value.backward()
             weight = loss_tokens[k] / max(1.0, total_loss_tokens)
-            _accumulate(sums, "loss", loss_value.detach())
+            _accumulate(iteration_sums, "loss", loss_value.detach())
             for name, value in metrics.items():
-                _accumulate(sums, name, value * weight)
+                _accumulate(iteration_sums, name, value * weight)
             del mb, inputs, logprobs, entropy, loss_value, metrics  # nothing of k outlives its turn
         with timed("optimizer"):
             norm = clip_grad_norm(params, grad_clip)
@@ -292,6 +293,8 @@ def train_step(
             print(f"step skipped: {reason}; the weights were not changed")
             continue
         grad_norms.append(norm_value)
+        for name, value in iteration_sums.items():  # a skipped iteration's NaN figures are not averaged in
+            _accumulate(sums, name, value)
         with timed("optimizer"):
             optimizer.step()
             scheduler.step()
@@ -300,14 +303,14 @@ def train_step(
     # Sums over this rank's micro-batches (one read of the device), then over the ranks (the
     # grad norm is global already).
     summed = sorted(sums)
-    local = torch.stack([sums[k].double() for k in summed] + [lag0[0], lag0[1]]).tolist() if summed else [0.0, 0.0]
+    local = torch.stack([sums[k] for k in summed] + [lag0[0], lag0[1]]).tolist()
     counts = ["micro_batches", "train_tokens", "forward_tokens"]
     reduced = all_reduce_sum(
         local
         # The samples' tokens (a shared prompt once per sample), and what the forward computed.
         + [float(len(real)), float(sum(mb.num_sample_tokens for mb in real)), float(sum(mb.num_tokens for mb in real))],
         world, device)
-    out = {k: v / num_iterations for k, v in zip(summed, reduced)}
+    out = {k: v / applied for k, v in zip(summed, reduced)}
     gap_sum, fresh_tokens = reduced[len(summed):len(summed) + 2]
     if grad_norms:
         out["grad_norm"] = sum(grad_norms) / applied
