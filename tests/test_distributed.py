@@ -1,12 +1,25 @@
-"""saccade.distributed's pure parts: each rank's share of the prompts and of the micro-batches,
-and the mixed-precision policy."""
+"""saccade.distributed's pure parts (each rank's share of the prompts and of the micro-batches,
+the mixed-precision policy, the process group's arguments), and the process group a rank joins."""
 
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 
-from saccade.distributed import SINGLE, World, balance, mixed_precision, share_embeddings
+from saccade.distributed import SINGLE, World, balance, mixed_precision, process_group_args, share_embeddings
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
@@ -84,3 +97,57 @@ def test_the_trainer_loads_what_it_shards():
     assert weights_dtype(bf16, sharded=False, lora=False) == bf16  # MasterWeights keep the float32 copies
     assert weights_dtype(bf16, sharded=True, lora=True) == bf16  # a frozen base: as on one process
     assert weights_dtype(bf16, sharded=True, lora=False) == fp32  # the shards are the master weights
+
+
+# ---------------------------------------------------------------------------- the process group
+
+
+def test_process_group_args_bind_nccl_to_the_local_gpu_and_carry_the_timeout():
+    args = process_group_args(torch.device("cuda"), local_rank=3, timeout_s=5400)
+    assert args == {"backend": "nccl", "device_id": torch.device("cuda", 3), "timeout": timedelta(seconds=5400)}
+    assert process_group_args(torch.device("cuda", 1), 3, 60)["device_id"] == torch.device("cuda", 1)  # as asked
+    assert process_group_args(torch.device("cpu"), 3, 60) == {"backend": "gloo", "timeout": timedelta(seconds=60)}
+    with pytest.raises(ValueError, match="> 0"):
+        process_group_args(torch.device("cpu"), 0, 0)
+
+
+def test_the_config_timeout_outlasts_nccls_default():
+    from saccade.config import TrainerConfig
+
+    assert TrainerConfig().dist_timeout_s > 600  # NCCL's default: 10 min, less than a cold 8B download
+
+
+PROBE = """
+import os, sys, torch
+import torch.distributed as dist
+from saccade.distributed import init_world
+device = sys.argv[1]
+world = init_world(device, timeout_s=4321)
+group = dist.distributed_c10d._get_default_group()
+backend = group._get_backend(torch.device(device))
+print(world.rank, world.size, world.local_rank, dist.get_backend(), backend.options._timeout.total_seconds(),
+      torch.cuda.current_device() if device == "cuda" else -1, group.bound_device_id, flush=True)
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def _probe(device: str, tmp_path: Path) -> list[str]:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", PROBE, device], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
+
+
+def test_the_timeout_reaches_the_gloo_process_group(tmp_path):
+    # As torchrun starts a rank: RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous in the environment.
+    rank, size, local, backend, timeout, _, bound = _probe("cpu", tmp_path)
+    assert (rank, size, local, backend, float(timeout), bound) == ("0", "1", "0", "gloo", 4321.0, "None")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_cuda_the_rank_sets_its_device_before_the_nccl_group_and_binds_it(tmp_path):
+    rank, size, local, backend, timeout, current, bound = _probe("cuda", tmp_path)
+    assert (backend, float(timeout), current, bound) == ("nccl", 4321.0, "0", "cuda:0")

@@ -64,18 +64,43 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def init_world(device_type: str) -> World:
+def init_world(device: torch.device | str, *, timeout_s: float) -> World:
     """Join the process group torchrun set up (NCCL on CUDA, gloo on the CPU), or `World()`
     when torchrun did not start this process. torchrun with one process is still sharded
-    (the FSDP path at world size 1), so it can be compared with the plain one."""
+    (the FSDP path at world size 1), so it can be compared with the plain one.
+
+    `device` is where this rank's model goes ('cuda' without an index: cuda:LOCAL_RANK). On
+    CUDA that device is made current before the group exists and bound to it (`device_id`), so
+    NCCL's communicator, and every barrier, uses this rank's GPU rather than guessing one from
+    the rank. `timeout_s` (`trainer.dist_timeout_s`) bounds every collective, barriers included:
+    it must outlast the longest wait one rank makes for another (docs/distributed.md)."""
     if not launched_by_torchrun():
         return SINGLE
     import torch.distributed as dist
 
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    args = process_group_args(torch.device(device), local_rank, timeout_s)
+    if "device_id" in args:
+        torch.cuda.set_device(args["device_id"])  # first: the group and its communicator are built on it
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return World(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                 sharded=True)
+        dist.init_process_group(**args)
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=local_rank, sharded=True)
+
+
+def process_group_args(device: torch.device, local_rank: int, timeout_s: float) -> dict[str, Any]:
+    """`init_process_group`'s arguments for a rank whose model lives on `device`: NCCL bound to
+    this rank's GPU on CUDA, gloo on the CPU; `timeout_s` for every collective."""
+    from datetime import timedelta
+
+    if timeout_s <= 0:
+        raise ValueError(f"the process group's timeout must be > 0 seconds, got {timeout_s}")
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        index = local_rank if device.index is None else device.index
+        return dict(backend="nccl", device_id=torch.device("cuda", index), timeout=timeout)
+    if device.type != "cpu":
+        raise ValueError(f"no process group for device {device}: saccade shards on CUDA (NCCL) or the CPU (gloo)")
+    return dict(backend="gloo", timeout=timeout)
 
 
 def close_world(world: World) -> None:

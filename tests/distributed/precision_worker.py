@@ -107,7 +107,7 @@ def main() -> None:
     from saccade.trainer.forward import forward_logprobs
 
     torch.set_num_threads(1)
-    world = init_world("cpu")
+    world = init_world("cpu", timeout_s=300)
     dtype = getattr(torch, args.dtype)
     load = weights_dtype(dtype, sharded=world.sharded, lora=True)
     if args.cast_adapters:
