@@ -278,7 +278,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     from saccade.setup import resolve_device
 
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU); else one process.
-    world = init_world(resolve_device(cfg.trainer.device).type)
+    world = init_world(resolve_device(cfg.trainer.device), timeout_s=cfg.trainer.dist_timeout_s)
     try:
         result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world)
     finally:
