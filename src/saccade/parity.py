@@ -161,9 +161,11 @@ def mean_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> dict:
     """All four figures plus per-case detail, on any Qwen3-VL folder, in `dtype` on `device`."""
+    from saccade.models.head import use_full_fp32_matmuls
     from saccade.models.lm import load_policy_lm
     from saccade.models.loading import load_full_model, load_processor, load_vision_tower
 
+    use_full_fp32_matmuls()
     processor = load_processor(model_path)
     if limits is None:
         size = processor.image_processor.size

@@ -28,6 +28,7 @@ from torch import nn
 from saccade.config import ImagesConfig, RunConfig
 from saccade.distributed import SINGLE, World, barrier, shard_model
 from saccade.inference.engine import Engine
+from saccade.models.head import use_full_fp32_matmuls
 from saccade.models.vision import EmbeddingCache
 
 
@@ -100,6 +101,7 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
     if cfg.trainer.torch_threads:
         torch.set_num_threads(cfg.trainer.torch_threads)
     set_seed(cfg.trainer.seed)
+    use_full_fp32_matmuls()  # TF32 off: a float32 run is float32 on every device (saccade.models.head)
     device = resolve_device(cfg.trainer.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
