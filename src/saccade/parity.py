@@ -20,6 +20,7 @@ from saccade.config import ImagesConfig
 from saccade.data.messages import ModelInputs, messages_to_inputs
 from saccade.models.vision import VisionEncoder
 from saccade.trainer.forward import forward_logprobs
+from saccade.trainer.logprobs import token_logprobs_and_entropy
 from saccade.trainer.packing import collate
 from saccade.trainer.samples import TrainingSample, make_sample
 
@@ -90,9 +91,10 @@ class ParityInputs:
 def full_model_logprobs(full_model, inputs: ModelInputs) -> torch.Tensor:
     """(L,) logprob of each token under the full transformers model on pixel values; [0] = 0.
 
-    The logits are computed in float32 from the model's final hidden state, as the trainer
-    computes them (in fp32 models exactly what `.logits` holds), so that in bf16 the figure
-    compares the two paths to the hidden state, not two precisions of the head."""
+    The logits come from the model's final hidden state through the lm_head as the trainer
+    computes them (`saccade.models.head`: float32 sums; in fp32 models exactly what `.logits`
+    holds), in chunks, so that in bf16 the figure compares the two paths to the hidden state,
+    not two precisions of the head, and 8k positions never hold (positions x vocab) logits."""
     device = full_model.lm_head.weight.device
     ids = inputs.input_ids.unsqueeze(0).to(device)
     kwargs = dict(input_ids=ids, mm_token_type_ids=inputs.mm_token_type_ids.unsqueeze(0).to(device))
@@ -100,10 +102,10 @@ def full_model_logprobs(full_model, inputs: ModelInputs) -> torch.Tensor:
         kwargs.update(pixel_values=inputs.pixel_values.to(device, full_model.lm_head.weight.dtype),
                       image_grid_thw=inputs.image_grid_thw.to(device))
     with torch.no_grad():
-        hidden = full_model.model(**kwargs, use_cache=False).last_hidden_state[0]
-        logits = torch.nn.functional.linear(hidden.float(), full_model.lm_head.weight.float())
+        hidden_LH = full_model.model(**kwargs, use_cache=False).last_hidden_state[0]
+        scored, _ = token_logprobs_and_entropy(hidden_LH[:-1], full_model.lm_head.weight, ids[0, 1:])
     logprobs = torch.zeros(ids.shape[1])
-    logprobs[1:] = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+    logprobs[1:] = scored.cpu()
     return logprobs
 
 
@@ -159,9 +161,11 @@ def mean_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> dict:
     """All four figures plus per-case detail, on any Qwen3-VL folder, in `dtype` on `device`."""
+    from saccade.models.head import use_full_fp32_matmuls
     from saccade.models.lm import load_policy_lm
     from saccade.models.loading import load_full_model, load_processor, load_vision_tower
 
+    use_full_fp32_matmuls()
     processor = load_processor(model_path)
     if limits is None:
         size = processor.image_processor.size
@@ -203,3 +207,127 @@ def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.d
         "cases": per_case,
         "cache": {"hit_rate": encoder.cache.stats.hit_rate, "entries": len(encoder.cache)},
     }
+
+
+# --- long contexts --------------------------------------------------------------------------
+# Rounding errors that grow with the position (rotary frequencies rounded to bf16: about 1e-3 x
+# position radians at rope_theta 5e6) hide in short conversations. Here one conversation, an
+# image then text, is scored at 1k+ positions by the LM-only path and by the full model, both in
+# the low precision, beside the full model's own bf16-vs-fp32 noise at the same positions.
+
+LONG_CONTEXT_LENGTHS = (1024, 8192)
+# Position buckets (token index ranges) the figures are reported in.
+POSITION_EDGES = (0, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+# The bar, bucket by bucket: mean |LM-only bf16 - full bf16| <= NOISE_FACTOR x mean |full bf16 - full
+# fp32|. Both paths run the same bf16 weights through the same kernels (one sample: packed_sdpa is
+# causal sdpa), so they agree far below the precision's own noise (exactly, on this CPU); a real
+# discrepancy adds an error of the noise's own size or more. Measured on the tiny model at 1k-3k
+# positions (docs/precision.md): 0.00 with the rotary buffers in float32, 0.89-1.24 with them
+# rounded to bf16 (1.45 on the small preset at 2k-3k), the ratio growing with the position.
+NOISE_FACTOR = 0.5
+
+
+@dataclass
+class ParityModels:
+    """The three models a long-context check compares, and the tower that feeds the LM-only path."""
+
+    processor: object
+    encoder: VisionEncoder
+    limits: ImagesConfig
+    policy: object  # PolicyLM in `dtype`
+    full: object  # the full model in `dtype`
+    full_fp32: object  # the full model in float32: the reference
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_parity_models(model_path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                       limits: ImagesConfig | None = None) -> ParityModels:
+    from saccade.models.head import use_full_fp32_matmuls
+    from saccade.models.lm import load_policy_lm
+    from saccade.models.loading import load_full_model, load_processor, load_vision_tower
+
+    use_full_fp32_matmuls()
+    device = torch.device(device)
+    processor = load_processor(model_path)
+    if limits is None:
+        size = processor.image_processor.size
+        limits = ImagesConfig(min_pixels=size["shortest_edge"], max_pixels=min(size["longest_edge"], 256 * 256))
+    encoder = VisionEncoder(load_vision_tower(model_path, dtype=dtype, device=device), processor, limits=limits)
+    policy = load_policy_lm(model_path, dtype=dtype, device=device).eval()
+    full = load_full_model(model_path, dtype=dtype).to(device)
+    full_fp32 = load_full_model(model_path, dtype=torch.float32).to(device)
+    return ParityModels(processor, encoder, limits, policy, full, full_fp32, dtype, device)
+
+
+def long_conversation(processor, limits: ImagesConfig, n_tokens: int, seed: int = 0) -> ModelInputs:
+    """An image, then text, cut to exactly `n_tokens` tokens (the image whole, in the first ones)."""
+    import random
+
+    rng = random.Random(seed)
+    words = ("the red circle is left of a blue square and three green stars are above it while a yellow "
+             "triangle turns toward the camera near the wall so count every shape you can see").split()
+    text = " ".join(rng.choice(words) for _ in range(n_tokens))  # a word is at least one token
+    messages = [{"role": "user", "content": [{"type": "image", "image": synthetic_image(64, 64, seed)},
+                                             {"type": "text", "text": text}]}]
+    inputs = messages_to_inputs(messages, processor, limits=limits, sample=f"long-{n_tokens}")
+    if inputs.input_ids.shape[0] < n_tokens:
+        raise ValueError(f"the conversation has {inputs.input_ids.shape[0]} tokens, fewer than {n_tokens}")
+    inputs.input_ids = inputs.input_ids[:n_tokens]
+    inputs.mm_token_type_ids = inputs.mm_token_type_ids[:n_tokens]
+    return inputs
+
+
+def by_position(diff_L: torch.Tensor, length: int) -> list[dict]:
+    """Mean and max of |Δ| per position bucket (position 0, never predicted, left out)."""
+    out = []
+    for start, end in zip(POSITION_EDGES, POSITION_EDGES[1:]):
+        lo, hi = max(start, 1), min(end, length)
+        if lo >= hi:
+            continue
+        part = diff_L[lo:hi]
+        out.append({"start": start, "end": hi, "mean": float(part.mean()), "max": float(part.max())})
+    return out
+
+
+def long_context_figures(models: ParityModels, lengths=LONG_CONTEXT_LENGTHS) -> dict:
+    """Per length: |LM-only - full| (both in `models.dtype`) and the full model's own noise
+    (|full - full fp32|), bucket by bucket, and whether every bucket is within NOISE_FACTOR."""
+    from saccade.models.loading import rotary_buffers_not_fp32
+
+    out: dict = {"dtype": str(models.dtype).removeprefix("torch."), "device": str(models.device),
+                 "noise_factor": NOISE_FACTOR, "rotary_not_fp32": rotary_buffers_not_fp32(models.policy)
+                 + rotary_buffers_not_fp32(models.encoder.tower), "lengths": {}}
+    merge = models.encoder.merge
+    for n in lengths:
+        inputs = long_conversation(models.processor, models.limits, n)
+        keys = [models.encoder.key_for_hash(h) for h in inputs.image_hashes]
+        models.encoder.encode(inputs.images, keys)
+        sample = make_sample(f"long-{n}", inputs.input_ids, inputs.mm_token_type_ids, inputs.image_grid_thw, keys,
+                             spatial_merge_size=merge)
+        lm = lm_logprobs(models.policy, [ParityInputs("long", inputs, sample)], models.encoder,
+                         image_token_id=models.policy.image_token_id, merge=merge, packed=False)[0]
+        full = full_model_logprobs(models.full, inputs)
+        reference = full_model_logprobs(models.full_fp32, inputs)
+        lm_vs_full = by_position((lm - full).abs(), n)
+        noise = by_position((full - reference).abs(), n)
+        lm_vs_fp32 = by_position((lm - reference).abs(), n)
+        buckets = [{"start": a["start"], "end": a["end"], "lm_vs_full_mean": a["mean"], "lm_vs_full_max": a["max"],
+                    "noise_mean": b["mean"], "noise_max": b["max"], "lm_vs_full_fp32_mean": c["mean"],
+                    "ratio": a["mean"] / b["mean"] if b["mean"] else float("inf")}
+                   for a, b, c in zip(lm_vs_full, noise, lm_vs_fp32)]
+        out["lengths"][str(n)] = {
+            "buckets": buckets,
+            "lm_vs_full_fp32_mean": float((lm - reference).abs()[1:].mean()),
+            "passed": all(b["ratio"] <= NOISE_FACTOR for b in buckets),
+        }
+    out["passed"] = not out["rotary_not_fp32"] and all(v["passed"] for v in out["lengths"].values())
+    return out
+
+
+def long_context_parity(model_path, *, lengths=LONG_CONTEXT_LENGTHS, dtype: torch.dtype = torch.bfloat16,
+                        device: str | torch.device = "cpu") -> dict:
+    """`long_context_figures` on a Qwen3-VL folder: the bf16 check at 1k and 8k positions."""
+    result = long_context_figures(load_parity_models(model_path, dtype=dtype, device=device), lengths)
+    result["model"] = str(model_path)
+    return result

@@ -168,13 +168,16 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 rollout_s = time.perf_counter() - start
 
                 # 2. Train: pack like text (never splitting a sample), this rank's share of the
-                # micro-batches onto the device, optimize.
+                # micro-batches, optimize. They stay in host memory (page-locked on a GPU); each pass
+                # of the train step sends them to the device one ahead of the one it computes.
                 pins = rollouts.pins
                 train_metrics: dict[str, float] = {}
                 if batch.samples:
                     with timed("pack"), pins:
-                        micro_batches = [mb.to(setup.device) for mb in rank_micro_batches(
-                            batch.samples, setup, max_tokens=t.max_tokens, share_prompts=share_prompts, world=world)]
+                        micro_batches = rank_micro_batches(
+                            batch.samples, setup, max_tokens=t.max_tokens, share_prompts=share_prompts, world=world)
+                        if setup.device.type == "cuda":
+                            micro_batches = [mb.pinned() for mb in micro_batches]
                     train_metrics = train_step(
                         model, optimizer, scheduler, micro_batches, loss=loss,
                         num_iterations=t.num_iterations, grad_clip=t.grad_clip, distribution=distribution,

@@ -28,6 +28,7 @@ from torch import nn
 from saccade.config import ImagesConfig, RunConfig
 from saccade.distributed import SINGLE, World, barrier, shard_model
 from saccade.inference.engine import Engine
+from saccade.models.head import use_full_fp32_matmuls
 from saccade.models.vision import EmbeddingCache
 
 
@@ -74,13 +75,25 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def weights_dtype(model_dtype: torch.dtype, *, sharded: bool, lora: bool) -> torch.dtype:
+    """The dtype the trainer's model is loaded in (docs/precision.md).
+
+    The model computes in `model.dtype`, as an inference engine does, and what trains keeps
+    float32 copies: LoRA adapters are float32 (peft), and full fine-tuning's optimizer holds
+    float32 master weights. Sharded full fine-tuning loads float32 instead: its float32 shards
+    are the master weights, and FSDP computes them in `model.dtype`. A LoRA base is frozen, so
+    sharded or not it is stored in `model.dtype` (`saccade.distributed.mixed_precision`)."""
+    return torch.float32 if sharded and not lora else model_dtype
+
+
 def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
     """The trainer's model (LoRA or full) on its device, the embedding cache, and the engine.
 
     Under torchrun (`world.sharded`) the model is FSDP2-sharded over the ranks
-    (`saccade.distributed.shard_model`): its parameters are then float32 shards, computed in
-    `model.dtype` by FSDP's mixed precision (bf16 all-gathers, float32 gradient reduction), so
-    AdamW steps the float32 shards directly and no separate master copy is kept."""
+    (`saccade.distributed.shard_model`), each piece stored and computed as on one process
+    except what full fine-tuning trains: float32 shards, computed in `model.dtype` by FSDP's
+    mixed precision, so AdamW steps them directly and no separate master copy is kept. A
+    LoRA base is frozen: its shards stay in `model.dtype`, beside the float32 adapters."""
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
     from saccade.models.loading import load_processor
     from saccade.models.tiny import resolve_model
@@ -88,6 +101,7 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
     if cfg.trainer.torch_threads:
         torch.set_num_threads(cfg.trainer.torch_threads)
     set_seed(cfg.trainer.seed)
+    use_full_fp32_matmuls()  # TF32 off: a float32 run is float32 on every device (saccade.models.head)
     device = resolve_device(cfg.trainer.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -96,11 +110,9 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
     model_path = resolve_model(cfg.model.path)
     if world.is_main:
         barrier(world)
-    # The model computes in model.dtype, as an inference engine does; what trains keeps float32
-    # copies: LoRA adapters are float32, full fine-tuning's optimizer holds master weights.
     dtype = getattr(torch, cfg.model.dtype)
     processor = load_processor(model_path)
-    policy = load_policy_lm(model_path, dtype=torch.float32 if world.sharded else dtype,
+    policy = load_policy_lm(model_path, dtype=weights_dtype(dtype, sharded=world.sharded, lora=cfg.lora.enabled),
                             attn_implementation=cfg.model.attn_implementation, device=device)
     if cfg.trainer.activation_checkpointing:
         policy.enable_activation_checkpointing()

@@ -8,6 +8,7 @@ negative log-likelihood over the answer tokens of the whole batch.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -45,27 +46,32 @@ def sft_samples(setup, items: list[tuple[object, str, str]]) -> list:
 
 
 def sft_step(model, optimizer, scheduler, micro_batches: list, *, grad_clip: float) -> dict[str, float]:
-    """One optimizer step of token-level NLL over the packed micro-batches (gradients accumulated)."""
+    """One optimizer step of token-level NLL over the packed micro-batches (gradients accumulated).
+    The micro-batches are in host memory; each goes to the model's device one ahead of the one
+    being computed (`saccade.trainer.step.on_device`), and the device is read once, at the end."""
+    from saccade.models.lm import unwrap_policy
     from saccade.trainer.forward import forward_logprobs
-    from saccade.trainer.step import optimized_params
+    from saccade.trainer.step import clip_grad_norm, on_device, optimized_params
 
-    total = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
+    total = float(sum(int(mb.on_host.loss_mask.sum()) for mb in micro_batches))
+    device = unwrap_policy(model).lm_head.weight.device
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    nll = 0.0
-    for mb in micro_batches:
+    nll = torch.zeros((), device=device)
+    for _, mb in on_device(micro_batches, device):
         logprobs, _ = forward_logprobs(model, mb, only_loss_tokens=True)
         loss = -torch.where(mb.loss_mask, logprobs, 0.0).sum() / total
         loss.backward()
-        nll += float(loss.detach())
-    norm = torch.nn.utils.clip_grad_norm_(optimized_params(optimizer), grad_clip)
-    if not torch.isfinite(norm):
+        nll += loss.detach()
+        del mb, logprobs, loss
+    nll, norm = torch.stack([nll, clip_grad_norm(optimized_params(optimizer), grad_clip).float()]).tolist()
+    if not math.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         print("sft step skipped: non-finite gradient; the weights were not changed")
         return {"nll": nll, "skipped_steps": 1.0}
     optimizer.step()
     scheduler.step()
-    return {"nll": nll, "grad_norm": float(norm), "lr": scheduler.get_last_lr()[0], "skipped_steps": 0.0}
+    return {"nll": nll, "grad_norm": norm, "lr": scheduler.get_last_lr()[0], "skipped_steps": 0.0}
 
 
 def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool = True, phase: str = "sft") -> dict:
@@ -89,8 +95,9 @@ def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool
                 batch = make_batch(step)
             micro_batches = pack(batch, setup.cache.get, max_tokens=cfg.trainer.max_tokens,
                                  image_token_id=setup.image_token_id, spatial_merge_size=setup.merge)
-            metrics = sft_step(setup.model, optimizer, scheduler, [mb.to(setup.device) for mb in micro_batches],
-                               grad_clip=cfg.trainer.grad_clip)
+            if setup.device.type == "cuda":  # page-locked once: every copy to the GPU is then asynchronous
+                micro_batches = [mb.pinned() for mb in micro_batches]
+            metrics = sft_step(setup.model, optimizer, scheduler, micro_batches, grad_clip=cfg.trainer.grad_clip)
             pins.release()
             metrics["step_s"] = time.perf_counter() - start
             logger.log(step + 1, metrics, phase=phase)

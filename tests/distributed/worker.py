@@ -40,7 +40,7 @@ def main() -> None:
     torch.set_num_threads(1)  # two ranks share this machine's two cores
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--model.path", "tiny-warm", "--trainer.torch_threads", "1", "--log.dir", args.run_dir, *overrides])
-    world = init_world("cpu")
+    world = init_world("cpu", timeout_s=cfg.trainer.dist_timeout_s)
 
     steps: list = []
     score_groups = rollout.score_groups

@@ -30,6 +30,28 @@ def test_defaults_fill_only_the_flags_the_user_did_not_give():
     assert args[args.index("--worker-extension-cls") + 1] == DEFAULT_FLAGS["--worker-extension-cls"]
 
 
+def test_the_lm_head_is_float32_unless_the_user_says_otherwise():
+    import json
+
+    from saccade.inference.vllm import head_dtype_problem
+
+    def overrides(args):
+        return json.loads(args[args.index("--hf-overrides") + 1])
+
+    assert overrides(with_defaults(["--dtype", "bfloat16"])) == {"head_dtype": "float32"}
+    # merged into the user's own overrides, in either spelling; a head_dtype they chose stays
+    mine = with_defaults(["--hf-overrides", '{"rope_theta": 1}', "--dtype", "bfloat16"])
+    assert overrides(mine) == {"rope_theta": 1, "head_dtype": "float32"} and mine.count("--hf-overrides") == 1
+    assert overrides(with_defaults(['--hf-overrides={"head_dtype": "model"}'])) == {"head_dtype": "model"}
+    with pytest.raises(SystemExit, match="JSON object"):
+        with_defaults(["--hf-overrides", "[1]"])
+    # The trainer's side: a bf16 server that rounds its logits is refused, with the fix.
+    assert head_dtype_problem({"dtype": "bfloat16", "head_dtype": "float32"}) is None
+    assert head_dtype_problem({"dtype": "float32", "head_dtype": "float32"}) is None
+    assert head_dtype_problem({}) is None  # a server too old to say
+    assert "head_dtype" in head_dtype_problem({"dtype": "bfloat16", "head_dtype": "bfloat16"})
+
+
 def test_split_features_cuts_vllm_layout_into_main_and_deepstack():
     grid = [[1, 4, 4], [1, 2, 4]]  # 4 and 2 merged tokens
     hidden, levels = 3, 2

@@ -187,9 +187,10 @@ def run_job(job: dict, world) -> dict:
 
 def main(jobs_file: str) -> None:
     torch.set_num_threads(1)
+    from saccade.config import TrainerConfig
     from saccade.distributed import close_world, exit_rank, init_world
 
-    world = init_world("cpu")
+    world = init_world("cpu", timeout_s=TrainerConfig().dist_timeout_s)
     try:
         for job in json.loads(Path(jobs_file).read_text()):
             run_job(job, world)

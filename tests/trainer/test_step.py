@@ -155,3 +155,52 @@ def test_a_padding_micro_batch_changes_nothing_but_runs_a_full_forward_and_backw
     (logprobs.sum() + entropy.sum()).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is not None and not g.any() for g in grads.values()), [n for n, g in grads.items() if g is None]
+
+
+def test_at_most_two_micro_batches_are_on_the_device_at_once(tiny_path, monkeypatch):
+    """Every pass of a train step (the TIS pass, then two optimizer iterations) sends its
+    micro-batches to the device one ahead of the one it computes: while micro-batch k is
+    computed, k + 1 may be there, k - 1 must be gone. `saccade memory` counts exactly two.
+    Counted as the micro-batches `MicroBatch.to` made that are still alive at each forward; the
+    old way (the whole step's moved up front) counts all five, and the check says so."""
+    import weakref
+
+    from saccade.config import LossConfig
+    from saccade.trainer import step as step_module
+    from saccade.trainer.samples import MicroBatch
+    from saccade.trainer.step import train_step
+
+    made: list[weakref.ref] = []  # every micro-batch `to` made (a dataclass with eq: not hashable)
+    seen: list[int] = []
+    original_to, original_forward = MicroBatch.to, step_module.forward_logprobs
+
+    def to(self, device):
+        moved = original_to(self, device)
+        made.append(weakref.ref(moved))
+        return moved
+
+    def forward(model, mb, **kwargs):
+        seen.append(sum(ref() is not None for ref in made))
+        return original_forward(model, mb, **kwargs)
+
+    monkeypatch.setattr(MicroBatch, "to", to)
+    monkeypatch.setattr(step_module, "forward_logprobs", forward)
+    micro_batches = [mb for k in range(5) for mb in _text_micro_batches(2 + k)]
+    assert len(micro_batches) == 5
+
+    def run(batches):
+        seen.clear()
+        model = set_full_finetune(load_policy_lm(tiny_path))
+        optimizer, scheduler = build_optimizer(model, lr=1e-3, weight_decay=0.0, schedule=lambda s: 1.0)
+        return train_step(model, optimizer, scheduler, batches, loss=LossConfig(tis_cap=2.0), num_iterations=2,
+                          grad_clip=1.0, distribution=SampledDistribution(), banned_token_ids=[5, 6])
+
+    made.clear()
+    metrics = run(micro_batches)
+    assert len(seen) == 3 * 5 and max(seen) == 2, seen  # one pass for TIS, two optimizer iterations
+    assert metrics["micro_batches"] == 5 and metrics["skipped_steps"] == 0
+
+    made.clear()
+    up_front = [mb.to("cpu") for mb in micro_batches]  # what rl.py did before: the whole step moved first
+    run(up_front)
+    assert max(seen) >= 5

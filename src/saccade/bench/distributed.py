@@ -167,7 +167,7 @@ def _sync(device: torch.device) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from saccade.config import LossConfig, LoraConfig
+    from saccade.config import LossConfig, LoraConfig, TrainerConfig
     from saccade.distributed import all_gather, barrier, close_world, exit_rank, init_world, shard_model, unsharded
     from saccade.metrics import proc_status_kb
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
@@ -178,9 +178,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.trainer.step import build_optimizer, train_step
 
     device = resolve_device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    world = init_world(device.type)
+    world = init_world(device, timeout_s=TrainerConfig().dist_timeout_s)  # on CUDA: sets the device first
     path = resolve_model(args.preset)
     policy = load_policy_lm(path, device=device)
     model = apply_lora(policy, LoraConfig(rank=16)) if args.lora else set_full_finetune(policy)

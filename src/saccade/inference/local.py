@@ -17,8 +17,11 @@ masked out and, with top_k, top_p or min_p set, renormalised over the kept set
 (`saccade.models.sampling.kept_tokens`, vLLM's rule): the distribution the token was drawn
 from, i.e. exactly what `forward_logprobs(..., distribution, banned_token_ids)` computes in
 the trainer.
-Like the trainer's, the logits are computed in float32 from the final hidden state (never
-rounded to bf16 in between), so both score the same distribution in any precision.
+Like the trainer's, the logits are the lm_head's model-dtype products summed in float32, never
+rounded to bf16 (`saccade.models.head`: vLLM's lm_head with head_dtype float32), and the banned
+tokens get the same bias row, built once per engine; so both score the same distribution in
+any precision, and nothing is rebuilt per token (the head's float32 copy on the CPU is made
+once per rollout; on CUDA there is none).
 
 Randomness: every completion draws from its own stream, a generator seeded with
 `stream_seed(request.seed, j)` for completion j of a request (a request without a seed gets
@@ -48,7 +51,8 @@ from saccade.inference.engine import (
     ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, stream_seed, vision_token_ids,
 )
 from saccade.models.attention import PACKED_SDPA
-from saccade.models.lm import BANNED_LOGIT, unwrap_policy
+from saccade.models.head import head_logits, matmul_weight
+from saccade.models.lm import ban_bias, image_positions, unwrap_policy
 from saccade.models.positions import mrope_positions
 from saccade.models.sampling import kept_tokens
 from saccade.models.vision import ImageEmbedding, VisionEncoder
@@ -84,7 +88,7 @@ class LocalEngine:
         self.encoder = encoder
         self.limits = limits or encoder.limits
         self.max_batch_rows = max_batch_rows
-        self.banned_token_ids = vision_token_ids(self.tokenizer)
+        self.banned_token_ids = vision_token_ids(self.tokenizer)  # also builds ban_bias_V
         self.stop_token_ids = stop_token_ids(self.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id or self.stop_token_ids[0]
         self.device = unwrap_policy(model).lm_head.weight.device
@@ -93,6 +97,17 @@ class LocalEngine:
         # CPU: checking every token is free. GPU: one host read per 16 tokens, not one per token.
         self.stop_check_every = 1 if self.device.type == "cpu" else 16
         self.policy_version = 0
+
+    @property
+    def banned_token_ids(self) -> list[int]:
+        return self._banned_token_ids
+
+    @banned_token_ids.setter
+    def banned_token_ids(self, ids: list[int]) -> None:
+        # The lm_head's bias row with these tokens at BANNED_LOGIT, built here, once, on the
+        # device: no decoded token copies a list of ids from the host.
+        self._banned_token_ids = list(ids)
+        self.ban_bias_V = ban_bias(unwrap_policy(self.model).lm_head, self._banned_token_ids)
 
     # The engine samples from the trainer's module itself: new weights need no copy.
     shares_weights = True
@@ -244,22 +259,21 @@ class LocalEngine:
         images = [e for row in rows for e in row.embeddings]
         main_MH = torch.cat([e.embeds for e in images]).to(device) if images else None
         deepstack_KMH = torch.cat([e.deepstack for e in images], dim=1).to(device) if images else None
-        embeds_BPH, visual_pos_masks, deepstack = policy.embed_inputs(input_ids_BP.to(device), main_MH, deepstack_KMH)
+        positions_N = image_positions(input_ids_BP, policy.image_token_id)  # on the host
+        embeds_BPH, visual_pos_masks, deepstack = policy.embed_inputs(input_ids_BP.to(device), main_MH, deepstack_KMH,
+                                                                     positions_N)
         next_pos_B = torch.tensor([int(r.mrope_3P.max()) + 1 if r.length else 0 for r in rows])
         return embeds_BPH, position_ids_3BP.to(device), attention_mask_BP.to(device), visual_pos_masks, deepstack, next_pos_B
 
-    @staticmethod
-    def _logits(policy, hidden_BH: torch.Tensor) -> torch.Tensor:
-        """float32 logits, as the trainer computes them (`saccade.trainer.logprobs`): from the
-        final hidden state and the lm_head upcast, never rounded to bf16 in between."""
-        head = policy.lm_head
-        bias = head.bias.float() if head.bias is not None else None
-        return torch.nn.functional.linear(hidden_BH.float(), head.weight.float(), bias)
+    def _logits(self, weight_VH: torch.Tensor, hidden_AH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """float32 logits with the banned tokens at BANNED_LOGIT, as the trainer computes them
+        (`saccade.trainer.logprobs`): the lm_head's `dtype` products summed in float32
+        (`weight_VH`: the head's `matmul_weight`, made once per rollout)."""
+        return head_logits(hidden_AH, weight_VH, dtype=dtype, bias_V=self.ban_bias_V)
 
     def _next_token(self, logits_AV: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]):
-        """One token per row, row a drawn from its own stream `generators[a]`."""
-        logits_AV = logits_AV.float()
-        logits_AV[:, self.banned_token_ids] = BANNED_LOGIT
+        """One token per row, row a drawn from its own stream `generators[a]` (banned tokens are
+        already at BANNED_LOGIT)."""
         if params.temperature == 0:  # greedy; the logprob reported is the untempered one
             logprobs_AV = torch.log_softmax(logits_AV, dim=-1)
             token_A = logprobs_AV.argmax(dim=-1)
@@ -315,6 +329,8 @@ class LocalEngine:
         prompt b // n); returns tokens, logprobs, lengths and stop flags, on the host."""
         lm = policy.language_model
         device = policy.lm_head.weight.device
+        dtype = policy.lm_head.weight.dtype
+        weight_VH = matmul_weight(policy.lm_head.weight)  # once per rollout, never per token
         B, T = hidden_AH.shape[0], params.max_tokens
         # Padded rows need a mask while decoding; a batch without padding needs none. Deciding
         # here, once, keeps transformers from checking the mask on the host at every token.
@@ -331,7 +347,7 @@ class LocalEngine:
         stopped_B = torch.zeros(B, dtype=torch.bool, device=device)
         stop_ids = torch.tensor(self.stop_token_ids, device=device)
         for t in range(T):
-            token_A, logprob_A = self._next_token(self._logits(policy, hidden_AH), params, row_generators)
+            token_A, logprob_A = self._next_token(self._logits(weight_VH, hidden_AH, dtype), params, row_generators)
             # Rows that stopped since the last check decode on harmlessly: nothing recorded.
             active_A = ~stopped_B[alive_A]
             tokens_BT[alive_A, t] = torch.where(active_A, token_A, tokens_BT[alive_A, t])

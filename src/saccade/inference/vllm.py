@@ -148,6 +148,18 @@ def parse_embeddings(data: bytes, count: int) -> list[ImageEmbedding]:
     return [ImageEmbedding(tensors[f"embeds.{i}"], tensors[f"deepstack.{i}"], grid[i].clone()) for i in range(count)]
 
 
+def head_dtype_problem(info: dict) -> str | None:
+    """Why a server's logits are not the trainer's (`saccade.models.head`), from its /saccade/info,
+    or None. A low-precision model whose lm_head rounds the logits to its own dtype samples from a
+    coarser distribution than the one the trainer scores."""
+    dtype, head = info.get("dtype"), info.get("head_dtype")
+    if dtype is None or head is None or head == "float32" or dtype == "float32":
+        return None  # an older server that does not say; or nothing is rounded
+    return (f"computes its {dtype} model's logits in {head}, rounded to about 3 significant digits, while the "
+            f"trainer sums the lm_head in float32; restart it with `saccade serve` (which sets --hf-overrides "
+            f"'{{\"head_dtype\": \"float32\"}}'), or pass that flag to vLLM yourself")
+
+
 class VLLMEngine:
     def __init__(
         self,
@@ -234,6 +246,9 @@ class VLLMEngine:
             if engine.lora and not info.get("lora_enabled"):
                 raise ValueError(f"the server at {url} has no LoRA support, so it cannot load the trainer's adapter; "
                                  "restart it with --enable-lora --max-lora-rank R (R >= lora.rank)")
+            problem = head_dtype_problem(info)
+            if problem:
+                raise ValueError(f"the server at {url} {problem}")
             served = (info["min_pixels"], info["max_pixels"])
             if served != (limits.min_pixels, limits.max_pixels):
                 raise ValueError(

@@ -18,13 +18,16 @@ sampling distribution are float32 either way.
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 from torch import nn
 
 from saccade.config import LoraConfig
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout, resolve_attention
-from saccade.models.loading import LM_HEAD_KEY, LM_PREFIX, load_config, read_state_dict, resolve_model_path
+from saccade.models.loading import (
+    LM_HEAD_KEY, LM_PREFIX, load_config, read_state_dict, resolve_model_path, to_keeping_rotary_fp32,
+)
 
 
 # A token the engine must never sample gets this logit: exp(-1e4) is exactly 0 in float32 and
@@ -48,6 +51,8 @@ class PolicyLM(nn.Module):
         self.lm_head = lm_head
         self.image_token_id = int(config.image_token_id)
         self.num_deepstack_levels = len(config.vision_config.deepstack_visual_indexes)
+        # DeepStack takes the image positions as indices too (see `_add_deepstack`).
+        language_model._deepstack_process = types.MethodType(_add_deepstack, language_model)
 
     @property
     def language_model(self) -> nn.Module:
@@ -65,29 +70,47 @@ class PolicyLM(nn.Module):
         input_ids_BL: torch.Tensor,
         image_embeds_NH: torch.Tensor | None = None,
         deepstack_KNH: torch.Tensor | None = None,
+        image_positions_N: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor] | None]:
         """Token embeddings with the image features scattered into the image-pad positions.
 
-        masked_scatter fills the pads in row-major order, so image_embeds_NH holds the images
-        of row 0 first, then row 1, ... Returns (inputs_embeds, visual_pos_masks, DeepStack
-        levels), the last two None without images, as the language model takes them.
+        The pads are filled in row-major order, so image_embeds_NH holds the images of row 0
+        first, then row 1, ... Returns (inputs_embeds, image positions, DeepStack levels), the
+        last two None without images, as the language model takes them.
+
+        `image_positions_N`: the pads' flat indices into (B x L), worked out on the host
+        (`image_positions`). Then nothing here depends on the device's data: the features go in
+        with index_copy and the positions go on to DeepStack (`_add_deepstack`) as indices.
+        Without them the pads are found on the device (a boolean mask: counting it, and indexing
+        with it, makes a GPU wait for the host), as transformers does.
         """
         inputs_embeds_BLH = self.language_model.embed_tokens(input_ids_BL)
-        image_mask_BL = input_ids_BL == self.image_token_id
-        n_image_tokens = int(image_mask_BL.sum())
+        if image_positions_N is not None:
+            n_image_tokens = int(image_positions_N.shape[0])
+            image_mask_BL = None
+        else:
+            image_mask_BL = input_ids_BL == self.image_token_id
+            n_image_tokens = int(image_mask_BL.sum())
         if not n_image_tokens and image_embeds_NH is None:
             return inputs_embeds_BLH, None, None
         if image_embeds_NH is None or image_embeds_NH.shape[0] != n_image_tokens:
             got = None if image_embeds_NH is None else image_embeds_NH.shape[0]
             raise ValueError(f"{n_image_tokens} image-pad tokens but {got} image embedding rows")
-        inputs_embeds_BLH = inputs_embeds_BLH.masked_scatter(
-            image_mask_BL.unsqueeze(-1), image_embeds_NH.to(inputs_embeds_BLH.dtype)
-        )
+        image_embeds_NH = image_embeds_NH.to(inputs_embeds_BLH.dtype)
+        if image_mask_BL is None:
+            positions_N = to_device(image_positions_N, inputs_embeds_BLH.device)
+            H = inputs_embeds_BLH.shape[-1]
+            inputs_embeds_BLH = inputs_embeds_BLH.reshape(-1, H).index_copy(0, positions_N, image_embeds_NH).view_as(
+                inputs_embeds_BLH)
+            visual = positions_N
+        else:
+            inputs_embeds_BLH = inputs_embeds_BLH.masked_scatter(image_mask_BL.unsqueeze(-1), image_embeds_NH)
+            visual = image_mask_BL
         deepstack = None
         if deepstack_KNH is not None:
             assert deepstack_KNH.shape[0] == self.num_deepstack_levels, (deepstack_KNH.shape, self.num_deepstack_levels)
             deepstack = list(deepstack_KNH.to(inputs_embeds_BLH.dtype).unbind(0))
-        return inputs_embeds_BLH, image_mask_BL, deepstack
+        return inputs_embeds_BLH, visual, deepstack
 
     def hidden_states(
         self,
@@ -97,15 +120,17 @@ class PolicyLM(nn.Module):
         deepstack_KNH: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         context: list[tuple[int, int]] | None = None,
+        image_positions_N: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states (B, L, H) after the last norm.
 
         position_ids_4BL holds [text; t; h; w]. With several samples packed into one row,
         the text row restarts at 0 for each and attention stays inside each sample. `context`
         (packed_sdpa only): per segment, the row range of a shared prompt it continues.
+        `image_positions_N`: see `embed_inputs`.
         """
         inputs_embeds_BLH, visual_pos_masks, deepstack = self.embed_inputs(
-            input_ids_BL, image_embeds_NH, deepstack_KNH
+            input_ids_BL, image_embeds_NH, deepstack_KNH, image_positions_N
         )
         attention_mask, attn_kwargs = None, {}
         implementation = self.config.text_config._attn_implementation
@@ -134,6 +159,49 @@ class PolicyLM(nn.Module):
             **attn_kwargs,
         )
         return out.last_hidden_state
+
+
+def _add_deepstack(language_model: nn.Module, hidden_states_BLH: torch.Tensor, visual_pos_masks: torch.Tensor,
+                   visual_embeds_NH: torch.Tensor) -> torch.Tensor:
+    """transformers' `Qwen3VLTextModel._deepstack_process` (hidden states + one DeepStack level at
+    the image positions), also for positions given as flat indices into (B x L), which
+    `embed_inputs` passes when the host worked them out: index_add instead of boolean indexing,
+    whose data-dependent size makes a GPU wait for the host at every level of every forward.
+    The same sums (one add per image position), the same gradient. A boolean mask goes to
+    transformers' own method."""
+    if visual_pos_masks.dtype == torch.bool:
+        return type(language_model)._deepstack_process(language_model, hidden_states_BLH, visual_pos_masks,
+                                                       visual_embeds_NH)
+    H = hidden_states_BLH.shape[-1]
+    flat_NH = hidden_states_BLH.reshape(-1, H)
+    return flat_NH.index_add(0, visual_pos_masks, visual_embeds_NH.to(flat_NH.dtype)).view_as(hidden_states_BLH)
+
+
+def image_positions(input_ids_BL: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """(N,) int64 on the host: the flat indices into (B x L) of the image pads, row-major (the
+    order the images' features are concatenated in). `input_ids_BL` must be a host tensor."""
+    assert input_ids_BL.device.type == "cpu", "image positions are worked out on the host"
+    return (input_ids_BL.reshape(-1) == image_token_id).nonzero().squeeze(1)
+
+
+def to_device(t_host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, asynchronously (through page-locked memory on CUDA)."""
+    if device.type == "cuda" and t_host.device.type == "cpu":
+        return t_host.pin_memory().to(device, non_blocking=True)
+    return t_host.to(device)
+
+
+def ban_bias(head: nn.Linear, banned_token_ids: list[int] | None) -> torch.Tensor | None:
+    """The lm_head's bias as a float32 row on its device, the banned tokens at BANNED_LOGIT
+    (probability 0), or the head's own bias when nothing is banned. Built once per engine, and
+    once per train step: indexing with a list of ids copies it from the host each time."""
+    if not banned_token_ids:
+        return None if head.bias is None else head.bias.float()
+    bias_V = torch.zeros(head.out_features, device=head.weight.device, dtype=torch.float32)
+    bias_V[torch.tensor(sorted(set(banned_token_ids)), device=head.weight.device)] = BANNED_LOGIT
+    if head.bias is not None:
+        bias_V = bias_V + head.bias.float()
+    return bias_V
 
 
 def unwrap_policy(model: nn.Module) -> PolicyLM:
@@ -184,7 +252,7 @@ def load_policy_lm(
         if LM_HEAD_KEY not in head:
             raise ValueError(f"{path}: no {LM_HEAD_KEY} in the checkpoint and tie_word_embeddings is false")
         lm_head.load_state_dict({"weight": head[LM_HEAD_KEY]}, assign=True)
-    policy = PolicyLM(config, language_model, lm_head).to(device=device, dtype=dtype)
+    policy = to_keeping_rotary_fp32(PolicyLM(config, language_model, lm_head), device=device, dtype=dtype)
     assert_no_vision_tower(policy)
     return policy
 

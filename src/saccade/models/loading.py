@@ -74,6 +74,30 @@ def read_state_dict(path: Path, prefix: str, *, dtype: torch.dtype | None = None
     return out
 
 
+# Rotary embeddings' inverse frequencies: non-persistent buffers that transformers computes in
+# float32 and only upcasts at use. `module.to(dtype=bf16)` would round them first: an angle error of
+# about 1e-3 x position radians at rope_theta 5e6, which grows with the context (docs/precision.md).
+ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def to_keeping_rotary_fp32(module: nn.Module, *, device, dtype: torch.dtype) -> nn.Module:
+    """`module.to(device=device, dtype=dtype)`, except the rotary inverse frequencies: moved to
+    `device`, never rounded. They must be float32 when this is called (built from the config)."""
+    rotary = {name: buf for name, buf in module.named_buffers() if name.rpartition(".")[2] in ROTARY_BUFFERS}
+    assert all(buf.dtype == torch.float32 for buf in rotary.values()), {n: b.dtype for n, b in rotary.items()}
+    module.to(device=device, dtype=dtype)
+    for name, buf in rotary.items():
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = buf.to(device=device)
+    return module
+
+
+def rotary_buffers_not_fp32(module: nn.Module) -> list[str]:
+    """Names of rotary inverse-frequency buffers that are not float32 (empty: all is well)."""
+    return [name for name, buf in module.named_buffers()
+            if name.rpartition(".")[2] in ROTARY_BUFFERS and buf.dtype != torch.float32]
+
+
 def load_vision_tower(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
     """The frozen Qwen3-VL vision tower (patch embed, blocks, merger, DeepStack mergers), in eval mode."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
@@ -87,7 +111,7 @@ def load_vision_tower(model: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     tower.load_state_dict(state, strict=True, assign=True)
     # Non-persistent buffers (rotary inverse frequencies) are not in the checkpoint: rebuild them.
     tower.rotary_pos_emb = type(tower.rotary_pos_emb)(config.vision_config)
-    tower.to(device=device, dtype=dtype)
+    to_keeping_rotary_fp32(tower, device=device, dtype=dtype)
     tower.requires_grad_(False)
     return tower.eval()
 

