@@ -19,9 +19,7 @@ def test_every_stage_runs_quick_on_the_cpu_and_a_second_run_resumes(tmp_path):
     assert data["settings"] == {"device": "cpu", "quick": True}
     assert list(data["stages"]) == [s.name for s in gpu.STAGES]
     for name, record in data["stages"].items():
-        # parity waits for saccade.parity.long_context_parity (unavailable until it is there)
-        allowed = ("ok", "unavailable") if name.startswith("parity") else ("ok",)
-        assert record["status"] in allowed, (name, record.get("error"))
+        assert record["status"] == "ok" and record.get("check") != "failed", (name, record.get("error"))
         assert record["seconds"] >= 0 and record["machine"]["torch"]
     table = (tmp_path / gpu.MD_NAME).read_text()
     assert "not run yet" not in table and "FAILED" not in table
@@ -30,11 +28,13 @@ def test_every_stage_runs_quick_on_the_cpu_and_a_second_run_resumes(tmp_path):
     assert rl["steps_with_signal"] >= 1  # the warm start's groups carry reward variance
     syncs = data["stages"]["syncs"]["result"]
     assert syncs["per_token"]["syncs"] is None and syncs["per_token"]["would_sync"] >= 0
+    parity = data["stages"]["parity-2b"]["result"]
+    assert parity["passed"] and list(parity["lengths"]) == ["64", "256"]
 
     # Run again: what finished is skipped, its record kept as it was.
     assert main(args) == gpu.EXIT_OK
     again = json.loads((tmp_path / gpu.JSON_NAME).read_text())
-    for name in ("syncs", "rl", "render"):
+    for name in gpu.BY_NAME:
         assert again["stages"][name]["finished"] == data["stages"][name]["finished"]
 
 

@@ -91,14 +91,15 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.rl import train_rl
     from saccade.setup import resolve_device
 
-    world = init_world(resolve_device(args.device).type)
+    configs = {dtype: load_config(RunConfig, demo_config_path(), [
+        "--model.path", args.model, "--model.dtype", dtype, "--trainer.device", args.device,
+        "--trainer.steps", str(args.steps), "--rollout.prompts_per_step", str(args.prompts),
+        "--eval.every_steps", "0", "--checkpoint.every_steps", "0", "--log.dir", str(Path(args.run_dir) / dtype)])
+        for dtype in DTYPES}
+    t = configs[DTYPES[0]].trainer
+    world = init_world(resolve_device(t.device), timeout_s=t.dist_timeout_s)  # as `saccade rl` joins it
     runs = {}
-    for dtype in DTYPES:
-        run_dir = Path(args.run_dir) / dtype
-        cfg = load_config(RunConfig, demo_config_path(), [
-            "--model.path", args.model, "--model.dtype", dtype, "--trainer.device", args.device,
-            "--trainer.steps", str(args.steps), "--rollout.prompts_per_step", str(args.prompts),
-            "--eval.every_steps", "0", "--checkpoint.every_steps", "0", "--log.dir", str(run_dir)])
+    for dtype, cfg in configs.items():
         train_rl(cfg, run_dir=cfg.run_dir, world=world, progress=False)
         if world.is_main:
             rows = read_metrics(cfg.run_dir, phase="train")

@@ -89,7 +89,9 @@ def parity_lengths(plan: Plan) -> tuple[int, ...]:
 
 def parity(plan: Plan, size: str) -> dict[str, Any]:
     """bf16 parity of the LM-only path against the full model at long positions, beside the
-    full model's own bf16-vs-fp32 noise (`saccade.parity.long_context_parity`)."""
+    full model's own bf16-vs-fp32 noise (`saccade.parity.long_context_parity`); `passed` is its
+    verdict (every position bucket's mean |Δ| within NOISE_FACTOR x the noise, rotary buffers
+    in fp32), and a failed verdict fails the stage's check."""
     import torch
 
     import saccade.parity
@@ -100,21 +102,26 @@ def parity(plan: Plan, size: str) -> dict[str, Any]:
         raise NotAvailable("saccade.parity.long_context_parity is not in this checkout yet (merge main)")
     lengths = parity_lengths(plan)
     result = fn(resolve_model(plan.preset(size)), lengths=lengths, dtype=torch.bfloat16, device=plan.device)
-    return {"preset": plan.preset(size), "lengths_asked": list(lengths), **result}
+    for n, r in result.get("lengths", {}).items():
+        for b in r.get("buckets", []):
+            plan.log(f"  {n} tokens, positions {b['start']}-{b['end']}: LM-only vs full mean {b['lm_vs_full_mean']:.2e} "
+                     f"max {b['lm_vs_full_max']:.2e}; full bf16 vs fp32 mean {b['noise_mean']:.2e}; ratio "
+                     f"{b['ratio']:.2f}")
+    return {"preset": plan.preset(size), **result}
 
 
 def parity_summary(r: dict) -> str:
-    """Per length: mean / max |Δ logprob| against the bar, and the verdict. Reads the figures
-    by their names' parts, so a new field in long_context_parity's result does not break it."""
-    per = r.get("lengths") if isinstance(r.get("lengths"), dict) else {
-        k: v for k, v in r.items() if isinstance(v, dict) and any(isinstance(x, (int, float)) for x in v.values())}
+    """Per length: the last position bucket's mean and max |Δ| against the noise there, and the
+    worst bucket's ratio to the noise (the bar is NOISE_FACTOR); then the verdict."""
     parts = []
-    for length, d in per.items():
-        nums = {k: v for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        picks = [k for k in nums if any(w in k for w in ("mean", "max", "noise", "bar"))][:5]
-        parts.append(f"{length}: " + ", ".join(f"{k} {_fmt(nums[k])}" for k in picks))
-    verdict = r.get("passed")
-    return "; ".join(parts) + ("" if verdict is None else f"; {'pass' if verdict else 'FAIL'}")
+    for n, d in r["lengths"].items():
+        last = d["buckets"][-1]
+        worst = max(b["ratio"] for b in d["buckets"])
+        parts.append(f"{n} tokens: at {last['start']}-{last['end']} mean {last['lm_vs_full_mean']:.1e} (max "
+                     f"{last['lm_vs_full_max']:.1e}) vs noise {last['noise_mean']:.1e}, worst ratio {worst:.2f}")
+    rotary = f"; rotary buffers not fp32: {', '.join(r['rotary_not_fp32'])}" if r.get("rotary_not_fp32") else ""
+    return (f"{r['preset']} {r['dtype']}: " + "; ".join(parts) + rotary
+            + f"; bar ratio <= {r['noise_factor']:g}: {'pass' if r['passed'] else 'FAIL'}")
 
 
 # ----------------------------------------------------------------------------- trainer
