@@ -4,8 +4,8 @@ The stages (saccade.bench.gpu_stages) run in order, each in a fresh Python proce
 an out-of-memory or a CUDA error in one leaves the next a clean device; `--in-process` runs
 them in this one). Each stage's record (status, seconds, the device, its figures or its
 error) goes into one JSON in the `--out` folder as soon as it ends, and a markdown table the
-README pastes is rewritten beside it (`bench-gpu.json`, `bench-gpu.md`; the stages' output
-is appended to `bench-gpu.log`). Run again, the command skips what finished:
+README pastes is rewritten beside it (`bench-gpu.json`, `bench-gpu.md`; the output of the
+stages' processes is appended to `bench-gpu.log`). Run again, the command skips what finished:
 
 - a stage that is `ok` runs again only with `--force`;
 - a stage that `failed` runs again when named (`--stage NAME`) or with `--force`: a failure
