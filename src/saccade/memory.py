@@ -20,9 +20,12 @@ What the trainer holds at its peak (the start of backward on the largest micro-b
   and one layer's activations while its backward runs (`activation_bytes_per_token` spells
   out both formulas).
 - logprob buffers: `saccade.trainer.logprobs` never builds the (tokens x vocab) logits; it
-  holds two (chunk x vocab) float32 buffers, a float32 copy of a bf16 lm_head weight, and,
-  when the lm_head trains, a float32 (vocab x hidden) gradient accumulator.
-- the micro-batch's image embeddings (main + DeepStack levels), bounded by max_tokens rows.
+  holds two (chunk x vocab) float32 buffers and, when the lm_head trains, a float32 (vocab x
+  hidden) gradient accumulator. On a GPU the lm_head's bf16 matmuls write float32 directly
+  (`saccade.models.head`): no float32 copy of the weight (the CPU makes one per forward).
+- two micro-batches' inputs, image embeddings (main + DeepStack levels) above all, each
+  bounded by max_tokens rows: the one being computed and the next, already on its way
+  (`saccade.trainer.step.on_device`); the step's other micro-batches wait in host memory.
 - CUDA context: an assumed 0.5 GiB; allocator fragmentation is not modelled.
 
 Under FSDP2 (`world_size` N > 1: torchrun, `saccade.distributed.shard_model`: `fully_shard`
@@ -72,6 +75,8 @@ GiB = 1024**3
 GPU_GIB = 79.0  # what CUDA shows of an 80 GB H100 / A100 (nvidia-smi: 81,559 MiB), rounded down
 CUDA_CONTEXT_GIB = 0.5  # assumed
 VLLM_OVERHEAD_GIB = 3.0  # assumed: vLLM's profiling activations, CUDA graphs, encoder cache
+# Micro-batches on the device at once: the one computed and the next (saccade.trainer.step.on_device).
+MICRO_BATCHES_RESIDENT = 2
 LOGPROB_CHUNK = 1024  # saccade.trainer.forward.forward_logprobs' default chunk_size
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 UNSHARDED_LAYERS = 2  # FSDP2: decoder layers held whole at once, the one computing and the one prefetched
@@ -277,8 +282,8 @@ def activation_bytes_per_token(
     So bf16, LoRA on all seven linears: 28h + 12q + 8kv + 10I + 28r + 8 heads + 4 kv_heads + 8;
     bf16 full FT: 16h + 10q + 10kv + 8I + 8 heads + 4 kv_heads + 8.
     Once per token: RoPE cos and sin (2*b*head_dim), the final norm, the token ids for the
-    embedding's gradient (full FT, int64), a bool mask, and per loss token the gathered
-    hidden state (b*h), its index and target (int64) and the logsumexp and entropy (float32).
+    embedding's gradient (full FT, int64), and per loss token the gathered hidden state (b*h),
+    its source row, its own row and its target (int64) and the logsumexp and entropy (float32).
     The loss (`saccade.trainer.loss.policy_loss`) adds a few float32 per token: not counted.
     With LoRA the first layer's input norm keeps nothing (nothing before it trains).
 
@@ -333,11 +338,12 @@ def activation_bytes_per_token(
 
 def outside_layers_bytes_per_token(text: TextDims, *, dtype_bytes: int, full: bool, loss_fraction: float) -> float:
     """What autograd saves per token outside the decoder layers: the final norm, the token ids
-    for the embedding's gradient (full fine-tuning), the predicted-positions mask, and per
-    loss token the gathered hidden state, its index and target, the logsumexp and entropy."""
+    for the embedding's gradient (full fine-tuning), and per loss token the gathered hidden
+    state, its source row, its own row (where its logprob is put back) and its target, the
+    logsumexp and entropy."""
     b, h = dtype_bytes, text.hidden_size
     final_norm = 4 * h + 4 + (b * h if full else 0)
-    return final_norm + (8 if full else 0) + 1 + loss_fraction * (b * h + 8 + 8 + 4 + 4)
+    return final_norm + (8 if full else 0) + loss_fraction * (b * h + 8 + 8 + 8 + 4 + 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,16 +427,17 @@ def trainer_memory(
         checkpointing=activation_checkpointing,
     )
     activations = max_tokens * per_token / GiB
-    head_upcast = t.vocab_size * t.hidden_size * 4 if b != 4 else 0
     head_grad = t.vocab_size * t.hidden_size * 4 if full else 0  # float32 accumulator of the lm_head grad
-    logprob = (2 * chunk_size * t.vocab_size * 4 + head_upcast + head_grad) / GiB
-    images = max_tokens * t.hidden_size * (1 + dims.vision.deepstack_levels) * b / GiB
+    logprob = (2 * chunk_size * t.vocab_size * 4 + head_grad) / GiB
+    images = MICRO_BATCHES_RESIDENT * max_tokens * t.hidden_size * (1 + dims.vision.deepstack_levels) * b / GiB
     how = "per-layer checkpointing" if activation_checkpointing else "no checkpointing"
     backward = [
         Item("activations", activations, f"{max_tokens} tokens x {per_token / 2**20:.2f} MiB, {how}"
              + (", per rank" if sharded else "")),
-        Item("logprob buffers", logprob, f"2 x ({chunk_size} x vocab) fp32 + fp32 lm_head copies"),
-        Item("image embeddings", images, "a micro-batch's, at most max_tokens rows (main + DeepStack)"),
+        Item("logprob buffers", logprob, f"2 x ({chunk_size} x vocab) fp32" + (" + the lm_head's fp32 gradient"
+                                                                                if full else "")),
+        Item("image embeddings", images, f"{MICRO_BATCHES_RESIDENT} micro-batches' (computing, next), at most "
+             "max_tokens rows each (main + DeepStack)"),
     ]
     if sharded:
         # A layer whole: its base in the compute dtype, LoRA's adapters in float32 (gathered as stored).

@@ -105,6 +105,12 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     if cfg.loss.kl_coef > 0:  # the KL term's reference: the base model, adapters off
         reference = adapter_free_reference(model, distribution=distribution, banned_token_ids=banned)
     share_prompts = t.share_prompts and shares_prompts(model)  # a group's prompt forwarded once
+    if t.share_prompts and not share_prompts and world.is_main:
+        warnings.warn(
+            f"trainer.share_prompts is on, but model.attn_implementation {cfg.model.attn_implementation!r} cannot "
+            "share a prompt: each of a group's G samples forwards its prompt, images included, again (G x the prompt "
+            "tokens per group; forward_tokens in metrics.jsonl shows it). Use 'auto' (packed_sdpa) to share them, "
+            "or set trainer.share_prompts = false to silence this", RuntimeWarning, stacklevel=2)
     # The embedded engine samples from the sharded module itself: whole weights on every rank
     # for the rollout (one all-gather), so ranks decode their own prompts without collectives.
     sampling_weights = (lambda: unsharded(model)) if engine.shares_weights else contextlib.nullcontext

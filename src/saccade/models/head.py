@@ -66,3 +66,16 @@ def head_logits(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, *, dtype: torc
     if bias_V is not None:
         logits_NV.add_(bias_V)
     return logits_NV
+
+
+def accumulate_project_(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor, *, dtype: torch.dtype) -> None:
+    """acc += a @ b, as `project` computes the product, into the float32 accumulator `acc` (the
+    lm_head's weight gradient over chunks). On CUDA the matmul adds into it directly (no
+    (vocab x hidden) temporary); elsewhere, or where this torch lacks that form, through one."""
+    if dtype in LOW_PRECISION and acc_MN.is_cuda and b_KN.dtype == dtype and acc_MN.dtype == torch.float32:
+        try:
+            torch.addmm(acc_MN, a_MK.to(dtype), b_KN, out_dtype=torch.float32, out=acc_MN)
+            return
+        except (RuntimeError, TypeError):  # an older torch without addmm's out_dtype: the general form
+            pass
+    acc_MN.add_(project(a_MK, b_KN, dtype=dtype))

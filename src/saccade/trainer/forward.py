@@ -97,5 +97,6 @@ def _logprobs_at(policy, mb: MicroBatch, hidden_1NH: torch.Tensor, only_loss_tok
     logprobs_T, entropy_T = token_logprobs_and_entropy(
         hidden_TH, policy.lm_head.weight, targets_T, distribution=distribution, chunk_size=chunk_size, bias_V=bias_V
     )
+    # index_put, not index_copy: autograd then keeps only the row index (index_copy keeps the values too).
     zeros_N = torch.zeros(mb.num_tokens, device=device, dtype=logprobs_T.dtype)
-    return zeros_N.index_copy(0, rows_T, logprobs_T), zeros_N.index_copy(0, rows_T, entropy_T)
+    return zeros_N.index_put((rows_T,), logprobs_T), zeros_N.index_put((rows_T,), entropy_T)

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from saccade.models.head import matmul_weight, project
+from saccade.models.head import accumulate_project_, matmul_weight, project
 from saccade.models.sampling import SampledDistribution, kept_tokens
 
 PLAIN = SampledDistribution()  # temperature 1, nothing truncated
@@ -234,7 +234,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
                     grad_hidden_NH[chunk] = project(grad_logits_CV, weight_mm_VH, dtype=operand_dtype).to(
                         hidden_NH.dtype)
                 if grad_weight_VH is not None:
-                    grad_weight_VH.add_(project(grad_logits_CV.T, hidden_CH, dtype=operand_dtype))
+                    accumulate_project_(grad_weight_VH, grad_logits_CV.T, hidden_CH, dtype=operand_dtype)
                 if grad_bias_V is not None:
                     grad_bias_V += grad_logits_CV.sum(dim=0)
                 del logits_CV, grad_logits_CV, kept_CV
