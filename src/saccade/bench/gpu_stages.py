@@ -335,5 +335,6 @@ def syncs_summary(r: dict) -> str:
         return (f"{d['syncs']:.2f} syncs" if d["syncs"] is not None else "") + \
             f"{', ' if d['syncs'] is not None else ''}{d['would_sync']:.2f} would-sync ops"
 
-    return (f"{r['device']} {r['dtype']}: per decoded token {one(r['per_token'])}; per trainer micro-batch "
+    return (f"{r['device']} {r['dtype']}: per decoded token {one(r['per_token'])} (the engine checks for stops "
+            f"every {r['stop_check_every']} token(s)); per trainer micro-batch "
             f"{one(r['per_micro_batch'])} (+ {one(r['per_micro_batch_to_device'])} moving it to the device)")

@@ -9,7 +9,9 @@ sync on a GPU: a tensor's value read on the host (`aten._local_scalar_dense`: `.
 `int()`, `float()`, `bool()`), ops whose output shape depends on values (`nonzero`,
 `masked_select`, `unique`, boolean indexing), tensors made from host data (`lift_fresh`:
 `torch.tensor(list)`), and copies between the host and a device. On the CPU those counts
-are the figure (nothing syncs there); on CUDA they say where the syncs come from.
+are the figure (nothing syncs there); on CUDA they say where the syncs come from. The
+embedded engine reads its stop flags on the host every token on the CPU (free there) and
+every 16 tokens on a GPU (`stop_check_every`), so per-token counts on the CPU are not a GPU's.
 
 Per decoded token: the same prompts decoded to `long` and to `short` tokens (every row runs
 to its limit: stop tokens off), (count(long) - count(short)) / (long - short), so the
