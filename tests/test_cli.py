@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from saccade.installed import module_available
+
 
 def run_cli(*args, timeout=300):
     return subprocess.run(
@@ -57,6 +59,14 @@ def test_dry_run_refuses_bad_reward_and_task_names_without_torch(tmp_path):
         bad = dry_run(*override)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
         assert bad.stdout.rstrip() == "no torch"
+
+    # A real-model config dry-runs here; an attention kernel whose package is missing is refused
+    # before a model is built (flash-attn is not installed here), with what to use instead.
+    assert dry_run("configs/qwen3vl-2b-1gpu.toml").returncode == 0
+    if not module_available("flash_attn"):
+        flash = dry_run("configs/qwen3vl-2b-1gpu.toml", "--model.attn_implementation", "flash_attention_2")
+        assert flash.returncode == 2 and "needs the flash-attn package" in flash.stderr and "Use 'auto'" in flash.stderr
+        assert flash.stdout.rstrip() == "no torch"
 
 
 @pytest.mark.slow
