@@ -70,12 +70,15 @@ def head_logits(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, *, dtype: torc
 
 def accumulate_project_(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor, *, dtype: torch.dtype) -> None:
     """acc += a @ b, as `project` computes the product, into the float32 accumulator `acc` (the
-    lm_head's weight gradient over chunks). On CUDA the matmul adds into it directly (no
-    (vocab x hidden) temporary); elsewhere, or where this torch lacks that form, through one."""
+    lm_head's weight gradient over chunks). On CUDA the bf16 matmul adds into it directly (no
+    (vocab x hidden) temporary); elsewhere one float32 addmm, the weight gradient autograd
+    itself would compute (bit for bit what the trainer computed before issue 28)."""
     if dtype in LOW_PRECISION and acc_MN.is_cuda and b_KN.dtype == dtype and acc_MN.dtype == torch.float32:
         try:
             torch.addmm(acc_MN, a_MK.to(dtype), b_KN, out_dtype=torch.float32, out=acc_MN)
             return
         except (RuntimeError, TypeError):  # an older torch without addmm's out_dtype: the general form
             pass
-    acc_MN.add_(project(a_MK, b_KN, dtype=dtype))
+    # One fused addmm, as autograd's own weight gradient: a product added separately rounds twice.
+    out_dtype = acc_MN.dtype
+    acc_MN.addmm_(a_MK.to(dtype).to(out_dtype), b_KN.to(out_dtype))
