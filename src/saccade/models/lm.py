@@ -78,39 +78,29 @@ class PolicyLM(nn.Module):
         first, then row 1, ... Returns (inputs_embeds, image positions, DeepStack levels), the
         last two None without images, as the language model takes them.
 
-        `image_positions_N`: the pads' flat indices into (B x L), worked out on the host
-        (`image_positions`). Then nothing here depends on the device's data: the features go in
-        with index_copy and the positions go on to DeepStack (`_add_deepstack`) as indices.
-        Without them the pads are found on the device (a boolean mask: counting it, and indexing
-        with it, makes a GPU wait for the host), as transformers does.
+        `image_positions_N`: the pads' flat indices into (B x L), best worked out on the host
+        (`image_positions`): then nothing here depends on the device's data. Without them they
+        are found here, from input_ids on their device (on a GPU, finding them waits for it). The
+        features go in with index_copy, and the positions go on to DeepStack (`_add_deepstack`).
         """
         inputs_embeds_BLH = self.language_model.embed_tokens(input_ids_BL)
-        if image_positions_N is not None:
-            n_image_tokens = int(image_positions_N.shape[0])
-            image_mask_BL = None
-        else:
-            image_mask_BL = input_ids_BL == self.image_token_id
-            n_image_tokens = int(image_mask_BL.sum())
+        if image_positions_N is None:
+            image_positions_N = image_positions(input_ids_BL, self.image_token_id)
+        n_image_tokens = int(image_positions_N.shape[0])
         if not n_image_tokens and image_embeds_NH is None:
             return inputs_embeds_BLH, None, None
         if image_embeds_NH is None or image_embeds_NH.shape[0] != n_image_tokens:
             got = None if image_embeds_NH is None else image_embeds_NH.shape[0]
             raise ValueError(f"{n_image_tokens} image-pad tokens but {got} image embedding rows")
-        image_embeds_NH = image_embeds_NH.to(inputs_embeds_BLH.dtype)
-        if image_mask_BL is None:
-            positions_N = to_device(image_positions_N, inputs_embeds_BLH.device)
-            H = inputs_embeds_BLH.shape[-1]
-            inputs_embeds_BLH = inputs_embeds_BLH.reshape(-1, H).index_copy(0, positions_N, image_embeds_NH).view_as(
-                inputs_embeds_BLH)
-            visual = positions_N
-        else:
-            inputs_embeds_BLH = inputs_embeds_BLH.masked_scatter(image_mask_BL.unsqueeze(-1), image_embeds_NH)
-            visual = image_mask_BL
+        positions_N = to_device(image_positions_N, inputs_embeds_BLH.device)
+        H = inputs_embeds_BLH.shape[-1]
+        inputs_embeds_BLH = inputs_embeds_BLH.reshape(-1, H).index_copy(
+            0, positions_N, image_embeds_NH.to(inputs_embeds_BLH.dtype)).view_as(inputs_embeds_BLH)
         deepstack = None
         if deepstack_KNH is not None:
             assert deepstack_KNH.shape[0] == self.num_deepstack_levels, (deepstack_KNH.shape, self.num_deepstack_levels)
             deepstack = list(deepstack_KNH.to(inputs_embeds_BLH.dtype).unbind(0))
-        return inputs_embeds_BLH, visual, deepstack
+        return inputs_embeds_BLH, positions_N, deepstack
 
     def hidden_states(
         self,
@@ -161,26 +151,22 @@ class PolicyLM(nn.Module):
         return out.last_hidden_state
 
 
-def _add_deepstack(language_model: nn.Module, hidden_states_BLH: torch.Tensor, visual_pos_masks: torch.Tensor,
+def _add_deepstack(language_model: nn.Module, hidden_states_BLH: torch.Tensor, image_positions_N: torch.Tensor,
                    visual_embeds_NH: torch.Tensor) -> torch.Tensor:
     """transformers' `Qwen3VLTextModel._deepstack_process` (hidden states + one DeepStack level at
-    the image positions), also for positions given as flat indices into (B x L), which
-    `embed_inputs` passes when the host worked them out: index_add instead of boolean indexing,
-    whose data-dependent size makes a GPU wait for the host at every level of every forward.
-    The same sums (one add per image position), the same gradient. A boolean mask goes to
-    transformers' own method."""
-    if visual_pos_masks.dtype == torch.bool:
-        return type(language_model)._deepstack_process(language_model, hidden_states_BLH, visual_pos_masks,
-                                                       visual_embeds_NH)
+    the image positions) for the positions `embed_inputs` passes: flat indices into (B x L), not a
+    boolean mask. index_add instead of boolean indexing, whose data-dependent size makes a GPU
+    wait for the host at every level of every forward; the same sums (one add per image
+    position), the same gradient."""
     H = hidden_states_BLH.shape[-1]
     flat_NH = hidden_states_BLH.reshape(-1, H)
-    return flat_NH.index_add(0, visual_pos_masks, visual_embeds_NH.to(flat_NH.dtype)).view_as(hidden_states_BLH)
+    return flat_NH.index_add(0, image_positions_N, visual_embeds_NH.to(flat_NH.dtype)).view_as(hidden_states_BLH)
 
 
 def image_positions(input_ids_BL: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """(N,) int64 on the host: the flat indices into (B x L) of the image pads, row-major (the
-    order the images' features are concatenated in). `input_ids_BL` must be a host tensor."""
-    assert input_ids_BL.device.type == "cpu", "image positions are worked out on the host"
+    """(N,) int64: the flat indices into (B x L) of the image pads, row-major (the order the
+    images' features are concatenated in), on input_ids' device. Give it host ids: its size
+    depends on the data, so on a GPU it would wait for the device."""
     return (input_ids_BL.reshape(-1) == image_token_id).nonzero().squeeze(1)
 
 

@@ -147,12 +147,6 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return norm
 
 
-def grad_norm_or_none(params: list[torch.Tensor], max_norm: float) -> float | None:
-    """Clip and return the pre-clip norm, or None if any gradient is NaN/inf (the step is then skipped)."""
-    norm = clip_grad_norm(params, max_norm)
-    return float(norm) if torch.isfinite(norm) else None
-
-
 def on_device(micro_batches: list[MicroBatch], device: torch.device) -> Iterator[tuple[int, MicroBatch]]:
     """(k, micro-batch k on `device`), each sent one ahead of the one being computed: while the
     caller works on k, k + 1 is on its way (non_blocking, from pinned memory on CUDA), and k - 1
@@ -284,12 +278,12 @@ def train_step(
             del mb, inputs, logprobs, entropy, loss_value, metrics  # nothing of k outlives its turn
         with timed("optimizer"):
             norm = clip_grad_norm(params, grad_clip)
-            ok, norm_value = _read_step_verdict(finite, norm, world, device)
-        if not ok:
+            finite_loss, norm_value = _read_step_verdict(finite, norm, world, device)
+        if not (finite_loss and math.isfinite(norm_value)):
             # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
-            reason = "non-finite loss" if not _read(finite) else "non-finite gradient"
+            reason = "non-finite loss" if not finite_loss else "non-finite gradient"
             print(f"step skipped: {reason}; the weights were not changed")
             continue
         grad_norms.append(norm_value)
@@ -326,16 +320,11 @@ def _accumulate(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -
     sums[name] = value.double() if name not in sums else sums[name] + value.double()
 
 
-def _read(flag: torch.Tensor) -> bool:
-    return bool(flag)
-
-
 def _read_step_verdict(finite: torch.Tensor, norm: torch.Tensor, world: World,
                        device: torch.device) -> tuple[bool, float]:
-    """(apply the step?, the pre-clip grad norm): one read of the device per optimizer step. A
-    non-finite loss on any rank, or a non-finite norm, skips the step on every rank."""
+    """(was the loss finite on every rank?, the pre-clip grad norm): one read of the device per
+    optimizer step. A non-finite loss on any rank, or a non-finite norm, skips the step on every rank."""
     finite_loss, norm_value = torch.stack([finite.double(), norm.double()]).tolist()
     if world.size > 1:
         finite_loss = all_reduce_sum([1.0 - finite_loss], world, device)[0] == 0
-    ok = bool(finite_loss) and math.isfinite(norm_value)
-    return ok, norm_value
+    return bool(finite_loss), norm_value
