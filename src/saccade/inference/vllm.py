@@ -391,7 +391,7 @@ class VLLMEngine:
 
     async def _rejoin(self, server: Server) -> None:
         """Put a server back that answers again (or a new one): same image limits, LoRA when
-        the run pushes adapters, and the current weights loaded first."""
+        the run pushes adapters, a float32 lm_head, and the current weights loaded first."""
         import httpx
 
         client = self._http()
@@ -408,6 +408,9 @@ class VLLMEngine:
                               f"{(self.limits.min_pixels, self.limits.max_pixels)}: not put back")
         if self.lora and not info.get("lora_enabled"):
             raise ServerError(f"{server.url} has no LoRA support (--enable-lora): not put back")
+        problem = head_dtype_problem(info)
+        if problem:
+            raise ServerError(f"{server.url} {problem}: not put back")
         async with self._weights_lock:
             version = info.get("policy_version")
             if self._pushed is not None:
