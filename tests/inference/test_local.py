@@ -249,24 +249,26 @@ def test_a_seeded_request_samples_the_same_completions_whatever_shares_its_batch
 def test_the_decode_loop_makes_no_host_sync_per_token(tiny_path, processor, encoder):
     """Per decoded token: no tensor made from host data (the banned ids, stop ids, positions),
     nothing data-dependent in size, and a device read only at the stop checks (every 16 tokens,
-    as on a GPU). Counted on the CPU with a dispatch mode (tests/host_sync.py): the difference
-    between 36 and 4 decoded tokens is the per-token cost."""
-    from host_sync import DATA_DEPENDENT, DEVICE_READ, HOST_DATA, HostSyncCounter
+    as on a GPU). Counted on the CPU with the dispatch mode of `saccade bench gpu`'s syncs stage
+    (`saccade.bench.syncs.OpCounter`): the difference between 36 and 4 decoded tokens is the
+    per-token cost."""
+    from saccade.bench.syncs import OpCounter
 
     engine = LocalEngine(load_policy_lm(tiny_path), processor, encoder, seed=1)
     engine.stop_check_every = 16  # the GPU's setting; the CPU's 1 reads every token on purpose
     engine.stop_token_ids = [engine.banned_token_ids[0]]  # never sampled: every row runs to max_tokens
     prompts = engine.prepare_all(_requests()[:2])
 
-    def count(max_tokens: int) -> HostSyncCounter:
+    def count(max_tokens: int) -> OpCounter:
         params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=4)
-        with torch.no_grad(), HostSyncCounter() as counter:
+        with torch.no_grad(), OpCounter() as counter:
             engine._generate_prepared(prompts, params)
         assert all(len(c.completion_ids) == max_tokens for g in engine._generate_prepared(prompts, params) for c in g)
         return counter
 
     short, long = count(4), count(36)
-    extra = {kind: long.by_kind[kind] - short.by_kind[kind] for kind in (HOST_DATA, DATA_DEPENDENT, DEVICE_READ)}
-    assert extra[HOST_DATA] == 0, long.ops - short.ops
-    assert extra[DATA_DEPENDENT] == 0, long.ops - short.ops
-    assert extra[DEVICE_READ] <= 2 * 2, long.ops - short.ops  # "all stopped?" and "any stopped?" at tokens 16 and 32
+    extra = {kind: long.kinds[kind] - short.kinds[kind] for kind in ("host_tensors", "dynamic_shapes", "host_reads")}
+    assert extra["host_tensors"] == 0, long.ops - short.ops  # tensors made from host data
+    assert extra["dynamic_shapes"] == 0, long.ops - short.ops  # nonzero, boolean indexing, ...
+    # device values read on the host: "all stopped?" and "any stopped?" at tokens 16 and 32
+    assert extra["host_reads"] <= 2 * 2, long.ops - short.ops

@@ -44,8 +44,9 @@ def _kind(func, args, kwargs) -> str | None:
         return "host_reads"
     if name.startswith(DYNAMIC_SHAPE_OPS):
         return "dynamic_shapes"
-    if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
-        return "dynamic_shapes"
+    if name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+        return "dynamic_shapes"  # boolean indexing, read or written: a nonzero inside
     if name in ("lift_fresh", "lift_fresh_copy"):
         return "host_tensors"
     if name == "_to_copy" and kwargs.get("device") is not None:
