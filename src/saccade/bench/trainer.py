@@ -502,11 +502,11 @@ CACHED_FAMILY = ("cached", "padded", "checkpointed")  # one model and optimizer 
 
 def _set_checkpointing(model, on: bool) -> None:
     """Per-layer activation checkpointing on or off, on the model the cached variants share."""
-    language_model = unwrap_policy(model).language_model
+    policy = unwrap_policy(model)
     if on:
-        language_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.enable_activation_checkpointing()  # as `trainer.activation_checkpointing` turns it on
     else:
-        language_model.gradient_checkpointing_disable()
+        policy.language_model.gradient_checkpointing_disable()
 
 
 def _run_rounds(names, runners, data, dev, steps, times, vision_s, warmup_loss, vision_timer, console) -> None:
