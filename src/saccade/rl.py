@@ -80,7 +80,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
     from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
     from saccade.models.lm import shares_prompts
-    from saccade.trainer.step import adapter_free_reference, build_optimizer, lr_schedule, train_step
+    from saccade.trainer.step import adapter_free_reference, build_optimizer, lr_schedule, staged, train_step
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if world.is_main:
@@ -180,10 +180,9 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 train_metrics: dict[str, float] = {}
                 if batch.samples:
                     with timed("pack"), pins:
-                        micro_batches = rank_micro_batches(
-                            batch.samples, setup, max_tokens=t.max_tokens, share_prompts=share_prompts, world=world)
-                        if setup.device.type == "cuda":
-                            micro_batches = [mb.pinned() for mb in micro_batches]
+                        micro_batches = staged(rank_micro_batches(
+                            batch.samples, setup, max_tokens=t.max_tokens, share_prompts=share_prompts, world=world),
+                            setup.device)
                     train_metrics = train_step(
                         model, optimizer, scheduler, micro_batches, loss=loss,
                         num_iterations=t.num_iterations, grad_clip=t.grad_clip, distribution=distribution,

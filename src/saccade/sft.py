@@ -79,7 +79,7 @@ def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool
     over the first tenth of the steps, then constant; the engine gets the weights after."""
     from saccade.metrics import MetricsLogger, ProgressBar, format_step
     from saccade.trainer.packing import pack
-    from saccade.trainer.step import build_optimizer
+    from saccade.trainer.step import build_optimizer, staged
 
     s = cfg.sft
     warmup = max(1, s.steps // 10)
@@ -95,9 +95,8 @@ def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool
                 batch = make_batch(step)
             micro_batches = pack(batch, setup.cache.get, max_tokens=cfg.trainer.max_tokens,
                                  image_token_id=setup.image_token_id, spatial_merge_size=setup.merge)
-            if setup.device.type == "cuda":  # page-locked once: every copy to the GPU is then asynchronous
-                micro_batches = [mb.pinned() for mb in micro_batches]
-            metrics = sft_step(setup.model, optimizer, scheduler, micro_batches, grad_clip=cfg.trainer.grad_clip)
+            metrics = sft_step(setup.model, optimizer, scheduler, staged(micro_batches, setup.device),
+                               grad_clip=cfg.trainer.grad_clip)
             pins.release()
             metrics["step_s"] = time.perf_counter() - start
             logger.log(step + 1, metrics, phase=phase)

@@ -175,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.models.tiny import resolve_model
     from saccade.setup import resolve_device
     from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
-    from saccade.trainer.step import build_optimizer, train_step
+    from saccade.trainer.step import build_optimizer, staged, train_step
 
     device = resolve_device(args.device)
     world = init_world(device, timeout_s=TrainerConfig().dist_timeout_s)  # on CUDA: sets the device first
@@ -189,7 +189,7 @@ def worker(args: argparse.Namespace) -> None:
     vision_ids = [getattr(config, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                      "vision_end_token_id")]
     below = min([i for i in vision_ids if i is not None] + [config.text_config.vocab_size])
-    micro_batches = [mb.to(device) for mb in _synthetic_micro_batches(below, args.seq_len, args.max_tokens, world)]
+    micro_batches = staged(_synthetic_micro_batches(below, args.seq_len, args.max_tokens, world), device)
 
     times = []
     for step in range(args.steps + 1):  # the first is a warm-up

@@ -98,7 +98,7 @@ class SaccadeStep:
         from saccade.orchestrator.rollout import rollout_step
         from saccade.timing import timed
         from saccade.trainer.packing import pack
-        from saccade.trainer.step import train_step
+        from saccade.trainer.step import staged, train_step
 
         s, cfg = self.setup, self.cfg
         pins = s.cache.pins("bench")
@@ -107,9 +107,10 @@ class SaccadeStep:
                                  env=cfg.env, merge=s.merge, continuation=s.continuation,
                                  tokenizer=s.processor.tokenizer)
         with timed("pack"):
-            micro_batches = [mb.to(s.device) for mb in pack(
+            micro_batches = staged(pack(
                 batch.samples, s.cache.get, max_tokens=cfg.trainer.max_tokens, image_token_id=s.image_token_id,
-                spatial_merge_size=s.merge, share_prompts=cfg.trainer.share_prompts and shares_prompts(s.model))]
+                spatial_merge_size=s.merge, share_prompts=cfg.trainer.share_prompts and shares_prompts(s.model)),
+                s.device)
         metrics = train_step(s.model, self.optimizer, self.scheduler, micro_batches, loss=cfg.loss,
                              num_iterations=cfg.trainer.num_iterations, grad_clip=cfg.trainer.grad_clip,
                              distribution=self.sampling.distribution, banned_token_ids=s.engine.banned_token_ids)

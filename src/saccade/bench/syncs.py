@@ -16,8 +16,9 @@ every 16 tokens on a GPU (`stop_check_every`), so per-token counts on the CPU ar
 Per decoded token: the same prompts decoded to `long` and to `short` tokens (every row runs
 to its limit: stop tokens off), (count(long) - count(short)) / (long - short), so the
 prefill, the images and the per-call work cancel. Per micro-batch: one rollout packed into
-small micro-batches, then `train_step` on 2k of them and on k, (count(2k) - count(k)) / k;
-the copies of the micro-batches to the device (`MicroBatch.to`) are counted apart.
+small micro-batches, then `train_step` on 2k of them and on k, (count(2k) - count(k)) / k,
+the micro-batches handed over in host memory as `saccade rl` hands them (`staged`), so the
+count includes their copies to the device; those copies (`MicroBatch.to`) are also counted apart.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def run_sync_bench(*, device: str = "auto", short: int = 16, long: int = 48, pro
     from saccade.orchestrator.rollout import rollout_step
     from saccade.setup import resolve_device
     from saccade.trainer.packing import pack
-    from saccade.trainer.step import train_step
+    from saccade.trainer.step import staged, train_step
 
     dev = resolve_device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
@@ -164,13 +165,13 @@ def run_sync_bench(*, device: str = "auto", short: int = 16, long: int = 48, pro
         train: dict[int, dict] = {}
         moves: dict[int, dict] = {}
         for n in (k, 2 * k):
-            on_device = [mb.to(dev) for mb in mbs[:n]]
-            train_step(s.model, step.optimizer, step.scheduler, on_device, **common)  # warm
-            with counting(dev) as counts:
-                on_device = [mb.to(dev) for mb in mbs[:n]]
+            host = staged(mbs[:n], dev)  # as saccade rl hands them over: train_step sends each one ahead
+            train_step(s.model, step.optimizer, step.scheduler, host, **common)  # warm
+            with counting(dev) as counts:  # the copies alone, which train_step's count includes
+                [mb.to(dev) for mb in host]
             moves[n] = counts
             with counting(dev) as counts:
-                train_step(s.model, step.optimizer, step.scheduler, on_device, **common)
+                train_step(s.model, step.optimizer, step.scheduler, host, **common)
             train[n] = counts
     per_token = _per_unit(decode[long], decode[short], long - short)
     per_mb = _per_unit(train[2 * k], train[k], k)

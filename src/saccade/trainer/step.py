@@ -147,6 +147,12 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return norm
 
 
+def staged(micro_batches: list[MicroBatch], device: torch.device) -> list[MicroBatch]:
+    """A step's micro-batches as `train_step` takes them: in host memory, page-locked once when
+    they are bound for a GPU (`MicroBatch.pinned`), so that every pass's copy is asynchronous."""
+    return [mb.pinned() for mb in micro_batches] if device.type == "cuda" else micro_batches
+
+
 def on_device(micro_batches: list[MicroBatch], device: torch.device) -> Iterator[tuple[int, MicroBatch]]:
     """(k, micro-batch k on `device`), each sent one ahead of the one being computed: while the
     caller works on k, k + 1 is on its way (non_blocking, from pinned memory on CUDA), and k - 1
