@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from saccade.distributed import SINGLE, World, balance, mixed_precision, process_group_args, share_embeddings
+from saccade.distributed import SINGLE, World, balance, process_group_args, share_embeddings
+from saccade.trainer.sharding import mixed_precision
 
 
 def _free_port() -> int:

@@ -28,7 +28,7 @@ What the trainer holds at its peak (the start of backward on the largest micro-b
   (`saccade.trainer.step.on_device`); the step's other micro-batches wait in host memory.
 - CUDA context: an assumed 0.5 GiB; allocator fragmentation is not modelled.
 
-Under FSDP2 (`world_size` N > 1: torchrun, `saccade.distributed.shard_model`: `fully_shard`
+Under FSDP2 (`world_size` N > 1: torchrun, `saccade.trainer.sharding.shard_model`: `fully_shard`
 on every decoder layer, then on the PolicyLM as the root), the figures are per rank:
 - every parameter is sharded dim-0 over the N ranks: weights, gradients and AdamW's moments
   are 1/N each (rounding each parameter's rows up to a multiple of N is ignored: under one
@@ -37,7 +37,7 @@ on every decoder layer, then on the PolicyLM as the root), the figures are per r
   FSDP's mixed precision computes in `model.dtype` (bf16 all-gathers, float32 gradient
   reduction): the sharded parameters are float32 (`FSDP_PARAM_BYTES`) and AdamW steps them
   directly, no separate master copy: 4 + 4 (gradients) + 8 (moments) bytes per parameter,
-  over N. LoRA is stored as in one process (`saccade.distributed.mixed_precision`): the
+  over N. LoRA is stored as in one process (`saccade.trainer.sharding.mixed_precision`): the
   frozen base in `model.dtype` over N, the float32 adapters, their gradients and moments
   over N;
 - transient whole copies, as computed (the compute dtype; LoRA's adapters float32): FSDP

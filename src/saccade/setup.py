@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from saccade.config import ImagesConfig, RunConfig
-from saccade.distributed import SINGLE, World, barrier, shard_model
+from saccade.distributed import SINGLE, World, barrier
+from saccade.trainer.sharding import shard_model
 from saccade.inference.engine import Engine
 from saccade.models.head import use_full_fp32_matmuls
 from saccade.models.vision import EmbeddingCache
@@ -82,7 +83,7 @@ def weights_dtype(model_dtype: torch.dtype, *, sharded: bool, lora: bool) -> tor
     float32 copies: LoRA adapters are float32 (peft), and full fine-tuning's optimizer holds
     float32 master weights. Sharded full fine-tuning loads float32 instead: its float32 shards
     are the master weights, and FSDP computes them in `model.dtype`. A LoRA base is frozen, so
-    sharded or not it is stored in `model.dtype` (`saccade.distributed.mixed_precision`)."""
+    sharded or not it is stored in `model.dtype` (`saccade.trainer.sharding.mixed_precision`)."""
     return torch.float32 if sharded and not lora else model_dtype
 
 
@@ -90,7 +91,7 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
     """The trainer's model (LoRA or full) on its device, the embedding cache, and the engine.
 
     Under torchrun (`world.sharded`) the model is FSDP2-sharded over the ranks
-    (`saccade.distributed.shard_model`), each piece stored and computed as on one process
+    (`saccade.trainer.sharding.shard_model`), each piece stored and computed as on one process
     except what full fine-tuning trains: float32 shards, computed in `model.dtype` by FSDP's
     mixed precision, so AdamW steps them directly and no separate master copy is kept. A
     LoRA base is frozen: its shards stay in `model.dtype`, beside the float32 adapters."""

@@ -39,7 +39,7 @@ def _schedule(step: int) -> float:
 def setup(kind: str, base: str, world, seed: int = 0):
     """Model (sharded when the world is), AdamW and LambdaLR. `seed` changes LoRA's random init."""
     from saccade.config import LoraConfig
-    from saccade.distributed import shard_model
+    from saccade.trainer.sharding import shard_model
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
     from saccade.trainer.step import build_optimizer
 

@@ -1,7 +1,7 @@
 """Checkpoints that resume a run exactly, and weights the inference engine can load.
 
 Two layouts, one directory per saved step (newest `keep_last` kept). A single process with a
-plain model writes the first; an FSDP2-sharded model (`saccade.distributed.shard_model`, every
+plain model writes the first; an FSDP2-sharded model (`saccade.trainer.sharding.shard_model`, every
 rank calling `save_checkpoint`) writes the second:
 ```
 run_dir/checkpoints/step_000012/              run_dir/checkpoints/step_000012/
