@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from PIL import Image, ImageDraw
 
 from saccade.config import ImagesConfig
 from saccade.data.messages import ModelInputs, messages_to_inputs
+from saccade.data.synthetic import synthetic_image
 from saccade.models.vision import VisionEncoder
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.logprobs import token_logprobs_and_entropy
@@ -35,19 +34,6 @@ BF16_TOLERANCE = 0.25
 
 def tolerance(dtype: str) -> float:
     return TOLERANCE if dtype == "float32" else BF16_TOLERANCE
-
-
-def synthetic_image(width: int, height: int, seed: int) -> Image.Image:
-    """A deterministic picture with structure (shapes on noise), so features differ per image."""
-    rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-    image = Image.fromarray(pixels, "RGB")
-    draw = ImageDraw.Draw(image)
-    for _ in range(3):
-        x0, y0 = int(rng.integers(0, width // 2)), int(rng.integers(0, height // 2))
-        x1, y1 = x0 + int(rng.integers(4, width // 2 + 5)), y0 + int(rng.integers(4, height // 2 + 5))
-        draw.ellipse([x0, y0, x1, y1], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
-    return image
 
 
 def parity_conversations() -> dict[str, list[dict]]:

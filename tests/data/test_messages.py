@@ -7,7 +7,7 @@ import torch
 
 from saccade.data.images import ImageError, ImagesConfig, image_hash, image_to_data_url
 from saccade.data.messages import messages_to_inputs
-from saccade.parity import synthetic_image
+from saccade.data.synthetic import synthetic_image
 
 PATCH_PIXELS = 3 * 2 * 16 * 16  # channels * temporal patch * patch * patch
 

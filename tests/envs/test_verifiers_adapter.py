@@ -25,7 +25,7 @@ from saccade.envs.rollout import run_episodes
 from saccade.envs.trajectory import ChatContinuation, check_consistency, to_training_sample
 from saccade.envs.verifiers_env import VERIFIERS_VERSION, VerifiersEnv, VerifiersSample, VerifiersTask
 from saccade.inference.engine import SamplingParams
-from saccade.parity import synthetic_image
+from saccade.data.synthetic import synthetic_image
 
 COLORS = ("red", "green", "blue")
 
@@ -280,7 +280,7 @@ import verifiers as vf
 from datasets import Dataset
 
 from saccade.data.images import image_to_data_url
-from saccade.parity import synthetic_image
+from saccade.data.synthetic import synthetic_image
 
 COLORS = ("red", "green", "blue")
 

@@ -11,7 +11,7 @@ from saccade.config import ImagesConfig
 from saccade.data.images import image_hash
 from saccade.data.messages import messages_to_inputs
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, VisionEncoder
-from saccade.parity import synthetic_image
+from saccade.data.synthetic import synthetic_image
 
 TOL = 1e-6  # fp32, same tower weights, same batched call
 

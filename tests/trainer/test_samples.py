@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from saccade.data.messages import messages_to_inputs
-from saccade.parity import synthetic_image
+from saccade.data.synthetic import synthetic_image
 from saccade.trainer.samples import TrainingSample, make_sample, samples_from_bytes, samples_to_bytes
 
 MERGE = 2

@@ -89,7 +89,7 @@ from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.models.loading import load_full_model, load_processor, load_vision_tower
 from saccade.models.tiny import PRESETS, tiny_model_path
 from saccade.models.vision import ImageEmbedding, VisionEncoder
-from saccade.parity import synthetic_image
+from saccade.data.synthetic import synthetic_image
 from saccade.models.lm import unwrap_policy
 from saccade.trainer.forward import forward_logprobs, predicted_positions
 from saccade.trainer.logprobs import token_logprobs_and_entropy

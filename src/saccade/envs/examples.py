@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from saccade.envs.base import StepResult
-from saccade.parity import synthetic_image
+from saccade.data.synthetic import synthetic_image
 
 
 def image_part(seed: int, width: int = 64, height: int = 64) -> dict:
