@@ -84,3 +84,23 @@ def test_the_demo_runs_every_stage_and_fails_loudly_when_it_does_not_learn(tmp_p
     # Each run folder records the config it ran with: only the control's images were blank.
     assert "blank_images = false" in (tmp_path / "run" / "grpo" / "config.toml").read_text()
     assert "blank_images = true" in (tmp_path / "run" / "control" / "config.toml").read_text()
+
+
+def test_the_warm_start_is_resolved_where_a_run_starts(monkeypatch, tmp_path):
+    """`resolve_warm_start` hands a folder down in place of "tiny-warm" and leaves any other model
+    alone; `saccade serve tiny-warm` resolves it in the CLI, before the server (which never trains)."""
+    import saccade.demo as demo
+    from saccade import cli
+
+    folder = tmp_path / "warm"
+    monkeypatch.setattr(demo, "warm_model_path", lambda: folder)  # the real one trains for minutes
+    warm = demo.resolve_warm_start(demo.load_demo_config(["--model.path", "tiny-warm"]))
+    assert warm.model.path == str(folder)
+    other = demo.load_demo_config(["--model.path", "tiny"])
+    assert demo.resolve_warm_start(other) is other
+    assert demo.resolve_model_name("tiny-warm") == str(folder)
+
+    served = []
+    monkeypatch.setattr("saccade.serving.server.main", lambda argv: served.append(argv) or 0)
+    assert cli.cmd_serve(["tiny-warm", "--port", "8000"]) == 0
+    assert served == [[str(folder), "--port", "8000"]]

@@ -18,9 +18,9 @@ def _write_json(path: str | None, result: dict) -> None:
 
 
 def _model_or_tiny(model: str | None) -> str:
-    from saccade.models.tiny import resolve_model
+    from saccade.demo import resolve_model_name
 
-    return resolve_model(model or "tiny")
+    return resolve_model_name(model or "tiny")
 
 
 def _print_parity(result: dict) -> None:
@@ -267,9 +267,14 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(argv: list[str]) -> int:
-    # vLLM parses its own arguments: everything after `serve` goes to it untouched.
+    # vLLM parses its own arguments: everything after `serve` goes to it untouched, but for the
+    # model, which a name like "tiny-warm" (built by training) turns into a folder here, before the server.
     from saccade.serving.server import main as serve_main
 
+    if argv and not argv[0].startswith("-"):
+        from saccade.demo import resolve_model_name
+
+        argv = [resolve_model_name(argv[0]), *argv[1:]]
     return serve_main(argv)
 
 
@@ -286,6 +291,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
     if args.dry_run:
         return 0
+    from saccade.demo import resolve_warm_start
     from saccade.distributed import close_world, exit_rank, init_world
     from saccade.rl import train_rl
     from saccade.setup import resolve_device
@@ -293,6 +299,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU); else one process.
     world = init_world(resolve_device(cfg.trainer.device), timeout_s=cfg.trainer.dist_timeout_s)
     try:
+        cfg = resolve_warm_start(cfg, world)
         result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world)
     finally:
         close_world(world)
@@ -307,9 +314,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
     if args.dry_run:
         return 0
+    from saccade.demo import resolve_warm_start
     from saccade.sft import train_sft
 
-    train_sft(cfg, run_dir=cfg.run_dir)
+    train_sft(resolve_warm_start(cfg), run_dir=cfg.run_dir)
     print(f"done; metrics in {cfg.run_dir / 'metrics.jsonl'}")
     return 0
 
@@ -318,9 +326,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
     if args.dry_run:
         return 0
+    from saccade.demo import resolve_warm_start
     from saccade.evaluation import format_eval, run_eval, write_samples
 
-    result = run_eval(cfg, checkpoint=args.checkpoint)
+    result = run_eval(resolve_warm_start(cfg), checkpoint=args.checkpoint)
     print(format_eval(result))
     rows = result.pop("rows")
     if args.samples:

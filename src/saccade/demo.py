@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from saccade.config import RunConfig, load_config
+from saccade.distributed import SINGLE, World, barrier
 
 # The bar the demo is held to (issue 3): learned with images, chance without.
 ACCURACY_AFTER_MIN = 0.9
@@ -70,6 +71,30 @@ def warm_model_path() -> Path:
     return build_once(cache_dir() / f"{WARM_PRESET}-{key}", lambda tmp: _build_warm_model(cfg, tmp))
 
 
+def resolve_warm_start(cfg: RunConfig, world: World = SINGLE) -> RunConfig:
+    """`cfg` with `model.path = "tiny-warm"` replaced by the warm start's folder (any other
+    model is left as it is). The warm start is built by training, so it is resolved here,
+    where a run starts, and handed down as a path: the library below never trains to find a
+    model (`saccade serve tiny-warm` would otherwise train inside the vLLM server). Under
+    torchrun rank 0 builds it while the others wait, then they read it from the cache."""
+    if cfg.model.path != WARM_PRESET:
+        return cfg
+    if not world.is_main:
+        barrier(world)
+    path = warm_model_path()
+    if world.is_main:
+        barrier(world)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
+
+
+def resolve_model_name(name: str) -> str:
+    """A model name as `saccade serve` and the benches take it: "tiny-warm" is the warm start's
+    folder (`resolve_warm_start`), a preset its built folder, anything else as it is."""
+    from saccade.models.tiny import resolve_model
+
+    return str(warm_model_path()) if name == WARM_PRESET else resolve_model(name)
+
+
 def _build_warm_model(cfg: RunConfig, out: Path) -> None:
     from saccade.setup import build_setup
     from saccade.sft import train_sft
@@ -108,7 +133,7 @@ def demo_engine(cfg: RunConfig, engine: str):
     if cfg.engine.urls:
         yield cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "vllm"})}), 0.0
         return
-    from saccade.bench.async_rollouts import split_cores
+    from saccade.timing import split_cores
     from saccade.models.tiny import resolve_model
     from saccade.serving.launch import CPU_ARGS, served
 

@@ -58,3 +58,12 @@ def breakdown(device: torch.device | str | None = None) -> Iterator[dict[str, fl
         yield parts
     finally:
         _parts, _device = None, None
+
+
+def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
+    """(the server's cores, the trainer's cores): halves, the server's first, so that a vLLM
+    server and the trainer beside it on one CPU machine do not take turns on the same cores."""
+    if len(cores) < 2:
+        raise ValueError("an engine beside the trainer needs at least 2 cores: one for the server, one for the trainer")
+    half = len(cores) // 2
+    return cores[:half], cores[half:]

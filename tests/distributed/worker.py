@@ -34,6 +34,7 @@ def main() -> None:
 
     import saccade.orchestrator.rollout as rollout
     from saccade.config import RunConfig, load_config
+    from saccade.demo import resolve_warm_start
     from saccade.distributed import close_world, exit_rank, init_world
     from saccade.rl import train_rl
 
@@ -41,6 +42,7 @@ def main() -> None:
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--model.path", "tiny-warm", "--trainer.torch_threads", "1", "--log.dir", args.run_dir, *overrides])
     world = init_world("cpu", timeout_s=cfg.trainer.dist_timeout_s)
+    cfg = resolve_warm_start(cfg, world)  # as `saccade rl` does
 
     steps: list = []
     score_groups = rollout.score_groups

@@ -14,6 +14,7 @@ from saccade.models.tiny import (
     build_config,
     build_tiny_qwen3vl,
     build_tokenizer,
+    resolve_model,
     tiny_model_path,
 )
 
@@ -250,3 +251,19 @@ def test_the_4b_preset_has_exactly_qwen3_vl_4bs_shapes():
     assert round(dims.params / 1e9, 2) == 4.44
     assert config["text_config"]["rope_parameters"]["mrope_section"] == [24, 20, 20]
     assert model_dims("qwen3vl-4b") == real and spec.weights_dtype == "bfloat16"
+
+
+# ----------------------------------------------------------------- model names
+
+
+def test_a_preset_name_resolves_to_its_folder_and_a_path_to_itself(tiny_path):
+    assert resolve_model("tiny") == str(tiny_model_path("tiny"))
+    assert resolve_model(str(tiny_path)) == str(tiny_path)
+    assert resolve_model("Qwen/Qwen3-VL-2B-Instruct") == "Qwen/Qwen3-VL-2B-Instruct"
+
+
+def test_the_warm_start_is_never_built_down_here():
+    """"tiny-warm" is built by training (SFT): resolving it from `models/` would train inside
+    whatever asked, a vLLM server included. It is refused with the place that resolves it."""
+    with pytest.raises(ValueError, match="resolve_warm_start"):
+        resolve_model("tiny-warm")

@@ -16,21 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from saccade.config import RunConfig, load_config
-
-
-def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
-    """(the server's cores, the trainer's cores): halves, the server's first."""
-    if len(cores) < 2:
-        raise ValueError("bench async needs at least 2 cores: one for the server, one for the trainer")
-    half = len(cores) // 2
-    return cores[:half], cores[half:]
+from saccade.timing import split_cores
 
 
 def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | None = None, *, levels=(0, 1),
                     url: str | None = None, out_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
     from saccade.evaluation import evaluate
     from saccade.metrics import read_metrics
-    from saccade.models.tiny import resolve_model
+    from saccade.demo import resolve_model_name
     from saccade.rl import train_rl
     from saccade.serving.launch import CPU_ARGS, served
     from saccade.setup import build_setup
@@ -38,7 +31,8 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
 
     out = Path(out_dir or tempfile.mkdtemp(prefix="saccade-bench-async-"))
     out.mkdir(parents=True, exist_ok=True)
-    base = load_config(RunConfig, config, ["--model.path", "tiny-warm", "--eval.every_steps", "0",
+    model = resolve_model_name("tiny-warm")  # a folder from here down
+    base = load_config(RunConfig, config, ["--model.path", model, "--eval.every_steps", "0",
                                            "--checkpoint.every_steps", "0", *(overrides or [])])
     server_cores, trainer_cores = split_cores(sorted(os.sched_getaffinity(0)))
     base = base.model_copy(update={"trainer": base.trainer.model_copy(update={"torch_threads": len(trainer_cores)})})
@@ -87,7 +81,7 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
             print(f"starting a vLLM server on cores {server_cores}; the trainer runs on {trainer_cores} ...", flush=True)
         args = (*CPU_ARGS, "--disable-uvicorn-access-log")
         # Every level's run (and its engine-weights folder, unless overridden) lives under `out`.
-        with served(resolve_model("tiny-warm"), args=args, log_path=out / "vllm-server.log", env=env,
+        with served(model, args=args, log_path=out / "vllm-server.log", env=env,
                     cores=server_cores, weights_root=base.engine.weights_dir or out) as url:
             runs = run_all(url)
     by_level = {r["max_async_level"]: r for r in runs}

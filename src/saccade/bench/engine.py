@@ -114,13 +114,13 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm, set_full_finetune
     from saccade.models.loading import load_processor, load_vision_tower
-    from saccade.models.tiny import resolve_model
+    from saccade.demo import resolve_model_name
     from saccade.models.vision import EmbeddingCache, VisionEncoder
     from saccade.serving.launch import CPU_ARGS, served
     from saccade.trainer.checkpoint import merge_full_weights_for_engine
 
     start = time.perf_counter()
-    path = resolve_model(model)
+    path = resolve_model_name(model)
     processor = load_processor(path)
     torch_dtype = getattr(torch, dtype)
     work = Path(tempfile.mkdtemp(prefix="saccade-engine-parity-"))
@@ -202,11 +202,11 @@ def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: i
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm
     from saccade.models.loading import load_full_model, load_processor, load_vision_tower
-    from saccade.models.tiny import resolve_model
+    from saccade.demo import resolve_model_name
     from saccade.models.vision import EmbeddingCache, VisionEncoder
     from saccade.serving.launch import served
 
-    path = resolve_model(model)
+    path = resolve_model_name(model)
     processor = load_processor(path)
     work = Path(tempfile.mkdtemp(prefix="saccade-rollout-bench-"))
     requests = shapes_requests(prompts)

@@ -54,15 +54,16 @@ def _fmt(value: float | None, spec: str = ".3g") -> str:
 def models(plan: Plan) -> dict[str, Any]:
     """Build (or find cached) every model the later stages load: random weights at the real
     shapes, built on this machine (a 2B folder is too large to carry), and the demo's warm start."""
-    from saccade.models.tiny import is_built, preset_folder, resolve_model
+    from saccade.demo import resolve_model_name
+    from saccade.models.tiny import is_built, preset_folder
 
     names = ["tiny", "tiny-warm"] if plan.quick else [BIG["2b"], BIG["4b"], "tiny", "tiny-warm"]
     out = {}
     for name in names:
-        # The warm start's folder is keyed by the demo config: found, or built, in resolve_model.
+        # The warm start's folder is keyed by the demo config: found, or built, in resolve_model_name.
         cached = None if name == "tiny-warm" else is_built(preset_folder(name))
         start = time.perf_counter()
-        path = Path(resolve_model(name))
+        path = Path(resolve_model_name(name))
         seconds = time.perf_counter() - start
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         out[name] = {"path": str(path), "seconds": seconds, "gb": size / 1e9, "was_cached": cached}

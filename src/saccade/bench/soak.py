@@ -119,6 +119,7 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     """Run `steps` RL steps of `config` from tiny-warm in this process and return `soak_figures`,
     with the process's descriptors and threads before the run and after it, and the plot."""
     from saccade.config import RunConfig, load_config
+    from saccade.demo import resolve_model_name
     from saccade.metrics import process_metrics, read_metrics
     from saccade.plot import plot_run
     from saccade.rl import train_rl
@@ -128,7 +129,7 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
                          f"use --steps {warmup + 2} or more, or a shorter --warmup")
     out = Path(out_dir or tempfile.mkdtemp(prefix="saccade-bench-soak-"))
     overrides = list(overrides or [])
-    defaults = ["--model.path", "tiny-warm", "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
+    defaults = ["--model.path", resolve_model_name("tiny-warm"), "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
                 "--trainer.steps", str(steps), "--log.dir", str(out / "run")]
     if not any(o.startswith("--images.cache_bytes") for o in overrides):
         defaults += ["--images.cache_bytes", str(SOAK_CACHE_BYTES)]

@@ -187,12 +187,13 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str) -> str:
-    """A preset name ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b") becomes its built folder, "tiny-warm" the
-    demo's warm start (`saccade.demo.warm_model_path`); anything else is returned as is."""
+    """A preset name ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b") becomes its built folder; anything
+    else is returned as is. "tiny-warm" is refused: it is built by training, which happens where a
+    run starts (`saccade.demo.resolve_warm_start`), never down here."""
     if model == "tiny-warm":
-        from saccade.demo import warm_model_path
-
-        return str(warm_model_path())
+        raise ValueError("model 'tiny-warm' (the demo's warm start) is built by training and is resolved where "
+                         "a run starts: run it through the saccade CLI, or call saccade.demo.resolve_warm_start "
+                         "(a config) or saccade.demo.resolve_model_name (a name) and pass the folder it returns")
     return str(tiny_model_path(model)) if model in PRESETS else model
 
 
