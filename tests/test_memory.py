@@ -57,6 +57,14 @@ def test_dims_from_config_json(tiny_path, tiny_dims):
         model_dims("someone/Not-A-Known-Model")
 
 
+def test_the_warm_start_has_the_tiny_models_dimensions(tiny_dims):
+    """`saccade memory --model.path tiny-warm` sizes the tiny model without building the warm start
+    (that trains)."""
+    from dataclasses import replace
+
+    assert model_dims("tiny-warm") == replace(tiny_dims, name="tiny-warm")
+
+
 def saved_activation_bytes(tiny_path, dtype, lora: bool, n_tokens: int, n_image_tokens: int = 0,
                            with_loss: bool = False, checkpointing: bool = False):
     """Bytes of every tensor autograd saves for backward in the trainer's forward (the model's

@@ -226,7 +226,7 @@ def dims_from_hf_config(config: dict, name: str = "model") -> ModelDims:
 
 def model_dims(model: str | os.PathLike) -> ModelDims:
     """The dimensions of `model`: a Qwen3-VL hub id above, a local folder's config.json, or the
-    built-in 'tiny'/'small' presets (built offline on first use; that imports torch)."""
+    built-in 'tiny'/'small' presets (built offline on first use; that imports torch) and 'tiny-warm'."""
     name = str(model)
     if name in QWEN3_VL:
         return QWEN3_VL[name]
@@ -234,10 +234,11 @@ def model_dims(model: str | os.PathLike) -> ModelDims:
         return QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
     if name == "qwen3vl-4b":  # and at 4B's (tests/models/test_tiny.py checks)
         return QWEN3_VL["Qwen/Qwen3-VL-4B-Instruct"]
-    if name in ("tiny", "small"):
+    if name in ("tiny", "small", "tiny-warm"):  # the warm start is the tiny model after SFT: its shapes
         from saccade.models.tiny import tiny_model_path
 
-        return dims_from_hf_config(json.loads((tiny_model_path(name) / "config.json").read_text()), name)
+        preset = "tiny" if name == "tiny-warm" else name
+        return dims_from_hf_config(json.loads((tiny_model_path(preset) / "config.json").read_text()), name)
     path = Path(model) / "config.json"
     if path.is_file():
         return dims_from_hf_config(json.loads(path.read_text()), name)
