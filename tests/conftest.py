@@ -69,8 +69,8 @@ def policy(tiny_path):
 SHORT_RUN = [
     "--trainer.steps", "4", "--trainer.seed", "3",
     "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.filter_zero_variance", "false",
-    "--engine.max_tokens", "4", "--loss.max_completion_tokens", "4",
-    "--data.eval_size", "4", "--eval.every_steps", "2",
+    "--sampling.max_tokens", "4", "--loss.max_completion_tokens", "4",
+    "--eval.prompts", "4", "--eval.every_steps", "2",
     "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "2",
     "--log.samples_every", "1", "--log.samples_prompts", "2", "--log.tensorboard", "true",
 ]

@@ -52,9 +52,9 @@ def test_dry_run_refuses_bad_reward_and_task_names_without_torch(tmp_path):
     for override, message in [
         (["--rollout.reward_weights", '{"my_rewards:brevty": 1}'], "'my_rewards' has no attribute 'brevty'; "
                                                                   "it has brevity"),
-        (["--data.task", "my_rewards:make_task"], "--data.task: 'my_rewards:make_task': 'my_rewards' has no "
-                                                   "attribute 'make_task'"),
-        (["--data.task", "verifiers:no-such-env"], "no module 'no_such_env'"),
+        (["--task.kind", "plugin", "--task.make_task", "my_rewards:make_task"],
+         "task.make_task: 'my_rewards:make_task': 'my_rewards' has no attribute 'make_task'"),
+        (["--task.kind", "verifiers", "--task.env_id", "no-such-env"], "no module 'no_such_env'"),
     ]:
         bad = dry_run(*override)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr

@@ -6,6 +6,8 @@ import argparse
 import subprocess
 import sys
 import textwrap
+import typing
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ from saccade.config import (
     ImagesConfig,
     LoraConfig,
     LossConfig,
+    TASK_CONFIGS,
+    LegacyConfigWarning,
     RunConfig,
     Section,
     add_config_arguments,
@@ -89,11 +93,11 @@ def test_shipped_configs_load(path):
         assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
         assert (cfg.model.dtype, cfg.model.attn_implementation) == ("bfloat16", "auto")
         assert cfg.lora.enabled and cfg.engine.kind == "vllm" and len(cfg.engine.urls) == 1
-        assert cfg.rollout.group_size == 8 and cfg.engine.max_tokens == 1024
+        assert cfg.rollout.group_size == 8 and cfg.sampling.max_tokens == 1024
         assert cfg.images.max_pixels == 1003520
     else:
         assert cfg.model.path == "tiny" and cfg.engine.kind == "embedded"
-        assert cfg.model.dtype == "float32" and cfg.data.task == "shapes"
+        assert cfg.model.dtype == "float32" and cfg.task.kind == "shapes"
 
 
 # --- overrides -------------------------------------------------------------------------------
@@ -108,35 +112,35 @@ def test_overrides_of_each_type(tmp_path):
             "--trainer.lr", "1e-5",  # float, over the file's value
             "--trainer.steps=12",  # int, --a.b=c form
             "--lora.enabled", "false",  # bool
-            "--data.blank_images=true",
+            "--task.blank_images=true",
             "--lora.target_modules", '["q_proj","v_proj"]',  # list as JSON
             "--model.path", "Qwen/Qwen3-VL-2B-Instruct",  # plain string
             "--log.name", "123",  # a string field keeps the text, not the number
-            "--engine.top_p", "0.9",
+            "--sampling.top_p", "0.9",
             "--loss.tis_cap", "2",  # int into float | None
             "--rollout.reward_weights.format", "0.5",  # one key of a dict field
-            "--data.question_kinds=[\"color\", \"shape\"]",
+            "--task.question_kinds=[\"color\", \"shape\"]",
         ],
     )  # fmt: skip
     assert cfg.trainer.lr == 1e-5 and isinstance(cfg.trainer.lr, float)
     assert cfg.trainer.steps == 12 and isinstance(cfg.trainer.steps, int)
     assert cfg.lora.enabled is False and cfg.lora.full_finetune
-    assert cfg.data.blank_images is True
+    assert cfg.task.blank_images is True
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
     assert cfg.log.name == "123"
-    assert cfg.engine.top_p == 0.9
+    assert cfg.sampling.top_p == 0.9
     assert cfg.loss.tis_cap == 2.0
     assert cfg.rollout.reward_weights == {"correct": 1.0, "format": 0.5}
-    assert cfg.data.question_kinds == ["color", "shape"]
+    assert cfg.task.question_kinds == ["color", "shape"]
 
 
 def test_override_null_and_whole_dict(tmp_path):
-    path = write(tmp_path, '[loss]\ntis_cap = 2.0\n[data]\ndataset = "some/dataset"\n')
+    path = write(tmp_path, '[loss]\ntis_cap = 2.0\n[task]\nkind = "mathvista"\ndataset = "some/dataset"\n')
     cfg = load_config(
-        RunConfig, path, ["--loss.tis_cap", "null", "--data.dataset=null", "--rollout.reward_weights", '{"format": 2}']
+        RunConfig, path, ["--loss.tis_cap", "null", "--task.dataset=null", "--rollout.reward_weights", '{"format": 2}']
     )
-    assert cfg.loss.tis_cap is None and cfg.data.dataset is None
+    assert cfg.loss.tis_cap is None and cfg.task.dataset is None
     assert cfg.rollout.reward_weights == {"format": 2.0}
 
 
@@ -150,14 +154,14 @@ def test_negative_number_is_a_value_not_an_option():
 def test_split_overrides_and_argparse_pattern():
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    argv = ["configs/demo.toml", "--trainer.lr", "1e-5", "--dry-run", "--lora.rank=4", "--engine.top_p", "0.5"]
+    argv = ["configs/demo.toml", "--trainer.lr", "1e-5", "--dry-run", "--lora.rank=4", "--sampling.top_p", "0.5"]
     known, overrides = split_overrides(argv)
     assert known == ["configs/demo.toml", "--dry-run"]
-    assert overrides == ["--trainer.lr", "1e-5", "--lora.rank=4", "--engine.top_p", "0.5"]
+    assert overrides == ["--trainer.lr", "1e-5", "--lora.rank=4", "--sampling.top_p", "0.5"]
     args = parser.parse_args(known)
     assert args.config == "configs/demo.toml" and args.dry_run
     cfg = load_config(RunConfig, ROOT / args.config, overrides)
-    assert (cfg.trainer.lr, cfg.lora.rank, cfg.engine.top_p) == (1e-5, 4, 0.5)
+    assert (cfg.trainer.lr, cfg.lora.rank, cfg.sampling.top_p) == (1e-5, 4, 0.5)
     args = parser.parse_args(split_overrides(["--trainer.lr", "1e-5"])[0])
     assert args.config is None and not args.dry_run
 
@@ -202,8 +206,8 @@ def test_out_of_bounds_names_the_override_and_path(tmp_path):
 
 
 def test_several_errors_are_all_reported(tmp_path):
-    msg = error(None, ["--trainer.lr", "0", "--data.num_choices", "9"])
-    assert "2 errors" in msg and "--trainer.lr" in msg and "--data.num_choices" in msg
+    msg = error(None, ["--trainer.lr", "0", "--task.num_choices", "9"])
+    assert "2 errors" in msg and "--trainer.lr" in msg and "--task.num_choices" in msg
 
 
 def test_min_pixels_above_max_pixels_refused(tmp_path):
@@ -224,9 +228,9 @@ def test_vllm_needs_a_url():
 
 
 def test_shapes_question_kinds_checked():
-    msg = error(None, ["--data.question_kinds", '["colour"]'])
-    assert "--data.question_kinds" in msg and "colour" in msg and "count" in msg
-    assert "repeat" in error(None, ["--data.question_kinds", '["color","color"]'])
+    msg = error(None, ["--task.question_kinds", '["colour"]'])
+    assert "--task.question_kinds" in msg and "colour" in msg and "count" in msg
+    assert "repeat" in error(None, ["--task.question_kinds", '["color","color"]'])
     from saccade.config import SHAPES_QUESTION_KINDS
     from saccade.data.shapes import KINDS
 
@@ -234,11 +238,12 @@ def test_shapes_question_kinds_checked():
 
 
 def test_views_colors_checked():
-    assert "purpel" in error(None, ["--env.colors", '["red","green","purpel"]'])
-    assert "repeat" in error(None, ["--env.colors", '["red","green","red"]'])
-    msg = error(None, ["--data.task", "views", "--data.num_choices", "4", "--env.colors", '["red","green","blue"]'])
-    assert "num_choices" in msg and "env.colors" in msg
-    assert "distractors" in error(None, ["--env.distractors", "3", "--env.colors", '["red","green","blue"]'])
+    assert "purpel" in error(None, ["--task.kind", "views", "--task.colors", '["red","green","purpel"]'])
+    assert "repeat" in error(None, ["--task.kind", "views", "--task.colors", '["red","green","red"]'])
+    msg = error(None, ["--task.kind", "views", "--task.num_choices", "4", "--task.colors", '["red","green","blue"]'])
+    assert "num_choices" in msg and "at least as many colors" in msg
+    assert "distractors" in error(None, ["--task.kind", "views", "--task.distractors", "3", "--task.num_choices", "3",
+                                         "--task.colors", '["red","green","blue"]'])
     from saccade.config import VIEW_COLORS
     from saccade.data.shapes import COLORS
 
@@ -262,7 +267,7 @@ def test_config_to_toml_round_trip(tmp_path):
         [
             "--trainer.lr=1.5e-5",
             "--loss.tis_cap=2.5",
-            "--data.dataset", 'some/ds "quoted" \\ ü',
+            "--task.kind", "dataset", "--task.dataset", 'some/ds "quoted" \\ ü',
             "--rollout.reward_weights", '{"correct": 1, "saccade.rewards:format_reward": 0.1}',
             "--engine.kind=vllm", "--engine.urls", '["http://a:1", "http://b:2"]',
             "--trainer.torch_threads=2",
@@ -292,11 +297,12 @@ def test_every_field_has_a_description_and_every_section_a_docstring():
         assert cls.model_config.get("extra") == "forbid" and cls.model_config.get("validate_assignment")
         for name, info in cls.model_fields.items():
             assert info.description, f"{cls.__name__}.{name} has no description"
-            sub = info.annotation
-            if isinstance(sub, type) and issubclass(sub, Section):
-                walk(sub)
+            for sub in typing.get_args(info.annotation) or (info.annotation,):
+                if isinstance(sub, type) and issubclass(sub, Section):
+                    walk(sub)
 
     walk(RunConfig)
+    assert len(typing.get_args(RunConfig.model_fields["task"].annotation)) == len(TASK_CONFIGS)
 
 
 def test_the_runtime_code_takes_the_sections_themselves():
@@ -314,8 +320,10 @@ def test_the_runtime_code_takes_the_sections_themselves():
         assert not twins, f"{module.__name__} still defines {twins}"
 
 
-def test_import_does_not_import_torch():
-    code = "import saccade.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
+def test_import_does_not_import_torch_nor_user_code():
+    code = ("import saccade.config, sys; assert 'torch' not in sys.modules, 'torch imported'; "
+            "above = sorted(m for m in sys.modules if m.startswith('saccade.') and m.split('.')[1] not in "
+            "('config', 'plugins', 'installed')); assert not above, above")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
@@ -348,3 +356,112 @@ def test_a_kernel_that_cannot_be_imported_is_refused_when_the_config_loads(tmp_p
         pytest.skip("flash-attn is installed here")
     with pytest.raises(ValueError, match="flash-attn package.*Use 'auto'"):
         load_config(RunConfig, None, ["--model.attn_implementation", "flash_attention_2"])
+
+
+# --- the [task] union ------------------------------------------------------------------------
+
+
+def test_a_task_kind_holds_its_own_fields():
+    cfg = load_config(RunConfig, None, ["--task.kind", "scenes", "--task.render_size", "64", "--task.max_turns", "4"])
+    assert (cfg.task.kind, cfg.task.render_size, cfg.task.max_turns) == ("scenes", 64, 4)
+    msg = error(None, ["--task.kind", "views", "--task.render_size", "64"])  # a scenes field
+    assert "unknown key 'task.render_size'" in msg and "task kind 'views'" in msg and "places" in msg
+    assert "did you mean 'mathvista'" in error(None, ["--task.kind", "mathvist"])
+    # A table without a kind is the default task's; a dataset needs its path.
+    assert load_config(RunConfig, None, ["--task.num_choices", "3"]).task.num_choices == 3
+    assert error(None, ["--task.kind", "dataset"]) == "--task.kind: task.dataset: field required"
+
+
+def test_another_kind_on_the_command_line_starts_a_fresh_task_table():
+    cfg = load_config(RunConfig, ROOT / "configs" / "views.toml", ["--task.kind", "scenes", "--task.start_turn", "90"])
+    assert cfg.task.kind == "scenes" and cfg.task.start_turn == 90
+    assert cfg.task.num_choices == 4 and cfg.task.max_turns == 3  # the scenes defaults, not views.toml's 3 and 2
+    same = load_config(RunConfig, ROOT / "configs" / "views.toml", ["--task.kind", "views"])
+    assert same.task.max_turns == 2  # the same kind keeps the file's fields
+
+
+def test_the_cache_budget_and_sampling_have_their_own_sections():
+    cfg = load_config(RunConfig, None, ["--image_cache.budget_bytes", "1000", "--sampling.temperature", "0.7"])
+    assert cfg.image_cache.budget_bytes == 1000 and cfg.sampling.temperature == 0.7
+    assert "cache" not in "".join(type(cfg.images).model_fields)
+    assert not {"temperature", "top_p", "top_k", "min_p", "max_tokens"} & set(type(cfg.engine).model_fields)
+    assert "greater than 0" in error(None, ["--image_cache.budget_bytes", "0"])
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("--data.task", "task.kind"), ("--data.num_choices", "task.num_choices"), ("--env.max_turns", "task.max_turns"),
+    ("--engine.temperature", "sampling.temperature"), ("--images.cache_bytes", "image_cache.budget_bytes"),
+    ("--data.eval_size", "eval.prompts"),
+])
+def test_an_old_key_on_the_command_line_is_refused_with_its_new_name(old, new):
+    assert error(None, [old, "1"]).startswith(f"{old}: {old[2:]} is now {new}")
+
+
+OLD_VIEWS = """
+[engine]
+kind = "embedded"
+temperature = 0.9
+max_tokens = 8
+
+[images]
+max_pixels = 65536
+cache_bytes = 2000000
+
+[data]
+task = "views"
+eval_size = 12
+num_choices = 3
+image_size = 64          # the shapes' image: views do not read it, and it is the old default
+blank_images = false
+
+[env]
+max_turns = 2
+places = ["left", "right"]
+colors = ["red", "green", "blue"]
+image_size = 48          # the views' render
+loss_on = "assistant"
+"""
+
+
+def test_an_old_file_loads_with_its_keys_mapped_and_says_so(tmp_path):
+    path = write(tmp_path, OLD_VIEWS)
+    with pytest.warns(LegacyConfigWarning, match="data.task -> task.kind = 'views'.*--dry-run"):
+        cfg = load_config(RunConfig, path, ["--task.max_turns", "3"])  # a new-key override still wins
+    assert (cfg.sampling.temperature, cfg.sampling.max_tokens, cfg.image_cache.budget_bytes) == (0.9, 8, 2000000)
+    assert cfg.eval.prompts == 12 and cfg.env.loss_on == "assistant"
+    assert cfg.task.kind == "views" and cfg.task.image_size == 48 and cfg.task.places == ["left", "right"]
+    assert (cfg.task.num_choices, cfg.task.max_turns) == (3, 3)
+    written = tmp_path / "new.toml"
+    written.write_text(describe(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(RunConfig, written, ["--task.max_turns", "3"]) == cfg  # --dry-run writes the new keys
+
+
+def test_an_old_file_names_what_its_task_does_not_read(tmp_path):
+    path = write(tmp_path, '[data]\ntask = "shapes"\n[env]\nplaces = ["left"]\nmax_turns = 3\n')
+    with pytest.warns(LegacyConfigWarning, match="dropped, as task kind 'shapes' does not read them: env.places"):
+        assert load_config(RunConfig, path).task.kind == "shapes"  # env.max_turns: the old default, dropped quietly
+    path = write(tmp_path, '[data]\ntask = "verifiers:my-env"\ntask_args = { n = 2 }\n[env]\ncorrect_metric = "ok"\n')
+    with pytest.warns(LegacyConfigWarning):
+        task = load_config(RunConfig, path).task
+    assert (task.kind, task.env_id, task.env_args, task.correct_metric) == ("verifiers", "my-env", {"n": 2}, "ok")
+    path = write(tmp_path, '[data]\ntask = "shapes"\ntask_args = { n = 2 }\n')
+    with pytest.raises(ConfigError, match="data.task_args: task kind 'shapes' reads no arguments"):
+        load_config(RunConfig, path)
+
+
+def test_shipped_configs_use_todays_keys():
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LegacyConfigWarning)
+            load_config(RunConfig, path)
+
+
+def test_the_data_set_kinds_agree_with_the_row_code():
+    from saccade.config import DATASET_CONFIGS
+    from saccade.data.rows import DATASET_TASKS
+
+    kinds = [k for cls in DATASET_CONFIGS for k in typing.get_args(cls.model_fields["kind"].annotation)]
+    assert sorted(kinds) == sorted(DATASET_TASKS)
+

@@ -7,13 +7,16 @@ from __future__ import annotations
 import re
 import shlex
 import tomllib
+import typing
+import warnings
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 import saccade
 from saccade.cli import build_parser, main
-from saccade.config import RunConfig, load_config, split_overrides
+from saccade.config import LegacyConfigWarning, RunConfig, load_config, split_overrides
 from saccade.memory import estimate_run, header_lines
 
 CONFIGS = Path(saccade.__file__).parent / "configs"
@@ -87,9 +90,9 @@ def test_header_commands_agree_with_the_body(path):
     header = header_of(path)
     size = re.match(r"qwen3vl-(\d+b)-", path.name).group(1)
     assert cfg.model.path == f"Qwen/Qwen3-VL-{size.upper()}-Instruct"
-    assert raw["data"]["task"] == "openmmreasoner"
+    assert raw["task"]["kind"] == "openmmreasoner"
     assert cfg.engine.kind == "vllm" and cfg.engine.sync_lora_adapter and cfg.lora.enabled
-    assert cfg.loss.max_completion_tokens == cfg.engine.max_tokens
+    assert cfg.loss.max_completion_tokens == cfg.sampling.max_tokens
     assert cfg.engine.max_concurrency >= cfg.rollout.prompts_per_step
     # one server on port 8000 next to the trainer, or seven on 8001-8007 beside it
     ports = [int(u.rsplit(":", 1)[1]) for u in cfg.engine.urls]
@@ -101,7 +104,7 @@ def test_header_commands_agree_with_the_body(path):
     util = float(re.search(r"--gpu-memory-utilization ([0-9.]+)", serve).group(1))
     reproduce = re.search(r"#   reproduce: (saccade memory .+)", header).group(1)
     assert f"--gpu-memory-utilization {util:.2f}" in reproduce
-    assert int(re.search(r"--max-model-len (\d+)", serve).group(1)) >= cfg.engine.max_tokens + cfg.images.max_pixels // 1024
+    assert int(re.search(r"--max-model-len (\d+)", serve).group(1)) >= cfg.sampling.max_tokens + cfg.images.max_pixels // 1024
     assert f"saccade rl configs/{path.name}" in header
 
 
@@ -133,3 +136,43 @@ def test_memory_command(capsys):
     assert "activations" in out and "KV cache" in out and "fits" in out
     assert main(["memory", *args, "--trainer.max_tokens", "8192"]) == 1  # does not fit: exit 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+DOCS = [Path(saccade.__file__).parents[2] / "README.md", *sorted((Path(saccade.__file__).parents[2] / "docs").glob("*.md"))]
+
+
+def config_keys() -> set[str]:
+    """Every dotted key a run config may have, any task kind's."""
+    keys = set()
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            keys.add(prefix + name)
+            for sub in typing.get_args(info.annotation) or (info.annotation,):
+                if isinstance(sub, type) and issubclass(sub, BaseModel):
+                    walk(sub, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    return keys
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_documented_configs_and_overrides_use_todays_keys(doc, tmp_path):
+    """Every TOML example in the README and docs loads without an old key, and every
+    --section.key override they show names a key there is."""
+    if not doc.exists():
+        pytest.skip(f"{doc.name} is not shipped with the package")
+    text = doc.read_text()
+    for block in re.findall(r"```toml\n(.*?)```", text, re.S):
+        if not set(re.findall(r"^\[(\w+)", block, re.M)) <= set(RunConfig.model_fields):
+            continue  # not a run config (pyproject and the like)
+        path = tmp_path / "example.toml"
+        path.write_text(block)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LegacyConfigWarning)
+            load_config(RunConfig, path)
+    keys = config_keys()
+    sections = "|".join(RunConfig.model_fields)
+    for key in re.findall(rf"--((?:{sections})\.[a-z_.]+[a-z_])", text):
+        assert key in keys or key.startswith("rollout.reward_weights."), f"{doc.name}: --{key} is no config key"
+

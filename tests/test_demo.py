@@ -14,8 +14,8 @@ FAST = [
     "--sft.steps", "2", "--sft.batch_size", "4",
     "--trainer.steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
     "--rollout.filter_zero_variance", "false",
-    "--engine.max_tokens", "3", "--loss.max_completion_tokens", "3",
-    "--data.eval_size", "3", "--eval.every_steps", "1",
+    "--sampling.max_tokens", "3", "--loss.max_completion_tokens", "3",
+    "--eval.prompts", "3", "--eval.every_steps", "1",
 ]
 
 
@@ -28,7 +28,7 @@ def passing(**changes):
 def test_the_demo_config_ships_inside_the_package():
     assert demo_config_path().is_file()
     cfg = load_demo_config(["--trainer.steps", "3"])
-    assert cfg.trainer.steps == 3 and cfg.model.path == "tiny" and not cfg.data.blank_images
+    assert cfg.trainer.steps == 3 and cfg.model.path == "tiny" and not cfg.task.blank_images
 
 
 def test_verdict_passes_a_demo_that_met_the_bar():

@@ -1,5 +1,5 @@
 """`saccade demo scenes`: its config ships and validates, and a 2-step RL run with
-data.task = "scenes" runs on the embedded engine (episodes, consistency check, metrics)."""
+task.kind = "scenes" runs on the embedded engine (episodes, consistency check, metrics)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from saccade.metrics import read_metrics
 
 FAST = [
     "--trainer.steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-    "--rollout.filter_zero_variance", "false", "--data.eval_size", "2", "--eval.every_steps", "2",
+    "--rollout.filter_zero_variance", "false", "--eval.prompts", "2", "--eval.every_steps", "2",
     "--trainer.torch_threads", "1",
 ]
 
 
 def test_the_scenes_config_ships_inside_the_package():
-    cfg = load_scenes_config(["--env.max_turns", "3"])
-    assert cfg.data.task == "scenes" and cfg.env.max_turns == 3 and cfg.env.start_turn == 180
-    assert cfg.env.render_size == 64 and not cfg.env.describe_actions
+    cfg = load_scenes_config(["--task.max_turns", "3"])
+    assert cfg.task.kind == "scenes" and cfg.task.max_turns == 3 and cfg.task.start_turn == 180
+    assert cfg.task.render_size == 64 and not cfg.task.describe_actions
 
 
 def test_scenes_verdict():

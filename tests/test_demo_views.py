@@ -14,13 +14,13 @@ FAST = [
     "--sft.steps", "2", "--sft.batch_size", "4",
     "--trainer.steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
     "--rollout.filter_zero_variance", "false",
-    "--data.eval_size", "4", "--eval.every_steps", "1",
+    "--eval.prompts", "4", "--eval.every_steps", "1",
 ]
 
 
 def test_the_views_config_ships_inside_the_package():
-    cfg = load_views_config(["--env.max_turns", "3"])
-    assert cfg.data.task == "views" and cfg.env.max_turns == 3 and cfg.env.require_seen
+    cfg = load_views_config(["--task.max_turns", "3"])
+    assert cfg.task.kind == "views" and cfg.task.max_turns == 3 and cfg.task.require_seen
 
 
 def test_views_verdict():

@@ -51,8 +51,8 @@ def test_by_category_groups_greedy_correctness():
 FAST = [
     "--trainer.steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
     "--rollout.filter_zero_variance", "false", "--trainer.lr", "5e-2",
-    "--engine.max_tokens", "3", "--loss.max_completion_tokens", "3",
-    "--data.eval_size", "6", "--data.question_kinds", '["color", "count"]', "--eval.every_steps", "0",
+    "--sampling.max_tokens", "3", "--loss.max_completion_tokens", "3",
+    "--eval.prompts", "6", "--task.question_kinds", '["color", "count"]', "--eval.every_steps", "0",
     "--eval.samples_k", "4",
 ]
 
@@ -75,7 +75,7 @@ def test_eval_of_the_saved_checkpoint_equals_the_trained_model(tmp_path):
 
     # Rewards that vary within each group (a hash of the text): the weights move.
     trained = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)["setup"]
-    in_memory = evaluate(trained, task, held_out, max_tokens=cfg.engine.max_tokens)
+    in_memory = evaluate(trained, task, held_out, max_tokens=cfg.sampling.max_tokens)
     greedy_texts = [g[0].text for g in trained.engine.generate(
         [rl_request(s) for s in held_out], greedy_params(cfg))]
 
@@ -107,7 +107,7 @@ def rl_request(sample):
 def greedy_params(cfg):
     from saccade.inference.engine import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=cfg.engine.max_tokens, n=1)
+    return SamplingParams(temperature=0.0, max_tokens=cfg.sampling.max_tokens, n=1)
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ def test_eval_command_prints_a_table_and_writes_json_and_samples(tmp_path):
     out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "saccade.cli", "eval", "configs/demo.toml", "--log.dir", str(tmp_path / "none"),
-         "--data.eval_size", "3", "--engine.max_tokens", "3", "--json", str(out), "--samples", str(samples)],
+         "--eval.prompts", "3", "--sampling.max_tokens", "3", "--json", str(out), "--samples", str(samples)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -185,10 +185,10 @@ def test_run_eval_on_the_other_data_sets(task, tmp_path):
     from saccade.evaluation import CATEGORY_FIELDS, run_eval
 
     paths = fixtures().write_all(tmp_path / "data")
-    extra = ["--data.eval_subsets", '["mmk12", "virl39k"]', "--data.eval_split", "train"] if task == "openmmreasoner" else []
+    extra = ["--task.eval_subsets", '["mmk12", "virl39k"]', "--task.eval_split", "train"] if task == "openmmreasoner" else []
     cfg = load_config(RunConfig, "configs/demo.toml", [
-        "--data.task", task, "--data.dataset", str(paths[task]), "--data.eval_size", "5", "--eval.samples_k", "2",
-        "--engine.max_tokens", "6", "--log.dir", str(tmp_path / "run"), *extra])
+        "--task.kind", task, "--task.dataset", str(paths[task]), "--eval.prompts", "5", "--eval.samples_k", "2",
+        "--sampling.max_tokens", "6", "--log.dir", str(tmp_path / "run"), *extra])
     result = run_eval(cfg)
     rows = result["rows"]
     # Geometry3K's test split holds 3 rows: eval_size caps, it does not pad.

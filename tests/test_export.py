@@ -25,9 +25,9 @@ FAST = [
     "--rollout.prompts_per_step", "2",
     "--rollout.group_size", "4",
     "--rollout.filter_zero_variance", "false",
-    "--engine.max_tokens", "4",
+    "--sampling.max_tokens", "4",
     "--loss.max_completion_tokens", "4",
-    "--data.eval_size", "4",
+    "--eval.prompts", "4",
     "--eval.every_steps", "0",
     "--checkpoint.every_steps", "0",
 ]

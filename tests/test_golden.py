@@ -51,9 +51,9 @@ COMMON = [
     "--rollout.prompts_per_step", "3",
     "--rollout.group_size", "4",
     "--rollout.filter_zero_variance", "false",
-    "--engine.max_tokens", "6",
+    "--sampling.max_tokens", "6",
     "--loss.max_completion_tokens", "6",
-    "--data.eval_size", "4",
+    "--eval.prompts", "4",
     "--eval.every_steps", "2",
     "--checkpoint.every_steps", "0",
 ]
@@ -66,7 +66,7 @@ RUNS = {
         "--loss.entropy_coef", "0.01", "--loss.normalization", "sequence", "--trainer.lr", "2e-3",
     ]),
     "episodes": ("configs/views.toml", [
-        "--trainer.steps", "2", "--rollout.prompts_per_step", "2", "--env.max_turns", "3",
+        "--trainer.steps", "2", "--rollout.prompts_per_step", "2", "--task.max_turns", "3",
         "--loss.max_completion_tokens", "18", "--trainer.max_tokens", "512",
     ]),
 }

@@ -17,10 +17,10 @@ FAST = [
     "--rollout.prompts_per_step", "2",
     "--rollout.group_size", "4",
     "--rollout.filter_zero_variance", "false",
-    "--engine.max_tokens", "4",
+    "--sampling.max_tokens", "4",
     "--loss.max_completion_tokens", "4",
     "--lora.rank", "4",
-    "--data.eval_size", "4",
+    "--eval.prompts", "4",
     "--eval.every_steps", "2",
     "--checkpoint.every_steps", "2",
     "--checkpoint.keep_last", "3",
@@ -146,7 +146,7 @@ def test_a_run_with_no_signal_left_says_so(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_cache_smaller_than_one_steps_images_trains_the_same(tmp_path):
-    """`--images.cache_bytes 200000` on the demo config: one step's 32 images (8 KB each) do not
+    """`--image_cache.budget_bytes 200000` on the demo config: one step's 32 images (8 KB each) do not
     fit, yet every image stays until its train step ends, and the losses equal the unbounded
     run's; the cache evicts between steps."""
     common = ["--trainer.steps", "3", "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
@@ -158,7 +158,7 @@ def test_a_cache_smaller_than_one_steps_images_trains_the_same(tmp_path):
         return [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
 
     unbounded = run("unbounded")
-    small = run("small", "--images.cache_bytes", "200000")
+    small = run("small", "--image_cache.budget_bytes", "200000")
     assert all("loss" in r for r in unbounded)
     # Within fp32 noise (a wrong or missing embedding moves them by 1e-3 and more). Not bit for
     # bit: with shared prompts a 7e-9 difference (1.4e-6 of a loss of 0.005, a sum of terms that
@@ -249,10 +249,10 @@ def test_lag_metrics_are_a_histogram_with_fixed_keys():
 
 @pytest.mark.slow
 def test_truncated_sampling_trains_on_policy(tmp_path):
-    """engine.top_k, top_p and min_p reach the engine, the trainer and the KL reference: the
+    """sampling.top_k, top_p and min_p reach the engine, the trainer and the KL reference: the
     logged engine/trainer mismatch stays float noise, as without truncation."""
-    cfg = _config(tmp_path, "truncated", "--engine.top_k", "6", "--engine.top_p", "0.9", "--engine.min_p", "0.05",
-                  "--engine.temperature", "0.8", "--lora.enabled", "true", "--loss.kl_coef", "0.01",
+    cfg = _config(tmp_path, "truncated", "--sampling.top_k", "6", "--sampling.top_p", "0.9", "--sampling.min_p", "0.05",
+                  "--sampling.temperature", "0.8", "--lora.enabled", "true", "--loss.kl_coef", "0.01",
                   "--trainer.steps", "2", "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
     train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]

@@ -72,7 +72,7 @@ def test_a_multi_turn_record_holds_every_image_of_each_episode(short_rl_run, tmp
     setup, task = result["setup"], HashEpisodesTask()
     task.max_turns = 2  # the opening's image, then one or two new ones: enough to see them all kept
     prompts = [task.train_sample(0, seed=0)]
-    batch = rollout_step(setup.engine, task, prompts, sampling=SamplingParams(max_tokens=cfg.engine.max_tokens),
+    batch = rollout_step(setup.engine, task, prompts, sampling=SamplingParams(max_tokens=cfg.sampling.max_tokens),
                          rollout=cfg.rollout.model_copy(update={"group_size": 2}), env=cfg.env, merge=setup.merge,
                          continuation=setup.continuation, tokenizer=setup.processor.tokenizer)
     (rec,) = step_samples(7, prompts, batch.groups, batch.groups, count=2, folder=tmp_path / SAMPLES_DIR, side=32)

@@ -10,9 +10,10 @@ import textwrap
 
 import pytest
 
-from saccade.config import ConfigError, RunConfig, load_config
+from saccade.config import RunConfig, load_config
 from saccade.data.shapes import VQASample
 from saccade.scoring import Rewards, metric_name
+from saccade.tasks import check_user_code
 
 USER_MODULE = '''
 import asyncio
@@ -178,8 +179,9 @@ def test_metric_names():
 # --- refused when the config loads ----------------------------------------------------------
 
 
-def _load(*overrides):
-    return load_config(RunConfig, None, list(overrides))
+def _check(*overrides):
+    """Load the config and resolve its reward functions, as the entry points do before a run."""
+    check_user_code(load_config(RunConfig, None, list(overrides)))
 
 
 @pytest.mark.parametrize(("weights", "message"), [
@@ -191,19 +193,19 @@ def _load(*overrides):
     ('{"user_rewards:takes_nothing": 1}', "'user_rewards:takes_nothing' takes no completion argument"),
     ('{"correct": 1, "format": 1, "os:sep": 1}', "'os:sep' is a str"),
 ])
-def test_bad_reward_names_are_refused_at_load(user, weights, message):
-    with pytest.raises(ConfigError, match=f"^--rollout.reward_weights: {message}"):
-        _load("--rollout.reward_weights", weights)
+def test_bad_reward_names_are_refused_before_the_run(user, weights, message):
+    with pytest.raises(ValueError, match=f"^rollout.reward_weights: {message}"):
+        _check("--rollout.reward_weights", weights)
 
 
 def test_two_functions_of_one_name_are_refused(user, tmp_path):
     (tmp_path / "other_rewards.py").write_text("def short(completion):\n    return 1.0\n"
                                                "def mean(completion):\n    return 1.0\n")
-    with pytest.raises(ConfigError, match="'user_rewards:short' and 'other_rewards:short' would both be logged "
-                                          "as reward_short"):
-        _load("--rollout.reward_weights", '{"user_rewards:short": 1, "other_rewards:short": 1}')
-    with pytest.raises(ConfigError, match="reward_mean, a metric saccade already writes"):
-        _load("--rollout.reward_weights", '{"other_rewards:mean": 1}')
+    with pytest.raises(ValueError, match="'user_rewards:short' and 'other_rewards:short' would both be logged "
+                                         "as reward_short"):
+        _check("--rollout.reward_weights", '{"user_rewards:short": 1, "other_rewards:short": 1}')
+    with pytest.raises(ValueError, match="reward_mean, a metric saccade already writes"):
+        _check("--rollout.reward_weights", '{"other_rewards:mean": 1}')
 
 
 def test_a_user_function_in_a_toml_config(user, tmp_path):

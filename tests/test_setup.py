@@ -39,7 +39,7 @@ def test_the_config_refuses_an_unknown_device():
 
 def test_a_cpu_setup_in_bf16_keeps_everything_where_and_as_asked(tmp_path):
     cfg = load_config(RunConfig, "configs/demo.toml", ["--model.dtype", "bfloat16", "--lora.enabled", "true",
-                                                        "--images.cache_bytes", "123456"])
+                                                        "--image_cache.budget_bytes", "123456"])
     setup = build_setup(cfg, tmp_path)
     assert setup.device == torch.device("cpu") and setup.engine.device == torch.device("cpu")
     frozen = {p.dtype for p in setup.model.parameters() if not p.requires_grad}

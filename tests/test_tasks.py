@@ -1,16 +1,19 @@
-"""Tasks: the question environment, a user's own task by import path, names refused when the
-config loads, and every kind of task (shapes, a data set, views) offering the same members."""
+"""Tasks: the question environment, a user's own task by import path, user code that cannot be
+found refused before the run, each [task] variant building its task, and every kind of task
+(shapes, views, scenes) offering the same members."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib
 
 import pytest
 
-from saccade.config import ConfigError, RunConfig, load_config
+from saccade.config import ConfigError, RunConfig, ScenesTaskConfig, ViewsTaskConfig, load_config
 from saccade.data.shapes import ShapesTask, VQASample
 from saccade.scoring import Rewards
-from saccade.tasks import QuestionEnv, QuestionTask, task_from_config
+from saccade.tasks import QuestionEnv, QuestionTask, check_user_code, task_from_config
 
 
 def _question(answer="red", choices=("red", "green", "blue")) -> VQASample:
@@ -34,7 +37,7 @@ from saccade.tasks import QuestionTask, rewards_from_config
 
 
 def make_task(cfg):
-    size = cfg.data.task_args.get("image_size", 64)
+    size = cfg.task.args.get("image_size", 64)
     shapes = ShapesTask(kinds=("shape",), num_choices=3, image_size=size, eval_seed=99)
     return QuestionTask(shapes, rewards_from_config(cfg))
 
@@ -44,47 +47,72 @@ def not_a_task(cfg):
 """
 
 
+def plugin(make_task: str, *more: str) -> RunConfig:
+    return load_config(RunConfig, None, ["--task.kind", "plugin", "--task.make_task", make_task, *more])
+
+
 def test_a_user_task_by_import_path(tmp_path, monkeypatch):
     (tmp_path / "my_tasks.py").write_text(MAKE_TASK)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = load_config(RunConfig, None, ["--data.task", "my_tasks:make_task", "--data.task_args", '{"image_size": 32}',
-                                        "--rollout.reward_weights", '{"format": 1}'])
+    cfg = plugin("my_tasks:make_task", "--task.args", '{"image_size": 32}', "--rollout.reward_weights", '{"format": 1}')
+    check_user_code(cfg)
     task = task_from_config(cfg)
     assert isinstance(task, QuestionTask) and task.questions.kinds == ("shape",)
     sample = task.train_sample(0, seed=1)
-    assert sample.images[0].size == (32, 32)  # task_args reached make_task through cfg
+    assert sample.images[0].size == (32, 32)  # task.args reached make_task through cfg
     env = task.make_env()
     env.reset(sample)
     assert asyncio.run(env.step({"role": "assistant", "content": sample.answer})).info["rewards"]["reward_format"] == 1
 
-    with pytest.raises(ConfigError, match="--data.task: 'my_tasks:make_taks': 'my_tasks' has no attribute "
-                                          "'make_taks'; it has .*make_task"):
-        load_config(RunConfig, None, ["--data.task", "my_tasks:make_taks"])
-    bad = load_config(RunConfig, None, ["--data.task", "my_tasks:not_a_task"])
+    with pytest.raises(ValueError, match="task.make_task: 'my_tasks:make_taks': 'my_tasks' has no attribute "
+                                         "'make_taks'; it has .*make_task"):
+        check_user_code(plugin("my_tasks:make_taks"))
     with pytest.raises(ValueError, match="returned a str, which lacks max_turns, .*must return a Task"):
-        task_from_config(bad)
+        task_from_config(plugin("my_tasks:not_a_task"))
 
 
-@pytest.mark.parametrize(("task", "message"), [
-    ("shape", "unknown task 'shape'; did you mean 'shapes'\\? built-in: shapes, views, .*dataset"),
-    ("verifiers:no-such-env", "verifiers environment 'no-such-env': no module 'no_such_env' on sys.path"),
-    ("no_such_module:make_task", "'no_such_module:make_task': no module named 'no_such_module'"),
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--task.kind", "verifiers", "--task.env_id", "no-such-env"],
+     "task.env_id: verifiers environment 'no-such-env': no module 'no_such_env' on sys.path"),
+    (["--task.kind", "plugin", "--task.make_task", "no_such_module:make_task"],
+     "task.make_task: 'no_such_module:make_task': no module named 'no_such_module'"),
+    (["--rollout.reward_weights", '{"no_such_module:f": 1}'],
+     "rollout.reward_weights: .*no module named 'no_such_module'"),
 ])
-def test_bad_task_names_are_refused_at_load(task, message):
-    with pytest.raises(ConfigError, match=f"^--data.task: {message}"):
-        load_config(RunConfig, None, ["--data.task", task])
+def test_user_code_that_cannot_be_found_is_refused_before_the_run(overrides, message):
+    cfg = load_config(RunConfig, None, overrides)  # the config itself imports no user code
+    with pytest.raises(ValueError, match=f"^{message}"):
+        check_user_code(cfg)
 
 
-def test_task_args_only_for_tasks_that_read_them():
-    with pytest.raises(ConfigError, match="task_args are read only by 'verifiers:ENV_ID' and "
-                                          "'package.module:make_task' tasks, not by 'shapes'"):
-        load_config(RunConfig, None, ["--data.task_args", '{"n": 1}'])
+def test_a_plugin_task_needs_an_import_path_and_arguments_go_where_they_are_read():
+    with pytest.raises(ConfigError, match="'make_task' is not an import path"):
+        plugin("make_task")
+    with pytest.raises(ConfigError, match="unknown key 'task.args'.*task kind 'shapes'"):
+        load_config(RunConfig, None, ["--task.args", '{"n": 1}'])
 
 
-@pytest.mark.parametrize("task_name", ["shapes", "views", "scenes"])
-def test_every_task_offers_the_same_members(task_name):
-    cfg = load_config(RunConfig, None, ["--data.task", task_name, "--data.num_choices", "3",
-                                        "--env.colors", '["red", "green", "blue"]'])
+@pytest.mark.parametrize(("variant", "task"), [
+    (ViewsTaskConfig, "saccade.envs.views:ViewsTask"), (ScenesTaskConfig, "saccade.envs.scenes:ScenesTask"),
+])
+def test_an_environment_variant_hands_its_task_every_field(variant, task):
+    module, _, name = task.partition(":")
+    made = dataclasses.fields(getattr(importlib.import_module(module), name))
+    config_fields = {"kinds" if f == "question_kinds" else f for f in variant.model_fields} - {"kind"}
+    assert config_fields <= {f.name for f in made}  # nothing copied by hand, so nothing forgotten
+    cfg = load_config(RunConfig, None, ["--task.kind", variant().kind, "--task.max_turns", "5",
+                                        "--task.turn_cost", "0.25", "--trainer.seed", "3"])
+    built = task_from_config(cfg)
+    assert (built.max_turns, built.turn_cost, built.eval_seed) == (5, 0.25, 3 + 10_000)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--task.kind", "shapes", "--task.num_choices", "3"],
+    ["--task.kind", "views", "--task.num_choices", "3", "--task.colors", '["red", "green", "blue"]'],
+    ["--task.kind", "scenes", "--task.num_choices", "3", "--task.colors", '["red", "green", "blue"]'],
+], ids=["shapes", "views", "scenes"])
+def test_every_task_offers_the_same_members(overrides):
+    cfg = load_config(RunConfig, None, overrides)
     task = task_from_config(cfg)
     assert isinstance(task.max_turns, int) and task.max_turns >= 1
     first = task.train_sample(3, seed=7)

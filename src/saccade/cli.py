@@ -280,8 +280,10 @@ def cmd_serve(argv: list[str]) -> int:
 
 def _load_run_config(args: argparse.Namespace):
     from saccade.config import RunConfig, describe, load_config
+    from saccade.tasks import check_user_code
 
     cfg = load_config(RunConfig, args.config, args.overrides)
+    check_user_code(cfg)  # a bad reward function or task name fails now, before anything is built
     if args.dry_run:
         print(describe(cfg))
     return cfg
@@ -385,8 +387,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         table.add_row("[bold]total[/bold]", f"[bold]{estimate.total:.2f}[/bold]", "")
         console.print(table)
     print("\n".join(line[4:] for line in header_lines(est)[-1:]))
-    print(f"host RAM besides: the image-embedding cache, images.cache_bytes = {cfg.images.cache_bytes / 2**30:.2f} GiB "
-          "(a step's images pinned beyond it until its train step ends). Estimates, not measurements: see "
+    print(f"host RAM besides: the image-embedding cache, image_cache.budget_bytes = "
+          f"{cfg.image_cache.budget_bytes / 2**30:.2f} GiB (a step's images pinned beyond it until its train step ends). Estimates, not measurements: see "
           "docs/qwen3vl.md")
     return 0 if est.fits else 1
 
@@ -589,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a long demo-config run: RSS slope, open descriptors, threads and the image cache over the steps",
         description="Runs `saccade rl` on the config (default configs/demo.toml) from the demo's warm start (model "
         "tiny-warm), embedded engine, evaluation and intermediate checkpoints off, the image cache at 8 MB unless "
-        "--images.cache_bytes is given. Prints the RSS slope after the warm-up (least squares, MB per 100 steps), "
+        "--image_cache.budget_bytes is given. Prints the RSS slope after the warm-up (least squares, MB per 100 steps), "
         "open file descriptors and threads at the start, after the warm-up and at the end, and the image-embedding "
         "cache's entries and MB over time; writes a memory plot in the run folder. Exit 1 if the slope is 1 MB per "
         "100 steps or more, or descriptors or threads grew after the warm-up. Dotted overrides apply to the run.",
@@ -711,10 +713,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out accuracy of a run's latest checkpoint (greedy, pass@k, by category)",
         description="Evaluates the latest checkpoint under the config's run folder (or --checkpoint, or the "
         "base model when there is none) on the held-out split (shapes: the evaluation seed; a data set, "
-        "data.task = mathvista, openmmreasoner, geometry3k or dataset: the first data.eval_size rows of its eval "
-        "split): greedy accuracy, pass@k from eval.samples_k samples per question at engine.temperature, and "
+        "task.kind = mathvista, openmmreasoner, geometry3k or dataset: the first eval.prompts rows of its eval "
+        "split): greedy accuracy, pass@k from eval.samples_k samples per question at sampling.temperature, and "
         "accuracy per category (shapes: kind; MathVista: task, skills, grade; OpenMMReasoner: subset; dataset: "
-        "the data.columns.category column). Prints a table.",
+        "the task.columns.category column). Prints a table.",
     )
     add_config_arguments(ev)
     ev.add_argument("--checkpoint", metavar="DIR", help="a step_* folder to evaluate instead of the latest")

@@ -201,18 +201,18 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         shutil.rmtree(root / part, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
 
-    def run_config(part: str, **data: Any) -> RunConfig:
+    def run_config(part: str, **task: Any) -> RunConfig:
         return cfg.model_copy(
             update={"log": cfg.log.model_copy(update={"dir": str(root / part)}),
-                    "data": cfg.data.model_copy(update=data)},
+                    "task": cfg.task.model_copy(update=task)},
         )
 
     setup = build_setup(cfg, root)
     task, blank_task = task_from_config(cfg, blank=False), task_from_config(cfg, blank=True)
-    held_out, held_out_blank = task.eval_samples(cfg.data.eval_size), blank_task.eval_samples(cfg.data.eval_size)
+    held_out, held_out_blank = task.eval_samples(cfg.eval.prompts), blank_task.eval_samples(cfg.eval.prompts)
 
     def accuracy(samples) -> float:
-        return evaluate(setup, task, samples, max_tokens=cfg.engine.max_tokens)["accuracy"]
+        return evaluate(setup, task, samples, max_tokens=cfg.sampling.max_tokens)["accuracy"]
 
     # 1. Warm start on answers that carry no visual signal.
     train_sft(run_config("sft"), run_dir=root / "sft", setup=setup, random_answers=True, progress=progress,
@@ -240,10 +240,10 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "accuracy_after": accuracy_after,
         "control_accuracy_after": control_after,
         "control_accuracy_on_real_images": control_on_real_images,
-        "chance": 1.0 / cfg.data.num_choices,
-        "eval_size": cfg.data.eval_size,
-        "question_kinds": list(cfg.data.question_kinds),
-        "num_choices": cfg.data.num_choices,
+        "chance": 1.0 / cfg.task.num_choices,
+        "eval_size": cfg.eval.prompts,
+        "question_kinds": list(cfg.task.question_kinds),
+        "num_choices": cfg.task.num_choices,
         "grpo_steps": cfg.trainer.steps,
         "engine": cfg.engine.kind,
         "torch_threads": torch.get_num_threads(),

@@ -53,10 +53,10 @@ def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = T
     from saccade.sft import sft_loop
 
     rng = np.random.default_rng(cfg.trainer.seed + 1)
-    turn = cfg.env.start_turn or 90.0
+    turn = cfg.task.start_turn or 90.0
     # Turns only, by a quarter or a half turn either way: the one that shows the object is among
     # them (start_turn 90 or 180) but so are wrong ones; which one to take is left to RL.
-    turns = tuple(sorted({90.0, 180.0, turn})) if cfg.env.start_turn else None
+    turns = tuple(sorted({90.0, 180.0, turn})) if cfg.task.start_turn else None
 
     def make_batch(step: int) -> list:
         batch = []
@@ -90,10 +90,10 @@ def run_scenes_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "correct_when_seen_after": correct_when_seen(after),
         "refusals_after": after["env_refusals"],
         "render_cache_hit_rate": task.renderer.stats.hit_rate,
-        "color_chance": 1 / cfg.data.num_choices,
+        "color_chance": 1 / cfg.task.num_choices,
         "eval_episodes": len(held_out),
-        "max_turns": cfg.env.max_turns,
-        "render_size": cfg.env.render_size,
+        "max_turns": cfg.task.max_turns,
+        "render_size": cfg.task.render_size,
         "grpo_steps": cfg.trainer.steps,
         "engine": cfg.engine.kind,
         "torch_threads": torch.get_num_threads(),

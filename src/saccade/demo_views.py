@@ -2,7 +2,7 @@
 
 1. Warm start: SFT on scripted episodes with random valid actions and random answers. It
    teaches the format (act, then answer with a color), not the task: success stays low.
-2. GRPO on episodes: each trajectory (up to env.max_turns turns, a new rendered view after
+2. GRPO on episodes: each trajectory (up to task.max_turns turns, a new rendered view after
    every action) is one training sample, token-in/token-out, its advantage from the
    episode's return within its group. The consistency check runs on the first batch.
 
@@ -88,8 +88,8 @@ def run_episode_demo(cfg: RunConfig, task_name: str, warm_start, *, progress: bo
     from saccade.setup import build_setup
     from saccade.tasks import task_from_config
 
-    if cfg.data.task != task_name:
-        raise ValueError(f"saccade demo {task_name} needs data.task = '{task_name}', got {cfg.data.task!r}")
+    if cfg.task.kind != task_name:
+        raise ValueError(f"saccade demo {task_name} needs task.kind = '{task_name}', got {cfg.task.kind!r}")
     start = time.perf_counter()
     root = cfg.run_dir
     for part in ("warm-start", "grpo"):
@@ -98,10 +98,10 @@ def run_episode_demo(cfg: RunConfig, task_name: str, warm_start, *, progress: bo
     random.seed(cfg.trainer.seed)
     setup = build_setup(cfg, root)
     task = task_from_config(cfg)
-    held_out = task.eval_samples(cfg.data.eval_size)
+    held_out = task.eval_samples(cfg.eval.prompts)
 
     def success() -> dict[str, float]:
-        return evaluate(setup, task, held_out, max_tokens=cfg.engine.max_tokens, env=cfg.env)
+        return evaluate(setup, task, held_out, max_tokens=cfg.sampling.max_tokens, env=cfg.env)
 
     warm_start(cfg, setup, task, run_dir=root / "warm-start", progress=progress)
     before = success()
@@ -126,10 +126,10 @@ def run_views_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "seen_after": after["env_seen"],
         "correct_when_seen_before": correct_when_seen(before),
         "correct_when_seen_after": correct_when_seen(after),
-        "color_chance": 1 / cfg.data.num_choices,
-        "eval_episodes": cfg.data.eval_size,
-        "places": list(cfg.env.places),
-        "max_turns": cfg.env.max_turns,
+        "color_chance": 1 / cfg.task.num_choices,
+        "eval_episodes": cfg.eval.prompts,
+        "places": list(cfg.task.places),
+        "max_turns": cfg.task.max_turns,
         "grpo_steps": cfg.trainer.steps,
         "engine": cfg.engine.kind,
         "torch_threads": torch.get_num_threads(),

@@ -4,7 +4,7 @@ breakdown by category, on the weights of a run's latest checkpoint (or the base 
 
 The questions are the task's held-out split: shapes from the evaluation seed, a data set's
 eval split (MathVista testmini, OpenMMReasoner's validation, Geometry3K's test, one's own
-data set's data.eval_split, else test, else validation) in order.
+data set's task.eval_split, else test, else validation) in order.
 Each row keeps the question, the gold answer, the completion, the answer extracted from it
 and whether it scored, so every figure can be recounted from the samples file.
 
@@ -32,7 +32,7 @@ CATEGORY_FIELDS: dict[str, tuple[str, ...]] = {
     "openmmreasoner": ("subset",),
     "mathvista": ("task", "skills", "grade"),
     "geometry3k": (),
-    "dataset": ("category",),  # data.columns.category, when mapped
+    "dataset": ("category",),  # task.columns.category, when mapped
 }
 
 
@@ -106,13 +106,13 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
     task = task_from_config(cfg)
     if task.max_turns > 1:
         # Episodes need the environment loop, which this single-turn report does not run yet.
-        raise ValueError(f"saccade eval scores single-turn questions; data.task = {cfg.data.task!r} runs "
+        raise ValueError(f"saccade eval scores single-turn questions; task.kind = {cfg.task.kind!r} runs "
                          "multi-turn episodes. Their greedy success is logged during `saccade rl` "
                          "(eval.every_steps) and printed by `saccade demo views`.")
     # The questions first: a data set's errors (no such split) come before the model loads.
-    samples = task.eval_samples(cfg.data.eval_size)
+    samples = task.eval_samples(cfg.eval.prompts)
     if not samples and not getattr(samples, "skipped", None):
-        raise ValueError("data.eval_size is 0 (or the eval split is empty): nothing to evaluate")
+        raise ValueError("eval.prompts is 0 (or the eval split is empty): nothing to evaluate")
     setup = setup or build_setup(cfg, cfg.run_dir)
     # A data set's broken rows (saccade.data.rows) are reported apart, never counted wrong.
     fits = row_check(cfg, setup.processor)
@@ -128,13 +128,11 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
     def answers(params: SamplingParams) -> list[list]:
         return sample_groups(setup.engine, task, samples, params, merge=setup.merge)
 
-    greedy = answers(SamplingParams(temperature=0.0, max_tokens=cfg.engine.max_tokens, n=1))
+    greedy = answers(SamplingParams(temperature=0.0, max_tokens=cfg.sampling.max_tokens, n=1))
     n = cfg.eval.samples_k
     sampled = None
     if n > 1:
-        e = cfg.engine
-        sampled = answers(SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, min_p=e.min_p,
-                                         max_tokens=e.max_tokens, n=n))
+        sampled = answers(SamplingParams.sampled(cfg.sampling, n=n))
     rows = []
     for i, (sample, (answer,)) in enumerate(zip(samples, greedy, strict=True)):
         text = answer.texts[-1]
@@ -150,8 +148,8 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         "weights": weights,
         "n": len(rows),  # the rows scored; accuracy is over these, the skipped ones apart
         "accuracy": float(np.mean([r["correct"] for r in rows])),
-        "task": cfg.data.task,
-        "by_category": by_category(rows, CATEGORY_FIELDS.get(cfg.data.task, ())),
+        "task": cfg.task.kind,
+        "by_category": by_category(rows, CATEGORY_FIELDS.get(cfg.task.kind, ())),
         "skipped": {reason: n for reason, n in Counter(r["reason"] for r in skipped).items()},
         "skipped_rows": skipped,
     }

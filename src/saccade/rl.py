@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from saccade.config import RunConfig, effective_loss
-from saccade.data.rows import PromptStream, open_prompt_stream, recheck, row_check, skip_counts
+from saccade.data.rows import PromptStream, max_skip_fraction, open_prompt_stream, recheck, row_check, skip_counts
 from saccade.distributed import SINGLE, World, all_gather, balance, barrier, share_embeddings, unsharded
 from saccade.setup import Setup, build_setup
 from saccade.tasks import Task, task_from_config
@@ -57,7 +57,7 @@ def stall_message(steps_without_signal: int, metrics: dict[str, float], run_dir:
         f"the same; reward_mean {metrics.get('reward_mean', float('nan')):.3f}, completion_len_mean "
         f"{metrics.get('completion_len_mean', float('nan')):.1f}), so the weights have not changed since. "
         f"See {run_dir / 'metrics.jsonl'}; if the policy collapsed, resume from an earlier checkpoint with "
-        "a lower trainer.lr, or raise rollout.group_size or engine.temperature"
+        "a lower trainer.lr, or raise rollout.group_size or sampling.temperature"
     )
 
 
@@ -96,9 +96,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     # The oldest weights a trained batch may come from, in versions behind the trainer's.
     max_lag = cfg.rollout.max_async_level + cfg.engine.sync_every_steps - 1
     optimizer, scheduler = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, schedule=lr_schedule(t))
-    e = cfg.engine
-    sampling = SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, min_p=e.min_p,
-                              max_tokens=e.max_tokens, n=cfg.rollout.group_size)
+    sampling = SamplingParams.sampled(cfg.sampling, n=cfg.rollout.group_size)
     # What the engine samples from, so what the trainer, its old logprobs and the reference score.
     distribution, banned = sampling.distribution, engine.banned_token_ids
     reference = None
@@ -117,7 +115,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     # A data set's rows must also fit the token budget: an image span is never cut (saccade.data.rows).
     fits = row_check(cfg, setup.processor)
     # Only built when the run evaluates: a data set's eval split is then opened (downloaded) too.
-    eval_samples = task.eval_samples(cfg.data.eval_size) if cfg.eval.every_steps else []
+    eval_samples = task.eval_samples(cfg.eval.prompts) if cfg.eval.every_steps else []
     if fits is not None and eval_samples:
         eval_samples = recheck(eval_samples, fits)
 
@@ -146,7 +144,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     # (by rank 0), counted, and the step refilled from the rows after them.
     stream = open_prompt_stream(
         lambda position: task.train_sample(position, seed=t.seed), run_dir=run_dir, position=state.data_position,
-        done_steps=state.step, resume=resume, max_skip_fraction=cfg.data.max_skip_fraction, check=fits,
+        done_steps=state.step, resume=resume, max_skip_fraction=max_skip_fraction(cfg), check=fits,
         writes=world.is_main)
 
     def sample(step: int):  # one step's rollouts; on the rollout thread when sampling ahead
@@ -235,7 +233,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 engine_before = engine_now
                 if evaluating and gone is None:  # rank 0 evaluates; with the embedded engine, every rank holds whole weights meanwhile
                     with sampling_weights():
-                        ev = evaluate(setup, task, eval_samples, max_tokens=cfg.engine.max_tokens, env=cfg.env) \
+                        ev = evaluate(setup, task, eval_samples, max_tokens=cfg.sampling.max_tokens, env=cfg.env) \
                             if world.is_main else {}
                         barrier(world)
                     if world.is_main:

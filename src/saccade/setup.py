@@ -2,7 +2,7 @@
 
 `build_setup` places the model on `trainer.device`, in the precision `model.dtype` asks for
 (docs/precision.md), with LoRA or for full fine-tuning, optionally with activation
-checkpointing; builds the embedding cache (`images.cache_bytes`, `images.cache_dir`, stored
+checkpointing; builds the embedding cache (`image_cache.budget_bytes`, `image_cache.dir`, stored
 in the model's dtype); and the engine the config names:
 
 - embedded: samples in this process from the trainer's very module, on the same device,
@@ -120,7 +120,7 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
     model = apply_lora(policy, cfg.lora) if cfg.lora.enabled else set_full_finetune(policy)
     if world.sharded:
         shard_model(model, world, device=device, compute_dtype=dtype)
-    cache = EmbeddingCache(cfg.images.cache_bytes, cfg.images.cache_dir, dtype=dtype)
+    cache = EmbeddingCache(cfg.image_cache.budget_bytes, cfg.image_cache.dir, dtype=dtype)
     if cfg.engine.kind == "vllm":
         engine = build_vllm_engine(cfg, model, model_path, processor, cache, run_dir, world)
     else:

@@ -16,11 +16,15 @@ verifiers env are multi-turn tasks of their own. The rollout path
 (`saccade.orchestrator.rollout`) reads only these members; it never asks what kind of task
 it holds.
 
-`data.task` picks the task (`task_from_config`): a built-in name; "verifiers:ENV_ID", a
-verifiers environment loaded by verifiers' own `load_environment(ENV_ID, **data.task_args)`
-and run through `saccade.envs.verifiers_env`; or "package.module:make_task", a user's
-function called as `make_task(cfg)` with the whole `RunConfig` that returns a `Task`
-(docs/rewards.md).
+`task.kind` picks the task (`task_from_config`), and the `[task]` variant of that kind
+(`saccade.config.task`) holds its fields: a built-in; "verifiers", an environment loaded by
+verifiers' own `load_environment(task.env_id, **task.env_args)` and run through
+`saccade.envs.verifiers_env`; or "plugin", a user's function `task.make_task` called as
+`make_task(cfg)` with the whole `RunConfig` that returns a `Task` (docs/rewards.md).
+
+`check_user_code` resolves everything a config names in user code before a run builds
+anything; the entry points call it right after loading the config, `--dry-run` included
+(nothing here imports torch).
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from saccade.config import RunConfig
+from saccade.config import (
+    HubDatasetTaskConfig, OwnDatasetTaskConfig, PluginTaskConfig, RunConfig, ScenesTaskConfig, ShapesTaskConfig,
+    VerifiersTaskConfig, ViewsTaskConfig,
+)
 from saccade.envs.base import Environment, Message, StepResult, message_text
-from saccade.plugins import VERIFIERS_PREFIX, is_import_path, load_callable
-from saccade.scoring import Rewards
+from saccade.plugins import load_callable
+from saccade.scoring import Rewards, reward_functions
 
 # Held-out prompts come from another seed's stream than the training prompts.
 EVAL_SEED_OFFSET = 10_000
@@ -119,59 +126,74 @@ def rewards_from_config(cfg: RunConfig) -> Rewards:
     return Rewards(cfg.rollout.reward_weights, timeout_s=cfg.rollout.reward_timeout_s)
 
 
+def check_user_code(cfg: RunConfig) -> None:
+    """Resolve what the config names in user code: the reward functions (their modules are
+    imported), a plugin task's make_task (imported), a verifiers environment (looked up, not
+    imported: verifiers takes seconds). A ValueError naming the field and what to do; so a bad
+    name fails before any model is built."""
+    try:
+        reward_functions(cfg.rollout.reward_weights)
+    except ValueError as err:
+        raise ValueError(f"rollout.reward_weights: {err}") from None
+    if isinstance(cfg.task, PluginTaskConfig):
+        load_callable(cfg.task.make_task, field="task.make_task")
+    elif isinstance(cfg.task, VerifiersTaskConfig):
+        from saccade.envs.verifiers_env import check_verifiers_env
+
+        check_verifiers_env(cfg.task.env_id)
+
+
 def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task:
-    """The run's task: shapes questions, a data set's (splits opened on first use), the views
-    environment, the mesh-scenes environment, a verifiers environment, or a user's own (`make_task(cfg)`). `blank`
-    overrides data.blank_images (the demo's control) for the built-in question tasks."""
-    d = cfg.data
-    if d.task.startswith(VERIFIERS_PREFIX):
+    """The run's task, built from its `[task]` variant: shapes questions, a data set's (splits
+    opened on first use), the views environment, the mesh-scenes environment, a verifiers
+    environment, or a user's own (`make_task(cfg)`). `blank` overrides the variant's
+    blank_images (the demo's control) for the built-in question tasks."""
+    t = cfg.task
+    eval_seed = cfg.trainer.seed + EVAL_SEED_OFFSET
+    if isinstance(t, VerifiersTaskConfig):
         from saccade.envs.verifiers_env import VerifiersTask, load_verifiers_env
 
-        env = load_verifiers_env(d.task[len(VERIFIERS_PREFIX):], d.task_args)
-        # saccade bounds every episode: env.max_turns caps the env's own max_turns.
-        return VerifiersTask(env, max_turns=cfg.env.max_turns, correct_metric=cfg.env.correct_metric)
-    if is_import_path(d.task):
-        task = load_callable(d.task, field="data.task")(cfg)
+        env = load_verifiers_env(t.env_id, t.env_args)
+        # saccade bounds every episode: task.max_turns caps the env's own max_turns.
+        return VerifiersTask(env, max_turns=t.max_turns, correct_metric=t.correct_metric)
+    if isinstance(t, PluginTaskConfig):
+        task = load_callable(t.make_task, field="task.make_task")(cfg)
         missing = [m for m in ("max_turns", "train_sample", "eval_samples", "make_env") if not hasattr(task, m)]
         if missing:
-            raise ValueError(f"data.task: {d.task!r} returned a {type(task).__name__}, which lacks "
+            raise ValueError(f"task.make_task: {t.make_task!r} returned a {type(task).__name__}, which lacks "
                              f"{', '.join(missing)}: make_task(cfg) must return a Task (saccade.tasks.Task)")
         return task
-    blank_images = d.blank_images if blank is None else blank
-    eval_seed = cfg.trainer.seed + EVAL_SEED_OFFSET
-    if d.task == "views":
+    if isinstance(t, ViewsTaskConfig):
         from saccade.envs.views import ViewsTask
 
-        e = cfg.env
-        return ViewsTask(places=tuple(e.places), num_choices=d.num_choices, image_size=e.image_size,
-                         max_turns=e.max_turns, turn_cost=e.turn_cost, eval_seed=eval_seed,
-                         distractors=e.distractors, require_seen=e.require_seen,
-                         look_reward=e.look_reward, colors=tuple(e.colors))
-    if d.task == "scenes":
+        return ViewsTask(**_kwargs(t, places=tuple(t.places), colors=tuple(t.colors)), eval_seed=eval_seed)
+    if isinstance(t, ScenesTaskConfig):
         from saccade.envs.scenes import ScenesTask
 
-        e = cfg.env
-        return ScenesTask(scene_dir=e.scene_dir, kinds=tuple(d.question_kinds), num_choices=d.num_choices,
-                          colors=tuple(e.colors), render_size=e.render_size, fov_deg=e.fov_deg,
-                          start_poses=e.start_poses, start_turn=e.start_turn, say_side=e.say_side,
-                          view_fill=e.view_fill, start_clear=e.start_clear,
-                          max_turns=e.max_turns, turn_cost=e.turn_cost, view_reward=e.view_reward,
-                          require_seen=e.require_seen, seen_fraction=e.seen_fraction,
-                          describe_actions=e.describe_actions, eval_seed=eval_seed, eval_scenes=e.eval_scenes)
-    if d.task == "shapes":
+        return ScenesTask(**_kwargs(t, leave_out=("question_kinds",), kinds=tuple(t.question_kinds),
+                                    colors=tuple(t.colors)), eval_seed=eval_seed)
+    if isinstance(t, ShapesTaskConfig):
         from saccade.data.shapes import ShapesTask
 
         questions: QuestionSource = ShapesTask(
-            kinds=tuple(d.question_kinds), num_choices=d.num_choices, image_size=d.image_size,
-            blank_images=blank_images, eval_seed=eval_seed,
+            kinds=tuple(t.question_kinds), num_choices=t.num_choices, image_size=t.image_size,
+            blank_images=t.blank_images if blank is None else blank, eval_seed=eval_seed,
         )
-    else:
-        from saccade.data.datasets import DatasetTask, RowLayout
+        return QuestionTask(questions, rewards_from_config(cfg))
+    assert isinstance(t, HubDatasetTaskConfig), f"no task is built for {type(t).__name__}"
+    from saccade.data.datasets import DatasetTask, RowLayout
 
-        layout = RowLayout(d.columns, d.prompt_template, d.system_prompt) if d.task == "dataset" else None
-        questions = DatasetTask.defaults(
-            d.task, dataset=d.dataset, split=d.split, subsets=d.subsets, eval_dataset=d.eval_dataset,
-            eval_split=d.eval_split, eval_subsets=d.eval_subsets, blank_images=blank_images, limits=cfg.images,
-            layout=layout,
-        )
+    own = isinstance(t, OwnDatasetTaskConfig)
+    questions = DatasetTask.defaults(
+        t.kind, dataset=t.dataset, split=t.split, subsets=t.subsets, eval_dataset=t.eval_dataset,
+        eval_split=t.eval_split, eval_subsets=t.eval_subsets, blank_images=t.blank_images if blank is None else blank,
+        limits=cfg.images, layout=RowLayout(t.columns, t.prompt_template, t.system_prompt) if own else None,
+    )
     return QuestionTask(questions, rewards_from_config(cfg))
+
+
+def _kwargs(t, *, leave_out: tuple[str, ...] = (), **changed) -> dict[str, Any]:
+    """A variant's fields as keyword arguments of the task it builds (same names): `kind` and
+    `leave_out` left out, `changed` given instead."""
+    fields = {name: getattr(t, name) for name in type(t).model_fields if name not in ("kind", *leave_out)}
+    return {**fields, **changed}

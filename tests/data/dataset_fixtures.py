@@ -252,8 +252,8 @@ def mathvista_overrides(dataset: Path, run_dir: Path) -> list[str]:
     """Evaluate on the MathVista fixture's 6 rows; SFT trains on the same split (the point
     is a model that answers some rows right, not generalisation)."""
     return [
-        "--data.task", "mathvista", "--data.dataset", str(dataset), "--data.split", "testmini",
-        "--data.eval_size", "1000", "--eval.samples_k", "3", "--engine.max_tokens", "8",
+        "--task.kind", "mathvista", "--task.dataset", str(dataset), "--task.split", "testmini",
+        "--eval.prompts", "1000", "--eval.samples_k", "3", "--sampling.max_tokens", "8",
         "--sft.steps", "30", "--sft.batch_size", "6", "--sft.lr", "1e-2", "--log.dir", str(run_dir),
     ]
 
@@ -354,9 +354,9 @@ def write_broken_geometry3k(root: Path, kinds: list[str], splits: tuple[str, ...
 # Pure colors: a random frozen vision tower keeps them apart (docs/demo.md), so a short SFT
 # makes the tiny model answer some rows right.
 DISC_COLORS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 70, 225)}
-OWN_COLUMNS = ["--data.columns.images", "image", "--data.columns.prompt", "question", "--data.columns.answer",
-               "solution", "--data.columns.choices", "options", "--data.columns.id", "pid",
-               "--data.columns.category", "subject"]
+OWN_COLUMNS = ["--task.columns.images", "image", "--task.columns.prompt", "question", "--task.columns.answer",
+               "solution", "--task.columns.choices", "options", "--task.columns.id", "pid",
+               "--task.columns.category", "subject"]
 
 
 def disc(color: str, size: tuple[int, int] = (64, 64)) -> Image.Image:

@@ -1,4 +1,4 @@
-"""Tests for data.task = "dataset" (saccade.data.datasets.any_sample and the loading around it):
+"""Tests for task.kind = "dataset" (saccade.data.datasets.any_sample and the loading around it):
 one's own data set, in a hub-like folder, a parquet file or JSONL, with its own column names."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def own(tmp_path_factory):
 
 
 def own_config(dataset, *more):
-    return load_config(RunConfig, None, ["--data.task", "dataset", "--data.dataset", str(dataset), *OWN_COLUMNS,
+    return load_config(RunConfig, None, ["--task.kind", "dataset", "--task.dataset", str(dataset), *OWN_COLUMNS,
                                          *more])
 
 
@@ -53,7 +53,7 @@ def user_text(messages):
 
 
 def test_a_folder_with_other_column_names_maps_onto_questions(own):
-    task = task_from_config(own_config(own, "--data.system_prompt", "Answer in one word."))
+    task = task_from_config(own_config(own, "--task.system_prompt", "Answer in one word."))
     rows = task.questions
     assert len(rows.train_rows) == 6 and rows.eval_dataset == str(own)
     sample = rows.train_rows.sample(3)
@@ -79,7 +79,7 @@ def test_a_folder_with_other_column_names_maps_onto_questions(own):
 
 def test_the_prompt_template_writes_the_user_turn(own):
     template = "Question: {prompt}\nOptions:\n{choices}\nReply with the option's text. {{one word}}"
-    sample = task_from_config(own_config(own, "--data.prompt_template", template)).questions.train_rows.sample(0)
+    sample = task_from_config(own_config(own, "--task.prompt_template", template)).questions.train_rows.sample(0)
     assert sample.prompt == [{"role": "user", "content": "Question: What color is the disc?\nOptions:\nA. red\n"
                                                          "B. green\nC. blue\nReply with the option's text. {one word}"}]
     assert sample.question == sample.prompt[0]["content"]
@@ -99,13 +99,13 @@ def test_rows_stay_memory_mapped_until_asked_for(own, monkeypatch):
 
 
 def test_a_missing_column_is_refused_naming_the_columns_there_are(own):
-    task = task_from_config(own_config(own, "--data.columns.answer", "answer"))
-    with pytest.raises(ValueError, match=r"no column for data.columns.answer = 'answer'; its columns are pid, image, "
-                                         r"question, options, solution, subject. Set data.columns.answer"):
+    task = task_from_config(own_config(own, "--task.columns.answer", "answer"))
+    with pytest.raises(ValueError, match=r"no column for task.columns.answer = 'answer'; its columns are pid, image, "
+                                         r"question, options, solution, subject. Set task.columns.answer"):
         task.train_sample(0, seed=0)
     # The defaults (image, question, answer): two of them missing, both named.
-    bare = task_from_config(load_config(RunConfig, None, ["--data.task", "dataset", "--data.dataset", str(own)]))
-    with pytest.raises(ValueError, match=r"data.columns.answer = 'answer'.*its columns are pid, image"):
+    bare = task_from_config(load_config(RunConfig, None, ["--task.kind", "dataset", "--task.dataset", str(own)]))
+    with pytest.raises(ValueError, match=r"task.columns.answer = 'answer'.*its columns are pid, image"):
         bare.eval_samples(1)
 
 
@@ -162,10 +162,10 @@ def test_the_held_out_split_is_test_else_validation_else_refused(tmp_path):
     assert ds.held_out_split(str(with_validation), None, train=str(with_validation)) == "validation"
     only_train = write_own_parquet(tmp_path / "t", {"train": 2})
     with pytest.raises(ValueError, match="no split 'test' or 'validation' to evaluate on; it has train. Set "
-                                         "data.eval_split"):
+                                         "task.eval_split"):
         ds.held_out_split(str(only_train), None, train=str(only_train))
     jsonl = write_own_jsonl(tmp_path / "j")
-    with pytest.raises(ValueError, match="one file, with no held-out split: set data.eval_dataset"):
+    with pytest.raises(ValueError, match="one file, with no held-out split: set task.eval_dataset"):
         ds.held_out_split(str(jsonl), None, train=str(jsonl))
     assert ds.held_out_split(str(jsonl), None, train="other.jsonl") == "test"
 
@@ -176,15 +176,16 @@ def test_the_held_out_split_is_test_else_validation_else_refused(tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["--data.task", "dataset"], "needs data.dataset"),
-        (["--data.task", "dataset", "--data.dataset", "d", "--data.prompt_template", "{question}"],
+        (["--task.kind", "dataset"], "--task.kind: task.dataset: field required"),
+        (["--task.kind", "dataset", "--task.dataset", "d", "--task.prompt_template", "{question}"],
          r"names \{question\}; it may name only \{prompt\} and \{choices\}"),
-        (["--data.task", "dataset", "--data.dataset", "d", "--data.prompt_template", "Answer: {choices}"],
+        (["--task.kind", "dataset", "--task.dataset", "d", "--task.prompt_template", "Answer: {choices}"],
          r"does not name \{prompt\}"),
-        (["--data.task", "dataset", "--data.dataset", "d", "--data.prompt_template", "{prompt"], "literal braces"),
-        (["--data.task", "dataset", "--data.dataset", "d", "--data.system_prompt", "See <image>"], "user turn"),
-        (["--data.columns.prompt", "q"], "only data.task = 'dataset' reads data.columns"),
-        (["--data.columns.pictures", "x"], "Valid keys in \\[data.columns\\]: prompt, answer, images"),
+        (["--task.kind", "dataset", "--task.dataset", "d", "--task.prompt_template", "{prompt"], "literal braces"),
+        (["--task.kind", "dataset", "--task.dataset", "d", "--task.system_prompt", "See <image>"], "user turn"),
+        (["--task.columns.prompt", "q"], "unknown key 'task.columns'.*task kind 'shapes'; set task.kind first"),
+        (["--task.kind", "dataset", "--task.dataset", "d", "--task.columns.pictures", "x"],
+         "Valid keys in \\[task.columns\\]: prompt, answer, images"),
     ],
 )
 def test_config_refuses_bad_own_data_settings(override, message):
@@ -196,7 +197,7 @@ def test_the_quick_start_config_is_short_and_loads():
     lines = EXAMPLE.read_text().splitlines()
     assert len(lines) < 15
     cfg = load_config(RunConfig, EXAMPLE)
-    assert cfg.data.task == "dataset" and cfg.data.columns.answer == "solution"
+    assert cfg.task.kind == "dataset" and cfg.task.columns.answer == "solution"
 
 
 # ------------------------------------------------------ the proof: train, then eval
@@ -214,8 +215,8 @@ def test_rl_on_own_data_then_saccade_eval_recounts(own, tmp_path, capsys):
     from saccade.sft import train_sft
 
     overrides = [
-        "--model.path", "tiny", "--data.dataset", str(own), "--log.dir", str(tmp_path / "run"),
-        "--data.eval_size", "100", "--engine.max_tokens", "4", "--loss.max_completion_tokens", "4",
+        "--model.path", "tiny", "--task.dataset", str(own), "--log.dir", str(tmp_path / "run"),
+        "--eval.prompts", "100", "--sampling.max_tokens", "4", "--loss.max_completion_tokens", "4",
         "--trainer.steps", "3", "--rollout.prompts_per_step", "3", "--rollout.group_size", "2",
         "--rollout.filter_zero_variance", "false", "--eval.every_steps", "0",
         "--sft.steps", "5", "--sft.batch_size", "6", "--sft.lr", "1e-2",

@@ -213,12 +213,12 @@ def test_blank_images_keep_sizes_and_lose_content(paths):
 
 
 def test_unknown_config_names_the_ones_there_are(paths):
-    with pytest.raises(ValueError, match=r"no config 'mmk13'.*algopuzzle.*data\.subsets"):
+    with pytest.raises(ValueError, match=r"no config 'mmk13'.*algopuzzle.*task\.subsets"):
         DatasetRows("openmmreasoner", paths["openmmreasoner"], subsets=("mmk13",), split="train")
 
 
 def test_missing_split_names_the_ones_there_are(paths):
-    with pytest.raises(ValueError, match=r"no split 'train'; it has val.*data\.split"):
+    with pytest.raises(ValueError, match=r"no split 'train'; it has val.*task\.split"):
         DatasetRows("openmmreasoner", paths["openmmreasoner"], subsets=("validation",), split="train")
     with pytest.raises(ValueError, match=r"no split 'dev'; it has .*test"):
         DatasetRows("geometry3k", paths["geometry3k"], subsets=None, split="dev")
@@ -285,8 +285,8 @@ def test_parse_options(text, options):
 def test_config_selects_a_data_set_task(paths):
     from saccade.tasks import QuestionTask, task_from_config
 
-    cfg = load_config(RunConfig, None, ["--data.task", "openmmreasoner", "--data.dataset", paths["openmmreasoner"],
-                                        "--data.subsets", '["mmk12", "virl39k"]', "--data.eval_size", "2"])
+    cfg = load_config(RunConfig, None, ["--task.kind", "openmmreasoner", "--task.dataset", paths["openmmreasoner"],
+                                        "--task.subsets", '["mmk12", "virl39k"]', "--eval.prompts", "2"])
     task = task_from_config(cfg)
     assert isinstance(task, QuestionTask) and task.max_turns == 1
     rows = task.questions
@@ -295,16 +295,16 @@ def test_config_selects_a_data_set_task(paths):
     assert task.train_sample(0, seed=0).metadata["subset"] in ("mmk12", "virl39k")
     assert [s.sample_id for s in task.eval_samples(2)] == [
         "openmmreasoner-validation-val-0", "openmmreasoner-validation-val-1"]
-    default = task_from_config(load_config(RunConfig, None, ["--data.task", "mathvista"])).questions
+    default = task_from_config(load_config(RunConfig, None, ["--task.kind", "mathvista"])).questions
     assert (default.dataset, default.eval_split) == ("AI4Math/MathVista", "testmini")
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["--data.task", "mathvist"], "unknown task 'mathvist'; did you mean 'mathvista'"),
-        (["--data.subsets", '["a", "a"]'], "repeat an entry"),
-        (["--data.subsets", "[]"], "at least 1 item"),
+        (["--task.kind", "mathvist"], "unknown kind 'mathvist'; did you mean 'mathvista'"),
+        (["--task.kind", "openmmreasoner", "--task.subsets", '["a", "a"]'], "repeat an entry"),
+        (["--task.kind", "openmmreasoner", "--task.subsets", "[]"], "at least 1 item"),
     ],
 )
 def test_config_refuses_bad_data_settings(override, message):
@@ -323,10 +323,10 @@ def test_rl_trains_on_a_data_set_stream(paths, tmp_path):
     from saccade.rl import train_rl
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
-        "--data.task", "geometry3k", "--data.dataset", paths["geometry3k"], "--trainer.steps", "3",
+        "--task.kind", "geometry3k", "--task.dataset", paths["geometry3k"], "--trainer.steps", "3",
         "--rollout.prompts_per_step", "3", "--rollout.group_size", "2", "--rollout.filter_zero_variance", "false",
-        "--engine.max_tokens", "4", "--loss.max_completion_tokens", "4", "--eval.every_steps", "3",
-        "--data.eval_size", "2", "--log.dir", str(tmp_path / "run")])
+        "--sampling.max_tokens", "4", "--loss.max_completion_tokens", "4", "--eval.every_steps", "3",
+        "--eval.prompts", "2", "--log.dir", str(tmp_path / "run")])
     out = train_rl(cfg, run_dir=cfg.run_dir, progress=False)
     assert out["step"] == 3
     rows = read_metrics(cfg.run_dir)

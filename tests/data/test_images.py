@@ -562,7 +562,6 @@ def test_limits_defaults() -> None:
         ({"remote_timeout_s": 0}, "remote_timeout_s"),
         ({"remote_timeout_s": float("inf")}, "remote_timeout_s"),
         ({"allow_remote": "maybe"}, "allow_remote"),
-        ({"cache_bytes": 0}, "cache_bytes"),
     ],
 )
 def test_limits_validation(kwargs: dict[str, object], message: str) -> None:

@@ -228,11 +228,11 @@ def _seed_reading_every_row_once(kinds: list[str]) -> int:
 
 def _config(dataset: Path, run_dir: Path, *extra: str) -> RunConfig:
     return load_config(RunConfig, "configs/demo.toml", [
-        "--data.task", "geometry3k", "--data.dataset", str(dataset), *BROKEN_LIMITS,
+        "--task.kind", "geometry3k", "--task.dataset", str(dataset), *BROKEN_LIMITS,
         "--trainer.seed", str(_seed_reading_every_row_once(KINDS)), "--trainer.steps", "3",
         "--rollout.prompts_per_step", "2", "--rollout.group_size", "2", "--rollout.filter_zero_variance", "false",
-        "--engine.max_tokens", "4", "--loss.max_completion_tokens", "4", "--checkpoint.every_steps", "2",
-        "--eval.every_steps", "3", "--data.eval_size", "12", "--log.dir", str(run_dir), *extra])
+        "--sampling.max_tokens", "4", "--loss.max_completion_tokens", "4", "--checkpoint.every_steps", "2",
+        "--eval.every_steps", "3", "--eval.prompts", "12", "--log.dir", str(run_dir), *extra])
 
 
 @pytest.mark.slow

@@ -182,16 +182,18 @@ def test_a_folder_of_scenes_is_split_by_name(tmp_path):
 def test_the_config_builds_the_task_and_refuses_what_cannot_work():
     from saccade.tasks import task_from_config
 
-    cfg = RunConfig.model_validate({"data": {"task": "scenes", "num_choices": 3},
-                                    "env": {"render_size": 64, "start_turn": 90, "say_side": True}})
+    cfg = RunConfig.model_validate({"task": {"kind": "scenes", "num_choices": 3, "render_size": 64,
+                                             "start_turn": 90, "say_side": True}})
     task = task_from_config(cfg)
     assert isinstance(task, ScenesTask) and task.render_size == 64 and task.start_turn == 90
-    with pytest.raises(ValueError, match="say_side needs env.start_turn"):
-        RunConfig.model_validate({"data": {"task": "scenes"}, "env": {"say_side": True}})
-    with pytest.raises(ValueError, match="unknown to task 'scenes'"):
-        RunConfig.model_validate({"data": {"task": "scenes", "question_kinds": ["shape"]}})
-    with pytest.raises(ValueError, match="for data.task = 'scenes'"):
-        RunConfig.model_validate({"data": {"task": "views"}, "env": {"colors": ["red", "green", "white"]}})
+    assert task.num_choices == 3 and task.kinds == ("color",)
+    with pytest.raises(ValueError, match="say_side needs start_turn"):
+        RunConfig.model_validate({"task": {"kind": "scenes", "say_side": True}})
+    with pytest.raises(ValueError, match="unknown to task kind 'scenes'"):
+        RunConfig.model_validate({"task": {"kind": "scenes", "question_kinds": ["shape"]}})
+    RunConfig.model_validate({"task": {"kind": "scenes", "num_choices": 3, "colors": ["red", "green", "white"]}})
+    with pytest.raises(ValueError, match=r"colors \['white'\] unknown"):  # the views room draws no white
+        RunConfig.model_validate({"task": {"kind": "views", "num_choices": 3, "colors": ["red", "green", "white"]}})
 
 
 def test_the_config_lists_the_environment_kinds():

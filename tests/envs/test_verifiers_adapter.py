@@ -213,13 +213,13 @@ def test_rl_rollout_step_runs_verifiers_episodes(vf_env, tmp_path):
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--log.dir", str(tmp_path), "--rollout.group_size", "2", "--rollout.filter_zero_variance", "false",
-        "--engine.max_tokens", "4", "--lora.rank", "4"])
+        "--sampling.max_tokens", "4", "--lora.rank", "4"])
     setup = build_setup(cfg, tmp_path)
     task = VerifiersTask(vf_env, correct_metric="correct")
     assert task.max_turns > 1  # the episodic path
     batch = rollout_step(
         setup.engine, task, [task.train_sample(0, seed=0), task.train_sample(1, seed=0)],
-        sampling=SamplingParams(max_tokens=cfg.engine.max_tokens), rollout=cfg.rollout, env=cfg.env,
+        sampling=SamplingParams(max_tokens=cfg.sampling.max_tokens), rollout=cfg.rollout, env=cfg.env,
         merge=setup.merge, continuation=setup.continuation, tokenizer=setup.processor.tokenizer, check=True,
     )
     samples, metrics = batch.samples, batch.metrics
@@ -307,8 +307,8 @@ def load_environment(rows: int = 3, max_turns: int = 2):
 
 
 def test_a_verifiers_env_named_in_the_config_trains(tmp_path, monkeypatch):
-    """data.task = "verifiers:tiny-look-env": verifiers' own load_environment finds the module
-    (a real file on sys.path, '-' as '_'), with data.task_args as its arguments; RL runs it."""
+    """task.kind = "verifiers", env_id "tiny-look-env": verifiers' own load_environment finds the
+    module (a real file on sys.path, '-' as '_'), with task.env_args as its arguments; RL runs it."""
     from saccade.config import RunConfig, load_config
     from saccade.metrics import read_metrics
     from saccade.rl import train_rl
@@ -317,22 +317,24 @@ def test_a_verifiers_env_named_in_the_config_trains(tmp_path, monkeypatch):
     (tmp_path / "tiny_look_env.py").write_text(VERIFIERS_ENV_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config(RunConfig, "configs/demo.toml", [
-        "--log.dir", str(tmp_path / "run"), "--data.task", "verifiers:tiny-look-env", "--data.task_args",
-        '{"rows": 5}', "--env.correct_metric", "correct", "--trainer.steps", "1", "--rollout.prompts_per_step", "2",
-        "--rollout.group_size", "2", "--rollout.filter_zero_variance", "false", "--engine.max_tokens", "4",
+        "--log.dir", str(tmp_path / "run"), "--task.kind", "verifiers", "--task.env_id", "tiny-look-env",
+        "--task.env_args", '{"rows": 5}', "--task.correct_metric", "correct", "--trainer.steps", "1", "--rollout.prompts_per_step", "2",
+        "--rollout.group_size", "2", "--rollout.filter_zero_variance", "false", "--sampling.max_tokens", "4",
         "--loss.max_completion_tokens", "4", "--eval.every_steps", "0", "--checkpoint.every_steps", "0"])
     task = task_from_config(cfg)
-    assert isinstance(task, VerifiersTask) and len(task.env.get_dataset()) == 5  # task_args reached it
-    assert task.max_turns == 2  # the env's own, below env.max_turns (3)
+    assert isinstance(task, VerifiersTask) and len(task.env.get_dataset()) == 5  # env_args reached it
+    assert task.max_turns == 2  # the env's own, below task.max_turns (3)
     train_rl(cfg, run_dir=cfg.run_dir, progress=False)  # builds its task from the config alone
     [row] = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     assert 1 <= row["turns_mean"] <= 2 and row["images_mean"] == row["turns_mean"]  # one image per turn
     assert "env_correct" in row and row["accuracy"] == row["env_correct"] and "loss" in row
 
 
-def test_a_verifiers_env_that_is_not_installed_is_refused_at_load():
-    from saccade.config import ConfigError, RunConfig, load_config
+def test_a_verifiers_env_that_is_not_installed_is_refused_before_the_run():
+    from saccade.config import RunConfig, load_config
+    from saccade.tasks import check_user_code
 
-    with pytest.raises(ConfigError, match="verifiers environment 'not-installed-env': no module "
-                                          "'not_installed_env' on sys.path.*vf-install not-installed-env"):
-        load_config(RunConfig, None, ["--data.task", "verifiers:not-installed-env"])
+    cfg = load_config(RunConfig, None, ["--task.kind", "verifiers", "--task.env_id", "not-installed-env"])
+    with pytest.raises(ValueError, match="verifiers environment 'not-installed-env': no module "
+                                         "'not_installed_env' on sys.path.*vf-install not-installed-env"):
+        check_user_code(cfg)

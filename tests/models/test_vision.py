@@ -302,5 +302,5 @@ def test_a_miss_when_packing_names_the_sample_the_image_and_the_setting(encoder,
     sample = make_sample("prompt-7/3", ids, types, emb.grid_thw[None], ["no-such-key"],
                          spatial_merge_size=encoder.merge)
     with pytest.raises(EmbeddingCacheMiss, match=r"sample 'prompt-7/3'.*image 0 \(cache key no-such-key\).*"
-                       r"raise images.cache_bytes"):
+                       r"raise image_cache.budget_bytes"):
         collate([sample], encoder.cache.get, image_token_id=policy.image_token_id, spatial_merge_size=encoder.merge)

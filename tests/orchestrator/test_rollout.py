@@ -15,7 +15,7 @@ from saccade.config import RunConfig, load_config
 from saccade.inference.engine import SamplingParams
 from saccade.orchestrator.rollout import final_info_means, rollout_step
 
-ARGS = ["--rollout.group_size", "4", "--rollout.filter_zero_variance", "false", "--engine.max_tokens", "6",
+ARGS = ["--rollout.group_size", "4", "--rollout.filter_zero_variance", "false", "--sampling.max_tokens", "6",
         "--trainer.seed", "11"]
 
 
@@ -29,7 +29,7 @@ def built(tmp_path_factory):
 
 def _rollouts(cfg, setup, task, prompts, **overrides):
     rollout = cfg.rollout.model_copy(update=overrides)
-    return rollout_step(setup.engine, task, prompts, sampling=SamplingParams(max_tokens=cfg.engine.max_tokens),
+    return rollout_step(setup.engine, task, prompts, sampling=SamplingParams(max_tokens=cfg.sampling.max_tokens),
                         rollout=rollout, env=cfg.env, merge=setup.merge, continuation=setup.continuation,
                         tokenizer=setup.processor.tokenizer)
 
@@ -114,7 +114,7 @@ def test_one_grpo_step_raises_what_the_advantages_favour(tmp_path):
             for s in samples:  # one micro-batch each
                 (mb,) = pack([s], setup.cache.get, max_tokens=4096, image_token_id=setup.image_token_id,
                              spatial_merge_size=setup.merge)
-                logprobs, _ = forward_logprobs(setup.model, mb, distribution=SampledDistribution(temperature=cfg.engine.temperature),
+                logprobs, _ = forward_logprobs(setup.model, mb, distribution=SampledDistribution(temperature=cfg.sampling.temperature),
                                                only_loss_tokens=True, banned_token_ids=banned)
                 out.append(float(logprobs[mb.loss_mask].sum()))
         return out
@@ -125,7 +125,7 @@ def test_one_grpo_step_raises_what_the_advantages_favour(tmp_path):
     micro_batches = pack(samples, setup.cache.get, max_tokens=cfg.trainer.max_tokens,
                          image_token_id=setup.image_token_id, spatial_merge_size=setup.merge)
     metrics = train_step(setup.model, optimizer, scheduler, micro_batches, loss=cfg.loss, num_iterations=1,
-                         grad_clip=cfg.trainer.grad_clip, distribution=SampledDistribution(temperature=cfg.engine.temperature),
+                         grad_clip=cfg.trainer.grad_clip, distribution=SampledDistribution(temperature=cfg.sampling.temperature),
                          banned_token_ids=banned)
     assert metrics["skipped_steps"] == 0.0
     after = sequence_logprobs()

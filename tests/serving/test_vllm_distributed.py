@@ -37,7 +37,7 @@ def test_world_2_trains_3_steps_on_vllm_within_the_mismatch_bar(server, tiny_pat
            str(run_dir), "--scored", "--model.path", str(tiny_path), "--engine.kind", "vllm",
            "--engine.urls", json.dumps([server]), "--trainer.steps", "3", "--trainer.lr", "1e-2",
            "--rollout.prompts_per_step", "4", "--rollout.group_size", "4", "--rollout.filter_zero_variance", "false",
-           "--engine.max_tokens", "6", "--loss.max_completion_tokens", "6", "--eval.every_steps", "0",
+           "--sampling.max_tokens", "6", "--loss.max_completion_tokens", "6", "--eval.every_steps", "0",
            "--trainer.max_tokens", "128"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

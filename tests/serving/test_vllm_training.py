@@ -27,9 +27,9 @@ FAST = [
     "--rollout.prompts_per_step", "4",
     "--rollout.group_size", "4",
     "--rollout.filter_zero_variance", "false",
-    "--engine.max_tokens", "6",
+    "--sampling.max_tokens", "6",
     "--loss.max_completion_tokens", "6",
-    "--data.eval_size", "8",
+    "--eval.prompts", "8",
     "--eval.every_steps", "0",
     "--sft.steps", "2",
     "--sft.batch_size", "4",
@@ -142,7 +142,7 @@ def test_sft_on_vllm_trains_on_server_embeddings_and_pushes_the_result(tmp_path,
 def test_eval_on_vllm_pushes_the_checkpoint_and_agrees_with_the_embedded_engine(tmp_path, server):
     from saccade.evaluation import run_eval
 
-    cfg = vllm_config(tmp_path, server, "--trainer.lr", "1e-2", "--trainer.steps", "1", "--data.eval_size", "16")
+    cfg = vllm_config(tmp_path, server, "--trainer.lr", "1e-2", "--trainer.steps", "1", "--eval.prompts", "16")
     train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     # Put the base model back on the server: eval must push the checkpoint itself.
     base = build_setup(cfg, tmp_path / "base")

@@ -50,7 +50,7 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
         start = time.perf_counter()
         train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=task, progress=progress)
         wall = time.perf_counter() - start
-        accuracy = evaluate(setup, task, task.eval_samples(cfg.data.eval_size), max_tokens=cfg.engine.max_tokens)
+        accuracy = evaluate(setup, task, task.eval_samples(cfg.eval.prompts), max_tokens=cfg.sampling.max_tokens)
         setup.engine.close()
         rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
         lag0 = [r["mismatch_abs_lag0"] for r in rows if "mismatch_abs_lag0" in r]

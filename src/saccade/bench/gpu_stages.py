@@ -196,17 +196,17 @@ def rl(plan: Plan) -> dict[str, Any]:
         cfg = load_config(RunConfig, demo_config_path(), [
             "--model.path", "tiny-warm", "--model.dtype", plan.dtype, "--trainer.device", plan.device,
             "--trainer.steps", str(steps), "--rollout.prompts_per_step", str(prompts),
-            "--data.eval_size", str(eval_size), "--eval.every_steps", str(every), "--checkpoint.every_steps", "0",
+            "--eval.prompts", str(eval_size), "--eval.every_steps", str(every), "--checkpoint.every_steps", "0",
             "--log.dir", tmp])
         setup = build_setup(cfg, cfg.run_dir)
         task = task_from_config(cfg)
         held_out = task.eval_samples(eval_size)
-        before = evaluate(setup, task, held_out, max_tokens=cfg.engine.max_tokens)["accuracy"]
+        before = evaluate(setup, task, held_out, max_tokens=cfg.sampling.max_tokens)["accuracy"]
         plan.log(f"  held-out accuracy before: {before:.3f} ({eval_size} questions); {steps} RL steps")
         start = time.perf_counter()
         train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=task, progress=False)
         train_s = time.perf_counter() - start
-        after = evaluate(setup, task, held_out, max_tokens=cfg.engine.max_tokens)["accuracy"]
+        after = evaluate(setup, task, held_out, max_tokens=cfg.sampling.max_tokens)["accuracy"]
         rows = read_metrics(cfg.run_dir, phase="train")
         evals = [(r["step"], r["accuracy"]) for r in read_metrics(cfg.run_dir, phase="eval")]
     window = max(1, min(5, len(rows) // 2))

@@ -15,11 +15,11 @@ Zero-variance groups are kept (`rollout.filter_zero_variance = false` unless giv
 demo has learned, the filter would drop every group and the steps would stop training, so the
 soak would watch the rollouts alone.
 
-The image cache is bounded (`images.cache_bytes`, 1 GiB by default) and grows until it is full:
+The image cache is bounded (`image_cache.budget_bytes`, 1 GiB by default) and grows until it is full:
 each shapes prompt is a new image, about 0.25 MB of embeddings per demo step on the tiny model,
 so the default budget takes thousands of steps to fill and its growth would read as a slope.
 The bench therefore gives the cache a small budget (`SOAK_CACHE_BYTES`, full within the
-warm-up) unless `--images.cache_bytes` is given, and reports the cache's own figures apart.
+warm-up) unless `--image_cache.budget_bytes` is given, and reports the cache's own figures apart.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     overrides = list(overrides or [])
     defaults = ["--model.path", resolve_model_name("tiny-warm"), "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
                 "--trainer.steps", str(steps), "--log.dir", str(out / "run")]
-    if not any(o.startswith("--images.cache_bytes") for o in overrides):
-        defaults += ["--images.cache_bytes", str(SOAK_CACHE_BYTES)]
+    if not any(o.startswith("--image_cache.budget_bytes") for o in overrides):
+        defaults += ["--image_cache.budget_bytes", str(SOAK_CACHE_BYTES)]
     # Once the demo has learned, every group scores alike and the filter leaves nothing to train
     # on: with it off, every step runs the whole path (zero advantages still forward and backward).
     if not any(o.startswith("--rollout.filter_zero_variance") for o in overrides):
@@ -151,7 +151,7 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     figures = soak_figures(rows, warmup)
     plots = plot_run(cfg.run_dir)
     figures.update(
-        config=config, overrides=overrides, cache_budget_mb=cfg.images.cache_bytes / 2**20, wall_s=wall,
+        config=config, overrides=overrides, cache_budget_mb=cfg.image_cache.budget_bytes / 2**20, wall_s=wall,
         process_before=before, process_after=after, run_dir=str(cfg.run_dir),
         plot=str(next((p for p in plots if p.name == "memory.png"), plots[-1])),
     )

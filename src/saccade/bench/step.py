@@ -57,8 +57,8 @@ def bench_config(preset: str, image_size: int, lora: bool, device: str, run_dir:
     return load_config(RunConfig, demo_config_path(), [
         "--model.path", preset, "--trainer.device", device, "--model.dtype", dtype,
         "--rollout.prompts_per_step", str(prompts), "--rollout.group_size", str(GROUP),
-        "--rollout.filter_zero_variance", "false", "--engine.max_tokens", str(NEW_TOKENS),
-        "--loss.max_completion_tokens", str(NEW_TOKENS), "--data.image_size", str(image_size),
+        "--rollout.filter_zero_variance", "false", "--sampling.max_tokens", str(NEW_TOKENS),
+        "--loss.max_completion_tokens", str(NEW_TOKENS), "--task.image_size", str(image_size),
         "--images.max_pixels", str(max_pixels), "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
         "--lora.enabled", str(lora).lower(), "--lora.rank", str(LORA_RANK), "--lora.alpha", str(2 * LORA_RANK),
         "--log.dir", str(run_dir),
@@ -80,9 +80,7 @@ class SaccadeStep:
         self.task = task_from_config(cfg)
         self.optimizer, self.scheduler = build_optimizer(self.setup.model, lr=cfg.trainer.lr, weight_decay=0.0,
                                                          schedule=lr_schedule(cfg.trainer))
-        e = cfg.engine
-        self.sampling = SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, min_p=e.min_p,
-                                       max_tokens=e.max_tokens)
+        self.sampling = SamplingParams.sampled(cfg.sampling)
 
     def prompts(self, step: int) -> list:
         n = self.cfg.rollout.prompts_per_step

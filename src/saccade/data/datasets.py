@@ -15,9 +15,9 @@ Three layouts are known, each from a hub id or a local copy:
 * ``geometry3k``: hiyouga/geometry3k (train 2,101 / validation 300 / test 601):
   ``images``, ``problem`` with an ``<image>`` placeholder, ``answer``.
 
-And any other: ``dataset``, whose columns `data.columns` names (`ColumnsConfig`: prompt,
+And any other: ``dataset``, whose columns `task.columns` names (`ColumnsConfig`: prompt,
 answer, images, and optionally choices, id, category), its user turn written by
-``data.prompt_template`` after an optional ``data.system_prompt`` (:func:`any_sample`).
+``task.prompt_template`` after an optional ``task.system_prompt`` (:func:`any_sample`).
 
 A source is a hub id, a local folder laid out like the hub repository (a README.md whose
 ``configs`` name each config's files, or the default ``data/<split>-*.parquet`` / ``.jsonl``),
@@ -46,11 +46,12 @@ from PIL import Image
 
 from saccade.config import DEFAULT_PROMPT_TEMPLATE, ColumnsConfig, ImagesConfig
 from saccade.data.images import ImageError, MissingImageError, load_image
-from saccade.data.rows import EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows
+from saccade.data.rows import (
+    DATASET_TASKS, EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows,
+)
 from saccade.data.shapes import BLANK_GRAY, IMAGE_PLACEHOLDER, VQASample
 
 __all__ = [
-    "DATASET_TASKS",
     "DatasetRows",
     "DatasetTask",
     "EVAL_DEFAULTS",
@@ -70,7 +71,6 @@ __all__ = [
     "shuffled_index",
 ]
 
-DATASET_TASKS = ("openmmreasoner", "mathvista", "geometry3k", "dataset")
 HUB_IDS = {
     "openmmreasoner": "OpenMMReasoner/OpenMMReasoner-RL-74K",
     "mathvista": "AI4Math/MathVista",
@@ -129,7 +129,7 @@ def load_split(source: str, *, subset: str | None, split: str, task: str,
                columns: dict[str, str] | None = None):
     """One split of one config as a memory-mapped `datasets.Dataset`, with clear errors.
 
-    `columns`: for task 'dataset', {data.columns key: column name} of the columns it reads;
+    `columns`: for task 'dataset', {task.columns key: column name} of the columns it reads;
     one the split lacks is refused here, when the split opens, before a row is read."""
     import datasets
 
@@ -139,28 +139,28 @@ def load_split(source: str, *, subset: str | None, split: str, task: str,
         table = datasets.load_dataset(builder, data_files={split: source}, split=split)
     else:
         if not Path(source).exists() and source.startswith((".", "/", "~")):
-            raise ValueError(f"{task}: dataset path {source} does not exist; set data.dataset to a hub id or a path")
+            raise ValueError(f"{task}: dataset path {source} does not exist; set task.dataset to a hub id or a path")
         configs = datasets.get_dataset_config_names(source)
         if subset is not None and subset not in configs:
             raise ValueError(
                 f"{task}: {source} has no config {subset!r}; it has {', '.join(configs)}. "
-                "Set data.subsets (or data.eval_subsets) to some of those"
+                "Set task.subsets (or task.eval_subsets) to some of those"
             )
         splits = datasets.get_dataset_split_names(source, config_name=subset)
         if split not in splits:
             where = f"config {subset!r} of {source}" if subset else source
             raise ValueError(
                 f"{task}: {where} has no split {split!r}; it has {', '.join(splits)}. "
-                "Set data.split (or data.eval_split) to one of those"
+                "Set task.split (or task.eval_split) to one of those"
             )
         table = datasets.load_dataset(source, name=subset, split=split)
     if columns is not None:
         missing_keys = [key for key, name in columns.items() if name not in table.column_names]
         if missing_keys:
-            named = ", ".join(f"data.columns.{key} = {columns[key]!r}" for key in missing_keys)
+            named = ", ".join(f"task.columns.{key} = {columns[key]!r}" for key in missing_keys)
             raise ValueError(
                 f"{task}: {source} ({subset or 'default'}/{split}) has no column for {named}; its columns are "
-                f"{', '.join(table.column_names)}. Set data.columns.{missing_keys[0]} (and the others named) "
+                f"{', '.join(table.column_names)}. Set task.columns.{missing_keys[0]} (and the others named) "
                 "to one of those"
             )
         return table.with_format("arrow")
@@ -392,14 +392,14 @@ def geometry3k_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConf
 @dataclass(frozen=True)
 class RowLayout:
     """How a row of one's own data set becomes a question (task 'dataset'): which column holds
-    what (`data.columns`), the user turn's template and the system turn (`data.*`)."""
+    what (`task.columns`), the user turn's template and the system turn (`task.*`)."""
 
     columns: ColumnsConfig
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
     system_prompt: str | None = None
 
     def read_columns(self) -> dict[str, str]:
-        """{data.columns key: column name} of every column the rows are read from."""
+        """{task.columns key: column name} of every column the rows are read from."""
         return {key: name for key, name in self.columns.model_dump().items() if name is not None}
 
 
@@ -437,7 +437,7 @@ def _choices(value: Any, *, column: str) -> list[str] | None:
     if value is None or (isinstance(value, list) and not value):
         return None  # a row without options: a free-form answer
     if not isinstance(value, list):
-        raise ValueError(f"data.columns.choices = {column!r} must name a list column of options; a row holds "
+        raise ValueError(f"task.columns.choices = {column!r} must name a list column of options; a row holds "
                          f"{type(value).__name__} {value!r:.80}")
     return [str(v) for v in value]
 
@@ -500,14 +500,14 @@ HELD_OUT_SPLITS = ("test", "validation")
 
 
 def held_out_split(source: str, subsets: tuple[str, ...] | None, *, train: str) -> str:
-    """Task 'dataset' without data.eval_split: 'test' when the held-out source has it, else
+    """Task 'dataset' without task.eval_split: 'test' when the held-out source has it, else
     'validation', else a clear refusal. A single file has no splits: another file is its
     held-out split (any name does); the training file itself is refused."""
     import datasets
 
     if _is_file_source(source):
         if source == train:
-            raise ValueError(f"dataset: {source} is one file, with no held-out split: set data.eval_dataset to "
+            raise ValueError(f"dataset: {source} is one file, with no held-out split: set task.eval_dataset to "
                              "another file (or to the same one to evaluate on the training rows)")
         return HELD_OUT_SPLITS[0]
     splits = datasets.get_dataset_split_names(source, config_name=subsets[0] if subsets else None)
@@ -515,7 +515,7 @@ def held_out_split(source: str, subsets: tuple[str, ...] | None, *, train: str) 
         if split in splits:
             return split
     raise ValueError(f"dataset: {source} has no split {' or '.join(map(repr, HELD_OUT_SPLITS))} to evaluate on; "
-                     f"it has {', '.join(splits)}. Set data.eval_split to one of those (or data.eval_dataset)")
+                     f"it has {', '.join(splits)}. Set task.eval_split to one of those (or task.eval_dataset)")
 
 
 @dataclass
@@ -546,7 +546,7 @@ class DatasetTask:
             # One's own data set: no hub id to fall back on, the default config, and a held-out
             # split found when it opens (`held_out_split`).
             if dataset is None:
-                raise ValueError("task 'dataset' needs data.dataset: a hub id, a folder, or parquet / JSONL files")
+                raise ValueError("task 'dataset' needs task.dataset: a hub id, a folder, or parquet / JSONL files")
             return cls(
                 task=task, dataset=dataset, split=split or "train", subsets=tuple(subsets) if subsets else None,
                 eval_dataset=eval_dataset or dataset, eval_split=eval_split,

@@ -8,7 +8,7 @@ that names one of `SKIP_REASONS`:
 * ``bad_image``: image bytes that do not decode (corrupt, truncated, not an image);
 * ``image_count``: the prompt's ``<image>`` placeholders and the row's images differ in number;
 * ``no_answer``: no ground truth (missing, None or blank);
-* ``too_long``: the prompt's tokens, image tokens included, plus ``engine.max_tokens`` exceed
+* ``too_long``: the prompt's tokens, image tokens included, plus ``sampling.max_tokens`` exceed
   ``trainer.max_tokens``. An image span is never cut, so such a prompt is skipped, not truncated;
 * ``too_many_pixels``: an image larger than ``images.max_source_pixels``.
 
@@ -16,7 +16,7 @@ The RL loop reads its prompts through a `PromptStream`: a broken row is skipped,
 batch is refilled from the rows after it (a step still gets ``rollout.prompts_per_step``
 prompts), each skip is one JSON line of ``skipped.jsonl`` in the run folder (`SkipLog`) and
 the step's metrics count them as ``skipped_<reason>``. A broken row is no reason to stop, but
-many are: when more than ``data.max_skip_fraction`` of the last `SKIP_WINDOW_ROWS` rows read
+many are: when more than ``task.max_skip_fraction`` of the last `SKIP_WINDOW_ROWS` rows read
 were skipped, the run stops (`TooManySkippedRows`) naming the commonest reason.
 
 Kill safety: every line of ``skipped.jsonl`` holds the step it was read for and its position
@@ -35,6 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from saccade.config import HubDatasetTaskConfig
+
+# The tasks whose prompts are a data set's rows (the [task] kinds of saccade.config.task's
+# HubDatasetTaskConfig and OwnDatasetTaskConfig; a test keeps them equal).
+DATASET_TASKS = ("openmmreasoner", "mathvista", "geometry3k", "dataset")
 SKIP_REASONS = ("missing_image", "bad_image", "image_count", "no_answer", "too_long", "too_many_pixels")
 SKIPPED_FILE = "skipped.jsonl"
 # The window the skip fraction is judged over: the last this many rows read. Judged only once
@@ -137,7 +142,7 @@ def token_budget(processor, limits, *, max_tokens: int, completion_tokens: int) 
         if n + completion_tokens > max_tokens:
             raise place_error(RowSkipped(
                 "too_long",
-                f"the prompt is {n} tokens (image tokens included); with engine.max_tokens = {completion_tokens} "
+                f"the prompt is {n} tokens (image tokens included); with sampling.max_tokens = {completion_tokens} "
                 f"that is over trainer.max_tokens = {max_tokens}. Images are never cut: raise trainer.max_tokens "
                 "or lower images.max_pixels to keep such rows",
             ), sample)
@@ -147,13 +152,17 @@ def token_budget(processor, limits, *, max_tokens: int, completion_tokens: int) 
 
 def row_check(cfg, processor) -> Callable[[Any], None] | None:
     """For a data set task, the run's `token_budget` check (trainer.max_tokens against each
-    prompt plus engine.max_tokens); None for the generated tasks, whose prompts are short."""
-    from saccade.data.datasets import DATASET_TASKS
-
-    if cfg.data.task not in DATASET_TASKS:
+    prompt plus sampling.max_tokens); None for the generated tasks, whose prompts are short."""
+    if cfg.task.kind not in DATASET_TASKS:
         return None
     return token_budget(processor, cfg.images, max_tokens=cfg.trainer.max_tokens,
-                        completion_tokens=cfg.engine.max_tokens)
+                        completion_tokens=cfg.sampling.max_tokens)
+
+
+def max_skip_fraction(cfg) -> float:
+    """The share of broken rows that stops the run: a data set task's `task.max_skip_fraction`;
+    for any other task (a user's may skip prompts too) the data sets' default."""
+    return getattr(cfg.task, "max_skip_fraction", HubDatasetTaskConfig.model_fields["max_skip_fraction"].default)
 
 
 def skip_counts(records: Iterable[dict[str, Any]], prefix: str = "skipped_") -> dict[str, float]:
@@ -237,7 +246,7 @@ def _line(record: dict[str, Any]) -> bytes:
 
 
 class TooManySkippedRows(ValueError):
-    """More than data.max_skip_fraction of the last rows read were broken: the data set needs fixing."""
+    """More than task.max_skip_fraction of the last rows read were broken: the data set needs fixing."""
 
 
 class SkipWindow:
@@ -259,9 +268,9 @@ class SkipWindow:
         reason, count = Counter(r for _, r in self.skips).most_common(1)[0]
         raise TooManySkippedRows(
             f"{len(self.skips)} of the last {self.rows} data set rows read were skipped as broken "
-            f"({len(self.skips) / self.rows:.1%}), more than data.max_skip_fraction = {self.max_fraction}; the "
+            f"({len(self.skips) / self.rows:.1%}), more than task.max_skip_fraction = {self.max_fraction}; the "
             f"commonest reason is {reason} ({count} rows). Each skipped row is listed with its reason in "
-            f"{self.listed_in}: fix or filter the data set, or raise data.max_skip_fraction"
+            f"{self.listed_in}: fix or filter the data set, or raise task.max_skip_fraction"
         )
 
 

@@ -358,11 +358,11 @@ def scene_paths(scene_dir: str) -> list[Path]:
     """The scenes in a folder: its sub-folders (a ScanNet or ARKitScenes scene) and mesh files, by name."""
     root = Path(scene_dir)
     if not root.is_dir():
-        raise ValueError(f"env.scene_dir {scene_dir!r} is not a folder; point it at a folder of scene folders "
+        raise ValueError(f"task.scene_dir {scene_dir!r} is not a folder; point it at a folder of scene folders "
                          "(ScanNet, ARKitScenes) or mesh files (.ply, .obj, .glb), or unset it for generated rooms")
     paths = sorted(p for p in root.iterdir() if p.is_dir() or p.suffix.lower() in (".ply", ".obj", ".glb", ".gltf"))
     if not paths:
-        raise ValueError(f"env.scene_dir {scene_dir!r} holds no scene folders or .ply/.obj/.glb files")
+        raise ValueError(f"task.scene_dir {scene_dir!r} holds no scene folders or .ply/.obj/.glb files")
     return paths
 
 

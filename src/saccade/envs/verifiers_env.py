@@ -17,6 +17,7 @@ dependency of saccade (the tests run it), never a runtime one.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,17 +41,40 @@ def import_verifiers():
     return verifiers
 
 
+def verifiers_module_name(env_id: str) -> str:
+    """The module verifiers' `load_environment(env_id)` imports (verifiers 0.1.10,
+    utils/env_utils.py): the id with '-' as '_', after any "owner/" prefix."""
+    return env_id.replace("-", "_").split("/")[-1]
+
+
+def check_verifiers_env(env_id: str) -> None:
+    """That `verifiers` and the env's module can be found, without importing either (verifiers
+    takes seconds to import; the env's module imports it). ValueError saying what to install."""
+    if importlib.util.find_spec("verifiers") is None:
+        raise ValueError(f"task.env_id: verifiers environment {env_id!r} needs the `verifiers` package: pip install "
+                         f"verifiers=={VERIFIERS_VERSION} (in a saccade checkout: uv sync --group dev)")
+    module = verifiers_module_name(env_id)
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise ValueError(f"task.env_id: verifiers environment {env_id!r}: no module {module!r} on sys.path. "
+                         f"Install the environment's package (verifiers' `vf-install {env_id}`), or put the "
+                         f"folder holding {module}.py on PYTHONPATH")
+
+
 def load_verifiers_env(env_id: str, args: dict[str, Any] | None = None):
     """The environment verifiers' own `load_environment(env_id, **args)` builds (it imports the
-    module named like the id, '-' as '_', and calls its `load_environment`). What `data.task =
-    "verifiers:ENV_ID"` runs, with `data.task_args` as the keyword arguments.
+    module named like the id, '-' as '_', and calls its `load_environment`). What `task.kind =
+    "verifiers"` runs: `task.env_id`, with `task.env_args` as the keyword arguments.
 
     Building a verifiers Environment installs its own SIGINT and SIGTERM handlers (teardown,
     then KeyboardInterrupt or exit 143)."""
     vf = import_verifiers()
     env = vf.load_environment(env_id, **(args or {}))
     if not isinstance(env, vf.MultiTurnEnv):
-        raise ValueError(f"data.task: verifiers environment {env_id!r} is a {type(env).__name__}; saccade runs "
+        raise ValueError(f"task.env_id: verifiers environment {env_id!r} is a {type(env).__name__}; saccade runs "
                          "verifiers MultiTurnEnv environments (SingleTurnEnv, ToolEnv, ... are ones)")
     return env
 

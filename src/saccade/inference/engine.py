@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from saccade.config import SamplingConfig
 from saccade.models.sampling import SampledDistribution
 
 # Tokens an engine must never sample: a sampled image pad would break the next forward.
@@ -44,6 +45,12 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1)")
         if self.max_tokens < 1 or self.n < 1:
             raise ValueError("max_tokens and n must be >= 1")
+
+    @classmethod
+    def sampled(cls, sampling: SamplingConfig, *, n: int = 1, seed: int | None = None) -> SamplingParams:
+        """The engine's request for the run's sampling (`[sampling]`), n completions per prompt."""
+        return cls(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                   min_p=sampling.min_p, max_tokens=sampling.max_tokens, n=n, seed=seed)
 
     @property
     def distribution(self) -> SampledDistribution:

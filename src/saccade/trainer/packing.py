@@ -119,7 +119,7 @@ def _image_embeddings(s: TrainingSample, lookup, *, image_token_id: int, spatial
                 f"sample {s.sample_id!r}: the embedding of its image {i} (cache key {key}) is not in the "
                 "image-embedding cache. A step's images stay pinned from its rollout until its train step "
                 "ends, so it was never encoded, or was evicted by an earlier budget: raise "
-                "images.cache_bytes, or set images.cache_dir for a disk layer under it"
+                "image_cache.budget_bytes, or set image_cache.dir for a disk layer under it"
             )
         if not torch.equal(emb.grid_thw.long(), grid.long()):
             raise ValueError(

@@ -1,0 +1,388 @@
+"""Loading a config: a TOML file, then dotted command-line overrides, validated, every mistake a
+`ConfigError` that names where the bad value came from (see `saccade.config` for the rules).
+
+A discriminated union (`[task]`, picked by `kind`) is walked through the variant its `kind`
+names: the file's or an earlier override's, else the default's. An override that changes the
+kind starts a fresh table (the file's fields were the other kind's); give the new kind's
+fields as overrides after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from saccade.config.legacy import migrate, new_key
+from saccade.config.run import RunConfig
+from saccade.config.sections import ConfigError
+
+M = TypeVar("M", bound=BaseModel)
+
+_OVERRIDE = re.compile(r"^--([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)+)(=.*)?$", re.DOTALL)
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split argv into (tokens for argparse, dotted override tokens).
+
+    ``--a.b value`` and ``--a.b=value`` (any option whose name has a dot) are overrides; the
+    token after ``--a.b`` is its value, even if it starts with '-' (``--trainer.lr -1``),
+    unless it is itself an option (``--x``). Everything after a bare ``--`` goes to argparse.
+    """
+    known: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            known.extend(argv[i:])
+            break
+        m = _OVERRIDE.match(token)
+        if m is None:
+            known.append(token)
+        elif m.group(2) is not None:
+            overrides.append(token)
+        else:
+            overrides.append(token)
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                overrides.append(argv[i + 1])
+                i += 1
+        i += 1
+    return known, overrides
+
+
+def parse_overrides(tokens: Sequence[str]) -> list[tuple[str, str, str]]:
+    """argv-style override tokens -> [(source, dotted path, raw value)].
+
+    Accepts ``--a.b value``, ``--a.b=value`` and, for top-level fields of a flat model,
+    ``--a value``. `source` is how the override is named in errors (``--a.b``).
+    """
+    out: list[tuple[str, str, str]] = []
+    tokens = list(tokens)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise ConfigError(f"{token!r}: expected an override such as --trainer.lr 1e-5 or --trainer.lr=1e-5")
+        name, eq, value = token[2:].partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", name):
+            raise ConfigError(f"{token!r}: not a valid override name (expected --section.field)")
+        if not eq:
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                raise ConfigError(f"--{name}: needs a value (--{name} VALUE or --{name}=VALUE)")
+            value = tokens[i + 1]
+            i += 1
+        out.append((f"--{name}", name, value))
+        i += 1
+    return out
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the optional CONFIG positional (a TOML file) and --dry-run to `parser`.
+
+    Dotted overrides are not argparse options: split them off with `split_overrides` before
+    `parser.parse_args` (see the module docstring for the whole pattern).
+    """
+    parser.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        metavar="CONFIG",
+        help="a TOML config file (default: the built-in defaults); then any number of dotted "
+        "overrides such as --trainer.lr 1e-5 or --lora.target_modules '[\"q_proj\"]'",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config as TOML and exit without running"
+    )
+    return parser
+
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The members of a union annotation (or the annotation itself)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return list(typing.get_args(annotation))
+    return [annotation]
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    for member in _unwrap(annotation):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            return member
+    return None
+
+
+def _is_dict(annotation: Any) -> bool:
+    return any(typing.get_origin(m) in (dict, Mapping) or m is dict for m in _unwrap(annotation))
+
+
+def _admits(annotation: Any, kind: type) -> bool:
+    """Does the annotation accept a plain `kind` (str or NoneType), directly or in a union?"""
+    for member in _unwrap(annotation):
+        if member is kind or member is Any:
+            return True
+        if kind is str and typing.get_origin(member) is Literal:
+            if any(isinstance(a, str) for a in typing.get_args(member)):
+                return True
+    return False
+
+
+def _unknown_key(cls: type[BaseModel], prefix: str, key: str) -> str:
+    """'unknown key 'trainer.lrr'; did you mean 'trainer.lr'? Valid keys in [trainer]: ...'."""
+    valid = list(cls.model_fields)
+    dotted = f"{prefix}." if prefix else ""
+    msg = f"unknown key {dotted + key!r}"
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        msg += f"; did you mean {dotted + close[0]!r}?"
+    where = f"in [{prefix}]" if prefix else "at the top level"
+    return msg + f" Valid keys {where}: {', '.join(valid)}"
+
+
+def _variants(info: FieldInfo) -> dict[str, type[BaseModel]] | None:
+    """{kind: variant} of a discriminated union field; None for any other field."""
+    if not isinstance(info.discriminator, str):
+        return None
+    out = {}
+    for member in _unwrap(info.annotation):
+        for kind in typing.get_args(member.model_fields[info.discriminator].annotation):
+            out[kind] = member
+    return out
+
+
+def _variant(info: FieldInfo, value: Any) -> tuple[type[BaseModel], str]:
+    """The variant of a union field whose value (a dict, from the file and the overrides so far)
+    names it, else the default's; and its kind."""
+    variants = _variants(info)
+    assert variants is not None
+    kind = value.get(info.discriminator) if isinstance(value, dict) else None
+    if kind not in variants:
+        kind = getattr(info.get_default(call_default_factory=True), info.discriminator)
+    return variants[kind], kind
+
+
+def _unknown_tag(tag: str, discriminator: str, tags: list[str]) -> str:
+    """'unknown kind 'mathvist'; did you mean 'mathvista'? Choose from ...'."""
+    close = difflib.get_close_matches(tag, tags, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown {discriminator} {tag!r}{hint} Choose from {', '.join(tags)}"
+
+
+def _field_at(cls: type[BaseModel], path: str, source: str, data: dict) -> tuple[Any, FieldInfo | None, bool]:
+    """(annotation of the value at `path`, the dict field's FieldInfo if `path` is one key of a
+    dict field else None, whether `path` is a union's discriminator). ConfigError for an
+    unknown key, with the valid keys at that level."""
+    parts = path.split(".")
+    current: type[BaseModel] = cls
+    where = ""
+    for i, part in enumerate(parts):
+        if part not in current.model_fields:
+            hint = new_key(path) if i == 0 or parts[0] in ("data", "env", "engine", "images") else None
+            if hint:
+                raise ConfigError(f"{source}: {path} is now {hint} (docs/config.md)")
+            raise ConfigError(f"{source}: {_unknown_key(current, '.'.join(parts[:i]), part)}{where}")
+        info = current.model_fields[part]
+        rest = parts[i + 1 :]
+        variants = _variants(info)
+        if variants is not None and rest:
+            if rest == [info.discriminator]:
+                return Literal[tuple(variants)], None, True
+            current, kind = _variant(info, _get_path(data, parts[: i + 1]))
+            where = f" (task kind {kind!r}; set {'.'.join(parts[: i + 1])}.{info.discriminator} first)"
+            continue
+        if not rest:
+            return info.annotation, None, False
+        sub = _model_class(info.annotation)
+        if sub is not None:
+            current, where = sub, ""
+            continue
+        if _is_dict(info.annotation) and len(rest) == 1:
+            for member in _unwrap(info.annotation):
+                args = typing.get_args(member)
+                if len(args) == 2:
+                    return args[1], info, False
+            return Any, info, False
+        raise ConfigError(f"{source}: {'.'.join(parts[: i + 1])} is a value, not a section; it has no key {rest[0]!r}")
+    raise AssertionError("unreachable")
+
+
+def _parse_value(raw: str, annotation: Any) -> Any:
+    """JSON when it parses, else the raw string; a string field keeps the raw text."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return None if _admits(annotation, type(None)) or not _admits(annotation, str) else raw
+    if _admits(annotation, str) and not isinstance(value, list | dict):
+        return raw  # "--log.name 123" is the string "123"
+    return value
+
+
+def _set_path(data: dict, parts: list[str], value: Any) -> None:
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _get_path(data: dict, parts: list[str]) -> Any:
+    node: Any = data
+    for part in parts:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _deep_merge(base: Any, update: dict) -> dict:
+    merged = dict(base) if isinstance(base, dict) else {}
+    for key, value in update.items():
+        merged[key] = _deep_merge(merged.get(key), value) if isinstance(value, dict) else value
+    return merged
+
+
+def _walk_loc(cls: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseModel] | None]:
+    """(`loc` without the tags pydantic puts after a union field, the model that holds its last
+    item, or None where the schema does not say)."""
+    clean: list = []
+    current: type[BaseModel] | None = cls
+    items = list(loc)
+    while items:
+        item = items.pop(0)
+        clean.append(item)
+        if not items:
+            break
+        if current is None or not isinstance(item, str) or item not in current.model_fields:
+            current = None
+            continue
+        info = current.model_fields[item]
+        variants = _variants(info)
+        if variants is not None:
+            tag = items.pop(0) if items and items[0] in variants else None
+            current = variants.get(tag) if tag is not None else None
+        else:
+            current = _model_class(info.annotation)
+    return tuple(clean), current
+
+
+def _loc_to_path(loc: tuple) -> str:
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        else:
+            out += f".{item}" if out else str(item)
+    return out
+
+
+def _touches(override_path: str, error_path: str) -> bool:
+    """Could the override at `override_path` be the cause of an error at `error_path`? (A
+    union's kind, `task.kind`, picks every field of its table.)"""
+    o, e = override_path, error_path
+    table, _, key = o.rpartition(".")
+    return not e or e == o or e.startswith((o + ".", o + "[")) or o.startswith(e + ".") or \
+        (key == "kind" and e.startswith(table + "."))
+
+
+def _format_error(cls: type[BaseModel], err: dict, file_label: str | None, overrides: list[tuple[str, str]]) -> str:
+    loc, current = _walk_loc(cls, tuple(err["loc"]))
+    path = _loc_to_path(loc)
+    if err["type"] == "extra_forbidden" and loc:
+        key = str(loc[-1])
+        prefix = _loc_to_path(loc[:-1])
+        what = _unknown_key(current, prefix, key) if current is not None else f"unknown key {path!r}"
+    elif err["type"] == "union_tag_invalid":
+        what = _unknown_tag(err["ctx"]["tag"], err["ctx"]["discriminator"].strip("'"),
+                            [t.strip(" '") for t in err["ctx"]["expected_tags"].split(",")])
+    else:
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        msg = msg[:1].lower() + msg[1:]
+        if err["type"] not in ("value_error", "assertion_error", "missing") and "input" in err:
+            shown = err["input"]
+            if not isinstance(shown, dict | BaseModel):
+                msg += f" (got {json.dumps(shown) if not isinstance(shown, str) else repr(shown)})"
+        what = msg
+    # Name the source: the last override touching this path, else the file, else the defaults.
+    source = None
+    for label, opath in reversed(overrides):
+        if _touches(opath, path):
+            source = label
+            break
+    if source is None:
+        source = file_label or "config"
+    if source.startswith("--") and source[2:] == path:
+        return f"{source}: {what}"
+    if err["type"] == "extra_forbidden":
+        return f"{source}: {what}"
+    return f"{source}: {path or '(top level)'}: {what}"
+
+
+def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
+    """Defaults of `cls`, then the TOML file at `path` (if any), then the override tokens.
+
+    `overrides` are argv-style tokens (``["--trainer.lr", "1e-5", "--lora.rank=8"]``), e.g.
+    the second value of `split_overrides`. A `RunConfig` file from before the [task] section
+    is read with its keys mapped to today's (`saccade.config.legacy`). Raises ConfigError for
+    any mistake.
+    """
+    data: dict[str, Any] = {}
+    file_label = None
+    if path is not None:
+        file_label = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{file_label}: config file not found")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{file_label}: invalid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{file_label}: not UTF-8 text: {e}") from None
+        if issubclass(cls, RunConfig):
+            try:
+                data = migrate(data, file_label)
+            except ValueError as e:
+                raise ConfigError(f"{file_label}: {e}") from None
+
+    applied: list[tuple[str, str]] = []
+    for source, dotted, raw in parse_overrides(overrides):
+        annotation, dict_field, discriminator = _field_at(cls, dotted, source, data)
+        value = _parse_value(raw, annotation)
+        parts = dotted.split(".")
+        if discriminator and _get_path(data, parts) not in (None, value):
+            _set_path(data, parts[:-1], {})  # another kind: the file's fields were the old kind's
+        if dict_field is not None and not isinstance(_get_path(data, parts[:-1]), dict):
+            # One key of a dict field: the other keys keep their default values.
+            default = dict_field.get_default(call_default_factory=True)
+            _set_path(data, parts[:-1], dict(default) if isinstance(default, dict) else {})
+        if _model_class(annotation) is not None and isinstance(value, dict):
+            value = _deep_merge(_get_path(data, parts), value)  # a section as JSON merges into the file's
+        _set_path(data, parts, value)
+        applied.append((source, dotted))
+
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        lines = [_format_error(cls, err, file_label, applied) for err in e.errors()]
+        if len(lines) == 1:
+            raise ConfigError(lines[0]) from None
+        raise ConfigError(f"{len(lines)} errors in the config:\n  " + "\n  ".join(lines)) from None

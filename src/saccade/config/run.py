@@ -1,0 +1,72 @@
+"""`RunConfig`: everything an RL or SFT run reads, composed of the sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from saccade.config.sections import (
+    DEFAULT_TIS_CAP, CheckpointConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig,
+    LogConfig, LoraConfig, LossConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, TrainerConfig,
+)
+from saccade.config.task import ShapesTaskConfig, TaskConfig
+
+
+class RunConfig(Section):
+    """Everything an RL or SFT run reads. The defaults are a CPU demo on the built-in tiny model."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy checkpoint")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters or full fine-tuning")
+    images: ImagesConfig = Field(default_factory=ImagesConfig, description="image limits")
+    image_cache: ImageCacheConfig = Field(default_factory=ImageCacheConfig, description="the image-embedding cache")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="how completions are sampled")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollouts per step and advantages")
+    loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the optimizer loop")
+    sft: SftConfig = Field(default_factory=SftConfig, description="supervised fine-tuning")
+    task: TaskConfig = Field(default_factory=ShapesTaskConfig, description="the task: its kind and its own fields")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="how episodes run, whatever the task")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="periodic evaluation")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving weights")
+    log: LogConfig = Field(default_factory=LogConfig, description="metrics and the run folder")
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder: log.dir, else runs/<log.name>."""
+        return Path(self.log.dir) if self.log.dir else Path("runs") / self.log.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """<run_dir>/checkpoints: where `saccade rl` saves and `--resume` looks."""
+        return self.run_dir / "checkpoints"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shapes_unless_told(cls, data: Any) -> Any:
+        # A [task] table without a kind is the default task's: `--task.num_choices 3` alone works.
+        if isinstance(data, dict) and isinstance(data.get("task"), dict) and "kind" not in data["task"]:
+            return {**data, "task": {"kind": ShapesTaskConfig().kind, **data["task"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _async_needs_servers(self) -> RunConfig:
+        if self.rollout.max_async_level > 0 and self.engine.kind != "vllm":
+            raise ValueError(
+                f"rollout.max_async_level = {self.rollout.max_async_level} needs vLLM servers (engine.kind = "
+                "'vllm'): the embedded engine samples from the very weights being trained, so it cannot sample "
+                "ahead of them; set rollout.max_async_level = 0"
+            )
+        return self
+
+
+def effective_loss(cfg: RunConfig) -> LossConfig:
+    """The loss a run trains with: `loss`, with tis_cap set when TIS is on (`loss.tis`). Rollouts
+    from older weights than the trainer's (async, or weights pushed every k > 1 steps) are
+    reweighted by min(pi_old / mu, cap), so 'auto' turns it on for them."""
+    loss = cfg.loss
+    off_policy = cfg.rollout.max_async_level > 0 or cfg.engine.sync_every_steps > 1
+    on = loss.tis == "on" or (loss.tis == "auto" and (off_policy or loss.tis_cap is not None))
+    return loss.model_copy(update={"tis_cap": (loss.tis_cap or DEFAULT_TIS_CAP) if on else None})

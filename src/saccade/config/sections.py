@@ -1,0 +1,372 @@
+"""The plain sections of a run's config: one pydantic model per concern.
+
+`saccade.config.task` holds the `[task]` union, `saccade.config.run` the `RunConfig` that
+composes them all. Every section is a `Section`: unknown keys refused, assignment validated,
+no inf or nan, a description on every field and bounds wherever a bound means something.
+
+This module imports no other part of saccade (but `saccade.installed`, which imports nothing).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+class ConfigError(ValueError):
+    """A user error in a config file or a command-line override; the message says where."""
+
+
+class Section(BaseModel):
+    """Base of every config model: unknown keys refused, assignment validated, no inf/nan."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# The built-in random models (saccade.models.tiny.PRESETS; a test keeps the two lists equal).
+PRESET_NAMES = ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b")
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class ModelConfig(Section):
+    """The policy: which Qwen3-VL checkpoint, in which dtype, with which attention kernel."""
+
+    path: str = Field(
+        "tiny",
+        min_length=1,
+        description="Hugging Face hub id or local folder of a Qwen3-VL checkpoint; 'tiny', 'small', "
+        "'qwen3vl-2b' or 'qwen3vl-4b' (Qwen3-VL-2B's or 4B's shapes) for the built-in random presets "
+        "(built offline, cached); "
+        "'tiny-warm': the tiny model after the demo's warm start (built on first use, cached)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="compute dtype (bfloat16 on GPU): frozen weights and image embeddings are stored in it; "
+        "trainable weights, optimizer state, logprobs and the loss stay float32 (docs/precision.md)",
+    )
+    attn_implementation: Literal["auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto",
+        description="attention kernel of the language model. auto = packed_sdpa: each packed sample attends "
+        "causally within itself and masked blocks are never computed (docs/packing.md); sdpa builds the "
+        "block-diagonal mask; flash_attention_2 needs a GPU, bf16 and the flash-attn package",
+    )
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _kernel_importable(cls, name: str) -> str:
+        # Checked when the config loads, so --dry-run refuses it before a model is built, not the
+        # first trainer forward after a whole rollout.
+        from saccade.installed import attention_kernel_problem
+
+        problem = attention_kernel_problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
+
+    @property
+    def is_preset(self) -> bool:
+        """True for the built-in random presets, which have no hub id."""
+        return self.path in PRESET_NAMES or self.path == "tiny-warm"
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the language model's linears; `enabled = false` is full fine-tuning.
+
+    The vision tower is frozen either way (its embeddings are computed once and cached)."""
+
+    enabled: bool = Field(True, description="train LoRA adapters; false: full fine-tuning of the language model")
+    rank: int = Field(16, ge=1, le=4096, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input, in [0, 1)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        description="names of the language model's linear layers that get adapters",
+    )
+
+    @property
+    def full_finetune(self) -> bool:
+        return not self.enabled
+
+
+class ImagesConfig(Section):
+    """Image limits, applied identically wherever images are processed (engine, trainer, eval).
+
+    This one type is also what the image code takes as its `limits`; the cache of the images'
+    embeddings has its own section, `[image_cache]`."""
+
+    min_pixels: int = Field(32 * 32, gt=0, description="lower bound of the processor's resize, in pixels (h*w)")
+    max_pixels: int = Field(256 * 256, gt=0, description="upper bound of the processor's resize, in pixels (h*w)")
+    max_source_pixels: int = Field(
+        8192 * 8192, gt=0, description="decoded images with more pixels than this are refused (decompression bombs)"
+    )
+    allow_remote: bool = Field(False, description="allow http(s) image URLs; false refuses them")
+    remote_timeout_s: float = Field(10.0, gt=0, description="total time allowed for one remote image fetch, seconds")
+    max_remote_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest remote image download, bytes")
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> ImagesConfig:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
+        return self
+
+
+class ImageCacheConfig(Section):
+    """The cache of image embeddings: the frozen vision tower's output, computed once per image."""
+
+    budget_bytes: int = Field(
+        1 << 30, gt=0,
+        description="host-memory budget of the image-embedding cache, bytes. The images a step uses stay pinned "
+        "from its rollout until its train step ends (the cache may exceed the budget meanwhile); then the least "
+        "recently used go first",
+    )
+    dir: str | None = Field(
+        None, min_length=1,
+        description="folder for a disk layer under the cache (safetensors per image, kept across runs); unset: none",
+    )
+
+
+class EngineConfig(Section):
+    """The inference engine that samples rollouts: embedded in-process, or vLLM servers (how it
+    samples is `[sampling]`)."""
+
+    kind: Literal["embedded", "vllm"] = Field(
+        "embedded", description="'embedded': sample in the trainer's process; 'vllm': vLLM server(s) at `urls`"
+    )
+    urls: list[str] = Field(
+        default_factory=list, description="base URLs of the vLLM servers (kind = 'vllm'), e.g. http://localhost:8000"
+    )
+    timeout_s: float = Field(600.0, gt=0, description="timeout of one request to a vLLM server, seconds")
+    max_concurrency: int = Field(64, ge=1, description="most requests in flight to the vLLM servers at once")
+    sync_every_steps: int = Field(
+        1, ge=1,
+        description="push the trainer's weights to the vLLM servers after every k-th step (1: on-policy); "
+        "rollouts in between are sampled from the last pushed policy, and each records its version. "
+        "The embedded engine shares the trainer's module and is always current",
+    )
+    sync_lora_adapter: bool = Field(
+        False,
+        description="with LoRA, push only the adapter (MBs) instead of merged full weights (GBs); the servers "
+        "load it in place and sample with it (start them with --enable-lora --max-lora-rank >= lora.rank)",
+    )
+    health_interval_s: float = Field(
+        2.0, ge=0,
+        description="how often servers that were taken out (or failed to answer at the start) are probed; one "
+        "that answers gets the current weights and is put back in (0: never)",
+    )
+    no_server_wait_s: float = Field(
+        60.0, ge=0,
+        description="with every server out, how long a request waits for one to come back before the run saves "
+        "a checkpoint and stops (then restart the servers and --resume)",
+    )
+    weights_dir: str | None = Field(
+        None,
+        description="folder where weights for the vLLM servers are written (must be readable by every server: "
+        "a shared filesystem for remote ones); default <run_dir>/engine-weights. Only the latest version is kept",
+    )
+
+    @model_validator(mode="after")
+    def _urls_for_vllm(self) -> EngineConfig:
+        if self.kind == "vllm" and not self.urls:
+            raise ValueError("kind 'vllm' needs at least one server in urls, e.g. urls = [\"http://localhost:8000\"]")
+        for url in self.urls:
+            if not re.match(r"^https?://[^/\s]+", url):
+                raise ValueError(f"urls must be http(s)://host[:port] addresses, got {url!r}")
+        return self
+
+
+class SamplingConfig(Section):
+    """How completions are sampled: the one place these are set. The engine's request
+    (`saccade.inference.engine.SamplingParams.sampled`) and the distribution the trainer scores
+    (`SamplingParams.distribution`) are both made from it."""
+
+    temperature: float = Field(
+        1.0, gt=0, le=10, description="sampling temperature (> 0; the trainer scores the same distribution)"
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1,
+        description="nucleus sampling: keep the most likely tokens whose probability reaches top_p, in (0, 1] "
+        "(1: off). As top_k and min_p, it applies after the temperature, and the trainer scores the same "
+        "truncated, renormalised distribution",
+    )
+    top_k: int = Field(
+        0, ge=0, le=1_000_000, description="keep only the k most likely tokens when sampling (0: off; vLLM's "
+        "convention); applied after min_p and before top_p",
+    )
+    min_p: float = Field(
+        0.0, ge=0, lt=1, description="keep only tokens with probability >= min_p x the most likely one's, "
+        "after the temperature, in [0, 1) (0: off); applied before top_k and top_p",
+    )
+    max_tokens: int = Field(16, ge=1, le=262144, description="most tokens sampled per completion")
+
+
+class RolloutConfig(Section):
+    """How many rollouts each step samples, and how rewards become advantages (GRPO family)."""
+
+    prompts_per_step: int = Field(8, ge=1, description="distinct prompts per optimizer batch")
+    group_size: int = Field(8, ge=2, le=1024, description="completions sampled per prompt (G)")
+    filter_zero_variance: bool = Field(
+        True, description="drop groups whose rewards are all equal: no signal (DAPO dynamic sampling)"
+    )
+    scale_advantages_by_std: bool = Field(
+        True, description="divide advantages by the group's std (GRPO); false: Dr. GRPO"
+    )
+    max_async_level: int = Field(
+        0, ge=0, le=16,
+        description="steps of rollouts sampled ahead of the trainer (vLLM engine): 0 samples each step's "
+        "rollouts after the previous step's weights reached the servers (on-policy); 1 samples step n+1 while "
+        "step n trains, from weights at most 1 version old. A batch staler than this is never trained on",
+    )
+    reward_weights: dict[str, float] = Field(
+        default_factory=lambda: {"correct": 1.0},
+        min_length=1,
+        description="weight of each reward function in the total reward: a built-in by name (correct, format, "
+        "boxed_format) or your own as 'package.module:function', called as fn(completion, *, sample, messages) "
+        "and returning a float or a dict of named parts (summed; each logged as reward_<name>_<part>); "
+        "docs/rewards.md. Checked before the run builds anything, --dry-run included (your module is imported "
+        "then)",
+    )
+    reward_timeout_s: float = Field(
+        60.0, gt=0, le=86400,
+        description="the most seconds one reward function may take on one answer (async ones, and your sync "
+        "ones, which run on worker threads); past it the answer scores 0 there, counted in reward_timeouts",
+    )
+
+
+class LossConfig(Section):
+    """The policy loss (`saccade.trainer.loss.policy_loss` takes this very type)."""
+
+    kind: Literal["ppo_clip", "reinforce"] = Field("ppo_clip", description="clipped PPO surrogate, or plain REINFORCE")
+    eps_low: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - eps_low")
+    eps_high: float = Field(
+        0.28, ge=0, le=10, description="the ratio is clipped above at 1 + eps_high (DAPO clip-higher)"
+    )
+    normalization: Literal["sequence", "token", "constant"] = Field(
+        "token",
+        description="'sequence': mean per sequence, then over sequences (GRPO); 'token': over all tokens "
+        "(DAPO); 'constant': sum / (sequences * max_completion_tokens) (Dr. GRPO)",
+    )
+    max_completion_tokens: int = Field(
+        16, ge=1, description="the constant of 'constant' normalization; set it to sampling.max_tokens"
+    )
+    tis: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="truncated importance sampling: 'auto' is on whenever rollouts can come from older weights "
+        "than the trainer's (rollout.max_async_level > 0 or engine.sync_every_steps > 1) or tis_cap is set; "
+        "'on' always; 'off' never",
+    )
+    tis_cap: float | None = Field(
+        None, gt=0, description="truncated importance sampling cap on pi_old / mu; unset: 2.0 when TIS is on"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL(pi || reference) penalty (k3 estimator)")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
+
+
+DEFAULT_TIS_CAP = 2.0
+
+
+class TrainerConfig(Section):
+    """The optimizer loop (AdamW): steps, learning-rate schedule, micro-batching, seed."""
+
+    steps: int = Field(40, ge=1, description="optimizer batches (RL steps) to train for")
+    lr: float = Field(1e-3, gt=0, le=1, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr over this many steps")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="schedule after warm-up")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for 'linear' and 'cosine' decay")
+    grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
+    max_tokens: int = Field(4096, ge=16, description="token budget of one packed micro-batch")
+    num_iterations: int = Field(1, ge=1, le=64, description="optimizer steps per rollout batch (mu); > 1 is off-policy")
+    seed: int = Field(0, ge=0, description="seed of torch, data order and sampling")
+    torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads; unset: torch's default")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="where the trainer's model (and the embedded engine) runs: 'auto' is the local rank's CUDA "
+        "device when there is one (LOCAL_RANK, else cuda:0), else the CPU; or 'cpu', 'cuda', 'cuda:N'",
+    )
+    dist_timeout_s: float = Field(
+        3600.0, ge=60, le=7 * 24 * 3600,
+        description="under torchrun: how long a rank waits in any collective (barriers included) before the "
+        "run fails. Ranks wait for rank 0 while it resolves (downloads) the model and while it runs the held-out "
+        "evaluation: a cold download of an 8B checkpoint (about 17 GB) at 20 MB/s takes about 15 min, past "
+        "NCCL's default 10. A dead rank ends the job at once anyway (torchrun stops the others), so the timeout "
+        "only limits how long a hung rank goes unnoticed: 1 hour",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in backward instead of keeping them: activation "
+        "memory drops to about one layer's plus each layer's input, for one extra forward per micro-batch",
+    )
+    share_prompts: bool = Field(
+        True,
+        description="pack each group's common prompt once: its G completions attend to one copy, so the forward "
+        "and backward run the prompt (images included) once per group, not G times. Same logprobs; needs "
+        "model.attn_implementation auto/packed_sdpa (other kernels pack every sample whole)",
+    )
+
+
+class SftConfig(Section):
+    """Supervised fine-tuning (`saccade sft`) on the task's reference answers."""
+
+    steps: int = Field(100, ge=1, description="optimizer steps")
+    lr: float = Field(1e-3, gt=0, le=1, description="peak learning rate (AdamW)")
+    batch_size: int = Field(16, ge=1, description="examples per optimizer step")
+
+
+# The fields data.prompt_template may name, and the placeholder that places an image
+# (saccade.data.shapes.IMAGE_PLACEHOLDER, repeated so this module imports no data code).
+class EvalConfig(Section):
+    """Periodic evaluation on the held-out prompts."""
+
+    every_steps: int = Field(10, ge=0, description="evaluate (greedy decoding) every this many steps; 0: never")
+    prompts: int = Field(
+        64, ge=0, description="held-out prompts evaluated; data sets: the first this many rows of the eval split"
+    )
+    samples_k: int = Field(
+        1, ge=1, le=1024, description="saccade eval: samples per prompt at sampling.temperature, for pass@k (n)"
+    )
+
+
+class CheckpointConfig(Section):
+    """Saving the trained weights (the LoRA adapter, or the full model) to <run_dir>/checkpoints."""
+
+    every_steps: int = Field(0, ge=0, description="save every this many steps, and at the end; 0: only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept on disk; older ones are deleted")
+
+
+class LogConfig(Section):
+    """Where metrics, samples of the completions and the resolved config go."""
+
+    dir: str | None = Field(None, min_length=1, description="run folder; unset: runs/<name>")
+    name: str = Field("demo", pattern=NAME_PATTERN, description="run name (letters, digits, '.', '_', '-')")
+    wandb: bool = Field(False, description="log to Weights & Biases")
+    wandb_project: str = Field("saccade", min_length=1, description="W&B project")
+    tensorboard: bool = Field(False, description="write TensorBoard event files to the run folder")
+    samples_every: int = Field(
+        10, ge=0, description="every this many RL steps, write a few prompts with their completions, rewards and "
+        "advantages to <run_dir>/samples.jsonl (images under samples/; `saccade report` shows them); 0: never",
+    )
+    samples_prompts: int = Field(2, ge=1, le=64, description="prompts per samples.jsonl step, the step's first ones")
+    samples_image_side: int = Field(
+        256, ge=16, le=4096, description="longest side, pixels, of the PNG thumbnails written under samples/"
+    )
+
+
+class EnvConfig(Section):
+    """How every episode runs in the rollout loop, whatever the task: its token budget, what the
+    loss trains on, and the check of the engine's inputs against the training samples. (What a
+    task's environment does is in `[task]`.)"""
+
+    max_total_tokens: int = Field(4096, ge=64, description="an episode ends once its next turn would not fit this")
+    loss_on: Literal["assistant", "markers"] = Field(
+        "assistant", description="train on every sampled assistant token, or only on those inside loss_markers"
+    )
+    loss_markers: list[str] = Field(
+        default_factory=lambda: ["[ACTION]", "[/ACTION]"], min_length=2, max_length=2,
+        description="the open and close markers for loss_on = 'markers'",
+    )
+    check_consistency: Literal["first", "always", "never"] = Field(
+        "first", description="compare the engine's inputs with the training samples on the first step, every step, or never"
+    )
