@@ -56,7 +56,7 @@ from saccade.config.sections import (
     Section, SftConfig, TrainerConfig,
 )
 from saccade.config.task import (
-    DATASET_CONFIGS, DEFAULT_PROMPT_TEMPLATE, HUB_DATASETS, SCENE_QUESTION_KINDS, SHAPES_QUESTION_KINDS,
+    DATASET_CONFIGS, DEFAULT_PROMPT_TEMPLATE, SCENE_QUESTION_KINDS, SHAPES_QUESTION_KINDS,
     TASK_CONFIGS, VIEW_COLORS, ColumnsConfig, HubDatasetTaskConfig, OwnDatasetTaskConfig, PluginTaskConfig,
     ScenesTaskConfig, ShapesTaskConfig, TaskConfig, VerifiersTaskConfig, ViewsTaskConfig,
 )
@@ -66,7 +66,6 @@ __all__ = [
     "DATASET_CONFIGS",
     "DEFAULT_PROMPT_TEMPLATE",
     "DEFAULT_TIS_CAP",
-    "HUB_DATASETS",
     "PRESET_NAMES",
     "SCENE_QUESTION_KINDS",
     "SHAPES_QUESTION_KINDS",

@@ -84,7 +84,8 @@ def migrate(data: dict[str, Any], label: str) -> dict[str, Any]:
         out.setdefault(new_section, {}).setdefault(new_name, out[section].pop(name))
         notes.append(f"{old} -> {RENAMED[old]}")
     if moved_task:
-        task, dropped = _moved_task(out.pop("data", None) or {}, out.get("env") or {}, notes)
+        kind = (out.get("task") or {}).get("kind", "shapes")  # a file half migrated names its kind in [task]
+        task, dropped = _moved_task(out.pop("data", None) or {}, out.get("env") or {}, kind, notes)
         for key, value in task.items():
             out.setdefault("task", {}).setdefault(key, value)
         if dropped:
@@ -97,11 +98,15 @@ def migrate(data: dict[str, Any], label: str) -> dict[str, Any]:
     return out
 
 
-def _moved_task(old_data: dict[str, Any], env: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any], list[str]]:
+def _moved_task(old_data: dict[str, Any], env: dict[str, Any], kind: str,
+                notes: list[str]) -> tuple[dict[str, Any], list[str]]:
     """The [task] table that [data] and [env]'s task fields make (popping those from `env`), and
-    the changed fields the task does not read."""
-    task = _old_task(str(old_data.pop("task", "shapes")))
-    notes.append(f"data.task -> task.kind = {task['kind']!r}")
+    the changed fields the task does not read. `kind`: the task's when [data] names none."""
+    if "task" in old_data:
+        task = _old_task(str(old_data.pop("task")))
+        notes.append(f"data.task -> task.kind = {task['kind']!r}")
+    else:
+        task = {"kind": kind}
     fields = _fields_of(task["kind"])
     args = old_data.pop("task_args", None)
     if args:

@@ -34,10 +34,6 @@ VIEW_PLACES = ("left", "right", "ceiling", "floor", "far")
 VIEW_COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
 # Mesh scenes also name scanned objects' neutral colours (saccade.scenes.mesh.SCENE_COLORS).
 SCENE_COLORS = (*VIEW_COLORS, "white", "gray", "black", "brown")
-# The data set kinds (saccade.data.rows.DATASET_TASKS is the same tuple; a test keeps them equal).
-HUB_DATASETS = ("openmmreasoner", "mathvista", "geometry3k")
-
-
 KIND = "which task: its fields follow (docs/config.md lists every kind's)"
 
 
@@ -379,4 +375,5 @@ TaskConfig = Annotated[
 ]
 TASK_CONFIGS = (ShapesTaskConfig, ViewsTaskConfig, ScenesTaskConfig, HubDatasetTaskConfig, OwnDatasetTaskConfig,
                 VerifiersTaskConfig, PluginTaskConfig)
+# Their kinds are saccade.data.rows.DATASET_TASKS (a test keeps the two equal).
 DATASET_CONFIGS = (HubDatasetTaskConfig, OwnDatasetTaskConfig)
