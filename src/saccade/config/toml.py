@@ -48,7 +48,7 @@ def _toml_value(value: Any) -> str:
 def _comment(text: str | None) -> list[str]:
     if not text:
         return []
-    return [f"# {line}".rstrip() for line in text.strip().splitlines()]
+    return [f"# {line.strip()}".rstrip() for line in text.strip().splitlines()]  # docstrings are indented
 
 
 def _write_model(model: BaseModel, prefix: str, comments: bool, out: list[str]) -> None:
