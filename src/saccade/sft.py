@@ -8,23 +8,28 @@ negative log-likelihood over the answer tokens of the whole batch.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
 
 import torch
 
-from saccade.config import RunConfig
+from saccade.config import RunConfig, describe
+from saccade.data.shapes import to_messages
+from saccade.inference.engine import ChatRequest
+from saccade.metrics import MetricsLogger, ProgressBar, format_step
+from saccade.models.lm import unwrap_policy
+from saccade.setup import build_setup
+from saccade.tasks import task_from_config
+from saccade.trainer.forward import forward_logprobs
+from saccade.trainer.packing import pack
+from saccade.trainer.samples import make_sample
+from saccade.trainer.step import build_optimizer, optimizer_step, staged
 
 
 def sft_samples(setup, items: list[tuple[object, str, str]]) -> list:
     """TrainingSamples for (vqa_sample, answer, sample_id) items: the answer after the sample's
     prompt. The engine prepares the prompts, so their images' embeddings land in the cache."""
-    from saccade.data.shapes import to_messages
-    from saccade.inference.engine import ChatRequest
-    from saccade.trainer.samples import make_sample
-
     # The engine's own prompt preparation: the very ids (and cached images) it samples after.
     prompts = setup.engine.prepare_all([ChatRequest(sample_id, to_messages(vqa)) for vqa, _, sample_id in items])
     tokenizer = setup.processor.tokenizer
@@ -46,41 +51,26 @@ def sft_samples(setup, items: list[tuple[object, str, str]]) -> list:
 
 
 def sft_step(model, optimizer, scheduler, micro_batches: list, *, grad_clip: float) -> dict[str, float]:
-    """One optimizer step of token-level NLL over the packed micro-batches (gradients accumulated).
-    The micro-batches are in host memory; each goes to the model's device one ahead of the one
-    being computed (`saccade.trainer.step.on_device`), and the device is read once, at the end."""
-    from saccade.models.lm import unwrap_policy
-    from saccade.trainer.forward import forward_logprobs
-    from saccade.trainer.step import clip_grad_norm, on_device, optimized_params
-
+    """One optimizer step (`saccade.trainer.step.optimizer_step`) of token-level NLL over the
+    packed micro-batches, in host memory: the mean over the step's answer tokens."""
     total = float(sum(int(mb.on_host.loss_mask.sum()) for mb in micro_batches))
     device = unwrap_policy(model).lm_head.weight.device
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    nll = torch.zeros((), device=device)
-    for _, mb in on_device(micro_batches, device):
+
+    def nll(k: int, mb) -> tuple[torch.Tensor, dict]:
         logprobs, _ = forward_logprobs(model, mb, only_loss_tokens=True)
-        loss = -torch.where(mb.loss_mask, logprobs, 0.0).sum() / total
-        loss.backward()
-        nll += loss.detach()
-        del mb, logprobs, loss
-    nll, norm = torch.stack([nll, clip_grad_norm(optimized_params(optimizer), grad_clip).float()]).tolist()
-    if not math.isfinite(norm):
-        optimizer.zero_grad(set_to_none=True)
-        print("sft step skipped: non-finite gradient; the weights were not changed")
-        return {"nll": nll, "skipped_steps": 1.0}
-    optimizer.step()
-    scheduler.step()
-    return {"nll": nll, "grad_norm": norm, "lr": scheduler.get_last_lr()[0], "skipped_steps": 0.0}
+        return -torch.where(mb.loss_mask, logprobs, 0.0).sum() / total, {}
+
+    model.train()
+    outcome = optimizer_step(optimizer, scheduler, micro_batches, nll, device=device, grad_clip=grad_clip)
+    if not outcome.applied:
+        return {"nll": outcome.sums["loss"], "skipped_steps": 1.0}
+    return {"nll": outcome.sums["loss"], "grad_norm": outcome.grad_norm, "lr": scheduler.get_last_lr()[0],
+            "skipped_steps": 0.0}
 
 
 def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool = True, phase: str = "sft") -> dict:
     """cfg.sft.steps optimizer steps on make_batch(step) -> TrainingSamples; a linear warm-up
     over the first tenth of the steps, then constant; the engine gets the weights after."""
-    from saccade.metrics import MetricsLogger, ProgressBar, format_step
-    from saccade.trainer.packing import pack
-    from saccade.trainer.step import build_optimizer, staged
-
     s = cfg.sft
     warmup = max(1, s.steps // 10)
     optimizer, scheduler = build_optimizer(setup.model, lr=s.lr, weight_decay=cfg.trainer.weight_decay,
@@ -111,10 +101,6 @@ def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool
               progress: bool = True, phase: str = "sft") -> dict:
     """SFT on the configured task's questions. random_answers: answers drawn uniformly from the
     choices, independent of the image (the demo's warm start: format without visual signal)."""
-    from saccade.config import describe
-    from saccade.setup import build_setup
-    from saccade.tasks import task_from_config
-
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
     setup = setup or build_setup(cfg, run_dir)

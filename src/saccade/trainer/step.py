@@ -1,4 +1,12 @@
-"""One RL train step over packed micro-batches, with every input an explicit argument.
+"""The optimizer step, once (`optimizer_step`), and one RL train step over packed micro-batches
+(`train_step`), with every input an explicit argument.
+
+`optimizer_step` is the loop every trainer here runs: gradients accumulated over the step's
+micro-batches (each sent to the device one ahead of the one being computed), a step whose
+loss or gradient is NaN/inf skipped (the weights and the optimizer state left as they were),
+the gradient clipped, the device read once. What a micro-batch's loss is comes in as a
+function: the clipped policy objective (`train_step`), SFT's negative log-likelihood
+(`saccade.sft.sft_step`), the trainer benchmark's variants (`saccade.bench.trainer`).
 
 `train_step` never sees a run's setup or config file: it gets the model, the optimizer and
 its scheduler, the step's micro-batches (packed, in host memory), the loss
@@ -10,15 +18,16 @@ A distributed trainer or an async orchestrator calls it the same way.
 Per step: behaviour logprobs first (the engine's, or with TIS the trainer's own before the
 update), reference logprobs when the KL term is on, then `num_iterations` optimizer steps,
 each accumulating gradients over every micro-batch with the step-global token and sequence
-counts (so the micro-batch losses sum to the loss of the whole batch). A step whose loss or
-gradient is NaN/inf is skipped: the weights and the optimizer state are left as they were.
+counts (so the micro-batch losses sum to the loss of the whole batch).
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +43,10 @@ from saccade.trainer.samples import MicroBatch
 
 # A reference policy: a micro-batch in, the reference's logprob of each of its tokens out.
 Reference = Callable[[MicroBatch], torch.Tensor]
+# A micro-batch's loss: (its index k in the step, micro-batch k on the device) in; the loss to
+# backpropagate (normalised by the step's totals, so the micro-batches' losses sum to the
+# step's) and figures to sum over the step (0-dim device tensors) out.
+MicroBatchLoss = Callable[[int, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def lr_schedule(trainer: TrainerConfig) -> Callable[[int], float]:
@@ -153,12 +166,13 @@ def staged(micro_batches: list[MicroBatch], device: torch.device) -> list[MicroB
     return [mb.pinned() for mb in micro_batches] if device.type == "cuda" else micro_batches
 
 
-def on_device(micro_batches: list[MicroBatch], device: torch.device) -> Iterator[tuple[int, MicroBatch]]:
+def on_device(micro_batches: Sequence, device: torch.device) -> Iterator[tuple[int, Any]]:
     """(k, micro-batch k on `device`), each sent one ahead of the one being computed: while the
     caller works on k, k + 1 is on its way (non_blocking, from pinned memory on CUDA), and k - 1
     is gone, provided the caller keeps nothing of it (drop the loop variable before the next
     one). At most two micro-batches are on the device at once, which is what `saccade memory`
-    counts; a whole step's would not fit beside a large model."""
+    counts; a whole step's would not fit beside a large model. A micro-batch is anything with
+    `.to(device)` (`MicroBatch`; the trainer benchmark's padded and full-model batches)."""
     ahead = micro_batches[0].to(device) if micro_batches else None
     for k in range(len(micro_batches)):
         current, ahead = ahead, None
@@ -185,6 +199,60 @@ def adapter_free_reference(model: nn.Module, *, distribution: SampledDistributio
         return logprobs
 
     return reference
+
+
+@dataclass
+class StepOutcome:
+    """What one optimizer step did. `sums` holds "loss" and the loss function's figures, each
+    summed over the step's micro-batches (this rank's); a skipped step's are NaN or garbage."""
+
+    applied: bool  # False: a NaN/inf loss or gradient; the weights and optimizer state did not change
+    grad_norm: float  # before clipping (the whole model's, with sharded parameters)
+    sums: dict[str, float]
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scheduler, micro_batches: Sequence,
+                   micro_batch_loss: MicroBatchLoss, *, device: torch.device, grad_clip: float,
+                   world: World = SINGLE) -> StepOutcome:
+    """One optimizer step: each micro-batch's loss (`micro_batch_loss`) backpropagated, the
+    gradients accumulated over all of them, clipped to `grad_clip`, then applied, unless the
+    loss or the gradient is NaN/inf on any rank: then nothing is applied, on every rank.
+
+    The micro-batches are in host memory (pinned on CUDA) and go to `device` one ahead of the
+    one being computed (`on_device`). The loss, its figures and the finite check stay on the
+    device; they are read once, after the last backward, together with the gradient norm."""
+    optimizer.zero_grad(set_to_none=True)
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    sums: dict[str, torch.Tensor] = {}
+    for k, mb in on_device(micro_batches, device):
+        loss_value, figures = micro_batch_loss(k, mb)
+        # A NaN/inf loss is noted, not read: backward still runs (on every rank of a sharded
+        # model FSDP's reduce-scatters are collective), and the step is skipped below.
+        finite &= torch.isfinite(loss_value)
+        with timed("backward"):
+            loss_value.backward()
+        _accumulate(sums, "loss", loss_value.detach())
+        for name, value in figures.items():
+            _accumulate(sums, name, value)
+        del mb, loss_value, figures  # nothing of k outlives its turn
+    with timed("optimizer"):
+        norm = clip_grad_norm(optimized_params(optimizer), grad_clip)
+        names = sorted(sums)
+        finite_loss, norm_value, *values = torch.stack(
+            [finite.double(), norm.double()] + [sums[name] for name in names]).tolist()
+    if world.size > 1:  # a non-finite loss on any rank skips the step on every rank
+        finite_loss = all_reduce_sum([1.0 - finite_loss], world, device)[0] == 0
+    outcome = StepOutcome(bool(finite_loss) and math.isfinite(norm_value), norm_value, dict(zip(names, values)))
+    if not outcome.applied:
+        # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
+        optimizer.zero_grad(set_to_none=True)
+        reason = "non-finite loss" if not finite_loss else "non-finite gradient"
+        print(f"step skipped: {reason}; the weights were not changed")
+        return outcome
+    with timed("optimizer"):
+        optimizer.step()
+        scheduler.step()
+    return outcome
 
 
 def train_step(
@@ -215,9 +283,9 @@ def train_step(
     these weights: the numerics gap alone, apart from what the policy moved since older ones.
 
     With a sharded model (`world.size` > 1), `micro_batches` are this rank's share of the step
-    (`saccade.distributed.balance`, padded so that every rank has as many) and the returned
-    metrics are the whole step's: the loss normalisation, the metric sums and the decision to
-    skip a non-finite step are all taken over every rank."""
+    (`saccade.trainer.packing.rank_micro_batches`, padded so that every rank has as many) and
+    the returned metrics are the whole step's: the loss normalisation, the metric sums and the
+    decision to skip a non-finite step are all taken over every rank."""
     if loss.kl_coef > 0 and reference is None:
         raise ValueError("loss.kl_coef > 0 needs a reference policy")
     policy = unwrap_policy(model)
@@ -242,71 +310,53 @@ def train_step(
                     ref_logprobs[k] = reference(mb)
                 del mb
 
-    params = optimized_params(optimizer)
-    sums: dict[str, torch.Tensor] = {}  # the applied iterations' loss and metrics, on the device; read once, at the end
     lag0 = torch.zeros(2, dtype=torch.float64, device=device)  # |logprobs - engine's| over fresh tokens, and their count
+
+    def clipped_objective(k: int, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Micro-batch k's share of the policy loss, and its metrics weighted by its loss tokens.
+        `iteration` is the optimizer step under way (the loop below)."""
+        logprobs, entropy = forward_logprobs(model, mb, **score)
+        inputs = LossInputs(
+            logprobs_N=logprobs,
+            old_logprobs_N=old_logprobs[k] if old_logprobs[k] is not None else mb.inference_logprobs,
+            advantages_N=mb.advantages,
+            loss_mask_N=mb.loss_mask,
+            cu_seqlens=hosts[k].cu_seqlens,
+            inference_logprobs_N=mb.inference_logprobs,
+            ref_logprobs_N=ref_logprobs[k],
+            entropy_N=entropy,
+            total_loss_tokens=total_loss_tokens,
+            total_sequences=total_sequences,
+        )
+        if iteration == 0 and current_version is not None and mb.policy_versions is not None:
+            fresh = mb.loss_mask & (mb.policy_versions == current_version)
+            gap = (logprobs.detach() - mb.inference_logprobs).abs()
+            lag0.add_(torch.stack([torch.where(fresh, gap, torch.zeros_like(gap)).sum(), fresh.sum()]).double())
+        with timed("loss"):
+            loss_value, metrics = policy_loss(inputs, loss)
+        weight = loss_tokens[k] / max(1.0, total_loss_tokens)
+        return loss_value, {name: value * weight for name, value in metrics.items()}
+
+    sums: dict[str, float] = {}  # the applied iterations' loss and metrics
     skipped = 0
     grad_norms: list[float] = []
     model.train()
     for iteration in range(num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        finite = torch.ones((), dtype=torch.bool, device=device)
-        iteration_sums: dict[str, torch.Tensor] = {}
-        for k, mb in on_device(micro_batches, device):
-            logprobs, entropy = forward_logprobs(model, mb, **score)
-            inputs = LossInputs(
-                logprobs_N=logprobs,
-                old_logprobs_N=old_logprobs[k] if old_logprobs[k] is not None else mb.inference_logprobs,
-                advantages_N=mb.advantages,
-                loss_mask_N=mb.loss_mask,
-                cu_seqlens=hosts[k].cu_seqlens,
-                inference_logprobs_N=mb.inference_logprobs,
-                ref_logprobs_N=ref_logprobs[k],
-                entropy_N=entropy,
-                total_loss_tokens=total_loss_tokens,
-                total_sequences=total_sequences,
-            )
-            if iteration == 0 and current_version is not None and mb.policy_versions is not None:
-                fresh = mb.loss_mask & (mb.policy_versions == current_version)
-                gap = (logprobs.detach() - mb.inference_logprobs).abs()
-                lag0 += torch.stack([torch.where(fresh, gap, torch.zeros_like(gap)).sum(), fresh.sum()]).double()
-            with timed("loss"):
-                loss_value, metrics = policy_loss(inputs, loss)
-            # A NaN/inf loss is noted, not read: backward still runs (on every rank of a sharded
-            # model FSDP's reduce-scatters are collective), and the step is skipped below.
-            finite &= torch.isfinite(loss_value)
-            with timed("backward"):
-                loss_value.backward()
-            weight = loss_tokens[k] / max(1.0, total_loss_tokens)
-            _accumulate(iteration_sums, "loss", loss_value.detach())
-            for name, value in metrics.items():
-                _accumulate(iteration_sums, name, value * weight)
-            del mb, inputs, logprobs, entropy, loss_value, metrics  # nothing of k outlives its turn
-        with timed("optimizer"):
-            norm = clip_grad_norm(params, grad_clip)
-            finite_loss, norm_value = _read_step_verdict(finite, norm, world, device)
-        if not (finite_loss and math.isfinite(norm_value)):
-            # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
-            optimizer.zero_grad(set_to_none=True)
+        outcome = optimizer_step(optimizer, scheduler, micro_batches, clipped_objective, device=device,
+                                 grad_clip=grad_clip, world=world)
+        if not outcome.applied:
             skipped += 1
-            reason = "non-finite loss" if not finite_loss else "non-finite gradient"
-            print(f"step skipped: {reason}; the weights were not changed")
             continue
-        grad_norms.append(norm_value)
-        for name, value in iteration_sums.items():  # a skipped iteration's NaN figures are not averaged in
-            _accumulate(sums, name, value)
-        with timed("optimizer"):
-            optimizer.step()
-            scheduler.step()
+        grad_norms.append(outcome.grad_norm)
+        for name, value in outcome.sums.items():  # a skipped iteration's NaN figures are not averaged in
+            sums[name] = value if name not in sums else sums[name] + value
     applied = max(1, num_iterations - skipped)
     real = [mb for mb in micro_batches if mb.num_samples]  # not the padding micro-batches
-    # Sums over this rank's micro-batches (one read of the device), then over the ranks (the
-    # grad norm is global already).
+    # Sums over this rank's micro-batches, then over the ranks (the grad norm is global already).
     summed = sorted(sums)
-    local = torch.stack([sums[k] for k in summed] + [lag0[0], lag0[1]]).tolist()
     counts = ["micro_batches", "train_tokens", "forward_tokens"]
     reduced = all_reduce_sum(
-        local
+        [sums[k] for k in summed] + lag0.tolist()
         # The samples' tokens (a shared prompt once per sample), and what the forward computed.
         + [float(len(real)), float(sum(mb.num_sample_tokens for mb in real)), float(sum(mb.num_tokens for mb in real))],
         world, device)
@@ -324,13 +374,3 @@ def train_step(
 
 def _accumulate(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
     sums[name] = value.double() if name not in sums else sums[name] + value.double()
-
-
-def _read_step_verdict(finite: torch.Tensor, norm: torch.Tensor, world: World,
-                       device: torch.device) -> tuple[bool, float]:
-    """(was the loss finite on every rank?, the pre-clip grad norm): one read of the device per
-    optimizer step. A non-finite loss on any rank, or a non-finite norm, skips the step on every rank."""
-    finite_loss, norm_value = torch.stack([finite.double(), norm.double()]).tolist()
-    if world.size > 1:
-        finite_loss = all_reduce_sum([1.0 - finite_loss], world, device)[0] == 0
-    return bool(finite_loss), norm_value
