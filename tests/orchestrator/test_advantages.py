@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from saccade.orchestrator.advantages import combine_rewards, group_advantages, zero_variance_groups
+from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 
 
 def test_group_advantages_by_hand():
@@ -68,23 +68,3 @@ def test_integer_rewards_are_accepted():
 def test_bad_rewards_are_value_errors(rewards, match):
     with pytest.raises(ValueError, match=match):
         group_advantages(rewards)
-
-
-def test_combine_rewards_weighted_sum():
-    total = combine_rewards(
-        {"correct": torch.tensor([1.0, 0.0, 1.0]), "format": torch.tensor([1.0, 1.0, 0.0])},
-        {"correct": 1.0, "format": 0.1},
-    )
-    assert total.tolist() == pytest.approx([1.1, 0.1, 1.0])
-
-
-def test_combine_rewards_refuses_missing_and_unknown_weights_and_shape_mismatch():
-    fns = {"correct": torch.tensor([1.0]), "format": torch.tensor([0.0])}
-    with pytest.raises(ValueError, match="no weight.*format"):
-        combine_rewards(fns, {"correct": 1.0})
-    with pytest.raises(ValueError, match="unknown.*formatt"):
-        combine_rewards(fns, {"correct": 1.0, "format": 1.0, "formatt": 0.5})
-    with pytest.raises(ValueError, match="shapes"):
-        combine_rewards({"a": torch.zeros(2), "b": torch.zeros(3)}, {"a": 1.0, "b": 1.0})
-    with pytest.raises(ValueError, match="no reward functions"):
-        combine_rewards({}, {})

@@ -1,19 +1,15 @@
-"""Tests for saccade.trainer.samples: TrainingSample, make_sample and the binary wire format."""
+"""Tests for saccade.trainer.samples: TrainingSample and make_sample."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
 from saccade.data.messages import messages_to_inputs
 from saccade.data.synthetic import synthetic_image
-from saccade.trainer.samples import TrainingSample, make_sample, samples_from_bytes, samples_to_bytes
+from saccade.trainer.samples import TrainingSample, make_sample
 
 MERGE = 2
-TENSORS = ("input_ids", "loss_mask", "inference_logprobs", "position_ids", "image_grid_thw")
-SCALARS = ("sample_id", "image_keys", "advantage", "reward", "policy_version")
 
 
 def img(w: int, h: int, seed: int) -> dict:
@@ -39,128 +35,6 @@ CONVERSATIONS = {
 @pytest.fixture(scope="module")
 def inputs(processor, limits):
     return {n: messages_to_inputs(m, processor, limits=limits, sample=n) for n, m in CONVERSATIONS.items()}
-
-
-def _sample(name, inp, *, seed: int, advantage: float, reward: float, version: int) -> TrainingSample:
-    g = torch.Generator().manual_seed(seed)
-    L = inp.input_ids.shape[0]
-    mask = torch.zeros(L, dtype=torch.bool)
-    mask[L // 2 :] = True
-    # Arbitrary float32 values (not round numbers): a lossy text round-trip would show.
-    logprobs = torch.where(mask, -torch.rand(L, generator=g) * 7.0, torch.zeros(L))
-    keys = [f"{h}-1024-65536" for h in inp.image_hashes]
-    return make_sample(
-        name,
-        inp.input_ids,
-        inp.mm_token_type_ids,
-        inp.image_grid_thw,
-        keys,
-        spatial_merge_size=MERGE,
-        loss_mask=mask,
-        inference_logprobs=logprobs,
-        advantage=advantage,
-        reward=reward,
-        policy_version=version,
-    )
-
-
-@pytest.fixture(scope="module")
-def samples(inputs):
-    return [
-        _sample("one_image/0", inputs["one_image"], seed=0, advantage=0.1, reward=1.0, version=3),
-        _sample("two_sizes/1", inputs["two_sizes"], seed=1, advantage=-1.2345678901234567, reward=0.0, version=4),
-        _sample("text_only/ü", inputs["text_only"], seed=2, advantage=1e-12, reward=0.5, version=0),
-    ]
-
-
-def _assert_same(a: TrainingSample, b: TrainingSample) -> None:
-    for name in TENSORS:
-        x, y = getattr(a, name), getattr(b, name)
-        assert x.dtype == y.dtype, name
-        assert x.shape == y.shape, name
-        assert torch.equal(x, y), name
-    for name in SCALARS:
-        assert getattr(a, name) == getattr(b, name), name
-        assert type(getattr(a, name)) is type(getattr(b, name)), name
-
-
-# ----------------------------------------------------------------------- round trip
-
-
-def test_round_trip_is_exact(samples):
-    assert {s.num_images for s in samples} == {0, 1, 2}
-    assert len({s.num_tokens for s in samples}) == 3
-    back = samples_from_bytes(samples_to_bytes(samples))
-    assert len(back) == len(samples)
-    for a, b in zip(samples, back, strict=True):
-        _assert_same(a, b)
-    assert back[2].image_grid_thw.shape == (0, 3)
-
-
-def test_round_trip_single_and_empty(samples):
-    (one,) = samples_from_bytes(samples_to_bytes([samples[1]]))
-    _assert_same(one, samples[1])
-    assert samples_from_bytes(samples_to_bytes([])) == []
-
-
-def _header(blob: bytes) -> dict:
-    n = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8 : 8 + n])
-
-
-def _floats_in(obj) -> list[float]:
-    if isinstance(obj, float):
-        return [obj]
-    if isinstance(obj, dict):
-        return [f for v in obj.values() for f in _floats_in(v)]
-    if isinstance(obj, list):
-        return [f for v in obj for f in _floats_in(v)]
-    return []
-
-
-def test_blob_is_binary_not_json_lists(inputs):
-    # Long completions, as in real rollouts: 2000 tokens each.
-    long = []
-    for i, name in enumerate(("one_image", "text_only")):
-        inp = inputs[name]
-        pad = torch.full((2000 - inp.input_ids.shape[0],), 300)
-        ids = torch.cat([inp.input_ids, pad])
-        types = torch.cat([inp.mm_token_type_ids, torch.zeros_like(pad)])
-        g = torch.Generator().manual_seed(i)
-        long.append(
-            make_sample(
-                f"long{i}", ids, types, inp.image_grid_thw, [f"k{j}" for j in range(inp.num_images)],
-                spatial_merge_size=MERGE, loss_mask=torch.ones(2000, dtype=torch.bool),
-                inference_logprobs=-torch.rand(2000, generator=g), advantage=0.25, reward=1.0,
-            )
-        )
-    blob = samples_to_bytes(long)
-    header = _header(blob)
-    meta = json.loads(header["__metadata__"]["saccade.samples"])
-    assert len(meta) == 2
-    for entry in meta:
-        assert set(entry) == set(SCALARS)  # no tensor field went into the JSON
-    # The only floats in the JSON are the per-sample scalars (advantage, reward).
-    assert sorted(_floats_in(meta)) == [0.25, 0.25, 1.0, 1.0]
-    assert not any(isinstance(v, list) and len(v) > 10 for e in meta for v in e.values())
-    tensor_bytes = sum(getattr(s, n).nbytes for s in long for n in TENSORS)
-    assert tensor_bytes > 2 * 2000 * (8 + 1 + 4 + 4 * 8)
-    # Size ~= tensors' raw bytes plus a small header (a JSON float list would be ~5x larger).
-    assert tensor_bytes <= len(blob) <= tensor_bytes + 4096
-    header_len = int.from_bytes(blob[:8], "little")
-    assert len(blob) == 8 + header_len + tensor_bytes
-    # Stored with their own dtypes, not widened.
-    assert header["0.inference_logprobs"]["dtype"] == "F32"
-    assert header["0.input_ids"]["dtype"] == "I64"
-    assert header["0.loss_mask"]["dtype"] == "BOOL"
-
-
-def test_blob_is_readable_by_plain_safetensors(samples):
-    from safetensors.torch import load
-
-    tensors = load(samples_to_bytes(samples))
-    assert torch.equal(tensors["1.inference_logprobs"], samples[1].inference_logprobs)
-    assert torch.equal(tensors["0.position_ids"], samples[0].position_ids)
 
 
 # ----------------------------------------------------------------------- validation

@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRPO), the zero-variance filter (DAPO) and reward combination.
+"""Group-relative advantages (GRPO) and the zero-variance filter (DAPO).
 
 Each prompt is sampled G times (a group); a rollout's advantage is its reward relative to its
 group: ``A = r - mean(group)``, divided by ``std(group) + eps`` when ``scale_by_std``
@@ -12,7 +12,7 @@ and ``zero_variance_groups`` flags it so that DAPO-style dynamic sampling can dr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -59,28 +59,3 @@ def group_advantages(
         centered = centered / (r.std(dim=1, keepdim=True) + eps)
     flat = zero_variance_groups(r)
     return torch.where(flat[:, None], torch.zeros_like(centered), centered)
-
-
-def combine_rewards(per_function: Mapping[str, Tensor], weights: Mapping[str, float]) -> Tensor:
-    """Weighted sum of the reward functions' outputs: sum_k weights[k] * per_function[k].
-
-    Every function needs a weight and every weight a function (a typo in a config must not
-    silently drop a reward); all outputs must have the same shape.
-    """
-    if not per_function:
-        raise ValueError("no reward functions given")
-    missing = sorted(set(per_function) - set(weights))
-    if missing:
-        raise ValueError(f"no weight for reward function(s) {missing}; weights given for {sorted(weights)}")
-    unknown = sorted(set(weights) - set(per_function))
-    if unknown:
-        raise ValueError(f"weights given for unknown reward function(s) {unknown}; functions: {sorted(per_function)}")
-    values = {k: torch.as_tensor(v) for k, v in per_function.items()}
-    shapes = {k: tuple(v.shape) for k, v in values.items()}
-    if len(set(shapes.values())) > 1:
-        raise ValueError(f"reward functions returned different shapes: {shapes}")
-    total = None
-    for name, v in values.items():
-        term = float(weights[name]) * v.to(torch.promote_types(v.dtype, torch.float32))
-        total = term if total is None else total + term
-    return total

@@ -3,13 +3,11 @@
 A TrainingSample holds the token ids exactly as the engine saw and sampled them, never
 re-tokenized, plus everything the loss needs. Images are referenced by cache key; the
 embeddings themselves live in the EmbeddingCache and are gathered when a micro-batch
-is built. Samples travel between processes as one safetensors blob: tensors as raw
-bytes, scalars and strings in the header metadata, never floats as JSON lists.
+is built.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -80,36 +78,6 @@ def make_sample(
         reward=float(reward),
         policy_version=int(policy_version),
     )
-
-
-_TENSOR_FIELDS = ("input_ids", "loss_mask", "inference_logprobs", "position_ids", "image_grid_thw")
-_SCALAR_FIELDS = ("sample_id", "image_keys", "advantage", "reward", "policy_version")
-
-
-def samples_to_bytes(samples: list[TrainingSample]) -> bytes:
-    """Serialize samples to one safetensors blob (tensors binary, scalars in the header)."""
-    from safetensors.torch import save
-
-    tensors = {f"{i}.{name}": getattr(s, name).contiguous() for i, s in enumerate(samples) for name in _TENSOR_FIELDS}
-    meta = [{name: getattr(s, name) for name in _SCALAR_FIELDS} for s in samples]
-    # safetensors refuses empty-storage tensors in some versions; they are rebuilt from the shapes.
-    return save(tensors, metadata={"saccade.samples": json.dumps(meta)})
-
-
-def samples_from_bytes(blob: bytes) -> list[TrainingSample]:
-    from safetensors.torch import load
-
-    tensors = load(blob)
-    meta = json.loads(_read_metadata(blob)["saccade.samples"])
-    return [
-        TrainingSample(**{name: tensors[f"{i}.{name}"] for name in _TENSOR_FIELDS}, **m) for i, m in enumerate(meta)
-    ]
-
-
-def _read_metadata(blob: bytes) -> dict[str, str]:
-    # safetensors' header: 8-byte little-endian length, then JSON with "__metadata__".
-    n = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8 : 8 + n])["__metadata__"]
 
 
 @dataclass
