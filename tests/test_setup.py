@@ -10,24 +10,9 @@ import pytest
 import torch
 
 from saccade.config import RunConfig, load_config
-from saccade.setup import build_setup, resolve_device
+from saccade.setup import build_setup
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def test_auto_is_the_cpu_without_cuda_and_cuda_is_refused_there(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_device("auto") == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
-    for name in ("cuda", "cuda:1"):
-        with pytest.raises(ValueError, match="no CUDA device; use 'auto' or 'cpu'"):
-            resolve_device(name)
-
-
-def test_auto_is_the_local_ranks_gpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    assert resolve_device("auto") == torch.device("cuda", 3) == resolve_device("cuda")
-    assert resolve_device("cuda:1") == torch.device("cuda", 1)
 
 
 def test_the_config_refuses_an_unknown_device():

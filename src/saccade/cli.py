@@ -54,7 +54,7 @@ def _parity(args: argparse.Namespace) -> dict:
     import torch
 
     from saccade.parity import run_parity
-    from saccade.setup import resolve_device
+    from saccade.devices import resolve_device
 
     start = time.perf_counter()
     result = run_parity(_model_or_tiny(args.model), dtype=getattr(torch, args.dtype), device=resolve_device(args.device))
@@ -296,7 +296,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     from saccade.demo import resolve_warm_start
     from saccade.distributed import close_world, exit_rank, init_world
     from saccade.rl import train_rl
-    from saccade.setup import resolve_device
+    from saccade.devices import resolve_device
 
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU); else one process.
     world = init_world(resolve_device(cfg.trainer.device), timeout_s=cfg.trainer.dist_timeout_s)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from saccade.config import ImagesConfig, RunConfig
+from saccade.devices import resolve_device
 from saccade.distributed import SINGLE, World, barrier
 from saccade.trainer.sharding import shard_model
 from saccade.inference.engine import Engine
@@ -59,21 +60,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto': this process's CUDA device (LOCAL_RANK under torchrun, else cuda:0) when CUDA is
-    there, else the CPU. 'cuda' without an index means the same local device."""
-    if name in ("auto", "cuda"):
-        if not torch.cuda.is_available():
-            if name == "cuda":
-                raise ValueError("trainer.device = 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
-            return torch.device("cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"trainer.device = {name!r} but torch sees no CUDA device; use 'auto' or 'cpu'")
-    return device
 
 
 def weights_dtype(model_dtype: torch.dtype, *, sharded: bool, lora: bool) -> torch.dtype:

@@ -174,7 +174,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
     from saccade.models.sampling import SampledDistribution
     from saccade.models.tiny import resolve_model
-    from saccade.setup import resolve_device
+    from saccade.devices import resolve_device
     from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
     from saccade.trainer.step import build_optimizer, staged, train_step
 

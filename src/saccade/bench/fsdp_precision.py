@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.distributed import close_world, exit_rank, init_world
     from saccade.metrics import read_metrics
     from saccade.rl import train_rl
-    from saccade.setup import resolve_device
+    from saccade.devices import resolve_device
 
     configs = {dtype: load_config(RunConfig, demo_config_path(), [
         "--model.path", args.model, "--model.dtype", dtype, "--trainer.device", args.device,

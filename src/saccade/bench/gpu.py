@@ -277,14 +277,11 @@ def run_gpu_bench(*, device: str = "auto", quick: bool = False, out: str | Path 
                   stages: list[str] | None = None, force: bool = False, budget_s: float | None = None,
                   in_process: bool = False, log=print) -> int:
     """Run the selected stages (all by default); the exit code (module docstring)."""
-    import torch
+    from saccade.devices import resolve_device
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cuda", "cpu"):
+    if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"bench gpu: --device is auto, cuda or cpu, not {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("bench gpu: --device cuda but torch sees no CUDA device; use --device cpu --quick")
+    device = resolve_device(device, setting="bench gpu --device").type  # the stages are told "cuda" or "cpu"
     out = Path(out)
     data = load_results(out, device=device, quick=quick)
     out.mkdir(parents=True, exist_ok=True)

@@ -122,7 +122,7 @@ def run_sync_bench(*, device: str = "auto", short: int = 16, long: int = 48, pro
     from saccade.demo import demo_config_path
     from saccade.inference.engine import ChatRequest, SamplingParams
     from saccade.orchestrator.rollout import rollout_step
-    from saccade.setup import resolve_device
+    from saccade.devices import resolve_device
     from saccade.trainer.packing import pack
     from saccade.trainer.step import staged, train_step
 

@@ -81,6 +81,7 @@ import torch
 
 from saccade.config import ImagesConfig
 from saccade.data.images import image_to_data_url
+from saccade.devices import resolve_device
 from saccade.data.messages import messages_to_inputs
 from saccade.config import LoraConfig
 from saccade.memory import TextDims, model_dims, trainer_memory
@@ -655,12 +656,6 @@ def _load_avg() -> float | None:
         return None
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def _view_for(path_name: str, data: BenchBatch) -> BenchBatch:
     # Each memory process gets only the inputs its path reads: the cache for the cached paths,
     # pixel values for the full path (these count in its peak, as they would in a trainer).
@@ -713,7 +708,7 @@ def run_trainer_bench(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        dev = _resolve_device(device)
+        dev = resolve_device(device, setting="--device")
         # fp32 on CPU (bf16 matmuls there are an emulation, not the production setting).
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         dtype_name = str(dtype).removeprefix("torch.")

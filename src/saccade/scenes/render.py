@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from saccade.devices import resolve_device
 from saccade.scenes.camera import CameraPose, camera_axes, quantized
 from saccade.scenes.mesh import Mesh, MeshScene
 
@@ -57,14 +58,6 @@ class Rendered:
 
     def image(self) -> Image.Image:
         return Image.fromarray(self.rgb_HW3)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device; use 'cpu' or 'auto'")
-    return torch.device(device)
 
 
 @dataclass
@@ -251,7 +244,7 @@ class MeshRenderer:
         if not 0.0 <= shading <= 1.0:
             raise ValueError(f"MeshRenderer: shading must lie in [0, 1] (0 for scans), got {shading}")
         self.size, self.fov_deg, self.near_m, self.shading = size, fov_deg, near_m, shading
-        self.device = resolve_device(device)
+        self.device = resolve_device(device, setting="MeshRenderer device")
         # Meshes already on the device, by identity (the entry holds the mesh, so its id
         # cannot be reused while cached).
         self._meshes: OrderedDict[int, tuple[Mesh, _DeviceMesh]] = OrderedDict()
