@@ -265,7 +265,7 @@ def judge_config(path: str | Path, machine: Machine, label: str | None = None) -
 
 
 def trainer_on_gpu(cfg, machine: Machine) -> bool:
-    """Where `trainer.device` puts the trainer here (saccade.setup.resolve_device, without torch)."""
+    """Where `trainer.device` puts the trainer here (saccade.devices.resolve_device, without torch)."""
     return bool(machine.gpus) and cfg.trainer.device != "cpu"
 
 
