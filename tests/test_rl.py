@@ -239,7 +239,7 @@ def test_user_rewards_named_in_the_config_train_and_are_logged_by_part(tmp_path,
 def test_lag_metrics_are_a_histogram_with_fixed_keys():
     from types import SimpleNamespace
 
-    from saccade.rl import lag_metrics
+    from saccade.orchestrator.rollout import lag_metrics
 
     groups = [[SimpleNamespace(policy_version=v) for v in (5, 5, 4, 4)], [SimpleNamespace(policy_version=5)] * 4]
     out = lag_metrics(groups, step=5, max_lag=2)

@@ -13,9 +13,10 @@ import pytest
 from PIL import Image
 from stub_tasks import HashEpisodesTask, scored_task
 
+from saccade.data.rows import StepRows
 from saccade.inference.engine import SamplingParams
 from saccade.metrics import SAMPLES_FILE, read_metrics
-from saccade.orchestrator.rollout import rollout_step
+from saccade.orchestrator.rollout import sample_step
 from saccade.rl import train_rl
 from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
 
@@ -72,10 +73,13 @@ def test_a_multi_turn_record_holds_every_image_of_each_episode(short_rl_run, tmp
     setup, task = result["setup"], HashEpisodesTask()
     task.max_turns = 2  # the opening's image, then one or two new ones: enough to see them all kept
     prompts = [task.train_sample(0, seed=0)]
-    batch = rollout_step(setup.engine, task, prompts, sampling=SamplingParams(max_tokens=cfg.sampling.max_tokens),
-                         rollout=cfg.rollout.model_copy(update={"group_size": 2}), env=cfg.env, merge=setup.merge,
-                         continuation=setup.continuation, tokenizer=setup.processor.tokenizer)
-    (rec,) = step_samples(7, prompts, batch.groups, batch.groups, count=2, folder=tmp_path / SAMPLES_DIR, side=32)
+    rows = StepRows(prompts, positions=[0], end=1, skipped=[])
+    rollouts = sample_step(0, rows, setup=setup, task=task, cfg=cfg,
+                           sampling=SamplingParams(max_tokens=cfg.sampling.max_tokens, n=2))
+    rollouts.pins.release()
+    batch = rollouts.batch
+    (rec,) = step_samples(7, prompts, rollouts.all_groups, rollouts.groups, count=2, folder=tmp_path / SAMPLES_DIR,
+                          side=32)
     assert len(rec["completions"]) == 2
     for c, r in zip(rec["completions"], batch.groups[0], strict=True):
         shown = len(rec["prompt"]["images"]) + sum(len(reply["images"]) for reply in c["replies"])

@@ -2,12 +2,15 @@
 
 Each step: take the next prompts from the task's stream (`saccade.data.rows.PromptStream`:
 a broken data set row is skipped, listed in skipped.jsonl and counted); sample G answers or
-episodes per prompt with the engine and score them; turn rewards into group-relative advantages and keep
-the groups that carry a signal (`saccade.orchestrator.rollout`); pack the samples, built
-from the engine's own token ids; take `num_iterations` optimizer steps on the clipped
-objective against the engine's logprobs (`saccade.trainer.step.train_step`). Then the
+episodes per prompt with the engine, score them, turn rewards into group-relative advantages
+and keep the groups that carry a signal (`saccade.orchestrator.rollout.sample_step`); pack the
+samples, built from the engine's own token ids, into this rank's micro-batches
+(`saccade.trainer.packing.rank_micro_batches`); take `num_iterations` optimizer steps on the
+clipped objective against the engine's logprobs (`saccade.trainer.step.train_step`). Then the
 engine gets the new weights: free with the embedded engine (it shares the module); vLLM
 servers load an exported folder, after every step or every `engine.sync_every_steps`.
+What those calls share is built once per run (`RLStep`); `saccade bench step` builds and times
+the very same step.
 
 Every image embedding a step reads is pinned in the cache from its rollout until its train
 step has ended (`EmbeddingCache.pins`), so no budget can evict it in between.
@@ -22,9 +25,19 @@ Rollouts come from a `RolloutSource` (saccade.orchestrator.source): at
 engine; at k > 0 (vLLM servers) a thread samples up to k steps ahead while the trainer
 trains, from weights at most k versions old, and TIS corrects for the lag (`loss.tis`).
 With every server gone the run saves a checkpoint and stops, saying what to restart.
-Evaluation is greedy success on a held-out split, run by rank 0. Every `log.samples_every`
-steps rank 0 also writes the step's first prompts with their completions to samples.jsonl
-(`saccade.sample_log`), for a person to read.
+Every `log.samples_every` steps rank 0 also writes the step's first prompts with their
+completions to samples.jsonl (`saccade.sample_log`), for a person to read.
+
+Simplified on purpose:
+- Sampling ahead is a thread in the one trainer process, not an orchestrator process of its
+  own: under torchrun `rollout.max_async_level` > 0 is refused.
+- Rank 0 alone evaluates (greedy success on a held-out split) while the other ranks wait, and
+  rank 0 alone writes the metrics and the samples.
+- Every rank reads and checks all of a step's rows (so all skip the same broken ones) and
+  holds the whole step's scored groups, gathered to it.
+- A step whose groups carry no signal trains on nothing; the run does not sample more to fill
+  it (DAPO's dynamic sampling), and says so after STALL_STEPS such steps in a row.
+- vLLM servers get the weights as an exported folder, not over NCCL.
 """
 
 from __future__ import annotations
@@ -32,15 +45,38 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from saccade.config import RunConfig, effective_loss
-from saccade.data.rows import PromptStream, max_skip_fraction, open_prompt_stream, recheck, row_check, skip_counts
-from saccade.distributed import SINGLE, World, all_gather, balance, barrier, share_embeddings, unsharded
+import torch
+
+from saccade.config import LossConfig, RunConfig, describe, effective_loss
+from saccade.data.rows import (
+    PromptStream,
+    StepRows,
+    max_skip_fraction,
+    open_prompt_stream,
+    recheck,
+    row_check,
+    skip_counts,
+)
+from saccade.distributed import SINGLE, World, barrier, unsharded
+from saccade.evaluation import evaluate
+from saccade.inference.engine import SamplingParams
+from saccade.inference.servers import NoServerError
+from saccade.metrics import MetricsLogger, ProgressBar, format_step, memory_metrics, process_metrics
+from saccade.models.lm import shares_prompts
+from saccade.orchestrator.rollout import sample_step
+from saccade.orchestrator.source import RolloutSource, StepRollouts
+from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
 from saccade.setup import Setup, build_setup
 from saccade.tasks import Task, task_from_config
 from saccade.timing import timed
+from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from saccade.trainer.packing import rank_micro_batches
+from saccade.trainer.step import Reference, adapter_free_reference, build_optimizer, lr_schedule, staged, train_step
 
 # Steps in a row with nothing to train on before the run says so. Zero-variance filtering
 # can leave a collapsed policy (e.g. one whose replies no longer end) with no signal at
@@ -61,6 +97,120 @@ def stall_message(steps_without_signal: int, metrics: dict[str, float], run_dir:
     )
 
 
+@dataclass
+class RLStep:
+    """An RL step's parts, built once per run from the config and the setup (`RLStep.build`):
+    `sample` a step's prompts, then `train` on what they scored. `train_rl` runs it every step;
+    `saccade bench step` builds and times the same, so the benchmark measures the loop's step."""
+
+    cfg: RunConfig
+    setup: Setup
+    task: Task
+    world: World
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loss: LossConfig  # effective_loss: TIS on whenever rollouts may come from older weights
+    # What the engine samples from, so what the trainer, its old logprobs and the reference score.
+    sampling: SamplingParams
+    reference: Reference | None  # the KL term's: the base model, adapters off
+    share_prompts: bool  # a group's prompt forwarded once
+    max_lag: int  # the oldest weights a trained batch may come from, in versions behind the trainer's
+    fits: Callable[[Any], None] | None  # a data set's rows must fit the token budget (an image span is never cut)
+
+    @classmethod
+    def build(cls, cfg: RunConfig, setup: Setup, task: Task, world: World = SINGLE) -> RLStep:
+        t, e = cfg.trainer, cfg.engine
+        optimizer, scheduler = build_optimizer(setup.model, lr=t.lr, weight_decay=t.weight_decay,
+                                               schedule=lr_schedule(t))
+        sampling = SamplingParams.sampled(cfg.sampling, n=cfg.rollout.group_size)
+        reference = None
+        if cfg.loss.kl_coef > 0:
+            reference = adapter_free_reference(setup.model, distribution=sampling.distribution,
+                                               banned_token_ids=setup.engine.banned_token_ids)
+        share_prompts = t.share_prompts and shares_prompts(setup.model)
+        if t.share_prompts and not share_prompts and world.is_main:
+            warnings.warn(
+                f"trainer.share_prompts is on, but model.attn_implementation {cfg.model.attn_implementation!r} cannot "
+                "share a prompt: each of a group's G samples forwards its prompt, images included, again (G x the "
+                "prompt tokens per group; forward_tokens in metrics.jsonl shows it). Use 'auto' (packed_sdpa) to share "
+                "them, or set trainer.share_prompts = false to silence this", RuntimeWarning, stacklevel=3)
+        return cls(cfg, setup, task, world, optimizer, scheduler, effective_loss(cfg), sampling, reference,
+                   share_prompts, max_lag=cfg.rollout.max_async_level + e.sync_every_steps - 1,
+                   fits=row_check(cfg, setup.processor))
+
+    def sampling_weights(self):
+        """The context the engine samples in. The embedded engine samples from the sharded module
+        itself: whole weights on every rank (one all-gather), so ranks decode without collectives."""
+        return unsharded(self.setup.model) if self.setup.engine.shares_weights else contextlib.nullcontext()
+
+    def prompt_stream(self, run_dir: Path, *, position: int = 0, done_steps: int = 0,
+                      resume: bool = False) -> PromptStream:
+        """The prompts, read in step order from `position`; broken data set rows skipped, listed in
+        skipped.jsonl (by rank 0), counted, and the step refilled from the rows after them. Every
+        rank reads (and checks) all the step's rows, so all skip the same broken ones."""
+        return open_prompt_stream(
+            lambda at: self.task.train_sample(at, seed=self.cfg.trainer.seed), run_dir=run_dir, position=position,
+            done_steps=done_steps, resume=resume, max_skip_fraction=max_skip_fraction(self.cfg),
+            check=self.fits, writes=self.world.is_main)
+
+    def sample(self, step: int, rows: StepRows) -> StepRollouts:
+        """This rank's rollouts of the step's prompts; every rank's groups, scored (`sample_step`)."""
+        return sample_step(step, rows, setup=self.setup, task=self.task, cfg=self.cfg, sampling=self.sampling,
+                           world=self.world, max_lag=self.max_lag, sampling_weights=self.sampling_weights)
+
+    def train(self, step: int, rollouts: StepRollouts) -> dict[str, float]:
+        """`train_step` on the step's samples, packed like text (never splitting a sample) into this
+        rank's micro-batches. They stay in host memory (page-locked on a GPU); each pass of the
+        train step sends them to the device one ahead of the one it computes. The rollouts' image
+        embeddings are unpinned after. No samples (no group with a signal): nothing trains."""
+        s, t = self.setup, self.cfg.trainer
+        metrics: dict[str, float] = {}
+        if rollouts.batch.samples:
+            with timed("pack"), rollouts.pins:
+                micro_batches = staged(rank_micro_batches(
+                    rollouts.batch.samples, s.cache, max_tokens=t.max_tokens, image_token_id=s.image_token_id,
+                    spatial_merge_size=s.merge, share_prompts=self.share_prompts, world=self.world), s.device)
+            metrics = self.train_micro_batches(step, micro_batches)
+        rollouts.pins.release()
+        return metrics
+
+    def train_micro_batches(self, step: int, micro_batches: list) -> dict[str, float]:
+        """`train_step` with the run's settings on this rank's micro-batches of `step` (in host memory)."""
+        t = self.cfg.trainer
+        return train_step(
+            self.setup.model, self.optimizer, self.scheduler, micro_batches, loss=self.loss,
+            num_iterations=t.num_iterations, grad_clip=t.grad_clip, distribution=self.sampling.distribution,
+            banned_token_ids=self.setup.engine.banned_token_ids, reference=self.reference, world=self.world,
+            current_version=step,
+        )
+
+    def evaluate(self, samples: list) -> dict[str, float]:
+        """Greedy success on the held-out `samples`, evaluated by rank 0 ({} on the others, which
+        wait; with the embedded engine every rank holds the whole weights meanwhile)."""
+        with self.sampling_weights():
+            ev = evaluate(self.setup, self.task, samples, max_tokens=self.cfg.sampling.max_tokens,
+                          env=self.cfg.env) if self.world.is_main else {}
+            barrier(self.world)
+        return ev
+
+    def resume(self, run_dir: Path) -> TrainState:
+        """The run's latest complete checkpoint loaded into the model and optimizer, the engine's
+        sampling RNG restored: the state to go on from."""
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint under {run_dir}; start without --resume")
+        state = load_checkpoint(path, model=self.setup.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.setup.engine.set_rng_state(state.extra.get("engine_rng"))
+        return state
+
+    def save(self, run_dir: Path, state: TrainState) -> Path:
+        """A checkpoint of the run as it stands (every rank takes part), the engine's sampling RNG with it."""
+        state.extra["engine_rng"] = self.setup.engine.rng_state()
+        return save_checkpoint(run_dir, model=self.setup.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                               state=state, keep_last=self.cfg.checkpoint.keep_last,
+                               base_model_path=self.setup.model_path)
+
+
 def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,
              task: Task | None = None, stop_after: int | None = None, progress: bool = True,
              world: World = SINGLE) -> dict[str, Any]:
@@ -70,18 +220,6 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     started it). Each rank samples its share of the prompts; every rank then holds the whole
     step's scored batch and trains its share of the micro-batches of the sharded model. Rank 0
     writes the metrics; every rank takes part in checkpoints and weight exports."""
-    from saccade.config import describe
-    from saccade.evaluation import evaluate
-    from saccade.inference.engine import SamplingParams
-    from saccade.inference.servers import NoServerError
-    from saccade.metrics import MetricsLogger, ProgressBar, format_step, memory_metrics, process_metrics
-    from saccade.orchestrator.rollout import score_groups
-    from saccade.orchestrator.source import RolloutSource
-    from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
-    from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-    from saccade.models.lm import shares_prompts
-    from saccade.trainer.step import adapter_free_reference, build_optimizer, lr_schedule, staged, train_step
-
     run_dir.mkdir(parents=True, exist_ok=True)
     if world.is_main:
         (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
@@ -90,42 +228,14 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                          "rollout.max_async_level = 0")
     setup = setup or build_setup(cfg, run_dir, world)
     task = task or task_from_config(cfg)
-    model, engine, cache = setup.model, setup.engine, setup.cache
-    t = cfg.trainer
-    loss = effective_loss(cfg)  # TIS on whenever rollouts may come from older weights
-    # The oldest weights a trained batch may come from, in versions behind the trainer's.
-    max_lag = cfg.rollout.max_async_level + cfg.engine.sync_every_steps - 1
-    optimizer, scheduler = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, schedule=lr_schedule(t))
-    sampling = SamplingParams.sampled(cfg.sampling, n=cfg.rollout.group_size)
-    # What the engine samples from, so what the trainer, its old logprobs and the reference score.
-    distribution, banned = sampling.distribution, engine.banned_token_ids
-    reference = None
-    if cfg.loss.kl_coef > 0:  # the KL term's reference: the base model, adapters off
-        reference = adapter_free_reference(model, distribution=distribution, banned_token_ids=banned)
-    share_prompts = t.share_prompts and shares_prompts(model)  # a group's prompt forwarded once
-    if t.share_prompts and not share_prompts and world.is_main:
-        warnings.warn(
-            f"trainer.share_prompts is on, but model.attn_implementation {cfg.model.attn_implementation!r} cannot "
-            "share a prompt: each of a group's G samples forwards its prompt, images included, again (G x the prompt "
-            "tokens per group; forward_tokens in metrics.jsonl shows it). Use 'auto' (packed_sdpa) to share them, "
-            "or set trainer.share_prompts = false to silence this", RuntimeWarning, stacklevel=2)
-    # The embedded engine samples from the sharded module itself: whole weights on every rank
-    # for the rollout (one all-gather), so ranks decode their own prompts without collectives.
-    sampling_weights = (lambda: unsharded(model)) if engine.shares_weights else contextlib.nullcontext
-    # A data set's rows must also fit the token budget: an image span is never cut (saccade.data.rows).
-    fits = row_check(cfg, setup.processor)
+    run = RLStep.build(cfg, setup, task, world)
+    engine, t = setup.engine, cfg.trainer
     # Only built when the run evaluates: a data set's eval split is then opened (downloaded) too.
     eval_samples = task.eval_samples(cfg.eval.prompts) if cfg.eval.every_steps else []
-    if fits is not None and eval_samples:
-        eval_samples = recheck(eval_samples, fits)
+    if run.fits is not None and eval_samples:
+        eval_samples = recheck(eval_samples, run.fits)
 
-    state = TrainState(step=0, data_position=0, policy_version=0, extra={})
-    if resume:
-        path = latest_checkpoint(run_dir)
-        if path is None:
-            raise ValueError(f"--resume: no complete checkpoint under {run_dir}; start without --resume")
-        state = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
-        engine.set_rng_state(state.extra.get("engine_rng"))
+    state = run.resume(run_dir) if resume else TrainState(step=0, data_position=0, policy_version=0, extra={})
     # From the first step on, the engine samples from exactly the trainer's weights: a vLLM
     # server may still hold the base model, or another run's (the embedded engine shares them).
     engine.update_weights(version=state.policy_version)
@@ -139,19 +249,10 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     last: dict[str, float] = {}
     steps_without_signal = 0
     end = t.steps if stop_after is None else min(t.steps, state.step + stop_after)
-
-    # The prompts, read in step order; broken data set rows skipped, listed in skipped.jsonl
-    # (by rank 0), counted, and the step refilled from the rows after them.
-    stream = open_prompt_stream(
-        lambda position: task.train_sample(position, seed=t.seed), run_dir=run_dir, position=state.data_position,
-        done_steps=state.step, resume=resume, max_skip_fraction=max_skip_fraction(cfg), check=fits,
-        writes=world.is_main)
-
-    def sample(step: int):  # one step's rollouts; on the rollout thread when sampling ahead
-        return sample_step(step, engine=engine, task=task, cfg=cfg, setup=setup, world=world, sampling=sampling,
-                           stream=stream, sampling_weights=sampling_weights)
-
-    source = RolloutSource(sample, first_step=state.step, end=end, max_async_level=cfg.rollout.max_async_level)
+    stream = run.prompt_stream(run_dir, position=state.data_position, done_steps=state.step, resume=resume)
+    source = RolloutSource(  # each step's rollouts; on the rollout thread when sampling ahead
+        lambda step: run.sample(step, stream.take(cfg.rollout.prompts_per_step, step=step + 1)),
+        first_step=state.step, end=end, max_async_level=cfg.rollout.max_async_level)
     engine_before = engine_stats(engine)
     with logger, stream, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar, source:
         try:
@@ -161,35 +262,13 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 # image embedding they put in or read from the cache stays pinned until step 2 ends.
                 rollouts, waited_s, queue_depth = source.get(step)
                 state.data_position = rollouts.rows.end
-                with timed("samples"):  # every rank: the whole step's groups, in prompt order
-                    groups = [g for part in all_gather(rollouts.groups, world) for g in part]
-                    # Never trained on: a group from weights staler than the bound (none, by
-                    # construction; counted, so a change that breaks it shows).
-                    fresh = [g for g in groups if step - min(r.policy_version for r in g) <= max_lag]
-                    batch = score_groups(fresh or groups, cfg.rollout)
-                    if not fresh:
-                        batch.samples = []
                 rollout_s = time.perf_counter() - start
 
-                # 2. Train: pack like text (never splitting a sample), this rank's share of the
-                # micro-batches, optimize. They stay in host memory (page-locked on a GPU); each pass
-                # of the train step sends them to the device one ahead of the one it computes.
-                pins = rollouts.pins
-                train_metrics: dict[str, float] = {}
-                if batch.samples:
-                    with timed("pack"), pins:
-                        micro_batches = staged(rank_micro_batches(
-                            batch.samples, setup, max_tokens=t.max_tokens, share_prompts=share_prompts, world=world),
-                            setup.device)
-                    train_metrics = train_step(
-                        model, optimizer, scheduler, micro_batches, loss=loss,
-                        num_iterations=t.num_iterations, grad_clip=t.grad_clip, distribution=distribution,
-                        banned_token_ids=banned, reference=reference, world=world, current_version=step,
-                    )
-                pins.release()
+                # 2. Train: this rank's micro-batches of the samples, `num_iterations` optimizer steps.
+                train_metrics = run.train(step, rollouts)
                 train_s = time.perf_counter() - start - rollout_s
-                steps_without_signal = 0 if batch.samples else steps_without_signal + 1
-                stalled = stall_message(steps_without_signal, batch.metrics, run_dir)
+                steps_without_signal = 0 if rollouts.batch.samples else steps_without_signal + 1
+                stalled = stall_message(steps_without_signal, rollouts.batch.metrics, run_dir)
                 if stalled and world.is_main:  # every rank holds the same batch: say it once
                     warnings.warn(stalled, RuntimeWarning, stacklevel=2)
 
@@ -212,30 +291,13 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
 
                 # 4. Metrics, evaluation, checkpoint.
                 engine_now = engine_stats(engine)
-                metrics = {**batch.metrics, **train_metrics}
-                if fits is not None:  # a data set: its broken rows met this step, by reason
-                    metrics.update(skip_counts(rollouts.rows.skipped))
-                metrics.update(
+                metrics = step_metrics(
+                    rollouts, train_metrics, setup, engine_counters(engine_now, engine_before),
                     rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync_s, step_s=step_s,
-                    tokens_per_s=(train_metrics.get("train_tokens", 0.0) + batch.metrics["completion_tokens"]) / step_s,
-                    cache_hit_rate=cache.stats.hit_rate, cache_evictions=float(cache.stats.evictions),
-                    cache_mb=cache.nbytes / 2**20, cache_entries=float(len(cache)),
-                    **lag_metrics(groups, step, max_lag),
-                    stale_groups_dropped=float(len(groups) - len(fresh)),
-                    # How the overlap went: seconds the trainer waited for rollouts, rollouts that
-                    # were ready behind this step's, each server's seconds with nothing to do.
-                    sample_s=rollouts.sample_s, trainer_idle_s=waited_s, rollout_queue_depth=float(queue_depth),
-                    **{k: engine_now[k] - engine_before.get(k, 0.0) for k in STEP_COUNTERS if k in engine_now},
-                    **memory_metrics(setup.device), **process_metrics(),
-                )
-                if "servers_alive" in engine_now:
-                    metrics["servers_alive"] = engine_now["servers_alive"]
+                    trainer_idle_s=waited_s, rollout_queue_depth=float(queue_depth), dataset=run.fits is not None)
                 engine_before = engine_now
-                if evaluating and gone is None:  # rank 0 evaluates; with the embedded engine, every rank holds whole weights meanwhile
-                    with sampling_weights():
-                        ev = evaluate(setup, task, eval_samples, max_tokens=cfg.sampling.max_tokens, env=cfg.env) \
-                            if world.is_main else {}
-                        barrier(world)
+                if evaluating and gone is None:
+                    ev = run.evaluate(eval_samples)
                     if world.is_main:
                         logger.log(state.step, {k: v for k, v in ev.items() if k != "n"}, phase="eval")
                         metrics["eval_accuracy"] = ev["accuracy"]
@@ -243,36 +305,56 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 last = metrics
                 note = None
                 if world.is_main and cfg.log.samples_every and state.step % cfg.log.samples_every == 0:
-                    # A few prompts for a person to read (samples.jsonl, `saccade report`): the step's
-                    # first, which rank 0 sampled itself and so still holds their images.
-                    records = step_samples(state.step, rollouts.rows.prompts, groups, rollouts.groups,
-                                           count=cfg.log.samples_prompts, folder=run_dir / SAMPLES_DIR,
-                                           side=cfg.log.samples_image_side)
-                    logger.log_samples(state.step, records)
-                    note = sample_line(records)
+                    note = log_samples(logger, state.step, rollouts, cfg, run_dir)
                 bar(format_step(metrics), note=note)
                 if gone is not None:
                     raise gone
                 if checkpointing or state.step == t.steps:  # and always at the end of the run
-                    state.extra["engine_rng"] = engine.rng_state()
                     with stop_if_unwritable(run_dir, state.step):
-                        save_checkpoint(
-                            run_dir, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
-                            keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path,
-                        )
+                        run.save(run_dir, state)
         except NoServerError as err:
             # Nothing trained is lost: the weights of every finished step go into a checkpoint.
             if world.size > 1:
                 raise
             state.policy_version = state.step
-            state.extra["engine_rng"] = engine.rng_state()
-            saved = save_checkpoint(run_dir, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
-                                    keep_last=cfg.checkpoint.keep_last, base_model_path=setup.model_path)
+            saved = run.save(run_dir, state)
             raise NoServerError(
                 f"{err}. The run stopped after step {state.step} and saved {saved}; once a server answers again, "
                 f"go on with: saccade rl {run_dir / 'config.toml'} --resume"
             ) from None
     return {"step": state.step, "last": last, "setup": setup}
+
+
+def log_samples(logger: MetricsLogger, step: int, rollouts: StepRollouts, cfg: RunConfig, run_dir: Path) -> str:
+    """A few prompts with their completions for a person to read (samples.jsonl, `saccade
+    report`): the step's first, which rank 0 sampled itself and so still holds their images.
+    Returns the console's line about the first."""
+    records = step_samples(step, rollouts.rows.prompts, rollouts.all_groups, rollouts.groups,
+                           count=cfg.log.samples_prompts, folder=run_dir / SAMPLES_DIR, side=cfg.log.samples_image_side)
+    logger.log_samples(step, records)
+    return sample_line(records)
+
+
+def step_metrics(rollouts: StepRollouts, train_metrics: dict[str, float], setup: Setup,
+                 engine_counters: dict[str, float], *, dataset: bool, **seconds: float) -> dict[str, float]:
+    """What a train step logs: the rollouts' figures (rewards, lengths, lag: `rollout_metrics`),
+    the train step's (loss, grad norm, ...), a data set's rows skipped by reason, where the
+    step's seconds went (`seconds`), the embedding cache, the engine's counters over the step,
+    memory and the process."""
+    batch, cache = rollouts.batch, setup.cache
+    metrics = {**batch.metrics, **train_metrics}
+    if dataset:  # a data set: its broken rows met this step, by reason
+        metrics.update(skip_counts(rollouts.rows.skipped))
+    metrics.update(
+        seconds,
+        tokens_per_s=(train_metrics.get("train_tokens", 0.0) + batch.metrics["completion_tokens"]) / seconds["step_s"],
+        cache_hit_rate=cache.stats.hit_rate, cache_evictions=float(cache.stats.evictions),
+        cache_mb=cache.nbytes / 2**20, cache_entries=float(len(cache)),
+        # How the overlap went: seconds the trainer waited for rollouts (trainer_idle_s), rollouts
+        # that were ready behind this step's (rollout_queue_depth), each server's idle seconds.
+        sample_s=rollouts.sample_s, **engine_counters, **memory_metrics(setup.device), **process_metrics(),
+    )
+    return metrics
 
 
 class CheckpointWriteError(RuntimeError):
@@ -310,58 +392,12 @@ def engine_stats(engine) -> dict[str, float]:
     return stats() if stats is not None else {}
 
 
-def lag_metrics(groups: list, step: int, max_lag: int) -> dict[str, float]:
-    """How far behind the trainer's weights (step) each rollout's were: the mean, the largest,
-    and the fraction at each lag 0..max_lag (a histogram with fixed keys)."""
-    lags = [step - r.policy_version for group in groups for r in group]
-    out = {"policy_lag": float(max(lags)), "policy_lag_mean": sum(lags) / len(lags)}
-    for k in range(max_lag + 1):
-        out[f"policy_lag_{k}_frac"] = sum(lag == k for lag in lags) / len(lags)
+def engine_counters(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """The step's share of the engine's counters (`STEP_COUNTERS`), and how many servers answer."""
+    out = {k: now[k] - before.get(k, 0.0) for k in STEP_COUNTERS if k in now}
+    if "servers_alive" in now:
+        out["servers_alive"] = now["servers_alive"]
     return out
-
-
-def sample_step(step: int, *, engine, task: Task, cfg: RunConfig, setup: Setup, world: World, sampling,
-                stream: PromptStream, sampling_weights):
-    """This rank's rollouts of one step: its share of the step's prompts, each sampling stream
-    a function of (seed, step, prompt's stream position) only, so any number of ranks samples
-    the same completions. Their image embeddings are pinned until the step has trained.
-
-    Every rank reads (and checks) all the step's rows, so all skip the same broken ones."""
-    from saccade.orchestrator.rollout import prompt_seeds, sample_groups
-    from saccade.orchestrator.source import StepRollouts
-
-    rows = stream.take(cfg.rollout.prompts_per_step, step=step + 1)  # numbered as metrics.jsonl numbers steps
-    mine = world.share(len(rows.prompts))
-    indices = [rows.positions[i] for i in mine]
-    prompts = [rows.prompts[i] for i in mine]
-    check = cfg.env.check_consistency == "always" or (cfg.env.check_consistency == "first" and step == 0)
-    pins = setup.cache.pins(f"step {step + 1}")
-    start = time.perf_counter()
-    with pins, sampling_weights():
-        groups = sample_groups(
-            engine, task, prompts, sampling, merge=setup.merge, continuation=setup.continuation,
-            env=cfg.env, tokenizer=setup.processor.tokenizer, check=check,
-            seeds=prompt_seeds(cfg.trainer.seed, step, indices),
-        )
-    return StepRollouts(step, groups, pins, time.perf_counter() - start, rows=rows)
-
-
-def rank_micro_batches(samples: list, setup: Setup, *, max_tokens: int, share_prompts: bool, world: World) -> list:
-    """This rank's micro-batches of the step. Every rank plans the whole step's packing (the same
-    plan as one process), takes its share by `balance` (about the same tokens, the same number
-    of micro-batches: padding ones fill in), fetches from the other ranks the image embeddings
-    it lacks, and collates its share."""
-    from saccade.trainer.packing import collate_segments, pack_plan, padding_micro_batch, planned_tokens
-
-    plan = pack_plan(samples, max_tokens=max_tokens, image_token_id=setup.image_token_id,
-                     spatial_merge_size=setup.merge, share_prompts=share_prompts)
-    assignment = balance([planned_tokens(segments) for segments in plan], world.size)
-    mine = [plan[i] for i in assignment[world.rank]]
-    share_embeddings([k for segments in mine for seg in segments for k in seg.sample.image_keys], setup.cache, world)
-    micro_batches = [collate_segments(segments, setup.cache.get, image_token_id=setup.image_token_id,
-                                      spatial_merge_size=setup.merge) for segments in mine]
-    slots = max(len(a) for a in assignment)
-    return micro_batches + [padding_micro_batch() for _ in range(slots - len(micro_batches))]
 
 
 class NoLogger:

@@ -203,12 +203,13 @@ def test_episodes_on_the_embedded_engine(vf_env, local_engine, processor, limits
         check_consistency(sample_, t.turns, spatial_merge_size=local_engine.encoder.merge)
 
 
-def test_rl_rollout_step_runs_verifiers_episodes(vf_env, tmp_path):
+def test_rl_sample_step_runs_verifiers_episodes(vf_env, tmp_path):
     """RL's episodic path takes the task as it is: G episodes per row, whole trajectories as
     samples, the consistency check on the first step."""
     from saccade.config import RunConfig, load_config
     from saccade.inference.engine import SamplingParams
-    from saccade.orchestrator.rollout import rollout_step
+    from saccade.data.rows import StepRows
+    from saccade.orchestrator.rollout import sample_step
     from saccade.setup import build_setup
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
@@ -217,12 +218,11 @@ def test_rl_rollout_step_runs_verifiers_episodes(vf_env, tmp_path):
     setup = build_setup(cfg, tmp_path)
     task = VerifiersTask(vf_env, correct_metric="correct")
     assert task.max_turns > 1  # the episodic path
-    batch = rollout_step(
-        setup.engine, task, [task.train_sample(0, seed=0), task.train_sample(1, seed=0)],
-        sampling=SamplingParams(max_tokens=cfg.sampling.max_tokens), rollout=cfg.rollout, env=cfg.env,
-        merge=setup.merge, continuation=setup.continuation, tokenizer=setup.processor.tokenizer, check=True,
-    )
-    samples, metrics = batch.samples, batch.metrics
+    rows = StepRows([task.train_sample(0, seed=0), task.train_sample(1, seed=0)], positions=[0, 1], end=2, skipped=[])
+    assert cfg.env.check_consistency == "first"  # step 0: checked
+    rollouts = sample_step(0, rows, setup=setup, task=task, cfg=cfg,
+                           sampling=SamplingParams(max_tokens=cfg.sampling.max_tokens, n=cfg.rollout.group_size))
+    samples, metrics = rollouts.batch.samples, rollouts.batch.metrics
     assert len(samples) == 4 and metrics["images_mean"] == metrics["turns_mean"] <= 3
     assert all(int(s.loss_mask.sum()) > 0 and len(s.image_keys) >= 1 for s in samples)
 

@@ -13,7 +13,8 @@ from stub_tasks import HashEpisodesTask, hash_reward, scored_task
 from saccade.models.sampling import SampledDistribution
 from saccade.config import RunConfig, load_config
 from saccade.inference.engine import SamplingParams
-from saccade.orchestrator.rollout import final_info_means, rollout_step
+from saccade.data.rows import StepRows
+from saccade.orchestrator.rollout import final_info_means, sample_step
 
 ARGS = ["--rollout.group_size", "4", "--rollout.filter_zero_variance", "false", "--sampling.max_tokens", "6",
         "--trainer.seed", "11"]
@@ -28,10 +29,13 @@ def built(tmp_path_factory):
 
 
 def _rollouts(cfg, setup, task, prompts, **overrides):
-    rollout = cfg.rollout.model_copy(update=overrides)
-    return rollout_step(setup.engine, task, prompts, sampling=SamplingParams(max_tokens=cfg.sampling.max_tokens),
-                        rollout=rollout, env=cfg.env, merge=setup.merge, continuation=setup.continuation,
-                        tokenizer=setup.processor.tokenizer)
+    """The prompts as one RL step's rows, sampled and scored as `saccade rl` does (`sample_step`)."""
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=overrides)})
+    rows = StepRows(prompts, positions=list(range(len(prompts))), end=len(prompts), skipped=[])
+    rollouts = sample_step(0, rows, setup=setup, task=task, cfg=cfg,
+                           sampling=SamplingParams(max_tokens=cfg.sampling.max_tokens, n=cfg.rollout.group_size))
+    rollouts.pins.release()
+    return rollouts.batch
 
 
 def _by_hand(rewards: list[float], eps: float = 1e-6) -> list[float]:

@@ -119,9 +119,10 @@ def _free_port() -> int:
 
 
 def _synthetic_micro_batches(vocab: int, seq_len: int, max_tokens: int, world) -> list:
-    """This rank's share of SAMPLES text samples (loss on their last LOSS_TOKENS), padded."""
-    from saccade.distributed import balance
-    from saccade.trainer.packing import collate_segments, pack_plan, padding_micro_batch, planned_tokens
+    """This rank's share of SAMPLES text samples (loss on their last LOSS_TOKENS), as `saccade rl`
+    packs a step for it (`rank_micro_batches`: padded to as many as every other rank's)."""
+    from saccade.models.vision import EmbeddingCache
+    from saccade.trainer.packing import rank_micro_batches
     from saccade.trainer.samples import make_sample
 
     gen = torch.Generator().manual_seed(0)
@@ -133,11 +134,9 @@ def _synthetic_micro_batches(vocab: int, seq_len: int, max_tokens: int, world) -
             f"s{i}", torch.randint(10, vocab, (seq_len,), generator=gen), torch.zeros(seq_len, dtype=torch.long),
             None, [], spatial_merge_size=2, loss_mask=mask, inference_logprobs=torch.where(mask, -3.0, 0.0),
             advantage=float((-1) ** i)))
-    plan = pack_plan(samples, max_tokens=max_tokens, image_token_id=-1, spatial_merge_size=2)
-    assignment = balance([planned_tokens(p) for p in plan], world.size)
-    mine = [collate_segments(plan[i], lambda key: None, image_token_id=-1, spatial_merge_size=2)
-            for i in assignment[world.rank]]
-    return mine + [padding_micro_batch()] * (max(map(len, assignment)) - len(mine))
+    # Text only: no image embeddings to look up or to share between the ranks.
+    return rank_micro_batches(samples, EmbeddingCache(), max_tokens=max_tokens, image_token_id=-1,
+                              spatial_merge_size=2, world=world)
 
 
 def _state_bytes(model, optimizer) -> int:

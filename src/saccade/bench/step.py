@@ -1,9 +1,10 @@
 """One RL step, timed part by part, against HF transformers' own path on the same batch.
 
 `saccade bench step` runs the demo config's GRPO step (8 prompts x G=8, at most 8 new tokens,
-one shapes image per prompt) exactly as `saccade rl` runs it: rollout (`rollout_step` on the
-embedded engine), pack, `train_step`, weight sync. Every part is timed where it runs
-(`saccade.timing`), so the breakdown adds up to the step:
+one shapes image per prompt) as `saccade rl` runs it, by construction: the loop's own
+`saccade.rl.RLStep`, built by the same call (rollouts scored by `sample_step` on the embedded
+engine, `rank_micro_batches`, `train_step`), then the weight sync. Every part is timed where it
+runs (`saccade.timing`), so the breakdown adds up to the step:
 
 - rollout: env (prompt messages), templating (the chat template), image_prep (image checks,
   resizing and patchifying), encode (the frozen tower, once per new image), prefill, decode,
@@ -20,8 +21,9 @@ per row), the processor again, then one padded forward of the full model from th
 AdamW step. Same LoRA (or full fine-tuning of the language model, the tower frozen), same
 tokens. `ratio` is reference_s / saccade_s: how many times faster saccade's step is.
 
-Simplified on purpose: the prompts (and their images) are drawn before the steps for both
-sides, as a data loader would; new prompts every step, so the tower runs every step. The
+Simplified on purpose: the prompts (and their images) are read before the steps for both
+sides, from the run's prompt stream, as a data loader would; new prompts every step, so the
+tower runs every step. Nothing around the step is timed (metrics, evaluation, checkpoints). The
 random model earns no reward, so advantages are 0 on both sides; the work does not depend
 on them.
 """
@@ -67,65 +69,50 @@ def bench_config(preset: str, image_size: int, lora: bool, device: str, run_dir:
 
 
 class SaccadeStep:
-    """`saccade rl`'s step, with its setup and optimizer built once."""
+    """`saccade rl`'s step: the loop's own `RLStep`, built as `train_rl` builds it (the effective
+    loss, the run's optimizer, sampling and prompt seeds), and the weights pushed to the engine
+    after, as the loop does every step. The prompts are read beforehand from the run's prompt
+    stream (`rows`), as a data loader would, so the reference gets the same ones."""
 
     def __init__(self, cfg, run_dir: Path):
-        from saccade.inference.engine import SamplingParams
+        from saccade.rl import RLStep
         from saccade.setup import build_setup
         from saccade.tasks import task_from_config
-        from saccade.trainer.step import build_optimizer, lr_schedule
 
         self.cfg = cfg
         self.setup = build_setup(cfg, run_dir)
-        self.task = task_from_config(cfg)
-        self.optimizer, self.scheduler = build_optimizer(self.setup.model, lr=cfg.trainer.lr, weight_decay=0.0,
-                                                         schedule=lr_schedule(cfg.trainer))
-        self.sampling = SamplingParams.sampled(cfg.sampling)
+        self.rl = RLStep.build(cfg, self.setup, task_from_config(cfg))
+        self.stream = self.rl.prompt_stream(run_dir)
+        self.steps = 0  # taken so far: the next step's index, and the version of the weights it samples from
 
-    def prompts(self, step: int) -> list:
-        n = self.cfg.rollout.prompts_per_step
-        return [self.task.train_sample(step * n + i, seed=self.cfg.trainer.seed) for i in range(n)]
+    def rows(self, step: int):
+        """The prompts of `step`, the stream's next ones (`saccade.data.rows.StepRows`)."""
+        return self.stream.take(self.cfg.rollout.prompts_per_step, step=step + 1)
 
     def messages(self, prompts: list) -> list[list[dict]]:
         """The prompts' opening messages, as the task's environment gives them to the engine."""
-        return [self.task.make_env().reset(p) for p in prompts]
+        return [self.rl.task.make_env().reset(p) for p in prompts]
 
-    def __call__(self, prompts: list) -> dict[str, float]:
-        """One step on these prompts; returns tokens trained on and completion tokens sampled."""
-        from saccade.models.lm import shares_prompts
-        from saccade.orchestrator.rollout import rollout_step
+    def __call__(self, rows) -> dict[str, float]:
+        """One step on these rows; returns tokens trained on and completion tokens sampled."""
         from saccade.timing import timed
-        from saccade.trainer.packing import pack
-        from saccade.trainer.step import staged, train_step
 
-        s, cfg = self.setup, self.cfg
-        pins = s.cache.pins("bench")
-        with pins:
-            batch = rollout_step(s.engine, self.task, prompts, sampling=self.sampling, rollout=cfg.rollout,
-                                 env=cfg.env, merge=s.merge, continuation=s.continuation,
-                                 tokenizer=s.processor.tokenizer)
-        with timed("pack"):
-            micro_batches = staged(pack(
-                batch.samples, s.cache.get, max_tokens=cfg.trainer.max_tokens, image_token_id=s.image_token_id,
-                spatial_merge_size=s.merge, share_prompts=cfg.trainer.share_prompts and shares_prompts(s.model)),
-                s.device)
-        metrics = train_step(s.model, self.optimizer, self.scheduler, micro_batches, loss=cfg.loss,
-                             num_iterations=cfg.trainer.num_iterations, grad_clip=cfg.trainer.grad_clip,
-                             distribution=self.sampling.distribution, banned_token_ids=s.engine.banned_token_ids)
-        pins.release()
+        step, self.steps = self.steps, self.steps + 1
+        rollouts = self.rl.sample(step, rows)
+        metrics = self.rl.train(step, rollouts)
         with timed("weight_sync"):
-            s.engine.update_weights()
+            self.setup.engine.update_weights(version=step + 1)
         return {"train_tokens": metrics["train_tokens"], "forward_tokens": metrics["forward_tokens"],
-                "completion_tokens": batch.metrics["completion_tokens"],
+                "completion_tokens": rollouts.batch.metrics["completion_tokens"],
                 "micro_batches": metrics["micro_batches"]}
 
 
-def _timed_step(step, prompts, device: torch.device) -> tuple[float, dict[str, float], dict[str, float]]:
+def _timed_step(step, inputs, device: torch.device) -> tuple[float, dict[str, float], dict[str, float]]:
     from saccade.timing import breakdown
 
     with breakdown(device) as parts:
         start = time.perf_counter()
-        counts = step(prompts)
+        counts = step(inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         total = time.perf_counter() - start
@@ -139,12 +126,12 @@ def _median_parts(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in names}
 
 
-def _trace(step, prompts, path: Path) -> None:
+def _trace(step, inputs, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities, record_shapes=True) as prof:
-        step(prompts)
+        step(inputs)
     prof.export_chrome_trace(str(path))
     path.with_suffix(".txt").write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
 
@@ -167,9 +154,9 @@ def run_step_bench(preset: str = "tiny", *, image_size: int = 64, lora: bool = F
                                   lora=lora, dtype=getattr(torch, cfg.model.dtype), device=dev, seed=cfg.trainer.seed)
         results: dict[str, list] = {"saccade": [], "reference": []}
         for k in range(steps + 1):  # step 0 warms up both
-            prompts = ours.prompts(k)
+            rows = ours.rows(k)
             order = [("saccade", ours), ("reference", reference)]
-            inputs = {"saccade": prompts, "reference": ours.messages(prompts)}
+            inputs = {"saccade": rows, "reference": ours.messages(rows.prompts)}
             for name, step in order if k % 2 == 0 else order[::-1]:
                 total, parts, counts = _timed_step(step, inputs[name], dev)
                 if k:
@@ -180,13 +167,13 @@ def run_step_bench(preset: str = "tiny", *, image_size: int = 64, lora: bool = F
         if trace_dir:
             out = Path(trace_dir)
             out.mkdir(parents=True, exist_ok=True)
-            prompts = ours.prompts(steps + 1)
-            _trace(ours, prompts, out / "saccade_step.json")
-            _trace(reference, ours.messages(prompts), out / "reference_step.json")
+            rows = ours.rows(steps + 1)
+            _trace(ours, rows, out / "saccade_step.json")
+            _trace(reference, ours.messages(rows.prompts), out / "reference_step.json")
             log(f"traces in {out}: saccade_step.json, reference_step.json (chrome://tracing, Perfetto)")
     return summarize(results, preset=preset, image_size=image_size, lora=lora, device=str(dev), prompts=prompts,
                      max_tokens=cfg.trainer.max_tokens, micro_batches=results["saccade"][0][2]["micro_batches"],
-                     dtype=cfg.model.dtype, image_tokens=_image_tokens(ours, prompts), trace_dir=trace_dir)
+                     dtype=cfg.model.dtype, image_tokens=_image_tokens(ours, rows.prompts), trace_dir=trace_dir)
 
 
 def _image_tokens(ours: SaccadeStep, prompts: list) -> int:

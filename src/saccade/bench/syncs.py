@@ -120,11 +120,10 @@ def run_sync_bench(*, device: str = "auto", short: int = 16, long: int = 48, pro
     from saccade.bench.step import SaccadeStep
     from saccade.config import RunConfig, load_config
     from saccade.demo import demo_config_path
-    from saccade.inference.engine import ChatRequest, SamplingParams
-    from saccade.orchestrator.rollout import rollout_step
     from saccade.devices import resolve_device
+    from saccade.inference.engine import ChatRequest, SamplingParams
     from saccade.trainer.packing import pack
-    from saccade.trainer.step import staged, train_step
+    from saccade.trainer.step import staged
 
     dev = resolve_device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
@@ -140,7 +139,7 @@ def run_sync_bench(*, device: str = "auto", short: int = 16, long: int = 48, pro
         # 1. Decoding: every row decodes to max_tokens.
         stops = engine.stop_token_ids
         engine.stop_token_ids = []
-        requests = [ChatRequest(p.sample_id, step.messages([p])[0]) for p in step.prompts(0)]
+        requests = [ChatRequest(p.sample_id, step.messages([p])[0]) for p in step.rows(0).prompts]
         decode: dict[int, dict] = {}
         try:
             for n in (short, long):
@@ -151,27 +150,27 @@ def run_sync_bench(*, device: str = "auto", short: int = 16, long: int = 48, pro
         finally:
             engine.stop_token_ids = stops
 
-        # 2. Training: one rollout, packed into micro-batches of a few samples each.
-        batch = rollout_step(engine, step.task, step.prompts(1), sampling=step.sampling, rollout=cfg.rollout,
-                             env=cfg.env, merge=s.merge, continuation=s.continuation, tokenizer=s.processor.tokenizer)
-        longest = max(smp.num_tokens for smp in batch.samples)
-        mbs = pack(batch.samples, s.cache.get, max_tokens=longest, image_token_id=s.image_token_id,
+        # 2. Training: one step's rollouts, packed into micro-batches of a few samples each, and
+        # the train step `saccade rl` runs on them (`RLStep.train_micro_batches`).
+        rollouts = step.rl.sample(0, step.rows(1))  # step 0: the engine holds the weights it started with
+        samples = rollouts.batch.samples
+        longest = max(smp.num_tokens for smp in samples)
+        mbs = pack(samples, s.cache.get, max_tokens=longest, image_token_id=s.image_token_id,
                    spatial_merge_size=s.merge)
+        rollouts.pins.release()
         k = min(micro_batches, len(mbs) // 2)
         if k < 1:
             raise RuntimeError(f"the rollout packed into {len(mbs)} micro-batch(es); need at least 2")
-        common = dict(loss=cfg.loss, num_iterations=1, grad_clip=cfg.trainer.grad_clip,
-                      distribution=step.sampling.distribution, banned_token_ids=engine.banned_token_ids)
         train: dict[int, dict] = {}
         moves: dict[int, dict] = {}
         for n in (k, 2 * k):
             host = staged(mbs[:n], dev)  # as saccade rl hands them over: train_step sends each one ahead
-            train_step(s.model, step.optimizer, step.scheduler, host, **common)  # warm
+            step.rl.train_micro_batches(0, host)  # warm
             with counting(dev) as counts:  # the copies alone, which train_step's count includes
                 [mb.to(dev) for mb in host]
             moves[n] = counts
             with counting(dev) as counts:
-                train_step(s.model, step.optimizer, step.scheduler, host, **common)
+                step.rl.train_micro_batches(0, host)
             train[n] = counts
     per_token = _per_unit(decode[long], decode[short], long - short)
     per_mb = _per_unit(train[2 * k], train[k], k)

@@ -1,4 +1,6 @@
 """The rollout path: prompts in, scored training samples with group-relative advantages out.
+`sample_step` is an RL step's sampling, composed once: `saccade rl`, `saccade bench step` and
+the tests all run it.
 
 One path for every task. Each prompt is sampled G times (a group); each sample is an answer
 (single-turn tasks) or a whole episode (multi-turn), scored by its own environment and turned
@@ -14,18 +16,24 @@ token-in/token-out (`saccade.envs.rollout.run_episodes`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from saccade.timing import timed
-from saccade.config import EnvConfig, RolloutConfig
+from saccade.config import EnvConfig, RolloutConfig, RunConfig
+from saccade.data.rows import StepRows
+from saccade.distributed import SINGLE, World, all_gather
 from saccade.inference.engine import ChatRequest, Engine, SamplingParams, stream_seed
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 from saccade.orchestrator.samples import completion_to_sample
+from saccade.orchestrator.source import StepRollouts
+from saccade.setup import Setup
 from saccade.tasks import Task
+from saccade.timing import timed
 from saccade.trainer.samples import TrainingSample
 
 
@@ -155,15 +163,49 @@ def prompt_seeds(seed: int, step: int, prompt_indices) -> list[int]:
     return [stream_seed(seed, step, i) for i in prompt_indices]
 
 
-def rollout_step(engine: Engine, task: Task, prompts: list, *, sampling: SamplingParams, rollout: RolloutConfig,
-                 env: EnvConfig, merge: int, continuation=None, tokenizer=None, check: bool = False,
-                 seeds: list[int | None] | None = None) -> RolloutBatch:
-    """G rollouts per prompt, advantages within each group, the groups worth training on, metrics."""
-    params = replace(sampling, n=rollout.group_size)
-    groups = sample_groups(engine, task, prompts, params, merge=merge, continuation=continuation, env=env,
-                           tokenizer=tokenizer, check=check, seeds=seeds)
+def sample_step(step: int, rows: StepRows, *, setup: Setup, task: Task, cfg: RunConfig, sampling: SamplingParams,
+                world: World = SINGLE, max_lag: int = 0, sampling_weights=contextlib.nullcontext) -> StepRollouts:
+    """One RL step's rollouts, scored. This rank samples its share of the step's prompts (`rows`),
+    `sampling.n` answers or episodes each, every sampling stream a function of (seed, step,
+    prompt's stream position) only, so any number of ranks samples the same completions. Then
+    every rank holds the whole step's groups, in prompt order, with their group-relative
+    advantages, the samples worth training on and the step's rollout metrics (`score_groups`).
+    Their image embeddings stay pinned (`StepRollouts.pins`) until the step has trained.
+
+    `max_lag`: the oldest weights, in versions behind `step`, a group may come from and still be
+    trained on. `sampling_weights`: the context the engine samples in (the embedded engine
+    sampling from a sharded model: its weights gathered whole)."""
+    mine = world.share(len(rows.prompts))
+    check = cfg.env.check_consistency == "always" or (cfg.env.check_consistency == "first" and step == 0)
+    pins = setup.cache.pins(f"step {step + 1}")
+    start = time.perf_counter()
+    with pins, sampling_weights():
+        own = sample_groups(
+            setup.engine, task, [rows.prompts[i] for i in mine], sampling, merge=setup.merge,
+            continuation=setup.continuation, env=cfg.env, tokenizer=setup.processor.tokenizer, check=check,
+            seeds=prompt_seeds(cfg.trainer.seed, step, [rows.positions[i] for i in mine]),
+        )
+    sample_s = time.perf_counter() - start
     with timed("samples"):
-        return score_groups(groups, rollout)
+        groups = [g for part in all_gather(own, world) for g in part]
+        # Never trained on: a group from weights staler than the bound (none, by construction;
+        # counted, so a change that breaks it shows).
+        fresh = [g for g in groups if step - min(r.policy_version for r in g) <= max_lag]
+        batch = score_groups(fresh or groups, cfg.rollout)
+        if not fresh:
+            batch.samples = []
+        batch.metrics.update(lag_metrics(groups, step, max_lag), stale_groups_dropped=float(len(groups) - len(fresh)))
+    return StepRollouts(step, own, pins, sample_s, rows=rows, all_groups=groups, batch=batch)
+
+
+def lag_metrics(groups: list[list[Rollout]], step: int, max_lag: int) -> dict[str, float]:
+    """How far behind the trainer's weights (step) each rollout's were: the mean, the largest,
+    and the fraction at each lag 0..max_lag (a histogram with fixed keys)."""
+    lags = [step - r.policy_version for group in groups for r in group]
+    out = {"policy_lag": float(max(lags)), "policy_lag_mean": sum(lags) / len(lags)}
+    for k in range(max_lag + 1):
+        out[f"policy_lag_{k}_frac"] = sum(lag == k for lag in lags) / len(lags)
+    return out
 
 
 def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> RolloutBatch:

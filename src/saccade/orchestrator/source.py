@@ -24,14 +24,16 @@ from typing import Any
 
 @dataclass
 class StepRollouts:
-    """One step's rollouts, as sampled for it."""
+    """One step's rollouts, as sampled and scored for it (`saccade.orchestrator.rollout.sample_step`)."""
 
     step: int
-    groups: list  # this rank's groups of Rollouts, in prompt order
+    groups: list  # this rank's groups of Rollouts, in prompt order (they still hold the environments' images)
     pins: Any  # the cache pins that keep their image embeddings until the step has trained
     sample_s: float  # wall seconds the sampling took
     error: BaseException | None = field(default=None, repr=False)
     rows: Any = None  # the data rows read for the step (saccade.data.rows.StepRows): positions, skips
+    all_groups: list = field(default_factory=list)  # every rank's groups, in prompt order, advantages set
+    batch: Any = None  # the scored step (RolloutBatch): the samples to train on, the rollout metrics
 
 
 class RolloutSource:

@@ -4,6 +4,8 @@ Because image features are precomputed, an image is just a run of tokens whose
 embeddings come from the cache: samples with images pack exactly like text samples.
 Samples are never split (so an image span is never cut), and attention never
 crosses from one sample to the next (docs/packing.md says how, per attention backend).
+Under torchrun every rank plans the whole step and collates its own share of the
+micro-batches (`rank_micro_batches`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from saccade.models.vision import EmbeddingCacheMiss, ImageEmbedding
+from saccade.distributed import SINGLE, World, balance, share_embeddings
+from saccade.models.vision import EmbeddingCache, EmbeddingCacheMiss, ImageEmbedding
 from saccade.trainer.samples import MicroBatch, TrainingSample
 
 
@@ -273,3 +276,20 @@ def padding_micro_batch(token_id: int = 0) -> MicroBatch:
         image_grid_thw=torch.zeros(0, 3, dtype=torch.long),
         sample_ids=[],
     )
+
+
+def rank_micro_batches(samples: list[TrainingSample], cache: EmbeddingCache, *, max_tokens: int, image_token_id: int,
+                       spatial_merge_size: int, share_prompts: bool = False, world: World = SINGLE) -> list[MicroBatch]:
+    """This rank's micro-batches of the step. Every rank plans the whole step's packing (the same
+    plan as one process), takes its share by `balance` (about the same tokens, the same number
+    of micro-batches: padding ones fill in), fetches from the other ranks the image embeddings
+    it lacks into `cache`, and collates its share from it."""
+    plan = pack_plan(samples, max_tokens=max_tokens, image_token_id=image_token_id,
+                     spatial_merge_size=spatial_merge_size, share_prompts=share_prompts)
+    assignment = balance([planned_tokens(segments) for segments in plan], world.size)
+    mine = [plan[i] for i in assignment[world.rank]]
+    share_embeddings([k for segments in mine for seg in segments for k in seg.sample.image_keys], cache, world)
+    micro_batches = [collate_segments(segments, cache.get, image_token_id=image_token_id,
+                                      spatial_merge_size=spatial_merge_size) for segments in mine]
+    slots = max(len(a) for a in assignment)
+    return micro_batches + [padding_micro_batch() for _ in range(slots - len(micro_batches))]
