@@ -67,3 +67,10 @@ def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
         raise ValueError("an engine beside the trainer needs at least 2 cores: one for the server, one for the trainer")
     half = len(cores) // 2
     return cores[:half], cores[half:]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (CUDA; nothing to wait for elsewhere), so that a
+    wall-clock time read next holds it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

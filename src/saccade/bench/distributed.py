@@ -160,11 +160,6 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def worker(args: argparse.Namespace) -> None:
     from saccade.config import LossConfig, LoraConfig, TrainerConfig
     from saccade.distributed import all_gather, barrier, close_world, exit_rank, init_world, unsharded
@@ -175,6 +170,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.models.tiny import resolve_model
     from saccade.devices import resolve_device
     from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
+    from saccade.timing import synchronize
     from saccade.trainer.step import build_optimizer, staged, train_step
 
     device = resolve_device(args.device)
@@ -194,11 +190,11 @@ def worker(args: argparse.Namespace) -> None:
     times = []
     for step in range(args.steps + 1):  # the first is a warm-up
         barrier(world)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         train_step(model, optimizer, scheduler, micro_batches, loss=LossConfig(), num_iterations=1, grad_clip=1.0,
                    distribution=SampledDistribution(), banned_token_ids=[], world=world)
-        _sync(device)
+        synchronize(device)
         if step:
             times.append(time.perf_counter() - start)
     state_bytes = _state_bytes(model, optimizer)  # gradients are kept until the next zero_grad
@@ -222,11 +218,11 @@ def worker(args: argparse.Namespace) -> None:
     def forwards(n: int = 10) -> float:
         with torch.no_grad():
             policy.hidden_states(ids, positions, cu_seqlens=cu)
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             for _ in range(n):
                 policy.hidden_states(ids, positions, cu_seqlens=cu)
-            _sync(device)
+            synchronize(device)
         return (time.perf_counter() - start) / n * 1000
 
     barrier(world)

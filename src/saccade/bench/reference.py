@@ -63,12 +63,12 @@ class ReferenceStep:
 
     def __init__(self, model_path: str, processor, limits, *, lora: bool, dtype: torch.dtype, device: torch.device,
                  seed: int):
-        from saccade.bench.trainer import build_full
+        from saccade.bench.trainer_variants import build_full
         from saccade.inference.engine import stop_token_ids, vision_token_ids
 
         self.processor, self.limits, self.device = processor, limits, device
-        self.model, self.optimizer = build_full(model_path, dtype=dtype, device=device, seed=seed,
-                                                full_finetune=not lora, lora_rank=LORA_RANK)
+        self.model, self.optimizer, _ = build_full(model_path, dtype=dtype, device=device, seed=seed,
+                                                   full_finetune=not lora, lora_rank=LORA_RANK)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.banned = vision_token_ids(processor.tokenizer)
         self.stops = stop_token_ids(processor.tokenizer)
