@@ -1,6 +1,6 @@
-"""The train step's helpers: the learning-rate schedule by hand, and float32 master weights for
-full fine-tuning in bf16 (gradients accumulated in float32, the model updated from them,
-checkpoints that keep them)."""
+"""The train step and its helpers: the optimizer step's accumulation and skip, the learning-rate
+schedule by hand, and float32 master weights for full fine-tuning in bf16 (gradients
+accumulated in float32, the model updated from them, checkpoints that keep them)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,48 @@ from saccade.trainer.step import build_optimizer, lr_schedule, optimized_params
 def test_lr_schedule_by_hand(decay, expected):
     schedule = lr_schedule(TrainerConfig(steps=10, warmup_steps=2, lr_decay=decay, min_lr_ratio=0.1))
     assert [schedule(k) for k in range(5)] == pytest.approx(expected)
+
+
+def _linear_step(micro_batches, *, poison_k: int | None = None):
+    """One `optimizer_step` of a linear model over these micro-batches (plain tensors: anything
+    with `.to(device)`), each loss normalised by all their rows. Returns (outcome, weights)."""
+    from saccade.trainer.step import optimizer_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer, scheduler = build_optimizer(model, lr=0.1, weight_decay=0.0, schedule=lambda k: 1.0)
+    rows = sum(len(x) for x in micro_batches)
+
+    def loss(k, x):
+        value = (model(x) ** 2).sum() / rows
+        if k == poison_k:
+            value = value * float("nan")
+        return value, {"rows": torch.tensor(float(len(x)))}
+
+    outcome = optimizer_step(optimizer, scheduler, micro_batches, loss, device=torch.device("cpu"), grad_clip=1e9)
+    return outcome, [p.detach().clone() for p in model.parameters()]
+
+
+def _initial_linear() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [p.detach().clone() for p in torch.nn.Linear(3, 1).parameters()]
+
+
+def test_an_optimizer_step_over_micro_batches_is_the_step_over_their_whole():
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+    whole, whole_weights = _linear_step([x])
+    split, split_weights = _linear_step([x[:1], x[1:4], x[4:]])
+    assert whole.applied and split.applied and whole.sums["rows"] == split.sums["rows"] == 6.0
+    assert split.sums["loss"] == pytest.approx(whole.sums["loss"]) and split.grad_norm == pytest.approx(whole.grad_norm)
+    assert all(torch.allclose(a, b) for a, b in zip(split_weights, whole_weights, strict=True))
+    assert all(not torch.equal(a, b) for a, b in zip(whole_weights, _initial_linear(), strict=True))
+
+
+def test_a_non_finite_micro_batch_loss_skips_the_whole_step():
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+    skipped, weights = _linear_step([x[:3], x[3:]], poison_k=1)
+    assert not skipped.applied and math.isnan(skipped.sums["loss"])
+    assert all(torch.equal(a, b) for a, b in zip(weights, _initial_linear(), strict=True))
 
 
 def _bf16_model(tiny_path):
