@@ -43,6 +43,7 @@ def die() -> None:
 def die_at(point: str, n: int) -> None:
     """Patch the place `point` so that its n-th call kills this process there."""
     import saccade.trainer.checkpoint as ckpt
+    import saccade.trainer.engine_weights as engine_weights
     from saccade.metrics import MetricsLogger
 
     calls = {"n": 0}
@@ -51,15 +52,15 @@ def die_at(point: str, n: int) -> None:
         calls["n"] += 1
         return calls["n"] == n
 
-    if point == "checkpoint":
-        write_manifest = ckpt._write_manifest
+    if point == "checkpoint":  # the name save_checkpoint calls (imported from checkpoint_folder)
+        write_manifest = ckpt.write_manifest
 
         def dying_manifest(tmp, step):
             if reached():
                 die()
             write_manifest(tmp, step)
 
-        ckpt._write_manifest = dying_manifest
+        ckpt.write_manifest = dying_manifest
     elif point == "metrics":
         log = MetricsLogger.log
 
@@ -73,14 +74,14 @@ def die_at(point: str, n: int) -> None:
 
         MetricsLogger.log = dying_log
     elif point == "export":
-        copy2 = ckpt.shutil.copy2
+        copy2 = engine_weights.shutil.copy2
 
         def dying_copy(*args, **kwargs):  # the first config file copied: the tensors are all written
             if reached():
                 die()
             return copy2(*args, **kwargs)
 
-        ckpt.shutil.copy2 = dying_copy
+        engine_weights.shutil.copy2 = dying_copy
     else:
         raise SystemExit(f"unknown point {point!r}")
 

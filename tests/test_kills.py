@@ -17,7 +17,7 @@ import pytest
 
 from saccade.bench.kill import computed
 from saccade.metrics import read_metrics
-from saccade.trainer.checkpoint import latest_checkpoint
+from saccade.trainer.checkpoint_folder import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

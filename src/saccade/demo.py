@@ -98,7 +98,7 @@ def resolve_model_name(name: str) -> str:
 def _build_warm_model(cfg: RunConfig, out: Path) -> None:
     from saccade.setup import build_setup
     from saccade.sft import train_sft
-    from saccade.trainer.checkpoint import merge_full_weights_for_engine
+    from saccade.trainer.engine_weights import merge_full_weights_for_engine
 
     run_dir = out / "sft-run"
     cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"dir": str(run_dir)}),

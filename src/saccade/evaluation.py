@@ -84,7 +84,8 @@ def by_category(rows: list[dict[str, Any]], fields: tuple[str, ...] = CATEGORY_F
 
 def load_weights(setup, cfg: RunConfig, checkpoint: str | None) -> str:
     """Load `checkpoint`, else the run's latest one, into the setup's model; say which."""
-    from saccade.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from saccade.trainer.checkpoint import load_checkpoint
+    from saccade.trainer.checkpoint_folder import latest_checkpoint
 
     path = Path(checkpoint) if checkpoint else latest_checkpoint(cfg.run_dir)
     if path is None:

@@ -23,17 +23,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from saccade.trainer.checkpoint import (
+from saccade.atomic import remove_dead_tmp_dirs
+from saccade.trainer.checkpoint_folder import (
     ADAPTER_CONFIG,
     CHECKPOINTS_DIR,
     COMPLETE,
     STATE_FILE,
     checkpoint_record,
-    copy_checkpoint_adapter,
     latest_checkpoint,
-    merge_full_weights_for_engine,
-    remove_dead_tmp_dirs,
 )
+from saccade.trainer.engine_weights import copy_checkpoint_adapter, merge_full_weights_for_engine
 
 # vLLM's --max-lora-rank takes only these values (vllm.config.lora.MaxLoRARanks, vLLM 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

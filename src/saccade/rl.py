@@ -74,7 +74,8 @@ from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
 from saccade.setup import Setup, build_setup
 from saccade.tasks import Task, task_from_config
 from saccade.timing import timed
-from saccade.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from saccade.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from saccade.trainer.checkpoint_folder import latest_checkpoint
 from saccade.trainer.packing import rank_micro_batches
 from saccade.trainer.step import Reference, adapter_free_reference, build_optimizer, lr_schedule, staged, train_step
 
@@ -367,7 +368,7 @@ def stop_if_unwritable(run_dir: Path, step: int):
     run stops rather than train on without checkpoints: days of steps that no checkpoint
     holds would be lost to the next crash. The save itself is atomic, so the previous
     checkpoint is intact (a half-written one is only ever a `.tmp-*` folder)."""
-    from saccade.trainer.checkpoint import latest_checkpoint
+    from saccade.trainer.checkpoint_folder import latest_checkpoint
 
     try:
         yield

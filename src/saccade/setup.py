@@ -149,7 +149,8 @@ def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path
     (LoRA merged), or with `lora` only its PEFT adapter. Older versions are removed (the
     servers have loaded them already). Sharded: every rank calls it (the weights are gathered
     one parameter at a time), rank 0 writes, and no rank returns before the folder is there."""
-    from saccade.trainer.checkpoint import merge_full_weights_for_engine, remove_dead_tmp_dirs, save_adapter_for_engine
+    from saccade.atomic import remove_dead_tmp_dirs
+    from saccade.trainer.engine_weights import merge_full_weights_for_engine, save_adapter_for_engine
 
     def export(version: int) -> str:
         if lora:

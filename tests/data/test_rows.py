@@ -239,7 +239,7 @@ def _config(dataset: Path, run_dir: Path, *extra: str) -> RunConfig:
 def test_rl_skips_each_broken_row_once_and_resumes_without_listing_one_twice(broken, tmp_path):
     from saccade.metrics import read_metrics
     from saccade.rl import train_rl
-    from saccade.trainer.checkpoint import latest_checkpoint
+    from saccade.trainer.checkpoint_folder import latest_checkpoint
 
     cfg = _config(broken, tmp_path / "straight")
     assert train_rl(cfg, run_dir=cfg.run_dir, progress=False)["step"] == 3  # trained to the end

@@ -78,7 +78,7 @@ def test_trainer_logprobs_equal_vllm_logprobs(engine, policy, temperature):
 def test_after_a_training_step_and_update_weights_vllm_samples_the_new_policy(engine, tiny_path, tmp_path):
     from saccade.inference.engine import SamplingParams
     from saccade.models.lm import load_policy_lm, set_full_finetune
-    from saccade.trainer.checkpoint import merge_full_weights_for_engine
+    from saccade.trainer.engine_weights import merge_full_weights_for_engine
 
     old = load_policy_lm(tiny_path, dtype=torch.float32)
     new = set_full_finetune(load_policy_lm(tiny_path, dtype=torch.float32))

@@ -90,16 +90,16 @@ def text_ids() -> torch.Tensor:
 @torch.no_grad()
 def snapshot(model, optimizer) -> dict:
     """Trainable weights and AdamW state, whole (gathered from the shards), by parameter name."""
-    from saccade.trainer.checkpoint import _full
+    from saccade.trainer.model_state import full_tensor
 
     weights, moments = {}, {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        weights[name] = _full(p).clone()
+        weights[name] = full_tensor(p).clone()
         s = optimizer.state.get(p)
         if s:  # none before the first step
-            moments[name] = (_full(s["exp_avg"]).clone(), _full(s["exp_avg_sq"]).clone(), float(s["step"]))
+            moments[name] = (full_tensor(s["exp_avg"]).clone(), full_tensor(s["exp_avg_sq"]).clone(), float(s["step"]))
     return {"weights": weights, "moments": moments}
 
 
@@ -134,12 +134,8 @@ def _failing_save(model, optimizer, scheduler, world, run_dir: str, fail_rank: i
 
 
 def run_job(job: dict, world) -> dict:
-    from saccade.trainer.checkpoint import (
-        load_checkpoint,
-        merge_full_weights_for_engine,
-        save_adapter_for_engine,
-        save_checkpoint,
-    )
+    from saccade.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from saccade.trainer.engine_weights import merge_full_weights_for_engine, save_adapter_for_engine
 
     kind, base = job["kind"], job["base"]
     result: dict = {"world_size": world.size, "sharded": world.sharded}

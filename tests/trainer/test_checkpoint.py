@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume (weights, optimizer, scheduler, RNG), atomic saves, HF-loadable outputs."""
+"""Checkpoints: exact resume (weights, optimizer, scheduler, RNG), atomic saves, HF-loadable outputs
+(the engine weights of `saccade.trainer.engine_weights` included, from a live model and from a checkpoint)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+import saccade.atomic
 import saccade.trainer.checkpoint as ckpt
 from saccade.config import LoraConfig
 from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
-from saccade.trainer.checkpoint import (
-    TrainState,
-    latest_checkpoint,
-    load_checkpoint,
-    merge_full_weights_for_engine,
-    save_checkpoint,
-)
+from saccade.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from saccade.trainer.checkpoint_folder import latest_checkpoint
+from saccade.trainer.engine_weights import merge_full_weights_for_engine
 from saccade.models.lm import unwrap_policy
 
 TOLERANCE = 1e-5  # fp32 logits, max |Δ|: the same math in a different order (merged W vs W + BA)
@@ -294,7 +292,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_latest(lora_bundle, tmp_p
     assert sorted(p.name for p in root.iterdir()) == ["step_000001"]  # no half-written dir left
 
     # A crash while re-saving an existing step keeps the old one intact.
-    monkeypatch.setattr(ckpt, "_fsync_tree", boom)
+    monkeypatch.setattr(saccade.atomic, "fsync_tree", boom)
     with pytest.raises(OSError):
         _save(tmp_path, lora_bundle, 1)
     assert (first / "state.json").read_bytes() == first_bytes
@@ -305,7 +303,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_latest(lora_bundle, tmp_p
 @pytest.mark.parametrize("exchange", [True, False])
 def test_resaving_a_step_replaces_it(exchange, lora_bundle, tmp_path, monkeypatch):
     if not exchange:  # the fallback for filesystems without renameat2(RENAME_EXCHANGE)
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(saccade.atomic, "_exchange", lambda a, b: False)
     model, opt, sched = lora_bundle
     save_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched, state=_state(3), keep_last=2)
     again = TrainState(step=3, data_position=99, policy_version=4, extra={"note": "second"})

@@ -272,7 +272,7 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 def test_engine_weights_from_the_sharded_model_equal_the_unsharded_ones(kind, runs, tmp_path):
     from transformers import Qwen3VLForConditionalGeneration
 
-    from saccade.trainer.checkpoint import merge_full_weights_for_engine
+    from saccade.trainer.engine_weights import merge_full_weights_for_engine
 
     worker = _worker()
     sharded, plain = runs["dir"] / f"engine-w2-{kind}", runs["dir"] / f"engine-plain-{kind}"

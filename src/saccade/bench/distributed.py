@@ -169,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.models.sampling import SampledDistribution
     from saccade.models.tiny import resolve_model
     from saccade.devices import resolve_device
-    from saccade.trainer.checkpoint import merge_full_weights_for_engine, save_adapter_for_engine
+    from saccade.trainer.engine_weights import merge_full_weights_for_engine, save_adapter_for_engine
     from saccade.timing import synchronize
     from saccade.trainer.step import build_optimizer, staged, train_step
 

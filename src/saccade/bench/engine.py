@@ -117,7 +117,7 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
     from saccade.demo import resolve_model_name
     from saccade.models.vision import EmbeddingCache, VisionEncoder
     from saccade.serving.launch import CPU_ARGS, served
-    from saccade.trainer.checkpoint import merge_full_weights_for_engine
+    from saccade.trainer.engine_weights import merge_full_weights_for_engine
 
     start = time.perf_counter()
     path = resolve_model_name(model)

@@ -98,7 +98,7 @@ def compare_weights(killed_dir: Path, straight_dir: Path) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
 
-    from saccade.trainer.checkpoint import latest_checkpoint
+    from saccade.trainer.checkpoint_folder import latest_checkpoint
 
     a, b = latest_checkpoint(killed_dir), latest_checkpoint(straight_dir)
     if a is None or b is None or a.name != b.name:
@@ -118,7 +118,7 @@ def compare_weights(killed_dir: Path, straight_dir: Path) -> dict[str, Any]:
 
 def checkpoint_step(run_dir: Path) -> int | None:
     """The step of the run's newest complete checkpoint, or None."""
-    from saccade.trainer.checkpoint import latest_checkpoint
+    from saccade.trainer.checkpoint_folder import latest_checkpoint
 
     latest = latest_checkpoint(run_dir)
     return None if latest is None else int(latest.name.split("_")[-1])
@@ -219,7 +219,7 @@ def run_kill_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     step_s = (timing["wall_s"] - timing["startup_s"]) / steps
     say(f"  {timing['wall_s']:.0f} s, {timing['startup_s']:.1f} s of it starting, {step_s:.2f} s/step")
 
-    from saccade.trainer.checkpoint import latest_checkpoint
+    from saccade.trainer.checkpoint_folder import latest_checkpoint
 
     rng = random.Random(seed)
     events: list[dict[str, Any]] = []
