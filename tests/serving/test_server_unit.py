@@ -33,7 +33,7 @@ def test_defaults_fill_only_the_flags_the_user_did_not_give():
 def test_the_lm_head_is_float32_unless_the_user_says_otherwise():
     import json
 
-    from saccade.inference.vllm import head_dtype_problem
+    from saccade.inference.server_client import head_dtype_problem
 
     def overrides(args):
         return json.loads(args[args.index("--hf-overrides") + 1])

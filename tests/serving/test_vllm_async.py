@@ -95,7 +95,7 @@ def kill_when_busy(engine, server, *, after_step_file, min_lines: int = 1, timeo
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             lines = after_step_file.read_text().count("\n") if after_step_file.exists() else 0
-            if lines >= min_lines and engine.pool.servers[server.url].in_flight > 0:
+            if lines >= min_lines and engine.client.pool.servers[server.url].in_flight > 0:
                 server.kill()
                 return
             time.sleep(0.005)
@@ -109,7 +109,7 @@ def test_two_servers_both_sample_and_load_every_version_and_a_killed_one_is_rout
     a, b = two_servers
     cfg = async_config(tmp_path, [a.url, b.url], "--trainer.steps", "6", "--rollout.max_async_level", "1")
     setup = build_setup(cfg, cfg.run_dir)
-    pool = setup.engine.pool
+    pool = setup.engine.client.pool
     killer = kill_when_busy(setup.engine, b, after_step_file=cfg.run_dir / "metrics.jsonl", min_lines=2)
     train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
     killer.join(timeout=5)
@@ -178,5 +178,5 @@ def test_with_every_server_killed_the_run_checkpoints_says_what_to_do_and_resume
     rows = train_rows(cfg.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert info(a.url)["policy_version"] == 5
-    assert out["setup"].engine.pool.servers[b.url].alive is False  # still down: the run went on without it
+    assert out["setup"].engine.client.pool.servers[b.url].alive is False  # still down: the run went on without it
     out["setup"].engine.close()

@@ -9,24 +9,17 @@ For each request it:
    under the temperature and truncation actually sampled with) and the prompt ids with the image pads
    expanded, exactly as vLLM ran them; vision tokens are banned with a logit bias.
 
-All HTTP runs on one event loop, in a thread of its own, with one persistent client: the
-synchronous methods (`generate`, `update_weights`, ...) hand it coroutines and wait, from
-whichever thread calls them, so an async rollout thread and the trainer share it.
-
-Servers (`saccade.inference.servers.ServerPool`): each request goes to the live server with
-the fewest requests in flight. A server that refuses or drops a connection, or times out, is
-taken out and the request is sent again to another; a 5xx is retried with backoff. A health
-check probes servers that are out every `health_interval_s`: one that answers gets the
-current weights before it is put back (`add_server` brings in a new one the same way). With
-no server left, a request waits `no_server_wait_s` for one, then raises `NoServerError`.
+The HTTP side (one event loop and client, the choice of server, retries, the health check
+that brings servers back, the weights each must hold) is `saccade.inference.server_client`.
 
 Weights: `update_weights()` calls the exporter given at construction (it writes a
-safetensors folder the servers can read) and POSTs it to every live server's
+safetensors folder the servers can read) and has it loaded by every live server's
 /update_weights: full weights (LoRA merged), or with `lora=True` only the adapter, which the
 servers load in place and requests then name as their model. Sampling goes on meanwhile: a
 server finishes the requests it is running on the old weights and queues the rest (see
 `saccade.serving.server`). Each completion carries the version its server reported in the
-response's `x-saccade-policy-version` header: the weights it was sampled under, or older.
+response's `x-saccade-policy-version` header (`saccade.serving.wire.VERSION_HEADER`): the
+weights it was sampled under, or older.
 
 Prompts for training without sampling (SFT): `prepare_all` tokenizes with saccade's own
 messages -> inputs (the ids the server produces, a test holds them equal) and fetches the
@@ -39,8 +32,6 @@ vLLM are not bit-reproducible; `reseed` and the RNG state are no-ops kept for th
 from __future__ import annotations
 
 import asyncio
-import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -52,16 +43,17 @@ from saccade.data.images import image_hash, image_to_data_url, load_image
 from saccade.inference.engine import (
     ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, vision_token_ids,
 )
-from saccade.inference.servers import NoServerError, Server, ServerPool
-from saccade.serving.validation import MAX_IMAGES_PER_REQUEST
+from saccade.inference.server_client import Server, ServerClient, ServerError, head_dtype_problem
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
+from saccade.serving.wire import (
+    CHAT_COMPLETIONS, ENCODE_IMAGES, GENERATE_TOKENS, LORA_NAME, MAX_IMAGES_PER_REQUEST, VERSION_HEADER,
+)
 
 if TYPE_CHECKING:
     from saccade.inference.local import PreparedPrompt
 
 # One /encode_images request carries at most this many bytes of data URLs (saccade serve
 # refuses bodies over 64 MB by default); a batch's images go in as few requests as that allows.
-KEEPALIVE_EXPIRY_S = 2.0  # below the servers' 5 s keep-alive timeout (see VLLMEngine._http)
 ENCODE_CHUNK_BYTES = 8 * 2**20
 DATA_URL_MEMO_BYTES = 256 * 2**20  # the data URLs of multi-turn images kept for their next turn
 # ... and at most as many images as saccade serve takes in one request.
@@ -69,39 +61,6 @@ ENCODE_CHUNK_IMAGES = MAX_IMAGES_PER_REQUEST
 
 # OpenAI's logit_bias range is [-100, 100]: -100 makes a token's probability e^-100 relative.
 BAN_BIAS = -100
-
-
-class ServerError(RuntimeError):
-    """A server answered with an error that retrying will not fix (a 4xx), or kept failing."""
-
-
-class Unreachable(ConnectionError):
-    """One named server did not answer (a push or a health probe aimed at it)."""
-
-
-class LoopThread:
-    """One asyncio event loop in a daemon thread; `run` executes a coroutine on it from any
-    other thread and returns its result (or raises its exception)."""
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        if threading.current_thread() is self.thread:
-            raise RuntimeError("a synchronous engine method was called from the engine's own event loop")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
-
-
-def say(message: str) -> None:
-    """A line for the person running the job: servers leaving and coming back."""
-    print(f"saccade: {message}", file=sys.stderr, flush=True)
 
 
 def to_openai_messages(messages: list[dict[str, Any]], limits: ImagesConfig, sample: str):
@@ -148,19 +107,10 @@ def parse_embeddings(data: bytes, count: int) -> list[ImageEmbedding]:
     return [ImageEmbedding(tensors[f"embeds.{i}"], tensors[f"deepstack.{i}"], grid[i].clone()) for i in range(count)]
 
 
-def head_dtype_problem(info: dict) -> str | None:
-    """Why a server's logits are not the trainer's (`saccade.models.head`), from its /saccade/info,
-    or None. A low-precision model whose lm_head rounds the logits to its own dtype samples from a
-    coarser distribution than the one the trainer scores."""
-    dtype, head = info.get("dtype"), info.get("head_dtype")
-    if dtype is None or head is None or head == "float32" or dtype == "float32":
-        return None  # an older server that does not say; or nothing is rounded
-    return (f"computes its {dtype} model's logits in {head}, rounded to about 3 significant digits, while the "
-            f"trainer sums the lm_head in float32; restart it with `saccade serve` (which sets --hf-overrides "
-            f"'{{\"head_dtype\": \"float32\"}}'), or pass that flag to vLLM yourself")
-
-
 class VLLMEngine:
+    """The `Engine` the loops call (generate, generate_tokens, prepare_all, encode_images,
+    update_weights) over `saccade serve` servers; `self.client` does the HTTP."""
+
     def __init__(
         self,
         urls: list[str],
@@ -182,24 +132,22 @@ class VLLMEngine:
     ):
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL (engine.urls)")
-        self.pool = ServerPool([u.rstrip("/") for u in urls])
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.cache = cache if cache is not None else EmbeddingCache()
         self.limits = limits or ImagesConfig()
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.max_concurrency = max_concurrency
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
+        # lora: the exporter writes a PEFT adapter folder; the servers load it as an adapter
+        # and requests name it as their model. Otherwise it writes full weights.
+        self.lora = lora
+        self.client = ServerClient(urls, limits=self.limits, lora=lora, api_key=api_key,
+                                   max_concurrency=max_concurrency, timeout_s=timeout_s, retries=retries,
+                                   backoff_s=backoff_s, health_interval_s=health_interval_s,
+                                   no_server_wait_s=no_server_wait_s)
         self.exporter = exporter
         # False on ranks other than 0 of a sharded trainer: they take part in the export (a
         # collective gather) but only rank 0 tells the servers to load it.
         self.pushes_weights = pushes_weights
         self.model = model
-        # lora: the exporter writes a PEFT adapter folder; the servers load it as an adapter
-        # and requests name it as their model. Otherwise it writes full weights.
-        self.lora = lora
         self._adapter_loaded = False
         self.banned_token_ids = vision_token_ids(self.tokenizer)
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -207,21 +155,10 @@ class VLLMEngine:
         self._urls_by_key: dict[str, str] = {}
         self._urls_bytes = 0
         self.policy_version = 0
-        self.health_interval_s = health_interval_s
-        self.no_server_wait_s = no_server_wait_s
-        self._pushed: tuple[str, int] | None = None  # the weights folder every server must hold, and its version
-        # Made on first use, on the loop: the thread, the client, the request gate, the lock
-        # that keeps pushes and rejoins apart, the health check.
-        self._loop: LoopThread | None = None
-        self._loop_guard = threading.Lock()
-        self._http_client = None
-        self._gate: asyncio.Semaphore | None = None
-        self._weights_lock: asyncio.Lock | None = None
-        self._health_task: asyncio.Task | None = None
 
     @property
     def urls(self) -> list[str]:
-        return list(self.pool.servers)
+        return self.client.urls
 
     # The trainer's weights live elsewhere: each update is exported and loaded by the servers.
     shares_weights = False
@@ -241,8 +178,8 @@ class VLLMEngine:
         infos = engine.info()
         if limits is None:
             limits = ImagesConfig(min_pixels=infos[0]["min_pixels"], max_pixels=infos[0]["max_pixels"])
-            engine.limits = limits
-        for url, info in zip([s.url for s in engine.pool.alive], infos, strict=True):
+            engine.limits = engine.client.limits = limits
+        for url, info in zip([s.url for s in engine.client.pool.alive], infos, strict=True):
             if engine.lora and not info.get("lora_enabled"):
                 raise ValueError(f"the server at {url} has no LoRA support, so it cannot load the trainer's adapter; "
                                  "restart it with --enable-lora --max-lora-rank R (R >= lora.rank)")
@@ -259,108 +196,14 @@ class VLLMEngine:
                 )
         return engine
 
-    # --- the event loop, server choice and HTTP ------------------------------------------
-    def _run(self, coro):
-        """Run a coroutine on the engine's event loop (started on first use) and wait for it."""
-        with self._loop_guard:
-            if self._loop is None:
-                self._loop = LoopThread("saccade-vllm-engine")
-        return self._loop.run(coro)
-
-    def _http(self):
-        """The engine's one HTTP client, with the gate and lock that live on its loop."""
-        import httpx
-
-        if self._http_client is None:
-            # Idle connections are dropped after 2 s, before the server's keep-alive timeout (uvicorn's
-            # and vLLM's default: 5 s) closes them: a request sent on a connection the server is
-            # closing at that instant fails with ReadError, which would take a healthy server out
-            # (seen on the vLLM demo between the GRPO and the control runs).
-            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency,
-                                  keepalive_expiry=KEEPALIVE_EXPIRY_S)
-            self._http_client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
-            self._gate = asyncio.Semaphore(self.max_concurrency)
-            self._weights_lock = asyncio.Lock()
-            if self.health_interval_s > 0:
-                self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
-        return self._http_client
-
+    # --- the servers (saccade.inference.server_client) ----------------------------------------
     def close(self) -> None:
-        """Stop the health check, close the client and the loop's thread."""
-        if self._loop is None:
-            return
-
-        async def shut():
-            if self._health_task is not None:
-                self._health_task.cancel()
-            if self._http_client is not None:
-                await self._http_client.aclose()
-        try:
-            self._loop.run(shut())
-        finally:
-            self._loop.close()
-            self._loop = self._http_client = None
-
-    async def _live_server(self, tried: set[str]) -> Server:
-        """The least-loaded live server, preferring ones this request has not failed on; with
-        none live, wait up to no_server_wait_s for the health check to bring one back."""
-        deadline = time.monotonic() + self.no_server_wait_s
-        while True:
-            try:
-                return self.pool.pick(exclude=tried)
-            except NoServerError as err:
-                if time.monotonic() >= deadline:
-                    raise NoServerError(
-                        f"{err}, for {self.no_server_wait_s:.0f} s. Start them again (saccade serve MODEL ...) "
-                        "at the run's engine.urls"
-                    ) from None
-                await asyncio.sleep(min(0.5, self.health_interval_s or 0.5))
-
-    async def _post(self, path: str, *, json_body: Any, server: Server | None = None) -> tuple[Any, Server]:
-        """POST to the least-loaded live server, or to `server` only; returns the response and
-        the server that gave it. A connection refused, dropped or timed out takes the server
-        out and sends the request to another (aimed at one server: raises Unreachable); a 5xx
-        is retried with backoff; a 4xx raises at once with the server's reason."""
-        import httpx
-
-        client = self._http()
-        tried: set[str] = set()
-        attempt = reroutes = 0
-        while True:
-            target = server or await self._live_server(tried)
-            self.pool.begin(target)
-            try:
-                response = await client.post(target.url + path, json=json_body, headers=self.headers)
-            except httpx.TransportError as err:  # timeouts included
-                failure = f"{type(err).__name__} on {path}: {err}".strip()
-                if server is not None:
-                    raise Unreachable(f"{target.url}: {failure}") from err
-                if self.pool.take_out(target, failure):
-                    say(f"server {target.url} taken out ({failure}); its requests go to the others")
-                tried.add(target.url)
-                self.pool.counters.rerouted += 1
-                reroutes += 1
-                if reroutes > 4 * len(self.pool.servers) + self.retries:
-                    raise ServerError(f"{path}: every server failed, last {failure}") from err
-                continue
-            finally:
-                self.pool.end(target)
-            if response.status_code < 400:
-                return response, target
-            if response.status_code < 500:
-                raise ServerError(f"{target.url}{path}: HTTP {response.status_code}: {response.text[:500]}")
-            if attempt >= self.retries:
-                raise ServerError(f"{target.url}{path}: HTTP {response.status_code} after {attempt + 1} attempts: "
-                                  f"{response.text[:500]}")
-            self.pool.counters.retried += 1
-            await asyncio.sleep(self.backoff_s * 2**attempt)
-            attempt += 1
+        """Stop the health check, close the HTTP client and its loop's thread."""
+        self.client.close()
 
     def _version_of(self, response, server: Server) -> int:
         """The policy version a completion was sampled under: its server's header (see the
         module note), else what the engine last confirmed that server loaded."""
-        from saccade.serving.server import VERSION_HEADER
-
         value = response.headers.get(VERSION_HEADER)
         if value is not None:
             return int(value)
@@ -368,73 +211,24 @@ class VLLMEngine:
 
     async def _model_name(self) -> str:
         """The model requests name: the trainer's adapter once one is loaded, else the served model."""
-        from saccade.serving.server import LORA_NAME
-
         if self._adapter_loaded:
             return LORA_NAME
         if self.model is None:
-            server = await self._live_server(set())
-            response = await self._http().get(server.url + "/v1/models", headers=self.headers)
-            response.raise_for_status()
-            self.model = response.json()["data"][0]["id"]
+            self.model = await self.client.served_model()
         return self.model
-
-    # --- servers that leave and come back ------------------------------------------------
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.health_interval_s)
-            for server in self.pool.down:
-                try:
-                    await self._rejoin(server)
-                except Exception as err:  # still out; probed again next round
-                    server.last_error = f"{type(err).__name__}: {err}"[:300]
-
-    async def _rejoin(self, server: Server) -> None:
-        """Put a server back that answers again (or a new one): same image limits, LoRA when
-        the run pushes adapters, a float32 lm_head, and the current weights loaded first."""
-        import httpx
-
-        client = self._http()
-        try:
-            health = await client.get(server.url + "/health", headers=self.headers, timeout=5)
-            info = (await client.get(server.url + "/saccade/info", headers=self.headers, timeout=10)).json()
-        except httpx.HTTPError as err:
-            raise Unreachable(f"{server.url}: {err}") from None
-        if health.status_code != 200:
-            raise Unreachable(f"{server.url}/health: HTTP {health.status_code}")
-        served = (info["min_pixels"], info["max_pixels"])
-        if served != (self.limits.min_pixels, self.limits.max_pixels):
-            raise ServerError(f"{server.url} resizes images to {served}, the run to "
-                              f"{(self.limits.min_pixels, self.limits.max_pixels)}: not put back")
-        if self.lora and not info.get("lora_enabled"):
-            raise ServerError(f"{server.url} has no LoRA support (--enable-lora): not put back")
-        problem = head_dtype_problem(info)
-        if problem:
-            raise ServerError(f"{server.url} {problem}: not put back")
-        async with self._weights_lock:
-            version = info.get("policy_version")
-            if self._pushed is not None:
-                folder, version = self._pushed
-                await self._load(server, folder, version)
-            self.pool.put_back(server, version)
-        say(f"server {server.url} is back in, with weights version {version}")
 
     def add_server(self, url: str) -> None:
         """Bring a new server into the run: the health check gives it the current weights and
         puts it in (within health_interval_s of its answering)."""
-        self.pool.add(url.rstrip("/"))
-        self._run(self._started())
-
-    async def _started(self) -> None:
-        self._http()  # the client, and the health check with it
+        self.client.add_server(url)
 
     def stats(self) -> dict[str, float]:
         """Counters since the engine was made (a step's figures are differences)."""
-        c = self.pool.counters
-        return {"requests_retried": float(c.retried), "requests_rerouted": float(c.rerouted),
-                "servers_taken_out": float(c.taken_out), "servers_rejoined": float(c.rejoined),
-                "engine_idle_s": self.pool.idle_seconds() / max(1, len(self.pool.servers)),
-                "servers_alive": float(len(self.pool.alive))}
+        return self.client.stats()
+
+    def info(self) -> list[dict]:
+        """The /saccade/info of every server that answers (see `ServerClient.info`)."""
+        return self.client.info()
 
     # --- images ---------------------------------------------------------------------------
     def key_for_hash(self, content_hash: str) -> str:
@@ -458,7 +252,7 @@ class VLLMEngine:
         await asyncio.gather(*(self._encode_chunk(chunk) for chunk in chunks))
 
     async def _encode_chunk(self, chunk: dict[str, str]) -> None:
-        response, _ = await self._post("/encode_images", json_body={"images": list(chunk.values())})
+        response, _ = await self.client.post(ENCODE_IMAGES, json_body={"images": list(chunk.values())})
         for key, emb in zip(chunk, parse_embeddings(response.content, len(chunk)), strict=True):
             self.cache.put(key, emb)
 
@@ -466,7 +260,7 @@ class VLLMEngine:
     def prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
         """Tokenized prompts with the generation prompt; their images' embeddings come from a
         server (one /encode_images call for the batch) into the cache the trainer reads."""
-        return self._run(self._prepare_all(requests))
+        return self.client.run(self._prepare_all(requests))
 
     async def _prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
         from saccade.data.messages import messages_to_inputs
@@ -497,7 +291,7 @@ class VLLMEngine:
 
     # --- sampling -------------------------------------------------------------------------
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
-        return self._run(self.agenerate(requests, params))
+        return self.client.run(self.agenerate(requests, params))
 
     async def agenerate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
         # Every image of the batch encoded first, in a few requests, not one request per prompt.
@@ -515,11 +309,11 @@ class VLLMEngine:
     async def _gather(self, items: list, complete, params: SamplingParams) -> list[list[Completion]]:
         """complete(model, item, params) for every item; at most max_concurrency requests of the
         engine (every caller's together) in flight at once."""
-        self._http()
+        self.client.http()  # made on first use, with the gate
         model = await self._model_name()
 
         async def one(item) -> list[Completion]:
-            async with self._gate:
+            async with self.client.gate:
                 return await complete(model, item, params)
 
         return list(await asyncio.gather(*(one(item) for item in items)))
@@ -554,7 +348,7 @@ class VLLMEngine:
     async def _complete(self, model: str, item: tuple[ChatRequest, tuple], params: SamplingParams) -> list[Completion]:
         request, (messages, keys, urls) = item
         await self._ensure_embeddings(keys, urls)  # a no-op unless the cache evicted them since
-        response, server = await self._post("/v1/chat/completions", json_body=self._body(model, messages, params))
+        response, server = await self.client.post(CHAT_COMPLETIONS, json_body=self._body(model, messages, params))
         return self._completions(request, response.json(), keys, self._version_of(response, server))
 
     def _completions(self, request: ChatRequest, data: dict, keys: list[str], version: int) -> list[Completion]:
@@ -590,14 +384,14 @@ class VLLMEngine:
     def encode_images(self, images: list, keys: list[str]) -> None:
         """Put these images' embeddings (a server's) in the cache the trainer reads."""
         if keys:
-            self._run(self._ensure_embeddings(keys, [self._data_url(k, im) for k, im in zip(keys, images, strict=True)]))
+            self.client.run(self._ensure_embeddings(keys, [self._data_url(k, im) for k, im in zip(keys, images, strict=True)]))
 
     # --- sampling after token prompts (multi-turn) -------------------------------------------
     def generate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
         """Sample after prompts given as token ids, through vLLM's /inference/v1/generate
         (`saccade serve` enables it): nothing is re-tokenized or re-rendered. Each image pad
         run goes as one pad, and the server's expanded prompt must equal ours exactly."""
-        return self._run(self._agenerate_tokens(prompts, params))
+        return self.client.run(self._agenerate_tokens(prompts, params))
 
     async def _agenerate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
         with_images = [p for p in prompts if p.image_keys and p.images]  # the rest fail in _complete_tokens
@@ -630,7 +424,7 @@ class VLLMEngine:
             "content_parts": [{"type": "image_url", "url": u} for u in urls],
             "sampling_params": sampling, "return_token_ids": True,
         }
-        response, server = await self._post("/inference/v1/generate", json_body=body)
+        response, server = await self.client.post(GENERATE_TOKENS, json_body=body)
         data = response.json()
         served = data.get("prompt_token_ids")
         if served != prompt.input_ids.tolist():
@@ -653,39 +447,10 @@ class VLLMEngine:
         version = self.policy_version + 1 if version is None else version
         folder = self.exporter(version)
         if self.pushes_weights:
-            self._run(self._push(folder, version))
+            self.client.run(self.client.push(folder, version))
         self.policy_version = version
         self._adapter_loaded = self.lora
         return time.perf_counter() - start
-
-    async def _push(self, folder: str, version: int) -> None:
-        self._http()
-        async with self._weights_lock:
-            self._pushed = (str(folder), version)
-            live = self.pool.alive
-            results = await asyncio.gather(*(self._load(s, str(folder), version) for s in live), return_exceptions=True)
-            for server, result in zip(live, results, strict=True):
-                if isinstance(result, Unreachable):
-                    if self.pool.take_out(server, str(result)):
-                        say(f"server {server.url} taken out while loading weights v{version} ({result})")
-                elif isinstance(result, BaseException):
-                    raise result
-            if not self.pool.alive:
-                raise NoServerError(f"{self.pool.describe_down()}; weights v{version} reached none. Start them "
-                                    "again (saccade serve MODEL ...) at the run's engine.urls")
-
-    async def _load(self, server: Server, folder: str, version: int) -> None:
-        """One server loads the folder. An adapter only means something on the weights it was
-        trained on: a server that loaded full weights since it started (another run's) first
-        reloads its checkpoint."""
-        if self.lora and server.version is None:
-            info = (await self._http().get(server.url + "/saccade/info", headers=self.headers, timeout=30)).json()
-            if info.get("base_modified"):
-                await self._post("/update_weights", json_body={"restore_base": True, "version": version}, server=server)
-        await self._post("/update_weights", json_body={"path": folder, "version": version, "lora": self.lora},
-                         server=server)
-        server.version = version
-        server.versions_loaded.append(version)
 
     # --- sampling randomness: not seeded (see the module note) --------------------------------
     def reseed(self, seed: int) -> None:
@@ -696,31 +461,3 @@ class VLLMEngine:
 
     def set_rng_state(self, state) -> None:
         pass
-
-    def info(self) -> list[dict]:
-        """The /saccade/info of every server that answers; those that do not are taken out (the
-        health check brings them back). None answering, or an answer that is not `saccade
-        serve`'s, is an error that says what to do."""
-        import httpx
-
-        out, failures = [], []
-        for server in list(self.pool.servers.values()):
-            try:
-                response = httpx.get(server.url + "/saccade/info", headers=self.headers, timeout=30)
-            except httpx.HTTPError as err:
-                failures.append(f"{server.url} ({err})")
-                self.pool.take_out(server, str(err))
-                continue
-            if response.status_code != 200:
-                raise ValueError(
-                    f"{server.url}/saccade/info: HTTP {response.status_code} {response.text[:200]}; is it `saccade "
-                    "serve` (plain `vllm serve` lacks /encode_images and /update_weights), with the right API key?"
-                )
-            out.append(response.json())
-        if not out:
-            raise ValueError(
-                f"no server answers at {', '.join(failures)}; start one with `saccade serve MODEL`, or fix engine.urls"
-            )
-        if failures:
-            say(f"{', '.join(failures)} not answering: out until the health check finds it up")
-        return out

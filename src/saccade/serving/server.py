@@ -40,6 +40,7 @@ from saccade.serving.validation import (
     CHAT_ROUTES, RequestError, chat_media_urls, check_aspect_ratio, check_chat_media_url, parse_image_list,
     parse_json_body, parse_update_request, resolve_weights_path, resolve_weights_root,
 )
+from saccade.serving.wire import ENCODE_IMAGES, INFO, LORA_NAME, SACCADE_ROUTES, UPDATE_WEIGHTS, VERSION_HEADER
 
 if TYPE_CHECKING:
     import torch
@@ -283,10 +284,6 @@ def check_weights_folder(path: str, reference: dict[str, list[int]]) -> int:
     return len(shapes)
 
 
-# The model name requests use to sample with the trainer's LoRA adapter.
-LORA_NAME = "saccade-policy"
-
-
 def check_adapter_folder(path: str) -> None:
     """Refuse an adapter folder vLLM would choke on: missing, or without PEFT's two files."""
     folder = Path(path)
@@ -332,7 +329,7 @@ def build_router(state: SaccadeState):
             state.vision = infos[0]
         return state.vision
 
-    @router.post("/encode_images")
+    @router.post(ENCODE_IMAGES)
     async def encode_images(request: Request):
         try:
             urls = parse_image_list(await read_json(request))
@@ -357,7 +354,7 @@ def build_router(state: SaccadeState):
         tensors = split_features(features, grid, info["spatial_merge_size"], info["levels"])
         return Response(save(tensors), media_type="application/octet-stream")
 
-    @router.post("/update_weights")
+    @router.post(UPDATE_WEIGHTS)
     async def update_weights(request: Request):
         try:
             update = parse_update_request(await read_json(request), state.policy_version)
@@ -405,7 +402,7 @@ def build_router(state: SaccadeState):
             finally:
                 await client.resume_generation()
 
-    @router.get("/saccade/info")
+    @router.get(INFO)
     async def info(request: Request):
         model_config = request.app.state.vllm_config.model_config
         return {"policy_version": state.policy_version, "model": state.model_path, **(await vision_info(request)),
@@ -416,11 +413,6 @@ def build_router(state: SaccadeState):
                 "head_dtype": str(model_config.head_dtype).removeprefix("torch.")}
 
     return router
-
-
-SACCADE_ROUTES = ("/encode_images", "/update_weights", "/saccade/")
-# The policy version a server held when a request arrived, on every response.
-VERSION_HEADER = "x-saccade-policy-version"
 
 
 def _guard_middleware(app, state: SaccadeState):

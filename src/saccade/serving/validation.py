@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from saccade.serving.wire import CHAT_COMPLETIONS, MAX_IMAGES_PER_REQUEST
+
 
 class RequestError(ValueError):
     """A bad request: becomes a 4xx with this message."""
@@ -34,8 +36,6 @@ class RequestError(ValueError):
         self.status = status
 
 
-# The client (VLLMEngine) sends at most this many per request; more is a malformed request.
-MAX_IMAGES_PER_REQUEST = 256
 # Qwen2-VL's smart_resize raises for images longer than this on one side relative to the other.
 MAX_ASPECT_RATIO = 200
 # Longest path string accepted (Linux PATH_MAX).
@@ -189,7 +189,7 @@ def resolve_weights_path(path: str, root: Path, served_checkpoint: Path | None =
 # base64 (501). saccade's middleware refuses those before vLLM sees them. Remote URLs are refused
 # unless the server was started with --allowed-media-domains: a fetch on a client's behalf is a
 # request forgery risk, and saccade's own client only ever sends data: URLs.
-CHAT_ROUTES = ("/v1/chat/completions",)
+CHAT_ROUTES = (CHAT_COMPLETIONS,)
 CHAT_MEDIA_PARTS = ("image_url", "video_url", "audio_url")
 
 

@@ -1,0 +1,342 @@
+"""`ServerClient`: the HTTP side of a run's `saccade serve` (vLLM) servers, under `VLLMEngine`.
+
+It owns the transport and nothing about prompts or completions: one event loop in a thread of
+its own with one persistent client (the synchronous engine methods hand it coroutines and wait,
+from whichever thread calls them, so an async rollout thread and the trainer share it), the
+choice of server, retries, the health check and the weights every server must hold.
+
+Servers (`saccade.inference.servers.ServerPool`): each request goes to the live server with
+the fewest requests in flight. A server that refuses or drops a connection, or times out, is
+taken out and the request is sent again to another; a 5xx is retried with backoff. A health
+check probes servers that are out every `health_interval_s`: one that answers gets the
+current weights before it is put back (`add_server` brings in a new one the same way). With
+no server left, a request waits `no_server_wait_s` for one, then raises `NoServerError`.
+
+Weights: `push` POSTs a folder to every live server's /update_weights (full weights, or with
+`lora` the adapter, which a server that loaded other full weights since it started first
+restores its base for) and remembers it, so a server that rejoins loads it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from typing import Any
+
+from saccade.config import ImagesConfig
+from saccade.inference.servers import NoServerError, Server, ServerPool
+from saccade.serving.wire import INFO, UPDATE_WEIGHTS
+
+KEEPALIVE_EXPIRY_S = 2.0  # below the servers' 5 s keep-alive timeout (see ServerClient.http)
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error that retrying will not fix (a 4xx), or kept failing."""
+
+
+class Unreachable(ConnectionError):
+    """One named server did not answer (a push or a health probe aimed at it)."""
+
+
+class LoopThread:
+    """One asyncio event loop in a daemon thread; `run` executes a coroutine on it from any
+    other thread and returns its result (or raises its exception)."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("a synchronous engine method was called from the engine's own event loop")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+def say(message: str) -> None:
+    """A line for the person running the job: servers leaving and coming back."""
+    print(f"saccade: {message}", file=sys.stderr, flush=True)
+
+
+def head_dtype_problem(info: dict) -> str | None:
+    """Why a server's logits are not the trainer's (`saccade.models.head`), from its /saccade/info,
+    or None. A low-precision model whose lm_head rounds the logits to its own dtype samples from a
+    coarser distribution than the one the trainer scores."""
+    dtype, head = info.get("dtype"), info.get("head_dtype")
+    if dtype is None or head is None or head == "float32" or dtype == "float32":
+        return None  # an older server that does not say; or nothing is rounded
+    return (f"computes its {dtype} model's logits in {head}, rounded to about 3 significant digits, while the "
+            f"trainer sums the lm_head in float32; restart it with `saccade serve` (which sets --hf-overrides "
+            f"'{{\"head_dtype\": \"float32\"}}'), or pass that flag to vLLM yourself")
+
+
+class ServerClient:
+    """The servers at `urls`, as one HTTP client sees them. `limits` and `lora` are what a
+    server must match to be put back (its image bounds; LoRA support when the run pushes
+    adapters)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        limits: ImagesConfig,
+        lora: bool,
+        api_key: str | None = None,
+        max_concurrency: int = 64,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        health_interval_s: float = 2.0,
+        no_server_wait_s: float = 60.0,
+    ):
+        self.pool = ServerPool([u.rstrip("/") for u in urls])
+        self.limits = limits
+        self.lora = lora
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.health_interval_s = health_interval_s
+        self.no_server_wait_s = no_server_wait_s
+        self._pushed: tuple[str, int] | None = None  # the weights folder every server must hold, and its version
+        # Made on first use, on the loop: the thread, the client, the request gate, the lock
+        # that keeps pushes and rejoins apart, the health check.
+        self._loop: LoopThread | None = None
+        self._loop_guard = threading.Lock()
+        self._http_client = None
+        self.gate: asyncio.Semaphore | None = None  # at most max_concurrency requests in flight
+        self._weights_lock: asyncio.Lock | None = None
+        self._health_task: asyncio.Task | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.pool.servers)
+
+    # --- the event loop, server choice and HTTP ------------------------------------------
+    def run(self, coro):
+        """Run a coroutine on the client's event loop (started on first use) and wait for it."""
+        with self._loop_guard:
+            if self._loop is None:
+                self._loop = LoopThread("saccade-vllm-engine")
+        return self._loop.run(coro)
+
+    def http(self):
+        """The one HTTP client, with the gate and lock that live on its loop."""
+        import httpx
+
+        if self._http_client is None:
+            # Idle connections are dropped after 2 s, before the server's keep-alive timeout (uvicorn's
+            # and vLLM's default: 5 s) closes them: a request sent on a connection the server is
+            # closing at that instant fails with ReadError, which would take a healthy server out
+            # (seen on the vLLM demo between the GRPO and the control runs).
+            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency,
+                                  keepalive_expiry=KEEPALIVE_EXPIRY_S)
+            self._http_client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
+            self.gate = asyncio.Semaphore(self.max_concurrency)
+            self._weights_lock = asyncio.Lock()
+            if self.health_interval_s > 0:
+                self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        return self._http_client
+
+    def close(self) -> None:
+        """Stop the health check, close the client and the loop's thread."""
+        if self._loop is None:
+            return
+
+        async def shut():
+            if self._health_task is not None:
+                self._health_task.cancel()
+            if self._http_client is not None:
+                await self._http_client.aclose()
+        try:
+            self._loop.run(shut())
+        finally:
+            self._loop.close()
+            self._loop = self._http_client = None
+
+    async def _live_server(self, tried: set[str]) -> Server:
+        """The least-loaded live server, preferring ones this request has not failed on; with
+        none live, wait up to no_server_wait_s for the health check to bring one back."""
+        deadline = time.monotonic() + self.no_server_wait_s
+        while True:
+            try:
+                return self.pool.pick(exclude=tried)
+            except NoServerError as err:
+                if time.monotonic() >= deadline:
+                    raise NoServerError(
+                        f"{err}, for {self.no_server_wait_s:.0f} s. Start them again (saccade serve MODEL ...) "
+                        "at the run's engine.urls"
+                    ) from None
+                await asyncio.sleep(min(0.5, self.health_interval_s or 0.5))
+
+    async def post(self, path: str, *, json_body: Any, server: Server | None = None) -> tuple[Any, Server]:
+        """POST to the least-loaded live server, or to `server` only; returns the response and
+        the server that gave it. A connection refused, dropped or timed out takes the server
+        out and sends the request to another (aimed at one server: raises Unreachable); a 5xx
+        is retried with backoff; a 4xx raises at once with the server's reason."""
+        import httpx
+
+        client = self.http()
+        tried: set[str] = set()
+        attempt = reroutes = 0
+        while True:
+            target = server or await self._live_server(tried)
+            self.pool.begin(target)
+            try:
+                response = await client.post(target.url + path, json=json_body, headers=self.headers)
+            except httpx.TransportError as err:  # timeouts included
+                failure = f"{type(err).__name__} on {path}: {err}".strip()
+                if server is not None:
+                    raise Unreachable(f"{target.url}: {failure}") from err
+                if self.pool.take_out(target, failure):
+                    say(f"server {target.url} taken out ({failure}); its requests go to the others")
+                tried.add(target.url)
+                self.pool.counters.rerouted += 1
+                reroutes += 1
+                if reroutes > 4 * len(self.pool.servers) + self.retries:
+                    raise ServerError(f"{path}: every server failed, last {failure}") from err
+                continue
+            finally:
+                self.pool.end(target)
+            if response.status_code < 400:
+                return response, target
+            if response.status_code < 500:
+                raise ServerError(f"{target.url}{path}: HTTP {response.status_code}: {response.text[:500]}")
+            if attempt >= self.retries:
+                raise ServerError(f"{target.url}{path}: HTTP {response.status_code} after {attempt + 1} attempts: "
+                                  f"{response.text[:500]}")
+            self.pool.counters.retried += 1
+            await asyncio.sleep(self.backoff_s * 2**attempt)
+            attempt += 1
+
+    async def served_model(self) -> str:
+        """The model a live server serves (the first of its /v1/models)."""
+        server = await self._live_server(set())
+        response = await self.http().get(server.url + "/v1/models", headers=self.headers)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+    # --- servers that leave and come back ------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            for server in self.pool.down:
+                try:
+                    await self._rejoin(server)
+                except Exception as err:  # still out; probed again next round
+                    server.last_error = f"{type(err).__name__}: {err}"[:300]
+
+    async def _rejoin(self, server: Server) -> None:
+        """Put a server back that answers again (or a new one): same image limits, LoRA when
+        the run pushes adapters, a float32 lm_head, and the current weights loaded first."""
+        import httpx
+
+        client = self.http()
+        try:
+            health = await client.get(server.url + "/health", headers=self.headers, timeout=5)
+            info = (await client.get(server.url + INFO, headers=self.headers, timeout=10)).json()
+        except httpx.HTTPError as err:
+            raise Unreachable(f"{server.url}: {err}") from None
+        if health.status_code != 200:
+            raise Unreachable(f"{server.url}/health: HTTP {health.status_code}")
+        served = (info["min_pixels"], info["max_pixels"])
+        if served != (self.limits.min_pixels, self.limits.max_pixels):
+            raise ServerError(f"{server.url} resizes images to {served}, the run to "
+                              f"{(self.limits.min_pixels, self.limits.max_pixels)}: not put back")
+        if self.lora and not info.get("lora_enabled"):
+            raise ServerError(f"{server.url} has no LoRA support (--enable-lora): not put back")
+        problem = head_dtype_problem(info)
+        if problem:
+            raise ServerError(f"{server.url} {problem}: not put back")
+        async with self._weights_lock:
+            version = info.get("policy_version")
+            if self._pushed is not None:
+                folder, version = self._pushed
+                await self._load(server, folder, version)
+            self.pool.put_back(server, version)
+        say(f"server {server.url} is back in, with weights version {version}")
+
+    def add_server(self, url: str) -> None:
+        """Bring a new server into the run: the health check gives it the current weights and
+        puts it in (within health_interval_s of its answering)."""
+        self.pool.add(url.rstrip("/"))
+        self.run(self._started())
+
+    async def _started(self) -> None:
+        self.http()  # the client, and the health check with it
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the client was made (a step's figures are differences)."""
+        c = self.pool.counters
+        return {"requests_retried": float(c.retried), "requests_rerouted": float(c.rerouted),
+                "servers_taken_out": float(c.taken_out), "servers_rejoined": float(c.rejoined),
+                "engine_idle_s": self.pool.idle_seconds() / max(1, len(self.pool.servers)),
+                "servers_alive": float(len(self.pool.alive))}
+
+    # --- weights --------------------------------------------------------------------------
+    async def push(self, folder: str, version: int) -> None:
+        """Every live server loads the folder; one that does not answer is taken out (it gets
+        the folder when it is back); NoServerError when none took it."""
+        self.http()
+        async with self._weights_lock:
+            self._pushed = (str(folder), version)
+            live = self.pool.alive
+            results = await asyncio.gather(*(self._load(s, str(folder), version) for s in live), return_exceptions=True)
+            for server, result in zip(live, results, strict=True):
+                if isinstance(result, Unreachable):
+                    if self.pool.take_out(server, str(result)):
+                        say(f"server {server.url} taken out while loading weights v{version} ({result})")
+                elif isinstance(result, BaseException):
+                    raise result
+            if not self.pool.alive:
+                raise NoServerError(f"{self.pool.describe_down()}; weights v{version} reached none. Start them "
+                                    "again (saccade serve MODEL ...) at the run's engine.urls")
+
+    async def _load(self, server: Server, folder: str, version: int) -> None:
+        """One server loads the folder. An adapter only means something on the weights it was
+        trained on: a server that loaded full weights since it started (another run's) first
+        reloads its checkpoint."""
+        if self.lora and server.version is None:
+            info = (await self.http().get(server.url + INFO, headers=self.headers, timeout=30)).json()
+            if info.get("base_modified"):
+                await self.post(UPDATE_WEIGHTS, json_body={"restore_base": True, "version": version}, server=server)
+        await self.post(UPDATE_WEIGHTS, json_body={"path": folder, "version": version, "lora": self.lora},
+                        server=server)
+        server.version = version
+        server.versions_loaded.append(version)
+
+    def info(self) -> list[dict]:
+        """The /saccade/info of every server that answers; those that do not are taken out (the
+        health check brings them back). None answering, or an answer that is not `saccade
+        serve`'s, is an error that says what to do."""
+        import httpx
+
+        out, failures = [], []
+        for server in list(self.pool.servers.values()):
+            try:
+                response = httpx.get(server.url + INFO, headers=self.headers, timeout=30)
+            except httpx.HTTPError as err:
+                failures.append(f"{server.url} ({err})")
+                self.pool.take_out(server, str(err))
+                continue
+            if response.status_code != 200:
+                raise ValueError(
+                    f"{server.url}/saccade/info: HTTP {response.status_code} {response.text[:200]}; is it `saccade "
+                    "serve` (plain `vllm serve` lacks /encode_images and /update_weights), with the right API key?"
+                )
+            out.append(response.json())
+        if not out:
+            raise ValueError(
+                f"no server answers at {', '.join(failures)}; start one with `saccade serve MODEL`, or fix engine.urls"
+            )
+        if failures:
+            say(f"{', '.join(failures)} not answering: out until the health check finds it up")
+        return out

@@ -1,0 +1,23 @@
+"""What a `saccade serve` server and its client (`saccade.inference.vllm`) both spell.
+
+Routes, the response header that carries the policy version, the name the trainer's adapter is
+served under, the images one request may carry. No imports: the client reads these without
+loading the server's module (which needs vLLM).
+"""
+
+# saccade's own routes (serving/server.py)
+ENCODE_IMAGES = "/encode_images"
+UPDATE_WEIGHTS = "/update_weights"
+INFO = "/saccade/info"
+SACCADE_ROUTES = (ENCODE_IMAGES, UPDATE_WEIGHTS, "/saccade/")  # behind the API key, errors as {"error": reason}
+
+# vLLM's routes the client samples through
+CHAT_COMPLETIONS = "/v1/chat/completions"
+GENERATE_TOKENS = "/inference/v1/generate"  # token prompts in, as `saccade serve` enables it
+
+# The policy version a server held when a request arrived, on every response.
+VERSION_HEADER = "x-saccade-policy-version"
+# The name the trainer's LoRA adapter is loaded under; requests name it as their model.
+LORA_NAME = "saccade-policy"
+# The most images one /encode_images request may carry (the client chunks its batches to it).
+MAX_IMAGES_PER_REQUEST = 256
