@@ -1,0 +1,198 @@
+"""The commands that train, evaluate, export or serve a model: `saccade rl`, `sft`, `eval`,
+`export` and `serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from saccade.cli.common import write_json
+from saccade.config import add_config_arguments
+
+
+def cmd_serve(argv: list[str]) -> int:
+    # vLLM parses its own arguments: everything after `serve` goes to it untouched, but for the
+    # model, which a name like "tiny-warm" (built by training) turns into a folder here, before the server.
+    from saccade.serving.server import main as serve_main
+
+    if argv and not argv[0].startswith("-"):
+        from saccade.demo import resolve_model_name
+
+        argv = [resolve_model_name(argv[0]), *argv[1:]]
+    return serve_main(argv)
+
+
+def _load_run_config(args: argparse.Namespace):
+    from saccade.config import RunConfig, describe, load_config
+    from saccade.tasks import check_user_code
+
+    cfg = load_config(RunConfig, args.config, args.overrides)
+    check_user_code(cfg)  # a bad reward function or task name fails now, before anything is built
+    if args.dry_run:
+        print(describe(cfg))
+    return cfg
+
+
+def cmd_rl(args: argparse.Namespace) -> int:
+    cfg = _load_run_config(args)
+    if args.dry_run:
+        return 0
+    from saccade.demo import resolve_warm_start
+    from saccade.devices import resolve_device
+    from saccade.distributed import close_world, exit_rank, init_world
+    from saccade.rl import train_rl
+
+    # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU); else one process.
+    world = init_world(resolve_device(cfg.trainer.device), timeout_s=cfg.trainer.dist_timeout_s)
+    try:
+        cfg = resolve_warm_start(cfg, world)
+        result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world)
+    finally:
+        close_world(world)
+    if world.is_main:
+        print(f"done: {result['step']} steps on {world.size} rank(s); metrics in {cfg.run_dir / 'metrics.jsonl'}")
+    if world.sharded:
+        exit_rank(0)  # see exit_rank: a finished rank must not abort in the interpreter's teardown
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    cfg = _load_run_config(args)
+    if args.dry_run:
+        return 0
+    from saccade.demo import resolve_warm_start
+    from saccade.sft import train_sft
+
+    train_sft(resolve_warm_start(cfg), run_dir=cfg.run_dir)
+    print(f"done; metrics in {cfg.run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    cfg = _load_run_config(args)
+    if args.dry_run:
+        return 0
+    from saccade.demo import resolve_warm_start
+    from saccade.evaluation import format_eval, run_eval, write_samples
+
+    result = run_eval(resolve_warm_start(cfg), checkpoint=args.checkpoint)
+    print(format_eval(result))
+    rows = result.pop("rows")
+    if args.samples:
+        print(f"per-question completions: {write_samples(rows, args.samples)}")
+    write_json(args.json, result)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from saccade.export import HubUploadError, export_adapter, export_merged, push_to_hub, usage_lines
+
+    if args.merged:
+        result = export_merged(args.checkpoint, args.merged, base_model=args.base_model, force=args.force)
+    else:
+        result = export_adapter(args.checkpoint, args.adapter, base_model=args.base_model, force=args.force)
+    print("\n".join(usage_lines(result)))
+    if args.push_to_hub:
+        try:
+            url = push_to_hub(result.out, args.push_to_hub, private=args.private)
+        except HubUploadError as err:  # not the user's mistake, and nothing written is lost
+            print(f"saccade: error: {err}", file=sys.stderr)
+            return 1
+        print(f"  uploaded to the hub: {url}")
+    return 0
+
+
+def add_serve_parser(sub) -> None:
+    """`saccade serve MODEL ...`, for --help: `main` hands serve's arguments to vLLM unparsed."""
+    serve = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server plus /encode_images and /update_weights (needs vLLM)",
+        description="saccade serve MODEL [vLLM arguments]: vLLM's OpenAI-compatible server with saccade's routes. "
+        "Binds 127.0.0.1 unless --host is given (then --api-key is required); logprobs are those of the "
+        "distribution sampled from (--logprobs-mode processed_logprobs). --max-body-mb limits request bodies "
+        "(default 64). --weights-root DIR: /update_weights loads only from under DIR, symlinks resolved (default: "
+        "the working directory, where a trainer started in the same directory writes <run_dir>/engine-weights). "
+        "On CPU: --dtype float32 --enforce-eager. MODEL may be 'tiny'.",
+    )
+    serve.add_argument("model", metavar="MODEL", help="hub id, local folder, or tiny/small; then vLLM's arguments")
+
+
+def add_rl_parser(sub) -> None:
+    """`saccade rl CONFIG`."""
+    rl = sub.add_parser(
+        "rl",
+        help="GRPO-family RL from a TOML config (dotted overrides: --trainer.lr 1e-5)",
+        description="Train with RL from verifiable rewards. CONFIG is a TOML file (see configs/); any field can be "
+        "overridden as --section.key VALUE. --dry-run prints the resolved config and exits. On several GPUs or "
+        "machines, start it with torchrun (`torchrun --nproc-per-node N -m saccade rl CONFIG`): the trainer is then "
+        "sharded with FSDP2 over the N processes and each samples its share of the prompts (README: Scaling out).",
+    )
+    add_config_arguments(rl)
+    rl.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
+    rl.set_defaults(func=cmd_rl)
+
+
+def add_sft_parser(sub) -> None:
+    """`saccade sft CONFIG`."""
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning on the same packed, cached-image path",
+        description="SFT from a TOML config, on the same data path as RL (images included).",
+    )
+    add_config_arguments(sft)
+    sft.set_defaults(func=cmd_sft)
+
+
+def add_eval_parser(sub) -> None:
+    """`saccade eval CONFIG`."""
+    ev = sub.add_parser(
+        "eval",
+        help="held-out accuracy of a run's latest checkpoint (greedy, pass@k, by category)",
+        description="Evaluates the latest checkpoint under the config's run folder (or --checkpoint, or the "
+        "base model when there is none) on the held-out split (shapes: the evaluation seed; a data set, "
+        "task.kind = mathvista, openmmreasoner, geometry3k or dataset: the first eval.prompts rows of its eval "
+        "split): greedy accuracy, pass@k from eval.samples_k samples per question at sampling.temperature, and "
+        "accuracy per category (shapes: kind; MathVista: task, skills, grade; OpenMMReasoner: subset; dataset: "
+        "the task.columns.category column). Prints a table.",
+    )
+    add_config_arguments(ev)
+    ev.add_argument("--checkpoint", metavar="DIR", help="a step_* folder to evaluate instead of the latest")
+    ev.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    ev.add_argument("--samples", metavar="PATH", help="write one JSON line per question: id, question, answer, "
+                    "completion, extracted answer, correct, metadata (and the pass@k samples)")
+    ev.set_defaults(func=cmd_eval)
+
+
+def add_export_parser(sub) -> None:
+    """`saccade export CHECKPOINT`."""
+    export = sub.add_parser(
+        "export",
+        help="a checkpoint as a folder transformers and vLLM load as they are: merged model or PEFT adapter",
+        description="saccade export CHECKPOINT (--merged OUT | --adapter OUT) [--push-to-hub REPO]. --merged writes "
+        "a complete Qwen3-VL folder: the base model's config, tokenizer, processor, chat template, generation config "
+        "and vision tower (the trainer never trains or saves the tower), with the trained language model, LoRA "
+        "merged in; transformers' Qwen3VLForConditionalGeneration.from_pretrained(OUT) and `vllm serve OUT` load it. "
+        "--adapter writes a LoRA checkpoint's PEFT folder (adapter_config.json, adapter_model.safetensors) for "
+        "peft's PeftModel.from_pretrained on the base model, or vLLM's --enable-lora --lora-modules NAME=OUT; a "
+        "full fine-tuning checkpoint has no adapter: use --merged. Either checkpoint layout (one process, or "
+        "sharded by torchrun), LoRA or full fine-tuning. Written atomically (a temp folder beside OUT, renamed "
+        "when complete); prints the folder, its size and how to serve it.",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a checkpoint folder (<run_dir>/checkpoints/step_000012), or a run folder: then its "
+                        "latest complete checkpoint")
+    what = export.add_mutually_exclusive_group(required=True)
+    what.add_argument("--merged", metavar="OUT", help="write the whole model, LoRA merged, as a Hugging Face folder")
+    what.add_argument("--adapter", metavar="OUT", help="write only the LoRA adapter, as a PEFT folder (a few MB)")
+    export.add_argument("--base-model", metavar="PATH",
+                        help="the Qwen3-VL folder or hub id the run trained from, when the one the checkpoint "
+                        "records (state.json) was moved or is missing. --merged reads its vision tower, config and "
+                        "tokenizer; --adapter only writes it into adapter_config.json (give the hub id you will "
+                        "load it with)")
+    export.add_argument("--force", action="store_true", help="replace OUT if it is not empty (swapped out only once "
+                        "the new folder is complete)")
+    export.add_argument("--push-to-hub", metavar="REPO", help="then upload OUT to this hub model repo (created if "
+                        "needed; token from `hf auth login` or HF_TOKEN). If the upload fails, OUT stays written and "
+                        "the error says how to upload it later")
+    export.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    export.set_defaults(func=cmd_export)
