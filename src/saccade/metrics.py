@@ -41,8 +41,7 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id.txt"
 RESERVED_KEYS = ("step", "phase", "time", "elapsed_s")
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "ProgressBar", "format_step", "memory_metrics", "process_metrics",
-           "read_metrics", "to_scalar"]
+__all__ = ["METRICS_FILE", "MetricsLogger", "format_step", "read_metrics", "to_scalar"]
 
 
 def to_scalar(value: Any, key: str = "?") -> float | int | None:
@@ -555,103 +554,3 @@ class MetricsLogger:
                 self._file.close()
         except Exception:
             pass
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory and progress
-# ---------------------------------------------------------------------------------------------
-
-
-def proc_status_kb(field: str) -> int | None:
-    """A field of /proc/self/status in kB (VmRSS, VmHWM, ...), or None off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def memory_metrics(device=None) -> dict[str, float]:
-    """This process's resident memory now and at its peak (`rss_mb`, `peak_rss_mb`), and on CUDA
-    the device memory allocated at its peak since the last call (`cuda_peak_mb`; the peak is
-    reset, so each call covers the step since the one before)."""
-    out: dict[str, float] = {}
-    rss, peak = proc_status_kb("VmRSS"), proc_status_kb("VmHWM")
-    if rss is None:  # not Linux: ru_maxrss (kB on Linux and BSD, bytes on macOS) is all there is
-        import resource
-        import sys
-
-        peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        out["peak_rss_mb"] = peak_bytes / 2**20
-    else:
-        out["rss_mb"] = rss / 1024
-        out["peak_rss_mb"] = (peak or rss) / 1024
-    if device is not None and getattr(device, "type", None) == "cuda":
-        import torch
-
-        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-        torch.cuda.reset_peak_memory_stats(device)
-    return out
-
-
-def process_metrics() -> dict[str, float]:
-    """What a long run could leak besides memory: this process's open file descriptors
-    (`open_fds`, entries of /proc/self/fd, the listing's own included), its OS threads (`threads`, /proc/self/status; torch's
-    and the libraries' pools included) and its Python threads (`python_threads`). The first two
-    are left out off Linux."""
-    import threading
-
-    out = {"python_threads": float(threading.active_count())}
-    threads = proc_status_kb("Threads")  # a count, not kB: the same "Name: value" line
-    if threads is not None:
-        out["threads"] = float(threads)
-    try:
-        out["open_fds"] = float(len(os.listdir("/proc/self/fd")))
-    except OSError:
-        pass
-    return out
-
-
-class ProgressBar:
-    """A rich progress bar that shows the latest step summary, and under it an optional note
-    line (a sample of the step's completions), cut to the terminal's width; a no-op when disabled.
-
-    `with ProgressBar(True, total, "rl") as advance: advance("step 3 | reward 0.5", note="...")`."""
-
-    def __init__(self, enabled: bool, total: int, label: str):
-        self.enabled, self.total, self.label = enabled, total, label
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda text, note=None: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        from rich.text import Text
-
-        class NotedProgress(Progress):
-            note = ""
-
-            def get_renderables(self):
-                yield from super().get_renderables()
-                if self.note:  # one line, never wrapped: a long sample must not push the bar around
-                    yield Text(self.note, no_wrap=True, overflow="ellipsis", style="dim")
-
-        self._progress = NotedProgress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"),
-        )
-        self._progress.start()
-        self._task = self._progress.add_task(self.label, total=self.total, info="")
-
-        def advance(text: str, note: str | None = None) -> None:
-            if note is not None:
-                self._progress.note = note
-            self._progress.update(self._task, advance=1, info=text)
-
-        return advance
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self._progress.stop()
-        return False

@@ -66,10 +66,12 @@ from saccade.distributed import SINGLE, World, barrier, unsharded
 from saccade.evaluation import evaluate
 from saccade.inference.engine import SamplingParams
 from saccade.inference.servers import NoServerError
-from saccade.metrics import MetricsLogger, ProgressBar, format_step, memory_metrics, process_metrics
+from saccade.metrics import MetricsLogger, format_step
 from saccade.models.lm import shares_prompts
 from saccade.orchestrator.rollout import sample_step
 from saccade.orchestrator.source import RolloutSource, StepRollouts
+from saccade.process_stats import memory_metrics, process_metrics
+from saccade.progress import ProgressBar
 from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
 from saccade.setup import Setup, build_setup
 from saccade.tasks import Task, task_from_config

@@ -17,8 +17,9 @@ import torch
 from saccade.config import RunConfig, describe
 from saccade.data.shapes import to_messages
 from saccade.inference.engine import ChatRequest
-from saccade.metrics import MetricsLogger, ProgressBar, format_step
+from saccade.metrics import MetricsLogger, format_step
 from saccade.models.lm import unwrap_policy
+from saccade.progress import ProgressBar
 from saccade.setup import build_setup
 from saccade.tasks import task_from_config
 from saccade.trainer.forward import forward_logprobs

@@ -164,7 +164,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.config import LossConfig, LoraConfig, TrainerConfig
     from saccade.distributed import all_gather, barrier, close_world, exit_rank, init_world, unsharded
     from saccade.trainer.sharding import shard_model
-    from saccade.metrics import proc_status_kb
+    from saccade.process_stats import proc_status_kb
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
     from saccade.models.sampling import SampledDistribution
     from saccade.models.tiny import resolve_model

@@ -120,7 +120,8 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     with the process's descriptors and threads before the run and after it, and the plot."""
     from saccade.config import RunConfig, load_config
     from saccade.demo import resolve_model_name
-    from saccade.metrics import process_metrics, read_metrics
+    from saccade.metrics import read_metrics
+    from saccade.process_stats import process_metrics
     from saccade.plot import plot_run
     from saccade.rl import train_rl
 

@@ -31,9 +31,9 @@ import torch
 
 from saccade.bench.trainer_data import BenchBatch, FullMicroBatch, PaddedBatch, full_micro_batches, pad_batches
 from saccade.config import LoraConfig
-from saccade.metrics import proc_status_kb
 from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
 from saccade.models.loading import load_full_model
+from saccade.process_stats import proc_status_kb
 from saccade.timing import synchronize
 from saccade.trainer.forward import forward_logprobs, predicted_positions
 from saccade.trainer.logprobs import token_logprobs_and_entropy
