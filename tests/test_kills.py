@@ -129,14 +129,14 @@ def limited(*args, **kwargs):
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
     return save(*args, **kwargs)
 import saccade.rl
-ckpt.save_checkpoint = limited
+saccade.rl.save_checkpoint = limited
 try:
     kill_worker.main(["rl", {str(tmp_path / "full")!r}])
 except CheckpointWriteError as e:
     print("STOPPED:", e)
     sys.exit(3)
 """
-    # train_rl imports save_checkpoint inside the function, from the module: the patch is seen.
+    # saccade.rl imports save_checkpoint at its top: the patch replaces the name the loop calls.
     proc = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 3, proc.stderr[-3000:]
     message = proc.stdout.split("STOPPED:", 1)[1]
