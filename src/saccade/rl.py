@@ -370,8 +370,6 @@ def stop_if_unwritable(run_dir: Path, step: int):
     run stops rather than train on without checkpoints: days of steps that no checkpoint
     holds would be lost to the next crash. The save itself is atomic, so the previous
     checkpoint is intact (a half-written one is only ever a `.tmp-*` folder)."""
-    from saccade.trainer.checkpoint_folder import latest_checkpoint
-
     try:
         yield
     except Exception as err:  # noqa: BLE001 - a full disk fails as OSError, torch.save's writer as RuntimeError
