@@ -1,13 +1,18 @@
-"""RolloutSource: how far ahead rollouts are sampled, and what the trainer gets when sampling fails."""
+"""RolloutSource: how far ahead rollouts are sampled, and what the trainer gets when sampling fails.
+
+No sleeps: where a test needs the sampling thread to have got somewhere, it waits on a
+condition, so a loaded machine makes it slower, never wrong."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from saccade.orchestrator.source import RolloutSource, StepRollouts
+
+
+WAIT_S = 30  # a condition not met in this long is a failure, not a slow machine
 
 
 class Recorder:
@@ -18,22 +23,31 @@ class Recorder:
         self.began: dict[int, int] = {}
         self.threads: set[str] = set()
         self.fail_at = fail_at
+        self.changed = threading.Condition()
 
     def __call__(self, step: int) -> StepRollouts:
-        self.began[step] = self.trained
+        with self.changed:
+            self.began[step] = self.trained
+            self.changed.notify_all()
         self.threads.add(threading.current_thread().name)
         if step == self.fail_at:
             raise ConnectionError("no server")
-        time.sleep(0.01)
         return StepRollouts(step, [f"groups of {step}"], None, 0.01)
 
+    def wait_began(self, step: int) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: step in self.began, timeout=WAIT_S)
 
-def run(source: RolloutSource, recorder: Recorder, steps: range, train_s: float = 0.02) -> list:
+
+def run(source: RolloutSource, recorder: Recorder, steps: range, *, ahead: bool = False) -> list:
+    """The trainer's side. `ahead`: each train step lasts until the next step's sampling has
+    begun (as a real step outlasts the start of sampling); without sampling ahead it never would."""
     got = []
     for step in steps:
         item, waited, depth = source.get(step)
         got.append((item.groups[0], depth))
-        time.sleep(train_s)  # the train step
+        if ahead and step + 1 < steps.stop:  # the train step
+            assert recorder.wait_began(step + 1), f"step {step + 1} did not begin while step {step} trained"
         recorder.trained = step + 1
         source.trained(step)
     return got
@@ -44,7 +58,7 @@ def test_step_s_is_sampled_once_steps_before_s_minus_level_have_trained(level):
     recorder = Recorder()
     recorder.trained = 3  # a resumed run: steps 0..2 trained before
     with RolloutSource(recorder, first_step=3, end=9, max_async_level=level) as source:
-        got = run(source, recorder, range(3, 9))
+        got = run(source, recorder, range(3, 9), ahead=level > 0)
     assert [g for g, _ in got] == [f"groups of {s}" for s in range(3, 9)]
     for step, trained in recorder.began.items():
         assert trained >= step - level, (step, trained)  # never staler than the level
@@ -52,8 +66,9 @@ def test_step_s_is_sampled_once_steps_before_s_minus_level_have_trained(level):
         assert recorder.threads == {threading.current_thread().name}
     else:
         assert recorder.threads == {"saccade-rollouts"}
-        # Sampling ahead did happen: some step began before the one just before it had trained.
-        assert any(trained < step for step, trained in recorder.began.items())
+        # Sampling ahead did happen (run() waited for it): every step after the first began
+        # before the one just before it had trained.
+        assert all(trained < step for step, trained in recorder.began.items() if step > 3)
         assert max(d for _, d in got) <= level
 
 
@@ -66,16 +81,18 @@ def test_an_error_while_sampling_ahead_reaches_the_trainer_at_that_step():
 
 
 def test_close_stops_sampling_ahead_and_releases_queued_pins():
-    released = []
+    released, sampled = [], []
 
     class Pins:
         def release(self):
             released.append(True)
 
     def sample(step):
+        sampled.append(step)
         return StepRollouts(step, [], Pins(), 0.0)
 
     source = RolloutSource(sample, first_step=0, end=100, max_async_level=2)
-    time.sleep(0.2)  # steps 0..2 sampled and queued; step 3 waits for step 0 to train
+    with source._changed:  # steps 0..2 sampled and queued; step 3 waits for step 0 to train
+        assert source._changed.wait_for(lambda: len(source._ready) == 3, timeout=WAIT_S)
     source.close()
-    assert len(released) == 3 and not source._thread.is_alive()
+    assert sampled == [0, 1, 2] and len(released) == 3 and not source._thread.is_alive()
