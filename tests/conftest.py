@@ -13,6 +13,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """A run with `trainer.torch_threads` sets torch's thread count for the whole process: put
+    it back after each test, so no test runs at another test's count."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_path():
     from saccade.models.tiny import tiny_model_path
