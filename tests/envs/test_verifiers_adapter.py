@@ -277,6 +277,8 @@ def test_missing_verifiers_gives_an_install_hint(monkeypatch, vf_env):
 
 VERIFIERS_ENV_MODULE = """
 import verifiers as vf
+import zlib
+
 from datasets import Dataset
 
 from saccade.data.images import image_to_data_url
@@ -299,13 +301,21 @@ def correct(completion, answer) -> float:
     return float(answer in completion[-1]["content"])
 
 
+def text_hash(completion) -> float:
+    # A random model never names the color: without a reward that varies with the reply, every
+    # group would score 0 and the step would train on nothing.
+    return zlib.crc32(str(completion[-1]["content"]).encode()) % 1000 / 1000
+
+
 def load_environment(rows: int = 3, max_turns: int = 2):
     data = [{"prompt": [{"role": "user", "content": [picture(i), {"type": "text", "text": "Which color?"}]}],
              "answer": COLORS[i % 3]} for i in range(rows)]
-    return LookTwice(dataset=Dataset.from_list(data), rubric=vf.Rubric(funcs=[correct]), max_turns=max_turns)
+    return LookTwice(dataset=Dataset.from_list(data), rubric=vf.Rubric(funcs=[correct, text_hash]),
+                     max_turns=max_turns)
 """
 
 
+@pytest.mark.slow
 def test_a_verifiers_env_named_in_the_config_trains(tmp_path, monkeypatch):
     """task.kind = "verifiers", env_id "tiny-look-env": verifiers' own load_environment finds the
     module (a real file on sys.path, '-' as '_'), with task.env_args as its arguments; RL runs it."""
@@ -328,6 +338,8 @@ def test_a_verifiers_env_named_in_the_config_trains(tmp_path, monkeypatch):
     [row] = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     assert 1 <= row["turns_mean"] <= 2 and row["images_mean"] == row["turns_mean"]  # one image per turn
     assert "env_correct" in row and row["accuracy"] == row["env_correct"] and "loss" in row
+    # It trained: the rubric's rewards reached the groups and moved the weights.
+    assert row["reward_std"] > 0 and row["grad_norm"] > 0, row
 
 
 def test_a_verifiers_env_that_is_not_installed_is_refused_before_the_run():

@@ -247,6 +247,7 @@ def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: i
         "embedded_tokens_per_s": rate["embedded"], "hf_generate_tokens_per_s": rate["hf_generate"],
         "embedded_over_hf_generate": rate["embedded"] / rate["hf_generate"],
         "embedded_s": times["embedded"], "hf_generate_s": times["hf_generate"],
+        "completion_tokens": {k: sum(v) for k, v in tokens.items()},  # each engine's, over the repeats
     }
     if vllm:
         result.update(vllm_tokens_per_s=rate["vllm"], vllm_over_embedded=rate["vllm"] / rate["embedded"],
