@@ -3,6 +3,8 @@ task.kind = "scenes" runs on the embedded engine (episodes, consistency check, m
 
 from __future__ import annotations
 
+import pytest
+
 from saccade.demo_scenes import load_scenes_config, scenes_verdict
 from saccade.metrics import read_metrics
 
@@ -24,6 +26,7 @@ def test_scenes_verdict():
     assert len(scenes_verdict({"success_before": 0.1, "success_after": 0.35, "minutes": 16.0})) == 2
 
 
+@pytest.mark.slow
 def test_two_rl_steps_on_scenes_run_on_the_embedded_engine(tmp_path):
     from saccade.rl import train_rl
 

@@ -47,6 +47,7 @@ def report(short_rl_run, tmp_path_factory):
     return run_dir, out
 
 
+@pytest.mark.slow
 def test_the_page_is_self_contained(report):
     _, out = report
     page = out.read_text()
@@ -59,6 +60,7 @@ def test_the_page_is_self_contained(report):
         assert text in page
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_a_browser_renders_the_curves_and_every_gallery_step(report, tmp_path):
     _, out = report
@@ -75,6 +77,7 @@ def test_a_browser_renders_the_curves_and_every_gallery_step(report, tmp_path):
         assert step["completions"] == 2 * 4  # 2 prompts x G = 4
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_a_screenshot_of_the_report(report, tmp_path):
     _, out = report

@@ -129,6 +129,7 @@ def test_sft_skips_a_step_with_a_nan_gradient(tmp_path):
     assert all(torch.equal(p, moved[n]) for n, p in _trainable(setup).items())
 
 
+@pytest.mark.slow
 def test_a_run_with_no_signal_left_says_so(tmp_path, monkeypatch):
     import saccade.rl as rl
 
@@ -208,6 +209,7 @@ async def slow_judge(completion, *, sample):
 """
 
 
+@pytest.mark.slow
 def test_user_rewards_named_in_the_config_train_and_are_logged_by_part(tmp_path, monkeypatch, caplog):
     """The task from the config alone: a user's module (a real file on sys.path) named by import
     path, a dict reward logged part by part, a raising reward counted but not fatal (its

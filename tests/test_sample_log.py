@@ -21,6 +21,7 @@ from saccade.rl import train_rl
 from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
 
 
+@pytest.mark.slow
 def test_every_step_writes_its_first_prompts_with_their_completions(short_rl_run):
     cfg, _ = short_rl_run
     records = read_metrics(cfg.run_dir / SAMPLES_FILE)
@@ -43,6 +44,7 @@ def test_every_step_writes_its_first_prompts_with_their_completions(short_rl_run
     assert records[0]["prompt_id"] != records[1]["prompt_id"]
 
 
+@pytest.mark.slow
 def test_images_are_thumbnails_written_once_under_samples(short_rl_run):
     cfg, _ = short_rl_run
     records = read_metrics(cfg.run_dir / SAMPLES_FILE)
@@ -68,6 +70,7 @@ def test_the_console_line_shows_a_prompts_completions():
     assert sample_line([]) == ""
 
 
+@pytest.mark.slow
 def test_a_multi_turn_record_holds_every_image_of_each_episode(short_rl_run, tmp_path):
     cfg, result = short_rl_run
     setup, task = result["setup"], HashEpisodesTask()
@@ -95,6 +98,7 @@ def test_a_multi_turn_record_holds_every_image_of_each_episode(short_rl_run, tmp
         r.texts for r in batch.groups[0]]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_drops_the_samples_past_its_checkpoint(short_rl_run, tmp_path):
     cfg, _ = short_rl_run
     run_dir = tmp_path / "run"
@@ -110,6 +114,7 @@ def test_a_resumed_run_drops_the_samples_past_its_checkpoint(short_rl_run, tmp_p
     assert [c["texts"] for c in records[4]["completions"]] == [c["texts"] for c in original[4]["completions"]]
 
 
+@pytest.mark.slow
 def test_tensorboard_gets_the_samples_text_and_images(short_rl_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -41,6 +41,7 @@ def test_a_cpu_setup_in_bf16_keeps_everything_where_and_as_asked(tmp_path):
         assert rotary and rotary_buffers_not_fp32(module) == [], rotary_buffers_not_fp32(module)
 
 
+@pytest.mark.slow
 @cuda
 def test_rl_steps_on_cuda_with_the_embedded_engine(tmp_path):
     from stub_tasks import scored_task
