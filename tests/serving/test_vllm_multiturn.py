@@ -14,21 +14,13 @@ from saccade.envs.trajectory import ChatContinuation, check_consistency, to_trai
 from saccade.inference.engine import SamplingParams
 from saccade.inference.vllm import collapse_image_pads
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MISMATCH_MEAN = 1e-4  # fp32, mean |server - trainer| over every sampled token
 MISMATCH_MAX = 1e-3  # fp32, the worst single token (the engine-parity bench's max bar)
 
 
-@pytest.fixture(scope="module")
-def base_server(server):
-    # Earlier modules may have pushed trained weights: sample from the checkpoint the trainer loads.
-    response = httpx.post(server + "/update_weights", json={"restore_base": True, "version": 0}, timeout=120)
-    assert response.status_code == 200, response.text
-    return server
-
-
-def test_three_turn_trajectories_on_vllm_match_the_trainer(base_server, engine, policy, processor, limits):
+def test_three_turn_trajectories_on_vllm_match_the_trainer(server, engine, policy, processor, limits):
     continuation = ChatContinuation(processor, limits=limits)
     n = 4
     trajectories = run_episodes(engine, [LookAgainEnv(max_turns=3, seed=i) for i in range(n)], list(range(n)),
@@ -47,7 +39,7 @@ def test_three_turn_trajectories_on_vllm_match_the_trainer(base_server, engine, 
     assert float(diff.max()) <= MISMATCH_MAX, float(diff.max())
 
 
-def test_expanded_pads_would_be_expanded_again(base_server, engine, processor, limits):
+def test_expanded_pads_would_be_expanded_again(server, engine, processor, limits):
     """Why token prompts go with one pad per image: the server expands each pad it is sent."""
     from saccade.data.images import image_to_data_url
     from saccade.envs.examples import image_part
@@ -59,8 +51,8 @@ def test_expanded_pads_would_be_expanded_again(base_server, engine, processor, l
     body = {"token_ids": inputs.input_ids.tolist(), "return_token_ids": True,
             "content_parts": [{"type": "image_url", "url": image_to_data_url(part["image"])}],
             "sampling_params": {"max_tokens": 1}}
-    expanded = httpx.post(base_server + "/inference/v1/generate", json=body, timeout=60).json()
+    expanded = httpx.post(server + "/inference/v1/generate", json=body, timeout=60).json()
     assert len(expanded["prompt_token_ids"]) > inputs.input_ids.numel()  # silently wrong prompt
     body["token_ids"] = collapse_image_pads(inputs.input_ids.tolist(), engine.image_pad_id)
-    collapsed = httpx.post(base_server + "/inference/v1/generate", json=body, timeout=60).json()
+    collapsed = httpx.post(server + "/inference/v1/generate", json=body, timeout=60).json()
     assert collapsed["prompt_token_ids"] == inputs.input_ids.tolist()

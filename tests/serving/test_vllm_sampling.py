@@ -17,14 +17,6 @@ from saccade.models.sampling import SampledDistribution  # noqa: E402
 TEMPERATURE = 0.8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def base_weights(engine, tiny_path):
-    """The server shared by every vLLM test holds whatever an earlier test pushed: serve the base
-    model again (its folder is a valid weights folder), which `policy` is."""
-    engine.exporter = lambda version: str(tiny_path)
-    engine.update_weights()
-
-
 @pytest.mark.parametrize("options", [{"top_k": 4}, {"min_p": 0.3}, {"top_p": 0.5}], ids=["top_k", "min_p", "top_p"])
 def test_truncated_vllm_logprobs_equal_the_trainers(engine, policy, options):
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=6, n=3, **options)

@@ -4,7 +4,6 @@ trains on (check_consistency), and the trainer's logprobs match the server's."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from saccade.bench.engine import sample_logprob_diffs
@@ -20,15 +19,7 @@ MISMATCH_MEAN = 1e-4  # as test_vllm_multiturn: fp32, every sampled token
 MISMATCH_MAX = 1e-3
 
 
-@pytest.fixture(scope="module")
-def base_server(server):
-    # Earlier modules may have pushed trained weights: sample from the checkpoint the trainer loads.
-    response = httpx.post(server + "/update_weights", json={"restore_base": True, "version": 0}, timeout=120)
-    assert response.status_code == 200, response.text
-    return server
-
-
-def test_a_three_turn_scenes_episode_on_vllm_passes_the_consistency_check(base_server, engine, policy, processor,
+def test_a_three_turn_scenes_episode_on_vllm_passes_the_consistency_check(server, engine, policy, processor,
                                                                           limits):
     task = ScenesTask(kinds=("color",), colors=("red", "green", "blue"), render_size=64, start_turn=90.0,
                       say_side=True, max_turns=3, describe_actions=False)
