@@ -82,6 +82,7 @@ def test_bench_parity_writes_the_four_figures(tmp_path, tiny_path):
     assert "LM-only vs full" in out.stdout
 
 
+@pytest.mark.slow
 def test_bench_parity_on_a_folder_that_is_not_a_model(tmp_path):
     out = run_cli("bench", "parity", "--model", str(tmp_path))
     assert out.returncode != 0

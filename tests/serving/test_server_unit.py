@@ -80,6 +80,7 @@ def test_weights_folder_checks_name_the_problem(tmp_path):
     assert check_weights_folder(str(tmp_path), reference) == 1
 
 
+@pytest.mark.slow
 def test_serve_help_and_the_exposure_refusal_from_the_command_line(tiny_path):
     import subprocess
     import sys
