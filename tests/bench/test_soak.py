@@ -124,10 +124,10 @@ LEAK_MB = 16  # planted per step in the real run below
 def test_a_short_soak_with_a_planted_leak_writes_every_figure_and_fails(tmp_path, monkeypatch):
     """10 small steps of the demo config from tiny-warm, through `saccade bench soak`, with 16 MB
     kept (and touched, so resident) every time a step reads its RSS: the verdict must see it."""
-    from saccade import metrics
+    from saccade import process_stats
     from saccade.cli import main
 
-    kept, read_status = [], metrics.proc_status_kb
+    kept, read_status = [], process_stats.proc_status_kb
 
     def leaking_status(field: str):
         if field == "VmRSS":  # fresh pages of its own, written: the allocator cannot hand back freed ones
@@ -136,7 +136,7 @@ def test_a_short_soak_with_a_planted_leak_writes_every_figure_and_fails(tmp_path
             kept.append(page)
         return read_status(field)
 
-    monkeypatch.setattr(metrics, "proc_status_kb", leaking_status)
+    monkeypatch.setattr(process_stats, "proc_status_kb", leaking_status)
     out, path = tmp_path / "soak", tmp_path / "soak.json"
     code = main(["bench", "soak", "--steps", "10", "--warmup", "2", "--out", str(out), "--json", str(path),
                  "--rollout.prompts_per_step", "4", "--rollout.group_size", "4"])

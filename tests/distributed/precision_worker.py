@@ -124,15 +124,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="timed forward+backward runs (after a warm-up if > 1)")
     args = parser.parse_args()
 
-    import saccade.distributed as distributed
+    import saccade.trainer.sharding as sharding
     from saccade.config import LoraConfig
     from saccade.distributed import (
-        all_gather, all_reduce_sum, barrier, close_world, exit_rank, init_world, shard_model,
+        all_gather, all_reduce_sum, barrier, close_world, exit_rank, init_world,
     )
     from saccade.models.lm import apply_lora, load_policy_lm
     from saccade.models.tiny import tiny_model_path
     from saccade.setup import weights_dtype
     from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.sharding import shard_model
 
     torch.set_num_threads(1)
     # Built (on first use) before the process group exists: transformers' save_pretrained writes
@@ -143,7 +144,7 @@ def main() -> None:
     load = weights_dtype(dtype, sharded=world.sharded, lora=True)
     if args.cast_adapters:
         assert world.sharded, "--cast-adapters reproduces a sharded layout: run it under torchrun"
-        load, distributed.mixed_precision = torch.float32, old_policy
+        load, sharding.mixed_precision = torch.float32, old_policy
     policy = load_policy_lm(path, dtype=load)
     torch.manual_seed(0)  # LoRA's A matrices: the same draw in every run (init_world may use the generator)
     model = apply_lora(policy, LoraConfig(rank=8))

@@ -3,7 +3,7 @@
 Each run is tests/distributed/precision_worker.py in fresh processes: the tiny model with LoRA
 (random B matrices) in bf16, six text samples in three micro-batches, one forward and backward
 through the trainer's `forward_logprobs`. One process is the reference; under torchrun (gloo
-on this CPU) the model is sharded by `saccade.distributed.shard_model`.
+on this CPU) the model is sharded by `saccade.trainer.sharding.shard_model`.
 
 Measured on this CPU (2026-11, torch 2.13), against the single process:
 - sharded at world 1 and world 2: logprobs, loss and every gradient bit for bit equal

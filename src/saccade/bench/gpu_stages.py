@@ -184,7 +184,7 @@ def rl(plan: Plan) -> dict[str, Any]:
     import tempfile
 
     from saccade.config import RunConfig, load_config
-    from saccade.demo import demo_config_path
+    from saccade.demo import demo_config_path, resolve_model_name
     from saccade.evaluation import evaluate
     from saccade.metrics import read_metrics
     from saccade.rl import train_rl
@@ -194,7 +194,7 @@ def rl(plan: Plan) -> dict[str, Any]:
     steps, prompts, eval_size, every = (2, 4, 4, 0) if plan.quick else (60, 32, 64, 20)
     with tempfile.TemporaryDirectory(prefix="saccade-bench-rl-") as tmp:
         cfg = load_config(RunConfig, demo_config_path(), [
-            "--model.path", "tiny-warm", "--model.dtype", plan.dtype, "--trainer.device", plan.device,
+            "--model.path", resolve_model_name("tiny-warm"), "--model.dtype", plan.dtype, "--trainer.device", plan.device,
             "--trainer.steps", str(steps), "--rollout.prompts_per_step", str(prompts),
             "--eval.prompts", str(eval_size), "--eval.every_steps", str(every), "--checkpoint.every_steps", "0",
             "--log.dir", tmp])
