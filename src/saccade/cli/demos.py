@@ -55,6 +55,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _demo_exit(verdict(result), "demo OK: the model learned from the images, and the control without images did not")
 
 
+def _episode_lines(result: dict, success_gain_min: float) -> str:
+    """What the views and scenes demos both report on their held-out episodes."""
+    return (
+        f"  success before GRPO (random-action warm start): {result['success_before']:.3f}"
+        f"   (turns {result['turns_before']:.2f})\n"
+        f"  success after GRPO:                             {result['success_after']:.3f}"
+        f"   (turns {result['turns_after']:.2f}; bar: >= before + {success_gain_min})\n"
+        f"  brought the object into view:  before {result['seen_before']:.3f}, after {result['seen_after']:.3f}\n"
+        f"  right color once it was seen:  before {result['correct_when_seen_before']:.3f}, "
+        f"after {result['correct_when_seen_after']:.3f}   (chance {result['color_chance']:.2f})\n"
+    )
+
+
 def cmd_demo_views(args: argparse.Namespace) -> int:
     from saccade.demo_views import MINUTES_MAX, SUCCESS_GAIN_MIN, load_views_config, run_views_demo, views_verdict
 
@@ -63,14 +76,8 @@ def cmd_demo_views(args: argparse.Namespace) -> int:
         return 0
     print(
         f"\nheld-out episodes ({result['eval_episodes']}, up to {result['max_turns']} turns, engine {result['engine']}):\n"
-        f"  success before GRPO (random-action warm start): {result['success_before']:.3f}"
-        f"   (turns {result['turns_before']:.2f})\n"
-        f"  success after GRPO:                             {result['success_after']:.3f}"
-        f"   (turns {result['turns_after']:.2f}; bar: >= before + {SUCCESS_GAIN_MIN})\n"
-        f"  brought the object into view:  before {result['seen_before']:.3f}, after {result['seen_after']:.3f}\n"
-        f"  right color once it was seen:  before {result['correct_when_seen_before']:.3f}, "
-        f"after {result['correct_when_seen_after']:.3f}   (chance {result['color_chance']:.2f})\n"
-        f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
+        + _episode_lines(result, SUCCESS_GAIN_MIN)
+        + f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
     return _demo_exit(views_verdict(result), "demo OK: success rose by the bar or more within the time")
 
@@ -84,14 +91,8 @@ def cmd_demo_scenes(args: argparse.Namespace) -> int:
     print(
         f"\nheld-out episodes ({result['eval_episodes']} in generated rooms, up to {result['max_turns']} turns, "
         f"{result['render_size']} px, engine {result['engine']}):\n"
-        f"  success before GRPO (random-action warm start): {result['success_before']:.3f}"
-        f"   (turns {result['turns_before']:.2f})\n"
-        f"  success after GRPO:                             {result['success_after']:.3f}"
-        f"   (turns {result['turns_after']:.2f}; bar: >= before + {SUCCESS_GAIN_MIN})\n"
-        f"  brought the object into view:  before {result['seen_before']:.3f}, after {result['seen_after']:.3f}\n"
-        f"  right color once it was seen:  before {result['correct_when_seen_before']:.3f}, "
-        f"after {result['correct_when_seen_after']:.3f}   (chance {result['color_chance']:.2f})\n"
-        f"  render cache hit rate: {result['render_cache_hit_rate']:.2f}\n"
+        + _episode_lines(result, SUCCESS_GAIN_MIN)
+        + f"  render cache hit rate: {result['render_cache_hit_rate']:.2f}\n"
         f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
     return _demo_exit(scenes_verdict(result), "demo OK: success rose by the bar or more within the time")
