@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from saccade.serving.launch import free_port
 
 SAMPLES = 16
 LOSS_TOKENS = 32
@@ -52,7 +53,7 @@ def run_distributed_bench(*, nproc: int = 2, preset: str = "small", lora: bool =
         with tempfile.TemporaryDirectory(prefix="saccade-bench-dist-") as tmp:
             out = Path(tmp) / "result.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                    "-m", "saccade.bench.distributed", "--out", str(out), "--preset", preset, "--steps", str(steps),
                    "--seq-len", str(seq_len), "--max-tokens", str(max_tokens), "--device", device,
                    "--export-dir", str(Path(tmp) / "export")] + (["--lora"] if lora else [])
@@ -107,12 +108,6 @@ def format_distributed_report(result: dict[str, Any]) -> str:
         f"(all-gather per forward) {many['decode_forward_ms']['sharded']:.2f} ms; one unshard {many['unshard_s']:.3f} s",
     ]
     return "\n".join(lines)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- the worker

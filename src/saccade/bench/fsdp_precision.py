@@ -32,14 +32,14 @@ FIGURES = ("reward_mean", "groups_kept_frac", "loss", "mismatch_abs", "step_s", 
 def run_precision_bench(*, device: str = "cpu", nproc: int = 1, steps: int = 5, prompts: int = 32,
                         model: str = "tiny-warm", timeout_s: float | None = None) -> dict[str, Any]:
     """One torchrun launch at `nproc` ranks; per dtype the per-step figures and their means."""
-    from saccade.bench.distributed import _free_port
+    from saccade.serving.launch import free_port
     from saccade.demo import resolve_model_name
 
     path = resolve_model_name(model)  # built once here, not by every rank
     with tempfile.TemporaryDirectory(prefix="saccade-bench-precision-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                "-m", "saccade.bench.fsdp_precision", "--out", str(out), "--device", device, "--steps", str(steps),
                "--prompts", str(prompts), "--model", path, "--run-dir", str(Path(tmp) / "runs")]
         threads = max(1, (os.cpu_count() or 1) // nproc) if device == "cpu" else 1
