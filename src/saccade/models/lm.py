@@ -1,12 +1,12 @@
-"""The trainer's model: Qwen3-VL's language model and lm_head, without the vision tower.
+"""The trainer's model: a vision-language model's language model and lm_head, without the tower.
 
 Image features arrive precomputed (the frozen tower's output, cached by image hash);
-`PolicyLM` scatters them into the token embeddings at the image-pad positions and adds
-the DeepStack features after the first decoder layers, exactly as
-`Qwen3VLModel.forward` does, then runs the decoder. Module names mirror
-`Qwen3VLForConditionalGeneration` (`model.language_model.*`, `lm_head.*`), so state
-dicts, LoRA adapters and checkpoints written from here load into the full model and
-into vLLM unchanged.
+`PolicyLM` scatters them into the token embeddings at the image-pad positions and hands the
+family's extra image inputs (DeepStack levels, where the family has them) to the language
+model, exactly as the full model's forward does, then runs the decoder. What is particular
+to an architecture is asked of its family (`saccade.models.families`). Module names mirror
+the full model (`model.language_model.*`, `lm_head.*`), so state dicts, LoRA adapters and
+checkpoints written from here load into the full model and into vLLM unchanged.
 
 Precision (docs/precision.md): the weights are stored and computed in the model's dtype,
 as an inference engine runs them. LoRA adapters stay float32 (peft keeps them so on a bf16
@@ -18,15 +18,16 @@ sampling distribution are float32 either way.
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 from torch import nn
 
 from saccade.config import LoraConfig
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout, resolve_attention
+from saccade.models.families import family_of
 from saccade.models.loading import (
-    LM_HEAD_KEY, LM_PREFIX, load_config, read_state_dict, resolve_model_path, to_keeping_rotary_fp32,
+    LM_HEAD_KEY, LM_PREFIX, load_config, parameters_on_meta, read_state_dict, resolve_model_path,
+    to_keeping_rotary_fp32,
 )
 
 
@@ -36,7 +37,7 @@ BANNED_LOGIT = -1e4
 
 
 class _Container(nn.Module):
-    """Stands where Qwen3VLModel stands in the full model, holding only `language_model`."""
+    """Stands where the full model's `model` stands, holding only `language_model`."""
 
     def __init__(self, language_model: nn.Module):
         super().__init__()
@@ -50,9 +51,9 @@ class PolicyLM(nn.Module):
         self.model = _Container(language_model)
         self.lm_head = lm_head
         self.image_token_id = int(config.image_token_id)
-        self.num_deepstack_levels = len(config.vision_config.deepstack_visual_indexes)
-        # DeepStack takes the image positions as indices too (see `_add_deepstack`).
-        language_model._deepstack_process = types.MethodType(_add_deepstack, language_model)
+        self.family = family_of(config)
+        self.num_deepstack_levels = self.family.deepstack_levels(config)
+        self.family.prepare_language_model(language_model)
 
     @property
     def language_model(self) -> nn.Module:
@@ -76,12 +77,13 @@ class PolicyLM(nn.Module):
 
         The pads are filled in row-major order, so image_embeds_NH holds the images of row 0
         first, then row 1, ... Returns (inputs_embeds, image positions, DeepStack levels), the
-        last two None without images, as the language model takes them.
+        last two None without images, the levels [] for a family without DeepStack; the
+        family's `language_model_kwargs` turns the last two into the language model's arguments.
 
         `image_positions_N`: the pads' flat indices into (B x L), best worked out on the host
         (`image_positions`): then nothing here depends on the device's data. Without them they
         are found here, from input_ids on their device (on a GPU, finding them waits for it). The
-        features go in with index_copy, and the positions go on to DeepStack (`_add_deepstack`).
+        features go in with index_copy, and the positions go on to the family (DeepStack).
         """
         inputs_embeds_BLH = self.language_model.embed_tokens(input_ids_BL)
         if image_positions_N is None:
@@ -119,7 +121,7 @@ class PolicyLM(nn.Module):
         (packed_sdpa only): per segment, the row range of a shared prompt it continues.
         `image_positions_N`: see `embed_inputs`.
         """
-        inputs_embeds_BLH, visual_pos_masks, deepstack = self.embed_inputs(
+        inputs_embeds_BLH, positions_N, deepstack = self.embed_inputs(
             input_ids_BL, image_embeds_NH, deepstack_KNH, image_positions_N
         )
         attention_mask, attn_kwargs = None, {}
@@ -144,23 +146,10 @@ class PolicyLM(nn.Module):
             position_ids=position_ids_4BL,
             attention_mask=attention_mask,
             use_cache=False,
-            visual_pos_masks=visual_pos_masks,
-            deepstack_visual_embeds=deepstack,
+            **self.family.language_model_kwargs(positions_N, deepstack),
             **attn_kwargs,
         )
         return out.last_hidden_state
-
-
-def _add_deepstack(language_model: nn.Module, hidden_states_BLH: torch.Tensor, image_positions_N: torch.Tensor,
-                   visual_embeds_NH: torch.Tensor) -> torch.Tensor:
-    """transformers' `Qwen3VLTextModel._deepstack_process` (hidden states + one DeepStack level at
-    the image positions) for the positions `embed_inputs` passes: flat indices into (B x L), not a
-    boolean mask. index_add instead of boolean indexing, whose data-dependent size makes a GPU
-    wait for the host at every level of every forward; the same sums (one add per image
-    position), the same gradient."""
-    H = hidden_states_BLH.shape[-1]
-    flat_NH = hidden_states_BLH.reshape(-1, H)
-    return flat_NH.index_add(0, image_positions_N, visual_embeds_NH.to(flat_NH.dtype)).view_as(hidden_states_BLH)
 
 
 def image_positions(input_ids_BL: torch.Tensor, image_token_id: int) -> torch.Tensor:
@@ -215,26 +204,24 @@ def load_policy_lm(
     attn_implementation: str = "auto",
     device: str | torch.device = "cpu",
 ) -> PolicyLM:
-    """The language model and lm_head of a Qwen3-VL checkpoint; the vision weights are never read.
-    `attn_implementation` "auto" is the measured default (`saccade.models.attention`)."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
-
+    """The language model and lm_head of a checkpoint of a known family; the vision weights are
+    never read. `attn_implementation` "auto" is the measured default (`saccade.models.attention`)."""
     path = resolve_model_path(model)
     config = load_config(path)
+    family = family_of(config)
     text_config = config.text_config
     text_config._attn_implementation = resolve_attention(attn_implementation, device)
+    with parameters_on_meta():  # the rotary inverse frequencies (not in the checkpoint) computed as built
+        language_model = family.text_model_class()._from_config(text_config)
     with torch.device("meta"):
-        language_model = Qwen3VLTextModel._from_config(text_config)
         lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
-    state = read_state_dict(path, LM_PREFIX, dtype=dtype)
+    state = read_state_dict(path, LM_PREFIX, dtype=dtype, checkpoint_key=family.checkpoint_key)
     language_model.load_state_dict({k[len(LM_PREFIX):]: v for k, v in state.items()}, strict=True, assign=True)
-    # Rotary inverse frequencies are non-persistent buffers: rebuild them off the meta device.
-    language_model.rotary_emb = type(language_model.rotary_emb)(config=text_config)
     tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
     if tied:
         lm_head.weight = language_model.embed_tokens.weight
     else:
-        head = read_state_dict(path, LM_HEAD_KEY, dtype=dtype)
+        head = read_state_dict(path, LM_HEAD_KEY, dtype=dtype, checkpoint_key=family.checkpoint_key)
         if LM_HEAD_KEY not in head:
             raise ValueError(f"{path}: no {LM_HEAD_KEY} in the checkpoint and tie_word_embeddings is false")
         lm_head.load_state_dict({"weight": head[LM_HEAD_KEY]}, assign=True)

@@ -1,13 +1,16 @@
-"""Load the pieces of a Qwen3-VL checkpoint separately: processor, vision tower, language model.
+"""Load the pieces of a vision-language checkpoint separately: processor, vision tower, language model.
 
 The trainer holds only the language model and lm_head; the engine holds the vision
 tower. Both are read straight from the checkpoint's safetensors by key prefix, so the
-other half is never materialised. Works with a local folder or a hub id (resolved with
+other half is never materialised. What differs between architectures (the classes, the
+checkpoint's key layout, the tower's outputs) is asked of the model's family
+(`saccade.models.families`). Works with a local folder or a hub id (resolved with
 `huggingface_hub.snapshot_download` on machines that can reach the hub).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -15,9 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-VISION_PREFIX = "model.visual."
-LM_PREFIX = "model.language_model."
-LM_HEAD_KEY = "lm_head.weight"
+from saccade.models.families import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, family_of
+from saccade.models.families.interface import same_key
+
+__all__ = ["LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX"]  # the canonical names, re-exported for callers
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
@@ -28,7 +32,7 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
             raise ValueError(f"{path} has no config.json: it is not a Hugging Face model folder")
         return path
     if str(model).startswith((".", "/")) or str(model).count("/") != 1:
-        raise ValueError(f"model {str(model)!r} is neither an existing folder nor a hub id like 'Qwen/Qwen3-VL-2B-Instruct'")
+        raise ValueError(f"model {str(model)!r} is neither an existing folder nor a hub id like 'Org/Model-Name'")
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
@@ -38,9 +42,16 @@ def load_config(model: str | os.PathLike):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(resolve_model_path(model))
-    if config.model_type != "qwen3_vl":
-        raise ValueError(f"saccade supports Qwen3-VL (model_type 'qwen3_vl'); {model} is {config.model_type!r}")
+    try:
+        family_of(config)
+    except ValueError as e:
+        raise ValueError(f"{model}: {e}") from e
     return config
+
+
+def load_family(model: str | os.PathLike) -> ModelFamily:
+    """The family of a model folder or hub id (its config.json alone is read)."""
+    return family_of(load_config(model))
 
 
 def load_processor(model: str | os.PathLike):
@@ -60,18 +71,42 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(path: Path, prefix: str, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """All tensors whose key starts with `prefix`, with the prefix kept. Others are never read."""
+def read_state_dict(path: Path, prefix: str, *, dtype: torch.dtype | None = None,
+                    checkpoint_key=same_key) -> dict[str, torch.Tensor]:
+    """All tensors whose canonical key starts with `prefix`, under their canonical keys (the
+    prefix kept). `checkpoint_key`: the family's map from the file's own keys to the canonical
+    ones (None: a tensor saccade never reads). Others are never read."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if key.startswith(prefix):
+                canonical = checkpoint_key(key)
+                if canonical is not None and canonical.startswith(prefix):
                     t = f.get_tensor(key)
-                    out[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                    out[canonical] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no init: the
+    checkpoint's tensors are assigned next) and their buffers for real. Buffers that are not in
+    the checkpoint (rotary inverse frequencies) are so computed by the family's own constructor,
+    whatever its signature, instead of rebuilt here by hand."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 # Rotary embeddings' inverse frequencies: non-persistent buffers that transformers computes in
@@ -99,27 +134,25 @@ def rotary_buffers_not_fp32(module: nn.Module) -> list[str]:
 
 
 def load_vision_tower(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
-    """The frozen Qwen3-VL vision tower (patch embed, blocks, merger, DeepStack mergers), in eval mode."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
+    """The frozen vision tower (patch embed, blocks, merger, and DeepStack mergers where the family
+    has them), in eval mode."""
     path = resolve_model_path(model)
     config = load_config(path)
+    family = family_of(config)
     config.vision_config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        tower = Qwen3VLVisionModel._from_config(config.vision_config)
-    state = {k[len(VISION_PREFIX):]: v for k, v in read_state_dict(path, VISION_PREFIX, dtype=dtype).items()}
+    with parameters_on_meta():
+        tower = family.vision_model_class()._from_config(config.vision_config)
+    state = read_state_dict(path, VISION_PREFIX, dtype=dtype, checkpoint_key=family.checkpoint_key)
+    state = {k[len(VISION_PREFIX):]: v for k, v in state.items()}
     tower.load_state_dict(state, strict=True, assign=True)
-    # Non-persistent buffers (rotary inverse frequencies) are not in the checkpoint: rebuild them.
-    tower.rotary_pos_emb = type(tower.rotary_pos_emb)(config.vision_config)
     to_keeping_rotary_fp32(tower, device=device, dtype=dtype)
     tower.requires_grad_(False)
     return tower.eval()
 
 
 def load_full_model(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
-    """The whole transformers Qwen3VLForConditionalGeneration: the reference for parity checks."""
-    from transformers import Qwen3VLForConditionalGeneration
-
-    return Qwen3VLForConditionalGeneration.from_pretrained(
-        resolve_model_path(model), dtype=dtype, attn_implementation=attn_implementation
+    """The family's whole transformers model (vision tower and all): the reference for parity checks."""
+    path = resolve_model_path(model)
+    return load_family(path).full_model_class().from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation
     ).eval()

@@ -27,6 +27,7 @@ from PIL import Image
 from saccade.timing import timed
 from saccade.config import ImagesConfig
 from saccade.data.images import image_hash
+from saccade.models.families import family_of
 
 
 @dataclass
@@ -34,7 +35,9 @@ class ImageEmbedding:
     """What the language model needs from one image."""
 
     embeds: torch.Tensor  # (n_tokens, H): main features, one row per image-pad token
-    deepstack: torch.Tensor  # (levels, n_tokens, H): added after decoder layers 0..levels-1
+    # (levels, n_tokens, H): added after decoder layers 0..levels-1; (0, n_tokens, H) for a
+    # family without DeepStack, so that every engine, cache file and wire has one shape.
+    deepstack: torch.Tensor
     grid_thw: torch.Tensor  # (3,) int64: (t, h, w) in patches, before the 2x2 merge
 
     @property
@@ -235,19 +238,27 @@ def image_cache_key(content_hash: str, limits: ImagesConfig) -> str:
     return f"{content_hash}-{limits.min_pixels}-{limits.max_pixels}"
 
 
-def split_tower_output(pooler_NH: torch.Tensor, deepstack: list[torch.Tensor], grid_thw_I3: torch.Tensor, merge: int):
-    """Cut the tower's concatenated output into one ImageEmbedding per image."""
+def split_tower_output(main_NH: torch.Tensor, deepstack: list[torch.Tensor], grid_thw_I3: torch.Tensor, merge: int):
+    """Cut the tower's concatenated output (the family's `run_tower`) into one ImageEmbedding per
+    image; no DeepStack levels give each image a (0, n, H) `deepstack`."""
     sizes = (grid_thw_I3.prod(-1) // merge**2).tolist()
-    mains = torch.split(pooler_NH, sizes)
+    mains = torch.split(main_NH, sizes)
     levels = [torch.split(d, sizes) for d in deepstack]
     return [
         ImageEmbedding(
             embeds=mains[i].contiguous(),
-            deepstack=torch.stack([lvl[i] for lvl in levels]).contiguous(),
+            deepstack=stack_levels([lvl[i] for lvl in levels], mains[i]),
             grid_thw=grid_thw_I3[i].clone(),
         )
         for i in range(len(sizes))
     ]
+
+
+def stack_levels(levels: list[torch.Tensor], main_NH: torch.Tensor) -> torch.Tensor:
+    """(levels, n, H); (0, n, H) when there are none (torch.stack refuses an empty list)."""
+    if not levels:
+        return main_NH.new_zeros(0, *main_NH.shape)
+    return torch.stack(levels).contiguous()
 
 
 def select_images(pixel_values: torch.Tensor, grid_thw_I3: torch.Tensor,
@@ -264,11 +275,12 @@ class VisionEncoder:
 
     def __init__(self, tower, processor, *, limits: ImagesConfig = ImagesConfig(), cache: EmbeddingCache | None = None):
         self.tower = tower
+        self.family = family_of(tower.config)  # the vision config names its family too
         self.image_processor = processor.image_processor
         self.limits = limits
         self.cache = cache if cache is not None else EmbeddingCache()
         self.merge = int(tower.config.spatial_merge_size)
-        self.levels = len(tower.config.deepstack_visual_indexes)
+        self.levels = self.family.deepstack_levels(tower.config)
 
     @property
     def device(self) -> torch.device:
@@ -283,17 +295,16 @@ class VisionEncoder:
 
     def preprocess(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """The image processor's (pixel_values, grid_thw) for these images under the limits."""
-        from saccade.data.messages import processor_size
-
-        out = self.image_processor(images=images, size=processor_size(self.limits), return_tensors="pt")
+        out = self.image_processor(images=images, size=self.family.processor_size(self.limits), return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"].long()
 
     @torch.no_grad()
     def encode_pixels(self, pixel_values: torch.Tensor, grid_thw_I3: torch.Tensor) -> list[ImageEmbedding]:
         """The tower's output for these images, on the host, in the tower's dtype."""
         dtype = next(self.tower.parameters()).dtype
-        out = self.tower(pixel_values.to(self.device, dtype), grid_thw=grid_thw_I3.to(self.device), return_dict=True)
-        embeddings = split_tower_output(out.pooler_output, list(out.deepstack_features), grid_thw_I3, self.merge)
+        main_NH, deepstack = self.family.run_tower(self.tower, pixel_values.to(self.device, dtype),
+                                                   grid_thw_I3.to(self.device))
+        embeddings = split_tower_output(main_NH, deepstack, grid_thw_I3, self.merge)
         return [ImageEmbedding(e.embeds.cpu(), e.deepstack.cpu(), e.grid_thw.cpu()) for e in embeddings]
 
     def encode(self, images: list[Image.Image], keys: list[str] | None = None,

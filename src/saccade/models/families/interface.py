@@ -1,0 +1,97 @@
+"""What saccade asks of a model family, and the defaults most families share.
+
+A family is one `ModelFamily` value (`FAMILY` in its own module under `saccade.models.families`):
+plain data and small pure functions, no state. Everything outside `models/families/` that
+depends on the architecture asks the family of the model at hand (`family_of`), so adding a
+family is one module plus one line in the registry (docs/families.md).
+
+This module holds the type apart from the registry in `__init__`: the family modules import the
+type and the registry imports the family modules, and `tests/test_imports.py` forbids the cycle
+that one file holding both would make.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from saccade.config import ImagesConfig
+
+# The canonical checkpoint names (transformers 5's layout for the whole VLM): what saccade's
+# trainer holds, writes and reads, whatever layout a family's hub checkpoints use.
+LM_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
+LM_HEAD_KEY = "lm_head.weight"
+
+
+def same_key(key: str) -> str | None:
+    """A checkpoint already in the canonical layout: its keys as they are."""
+    return key
+
+
+def no_hooks(language_model: nn.Module) -> None:
+    """A language model that takes image features in its input embeddings only."""
+
+
+def no_kwargs(image_positions_N: torch.Tensor | None, deepstack_levels: list[torch.Tensor] | None) -> dict:
+    """A language model whose forward needs nothing about the images beyond its embeddings."""
+    return {}
+
+
+def same_tensor(name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+    """Engines and exports read the tensor under saccade's own name and layout."""
+    yield name, tensor
+
+
+def split_concatenated(features_NW: torch.Tensor, levels: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """vLLM's tower output for one image, (n, H * (1 + levels)): the main features first, then
+    each DeepStack level, side by side along the hidden axis. -> (main (n, H), [level (n, H)])."""
+    width = features_NW.shape[1]
+    if width % (1 + levels):
+        raise RuntimeError(f"tower output width {width} is not a multiple of 1 + {levels} DeepStack levels")
+    chunks = features_NW.split(width // (1 + levels), dim=1)
+    return chunks[0], list(chunks[1:])
+
+
+def resize_bounds(limits: ImagesConfig) -> dict[str, int]:
+    """The Qwen2-VL image processor's `size`: resize bounds in pixels (h * w)."""
+    from saccade.data.messages import processor_size
+
+    return processor_size(limits)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One architecture family as saccade sees it. Members are data or functions of their
+    arguments alone; docs/families.md describes each one."""
+
+    name: str  # what errors and docs call it, e.g. "Qwen3-VL"
+    model_types: tuple[str, ...]  # config.json's model_type values it serves
+    full_model_name: str  # the transformers class of the whole model, for usage lines
+    text_model_class: Callable[[], type]  # the language model alone (imported when called)
+    vision_model_class: Callable[[], type]  # the vision tower alone
+    full_model_class: Callable[[], type]  # the whole model: the parity reference
+    deepstack_levels: Callable[[Any], int]  # the config's DeepStack levels (0: none)
+    run_tower: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
+    mrope_positions: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # -> (3, L)
+    memory_dims: Callable[[dict], tuple[dict, dict]]  # config.json -> (text dims, vision dims) fields
+    tiny_presets: tuple[str, ...]  # the random builds `build_tiny` makes, the test one first
+    build_tiny: Callable[[Path, str, int], Path]  # (out_dir, preset, seed) -> out_dir, written
+    tiny_model_path: Callable[[str, int], Path]  # (preset, seed) -> its folder, built once, cached
+    lora_target_modules: tuple[str, ...]  # the language model's linears LoRA wraps by default
+    lora_target_parameters: tuple[str, ...] = ()  # parameters (not modules) LoRA wraps: MoE experts
+    checkpoint_key: Callable[[str], str | None] = same_key  # a checkpoint's key -> canonical or None
+    prepare_language_model: Callable[[nn.Module], None] = no_hooks  # once, after it is built
+    language_model_kwargs: Callable[[torch.Tensor | None, list[torch.Tensor] | None], dict] = no_kwargs
+    engine_tensors: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] = same_tensor
+    split_served_features: Callable[[torch.Tensor, int], tuple[torch.Tensor, list[torch.Tensor]]] = (
+        split_concatenated)
+    processor_size: Callable[[ImagesConfig], dict] = resize_bounds
+
+    def __post_init__(self):
+        assert self.model_types and self.tiny_presets, self.name

@@ -1,0 +1,136 @@
+"""Qwen3-VL (model_type `qwen3_vl`): what is particular to it, in one place.
+
+- DeepStack: the tower returns, besides the merged features that replace the image pads, one
+  feature map per `vision_config.deepstack_visual_indexes` entry; the language model adds level
+  k to the image positions' hidden states after decoder layer k (`_add_deepstack`).
+- Checkpoints are keyed as transformers 5 saves them (`model.language_model.*`,
+  `model.visual.*`, `lm_head.weight`), saccade's canonical names: no key mapping, no layout
+  conversion for vLLM.
+- M-RoPE over (t, h, w) with interleaved sections; the rule is `saccade.models.positions`'.
+- The tower normalises inside itself in vLLM; the processor takes resize bounds in pixels.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from saccade.models.families.interface import ModelFamily
+from saccade.models.positions import mrope_positions as _mrope_positions
+
+# The dense language model's linears: attention and MLP of every decoder layer.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def text_model_class() -> type:
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+
+    return Qwen3VLTextModel
+
+
+def vision_model_class() -> type:
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    return Qwen3VLVisionModel
+
+
+def full_model_class() -> type:
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration
+
+
+def deepstack_levels(config) -> int:
+    """From the whole model's config or the vision config alone."""
+    vision = getattr(config, "vision_config", config)
+    return len(vision.deepstack_visual_indexes)
+
+
+def run_tower(tower: nn.Module, pixel_values: torch.Tensor, grid_thw_I3: torch.Tensor):
+    """(merged features (N, H), [DeepStack level (N, H)]) for the images' N merged patches."""
+    out = tower(pixel_values, grid_thw=grid_thw_I3, return_dict=True)
+    return out.pooler_output, list(out.deepstack_features)
+
+
+def prepare_language_model(language_model: nn.Module) -> None:
+    """DeepStack takes the image positions as flat indices, not a boolean mask (`_add_deepstack`)."""
+    language_model._deepstack_process = types.MethodType(_add_deepstack, language_model)
+
+
+def _add_deepstack(language_model: nn.Module, hidden_states_BLH: torch.Tensor, image_positions_N: torch.Tensor,
+                   visual_embeds_NH: torch.Tensor) -> torch.Tensor:
+    """transformers' `Qwen3VLTextModel._deepstack_process` (hidden states + one DeepStack level at
+    the image positions) for the positions `PolicyLM.embed_inputs` passes: flat indices into
+    (B x L), not a boolean mask. index_add instead of boolean indexing, whose data-dependent size
+    makes a GPU wait for the host at every level of every forward; the same sums (one add per
+    image position), the same gradient."""
+    H = hidden_states_BLH.shape[-1]
+    flat_NH = hidden_states_BLH.reshape(-1, H)
+    return flat_NH.index_add(0, image_positions_N, visual_embeds_NH.to(flat_NH.dtype)).view_as(hidden_states_BLH)
+
+
+def language_model_kwargs(image_positions_N: torch.Tensor | None, deepstack: list[torch.Tensor] | None) -> dict:
+    """`Qwen3VLTextModel.forward`'s DeepStack arguments (the positions go to `_add_deepstack`)."""
+    if image_positions_N is None or not deepstack:
+        return {}
+    return {"visual_pos_masks": image_positions_N, "deepstack_visual_embeds": deepstack}
+
+
+def mrope_positions(mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.Tensor | None,
+                    merge: int) -> torch.Tensor:
+    return _mrope_positions(mm_token_type_ids_L, image_grid_thw_N3, spatial_merge_size=merge)
+
+
+def memory_dims(config: dict) -> tuple[dict, dict]:
+    """config.json -> the fields of `saccade.memory.TextDims` and `VisionDims`."""
+    t, v = config["text_config"], config["vision_config"]
+    heads = t["num_attention_heads"]
+    text = dict(
+        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
+        head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+    )
+    vision = dict(
+        hidden_size=v["hidden_size"], depth=v["depth"], intermediate_size=v["intermediate_size"],
+        out_hidden_size=v["out_hidden_size"], num_position_embeddings=v["num_position_embeddings"],
+        deepstack_levels=len(v.get("deepstack_visual_indexes", [])), patch_size=v.get("patch_size", 16),
+        temporal_patch_size=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", 3),
+        spatial_merge_size=v.get("spatial_merge_size", 2),
+    )
+    return text, vision
+
+
+def build_tiny(out_dir: Path, preset: str, seed: int) -> Path:
+    from saccade.models.tiny import build_tiny_qwen3vl
+
+    return build_tiny_qwen3vl(out_dir, preset=preset, seed=seed)
+
+
+def tiny_model_path(preset: str, seed: int) -> Path:
+    from saccade.models.tiny import tiny_model_path as built
+
+    return built(preset, seed)
+
+
+FAMILY = ModelFamily(
+    name="Qwen3-VL",
+    model_types=("qwen3_vl",),
+    full_model_name="Qwen3VLForConditionalGeneration",
+    text_model_class=text_model_class,
+    vision_model_class=vision_model_class,
+    full_model_class=full_model_class,
+    deepstack_levels=deepstack_levels,
+    run_tower=run_tower,
+    mrope_positions=mrope_positions,
+    memory_dims=memory_dims,
+    tiny_presets=("tiny", "small", "qwen3vl-2b", "qwen3vl-4b"),
+    build_tiny=build_tiny,
+    tiny_model_path=tiny_model_path,
+    lora_target_modules=LORA_TARGETS,
+    prepare_language_model=prepare_language_model,
+    language_model_kwargs=language_model_kwargs,
+)
