@@ -57,7 +57,7 @@ WARM_PRESET = "tiny-warm"
 
 def warm_model_path() -> Path:
     """The demo's warm start as a model folder: the tiny model after the demo config's SFT on
-    random answers (step 1 above), LoRA-free full weights in an ordinary Qwen3-VL folder.
+    random answers (step 1 above), LoRA-free full weights in an ordinary model folder.
     Built on first use and cached beside the tiny model (`model.path = "tiny-warm"`), so runs
     that do not go through `saccade demo` (torchrun, `saccade bench distributed`) can start
     from a policy whose groups have reward variance. Two processes racing both end up with a

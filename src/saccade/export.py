@@ -7,8 +7,8 @@
   the streamed writer that hands weights to vLLM servers during training: one tensor in
   memory at a time, from either checkpoint layout (plain, or DCP from torchrun).
 - adapter: a LoRA checkpoint's PEFT folder (adapter_config.json + adapter_model.safetensors),
-  keys under the full Qwen3-VL names, so it loads onto `Qwen3VLForConditionalGeneration`
-  with peft and into vLLM with `--enable-lora --lora-modules NAME=OUT`. A full fine-tuning
+  keys under the full model's names, so it loads onto the family's full model class
+  (`ModelFamily.full_model_name`) with peft and into vLLM with `--enable-lora --lora-modules NAME=OUT`. A full fine-tuning
   checkpoint has no adapter: it exports merged only.
 
 Both are written atomically like the checkpoints (a `.tmp-<name>-<pid>` folder beside OUT,
@@ -73,20 +73,20 @@ def find_checkpoint(path: Path | str) -> Path:
 
 def resolve_base(checkpoint: Path, recorded: str | None, override: str | None) -> Path:
     """The base model folder: `override` (--base-model) if given, else the one the checkpoint
-    records. Its config must be a Qwen3-VL one."""
+    records. Its config must be of a family saccade knows (`saccade.models.families`)."""
     from saccade.models.loading import load_config, resolve_model_path
 
     if override is None and recorded is None:
         raise ValueError(f"{checkpoint} does not record its base model (state.json: checkpoint.base_model_path): "
-                         "pass --base-model PATH, the Qwen3-VL folder or hub id the run trained from")
+                         "pass --base-model PATH, the model folder or hub id the run trained from")
     try:
         base = resolve_model_path(override if override is not None else recorded)
         load_config(base)
-    except Exception as e:  # a missing folder, an unreachable hub, not a Qwen3-VL: all say the same
+    except Exception as e:  # a missing folder, an unreachable hub, an unknown family: all say the same
         if override is not None:
             raise ValueError(f"--base-model {override}: {e}") from e
         raise ValueError(f"the base model {checkpoint} records, {recorded!r}, cannot be read ({e}). Moved or on "
-                         "another machine? Pass --base-model PATH: the same Qwen3-VL the run trained from") from e
+                         "another machine? Pass --base-model PATH: the same model the run trained from") from e
     return base
 
 
@@ -107,7 +107,7 @@ def check_out_dir(out: Path, *, force: bool, keep: dict[str, Path]) -> None:
 
 def export_merged(checkpoint: Path | str, out: Path | str, *, base_model: str | None = None,
                   force: bool = False) -> Exported:
-    """A complete Qwen3-VL folder: the base model's, with the trained language model (LoRA merged)."""
+    """A complete model folder: the base model's, with the trained language model (LoRA merged)."""
     step = find_checkpoint(checkpoint)
     record = checkpoint_record(step)
     base = resolve_base(step, record["base_model_path"], base_model)
@@ -149,6 +149,17 @@ def vllm_lora_rank(rank: int) -> int:
     return fits[0]
 
 
+def full_model_name(model: Path | str) -> str:
+    """The transformers class that loads `model` whole: its family's, when its config.json is
+    here to say; else the Auto class, which loads any of them (a hub id not downloaded)."""
+    from saccade.models.families import family_of
+
+    try:
+        return family_of(model).full_model_name
+    except ValueError:
+        return "AutoModelForImageTextToText"
+
+
 def usage_lines(result: Exported) -> list[str]:
     """What was written and how to load and serve it, for the command line."""
     trained = "LoRA, merged into the base model" if result.kind == "merged" and result.trained == "lora" else (
@@ -157,14 +168,14 @@ def usage_lines(result: Exported) -> list[str]:
              f"  folder: {result.out} ({result.bytes / 2**20:.1f} MiB, {result.files} files)"]
     if result.kind == "merged":
         lines += [f"  base model (vision tower, tokenizer, processor, config): {result.base_model}",
-                  f"  transformers: Qwen3VLForConditionalGeneration.from_pretrained('{result.out}')",
+                  f"  transformers: {full_model_name(result.out)}.from_pretrained('{result.out}')",
                   f"  vLLM: vllm serve {result.out}   (or: saccade serve {result.out}; on a CPU add "
                   "--dtype float32 --enforce-eager)"]
         return lines
     rank = json.loads((result.out / ADAPTER_CONFIG).read_text()).get("r", 16)
     base = result.base_model or "BASE"
     lines += [f"  base model (recorded in {ADAPTER_CONFIG}): {base}",
-              f"  peft: PeftModel.from_pretrained(Qwen3VLForConditionalGeneration.from_pretrained('{base}'), "
+              f"  peft: PeftModel.from_pretrained({full_model_name(base)}.from_pretrained('{base}'), "
               f"'{result.out}')",
               f"  vLLM: vllm serve {base} --enable-lora --max-lora-rank {vllm_lora_rank(rank)} "
               f"--lora-modules {result.out.name}={result.out}   (requests name the model '{result.out.name}')"]

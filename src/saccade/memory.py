@@ -86,7 +86,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass(frozen=True)
 class TextDims:
-    """The language model, field for field Qwen3VLTextConfig."""
+    """The language model, field for field the family's text config (`ModelFamily.memory_dims`)."""
 
     vocab_size: int
     hidden_size: int
@@ -137,7 +137,7 @@ class TextDims:
 
 @dataclass(frozen=True)
 class VisionDims:
-    """The vision tower, field for field Qwen3VLVisionConfig."""
+    """The vision tower, field for field the family's vision config (`ModelFamily.memory_dims`)."""
 
     hidden_size: int
     depth: int
@@ -204,24 +204,11 @@ QWEN3_VL = {
 
 
 def dims_from_hf_config(config: dict, name: str = "model") -> ModelDims:
-    """ModelDims from a Qwen3-VL config.json dict."""
-    t, v = config["text_config"], config["vision_config"]
-    tied = bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
-    heads = t["num_attention_heads"]
-    text = TextDims(
-        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
-        head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-        tie_word_embeddings=tied,
-    )
-    vision = VisionDims(
-        hidden_size=v["hidden_size"], depth=v["depth"], intermediate_size=v["intermediate_size"],
-        out_hidden_size=v["out_hidden_size"], num_position_embeddings=v["num_position_embeddings"],
-        deepstack_levels=len(v.get("deepstack_visual_indexes", [])), patch_size=v.get("patch_size", 16),
-        temporal_patch_size=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", 3),
-        spatial_merge_size=v.get("spatial_merge_size", 2),
-    )
-    return ModelDims(name, text, vision)
+    """ModelDims from a config.json dict; its family reads the fields (`memory_dims`)."""
+    from saccade.models.families import family_of
+
+    text, vision = family_of(config).memory_dims(config)
+    return ModelDims(name, TextDims(**text), VisionDims(**vision))
 
 
 def model_dims(model: str | os.PathLike) -> ModelDims:
@@ -255,7 +242,7 @@ def activation_bytes_per_token(
     text: TextDims, *, dtype_bytes: int, lora_rank: int | None, lora_targets: tuple[str, ...] = LINEARS,
     loss_fraction: float = 1.0, checkpointing: bool = False,
 ) -> float:
-    """Bytes kept for backward per token of a micro-batch (transformers' Qwen3-VL text
+    """Bytes kept for backward per token of a micro-batch (transformers' dense text
     decoder, peft LoRA or full fine-tuning, flash or sdpa attention), at the peak.
 
     With `checkpointing` (per-layer activation checkpointing): each layer's input hidden

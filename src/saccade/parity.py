@@ -1,7 +1,7 @@
 """Parity of the frozen-vision training path against the full transformers model.
 
 The trainer's claim is that (cached image embeddings + DeepStack + M-RoPE positions)
-through the language model alone gives the same logprobs as the full Qwen3-VL on pixel
+through the language model alone gives the same logprobs as the full model on pixel
 values, packed or not. This module measures it on a fixed set of conversations and
 also measures how far two classic mistakes move the logprobs (DeepStack dropped,
 1-D positions), so a test can insist they are caught. Used by the tests and by
@@ -146,7 +146,7 @@ def mean_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> dict:
-    """All four figures plus per-case detail, on any Qwen3-VL folder, in `dtype` on `device`."""
+    """All four figures plus per-case detail, on any folder of a known family, in `dtype` on `device`."""
     from saccade.models.head import use_full_fp32_matmuls
     from saccade.models.lm import load_policy_lm
     from saccade.models.loading import load_full_model, load_processor, load_vision_tower
@@ -313,7 +313,7 @@ def long_context_figures(models: ParityModels, lengths=LONG_CONTEXT_LENGTHS) -> 
 
 def long_context_parity(model_path, *, lengths=LONG_CONTEXT_LENGTHS, dtype: torch.dtype = torch.bfloat16,
                         device: str | torch.device = "cpu") -> dict:
-    """`long_context_figures` on a Qwen3-VL folder: the bf16 check at 1k and 8k positions."""
+    """`long_context_figures` on a model folder: the bf16 check at 1k and 8k positions."""
     result = long_context_figures(load_parity_models(model_path, dtype=dtype, device=device), lengths)
     result["model"] = str(model_path)
     return result

@@ -57,7 +57,7 @@ class Stage:
 
 
 STAGES = (
-    Stage("models", "random Qwen3-VL at 2B and 4B shapes built on this machine; the demo's warm start",
+    Stage("models", "random models at 2B and 4B shapes built on this machine; the demo's warm start",
           S.models, S.models_summary, 30, needs=("2b", "4b")),
     Stage("parity-2b", "bf16 parity at 2B shapes, LM-only vs the full model, 1k and 8k positions",
           lambda p: S.parity(p, "2b"), S.parity_summary, 100, needs=("2b",)),

@@ -9,7 +9,7 @@ so only the ratios of interleaved runs mean much):
   features) come from the cache, which the frozen tower filled once before the bench;
   samples are packed (first-fit-decreasing) into micro-batches of <= max_tokens.
 - full: the approach of prime-rl and TRL, the vision tower inside the trained model. The
-  whole transformers `Qwen3VLForConditionalGeneration` with the same LoRA targets on the
+  whole transformers model (the family's `full_model_class`) with the same LoRA targets on the
   language model only (peft, pattern anchored to `model.language_model`; the tower stays
   frozen); every step runs the vision tower again on the pixel values. By default it runs
   on the very same packed micro-batches as `cached` (all images of a micro-batch through

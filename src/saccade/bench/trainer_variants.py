@@ -9,7 +9,7 @@ it and the layout it runs on:
   cache, packed micro-batches;
 - checkpointed: the same model with per-layer activation checkpointing on;
 - padded: the same model on right-padded rows;
-- full: transformers' whole Qwen3-VL with the same LoRA targets on the language model, the
+- full: transformers' whole model with the same LoRA targets on the language model, the
   vision tower run again on the pixel values every step.
 
 All compute the same loss on the same tokens, -(advantage * logprob) summed over the step's
@@ -73,7 +73,7 @@ def build_cached(model_path, *, dtype: torch.dtype, device: torch.device, seed: 
 
 def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: int, full_finetune: bool = False,
                lora_rank: int | None = None):
-    """The full Qwen3-VL, with the same LoRA targets anchored to the language model (or every
+    """The family's full model, with the same LoRA targets anchored to the language model (or every
     language-model weight training): vision stays frozen. `lora_rank`: another rank (alpha 2x).
     Returns (model, optimizer, scheduler)."""
     import peft
@@ -244,7 +244,9 @@ def measure_peak_memory(path_name: str, data_file: str, model_path: str, device:
     torch.set_num_threads(threads)
     # Both paths import the same modules before the baseline, so imports count for neither.
     import peft  # noqa: F401
-    import transformers.models.qwen3_vl.modeling_qwen3_vl  # noqa: F401
+    from saccade.models.loading import load_family
+
+    load_family(model_path).full_model_class()  # imports the family's transformers modules
 
     dev, dt = torch.device(device), getattr(torch, dtype)
     baseline_mb = _host_rss_mb()

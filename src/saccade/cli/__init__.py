@@ -25,7 +25,7 @@ from saccade.cli.tools import (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="saccade",
-        description="Reinforcement learning for vision-language models (Qwen3-VL), with a frozen, cached vision tower.",
+        description="Reinforcement learning for vision-language models (Qwen-VL families: docs/families.md), with a frozen, cached vision tower.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

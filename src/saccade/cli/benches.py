@@ -170,7 +170,7 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
 
 
 def _add_model_and_json(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="a Qwen3-VL folder or hub id (default: the built-in tiny model)")
+    parser.add_argument("--model", help="a model folder or hub id (default: the built-in tiny model)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
 
 
@@ -197,7 +197,7 @@ def add_bench_parity(bench_sub) -> None:
         "parity",
         help="max |Δ logprob| of the LM-only path vs the full model, packed vs unpacked, and two known bugs",
         description="Writes lm_only_vs_full_max_abs, packed_vs_unpacked_max_abs, deepstack_dropped_max_abs and "
-        "positions_1d_max_abs. Runs on any Qwen3-VL folder with --model (or a preset: tiny, small, qwen3vl-2b, "
+        "positions_1d_max_abs. Runs on any folder of a supported family with --model (or a preset: tiny, small, qwen3vl-2b, "
         "qwen3vl-4b). Bars: 1e-5 in float32, 0.25 in bfloat16 (two bf16 paths round differently; the mistakes move "
         "it by more than 1 at 2B). Mean |Δ| figures are written too.",
     )

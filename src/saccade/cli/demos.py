@@ -103,7 +103,7 @@ def add_demo_parser(sub) -> None:
     demo = sub.add_parser(
         "demo",
         help="the main job: a tiny VLM learns a visual task with GRPO on CPU, with a blank-image control",
-        description="Builds (once, cached) a tiny random Qwen3-VL offline; SFT warm start on random answers "
+        description="Builds (once, cached) a tiny random vision-language model offline; SFT warm start on random answers "
         "(the answer format, no visual signal); GRPO on the synthetic shapes task; then the same GRPO on "
         "blank images as a control. Prints held-out accuracy before, after and for the control, and fails "
         "(exit 1) if the model did not learn or the control did. About 6 minutes on 2 cores (8 on vLLM). "

@@ -169,9 +169,9 @@ def add_export_parser(sub) -> None:
         "export",
         help="a checkpoint as a folder transformers and vLLM load as they are: merged model or PEFT adapter",
         description="saccade export CHECKPOINT (--merged OUT | --adapter OUT) [--push-to-hub REPO]. --merged writes "
-        "a complete Qwen3-VL folder: the base model's config, tokenizer, processor, chat template, generation config "
+        "a complete model folder: the base model's config, tokenizer, processor, chat template, generation config "
         "and vision tower (the trainer never trains or saves the tower), with the trained language model, LoRA "
-        "merged in; transformers' Qwen3VLForConditionalGeneration.from_pretrained(OUT) and `vllm serve OUT` load it. "
+        "merged in; transformers' <family class>.from_pretrained(OUT) (the class is printed) and `vllm serve OUT` load it. "
         "--adapter writes a LoRA checkpoint's PEFT folder (adapter_config.json, adapter_model.safetensors) for "
         "peft's PeftModel.from_pretrained on the base model, or vLLM's --enable-lora --lora-modules NAME=OUT; a "
         "full fine-tuning checkpoint has no adapter: use --merged. Either checkpoint layout (one process, or "
@@ -185,7 +185,7 @@ def add_export_parser(sub) -> None:
     what.add_argument("--merged", metavar="OUT", help="write the whole model, LoRA merged, as a Hugging Face folder")
     what.add_argument("--adapter", metavar="OUT", help="write only the LoRA adapter, as a PEFT folder (a few MB)")
     export.add_argument("--base-model", metavar="PATH",
-                        help="the Qwen3-VL folder or hub id the run trained from, when the one the checkpoint "
+                        help="the model folder or hub id the run trained from, when the one the checkpoint "
                         "records (state.json) was moved or is missing. --merged reads its vision tower, config and "
                         "tokenizer; --adapter only writes it into adapter_config.json (give the hub id you will "
                         "load it with)")

@@ -68,12 +68,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
-    from saccade.models.tiny import build_tiny_qwen3vl, tiny_model_path
+    from pathlib import Path
 
+    from saccade.models.families import FAMILIES
+
+    family = next(f for f in FAMILIES if args.preset in f.tiny_presets)  # the preset names its family
     if args.out:
-        path = build_tiny_qwen3vl(args.out, preset=args.preset, seed=args.seed)
+        path = family.build_tiny(Path(args.out), args.preset, args.seed)
     else:
-        path = tiny_model_path(args.preset, args.seed)
+        path = family.tiny_model_path(args.preset, args.seed)
     print(path)
     return 0
 
@@ -152,7 +155,7 @@ def add_build_model_parser(sub) -> None:
     """`saccade build-model`."""
     build = sub.add_parser(
         "build-model",
-        help="build a random Qwen3-VL offline (tiny or small preset) and print its folder",
+        help="build a random vision-language model offline (tiny or small preset) and print its folder",
         description="Builds deterministically from --seed. Without --out the folder is cached under "
         "$SACCADE_CACHE (default ~/.cache/saccade) and reused.",
     )

@@ -26,17 +26,18 @@ class Section(BaseModel):
 
 # The built-in random models (saccade.models.tiny.PRESETS; a test keeps the two lists equal).
 PRESET_NAMES = ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b")
+# Every dense family's `lora_target_modules` (tests/models/test_families.py checks Qwen3-VL's).
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class ModelConfig(Section):
-    """The policy: which Qwen3-VL checkpoint, in which dtype, with which attention kernel."""
+    """The policy: which checkpoint (of a family in saccade.models.families), in which dtype, with which attention kernel."""
 
     path: str = Field(
         "tiny",
         min_length=1,
-        description="Hugging Face hub id or local folder of a Qwen3-VL checkpoint; 'tiny', 'small', "
+        description="Hugging Face hub id or local folder of a checkpoint of a supported family (docs/families.md); 'tiny', 'small', "
         "'qwen3vl-2b' or 'qwen3vl-4b' (Qwen3-VL-2B's or 4B's shapes) for the built-in random presets "
         "(built offline, cached); "
         "'tiny-warm': the tiny model after the demo's warm start (built on first use, cached)",

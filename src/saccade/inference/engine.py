@@ -169,7 +169,7 @@ class Engine(Protocol):
 
 
 def stop_token_ids(tokenizer) -> list[int]:
-    """The tokens that end a completion: Qwen3-VL's end of turn and end of text."""
+    """The tokens that end a completion: the Qwen chat template's end of turn and end of text."""
     return sorted({tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")})
 
 

@@ -53,7 +53,6 @@ from saccade.inference.engine import (
 from saccade.models.attention import PACKED_SDPA
 from saccade.models.head import head_logits, matmul_weight
 from saccade.models.lm import ban_bias, image_positions, unwrap_policy
-from saccade.models.positions import mrope_positions
 from saccade.models.sampling import kept_tokens
 from saccade.models.vision import ImageEmbedding, VisionEncoder
 
@@ -140,7 +139,7 @@ class LocalEngine:
         # The processor's pixels are reused for the tower when the limits agree: no second resize.
         pixels = (inputs.pixel_values, inputs.image_grid_thw) if self.limits == self.encoder.limits else None
         embeddings = self.encoder.encode(inputs.images, keys, pixels=pixels) if inputs.images else []
-        mrope = mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, spatial_merge_size=self.encoder.merge)
+        mrope = self.encoder.family.mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, self.encoder.merge)
         return PreparedPrompt(request, inputs, keys, embeddings, mrope)
 
     def prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
@@ -168,7 +167,7 @@ class LocalEngine:
                                  f"{emb.grid_thw.tolist()} when encoded: the image limits differ")
         inputs = ModelInputs(input_ids=prompt.input_ids.long(), mm_token_type_ids=prompt.mm_token_type_ids.long(),
                              pixel_values=None, image_grid_thw=grid if prompt.image_keys else None)
-        mrope = mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, spatial_merge_size=self.encoder.merge)
+        mrope = self.encoder.family.mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, self.encoder.merge)
         return PreparedPrompt(prompt, inputs, list(prompt.image_keys), embeddings, mrope)
 
     # --- sampling --------------------------------------------------------------------
@@ -313,8 +312,7 @@ class LocalEngine:
                 attention_mask=mask,
                 past_key_values=cache,
                 use_cache=True,
-                visual_pos_masks=visual_mask,
-                deepstack_visual_embeds=deepstack,
+                **policy.family.language_model_kwargs(visual_mask, deepstack),
             )
             hidden_AH = out.last_hidden_state[:, -1].repeat_interleave(n, dim=0)
             if n > 1:

@@ -3,7 +3,7 @@
 For each request it:
 1. turns PIL images into data URLs and hashes them (the same hash the embedded engine uses);
 2. asks a server's `/encode_images` for the embeddings of images not yet in the cache, so
-   the trainer gets the served tower's own features (DeepStack included) without a tower;
+   the trainer gets the served tower's own features (DeepStack included, where the family has it) without a tower;
 3. samples n completions with `/v1/chat/completions`, asking for the sampled token ids,
    their logprobs (the server runs with `--logprobs-mode processed_logprobs`, so these are
    under the temperature and truncation actually sampled with) and the prompt ids with the image pads
@@ -322,7 +322,7 @@ class VLLMEngine:
         """The sampling fields both routes share; vision tokens banned with a logit bias.
 
         Every field that shapes the distribution is sent, even at its "off" value: a field left
-        out takes the model's generation_config.json default (Qwen3-VL's sets top_k = 20), and
+        out takes the model's generation_config.json default (Qwen's VL models set top_k = 20), and
         the trainer would then score another distribution than the one sampled. No penalties:
         the trainer does not model them."""
         fields: dict[str, Any] = {

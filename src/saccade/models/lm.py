@@ -241,19 +241,22 @@ def apply_lora(policy: PolicyLM, lora: LoraConfig):
     """Wrap the language model's linears with LoRA (peft). Only the adapters train.
 
     The adapter keys come out as `base_model.model.model.language_model.layers.N...`, the
-    names the full Qwen3-VL model uses, so the adapter loads onto it with peft as usual.
-    The adapters are float32 whatever the base's dtype (`autocast_adapter_dtype`).
+    names the full model uses, so the adapter loads onto it with peft as usual. The family's
+    `lora_target_parameters` (MoE experts: parameters, not linears) are wrapped too. The
+    adapters are float32 whatever the base's dtype (`autocast_adapter_dtype`).
     """
     import peft
 
     # Only the language model's linears: anchor the patterns so nothing else can match.
     targets = rf"model\.language_model\..*\.({'|'.join(lora.target_modules)})"
+    parameters = list(policy.family.lora_target_parameters)
     config = peft.LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=targets,
         bias="none",
+        **({"target_parameters": parameters} if parameters else {}),  # dense families: peft's own default
     )
     return peft.get_peft_model(policy, config, autocast_adapter_dtype=True)
 

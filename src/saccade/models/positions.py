@@ -1,12 +1,12 @@
-"""M-RoPE positions for Qwen3-VL, computed from token types and image grids alone.
+"""M-RoPE positions for images, computed from token types and image grids alone.
 
 The trainer never holds the full model, so it cannot call transformers'
-`Qwen3VLModel.get_rope_index`; this is the same rule as a pure function (tested equal
-to it). Qwen3-VL gives every token three rotary coordinates (t, h, w):
+`get_rope_index`; this is the same rule as a pure function (tested equal to it), which
+the families (`saccade.models.families`) use for images. Every token gets three rotary coordinates (t, h, w):
 - a text token at running position p gets (p, p, p), and the next one p + 1;
 - an image of llm grid (T, H', W') (H' = H / merge) starting at p gets
   (p + t, p + i, p + j) for each merged patch, and the text after it resumes at
-  p + max(H', W') (Qwen3-VL: images do not advance the position by their token count).
+  p + max(H', W') (images do not advance the position by their token count).
 
 For packing, the language model also takes a fourth, leading row: the text position
 0..L-1 of each token inside its own sample. transformers reads a drop in that row as

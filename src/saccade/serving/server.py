@@ -166,22 +166,25 @@ def check_exposure(host: str, api_key: str | None) -> None:
 # ----------------------------------------------------------------------------- the routes
 
 
-def split_features(features: "torch.Tensor", grid_thw, merge: int, levels: int) -> dict[str, "torch.Tensor"]:
-    """vLLM's (tokens, H * (1 + levels)) tower output -> per-image main and DeepStack tensors."""
+def split_features(features: "torch.Tensor", grid_thw, merge: int, levels: int,
+                   split=None) -> dict[str, "torch.Tensor"]:
+    """vLLM's tower output (tokens, ...) -> per-image main (n, H) and DeepStack (levels, n, H)
+    tensors; (0, n, H) without DeepStack. `split`: the family's `split_served_features` (one
+    image's rows -> main, [levels]); default vLLM's layout, the levels beside the main features."""
     import torch
 
-    width = features.shape[1]
-    if width % (1 + levels):
-        raise RuntimeError(f"tower output width {width} is not a multiple of 1 + {levels} DeepStack levels")
-    hidden = width // (1 + levels)
+    from saccade.models.families.interface import split_concatenated
+    from saccade.models.vision import stack_levels
+
+    split = split or split_concatenated
     sizes = (torch.as_tensor(grid_thw).prod(-1) // merge**2).tolist()
     if sum(sizes) != features.shape[0]:
         raise RuntimeError(f"tower returned {features.shape[0]} rows for grids needing {sum(sizes)}")
     out = {"image_grid_thw": torch.as_tensor(grid_thw, dtype=torch.long)}
     for i, part in enumerate(torch.split(features, sizes)):
-        chunks = part.split(hidden, dim=1)
-        out[f"embeds.{i}"] = chunks[0].contiguous()
-        out[f"deepstack.{i}"] = torch.stack(chunks[1:]).contiguous() if levels else part.new_zeros(0, part.shape[0], hidden)
+        main, deepstack = split(part, levels)
+        out[f"embeds.{i}"] = main.contiguous()
+        out[f"deepstack.{i}"] = stack_levels(deepstack, main)
     return out
 
 
@@ -193,7 +196,7 @@ class SaccadeState:
         from transformers import AutoProcessor
 
         from saccade.config import ImagesConfig
-        from saccade.models.loading import resolve_model_path
+        from saccade.models.loading import load_family, resolve_model_path
 
         self.model_path = model_path
         # /update_weights loads only from below this real path (or the served checkpoint itself).
@@ -209,6 +212,7 @@ class SaccadeState:
             max_pixels=int(size.get("longest_edge", getattr(ip, "max_pixels", 28 * 28 * 1280))),
         )
         self.merge = int(getattr(ip, "merge_size", 2))
+        self.family = load_family(model_path)
         self.policy_version = 0
         self.lora: str | None = None  # the adapter requests sample with, once the trainer pushed one
         # True once full weights were loaded: an adapter trained on the base would then sit on
@@ -221,10 +225,8 @@ class SaccadeState:
 
     def preprocess(self, images) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Pixels as the chat endpoint feeds vLLM's tower: resized and patched, not normalised."""
-        from saccade.data.messages import processor_size
-
         out = self.processor.image_processor(
-            images=images, size=processor_size(self.limits), do_rescale=False, do_normalize=False,
+            images=images, size=self.family.processor_size(self.limits), do_rescale=False, do_normalize=False,
             return_tensors="pt",
         )
         return out["pixel_values"].float(), out["image_grid_thw"].long()
@@ -351,7 +353,8 @@ def build_router(state: SaccadeState):
             "saccade_encode_images", args=(save({"pixel_values": pixels, "image_grid_thw": grid}),)
         )
         features = load(results[0])["features"]
-        tensors = split_features(features, grid, info["spatial_merge_size"], info["levels"])
+        tensors = split_features(features, grid, info["spatial_merge_size"], info["levels"],
+                                 state.family.split_served_features)
         return Response(save(tensors), media_type="application/octet-stream")
 
     @router.post(UPDATE_WEIGHTS)

@@ -14,9 +14,10 @@ class SaccadeWorker:
         """Run the served model's own vision tower on preprocessed pixels.
 
         payload: safetensors with `pixel_values` (patches, C*T*P*P), un-normalised (vLLM's
-        Qwen3-VL normalises inside the tower), and `image_grid_thw` (N, 3). Returns
-        safetensors with `features`: (tokens, H * (1 + DeepStack levels)), main features
-        first, then each level, concatenated along the hidden axis (vLLM's layout).
+        towers normalise inside), and `image_grid_thw` (N, 3). Returns safetensors with
+        `features`: the tower's output as vLLM gives it; for DeepStack families (tokens,
+        H * (1 + levels)), main features first, then each level, concatenated along the hidden
+        axis. The family's `split_served_features` cuts it (saccade.serving.server.split_features).
         """
         import torch
         from safetensors.torch import load, save
@@ -41,7 +42,7 @@ class SaccadeWorker:
     def saccade_after_reload(self) -> list[str]:
         """Refresh what vLLM derived from the weights and that reload_weights leaves stale.
 
-        A tied lm_head (tie_word_embeddings, e.g. Qwen3-VL-2B and the tiny model) loads no
+        A tied lm_head (tie_word_embeddings, e.g. the 2B models and the tiny one) loads no
         weight of its own, so the in-place reload never re-runs its post-load step; on CPU
         that step built a packed copy of the weight for the GEMM, which then keeps the old
         values (logprobs off by ~0.5 after an embedding update). Re-run it.

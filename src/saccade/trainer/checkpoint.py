@@ -20,7 +20,7 @@ group at all), a plain one is read whole on every rank and scattered into the sh
 docs/checkpoints.md has the details.
 
 Adapter keys are `base_model.model.model.language_model...`, the full model's names, so
-`PeftModel.from_pretrained(Qwen3VLForConditionalGeneration..., step/adapter)` works, and
+`PeftModel.from_pretrained(<the family's full model>..., step/adapter)` works, and
 `AutoPeftModel.from_pretrained(step/adapter)` too (its `auto_mapping` is pointed at the full
 model class and `base_model_name_or_path` at the base folder). `model.safetensors` has
 `model.language_model.*` and `lm_head.weight` (absent when tied to the embeddings, as in HF).

@@ -21,7 +21,7 @@ from torch import nn
 
 from saccade.atomic import atomic_dir
 from saccade.distributed import World, broadcast, is_sharded
-from saccade.models.loading import LM_HEAD_KEY, LM_PREFIX, resolve_model_path, safetensors_files
+from saccade.models.loading import LM_HEAD_KEY, LM_PREFIX, load_family, resolve_model_path, safetensors_files
 from saccade.trainer.checkpoint_dcp import dcp_load_here, dcp_metadata
 from saccade.trainer.checkpoint_folder import (
     ADAPTER_CONFIG,
@@ -47,7 +47,7 @@ from saccade.trainer.model_state import (
 def merge_full_weights_for_engine(
     checkpoint_or_model: Path | str | nn.Module, base_model_path: str | os.PathLike, out_dir: Path
 ) -> Path:
-    """Write a full HF Qwen3-VL folder with the trained language model (LoRA merged in).
+    """Write a full HF folder of the base's family with the trained language model (LoRA merged in).
 
     `checkpoint_or_model` is a checkpoint directory (either layout) or a live model (PolicyLM or
     its PeftModel, plain or sharded); a live model is read, never changed. Trained tensors are
@@ -116,7 +116,7 @@ def _outcome(failure: BaseException | None, world: World, out_dir: Path) -> Path
 
 
 def save_adapter_for_engine(model: nn.Module, base_model_path: str | os.PathLike, out_dir: Path) -> Path:
-    """Write the live PEFT model's adapter as a PEFT folder under the full Qwen3-VL names
+    """Write the live PEFT model's adapter as a PEFT folder under the full model's names
     (what vLLM's LoRA loader maps onto its modules), atomically. A few MB where
     `merge_full_weights_for_engine` writes the whole model. With a process group every rank
     calls it (a sharded adapter is gathered tensor by tensor); rank 0 writes."""
@@ -161,7 +161,7 @@ def copy_checkpoint_adapter(path: Path | str, out_dir: Path, *, base_model_name_
 
 
 class _LiveWeights:
-    """A live model's trained language-model tensors under the full Qwen3-VL names, one at a time.
+    """A live model's trained language-model tensors under the full model's (canonical) names, one at a time.
 
     `get(key)` returns the whole tensor (LoRA merged in) on the rank that `compute`s, None on
     the others; for a sharded model it is a collective (one all-gather per tensor it reads), so
@@ -322,19 +322,25 @@ def _stream_engine_weights(source, base: Path, tmp: Path | None) -> None:
     headers = [(file, *_safetensors_header(file)) for file in safetensors_files(base)]
     # Checked before the first gather, identically on every rank: no rank may stop half way.
     base_tensors = {k: info for _, _, _, entries in headers for k, info in entries.items()}
+    # The base file's own key -> saccade's canonical name of what it holds (the family's layout map).
+    family = load_family(base)
+    canonical = {k: family.checkpoint_key(k) for k in base_tensors}
+    in_base = {c: k for k, c in canonical.items() if c is not None}
     trained = source.keys
     bad = [k for k in trained if not (k.startswith(LM_PREFIX) or k == LM_HEAD_KEY)]
     if bad:
         raise ValueError(f"trained weights have names outside the language model: {bad[:3]}")
-    lacking = sorted(k for k in base_tensors if (k.startswith(LM_PREFIX) or k == LM_HEAD_KEY) and k not in trained)
+    lacking = sorted(c for c in in_base if (c.startswith(LM_PREFIX) or c == LM_HEAD_KEY) and c not in trained)
     if lacking:
         raise ValueError(f"the trained weights lack {lacking[0]}, which the base model has")
-    extra = sorted(set(trained) - set(base_tensors))
+    extra = sorted(set(trained) - set(in_base))
     if extra:
         raise ValueError(f"trained tensors not in the base model {base}: {extra[:3]}")
-    for k in sorted(trained):
-        if source.shape(k) != tuple(base_tensors[k]["shape"]):
-            raise ValueError(f"{k}: trained shape {source.shape(k)} != base {tuple(base_tensors[k]['shape'])}")
+    for c in sorted(trained):  # compared in the base's layout: the family's conversion run on a shape alone
+        shape = tuple(_engine_tensor(family, c, torch.empty(source.shape(c), device="meta")).shape)
+        if shape != tuple(base_tensors[in_base[c]]["shape"]):
+            raise ValueError(f"{c}: trained shape {shape} != base {tuple(base_tensors[in_base[c]]['shape'])}")
+    trained = {k for k, c in canonical.items() if c in trained}  # now the base files' keys
 
     failure = None
     for file, data_start, metadata, entries in headers:
@@ -346,12 +352,13 @@ def _stream_engine_weights(source, base: Path, tmp: Path | None) -> None:
                 failure = e
         with open(file, "rb") as src:
             for key, info in entries.items():
-                t = source.get(key) if key in trained else None  # every rank, in this order
+                t = source.get(canonical[key]) if key in trained else None  # every rank, in this order
                 if out is None:
                     continue
                 try:
                     if key in trained:
-                        out.write(key, t.detach().to(device="cpu", dtype=_ST_DTYPES[info["dtype"]]))
+                        t = _engine_tensor(family, canonical[key], t.detach())
+                        out.write(key, t.to(device="cpu", dtype=_ST_DTYPES[info["dtype"]]))
                     else:  # the vision tower: its bytes as they are
                         begin, end = info["data_offsets"]
                         out.copy(key, src, data_start + begin, end - begin)
@@ -365,6 +372,16 @@ def _stream_engine_weights(source, base: Path, tmp: Path | None) -> None:
                 failure = e
     if failure is not None:
         raise failure
+
+
+def _engine_tensor(family, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The trained tensor in the layout the base files (and so vLLM and the hub) hold it: the
+    family's `engine_tensors`, which keeps one tensor one tensor here (the base's key is written)."""
+    converted = list(family.engine_tensors(name, tensor))
+    if len(converted) != 1:
+        raise NotImplementedError(f"{name}: the family writes it as {len(converted)} tensors; the streamed "
+                                  "writer mirrors the base files one tensor for one")
+    return converted[0][1]
 
 
 class _SafetensorsWriter:
