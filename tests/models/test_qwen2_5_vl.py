@@ -242,3 +242,18 @@ def test_wrong_positions_break_parity(full_model, lm_only, cases):
         with torch.no_grad():
             ours = lm_only.logprobs(inputs.input_ids, wrong, features(full_model, inputs))
         assert (ours - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name, billions", [("Qwen/Qwen2.5-VL-7B-Instruct", 8.29), ("Qwen/Qwen2.5-VL-3B-Instruct", 3.75)])
+def test_hub_configs_give_the_published_sizes(name, billions):
+    """The config dicts (written from memory) build, on the meta device, models of the sizes the
+    model cards publish: 8.29B and 3.75B parameters."""
+    from transformers import Qwen2_5_VLConfig
+
+    config = Qwen2_5_VLConfig(**{k: v for k, v in family.HUB_CONFIGS[name].items() if k != "architectures"})
+    with torch.device("meta"):
+        model = family.full_model_class()(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
+    dims = family.memory_dims(family.HUB_CONFIGS[name])
+    assert dims["text"]["head_dim"] == 128 and dims["vision"]["deepstack_levels"] == 0
+    assert dims["text"]["tie_word_embeddings"] == config.tie_word_embeddings
