@@ -90,7 +90,7 @@ def resolve_warm_start(cfg: RunConfig, world: World = SINGLE) -> RunConfig:
 def resolve_model_name(name: str) -> str:
     """A model name as `saccade serve` and the benches take it: "tiny-warm" is the warm start's
     folder (`resolve_warm_start`), a preset its built folder, anything else as it is."""
-    from saccade.models.tiny import resolve_model
+    from saccade.models.families import resolve_model
 
     return str(warm_model_path()) if name == WARM_PRESET else resolve_model(name)
 
@@ -134,7 +134,7 @@ def demo_engine(cfg: RunConfig, engine: str):
         yield cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "vllm"})}), 0.0
         return
     from saccade.timing import split_cores
-    from saccade.models.tiny import resolve_model
+    from saccade.models.families import resolve_model
     from saccade.serving.launch import CPU_ARGS, served
 
     start = time.perf_counter()

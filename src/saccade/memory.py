@@ -96,6 +96,8 @@ class TextDims:
     head_dim: int
     intermediate_size: int
     tie_word_embeddings: bool
+    qkv_bias: bool = False  # q/k/v with biases (Qwen2.5-VL); Qwen3-VL's have none
+    qk_norm: bool = True  # RMSNorms over head_dim on q and k (Qwen3-VL); Qwen2.5-VL has none
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear of one decoder layer."""
@@ -115,9 +117,11 @@ class TextDims:
 
     @property
     def layer_params(self) -> int:
-        # Linears have no bias; two RMSNorms over hidden, q_norm and k_norm over head_dim.
+        # Linears (q/k/v biases where the family has them); two RMSNorms over hidden, and
+        # q_norm and k_norm over head_dim where it has them.
         linears = sum(i * o for i, o in self.linear_shapes().values())
-        return linears + 2 * self.hidden_size + 2 * self.head_dim
+        biases = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        return linears + biases + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def params(self) -> int:
@@ -149,18 +153,23 @@ class VisionDims:
     temporal_patch_size: int = 2
     in_channels: int = 3
     spatial_merge_size: int = 2
+    gated_mlp: bool = False  # the blocks' MLP: gate, up and down (Qwen2.5-VL) or fc1, fc2 (Qwen3-VL)
+    rms_norm: bool = False  # RMSNorms (a weight) instead of LayerNorms (weight and bias)
+    patch_bias: bool = True  # the patch embedding's Conv3d has a bias
 
     @property
     def params(self) -> int:
-        """Patch embedding (Conv3d + bias), learned positions, ViT blocks (LayerNorms and linears
-        with biases), the patch merger and one merger per DeepStack level (the DeepStack ones
+        """Patch embedding (Conv3d), learned positions, ViT blocks (norms and linears with
+        biases), the patch merger and one merger per DeepStack level (the DeepStack ones
         normalise after the 2x2 shuffle, over hidden * 4)."""
         h, inter = self.hidden_size, self.intermediate_size
-        patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h + h
-        block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inter + inter) + (inter * h + h)
+        norm = h if self.rms_norm else 2 * h
+        patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h + (h if self.patch_bias else 0)
+        mlp_in = (2 if self.gated_mlp else 1) * (h * inter + inter)
+        block = 2 * norm + (3 * h * h + 3 * h) + (h * h + h) + mlp_in + (inter * h + h)
         merged = h * self.spatial_merge_size**2
         mlp = (merged * merged + merged) + (merged * self.out_hidden_size + self.out_hidden_size)
-        merger = 2 * h + mlp
+        merger = norm + mlp
         deepstack = 2 * merged + mlp
         return patch + self.num_position_embeddings * h + self.depth * block + merger + self.deepstack_levels * deepstack
 
@@ -212,24 +221,31 @@ def dims_from_hf_config(config: dict, name: str = "model") -> ModelDims:
 
 
 def model_dims(model: str | os.PathLike) -> ModelDims:
-    """The dimensions of `model`: a Qwen3-VL hub id above, a local folder's config.json, or the
-    built-in 'tiny'/'small' presets (built offline on first use; that imports torch) and 'tiny-warm'."""
+    """The dimensions of `model`: a Qwen3-VL hub id above, a published checkpoint a family knows
+    (`ModelFamily.published_configs`) or a preset at its shapes (`preset_shapes`), a local folder's
+    config.json, or the built-in 'tiny'/'small' presets (built offline on first use; that imports
+    torch) and 'tiny-warm'."""
+    from saccade.models.families import FAMILIES, preset_family
+
     name = str(model)
     if name in QWEN3_VL:
         return QWEN3_VL[name]
+    for family in FAMILIES:
+        hub_id = family.preset_shapes.get(name, name)
+        if hub_id in family.published_configs:
+            return dims_from_hf_config(family.published_configs[hub_id], hub_id)
     if name == "qwen3vl-2b":  # the random preset at Qwen3-VL-2B's shapes (tests/test_memory.py checks)
         return QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
     if name == "qwen3vl-4b":  # and at 4B's (tests/models/test_tiny.py checks)
         return QWEN3_VL["Qwen/Qwen3-VL-4B-Instruct"]
-    if name in ("tiny", "small", "tiny-warm"):  # the warm start is the tiny model after SFT: its shapes
-        from saccade.models.tiny import tiny_model_path
-
-        preset = "tiny" if name == "tiny-warm" else name
-        return dims_from_hf_config(json.loads((tiny_model_path(preset) / "config.json").read_text()), name)
+    preset = "tiny" if name == "tiny-warm" else name  # the warm start is the tiny model after SFT: its shapes
+    family = preset_family(preset)
+    if family is not None:
+        return dims_from_hf_config(json.loads((family.tiny_model_path(preset, 0) / "config.json").read_text()), name)
     path = Path(model) / "config.json"
     if path.is_file():
         return dims_from_hf_config(json.loads(path.read_text()), name)
-    known = ", ".join(QWEN3_VL)
+    known = ", ".join([*QWEN3_VL, *(k for f in FAMILIES for k in f.published_configs)])
     raise ValueError(f"no dimensions for model {name!r}: give a local folder with a config.json, or one of {known}")
 
 

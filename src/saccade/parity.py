@@ -180,6 +180,8 @@ def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.d
     pick = lambda xs: [xs[i] for i in image_cases]  # noqa: E731
     return {
         "model": str(model_path),
+        "family": policy.family.name,
+        "deepstack_levels": policy.num_deepstack_levels,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
         "lm_only_vs_full_max_abs": max_abs(single, reference),

@@ -13,8 +13,8 @@ import torch
 
 from saccade.config.sections import DEFAULT_LORA_TARGETS
 from saccade.models.families import FAMILIES, LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, family_of
-from saccade.models.families import qwen3_vl
-from saccade.parity import run_parity
+from saccade.models.families import qwen2_5_vl, qwen3_vl
+from saccade.parity import parity_conversations, run_parity
 
 TOLERANCE = 1e-5  # fp32, per-token logprob, max |Δ| (tests/models/test_lm.py's bar)
 MISTAKE_FLOOR = 1e-2
@@ -58,10 +58,24 @@ def test_family_of_finds_qwen3_vl_from_the_tiny_folder_and_its_configs(tiny_path
 
 
 def test_every_family_is_named_once():
+    from saccade.config import PRESET_NAMES
+    from saccade.models.families import preset_family
+
     types = [t for f in FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
     presets = [p for f in FAMILIES for p in f.tiny_presets]
     assert len(presets) == len(set(presets)), "a preset name must say which family builds it"
+    assert tuple(presets) == PRESET_NAMES  # the config's list (it sits below the models and cannot ask)
+    assert all(preset_family(p).tiny_presets.count(p) == 1 for p in presets) and preset_family("x") is None
+
+
+def test_a_preset_of_any_family_resolves_to_its_folder():
+    from saccade.models.families import resolve_model
+
+    for family in FAMILIES:
+        preset = family.tiny_presets[0]
+        assert resolve_model(preset) == str(family.tiny_model_path(preset, 0))
+    assert resolve_model("Org/Model") == "Org/Model"
 
 
 def test_qwen3_vl_members_are_the_canonical_layout():
@@ -97,9 +111,95 @@ def test_the_lm_only_path_matches_the_full_model(family_model_path):
     assert figures["lm_only_vs_full_max_abs"] <= TOLERANCE
     assert figures["packed_vs_full_max_abs"] <= TOLERANCE
     assert figures["positions_1d_max_abs"] > MISTAKE_FLOOR
+    assert figures["family"] == family.name
     from saccade.models.loading import load_config
 
     if family.deepstack_levels(load_config(path)):
         assert figures["deepstack_dropped_max_abs"] > MISTAKE_FLOOR
     else:  # nothing to drop: the same numbers
         assert figures["deepstack_dropped_max_abs"] == figures["lm_only_vs_full_max_abs"]
+
+
+@pytest.fixture(scope="module")
+def family_models(family_model_path):
+    """(family, path, processor, full model, encoder on the family's tower) of the tiny preset."""
+    from saccade.config import ImagesConfig
+    from saccade.models.loading import load_full_model, load_processor, load_vision_tower
+    from saccade.models.vision import EmbeddingCache, VisionEncoder
+
+    family, path = family_model_path
+    processor = load_processor(path)
+    limits = ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256)
+    encoder = VisionEncoder(load_vision_tower(path), processor, limits=limits, cache=EmbeddingCache())
+    return family, path, processor, load_full_model(path), encoder
+
+
+def test_positions_equal_the_full_models_get_rope_index(family_models):
+    """The family's M-RoPE rule (what the trainer and the embedded engine use) against
+    transformers' own `get_rope_index`, on every parity conversation."""
+    from saccade.data.messages import messages_to_inputs
+
+    family, _, processor, full, encoder = family_models
+    for name, messages in parity_conversations().items():
+        inputs = messages_to_inputs(messages, processor, limits=encoder.limits, sample=name)
+        ours = family.mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, encoder.merge)
+        with torch.no_grad():
+            ref, _ = full.model.get_rope_index(inputs.input_ids[None], inputs.mm_token_type_ids[None],
+                                               image_grid_thw=inputs.image_grid_thw)
+        assert torch.equal(ours, ref[:, 0].long()), name
+
+
+def test_the_tower_alone_equals_the_full_models_image_features(family_models):
+    """`run_tower` on the tower `load_vision_tower` reads (through `checkpoint_key`) equals the
+    full model's `get_image_features`, main features and DeepStack levels alike."""
+    from saccade.data.messages import messages_to_inputs
+
+    family, _, processor, full, encoder = family_models
+    inputs = messages_to_inputs(parity_conversations()["different_sizes"], processor, limits=encoder.limits)
+    with torch.no_grad():
+        main_NH, levels = family.run_tower(encoder.tower, inputs.pixel_values, inputs.image_grid_thw)
+        ref = full.model.get_image_features(inputs.pixel_values, inputs.image_grid_thw)
+    assert torch.equal(main_NH, torch.cat(ref.pooler_output))
+    assert len(levels) == family.deepstack_levels(full.config)
+    for ours, theirs in zip(levels, getattr(ref, "deepstack_features", None) or [], strict=True):
+        assert torch.equal(ours, theirs if torch.is_tensor(theirs) else torch.cat(theirs))
+
+
+def test_shared_prompts_give_each_familys_packed_logprobs_and_gradients(family_models):
+    """A GRPO group's prompt computed once (packed_sdpa's shared prompts) gives every completion
+    the logprobs and gradients of the sample packed whole (tests/trainer/test_shared_prompts.py
+    shows it at length on Qwen3-VL)."""
+    from saccade.models.lm import load_policy_lm, set_full_finetune
+    from saccade.parity import prepare
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.packing import pack
+    from saccade.trainer.samples import make_sample
+
+    family, path, processor, _, encoder = family_models
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for c in prepare(processor, encoder, encoder.limits, encoder.merge):
+        for g in range(3):  # three completions of different lengths per prompt
+            n, prompt = 4 + g, c.inputs.input_ids
+            samples.append(make_sample(
+                f"{c.name}/{g}", torch.cat([prompt, torch.randint(10, 200, (n,), generator=gen)]),
+                torch.cat([c.inputs.mm_token_type_ids, torch.zeros(n, dtype=torch.long)]), c.inputs.image_grid_thw,
+                c.sample.image_keys, spatial_merge_size=encoder.merge,
+                loss_mask=torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(n, dtype=torch.bool)]),
+                advantage=g - 1.0))
+    results = {}
+    for share in (False, True):
+        model = set_full_finetune(load_policy_lm(path))
+        logprobs = {}
+        for mb in pack(samples, encoder.cache.get, max_tokens=4096, image_token_id=model.image_token_id,
+                       spatial_merge_size=encoder.merge, share_prompts=share):
+            lp, _ = forward_logprobs(model, mb, only_loss_tokens=True)
+            for k, sid in enumerate(mb.sample_ids):
+                lo, hi = int(mb.cu_seqlens[k]), int(mb.cu_seqlens[k + 1])
+                logprobs[sid] = lp[lo:hi][mb.loss_mask[lo:hi]]
+        sum((lp * (i % 3 - 1.0)).sum() for i, lp in enumerate(logprobs[s.sample_id] for s in samples)).backward()
+        results[share] = logprobs, {n: p.grad.clone() for n, p in model.named_parameters()}
+    (whole, whole_grads), (shared, shared_grads) = results[False], results[True]
+    assert max(float((whole[k] - shared[k]).detach().abs().max()) for k in whole) <= TOLERANCE
+    for name, grad in whole_grads.items():
+        assert (shared_grads[name] - grad).abs().max() <= TOLERANCE * grad.abs().max() + 1e-12, name

@@ -96,7 +96,7 @@ def parity(plan: Plan, size: str) -> dict[str, Any]:
     import torch
 
     import saccade.parity
-    from saccade.models.tiny import resolve_model
+    from saccade.models.families import resolve_model
 
     fn = getattr(saccade.parity, "long_context_parity", None)
     if fn is None:
@@ -243,7 +243,7 @@ def fsdp(plan: Plan) -> dict[str, Any]:
     and full fine-tuning: per-rank state, step time, export, peak against saccade memory."""
     from saccade.bench.distributed import LOSS_TOKENS, SAMPLES, format_distributed_report, run_distributed_bench
     from saccade.memory import model_dims, trainer_memory
-    from saccade.models.tiny import resolve_model
+    from saccade.models.families import resolve_model
 
     preset = plan.preset("2b")
     seq_len, max_tokens = (64, 256) if plan.quick else (256, 1024)

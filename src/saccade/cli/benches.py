@@ -24,14 +24,15 @@ def _print_parity(result: dict) -> None:
 
     bar = f"≤ {tolerance(result['dtype']):g}"
     console = Console()
-    table = Table(title=f"Parity, {result['dtype']} on {result['device']}: LM-only on cached image embeddings vs "
-                  "the full model")
+    table = Table(title=f"Parity, {result['family']}, {result['dtype']} on {result['device']}: LM-only on cached "
+                  "image embeddings vs the full model")
     table.add_column("figure")
     table.add_column("max |Δ logprob|", justify="right")
     table.add_column("expected")
     table.add_row("LM-only vs full transformers model", f"{result['lm_only_vs_full_max_abs']:.2e}", bar)
     table.add_row("packed vs per-sample", f"{result['packed_vs_unpacked_max_abs']:.2e}", bar)
-    table.add_row("DeepStack dropped (a bug)", f"{result['deepstack_dropped_max_abs']:.2e}", "far above the bar")
+    if result["deepstack_levels"]:  # a family without DeepStack has nothing to drop
+        table.add_row("DeepStack dropped (a bug)", f"{result['deepstack_dropped_max_abs']:.2e}", "far above the bar")
     table.add_row("1-D positions (a bug)", f"{result['positions_1d_max_abs']:.2e}", "far above the bar")
     console.print(table)
     cases = Table(title="per conversation")

@@ -186,17 +186,6 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def resolve_model(model: str) -> str:
-    """A preset name ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b") becomes its built folder; anything
-    else is returned as is. "tiny-warm" is refused: it is built by training, which happens where a
-    run starts (`saccade.demo.resolve_warm_start`), never down here."""
-    if model == "tiny-warm":
-        raise ValueError("model 'tiny-warm' (the demo's warm start) is built by training and is resolved where "
-                         "a run starts: run it through the saccade CLI, or call saccade.demo.resolve_warm_start "
-                         "(a config) or saccade.demo.resolve_model_name (a name) and pass the folder it returns")
-    return str(tiny_model_path(model)) if model in PRESETS else model
-
-
 def preset_folder(preset: str = "tiny", seed: int = 0) -> Path:
     """Where `tiny_model_path` keeps a preset's build (built or not: see `is_built`)."""
     if preset not in PRESETS:

@@ -220,8 +220,9 @@ class SaccadeState:
         self.base_modified = False
         self.vision: dict[str, Any] | None = None
         self.update_lock: Any = None  # an asyncio.Lock, made on the server's event loop
-        # What an uploaded weights folder is checked against: the served checkpoint's tensors.
-        self.reference_shapes = reference_shapes(model_path)
+        # What an uploaded weights folder is checked against: the served checkpoint's tensors,
+        # under their canonical names (a family may store another layout: Qwen2.5-VL's hub one).
+        self.reference_shapes = reference_shapes(model_path, self.family.checkpoint_key)
 
     def preprocess(self, images) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Pixels as the chat endpoint feeds vLLM's tower: resized and patched, not normalised."""
@@ -232,12 +233,14 @@ class SaccadeState:
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
 
-def reference_shapes(model_path: str) -> dict[str, list[int]]:
-    """Tensor names and shapes of the served checkpoint, from its safetensors headers."""
+def reference_shapes(model_path: str, checkpoint_key=lambda key: key) -> dict[str, list[int]]:
+    """Tensor names and shapes of the served checkpoint, from its safetensors headers; names
+    through `checkpoint_key` (the family's map onto canonical names) where it knows them."""
     from saccade.models.loading import resolve_model_path
 
     folder = Path(resolve_model_path(model_path))
-    return _header_shapes(sorted(folder.glob("*.safetensors")))
+    shapes = _header_shapes(sorted(folder.glob("*.safetensors")))
+    return {checkpoint_key(k) or k: v for k, v in shapes.items()}
 
 
 # safetensors' own bound on a header; a larger length field means a corrupt or hostile file.
@@ -264,8 +267,10 @@ def _header_shapes(files: list[Path]) -> dict[str, list[int]]:
     return shapes
 
 
-def check_weights_folder(path: str, reference: dict[str, list[int]]) -> int:
-    """Refuse a folder vLLM would choke on: missing, empty, unknown names, wrong shapes."""
+def check_weights_folder(path: str, reference: dict[str, list[int]], checkpoint_key=lambda key: key) -> int:
+    """Refuse a folder vLLM would choke on: missing, empty, unknown names, wrong shapes. Names are
+    compared through `checkpoint_key`, as `reference_shapes` keys them: a folder in either of the
+    family's layouts passes (vLLM reads both)."""
     folder = Path(path)
     if not folder.is_dir():
         raise RequestError(f"weights folder {path!r} does not exist on the server")
@@ -273,7 +278,7 @@ def check_weights_folder(path: str, reference: dict[str, list[int]]) -> int:
     if not files:
         raise RequestError(f"weights folder {path!r} holds no *.safetensors files")
     try:
-        shapes = _header_shapes(files)
+        shapes = {checkpoint_key(k) or k: v for k, v in _header_shapes(files).items()}
     except (OSError, ValueError) as err:
         raise RequestError(f"weights folder {path!r}: unreadable safetensors header ({err})") from None
     unknown = sorted(set(shapes) - set(reference))
@@ -369,7 +374,7 @@ def build_router(state: SaccadeState):
                 check_adapter_folder(path)
                 count = None
             else:
-                count = check_weights_folder(path, state.reference_shapes)
+                count = check_weights_folder(path, state.reference_shapes, state.family.checkpoint_key)
         except RequestError as err:
             return error(err)
         version = update.version
@@ -525,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"saccade serve: /update_weights loads only from under {weights_root} (--weights-root)",
           file=sys.stderr, flush=True)
 
-    from saccade.models.tiny import resolve_model
+    from saccade.models.families import resolve_model
 
     model_path = resolve_model(model)
     chosen = choose_cpu_kv_cache(os.environ)  # before vLLM reads its environment

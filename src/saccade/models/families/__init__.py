@@ -11,12 +11,13 @@ import json
 import os
 from pathlib import Path
 
-from saccade.models.families import qwen3_vl
+from saccade.models.families import qwen2_5_vl, qwen3_vl
 from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily
 
-__all__ = ["FAMILIES", "LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX", "ModelFamily", "family_of", "model_type_of"]
+__all__ = ["FAMILIES", "LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX", "ModelFamily", "family_of", "model_type_of",
+           "preset_family", "resolve_model"]
 
-FAMILIES: tuple[ModelFamily, ...] = (qwen3_vl.FAMILY,)
+FAMILIES: tuple[ModelFamily, ...] = (qwen3_vl.FAMILY, qwen2_5_vl.FAMILY)
 
 # A sub-config (`config.vision_config`, `config.text_config`) names its family's type plus one of these.
 _PART_SUFFIXES = ("_vision", "_text")
@@ -50,3 +51,20 @@ def family_of(config_or_path) -> ModelFamily:
     raise ValueError(f"saccade has no model family for model_type {model_type!r}; it knows {known}. Use a "
                      "checkpoint of one of those, or add a family: one module in saccade/models/families "
                      "(docs/families.md)")
+
+
+def preset_family(name: str) -> ModelFamily | None:
+    """The family whose random builds include preset `name` (a name belongs to one), else None."""
+    return next((f for f in FAMILIES if name in f.tiny_presets), None)
+
+
+def resolve_model(model: str) -> str:
+    """A preset name of any family ("tiny", "qwen3vl-2b", "qwen2.5vl-tiny", ...) becomes its built
+    folder; anything else is returned as is. "tiny-warm" is refused: it is built by training, which
+    happens where a run starts (`saccade.demo.resolve_warm_start`), never down here."""
+    if model == "tiny-warm":
+        raise ValueError("model 'tiny-warm' (the demo's warm start) is built by training and is resolved where "
+                         "a run starts: run it through the saccade CLI, or call saccade.demo.resolve_warm_start "
+                         "(a config) or saccade.demo.resolve_model_name (a name) and pass the folder it returns")
+    family = preset_family(model)
+    return str(family.tiny_model_path(model, 0)) if family else model

@@ -12,8 +12,8 @@ that one file holding both would make.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,10 @@ class ModelFamily:
     split_served_features: Callable[[torch.Tensor, int], tuple[torch.Tensor, list[torch.Tensor]]] = (
         split_concatenated)
     processor_size: Callable[[ImagesConfig], dict] = resize_bounds
+    # Published checkpoints' config.json (hub id -> dict), and the presets built at their shapes
+    # (preset -> hub id): `saccade memory` answers for either without a download or a build.
+    published_configs: Mapping[str, dict] = field(default_factory=dict)
+    preset_shapes: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         assert self.model_types and self.tiny_presets, self.name

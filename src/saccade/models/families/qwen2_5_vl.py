@@ -1,23 +1,20 @@
-"""Qwen2.5-VL: what saccade needs to know about this family, as plain module-level names.
+"""Qwen2.5-VL (model_type `qwen2_5_vl`): what is particular to it, in one place.
 
-Groundwork for issue 30's `ModelFamily` (models/families/__init__.py, landing separately): each
-name here is one member of that interface (`NAME` -> `name`, `MODEL_TYPES` -> `model_types`,
-the functions by their own names), so the family object is a mechanical wrap of this module.
-
-How Qwen2.5-VL differs from Qwen3-VL, the family saccade started with (checked against
-transformers 5.19's `models/qwen2_5_vl/` and vLLM 0.32's `model_executor/models/qwen2_5_vl.py`;
-docs/families-qwen2_5_vl.md has the commands):
+How it differs from Qwen3-VL (checked against transformers 5.19's `models/qwen2_5_vl/` and vLLM
+0.32's `model_executor/models/qwen2_5_vl.py`; docs/families.md has the commands and figures):
 - Vision tower: patch 14 (not 16), no learned position grid (2-D rotary only), windowed
   attention (windows of `window_size` pixels, full attention only in `fullatt_block_indexes`),
-  RMSNorm + 2-layer MLP merger, CLIP mean/std in the processor. No DeepStack: the tower's
-  output is one (N, H) tensor, and the language model takes nothing but inputs_embeds.
-- Language model: Qwen2 (q/k/v with bias, head_dim = hidden / heads, no q/k norm), M-RoPE
-  with contiguous sections [16, 24, 24] (Qwen3-VL interleaves them).
+  RMSNorm and gated MLPs in its blocks, RMSNorm + 2-layer MLP merger, CLIP mean/std in the
+  processor. No DeepStack: the tower's output is one (N, H) tensor, and the language model
+  takes nothing but inputs_embeds (the interface's defaults: no hooks, no extra kwargs).
+- Language model: Qwen2 (q/k/v with bias, head_dim = hidden / heads, no q/k norm), M-RoPE with
+  contiguous sections [16, 24, 24] (Qwen3-VL interleaves them).
 - Positions: the same rule as Qwen3-VL for images (an image advances the text position by
-  max(H', W')), so `saccade.models.positions.mrope_positions` is reused as is.
-- Checkpoints on the hub are in the pre-4.52 layout (`model.layers.*`, `visual.*`);
-  transformers 5.19 renames them on load and writes `model.language_model.*`,
-  `model.visual.*` (`checkpoint_key` maps both).
+  max(H', W')), so `saccade.models.positions.mrope_positions` serves as is.
+- Checkpoints on the hub are in the pre-4.52 layout (`model.layers.*`, `visual.*`), and
+  transformers 5.19's save_pretrained writes that layout back: `checkpoint_key` maps it (and the
+  canonical one) onto the canonical names. vLLM reads both layouts, so what saccade writes into a
+  base folder keeps the base's own keys (the writer's rule) and needs no conversion.
 - Hub config.json is flat: the text fields sit at the top level, only `vision_config` nests.
 """
 
@@ -33,23 +30,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily
 from saccade.models.positions import mrope_positions as _shared_mrope_positions
-from saccade.models.tiny import CHAT_TEMPLATE, build_once, build_tokenizer, cache_dir
-
-NAME = "qwen2_5_vl"
-MODEL_TYPES = ("qwen2_5_vl",)
 
 # Bump when anything below changes what `build_tiny` writes, so stale caches are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
-# The language model's linears, as in Qwen3-VL. No fused 3-D expert parameters (dense model).
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_TARGET_PARAMETERS: tuple[str, ...] = ()
-
-# Canonical checkpoint names (what saccade's loaders read and its writers write).
-LM_PREFIX = "model.language_model."
-VISION_PREFIX = "model.visual."
-LM_HEAD_KEY = "lm_head.weight"
+# The language model's linears, as in Qwen3-VL (dense: no fused expert parameters).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Processor defaults of Qwen2.5-VL (Qwen2VLImageProcessor's own): OpenAI CLIP mean and std.
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -59,19 +47,19 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # ------------------------------------------------------------------------------- classes
 
 
-def text_model_class():
+def text_model_class() -> type:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
 
     return Qwen2_5_VLTextModel
 
 
-def vision_model_class():
+def vision_model_class() -> type:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     return Qwen2_5_VisionTransformerPretrainedModel
 
 
-def full_model_class():
+def full_model_class() -> type:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     return Qwen2_5_VLForConditionalGeneration
@@ -100,87 +88,51 @@ def checkpoint_key(key: str) -> str | None:
     return None
 
 
-def engine_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs a canonical parameter goes to vLLM as. vLLM's Qwen2.5-VL maps
-    `model.language_model.*` and `model.visual.*` itself (hf_to_vllm_mapper), and nothing is
-    fused on the way: the canonical name as is."""
-    return [(name, tensor)]
-
-
-# ---------------------------------------------------------------------- tower and LM glue
-
-
 def deepstack_levels(config) -> int:
     """Qwen2.5-VL has no DeepStack."""
     return 0
 
 
-@torch.no_grad()
-def run_tower(tower: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """The tower's merged features for these images, concatenated in image order (what
-    `Qwen2_5_VLModel.get_image_features` gives, unsplit), and no DeepStack levels."""
-    dtype = next(tower.parameters()).dtype
-    out = tower(pixel_values.to(dtype), grid_thw=grid_thw, return_dict=True)
+def run_tower(tower: nn.Module, pixel_values: torch.Tensor, grid_thw_I3: torch.Tensor):
+    """(merged features (N, H), []) for the images' N merged patches: the tower's pooler_output,
+    already put back in image order after the windowing (`get_image_features`, unsplit)."""
+    out = tower(pixel_values, grid_thw=grid_thw_I3, return_dict=True)
     return out.pooler_output, []
-
-
-def prepare_language_model(language_model: nn.Module) -> nn.Module:
-    """Nothing to patch: without DeepStack the text model takes only inputs_embeds."""
-    return language_model
-
-
-def language_model_kwargs(image_positions_N: torch.Tensor | None, deepstack_list: list | None) -> dict:
-    """Extra keyword arguments for `Qwen2_5_VLTextModel.forward`: none. (Its **kwargs go to the
-    attention kernels, so Qwen3-VL's `visual_pos_masks` must not be passed here.)"""
-    if deepstack_list:
-        raise ValueError("Qwen2.5-VL has no DeepStack, yet DeepStack features were given")
-    return {}
 
 
 def mrope_positions(mm_token_type_ids_L: torch.Tensor, grid_thw_N3: torch.Tensor | None, merge: int) -> torch.Tensor:
     """(3, L) M-RoPE positions of one sample. Qwen2.5-VL's rule for images equals Qwen3-VL's
     (`Qwen2_5_VLModel.get_rope_index`: text +1 a token; an image's patches at start + (t, i, j);
     the text after it at start + max(H', W')), so the shared function is used. Videos differ
-    (Qwen2.5-VL spaces frames by tokens_per_second x seconds per grid) and are refused by it."""
+    (frames spaced by tokens_per_second x seconds per grid) and are refused by it."""
     return _shared_mrope_positions(mm_token_type_ids_L, grid_thw_N3, spatial_merge_size=merge)
-
-
-def processor_size(limits) -> dict[str, int]:
-    """The image processor's `size` for saccade's image limits. transformers 5.19's
-    Qwen2VLImageProcessor (Qwen2.5-VL's) takes pixel counts as shortest_edge / longest_edge;
-    `min_pixels` / `max_pixels` in a processor call are deprecated (removed in 5.23), and in
-    a preprocessor_config.json they are folded into `size` on load."""
-    return {"shortest_edge": limits.min_pixels, "longest_edge": limits.max_pixels}
 
 
 # ---------------------------------------------------------------------- memory dimensions
 
 
-def _text_fields(config: dict) -> dict:
-    """The text fields of a config.json dict: nested (`text_config`, as transformers 5 saves)
-    or flat at the top level (as the hub's Qwen2.5-VL configs are)."""
-    return config.get("text_config") or config
-
-
-def memory_dims(config: dict) -> dict[str, dict]:
-    """The shapes `saccade memory` counts, from a config.json dict: {"text": ..., "vision": ...},
-    named like saccade.memory's TextDims / VisionDims fields. Qwen2.5-VL's tower has no learned
-    position grid (num_position_embeddings 0), no DeepStack, and its merger is RMSNorm + MLP
-    (4H -> 4H -> out), not Qwen3-VL's LayerNorm + MLP; its q/k/v carry biases."""
-    t, v = _text_fields(config), config["vision_config"]
+def memory_dims(config: dict) -> tuple[dict, dict]:
+    """config.json -> the fields of `saccade.memory.TextDims` and `VisionDims`. The text fields are
+    nested (`text_config`, as transformers 5 saves) or flat at the top level (the hub's configs).
+    q/k/v carry biases and there is no q/k norm; the tower has no learned position grid, no
+    DeepStack, RMSNorms (no bias) and gated MLPs with biases."""
+    t, v = config.get("text_config") or config, config["vision_config"]
     heads = t["num_attention_heads"]
-    tied = bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
-    text = dict(vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
-                num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
-                head_dim=t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-                tie_word_embeddings=tied, qkv_bias=True)
-    vision = dict(hidden_size=v["hidden_size"], depth=v["depth"], intermediate_size=v["intermediate_size"],
-                  out_hidden_size=v.get("out_hidden_size", t["hidden_size"]), num_position_embeddings=0,
-                  deepstack_levels=0, patch_size=v.get("patch_size", 14),
-                  temporal_patch_size=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", 3),
-                  spatial_merge_size=v.get("spatial_merge_size", 2), window_size=v.get("window_size", 112),
-                  fullatt_block_indexes=list(v.get("fullatt_block_indexes", ())))
-    return {"text": text, "vision": vision}
+    text = dict(
+        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
+        head_dim=t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+        qkv_bias=True, qk_norm=False,
+    )
+    vision = dict(
+        hidden_size=v["hidden_size"], depth=v["depth"], intermediate_size=v["intermediate_size"],
+        out_hidden_size=v.get("out_hidden_size", t["hidden_size"]), num_position_embeddings=0, deepstack_levels=0,
+        patch_size=v.get("patch_size", 14), temporal_patch_size=v.get("temporal_patch_size", 2),
+        in_channels=v.get("in_chans", v.get("in_channels", 3)), spatial_merge_size=v.get("spatial_merge_size", 2),
+        gated_mlp=True, rms_norm=True, patch_bias=False,
+    )
+    return text, vision
 
 
 # The hub's config.json of the two sizes saccade plans for, written from memory of
@@ -224,10 +176,6 @@ HUB_CONFIGS: dict[str, dict] = {
     },
 }
 
-# The real model a preset stands in for (the builder's shapes are scaled from it).
-FULL_MODEL_NAME = "Qwen/Qwen2.5-VL-3B-Instruct"
-
-
 # --------------------------------------------------------------------------- tiny builder
 
 
@@ -251,40 +199,69 @@ class Preset:
     min_pixels: int = 32 * 32
     max_pixels: int = 256 * 256
     tie_word_embeddings: bool = True
+    vocab_size: int | None = None  # model vocabulary rows; None: the tokenizer's size
+    weights_dtype: str = "float32"  # what the weights are saved in
     # Text weights' init std. transformers' 0.02 leaves a 128-wide Qwen2 (no q/k norm) nearly
     # blind to positions: swapping M-RoPE rows moved logprobs by 7e-5. At 0.1 attention logits
     # are O(1) and the logprobs are far from uniform, so parity tests can fail.
     text_init_std: float = 0.1
 
 
+def _published(hub_id: str) -> Preset:
+    """A random model at a published checkpoint's shapes (its vocabulary rows, a small BPE)."""
+    c = HUB_CONFIGS[hub_id]
+    v = c["vision_config"]
+    return Preset(
+        bpe_vocab_size=8192, text_hidden=c["hidden_size"], text_layers=c["num_hidden_layers"],
+        text_heads=c["num_attention_heads"], text_kv_heads=c["num_key_value_heads"],
+        text_intermediate=c["intermediate_size"], vision_hidden=v["hidden_size"], vision_depth=v["depth"],
+        vision_heads=v["num_heads"], vision_intermediate=v["intermediate_size"],
+        fullatt_block_indexes=tuple(v["fullatt_block_indexes"]), window_size=v["window_size"],
+        max_pixels=448 * 448, tie_word_embeddings=c["tie_word_embeddings"], vocab_size=c["vocab_size"],
+        weights_dtype="bfloat16", text_init_std=0.02,
+    )
+
+
 PRESETS: dict[str, Preset] = {
     # About 1M parameters. Text head_dim 32 (128 / 4): vLLM's CPU attention refuses 16. A window
     # of 56 px is 2 x 2 merged patches, so the tests' small images already span several windows
     # and ragged edges (the real models' 112 px would make most of them one window).
-    "tiny": Preset(
+    "qwen2.5vl-tiny": Preset(
         bpe_vocab_size=1024, text_hidden=128, text_layers=4, text_heads=4, text_kv_heads=2, text_intermediate=384,
         vision_hidden=64, vision_depth=4, vision_heads=2, vision_intermediate=128,
         fullatt_block_indexes=(1, 3), window_size=56,
     ),
+    # Random weights at Qwen2.5-VL-7B's and 3B's shapes (8.29B and 3.75B parameters), for
+    # `saccade memory` and the benches on a GPU: 16.6 GB and 7.5 GB of bf16 once built.
+    "qwen2.5vl-7b": _published("Qwen/Qwen2.5-VL-7B-Instruct"),
+    "qwen2.5vl-3b": _published("Qwen/Qwen2.5-VL-3B-Instruct"),
 }
+# The hub checkpoint whose shapes a preset has (`saccade memory` answers without building it).
+PRESET_SHAPES = {"qwen2.5vl-7b": "Qwen/Qwen2.5-VL-7B-Instruct", "qwen2.5vl-3b": "Qwen/Qwen2.5-VL-3B-Instruct"}
 
 
-def preset_folder(preset: str = "tiny", seed: int = 0) -> Path:
+def preset_folder(preset: str, seed: int = 0) -> Path:
+    from saccade.models.tiny import cache_dir
+
     if preset not in PRESETS:
         raise ValueError(f"unknown Qwen2.5-VL preset {preset!r}; choose one of {sorted(PRESETS)}")
     key = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(PRESETS[preset]), seed]).encode()).hexdigest()[:10]
-    return cache_dir() / f"qwen2_5_vl-{preset}-seed{seed}-{key}"
+    return cache_dir() / f"{preset}-seed{seed}-{key}"
 
 
-def tiny_model_path(preset: str = "tiny", seed: int = 0) -> Path:
+def tiny_model_path(preset: str, seed: int = 0) -> Path:
     """The folder of a generated Qwen2.5-VL, built on first use (cached like models.tiny's)."""
-    return build_once(preset_folder(preset, seed), lambda tmp: build_tiny(tmp, preset=preset, seed=seed))
+    from saccade.models.tiny import build_once
+
+    return build_once(preset_folder(preset, seed), lambda tmp: build_tiny(tmp, preset, seed))
 
 
-def build_tiny(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> Path:
+def build_tiny(out_dir: str | os.PathLike, preset: str, seed: int = 0) -> Path:
     """Write a complete random Qwen2.5-VL folder (tokenizer, processor, config, weights) that the
     Auto classes and vLLM load like a real checkpoint. The tokenizer and chat template are
     models.tiny's (Qwen's special tokens after a small BPE)."""
+    from saccade.models.tiny import build_tokenizer
+
     spec = PRESETS[preset]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -294,7 +271,7 @@ def build_tiny(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0) 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = full_model_class()(config)
-    model.save_pretrained(out, safe_serialization=True)
+    model.to(getattr(torch, spec.weights_dtype)).save_pretrained(out, safe_serialization=True)
     return out
 
 
@@ -309,7 +286,7 @@ def build_config(tokenizer, spec: Preset):
     ids = tokenizer.convert_tokens_to_ids
     return Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
+            vocab_size=spec.vocab_size or len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
             num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
             num_key_value_heads=spec.text_kv_heads, max_position_embeddings=8192, max_window_layers=spec.text_layers,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": mrope_section},
@@ -335,6 +312,8 @@ def build_processor(tokenizer, spec: Preset):
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
+    from saccade.models.tiny import CHAT_TEMPLATE
+
     common = dict(patch_size=spec.patch_size, temporal_patch_size=2, merge_size=2, image_mean=CLIP_MEAN,
                   image_std=CLIP_STD)
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
@@ -346,9 +325,22 @@ def build_processor(tokenizer, spec: Preset):
     )
 
 
-__all__ = [
-    "NAME", "MODEL_TYPES", "LORA_TARGET_MODULES", "LORA_TARGET_PARAMETERS", "HUB_CONFIGS", "FULL_MODEL_NAME",
-    "PRESETS", "text_model_class", "vision_model_class", "full_model_class", "checkpoint_key", "engine_tensors",
-    "deepstack_levels", "run_tower", "prepare_language_model", "language_model_kwargs", "mrope_positions",
-    "processor_size", "memory_dims", "build_tiny", "tiny_model_path", "preset_folder",
-]
+FAMILY = ModelFamily(
+    name="Qwen2.5-VL",
+    model_types=("qwen2_5_vl",),
+    full_model_name="Qwen2_5_VLForConditionalGeneration",
+    text_model_class=text_model_class,
+    vision_model_class=vision_model_class,
+    full_model_class=full_model_class,
+    deepstack_levels=deepstack_levels,
+    run_tower=run_tower,
+    mrope_positions=mrope_positions,
+    memory_dims=memory_dims,
+    tiny_presets=tuple(PRESETS),
+    build_tiny=build_tiny,
+    tiny_model_path=tiny_model_path,
+    lora_target_modules=LORA_TARGETS,
+    checkpoint_key=checkpoint_key,
+    published_configs=HUB_CONFIGS,
+    preset_shapes=PRESET_SHAPES,
+)
