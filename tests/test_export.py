@@ -176,3 +176,43 @@ def test_cli_export_then_push_to_an_unreachable_hub(lora_run, tmp_path, capsys):
 
     assert main(["export", str(run_dir), "--adapter", str(out)]) == 2  # OUT is not empty now
     assert "--force" in capsys.readouterr().err
+
+
+# The tests above export Qwen3-VL runs; every other family's exports are checked here, a LoRA run
+# (merged and adapter) and a full fine-tuning run from its tiny model, loaded in its own class.
+OTHER_FAMILIES = [f for f in __import__("saccade.models.families", fromlist=["FAMILIES"]).FAMILIES
+                  if f.name != "Qwen3-VL"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", OTHER_FAMILIES, ids=lambda f: f.name)
+def test_every_familys_exports_are_the_trained_policy_in_its_transformers_class(family, tmp_path):
+    from peft import PeftModel
+
+    from saccade.config import ImagesConfig
+    from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.vision import VisionEncoder
+    from saccade.parity import max_abs, prepare
+
+    base = family.tiny_model_path(family.tiny_presets[0], 0)
+    processor, limits = load_processor(base), ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256)
+    encoder = VisionEncoder(load_vision_tower(base), processor, limits=limits)
+    cases = (prepare(processor, encoder, limits, encoder.merge), encoder)
+    load = lambda folder: family.full_model_class().from_pretrained(  # noqa: E731
+        str(folder), dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True)
+    gaps = {}
+    lora_one_step = ["--trainer.steps", "1", "--lora.enabled", "true", "--lora.rank", "4"]
+    for name, extra in (("lora", lora_one_step), ("full", FULL)):
+        run_dir, policy = train_run(tmp_path / name, base, extra)
+        merged = export_merged(run_dir, tmp_path / f"{name}-merged")
+        model, info = load(merged.out)
+        assert {k: v for k, v in info.items() if v} == {}, info  # every key, none unexpected
+        exported = _full_logprobs(model.eval(), cases[0])
+        gaps[name] = max_abs(exported, _policy_logprobs(policy, cases))
+        assert gaps[name] <= FP32_BAR, (name, gaps[name])
+        assert max_abs(exported, _full_logprobs(load(base)[0].eval(), cases[0])) > 1000 * FP32_BAR  # it trained
+        if name == "lora":
+            adapter = export_adapter(run_dir, tmp_path / "adapter")
+            peft_model = PeftModel.from_pretrained(load(base)[0].eval(), str(adapter.out)).eval()
+            assert max_abs(_full_logprobs(peft_model.get_base_model(), cases[0]), exported) <= FP32_BAR
+    print(family.name, "exports vs the trained policy, max |Δ logprob|:", gaps)

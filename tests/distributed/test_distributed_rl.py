@@ -102,9 +102,29 @@ def world2(tmp_path_factory) -> Path:
     return out
 
 
-def test_world_2_samples_and_trains_like_world_1(world1, world2):
+# Each family's pair of runs: Qwen3-VL's from the warm start (the fixtures above, which the resume
+# tests share), the others from their random tiny model with hash-scored replies (rewards vary).
+FAMILY_RUNS = {"Qwen3-VL": None, "Qwen2.5-VL": ("--model.path", "qwen2.5vl-tiny", "--scored")}
+
+
+@pytest.fixture(params=list(FAMILY_RUNS))
+def world_runs(request, tmp_path_factory) -> tuple[Path, Path]:
+    """(world 1's output, world 2's) for a family."""
+    args = FAMILY_RUNS[request.param]
+    if args is None:
+        return request.getfixturevalue("world1"), request.getfixturevalue("world2")
+    outs = []
+    for world in (1, 2):
+        out = tmp_path_factory.mktemp(f"world{world}")
+        run(out / "run", world, *args, "--record", str(out / "record.json"), "--weights", str(out / "weights.safetensors"))
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+def test_world_2_samples_and_trains_like_world_1(world_runs):
     from safetensors.torch import load_file
 
+    world1, world2 = world_runs
     record1 = json.loads((world1 / "record.json").read_text())
     record2 = json.loads((world2 / "record.json").read_text())
     assert len(record1) == len(record2) == 4

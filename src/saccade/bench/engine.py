@@ -147,8 +147,9 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
         encode_max = 0.0
         for key, ours in zip(keys, encoder.encode(images), strict=True):
             served_emb = engine.cache.get(key)
-            encode_max = max(encode_max, float((served_emb.embeds.float() - ours.embeds.float()).abs().max()),
-                             float((served_emb.deepstack.float() - ours.deepstack.float()).abs().max()))
+            for a, b in ((served_emb.embeds, ours.embeds), (served_emb.deepstack, ours.deepstack)):
+                if b.numel():  # a family without DeepStack has (0, n, H) levels
+                    encode_max = max(encode_max, float((a.float() - b.float()).abs().max()))
 
         # One training step, /update_weights, sample again: the gap to the *new* trainer weights.
         one_likelihood_step(policy, engine, completions)
@@ -169,6 +170,7 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
         "max_abs": float(diffs.max()),
         "encode_max_abs": encode_max,
         "images_encoded": len(set(keys)),
+        "deepstack_levels": encoder.levels,
         "after_update_mean_abs": float(after_diffs.mean()),
         "after_update_max_abs": float(after_diffs.max()),
         "update_weights_s": sync_s,
@@ -182,7 +184,8 @@ def format_engine_parity(r: dict[str, Any]) -> str:
         f"engine parity, vLLM vs trainer ({r['dtype']}, T={r['temperature']}, {r['sampled_tokens']} sampled tokens):",
         f"  mean |Δ logprob|                 {r['mean_abs']:.2e}   (bar {mean:g})",
         f"  max  |Δ logprob|                 {r['max_abs']:.2e}   (bar {worst:g})",
-        f"  /encode_images vs transformers   {r['encode_max_abs']:.2e}   (bar {encode:g}, {r['images_encoded']} images, DeepStack included)",
+        f"  /encode_images vs transformers   {r['encode_max_abs']:.2e}   (bar {encode:g}, {r['images_encoded']} images"
+        + (f", {r['deepstack_levels']} DeepStack levels included)" if r.get("deepstack_levels") else ")"),
         f"  after a step + /update_weights   {r['after_update_mean_abs']:.2e} mean, {r['after_update_max_abs']:.2e} max"
         f"   (sync took {r['update_weights_s']:.2f} s)",
     ])
