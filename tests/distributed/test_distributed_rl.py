@@ -83,6 +83,11 @@ def assert_same_metrics(got: list[dict], want: list[dict], rtol: float) -> None:
                 # move in their last bits with the rows that share its batch: within 1e-7 absolute
                 # (a real mismatch, a wrong token or image, is 1e-4 and more).
                 assert abs(g[key] - value) <= 1e-7, (w["step"], key, g[key], value)
+            elif key == "loss" and rtol:
+                # A GRPO loss on policy is a mean of O(1) terms (advantage x ratio) that cancel to
+                # near 0 (1e-4 from a random model): the ranks' other summation order moves it by
+                # fp32 rounding of those terms, ~1e-8 absolute (2.4e-8 seen), however small it is.
+                assert abs(g[key] - value) <= 1e-7 + rtol * abs(value), (w["step"], key, g[key], value)
             elif isinstance(value, float):
                 assert abs(g[key] - value) <= 1e-8 + rtol * abs(value), (w["step"], key, g[key], value)
 
@@ -140,8 +145,15 @@ def test_world_2_samples_and_trains_like_world_1(world_runs):
     w1, w2 = load_file(world1 / "weights.safetensors"), load_file(world2 / "weights.safetensors")
     assert w1.keys() == w2.keys() and len(w1) > 10
     for key in w1:
-        diff = float((w1[key] - w2[key]).abs().max())
-        assert diff <= RTOL * max(1.0, float(w1[key].abs().max())), (key, diff)
+        diff, size = float((w1[key] - w2[key]).abs().max()), float(w1[key].abs().max())
+        if key.endswith("k_proj.bias"):
+            # Qwen2.5-VL's key biases start at 0 and have a near-zero gradient (a bias shared by
+            # every key barely moves a query's softmax: only the rotary makes it differ by
+            # position), so Adam's normalised step turns its rounding noise into whole lr steps:
+            # 4 steps moved them to 1.9e-3, and the two worlds' rounding apart by 1.1e-5 (0.6%).
+            assert diff <= 0.01 * size, (key, diff, size)
+        else:
+            assert diff <= RTOL * max(1.0, size), (key, diff)
 
 
 def test_a_world_2_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(world2, tmp_path):
