@@ -98,7 +98,7 @@ from saccade.devices import resolve_device
 from saccade.memory import TextDims, model_dims, trainer_memory
 from saccade.models.lm import unwrap_policy
 from saccade.models.loading import load_processor, load_vision_tower
-from saccade.models.tiny import PRESETS, tiny_model_path
+from saccade.models.families import preset_family
 from saccade.models.vision import VisionEncoder
 from saccade.timing import synchronize
 from saccade.trainer.packing import first_fit_decreasing
@@ -143,8 +143,11 @@ def run_trainer_bench(
     full_finetune: train every language-model weight instead of LoRA. peak_tflops: the
     device's dense bf16 peak for the MFU (default: known GPUs' spec sheet; none on a CPU).
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    family = preset_family(preset)
+    if family is None:
+        from saccade.config import PRESET_NAMES
+
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESET_NAMES)}")
     if min(steps, batch, padded_rows, max_images) < 1:
         raise ValueError("steps, batch, padded_rows and max_images must be >= 1")
     if full_layout not in ("packed", "per_sample"):
@@ -162,10 +165,10 @@ def run_trainer_bench(
         # fp32 on CPU (bf16 matmuls there are an emulation, not the production setting).
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         dtype_name = str(dtype).removeprefix("torch.")
-        spec = PRESETS[preset]
-        model_path = str(tiny_model_path(preset, seed=0))
-        limits = ImagesConfig(min_pixels=32 * 32, max_pixels=spec.max_pixels)
-        side = max_side or math.isqrt(spec.max_pixels)
+        model_path = str(family.tiny_model_path(preset, 0))
+        max_pixels = load_processor(model_path).image_processor.size["longest_edge"]  # the preset's
+        limits = ImagesConfig(min_pixels=32 * 32, max_pixels=max_pixels)
+        side = max_side or math.isqrt(max_pixels)
 
         # The engine's side, once: tokenize, and encode every image with the frozen tower.
         console.log(f"preparing {batch} conversations, preset {preset!r}, {dev} {dtype_name}, {threads} threads")
