@@ -123,3 +123,28 @@ def adapter(lora_run, tmp_path_factory):
     run_dir, _ = lora_run
     return export_adapter(run_dir / "checkpoints" / "step_000002", tmp_path_factory.mktemp("exports") / "adapter")
 
+
+
+@pytest.fixture(scope="session")
+def dataset_fixtures():
+    """tests/data/dataset_fixtures.py (small data-set folders written on the spot), as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("dataset_fixtures", Path(__file__).parent / "data" / "dataset_fixtures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def mathvista_run(dataset_fixtures, tmp_path_factory):
+    """(overrides, checkpoint): the tiny model fine-tuned (SFT) on the MathVista fixture's 6 rows,
+    so that evaluations of it hold right and wrong answers. tests/test_evaluation.py evaluates
+    it on the embedded engine, tests/serving/test_vllm_eval.py on vLLM: one fine-tune for both."""
+    from saccade.config import RunConfig, load_config
+
+    fx = dataset_fixtures
+    root = tmp_path_factory.mktemp("mathvista-eval")
+    overrides = fx.mathvista_overrides(fx.write_mathvista(root / "mathvista"), root / "run")
+    return overrides, fx.fine_tune_and_checkpoint(load_config(RunConfig, "configs/demo.toml", overrides))

@@ -3,11 +3,9 @@ equals the trained model evaluated in memory."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -136,27 +134,8 @@ def test_eval_refuses_a_checkpoint_path_that_is_not_a_folder(tmp_path):
 
 # ------------------------------------------------------------------------ data sets
 
-FIXTURES = Path(__file__).parent / "data" / "dataset_fixtures.py"
-
-
-def fixtures():
-    spec = importlib.util.spec_from_file_location("dataset_fixtures", FIXTURES)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def mathvista_run(tmp_path_factory):
-    """(overrides, checkpoint): the tiny model fine-tuned on the MathVista fixture."""
-    root = tmp_path_factory.mktemp("mathvista-eval")
-    overrides = fixtures().mathvista_overrides(fixtures().write_mathvista(root / "mathvista"), root / "run")
-    checkpoint = fixtures().fine_tune_and_checkpoint(load_config(RunConfig, "configs/demo.toml", overrides))
-    return overrides, checkpoint
-
-
 @pytest.mark.slow
-def test_saccade_eval_on_mathvista_matches_a_hand_count(mathvista_run, tmp_path):
+def test_saccade_eval_on_mathvista_matches_a_hand_count(mathvista_run, dataset_fixtures, tmp_path):
     overrides, checkpoint = mathvista_run
     out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
     proc = subprocess.run(
@@ -171,7 +150,7 @@ def test_saccade_eval_on_mathvista_matches_a_hand_count(mathvista_run, tmp_path)
     assert result["weights"] == str(checkpoint) and result["task"] == "mathvista"
     assert [r["id"] for r in rows] == [f"mathvista-{i}" for i in range(1, 7)]
     assert {"id", "question", "answer", "completion", "extracted", "correct", "metadata"} <= set(rows[0])
-    fixtures().check_eval_outputs(result, rows, ("task", "skills", "grade"), n=6, k=3)
+    dataset_fixtures.check_eval_outputs(result, rows, ("task", "skills", "grade"), n=6, k=3)
     # The fine-tuned model gets some rows right: the count above is not a count of zeros.
     assert sum(r["correct"] for r in rows) >= 2
     # A row in two skills counts in both.
@@ -181,10 +160,10 @@ def test_saccade_eval_on_mathvista_matches_a_hand_count(mathvista_run, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["openmmreasoner", "geometry3k"])
-def test_run_eval_on_the_other_data_sets(task, tmp_path):
+def test_run_eval_on_the_other_data_sets(task, dataset_fixtures, tmp_path):
     from saccade.evaluation import CATEGORY_FIELDS, run_eval
 
-    paths = fixtures().write_all(tmp_path / "data")
+    paths = dataset_fixtures.write_all(tmp_path / "data")
     extra = ["--task.eval_subsets", '["mmk12", "virl39k"]', "--task.eval_split", "train"] if task == "openmmreasoner" else []
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--task.kind", task, "--task.dataset", str(paths[task]), "--eval.prompts", "5", "--eval.samples_k", "2",
@@ -192,7 +171,7 @@ def test_run_eval_on_the_other_data_sets(task, tmp_path):
     result = run_eval(cfg)
     rows = result["rows"]
     # Geometry3K's test split holds 3 rows: eval_size caps, it does not pad.
-    fixtures().check_eval_outputs(result, rows, CATEGORY_FIELDS[task], n=5 if task == "openmmreasoner" else 3, k=2)
+    dataset_fixtures.check_eval_outputs(result, rows, CATEGORY_FIELDS[task], n=5 if task == "openmmreasoner" else 3, k=2)
     if task == "openmmreasoner":
         # 3 rows of mmk12, then 2 of virl39k: the subset breakdown counts them so.
         assert {v: g["n"] for v, g in result["by_category"]["subset"].items()} == {"mmk12": 3, "virl39k": 2}

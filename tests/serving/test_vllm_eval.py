@@ -3,11 +3,9 @@ the figures equal a hand count from the samples file, and agree with the embedde
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,23 +15,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from saccade.config import RunConfig, load_config  # noqa: E402
 
-FIXTURES = Path(__file__).parents[1] / "data" / "dataset_fixtures.py"
 
-
-def fixtures():
-    spec = importlib.util.spec_from_file_location("dataset_fixtures", FIXTURES)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_saccade_eval_on_vllm_matches_a_hand_count_and_the_embedded_engine(tmp_path, server):
+def test_saccade_eval_on_vllm_matches_a_hand_count_and_the_embedded_engine(tmp_path, server, mathvista_run,
+                                                                          dataset_fixtures):
     from saccade.evaluation import run_eval
 
-    fx = fixtures()
-    overrides = fx.mathvista_overrides(fx.write_mathvista(tmp_path / "mathvista"), tmp_path / "run")
+    fx = dataset_fixtures
+    overrides, checkpoint = mathvista_run  # fine-tuned in this process; the server still holds the base weights
     embedded_cfg = load_config(RunConfig, "configs/demo.toml", overrides)
-    checkpoint = fx.fine_tune_and_checkpoint(embedded_cfg)  # SFT in-process; the server still holds other weights
 
     out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
     proc = subprocess.run(
