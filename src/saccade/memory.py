@@ -70,6 +70,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 GiB = 1024**3
 GPU_GIB = 79.0  # what CUDA shows of an 80 GB H100 / A100 (nvidia-smi: 81,559 MiB), rounded down
@@ -98,9 +99,10 @@ class TextDims:
     tie_word_embeddings: bool
     qkv_bias: bool = False  # q/k/v with biases (Qwen2.5-VL); Qwen3-VL's have none
     qk_norm: bool = True  # RMSNorms over head_dim on q and k (Qwen3-VL); Qwen2.5-VL has none
+    experts: Any = None  # a MoE's sparse layers, counted by its family (qwen3_vl_moe.ExpertDims); None: dense
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear of one decoder layer."""
+        """(in_features, out_features) of each linear of one dense decoder layer."""
         h, q, kv, inter = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
         return {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -116,24 +118,48 @@ class TextDims:
         return self.num_key_value_heads * self.head_dim
 
     @property
-    def layer_params(self) -> int:
-        # Linears (q/k/v biases where the family has them); two RMSNorms over hidden, and
-        # q_norm and k_norm over head_dim where it has them.
-        linears = sum(i * o for i, o in self.linear_shapes().values())
+    def moe_layers(self) -> int:
+        return self.experts.layers if self.experts else 0
+
+    def _layer(self, experts: str | None = None) -> int:
+        """One decoder layer: attention (q/k/v biases, q_norm and k_norm where the family has them),
+        two RMSNorms over hidden, and the dense MLP, or a MoE layer's router and its experts
+        (`experts` "all", or "active": those one token runs through)."""
+        shapes = self.linear_shapes()
+        linears = sum(i * o for n, (i, o) in shapes.items() if experts is None or n in LINEARS[:4])
         biases = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
-        return linears + biases + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        moe = self.experts.mlp_params(self.hidden_size, active=experts == "active") if experts else 0
+        return linears + biases + moe + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+
+    @property
+    def layer_params(self) -> int:
+        """The largest decoder layer (a MoE one where there are any): what FSDP gathers at once."""
+        return self._layer("all" if self.moe_layers else None)
+
+    def decoder_params(self, experts: str = "all") -> int:
+        """All decoder layers, with every expert (what the trainer holds) or the active ones."""
+        moe = self.moe_layers * self._layer(experts) if self.moe_layers else 0
+        return (self.num_hidden_layers - self.moe_layers) * self._layer() + moe
 
     @property
     def params(self) -> int:
         """Language model + lm_head (counted once when tied), as `load_policy_lm` holds them."""
         embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return embed + self.num_hidden_layers * self.layer_params + self.hidden_size + head
+        return embed + self.decoder_params() + self.hidden_size + (0 if self.tie_word_embeddings else embed)
+
+    @property
+    def active_params(self) -> int:
+        """What one token runs through: `params` with only its experts in each MoE layer."""
+        return self.params - self.decoder_params() + self.decoder_params("active")
 
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
-        """A (rank x in) + B (out x rank) for each targeted linear of every layer."""
+        """A (rank x in) + B (out x rank) for each targeted linear of every layer (the MLP's only
+        in dense layers); MoE layers add the family's expert adapters (`experts.lora_params`)."""
         shapes = self.linear_shapes()
-        return self.num_hidden_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
+        attention = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[:4])
+        dense_mlp = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[4:])
+        experts = self.moe_layers * self.experts.lora_params(rank, self.hidden_size) if self.moe_layers else 0
+        return self.num_hidden_layers * attention + (self.num_hidden_layers - self.moe_layers) * dense_mlp + experts
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.num_hidden_layers * self.kv_dim * dtype_bytes
@@ -317,7 +343,7 @@ def activation_bytes_per_token(
             return 0
         return 4 * n * adapted if cast else b * n
 
-    layer = (
+    attention = (
         norm(h, 1)
         + inputs(("q_proj", "k_proj", "v_proj"), h)
         + norm(q, text.num_attention_heads)
@@ -325,16 +351,22 @@ def activation_bytes_per_token(
         + b * (2 * q + 2 * kv) + 4 * text.num_attention_heads
         + (4 * q if cast and "o_proj" in targets else 0)  # otherwise shared with attention's output
         + norm(h, 1)
+        + 4 * (lora_rank or 0) * len(targets & set(LINEARS[:4]))
+    )
+    dense = (
+        attention
         + inputs(("gate_proj", "up_proj"), h)
         + 3 * b * inter
         + inputs(("down_proj",), inter)
-        + 4 * (lora_rank or 0) * len(targets)
+        + 4 * (lora_rank or 0) * len(targets & set(LINEARS[4:]))
     )
+    moe = attention + text.experts.activation_bytes(b, h) if text.moe_layers else 0  # the family's estimate
+    dense_layers = text.num_hidden_layers - text.moe_layers
     rope = 2 * b * text.head_dim  # cos, sin: computed once, shared by every layer
-    if checkpointing:
-        per_token = text.num_hidden_layers * b * h + layer  # inputs held, one layer recomputed
+    if checkpointing:  # inputs held, the largest layer recomputed
+        per_token = text.num_hidden_layers * b * h + max(dense if dense_layers else 0, moe)
     else:
-        per_token = text.num_hidden_layers * layer
+        per_token = dense_layers * dense + text.moe_layers * moe
         if not full:
             per_token -= norm(h, 1)  # layer 0's input norm: nothing before it requires grad
     return per_token + rope + outside_layers_bytes_per_token(text, dtype_bytes=b, full=full, loss_fraction=loss_fraction)
@@ -400,20 +432,21 @@ def trainer_memory(
     t = dims.text
     full = lora_rank is None
     lm_params = t.params
+    size = f"{lm_params / 1e9:.2f}B params" + (f" ({t.active_params / 1e9:.2f}B active per token)" * bool(t.moe_layers))
     trainable = lm_params if full else t.lora_params(lora_rank, lora_targets)
     state_bytes = 4  # LoRA adapters, full fine-tuning's master weights (or FSDP's fp32 shards), float32
     of_n = f", 1/{n} per rank" if sharded else ""
     if sharded and full:
         # FSDP mixed precision: float32 shards (what AdamW steps), all-gathered in the compute dtype.
         weights = Item("weights", lm_params * FSDP_PARAM_BYTES / GiB / n,
-                       f"language model + lm_head, {lm_params / 1e9:.2f}B params, fp32 shards{of_n}; "
+                       f"language model + lm_head, {size}, fp32 shards{of_n}; "
                        f"all-gathered in {dtype}")
     elif sharded:  # a frozen LoRA base: stored and gathered in the compute dtype, as in one process
         weights = Item("weights", lm_params * b / GiB / n,
-                       f"language model + lm_head, frozen base, {lm_params / 1e9:.2f}B params, {dtype} shards{of_n}")
+                       f"language model + lm_head, frozen base, {size}, {dtype} shards{of_n}")
     else:
         weights = Item("weights", lm_params * b / GiB,
-                       f"language model + lm_head, {lm_params / 1e9:.2f}B params, {dtype}")
+                       f"language model + lm_head, {size}, {dtype}")
     items = [weights]
     if holds_vision_tower:
         items.append(Item("vision tower", dims.vision.params * b / GiB, "embedded engine: the tower lives here"
@@ -423,6 +456,10 @@ def trainer_memory(
                           f"rank {lora_rank}, {trainable / 1e6:.1f}M params, fp32{of_n}"))
     elif b != 4 and not sharded:
         items.append(Item("master weights", trainable * 4 / GiB, "fp32 copies the optimizer steps"))
+    if not full and t.moe_layers:  # peft's expert adapters keep each MoE layer's W + BA for backward
+        kept = 1 if activation_checkpointing else t.moe_layers
+        items.append(Item("expert LoRA merged weights", kept * t.experts.merged_bytes(t.hidden_size, b) / GiB,
+                          f"{kept} MoE layer(s)' W + BA, {dtype}, kept for backward (estimate from peft's code)"))
     items.append(Item("gradients", trainable * state_bytes / GiB / n,
                       "fp32, reduce-scattered" + of_n if sharded else "fp32"))
     items.append(Item("AdamW states", 2 * trainable * state_bytes / GiB / n, "exp_avg, exp_avg_sq" + of_n))
@@ -447,7 +484,7 @@ def trainer_memory(
         # A layer whole: its base in the compute dtype, LoRA's adapters in float32 (gathered as stored).
         layer_bytes = t.layer_params * b + (0 if full else t.lora_params(lora_rank, lora_targets)
                                             // t.num_hidden_layers * 4)
-        root = t.params - t.num_hidden_layers * t.layer_params  # embedding, final norm, untied lm_head
+        root = t.params - t.decoder_params()  # embedding, final norm, untied lm_head
         backward[:0] = [
             Item("unsharded layers", UNSHARDED_LAYERS * layer_bytes / GiB,
                  f"{UNSHARDED_LAYERS} decoder layers all-gathered (one computing, one prefetched)"),

@@ -108,6 +108,11 @@ def test_the_lm_only_path_matches_the_full_model(family_model_path):
     model alone equal the full transformers model on pixels, packed or not; the mistakes show."""
     family, path = family_model_path
     figures = run_parity(path)
+    print(family.name, {name: case["lm_only_vs_full_max_abs"] for name, case in figures["cases"].items()},
+          {k: v for k, v in figures.items() if k.endswith("_max_abs")})
+    # single image, several images, text only, multi-turn: each within the bar, and packed together
+    for name in ("one_image", "several_images", "text_only", "multi_turn"):
+        assert figures["cases"][name]["lm_only_vs_full_max_abs"] <= TOLERANCE, name
     assert figures["lm_only_vs_full_max_abs"] <= TOLERANCE
     assert figures["packed_vs_full_max_abs"] <= TOLERANCE
     assert figures["positions_1d_max_abs"] > MISTAKE_FLOOR
@@ -203,3 +208,26 @@ def test_shared_prompts_give_each_familys_packed_logprobs_and_gradients(family_m
     assert max(float((whole[k] - shared[k]).detach().abs().max()) for k in whole) <= TOLERANCE
     for name, grad in whole_grads.items():
         assert (shared_grads[name] - grad).abs().max() <= TOLERANCE * grad.abs().max() + 1e-12, name
+
+
+def test_checkpoint_tensor_undoes_engine_tensors_on_the_tiny_model(family_model_path):
+    """Loading reads the base files through `checkpoint_tensor` into the modules' layout; writing
+    goes back through `engine_tensors`, one tensor for one, to the bytes the files hold."""
+    from safetensors import safe_open
+
+    from saccade.models.lm import load_policy_lm
+    from saccade.models.loading import safetensors_files
+
+    family, path = family_model_path
+    policy = load_policy_lm(path)
+    held = policy.state_dict()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                name = family.checkpoint_key(key)
+                if name is None or name not in held:
+                    continue
+                stored = f.get_tensor(key)
+                assert torch.equal(family.checkpoint_tensor(name, stored), held[name].to(stored.dtype)), name
+                (back_name, back), = family.engine_tensors(name, held[name].to(stored.dtype))
+                assert back_name == name and torch.equal(back, stored), name

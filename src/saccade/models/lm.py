@@ -26,7 +26,7 @@ from saccade.config import LoraConfig
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout, resolve_attention
 from saccade.models.families import family_of
 from saccade.models.loading import (
-    LM_HEAD_KEY, LM_PREFIX, load_config, parameters_on_meta, read_state_dict, resolve_model_path,
+    LM_HEAD_KEY, LM_PREFIX, load_config, parameters_on_meta, read_family_state_dict, resolve_model_path,
     to_keeping_rotary_fp32,
 )
 
@@ -215,13 +215,13 @@ def load_policy_lm(
         language_model = family.text_model_class()._from_config(text_config)
     with torch.device("meta"):
         lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
-    state = read_state_dict(path, LM_PREFIX, dtype=dtype, checkpoint_key=family.checkpoint_key)
+    state = read_family_state_dict(path, LM_PREFIX, family, dtype=dtype)
     language_model.load_state_dict({k[len(LM_PREFIX):]: v for k, v in state.items()}, strict=True, assign=True)
     tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
     if tied:
         lm_head.weight = language_model.embed_tokens.weight
     else:
-        head = read_state_dict(path, LM_HEAD_KEY, dtype=dtype, checkpoint_key=family.checkpoint_key)
+        head = read_family_state_dict(path, LM_HEAD_KEY, family, dtype=dtype)
         if LM_HEAD_KEY not in head:
             raise ValueError(f"{path}: no {LM_HEAD_KEY} in the checkpoint and tie_word_embeddings is false")
         lm_head.load_state_dict({"weight": head[LM_HEAD_KEY]}, assign=True)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from saccade.models.families import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, family_of
-from saccade.models.families.interface import same_key
+from saccade.models.families.interface import as_stored, same_key
 
 __all__ = ["LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX"]  # the canonical names, re-exported for callers
 
@@ -72,10 +72,12 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def read_state_dict(path: Path, prefix: str, *, dtype: torch.dtype | None = None,
-                    checkpoint_key=same_key) -> dict[str, torch.Tensor]:
+                    checkpoint_key=same_key, checkpoint_tensor=as_stored) -> dict[str, torch.Tensor]:
     """All tensors whose canonical key starts with `prefix`, under their canonical keys (the
-    prefix kept). `checkpoint_key`: the family's map from the file's own keys to the canonical
-    ones (None: a tensor saccade never reads). Others are never read."""
+    prefix kept), in the layout the modules hold them. `checkpoint_key`: the family's map from
+    the file's own keys to the canonical ones (None: a tensor saccade never reads);
+    `checkpoint_tensor`: its map from the file's layout to the modules' (MoE experts are stored
+    transposed). Others are never read."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
@@ -84,9 +86,16 @@ def read_state_dict(path: Path, prefix: str, *, dtype: torch.dtype | None = None
             for key in f.keys():
                 canonical = checkpoint_key(key)
                 if canonical is not None and canonical.startswith(prefix):
-                    t = f.get_tensor(key)
+                    t = checkpoint_tensor(canonical, f.get_tensor(key))
                     out[canonical] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
+
+
+def read_family_state_dict(path: Path, prefix: str, family: ModelFamily, *,
+                           dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """`read_state_dict` with the family's key and layout maps."""
+    return read_state_dict(path, prefix, dtype=dtype, checkpoint_key=family.checkpoint_key,
+                           checkpoint_tensor=family.checkpoint_tensor)
 
 
 @contextlib.contextmanager
@@ -142,7 +151,7 @@ def load_vision_tower(model: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     config.vision_config._attn_implementation = "sdpa"
     with parameters_on_meta():
         tower = family.vision_model_class()._from_config(config.vision_config)
-    state = read_state_dict(path, VISION_PREFIX, dtype=dtype, checkpoint_key=family.checkpoint_key)
+    state = read_family_state_dict(path, VISION_PREFIX, family, dtype=dtype)
     state = {k[len(VISION_PREFIX):]: v for k, v in state.items()}
     tower.load_state_dict(state, strict=True, assign=True)
     to_keeping_rotary_fp32(tower, device=device, dtype=dtype)

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -170,7 +171,8 @@ class _LiveWeights:
     def __init__(self, model: nn.Module, *, compute: bool = True):
         self.compute = compute
         self.plain: dict[str, torch.Tensor] = {}  # full name -> the model's tensor (maybe a DTensor)
-        self.lora: dict[str, tuple] = {}  # full name -> (W or bias, A, B, scaling, fan_in_fan_out, is_bias)
+        # full name -> (W or bias, A, B, scaling, fan_in_fan_out or an expert layout, is_bias)
+        self.lora: dict[str, tuple] = {}
         if not is_peft(model):
             state = model.state_dict(keep_vars=True)
             lora_keys = [k for k in state if ".lora_" in k or ".base_layer." in k]
@@ -180,7 +182,7 @@ class _LiveWeights:
             aliases = tied_aliases(model)
             self.plain = {k: v for k, v in state.items() if k not in aliases}
             return
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer, ParamWrapper
 
         name = single_adapter(model)
         policy = model.get_base_model()
@@ -189,8 +191,7 @@ class _LiveWeights:
         if odd:
             raise ValueError(f"only plain LoRA adapters can be merged; found {odd[:3]}")
         aliases = tied_aliases(policy)
-        self.plain = {k.replace(".base_layer.", "."): v for k, v in state.items()
-                      if ".lora_" not in k and k not in aliases}
+        self.plain = {_unwrapped(k): v for k, v in state.items() if ".lora_" not in k and k not in aliases}
         for module_name, module in policy.named_modules():
             if not isinstance(module, LoraLayer) or name not in module.lora_A:
                 continue
@@ -198,6 +199,12 @@ class _LiveWeights:
                 raise ValueError(f"{module_name}: LoRA variants (DoRA, ...) are not supported by the merge")
             if name in module.merged_adapters:
                 continue  # already folded into the base weight
+            if isinstance(module, ParamWrapper):  # a parameter, not a linear: MoE experts (target_parameters)
+                key = f"{_unwrapped(module_name)}.{module.parameter_name}"
+                self.lora[key] = (self.plain[key], state[f"{module_name}.lora_A.{name}.weight"],
+                                  state[f"{module_name}.lora_B.{name}.weight"], module.scaling[name],
+                                  _ExpertLayout(module.num_experts, module._did_swap_in_out_features), False)
+                continue
             a = state[f"{module_name}.lora_A.{name}.weight"]
             b = state[f"{module_name}.lora_B.{name}.weight"]
             scaling, fan_in_fan_out = module.scaling[name], bool(getattr(module, "fan_in_fan_out", False))
@@ -228,7 +235,34 @@ class _LiveWeights:
             return None
         if is_bias:
             return w + b * scaling
+        if isinstance(fan_in_fan_out, _ExpertLayout):
+            return w + _expert_lora_delta(a, b, scaling, fan_in_fan_out).to(w.dtype)
         return w + _lora_delta(a, b, scaling, fan_in_fan_out).to(w.dtype)
+
+
+def _unwrapped(name: str) -> str:
+    """A name inside peft's wrappers as the bare model has it: every `base_layer` step dropped
+    (nested ParamWrappers, one per MoE expert parameter, put two in a row)."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
+
+
+@dataclass(frozen=True)
+class _ExpertLayout:
+    """How peft's ParamWrapper stacks a 3-D parameter's adapter: rank x experts rows, and whether
+    the parameter is (E, out, in) (`swapped`, transformers' fused experts) or (E, in, out)."""
+
+    num_experts: int
+    swapped: bool
+
+
+def _expert_lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, layout: _ExpertLayout) -> torch.Tensor:
+    """peft's `ParamWrapper.get_delta_weight` for E > 1 experts, on whole (gathered) tensors:
+    A (r*E, in) -> (E, r, in), B (out, r*E) -> (out, r, E), delta (E, out, in) or (E, in, out),
+    in float32 (a test holds it equal to peft's own on the live module)."""
+    a_ERI = a.float().reshape(layout.num_experts, -1, a.shape[-1])
+    b_ORE = b.float().reshape(b.shape[0], -1, layout.num_experts)
+    pattern = "o r e, e r i -> e o i" if layout.swapped else "o r e, e r i -> e i o"
+    return torch.einsum(pattern, b_ORE, a_ERI) * scaling
 
 
 def _lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> torch.Tensor:

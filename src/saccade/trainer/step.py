@@ -39,6 +39,7 @@ from saccade.models.sampling import SampledDistribution
 from saccade.timing import timed
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.loss import LossInputs, policy_loss
+from saccade.trainer.routing import expert_counts, load_figures
 from saccade.trainer.samples import MicroBatch
 
 # A reference policy: a micro-batch in, the reference's logprob of each of its tokens out.
@@ -282,6 +283,10 @@ def train_step(
     `mismatch_abs_lag0` is the engine/trainer logprob gap over the tokens sampled under exactly
     these weights: the numerics gap alone, apart from what the policy moved since older ones.
 
+    A mixture-of-experts family (`ModelFamily.record_routing`) adds the router's load balance over
+    the step's loss tokens, from the first pass's forwards (`saccade.trainer.routing`):
+    `router_max_over_mean`, `router_cv`, `router_dead_experts`.
+
     With a sharded model (`world.size` > 1), `micro_batches` are this rank's share of the step
     (`saccade.trainer.packing.rank_micro_batches`, padded so that every rank has as many) and
     the returned metrics are the whole step's: the loss normalisation, the metric sums and the
@@ -312,10 +317,17 @@ def train_step(
 
     lag0 = torch.zeros(2, dtype=torch.float64, device=device)  # |logprobs - engine's| over fresh tokens, and their count
 
+    # A mixture of experts: the experts the first pass's forwards sent the loss tokens to, (layers, E) counts.
+    router_counts: list[torch.Tensor] = []
+
     def clipped_objective(k: int, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Micro-batch k's share of the policy loss, and its metrics weighted by its loss tokens.
         `iteration` is the optimizer step under way (the loop below)."""
-        logprobs, entropy = forward_logprobs(model, mb, **score)
+        with policy.family.record_routing(policy.language_model) as routing:  # dense families: None
+            logprobs, entropy = forward_logprobs(model, mb, **score)
+        if routing is not None and iteration == 0:
+            counts_LE = expert_counts(routing.chosen, routing.num_experts, mb.loss_mask.reshape(-1))
+            router_counts[:] = [counts_LE if not router_counts else router_counts[0] + counts_LE]
         inputs = LossInputs(
             logprobs_N=logprobs,
             old_logprobs_N=old_logprobs[k] if old_logprobs[k] is not None else mb.inference_logprobs,
@@ -369,6 +381,10 @@ def train_step(
     out["loss_tokens"] = total_loss_tokens  # the step's, not a mean over micro-batches (that depends on the packing)
     if current_version is not None and fresh_tokens:
         out["mismatch_abs_lag0"] = gap_sum / fresh_tokens
+    if router_counts:  # a MoE: the load balance over every rank's loss tokens
+        counts_LE = router_counts[0]
+        summed = all_reduce_sum(counts_LE.reshape(-1).tolist(), world, device)
+        out.update(load_figures(torch.tensor(summed, dtype=torch.float64).view_as(counts_LE)))
     return out
 
 

@@ -12,7 +12,8 @@ that one file holding both would make.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,27 @@ def same_tensor(name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Te
     yield name, tensor
 
 
+def as_stored(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Checkpoints hold the tensor in the layout the modules hold it."""
+    return tensor
+
+
+@dataclass
+class Routing:
+    """What a MoE family's `record_routing` fills while it is open: each MoE layer's chosen
+    experts, (N, top_k) int64 over a forward's N tokens (row order), layer after layer, forward
+    after forward."""
+
+    num_experts: int
+    chosen: list[torch.Tensor] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def no_routing(language_model: nn.Module) -> Iterator[None]:
+    """A dense language model: no router, nothing recorded."""
+    yield None
+
+
 def split_concatenated(features_NW: torch.Tensor, levels: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """vLLM's tower output for one image, (n, H * (1 + levels)): the main features first, then
     each DeepStack level, side by side along the hidden axis. -> (main (n, H), [level (n, H)])."""
@@ -65,10 +87,11 @@ def resize_bounds(limits: ImagesConfig) -> dict[str, int]:
     return processor_size(limits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ModelFamily:
     """One architecture family as saccade sees it. Members are data or functions of their
-    arguments alone; docs/families.md describes each one."""
+    arguments alone; docs/families.md describes each one. A family is a singleton: compared and
+    hashed by identity (`published_configs` holds dicts)."""
 
     name: str  # what errors and docs call it, e.g. "Qwen3-VL"
     model_types: tuple[str, ...]  # config.json's model_type values it serves
@@ -89,6 +112,11 @@ class ModelFamily:
     prepare_language_model: Callable[[nn.Module], None] = no_hooks  # once, after it is built
     language_model_kwargs: Callable[[torch.Tensor | None, list[torch.Tensor] | None], dict] = no_kwargs
     engine_tensors: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] = same_tensor
+    # The inverse: a checkpoint's tensor (canonical name) in the layout the modules hold it.
+    checkpoint_tensor: Callable[[str, torch.Tensor], torch.Tensor] = as_stored
+    # MoE: a context manager over the language model's forwards, yielding a `Routing` that fills
+    # with each MoE layer's chosen experts; None for dense models.
+    record_routing: Callable[[nn.Module], contextlib.AbstractContextManager] = no_routing
     split_served_features: Callable[[torch.Tensor, int], tuple[torch.Tensor, list[torch.Tensor]]] = (
         split_concatenated)
     processor_size: Callable[[ImagesConfig], dict] = resize_bounds

@@ -1,13 +1,9 @@
-"""Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B): what saccade must know about the family.
+"""Qwen3-VL-MoE (model_type `qwen3_vl_moe`: Qwen3-VL-30B-A3B, 235B-A22B): what is particular to it.
 
-Groundwork for issue 30's `ModelFamily`: module-level functions and constants named after the
-interface's members (`name`, `model_types`, `text_model_class()`, ..., `engine_tensors`,
-`build_tiny`), so that turning this module into the family object is mechanical. Facts, each
-with the command behind it: docs/families-qwen3_vl_moe.md.
-
-What differs from Qwen3-VL: the decoder's MLP is a sparse mixture of experts (a router
-`mlp.gate.weight` (E, H) and the experts fused into two 3-D parameters); the vision tower,
-DeepStack and M-RoPE are Qwen3-VL's (the same rule, the same code in transformers).
+What differs from Qwen3-VL (`qwen3_vl.py`, whose tower, DeepStack and M-RoPE functions this
+family reuses: transformers' MoE classes have the same signatures and sums): the decoder's MLP
+is a sparse mixture of experts, a router `mlp.gate.weight` (E, H) and the experts fused into
+two 3-D parameters. Facts, each with the command behind it: docs/families-qwen3_vl_moe.md.
 
 The trap is the experts' layout, which differs between memory and disk:
 
@@ -21,8 +17,8 @@ The trap is the experts' layout, which differs between memory and disk:
 same check, which then never fires: `save_pretrained` writes the memory layout, which vLLM
 0.32 (`is_fused_checkpoint_transposed=True`: it always transposes) refuses, or, when
 H == I, loads transposed without a word. `engine_tensors` turns memory into the hub's layout;
-`checkpoint_tensors` is its inverse, for saccade's own loaders, which read safetensors by
-key and so bypass transformers' conversion.
+`checkpoint_tensor` is its inverse, for saccade's own loaders, which read safetensors by key
+and so bypass transformers' conversion.
 
 The hub's text config also carries `norm_topk_prob: true`, which transformers' config class
 lacks (its router always renormalises the top-k weights) and vLLM reads (`renormalize=`):
@@ -31,30 +27,22 @@ lacks (its router always renormalises the top-k weights) and vLLM reads (`renorm
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from saccade.models.positions import mrope_positions as _mrope_positions
+from saccade.models.families import qwen3_vl
+from saccade.models.families.interface import ModelFamily, Routing
 from saccade.models.tiny import PRESETS as QWEN3_VL_PRESETS
-from saccade.models.tiny import TinyPreset, build_once, build_processor, build_tokenizer, cache_dir, is_built
+from saccade.models.tiny import TinyPreset, build_once, build_processor, build_tokenizer, cache_dir
 from saccade.models.tiny import build_config as build_qwen3_vl_config
-
-name = "qwen3_vl_moe"
-model_types = ("qwen3_vl_moe",)
-# The smallest real member; what the presets' shapes are scaled from.
-full_model_name = "Qwen/Qwen3-VL-30B-A3B-Instruct"
-
-# Checkpoint key prefixes (the same as Qwen3-VL's).
-VISION_PREFIX = "model.visual."
-LM_PREFIX = "model.language_model."
-LM_HEAD_KEY = "lm_head.weight"
 
 # The fused expert parameters (key suffixes), and the two dims their layouts swap.
 GATE_UP = "mlp.experts.gate_up_proj"
@@ -64,34 +52,25 @@ EXPERT_PARAMS = (GATE_UP, DOWN)
 # LoRA: the attention projections are nn.Linear (peft's target_modules). The router
 # (`mlp.gate`, Qwen3VLMoeTextTopKRouter) is not a Linear; the experts are bare 3-D
 # parameters, which peft reaches only through `target_parameters` (docs: what vLLM makes of it).
-lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj")
-lora_target_parameters = EXPERT_PARAMS
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def text_model_class():
+def text_model_class() -> type:
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel
 
     return Qwen3VLMoeTextModel
 
 
-def vision_model_class():
+def vision_model_class() -> type:
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
     return Qwen3VLMoeVisionModel
 
 
-def full_model_class():
+def full_model_class() -> type:
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     return Qwen3VLMoeForConditionalGeneration
-
-
-def checkpoint_key(key: str) -> str | None:
-    """A checkpoint key under saccade's canonical names (the hub's: `model.language_model.*`,
-    `model.visual.*`, `lm_head.weight`), or None for a key saccade does not load."""
-    if key.startswith((LM_PREFIX, VISION_PREFIX)) or key == LM_HEAD_KEY:
-        return key
-    return None
 
 
 def is_expert_param(key: str) -> bool:
@@ -101,7 +80,8 @@ def is_expert_param(key: str) -> bool:
 def engine_tensors(key: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
     """What saccade writes for vLLM, exports and the tiny builder, from one tensor as
     transformers holds it in memory: the fused experts transposed to the hub's layout
-    (gate_up (E, 2I, H) -> (E, H, 2I); down (E, H, I) -> (E, I, H)), everything else as is."""
+    (gate_up (E, 2I, H) -> (E, H, 2I); down (E, H, I) -> (E, I, H)), everything else as is.
+    One tensor for one: the streamed writer's rule holds."""
     if is_expert_param(key):
         assert tensor.dim() == 3, (key, tuple(tensor.shape))
         yield key, tensor.transpose(1, 2).contiguous()
@@ -109,14 +89,12 @@ def engine_tensors(key: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.
         yield key, tensor
 
 
-def checkpoint_tensors(key: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-    """The inverse of `engine_tensors`: a hub checkpoint's tensor in transformers' memory layout
-    (for loaders that read safetensors by key, as saccade's `read_state_dict` does)."""
+def checkpoint_tensor(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of `engine_tensors`: a hub checkpoint's tensor in transformers' memory layout."""
     if is_expert_param(key):
         assert tensor.dim() == 3, (key, tuple(tensor.shape))
-        yield key, tensor.transpose(1, 2).contiguous()
-    else:
-        yield key, tensor
+        return tensor.transpose(1, 2).contiguous()
+    return tensor
 
 
 def hub_expert_shapes(text_config) -> dict[str, tuple[int, int, int]]:
@@ -142,108 +120,97 @@ def check_hub_layout(key: str, shape: Sequence[int], text_config) -> None:
             return
 
 
-def deepstack_levels(config) -> int:
-    return len(config.vision_config.deepstack_visual_indexes)
+@contextlib.contextmanager
+def record_routing(language_model: nn.Module) -> Iterator[Routing]:
+    """While open, every forward of the language model appends each MoE layer's chosen experts,
+    (N, top_k) int64 over the forward's N tokens (flattened, in row order), layer by layer.
+    Read from the router's own output (`Qwen3VLMoeTextTopKRouter` returns logits, weights and
+    indices): the experts the forward used, nothing recomputed. Routing is token-local (no
+    capacity, no dropping), so a packed row routes each token as its sample alone would."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
 
-
-def run_tower(tower: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-    """(main_NH, [deepstack_NH per level]): the tower's merged output and its DeepStack features,
-    the images concatenated in order (Qwen3-VL's tower, unchanged in the MoE)."""
-    out = tower(pixel_values, grid_thw=grid_thw, return_dict=True)
-    return out.pooler_output, list(out.deepstack_features)
-
-
-def prepare_language_model(language_model: nn.Module) -> nn.Module:
-    """DeepStack by index_add at flat image positions (`saccade.models.lm._add_deepstack`), as for
-    Qwen3-VL: `Qwen3VLMoeTextModel._deepstack_process` has the same signature and sums."""
-    import types
-
-    from saccade.models.lm import _add_deepstack
-
-    language_model._deepstack_process = types.MethodType(_add_deepstack, language_model)
-    return language_model
-
-
-def language_model_kwargs(image_positions_N: torch.Tensor | None,
-                          deepstack_list: list[torch.Tensor] | None) -> dict:
-    """The DeepStack arguments of `Qwen3VLMoeTextModel.forward` (after `prepare_language_model`)."""
-    return dict(visual_pos_masks=image_positions_N, deepstack_visual_embeds=deepstack_list)
-
-
-def mrope_positions(mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.Tensor | None, *,
-                    spatial_merge_size: int) -> torch.Tensor:
-    """Qwen3-VL's M-RoPE rule (`saccade.models.positions`); the MoE's `get_rope_index` is the same."""
-    return _mrope_positions(mm_token_type_ids_L, image_grid_thw_N3, spatial_merge_size=spatial_merge_size)
-
-
-# ---------------------------------------------------------------- router load balance
-
-
-def router_load(router_logits: Sequence[torch.Tensor], top_k: int,
-                token_mask_N: torch.Tensor | None = None) -> dict[str, torch.Tensor | float]:
-    """Per-layer expert load of one forward, from transformers' `output_router_logits`.
-
-    router_logits: one (N, E) tensor per MoE layer (N tokens of the forward, flattened).
-    token_mask_N: which of the N tokens count (e.g. not padding); None: all.
-    Returns
-      load_LE: (layers, E) float32, the fraction of the layer's top-k assignments each expert
-        got (each row sums to 1; a balanced router gives 1/E everywhere);
-      max_over_mean_L: (layers,) max load / mean load (1 = balanced, E/top_k at worst: every
-        token to the same top_k experts);
-      cv_L: (layers,) coefficient of variation of the load (std / mean, population std);
-      max_over_mean, cv: their means over layers (the figures to log per step);
-      dead_experts: experts that got no token in some layer, counted over layers.
-    """
-    if not router_logits:
-        raise ValueError("no router logits: run the forward with output_router_logits=True on a MoE model")
-    loads = []
-    for logits_NE in router_logits:
-        N, E = logits_NE.shape
-        if not 1 <= top_k <= E:
-            raise ValueError(f"top_k {top_k} outside 1..{E} experts")
-        chosen_NK = logits_NE.float().topk(top_k, dim=-1).indices  # softmax is monotone: the router's choice
-        weight_NK = torch.ones_like(chosen_NK, dtype=torch.float32)
-        if token_mask_N is not None:
-            weight_NK = weight_NK * token_mask_N.reshape(N, 1).to(weight_NK.device, torch.float32)
-        counts_E = torch.zeros(E, dtype=torch.float32, device=logits_NE.device).scatter_add_(
-            0, chosen_NK.reshape(-1), weight_NK.reshape(-1))
-        total = counts_E.sum()
-        loads.append(counts_E / total if total > 0 else counts_E)
-    load_LE = torch.stack(loads).cpu()
-    mean_L = load_LE.mean(dim=1)
-    max_over_mean_L = load_LE.max(dim=1).values / mean_L
-    cv_L = load_LE.std(dim=1, unbiased=False) / mean_L
-    return {
-        "load_LE": load_LE,
-        "max_over_mean_L": max_over_mean_L,
-        "cv_L": cv_L,
-        "max_over_mean": float(max_over_mean_L.mean()),
-        "cv": float(cv_L.mean()),
-        "dead_experts": int((load_LE == 0).sum()),
-    }
+    routers = [m for m in language_model.modules() if isinstance(m, Qwen3VLMoeTextTopKRouter)]
+    routing = Routing(num_experts=routers[0].num_experts if routers else 0)
+    handles = [r.register_forward_hook(lambda _m, _i, out: routing.chosen.append(out[2].detach())) for r in routers]
+    try:
+        yield routing
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # ---------------------------------------------------------------- memory dims
 
 
-def text_params(text_config) -> dict[str, int]:
-    """Language-model parameter counts: `total` (what the trainer holds, lm_head once if tied)
-    and `active` (what one token runs through: top-k experts of each MoE layer)."""
-    c = text_config
-    H, E, K, I = c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    attention = H * q + 2 * H * kv + q * H + 2 * c.head_dim + 2 * H  # projections, q/k norms, layer norms
-    moe_layers = [i for i in range(c.num_hidden_layers)
-                  if i not in (c.mlp_only_layers or []) and (i + 1) % c.decoder_sparse_step == 0]
-    dense_layers = c.num_hidden_layers - len(moe_layers)
-    expert = 3 * H * I
-    dense_mlp = 3 * H * c.intermediate_size
-    embed = c.vocab_size * H
-    head = 0 if c.tie_word_embeddings else embed
-    outside = embed + head + H
-    total = outside + c.num_hidden_layers * attention + dense_layers * dense_mlp + len(moe_layers) * (E * expert + E * H)
-    active = outside + c.num_hidden_layers * attention + dense_layers * dense_mlp + len(moe_layers) * (K * expert + E * H)
-    return {"total": total, "active": active, "moe_layers": len(moe_layers), "experts": E, "top_k": K}
+def moe_layers(text: dict) -> int:
+    """How many decoder layers are sparse (transformers' rule: not in mlp_only_layers, and every
+    decoder_sparse_step-th)."""
+    step, dense = text.get("decoder_sparse_step", 1), set(text.get("mlp_only_layers") or [])
+    return sum(1 for i in range(text["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+@dataclass(frozen=True)
+class ExpertDims:
+    """The sparse layers as `saccade.memory.TextDims.experts` counts them: `layers` of the decoder
+    layers replace the dense MLP with a router (E x hidden) and E experts of three (hidden x
+    moe_intermediate) matrices, of which each token runs `per_token`."""
+
+    num_experts: int
+    per_token: int
+    intermediate_size: int
+    layers: int
+
+    def mlp_params(self, hidden: int, active: bool = False) -> int:
+        """One MoE layer's router and experts (all of them, or the `per_token` one token runs)."""
+        experts = self.per_token if active else self.num_experts
+        return experts * 3 * hidden * self.intermediate_size + self.num_experts * hidden
+
+    def lora_params(self, rank: int, hidden: int) -> int:
+        """One MoE layer's peft expert adapters (`target_parameters`, which the family always sets):
+        per fused parameter, A (rank*E x in) and B (out x rank*E); gate_up H -> 2I, down I -> H."""
+        h, i = hidden, self.intermediate_size
+        return rank * self.num_experts * ((h + 2 * i) + (i + h))
+
+    def activation_bytes(self, dtype_bytes: int, hidden: int) -> int:
+        """Per token, one MoE layer's MLP (an estimate, not checked against autograd): transformers'
+        expert loop keeps, per chosen expert, the gathered input and the down projection's output
+        (b*h each), the gate_up output, silu(gate) and its product with up (b*4I); the router its
+        float32 softmax (4E)."""
+        b = dtype_bytes
+        return self.per_token * (2 * b * hidden + 4 * b * self.intermediate_size) + 4 * self.num_experts
+
+    def merged_bytes(self, hidden: int, dtype_bytes: int) -> int:
+        """LoRA: peft's expert adapters (ParamWrapper) run each MoE layer on W + delta, a whole
+        (E x 3HI) tensor in the compute dtype that backward keeps (peft 0.21's _activate_lora)."""
+        return self.num_experts * 3 * hidden * self.intermediate_size * dtype_bytes
+
+
+def memory_dims(config: dict) -> tuple[dict, dict]:
+    """Qwen3-VL's fields, plus the experts (`ExpertDims`: `saccade.memory` counts total and active)."""
+    text, vision = qwen3_vl.memory_dims(config)
+    t = config["text_config"]
+    text["experts"] = ExpertDims(num_experts=t.get("num_experts", t.get("num_local_experts")),
+                                 per_token=t["num_experts_per_tok"], intermediate_size=t["moe_intermediate_size"],
+                                 layers=moe_layers(t))
+    return text, vision
+
+
+# Qwen/Qwen3-VL-30B-A3B-Instruct's config.json, the fields memory_dims reads. Text: the hub
+# config's numbers (also Megatron's MODEL_ARGS for it: 48 layers, hidden 2048, 32 heads, 4 KV
+# groups, kv channels 128, moe ffn 768, top-8 of 128, vocab 151,936, untied); vision: Qwen3-VL's
+# larger tower (as in 8B: 1152 wide, 27 blocks, DeepStack from blocks 8, 16, 24, out 2048).
+# 31.07B parameters in all (published: 31.1B), 3.35B active per token (published: "A3B", 3.3B).
+QWEN3_VL_30B_A3B = {
+    "model_type": "qwen3_vl_moe",
+    "tie_word_embeddings": False,
+    "text_config": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                        num_key_value_heads=4, head_dim=128, intermediate_size=6144, num_experts=128,
+                        num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1,
+                        mlp_only_layers=[], tie_word_embeddings=False),
+    "vision_config": dict(hidden_size=1152, depth=27, intermediate_size=4304, out_hidden_size=2048,
+                          num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24], patch_size=16,
+                          temporal_patch_size=2, in_channels=3, spatial_merge_size=2),
+}
 
 
 # ---------------------------------------------------------------- the tiny builder
@@ -263,25 +230,25 @@ class MoePreset:
     extra: dict = field(default_factory=dict)
 
 
-presets: dict[str, MoePreset] = {
+PRESETS: dict[str, MoePreset] = {
     # ~1.3M parameters: 8 experts, top-2, H 128 against I 48 (gate_up (8, 96, 128), down (8, 128, 48)).
-    "tiny": MoePreset(base=QWEN3_VL_PRESETS["tiny"], num_experts=8, top_k=2, moe_intermediate=48),
+    "moe-tiny": MoePreset(base=QWEN3_VL_PRESETS["tiny"], num_experts=8, top_k=2, moe_intermediate=48),
 }
 
 # Bump when anything the builder writes changes.
 BUILD_VERSION = 2
 
 
-def preset_folder(preset: str = "tiny", seed: int = 0) -> Path:
-    if preset not in presets:
-        raise ValueError(f"unknown Qwen3-VL-MoE preset {preset!r}; choose one of {sorted(presets)}")
-    key = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(presets[preset]), seed]).encode()).hexdigest()[:10]
+def preset_folder(preset: str = "moe-tiny", seed: int = 0) -> Path:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown Qwen3-VL-MoE preset {preset!r}; choose one of {sorted(PRESETS)}")
+    key = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(PRESETS[preset]), seed]).encode()).hexdigest()[:10]
     return cache_dir() / f"qwen3vlmoe-{preset}-seed{seed}-{key}"
 
 
-def tiny_model_path(preset: str = "tiny", seed: int = 0) -> Path:
+def tiny_model_path(preset: str = "moe-tiny", seed: int = 0) -> Path:
     """The folder of a generated Qwen3-VL-MoE, built on first use (cached like `tiny.tiny_model_path`)."""
-    return build_once(preset_folder(preset, seed), lambda tmp: build_tiny(tmp, preset=preset, seed=seed))
+    return build_once(preset_folder(preset, seed), lambda tmp: build_tiny(tmp, preset, seed))
 
 
 def build_config(tokenizer, spec: MoePreset):
@@ -315,10 +282,10 @@ def build_config(tokenizer, spec: MoePreset):
     return config
 
 
-def build_tiny(out_dir: str | os.PathLike, *, preset: str = "tiny", seed: int = 0) -> Path:
+def build_tiny(out_dir: str | os.PathLike, preset: str = "moe-tiny", seed: int = 0) -> Path:
     """Write a complete random Qwen3-VL-MoE folder in the hub's layout (tokenizer, processor, config,
     weights), which transformers' Auto classes and vLLM both load. Returns the folder."""
-    spec = presets[preset]
+    spec = PRESETS[preset]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.base.bpe_vocab_size, seed=seed)
@@ -361,22 +328,26 @@ def save_hub_layout(model: nn.Module, out_dir: str | os.PathLike) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def read_hub_state_dict(path: str | os.PathLike, prefix: str, *,
-                        dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """A hub-layout folder's tensors under `prefix`, in transformers' memory layout
-    (`saccade.models.loading.read_state_dict` + `checkpoint_tensors`)."""
-    from saccade.models.loading import read_state_dict
-
-    out = {}
-    for key, t in read_state_dict(Path(path), prefix, dtype=dtype).items():
-        out.update(checkpoint_tensors(key, t))
-    return out
-
-
-__all__ = [
-    "name", "model_types", "full_model_name", "text_model_class", "vision_model_class", "full_model_class",
-    "checkpoint_key", "engine_tensors", "checkpoint_tensors", "deepstack_levels", "run_tower",
-    "prepare_language_model", "language_model_kwargs", "mrope_positions", "lora_target_modules",
-    "lora_target_parameters", "router_load", "text_params", "presets", "build_tiny", "tiny_model_path",
-    "is_built",
-]
+FAMILY = ModelFamily(
+    name="Qwen3-VL-MoE",
+    model_types=("qwen3_vl_moe",),
+    full_model_name="Qwen3VLMoeForConditionalGeneration",
+    text_model_class=text_model_class,
+    vision_model_class=vision_model_class,
+    full_model_class=full_model_class,
+    deepstack_levels=qwen3_vl.deepstack_levels,
+    run_tower=qwen3_vl.run_tower,
+    mrope_positions=qwen3_vl.mrope_positions,
+    memory_dims=memory_dims,
+    tiny_presets=tuple(PRESETS),
+    build_tiny=build_tiny,
+    tiny_model_path=tiny_model_path,
+    lora_target_modules=LORA_TARGETS,
+    lora_target_parameters=EXPERT_PARAMS,
+    prepare_language_model=qwen3_vl.prepare_language_model,
+    language_model_kwargs=qwen3_vl.language_model_kwargs,
+    engine_tensors=engine_tensors,
+    checkpoint_tensor=checkpoint_tensor,
+    record_routing=record_routing,
+    published_configs={"Qwen/Qwen3-VL-30B-A3B-Instruct": QWEN3_VL_30B_A3B},
+)
