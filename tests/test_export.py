@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from export_runs import FULL, train_run
+from export_runs import FULL, LORA, train_run
 
 from saccade.export import HubUploadError, export_adapter, export_merged, push_to_hub
+from saccade.models.families import FAMILIES
 
 # Max |Δ logprob| between two fp32 paths that compute the same function (parity.TOLERANCE).
 FP32_BAR = 1e-5
@@ -45,9 +46,9 @@ def parity_cases(tiny_path, processor, limits):
 
 
 def _transformers(folder):
-    from transformers import Qwen3VLForConditionalGeneration
+    from saccade.models.families import family_of
 
-    model, info = Qwen3VLForConditionalGeneration.from_pretrained(
+    model, info = family_of(folder).full_model_class().from_pretrained(
         str(folder), dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True)
     return model.eval(), info
 
@@ -178,41 +179,41 @@ def test_cli_export_then_push_to_an_unreachable_hub(lora_run, tmp_path, capsys):
     assert "--force" in capsys.readouterr().err
 
 
-# The tests above export Qwen3-VL runs; every other family's exports are checked here, a LoRA run
-# (merged and adapter) and a full fine-tuning run from its tiny model, loaded in its own class.
-OTHER_FAMILIES = [f for f in __import__("saccade.models.families", fromlist=["FAMILIES"]).FAMILIES
-                  if f.name != "Qwen3-VL"]
+def _tensor_headers(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    from saccade.models.loading import safetensors_files
+    from saccade.trainer.engine_weights import _safetensors_header
+
+    return {k: (v["dtype"], tuple(v["shape"])) for f in safetensors_files(folder)
+            for k, v in _safetensors_header(f)[2].items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", OTHER_FAMILIES, ids=lambda f: f.name)
-def test_every_familys_exports_are_the_trained_policy_in_its_transformers_class(family, tmp_path):
+@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_every_family_trains_and_exports_in_its_base_layout(family, kind, tmp_path, limits):
+    """`saccade rl` on the family's tiny model (LoRA, with the family's target_parameters, or full
+    fine-tuning), then `saccade export --merged`: the files hold the base's keys, dtypes and
+    shapes (a MoE's experts in the hub layout: non-square, so a transposition shows), and the
+    family's transformers class loads them with every key and computes the trained policy's
+    logprobs. A LoRA run's `--adapter` export, loaded by peft on the base, equals the merged one."""
     from peft import PeftModel
 
-    from saccade.config import ImagesConfig
     from saccade.models.loading import load_processor, load_vision_tower
     from saccade.models.vision import VisionEncoder
     from saccade.parity import max_abs, prepare
 
     base = family.tiny_model_path(family.tiny_presets[0], 0)
-    processor, limits = load_processor(base), ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256)
+    run_dir, policy = train_run(tmp_path / "run", base, LORA if kind == "lora" else FULL)
+    result = export_merged(run_dir, tmp_path / "out")
+    assert result.trained == kind
+    assert _tensor_headers(result.out) == _tensor_headers(base)
+    processor = load_processor(base)
     encoder = VisionEncoder(load_vision_tower(base), processor, limits=limits)
     cases = (prepare(processor, encoder, limits, encoder.merge), encoder)
-    load = lambda folder: family.full_model_class().from_pretrained(  # noqa: E731
-        str(folder), dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True)
-    gaps = {}
-    lora_one_step = ["--trainer.steps", "1", "--lora.enabled", "true", "--lora.rank", "4"]
-    for name, extra in (("lora", lora_one_step), ("full", FULL)):
-        run_dir, policy = train_run(tmp_path / name, base, extra)
-        merged = export_merged(run_dir, tmp_path / f"{name}-merged")
-        model, info = load(merged.out)
-        assert {k: v for k, v in info.items() if v} == {}, info  # every key, none unexpected
-        exported = _full_logprobs(model.eval(), cases[0])
-        gaps[name] = max_abs(exported, _policy_logprobs(policy, cases))
-        assert gaps[name] <= FP32_BAR, (name, gaps[name])
-        assert max_abs(exported, _full_logprobs(load(base)[0].eval(), cases[0])) > 1000 * FP32_BAR  # it trained
-        if name == "lora":
-            adapter = export_adapter(run_dir, tmp_path / "adapter")
-            peft_model = PeftModel.from_pretrained(load(base)[0].eval(), str(adapter.out)).eval()
-            assert max_abs(_full_logprobs(peft_model.get_base_model(), cases[0]), exported) <= FP32_BAR
-    print(family.name, "exports vs the trained policy, max |Δ logprob|:", gaps)
+    gap = _assert_merged_matches(result.out, policy, base, cases)
+    if kind == "lora":
+        adapter = export_adapter(run_dir, tmp_path / "adapter")
+        peft_model = PeftModel.from_pretrained(_transformers(base)[0], str(adapter.out)).eval()
+        merged = _full_logprobs(_transformers(result.out)[0], cases[0])
+        assert max_abs(_full_logprobs(peft_model.get_base_model(), cases[0]), merged) <= FP32_BAR
+    print(f"{family.name} {kind}: exported vs trained max |Δ logprob| {gap:.2e}")
