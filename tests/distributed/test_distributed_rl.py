@@ -108,8 +108,16 @@ def world2(tmp_path_factory) -> Path:
 
 
 # Each family's pair of runs: Qwen3-VL's from the warm start (the fixtures above, which the resume
-# tests share), the others from their random tiny model with hash-scored replies (rewards vary).
-FAMILY_RUNS = {"Qwen3-VL": None, "Qwen2.5-VL": ("--model.path", "qwen2.5vl-tiny", "--scored")}
+# tests share), the others from their random tiny model with hash-scored replies (rewards vary;
+# Qwen3-VL-MoE's fused experts are sharded by FSDP2 like any parameter).
+FAMILY_RUNS = {"Qwen3-VL": None, "Qwen2.5-VL": ("--model.path", "qwen2.5vl-tiny", "--scored"),
+               "Qwen3-VL-MoE": ("--model.path", "moe-tiny", "--scored")}
+
+
+def test_every_family_has_a_pair_of_runs():
+    from saccade.models.families import FAMILIES
+
+    assert list(FAMILY_RUNS) == [f.name for f in FAMILIES]
 
 
 @pytest.fixture(params=list(FAMILY_RUNS))
