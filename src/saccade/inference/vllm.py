@@ -183,6 +183,10 @@ class VLLMEngine:
             if engine.lora and not info.get("lora_enabled"):
                 raise ValueError(f"the server at {url} has no LoRA support, so it cannot load the trainer's adapter; "
                                  "restart it with --enable-lora --max-lora-rank R (R >= lora.rank)")
+            refused = info.get("weight_updates_refused")
+            if refused and engine.exporter is not None:
+                raise ValueError(f"the server at {url} cannot load the trainer's weights: {refused}. Train this "
+                                 'model with engine.kind = "embedded" (the trainer samples itself), or on GPU servers')
             problem = head_dtype_problem(info)
             if problem:
                 raise ValueError(f"the server at {url} {problem}")

@@ -330,6 +330,11 @@ def build_router(state: SaccadeState):
     def error(err: RequestError) -> JSONResponse:
         return JSONResponse({"error": str(err)}, status_code=err.status)
 
+    def weight_updates_refusal(request: Request) -> str | None:
+        """Why this server cannot reload weights in place (the family's word for a CPU server), or None."""
+        device = str(request.app.state.vllm_config.device_config.device_type)
+        return state.family.vllm_cpu_weight_updates if device == "cpu" else None
+
     async def vision_info(request: Request) -> dict:
         if state.vision is None:
             infos = await request.app.state.engine_client.collective_rpc("saccade_vision_info")
@@ -375,6 +380,10 @@ def build_router(state: SaccadeState):
                 count = None
             else:
                 count = check_weights_folder(path, state.reference_shapes, state.family.checkpoint_key)
+            refusal = weight_updates_refusal(request)
+            if refusal:
+                raise RequestError(f"this server cannot load new weights: {refusal}. Train with "
+                                   'engine.kind = "embedded" (the trainer samples itself), or serve on a GPU', 501)
         except RequestError as err:
             return error(err)
         version = update.version
@@ -417,6 +426,7 @@ def build_router(state: SaccadeState):
                 "min_pixels": state.limits.min_pixels, "max_pixels": state.limits.max_pixels,
                 "lora_enabled": request.app.state.vllm_config.lora_config is not None, "lora": state.lora,
                 "base_modified": state.base_modified, "weights_root": str(state.weights_root),
+                "weight_updates_refused": weight_updates_refusal(request),
                 "dtype": str(model_config.dtype).removeprefix("torch."),
                 "head_dtype": str(model_config.head_dtype).removeprefix("torch.")}
 

@@ -117,6 +117,8 @@ class ModelFamily:
     # MoE: a context manager over the language model's forwards, yielding a `Routing` that fills
     # with each MoE layer's chosen experts; None for dense models.
     record_routing: Callable[[nn.Module], contextlib.AbstractContextManager] = no_routing
+    # None: a vLLM CPU server reloads this family's weights in place (/update_weights); else why it cannot.
+    vllm_cpu_weight_updates: str | None = None
     split_served_features: Callable[[torch.Tensor, int], tuple[torch.Tensor, list[torch.Tensor]]] = (
         split_concatenated)
     processor_size: Callable[[ImagesConfig], dict] = resize_bounds

