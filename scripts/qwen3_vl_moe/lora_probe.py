@@ -1,14 +1,14 @@
 """peft on the tiny Qwen3-VL-MoE's PolicyLM: attention via target_modules, experts via target_parameters."""
 import sys, json, torch, peft, tempfile
 torch.set_num_threads(2)
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "tests" / "models"))
-from test_qwen3_vl_moe import load_language_model
+
+from saccade.models.lm import load_policy_lm as load_language_model
 from saccade.models.families import qwen3_vl_moe as moe
 print("peft", peft.__version__)
 path = moe.tiny_model_path()
 policy = load_language_model(path)
 cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r"model\.language_model\..*\.(q_proj|k_proj|v_proj|o_proj)",
-                      target_parameters=list(moe.lora_target_parameters), bias="none")
+                      target_parameters=list(moe.EXPERT_PARAMS), bias="none")
 model = peft.get_peft_model(policy, cfg, autocast_adapter_dtype=True)
 state = peft.get_peft_model_state_dict(model)
 for k, v in state.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from saccade.cli.common import write_json
-from saccade.config import PRESET_NAMES, add_config_arguments
+from saccade.config import add_config_arguments
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -72,7 +72,10 @@ def cmd_build_model(args: argparse.Namespace) -> int:
 
     from saccade.models.families import FAMILIES
 
-    family = next(f for f in FAMILIES if args.preset in f.tiny_presets)  # the preset names its family
+    family = next((f for f in FAMILIES if args.preset in f.tiny_presets), None)  # the preset names its family
+    if family is None:
+        known = ", ".join(f"{p} ({f.name})" for f in FAMILIES for p in f.tiny_presets)
+        raise ValueError(f"unknown preset {args.preset!r}; the families build {known}")
     if args.out:
         path = family.build_tiny(Path(args.out), args.preset, args.seed)
     else:
@@ -159,10 +162,10 @@ def add_build_model_parser(sub) -> None:
         description="Builds deterministically from --seed. Without --out the folder is cached under "
         "$SACCADE_CACHE (default ~/.cache/saccade) and reused.",
     )
-    build.add_argument("--preset", choices=list(PRESET_NAMES), default="tiny",
+    build.add_argument("--preset", default="tiny",
                        help="tiny (1M parameters, tests and demo), small (110M, CPU benchmarks), qwen3vl-2b "
-                       "(Qwen3-VL-2B's shapes, 2.13B parameters, bf16, 4.3 GB: GPU benchmarks) or qwen3vl-4b "
-                       "(Qwen3-VL-4B's, 4.44B, 8.9 GB)")
+                       "(Qwen3-VL-2B's shapes, 2.13B parameters, bf16, 4.3 GB: GPU benchmarks), qwen3vl-4b "
+                       "(Qwen3-VL-4B's, 4.44B, 8.9 GB), or another family's (moe-tiny: Qwen3-VL-MoE, 8 experts)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--out", help="write here instead of the cache")
     build.set_defaults(func=cmd_build_model)
