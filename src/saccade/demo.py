@@ -52,47 +52,76 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor]) ->
                 p.copy_(saved[name])
 
 
+# The demo's warm start of Qwen3-VL's tiny model; every family's tiny preset has one, named
+# "<preset>-warm" (saccade.models.families.warm_start_names).
 WARM_PRESET = "tiny-warm"
 
 
-def warm_model_path() -> Path:
-    """The demo's warm start as a model folder: the tiny model after the demo config's SFT on
-    random answers (step 1 above), LoRA-free full weights in an ordinary model folder.
-    Built on first use and cached beside the tiny model (`model.path = "tiny-warm"`), so runs
-    that do not go through `saccade demo` (torchrun, `saccade bench distributed`) can start
-    from a policy whose groups have reward variance. Two processes racing both end up with a
-    complete folder."""
+def warm_model_path(preset: str = "tiny") -> Path:
+    """The demo's warm start of a family's tiny `preset` as a model folder: the preset after the
+    demo config's SFT on random answers (step 1 above), LoRA-free full weights in an ordinary
+    model folder. Built on first use and cached beside the preset's folder as
+    "<preset>-warm-<key>", the key a hash of the demo config and the preset's folder (whose name
+    holds the preset, seed and build), so runs that do not go through `saccade demo` (torchrun,
+    `saccade bench distributed`, `saccade rl --model.path qwen2.5vl-tiny-warm`) can start from a
+    policy whose groups have reward variance. Two processes racing both end up with a complete
+    folder."""
     import hashlib
 
-    from saccade.models.tiny import build_once, cache_dir, tiny_model_path
+    from saccade.models.families import resolve_model
+    from saccade.models.tiny import build_once, cache_dir
 
-    cfg = load_demo_config(["--model.path", "tiny"])
-    key = hashlib.sha256((demo_config_path().read_text() + str(tiny_model_path("tiny"))).encode()).hexdigest()[:10]
-    return build_once(cache_dir() / f"{WARM_PRESET}-{key}", lambda tmp: _build_warm_model(cfg, tmp))
+    cfg = load_demo_config(["--model.path", preset])
+    key = hashlib.sha256((demo_config_path().read_text() + resolve_model(preset)).encode()).hexdigest()[:10]
+    return build_once(cache_dir() / f"{preset}-warm-{key}", lambda tmp: _build_warm_model(cfg, tmp))
+
+
+def _warm_folder(base: str) -> Path:
+    return warm_model_path() if base == "tiny" else warm_model_path(base)
 
 
 def resolve_warm_start(cfg: RunConfig, world: World = SINGLE) -> RunConfig:
-    """`cfg` with `model.path = "tiny-warm"` replaced by the warm start's folder (any other
-    model is left as it is). The warm start is built by training, so it is resolved here,
-    where a run starts, and handed down as a path: the library below never trains to find a
-    model (`saccade serve tiny-warm` would otherwise train inside the vLLM server). Under
-    torchrun rank 0 builds it while the others wait, then they read it from the cache."""
-    if cfg.model.path != WARM_PRESET:
+    """`cfg` with a warm start's name (`model.path = "tiny-warm"`, "qwen2.5vl-tiny-warm", ...)
+    replaced by its folder (any other model is left as it is). The warm start is built by
+    training, so it is resolved here, where a run starts, and handed down as a path: the library
+    below never trains to find a model (`saccade serve tiny-warm` would otherwise train inside
+    the vLLM server). Under torchrun rank 0 builds it while the others wait, then they read it
+    from the cache."""
+    from saccade.models.families import warm_start_base
+
+    base = warm_start_base(cfg.model.path)
+    if base is None:
         return cfg
     if not world.is_main:
         barrier(world)
-    path = warm_model_path()
+    path = _warm_folder(base)
     if world.is_main:
         barrier(world)
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
 
 
 def resolve_model_name(name: str) -> str:
-    """A model name as `saccade serve` and the benches take it: "tiny-warm" is the warm start's
-    folder (`resolve_warm_start`), a preset its built folder, anything else as it is."""
-    from saccade.models.families import resolve_model
+    """A model name as `saccade serve` and the benches take it: a warm start's name ("tiny-warm",
+    "qwen2.5vl-tiny-warm") is its folder (`resolve_warm_start`), a preset its built folder,
+    anything else as it is."""
+    from saccade.models.families import resolve_model, warm_start_base
 
-    return str(warm_model_path()) if name == WARM_PRESET else resolve_model(name)
+    base = warm_start_base(name)
+    return str(_warm_folder(base)) if base else resolve_model(name)
+
+
+def demo_start(cfg: RunConfig) -> RunConfig:
+    """The demo trains its warm start itself (step 1), from the preset: a warm start's name
+    ("qwen2.5vl-tiny-warm") runs the same demo as its preset's ("qwen2.5vl-tiny"), so either
+    names the family to show."""
+    from saccade.models.families import warm_start_base
+
+    base = warm_start_base(cfg.model.path)
+    if base is None:
+        return cfg
+    print(f"{cfg.model.path!r} is the demo's warm start of {base!r}, which the demo trains itself (step 1): "
+          f"running it from {base!r}", flush=True)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": base})})
 
 
 def _build_warm_model(cfg: RunConfig, out: Path) -> None:

@@ -250,8 +250,8 @@ def model_dims(model: str | os.PathLike) -> ModelDims:
     """The dimensions of `model`: a Qwen3-VL hub id above, a published checkpoint a family knows
     (`ModelFamily.published_configs`) or a preset at its shapes (`preset_shapes`), a local folder's
     config.json, or the built-in 'tiny'/'small' presets (built offline on first use; that imports
-    torch) and 'tiny-warm'."""
-    from saccade.models.families import FAMILIES, preset_family
+    torch) and the warm starts ('tiny-warm', 'qwen2.5vl-tiny-warm')."""
+    from saccade.models.families import FAMILIES, preset_family, warm_start_base
 
     name = str(model)
     if name in QWEN3_VL:
@@ -264,7 +264,7 @@ def model_dims(model: str | os.PathLike) -> ModelDims:
         return QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
     if name == "qwen3vl-4b":  # and at 4B's (tests/models/test_tiny.py checks)
         return QWEN3_VL["Qwen/Qwen3-VL-4B-Instruct"]
-    preset = "tiny" if name == "tiny-warm" else name  # the warm start is the tiny model after SFT: its shapes
+    preset = warm_start_base(name) or name  # a warm start is its preset after SFT: the preset's shapes
     family = preset_family(preset)
     if family is not None:
         return dims_from_hf_config(json.loads((family.tiny_model_path(preset, 0) / "config.json").read_text()), name)

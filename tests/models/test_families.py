@@ -78,6 +78,22 @@ def test_a_preset_of_any_family_resolves_to_its_folder():
     assert resolve_model("Org/Model") == "Org/Model"
 
 
+def test_every_familys_tiny_preset_has_a_warm_start_resolved_only_where_a_run_starts():
+    """"<tiny preset>-warm" names the demo's warm start of that preset (built by training, so never
+    resolved down here); another preset's "-warm" is refused naming the ones that exist."""
+    from saccade.models.families import resolve_model, warm_start_base, warm_start_names
+
+    assert warm_start_names()[:2] == ("tiny-warm", "qwen2.5vl-tiny-warm")
+    for family in FAMILIES:
+        name = family.tiny_presets[0] + "-warm"
+        assert warm_start_base(name) == family.tiny_presets[0]
+        with pytest.raises(ValueError, match="resolve_warm_start"):
+            resolve_model(name)
+    with pytest.raises(ValueError, match="qwen2.5vl-tiny-warm"):
+        warm_start_base("small-warm")
+    assert warm_start_base("tiny") is None and warm_start_base("runs/sft-warm") is None
+
+
 def test_qwen3_vl_members_are_the_canonical_layout():
     f = qwen3_vl.FAMILY
     for key in (f"{LM_PREFIX}layers.0.self_attn.q_proj.weight", f"{VISION_PREFIX}blocks.0.attn.qkv.weight", LM_HEAD_KEY):

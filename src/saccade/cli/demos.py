@@ -34,13 +34,13 @@ def _demo_exit(misses: list[str], ok: str) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from saccade.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, load_demo_config, run_demo, verdict
+    from saccade.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, demo_start, load_demo_config, run_demo, verdict
 
     if args.task == "views":
         return cmd_demo_views(args)
     if args.task == "scenes":
         return cmd_demo_scenes(args)
-    result = _run_demo(args, load_demo_config, run_demo)
+    result = _run_demo(args, lambda overrides, path: demo_start(load_demo_config(overrides, path)), run_demo)
     if result is None:
         return 0
     chance = result["chance"]
@@ -108,7 +108,9 @@ def add_demo_parser(sub) -> None:
         "blank images as a control. Prints held-out accuracy before, after and for the control, and fails "
         "(exit 1) if the model did not learn or the control did. About 6 minutes on 2 cores (8 on vLLM). "
         "Settings: saccade/configs/demo.toml (configs/demo.toml in the repo); dotted overrides apply. "
-        "Runs, metrics and plots go to runs/demo/{sft,grpo,control}, replacing a previous demo's.",
+        "Runs, metrics and plots go to runs/demo/{sft,grpo,control}, replacing a previous demo's. "
+        "Another family: --model.path qwen2.5vl-tiny (its tiny preset; '<preset>-warm' runs the same demo, "
+        "which trains its own warm start; docs/families.md).",
     )
     demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views", "scenes"],
                       help="which demo: 'shapes' (default; single-turn VQA), 'views' (multi-turn: act to change "

@@ -43,7 +43,8 @@ class ModelConfig(Section):
         "'qwen3vl-2b' or 'qwen3vl-4b' (Qwen3-VL-2B's or 4B's shapes), 'qwen2.5vl-tiny', 'qwen2.5vl-3b' or "
         "'qwen2.5vl-7b' (Qwen2.5-VL's) for the built-in random presets "
         "(built offline, cached); "
-        "'tiny-warm': the tiny model after the demo's warm start (built on first use, cached)",
+        "'tiny-warm' or 'qwen2.5vl-tiny-warm' ('<tiny preset>-warm'): that tiny model after the demo's warm "
+        "start (built on first use, cached)",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -72,7 +73,7 @@ class ModelConfig(Section):
     @property
     def is_preset(self) -> bool:
         """True for the built-in random presets, which have no hub id."""
-        return self.path in PRESET_NAMES or self.path == "tiny-warm"
+        return self.path in PRESET_NAMES or self.path.removesuffix("-warm") in PRESET_NAMES
 
 
 class LoraConfig(Section):
