@@ -30,6 +30,18 @@ VISION_PREFIX = "model.visual."
 LM_HEAD_KEY = "lm_head.weight"
 
 
+def transformers_class(module: str, name: str) -> Callable[[], type]:
+    """A function that imports `module` and returns its class `name` when called: families name
+    their transformers classes without importing transformers until a model is built."""
+    def load() -> type:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+
+    load.__name__ = name
+    return load
+
+
 def same_key(key: str) -> str | None:
     """A checkpoint already in the canonical layout: its keys as they are."""
     return key

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily
+from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, transformers_class
 from saccade.models.positions import mrope_positions as _shared_mrope_positions
 
 # Bump when anything below changes what `build_tiny` writes, so stale caches are not reused.
@@ -47,22 +47,10 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # ------------------------------------------------------------------------------- classes
 
 
-def text_model_class() -> type:
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
-
-    return Qwen2_5_VLTextModel
-
-
-def vision_model_class() -> type:
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    return Qwen2_5_VisionTransformerPretrainedModel
-
-
-def full_model_class() -> type:
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration
+MODELING = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
+text_model_class = transformers_class(MODELING, "Qwen2_5_VLTextModel")
+vision_model_class = transformers_class(MODELING, "Qwen2_5_VisionTransformerPretrainedModel")
+full_model_class = transformers_class("transformers", "Qwen2_5_VLForConditionalGeneration")
 
 
 # ------------------------------------------------------------------------- checkpoint keys

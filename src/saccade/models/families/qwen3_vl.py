@@ -18,29 +18,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from saccade.models.families.interface import ModelFamily
+from saccade.models.families.interface import ModelFamily, transformers_class
 from saccade.models.positions import mrope_positions as _mrope_positions
 
 # The dense language model's linears: attention and MLP of every decoder layer.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def text_model_class() -> type:
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
-
-    return Qwen3VLTextModel
-
-
-def vision_model_class() -> type:
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    return Qwen3VLVisionModel
-
-
-def full_model_class() -> type:
-    from transformers import Qwen3VLForConditionalGeneration
-
-    return Qwen3VLForConditionalGeneration
+MODELING = "transformers.models.qwen3_vl.modeling_qwen3_vl"
+text_model_class = transformers_class(MODELING, "Qwen3VLTextModel")
+vision_model_class = transformers_class(MODELING, "Qwen3VLVisionModel")
+full_model_class = transformers_class("transformers", "Qwen3VLForConditionalGeneration")
 
 
 def deepstack_levels(config) -> int:

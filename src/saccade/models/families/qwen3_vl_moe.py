@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from saccade.models.families import qwen3_vl
-from saccade.models.families.interface import ModelFamily, Routing
+from saccade.models.families.interface import ModelFamily, Routing, transformers_class
 from saccade.models.tiny import PRESETS as QWEN3_VL_PRESETS
 from saccade.models.tiny import TinyPreset, build_once, build_processor, build_tokenizer, cache_dir
 from saccade.models.tiny import build_config as build_qwen3_vl_config
@@ -55,22 +55,10 @@ EXPERT_PARAMS = (GATE_UP, DOWN)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def text_model_class() -> type:
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel
-
-    return Qwen3VLMoeTextModel
-
-
-def vision_model_class() -> type:
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
-
-    return Qwen3VLMoeVisionModel
-
-
-def full_model_class() -> type:
-    from transformers import Qwen3VLMoeForConditionalGeneration
-
-    return Qwen3VLMoeForConditionalGeneration
+MODELING = "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe"
+text_model_class = transformers_class(MODELING, "Qwen3VLMoeTextModel")
+vision_model_class = transformers_class(MODELING, "Qwen3VLMoeVisionModel")
+full_model_class = transformers_class("transformers", "Qwen3VLMoeForConditionalGeneration")
 
 
 def is_expert_param(key: str) -> bool:
