@@ -1,6 +1,6 @@
-"""The shipped configs: each loads and passes `saccade rl CONFIG --dry-run`; the Qwen3-VL ones
-carry memory estimates in their headers that must equal `saccade.memory`'s output, and the
-commands in their headers must agree with their bodies."""
+"""The shipped configs: each loads and passes `saccade rl CONFIG --dry-run`; the real-model ones
+(every family's, at the hub ids) carry memory estimates in their headers that must equal
+`saccade.memory`'s output, and the commands in their headers must agree with their bodies."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shlex
 import tomllib
 import typing
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,44 @@ from saccade.memory import estimate_run, header_lines
 
 CONFIGS = Path(saccade.__file__).parent / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.toml"))
-QWEN = sorted(CONFIGS.glob("qwen3vl-*.toml"))
 
 
-def test_the_six_qwen3vl_configs_are_shipped():
-    assert [p.name for p in QWEN] == [
-        f"qwen3vl-{size}-{layout}.toml" for size in ("2b", "4b", "8b") for layout in ("1gpu", "8gpu")
-    ]
+@dataclass(frozen=True)
+class Real:
+    """A shipped config for a real checkpoint, and what its header and body must agree on."""
+
+    name: str
+    hub_id: str
+    pixels_per_token: int  # (patch x merge)^2: 1024 for Qwen3-VL's 16-px patches, 784 for Qwen2.5-VL's 14
+    world_size: int = 1  # the trainer's torchrun ranks as shipped
+    ports: tuple[int, ...] = (8000,)  # the servers in engine.urls
+
+    @property
+    def path(self) -> Path:
+        return CONFIGS / self.name
+
+    @property
+    def one_gpu(self) -> bool:
+        return self.name.endswith("-1gpu.toml")
+
+
+SEVEN = tuple(range(8001, 8008))  # 8 GPUs: the trainer on GPU 0, seven servers beside it
+REAL = [
+    *(Real(f"qwen3vl-{size}-{layout}.toml", f"Qwen/Qwen3-VL-{size.upper()}-Instruct", 1024,
+           ports=(8000,) if layout == "1gpu" else SEVEN)
+      for size in ("2b", "4b", "8b") for layout in ("1gpu", "8gpu")),
+    Real("qwen2.5vl-7b-1gpu.toml", "Qwen/Qwen2.5-VL-7B-Instruct", 784),
+    Real("qwen2.5vl-7b-8gpu.toml", "Qwen/Qwen2.5-VL-7B-Instruct", 784, ports=SEVEN),
+    # no 1-GPU config: the trainer's and a server's bf16 weights alone exceed one 80 GB GPU (its header)
+    Real("qwen3vl-30b-a3b-8gpu.toml", "Qwen/Qwen3-VL-30B-A3B-Instruct", 1024, world_size=4,
+         ports=(8004, 8005, 8006, 8007)),
+]
+QWEN = [r.path for r in REAL if r.name.startswith(("qwen3vl-2b", "qwen3vl-4b", "qwen3vl-8b"))]  # the first six
+ids = lambda r: r.name  # noqa: E731
+
+
+def test_the_real_model_configs_are_shipped():
+    assert sorted(p.name for p in CONFIGS.glob("qwen*.toml")) == sorted(r.name for r in REAL)
     # configs/ at the repository root is a link to the package's configs
     root = Path(saccade.__file__).parents[2] / "configs"
     if root.exists():
@@ -52,15 +84,16 @@ def estimate_from_command(command: str):
     args.config = str(CONFIGS / Path(args.config).name)  # configs/ in the repo, the package's here
     cfg = load_config(RunConfig, args.config, overrides)
     return estimate_run(cfg, gpu_memory_utilization=args.gpu_memory_utilization, gpu_gib=args.gpu_gib,
-                        shared_gpu=args.shared_gpu)
+                        shared_gpu=args.shared_gpu, world_size=args.world_size)
 
 
 def header_of(path: Path) -> str:
     return path.read_text().split("\n[", 1)[0]
 
 
-@pytest.mark.parametrize("path", QWEN, ids=lambda p: p.name)
-def test_header_memory_lines_equal_the_estimator(path):
+@pytest.mark.parametrize("real", REAL, ids=ids)
+def test_header_memory_lines_equal_the_estimator(real):
+    path = real.path
     header = header_of(path)
     reproduce = re.search(r"#   reproduce: (saccade memory .+)", header)
     assert reproduce, f"{path.name}: no 'reproduce: saccade memory ...' line"
@@ -69,11 +102,11 @@ def test_header_memory_lines_equal_the_estimator(path):
     for line in header_lines(est):
         assert line in header.splitlines(), f"{path.name}: header out of date; expected line:\n{line}"
     assert est.fits
-    one_gpu = path.stem.endswith("1gpu")
-    assert est.shared_gpu == one_gpu
+    assert est.shared_gpu == real.one_gpu
+    assert est.world_size == real.world_size
 
 
-@pytest.mark.parametrize("path", QWEN, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [r.path for r in REAL], ids=lambda p: p.name)
 def test_header_claims_that_something_does_not_fit_hold(path):
     # "... does not fit: `saccade memory ...`" (possibly across a line break) must not fit.
     header = " ".join(line.lstrip("# ").rstrip() for line in header_of(path).splitlines())
@@ -83,20 +116,20 @@ def test_header_claims_that_something_does_not_fit_hold(path):
         assert estimate_from_command(command).fits, command
 
 
-@pytest.mark.parametrize("path", QWEN, ids=lambda p: p.name)
-def test_header_commands_agree_with_the_body(path):
+@pytest.mark.parametrize("real", REAL, ids=ids)
+def test_header_commands_agree_with_the_body(real):
+    path = real.path
     cfg = load_config(RunConfig, path)
     raw = tomllib.loads(path.read_text())
     header = header_of(path)
-    size = re.match(r"qwen3vl-(\d+b)-", path.name).group(1)
-    assert cfg.model.path == f"Qwen/Qwen3-VL-{size.upper()}-Instruct"
+    assert cfg.model.path == real.hub_id
     assert raw["task"]["kind"] == "openmmreasoner"
     assert cfg.engine.kind == "vllm" and cfg.engine.sync_lora_adapter and cfg.lora.enabled
     assert cfg.loss.max_completion_tokens == cfg.sampling.max_tokens
     assert cfg.engine.max_concurrency >= cfg.rollout.prompts_per_step
-    # one server on port 8000 next to the trainer, or seven on 8001-8007 beside it
-    ports = [int(u.rsplit(":", 1)[1]) for u in cfg.engine.urls]
-    assert ports == ([8000] if path.stem.endswith("1gpu") else list(range(8001, 8008)))
+    # one server on port 8000 next to the trainer, seven on 8001-8007 beside it, or the GPUs the trainer leaves
+    ports = tuple(int(u.rsplit(":", 1)[1]) for u in cfg.engine.urls)
+    assert ports == real.ports
     joined = " ".join(line.lstrip("# ").rstrip(" \\") for line in header.splitlines())
     serve = re.search(r"saccade serve [^&]+&", joined).group(0)
     assert int(re.search(r"--max-lora-rank (\d+)", serve).group(1)) >= cfg.lora.rank
@@ -104,18 +137,30 @@ def test_header_commands_agree_with_the_body(path):
     util = float(re.search(r"--gpu-memory-utilization ([0-9.]+)", serve).group(1))
     reproduce = re.search(r"#   reproduce: (saccade memory .+)", header).group(1)
     assert f"--gpu-memory-utilization {util:.2f}" in reproduce
-    assert int(re.search(r"--max-model-len (\d+)", serve).group(1)) >= cfg.sampling.max_tokens + cfg.images.max_pixels // 1024
+    image_tokens = cfg.images.max_pixels // real.pixels_per_token
+    assert cfg.images.max_pixels % real.pixels_per_token == 0 and cfg.images.min_pixels % real.pixels_per_token == 0
+    assert int(re.search(r"--max-model-len (\d+)", serve).group(1)) >= cfg.sampling.max_tokens + image_tokens
+    assert cfg.trainer.max_tokens >= cfg.sampling.max_tokens + image_tokens  # one longest sample fits a micro-batch
     assert f"saccade rl configs/{path.name}" in header
+    if real.world_size > 1:  # the run command shards the trainer as the figures assume
+        assert f"torchrun --nproc-per-node {real.world_size} -m saccade rl configs/{path.name}" in joined
+        assert f"--world-size {real.world_size}" in reproduce
+        assert cfg.rollout.max_async_level == 0  # torchrun trainers sample on-policy (docs/async.md)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/qwen3vl.md"])
-def test_documented_estimates_equal_the_estimator(doc):
-    # The tables in the README and docs/qwen3vl.md quote each config's trainer and server totals.
+NEW_FAMILIES = [r.path for r in REAL if r.path not in QWEN]
+
+
+@pytest.mark.parametrize("doc, configs", [("README.md", QWEN), ("docs/qwen3vl.md", QWEN), ("docs/families.md", NEW_FAMILIES)],
+                         ids=["README.md", "docs/qwen3vl.md", "docs/families.md"])
+def test_documented_estimates_equal_the_estimator(doc, configs):
+    # The tables in the README and docs/qwen3vl.md quote each Qwen3-VL config's trainer and server
+    # totals; docs/families.md's "Configs" the other families'.
     path = Path(saccade.__file__).parents[2] / doc
     if not path.exists():
         pytest.skip(f"{doc} is not shipped with the package")
     rows = [line for line in path.read_text().splitlines() if line.startswith("| ")]
-    for config in QWEN:
+    for config in configs:
         reproduce = re.search(r"#   reproduce: (saccade memory .+)", header_of(config)).group(1)
         est = estimate_from_command(reproduce)
         short = config.stem.removeprefix("qwen3vl-")
