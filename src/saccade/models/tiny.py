@@ -190,8 +190,25 @@ def preset_folder(preset: str = "tiny", seed: int = 0) -> Path:
     """Where `tiny_model_path` keeps a preset's build (built or not: see `is_built`)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    key = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(PRESETS[preset]), seed]).encode()).hexdigest()[:10]
-    return cache_dir() / f"qwen3vl-{preset}-seed{seed}-{key}"
+    return cached_folder(f"qwen3vl-{preset}", PRESETS[preset], BUILD_VERSION, seed)
+
+
+def cached_folder(name: str, spec, build_version: int, seed: int) -> Path:
+    """`cache_dir()/NAME-seedS-KEY`: KEY hashes the build version, the preset's fields (a
+    dataclass) and the seed, so a changed builder or preset never reuses a stale build.
+    Every family's tiny builder caches its folders so."""
+    key = hashlib.sha256(json.dumps([build_version, asdict(spec), seed]).encode()).hexdigest()[:10]
+    return cache_dir() / f"{name}-seed{seed}-{key}"
+
+
+def seeded_model(model_class, config, seed: int):
+    """`model_class(config)` with random weights that depend on the seed alone: initialised on a
+    private generator state, the caller's left as it was."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_class(config)
 
 
 def is_built(folder: Path) -> bool:
@@ -238,10 +255,7 @@ def build_tiny_qwen3vl(out_dir: str | os.PathLike, *, preset: str = "tiny", seed
     processor.save_pretrained(out)
 
     config = build_config(tokenizer, spec)
-    # Initialise on a private generator state so the weights depend on the seed alone.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3VLForConditionalGeneration(config)
+    model = seeded_model(Qwen3VLForConditionalGeneration, config, seed)
     model.to(getattr(torch, spec.weights_dtype)).save_pretrained(out, safe_serialization=True)
     return out
 

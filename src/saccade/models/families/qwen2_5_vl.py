@@ -20,11 +20,9 @@ How it differs from Qwen3-VL (checked against transformers 5.19's `models/qwen2_
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -229,12 +227,11 @@ PRESET_SHAPES = {"qwen2.5vl-7b": "Qwen/Qwen2.5-VL-7B-Instruct", "qwen2.5vl-3b": 
 
 
 def preset_folder(preset: str, seed: int = 0) -> Path:
-    from saccade.models.tiny import cache_dir
+    from saccade.models.tiny import cached_folder
 
     if preset not in PRESETS:
         raise ValueError(f"unknown Qwen2.5-VL preset {preset!r}; choose one of {sorted(PRESETS)}")
-    key = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(PRESETS[preset]), seed]).encode()).hexdigest()[:10]
-    return cache_dir() / f"{preset}-seed{seed}-{key}"
+    return cached_folder(preset, PRESETS[preset], BUILD_VERSION, seed)
 
 
 def tiny_model_path(preset: str, seed: int = 0) -> Path:
@@ -248,7 +245,7 @@ def build_tiny(out_dir: str | os.PathLike, preset: str, seed: int = 0) -> Path:
     """Write a complete random Qwen2.5-VL folder (tokenizer, processor, config, weights) that the
     Auto classes and vLLM load like a real checkpoint. The tokenizer and chat template are
     models.tiny's (Qwen's special tokens after a small BPE)."""
-    from saccade.models.tiny import build_tokenizer
+    from saccade.models.tiny import build_tokenizer, seeded_model
 
     spec = PRESETS[preset]
     out = Path(out_dir)
@@ -256,9 +253,7 @@ def build_tiny(out_dir: str | os.PathLike, preset: str, seed: int = 0) -> Path:
     tokenizer = build_tokenizer(spec.bpe_vocab_size, seed=seed)
     build_processor(tokenizer, spec).save_pretrained(out)
     config = build_config(tokenizer, spec)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = full_model_class()(config)
+    model = seeded_model(full_model_class(), config, seed)
     model.to(getattr(torch, spec.weights_dtype)).save_pretrained(out, safe_serialization=True)
     return out
 

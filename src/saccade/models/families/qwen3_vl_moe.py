@@ -28,11 +28,10 @@ lacks (its router always renormalises the top-k weights) and vLLM reads (`renorm
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,7 +40,9 @@ from torch import nn
 from saccade.models.families import qwen3_vl
 from saccade.models.families.interface import ModelFamily, Routing, transformers_class
 from saccade.models.tiny import PRESETS as QWEN3_VL_PRESETS
-from saccade.models.tiny import TinyPreset, build_once, build_processor, build_tokenizer, cache_dir
+from saccade.models.tiny import (
+    TinyPreset, build_once, build_processor, build_tokenizer, cached_folder, seeded_model,
+)
 from saccade.models.tiny import build_config as build_qwen3_vl_config
 
 # The fused expert parameters (key suffixes), and the two dims their layouts swap.
@@ -239,8 +240,7 @@ BUILD_VERSION = 2
 def preset_folder(preset: str = "moe-tiny", seed: int = 0) -> Path:
     if preset not in PRESETS:
         raise ValueError(f"unknown Qwen3-VL-MoE preset {preset!r}; choose one of {sorted(PRESETS)}")
-    key = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(PRESETS[preset]), seed]).encode()).hexdigest()[:10]
-    return cache_dir() / f"qwen3vlmoe-{preset}-seed{seed}-{key}"
+    return cached_folder(f"qwen3vlmoe-{preset}", PRESETS[preset], BUILD_VERSION, seed)
 
 
 def tiny_model_path(preset: str = "moe-tiny", seed: int = 0) -> Path:
@@ -288,9 +288,7 @@ def build_tiny(out_dir: str | os.PathLike, preset: str = "moe-tiny", seed: int =
     tokenizer = build_tokenizer(spec.base.bpe_vocab_size, seed=seed)
     build_processor(tokenizer, spec.base).save_pretrained(out)
     config = build_config(tokenizer, spec)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = full_model_class()(config)
+    model = seeded_model(full_model_class(), config, seed)
     model.to(getattr(torch, spec.base.weights_dtype))
     save_hub_layout(model, out)
     return out
