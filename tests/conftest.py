@@ -7,10 +7,49 @@ import os
 import pytest
 import torch
 
-# Two cores: let torch use both, but never more (oversubscription costs 10x here).
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The suite runs in pytest-xdist workers (`-n 2` in pyproject's addopts; `-n 0` runs it in this
+# process). Each worker takes its share of the cores and never more (oversubscription costs 10x
+# here): one thread each on this 2-core machine. Tests whose figures depend on the thread count
+# set it themselves (test_golden.py), and parity tests compare two paths at the same count.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+# Files that take a minute or more, first, so that the two workers end together: xdist hands out
+# whole files in this order (the longest-first rule), and a long file left to the end runs
+# alone. tests/serving is one unit: its tests share one vLLM server (tests/serving/conftest.py).
+LONG_FIRST = (
+    "tests/serving/",
+    "tests/distributed/test_distributed_rl.py",
+    "tests/test_kills.py",
+    "tests/bench/test_bench_gpu.py",
+    "tests/trainer/test_checkpoint_distributed.py",
+    "tests/distributed/test_mixed_precision.py",
+    "tests/models/test_qwen3_vl_moe.py",
+    "tests/test_distributed.py",
+)
+
+
+def xdist_unit(relative_path: str) -> str:
+    """The unit a worker runs whole: the serving package, else the test's file (so that module
+    fixtures, which start servers and train runs, are made once)."""
+    return "tests/serving/" if relative_path.startswith("tests/serving/") else relative_path
+
+
+def long_first_rank(unit: str) -> int:
+    return next((i for i, prefix in enumerate(LONG_FIRST) if unit.startswith(prefix)), len(LONG_FIRST))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test gets its unit as an xdist group (`--dist loadgroup`), and the long units go
+    first. The sort is stable and the same in every worker, as xdist requires."""
+    root = config.rootpath
+    units = {id(item): xdist_unit(item.path.relative_to(root).as_posix()) for item in items}
+    items.sort(key=lambda item: long_first_rank(units[id(item)]))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(units[id(item)]))
 
 
 @pytest.fixture(autouse=True)

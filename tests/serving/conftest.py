@@ -5,16 +5,19 @@ It is started as the README has a new user start one (`saccade serve tiny --dtyp
 --enforce-eager`, VLLM_CPU_KVCACHE_SPACE unset, vLLM's default engine processes), plus LoRA
 and a small body limit, so the tests of those run on the same server.
 
-It is started as soon as the tests are collected, when any of this package's are to run: its
-start (about a minute, most of it one core importing vLLM in one process after another) then
-overlaps the tests before this package, and it idles until they come (an idle server took 0.25
-CPU-s in 20 s here). It is stopped when this package's tests end (this folder is a package for
+In the suite's xdist workers (`-n 2`, tests/conftest.py) this package is one unit, handed out
+first to one worker, which starts the server with the package's first test: its start (about a
+minute, most of it one core importing vLLM in one process after another) overlaps the other
+worker's tests. In one process (`-n 0`) it is started as soon as the tests are collected, when
+any of this package's are to run, so that it overlaps the tests before this package, and it
+idles until they come (an idle server took 0.25 CPU-s in 20 s here). It is stopped when this package's tests end (this folder is a package for
 that: a package-scoped fixture of a plain folder lives to the end of the session). Each module
 gets it serving the base weights, whatever an earlier module pushed."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,8 @@ def start_shared_server(tmp_path_factory):
 
 def pytest_collection_finish(session):
     here = Path(__file__).parent
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return  # every xdist worker collects every test: the worker that runs this package starts it
     if importlib.util.find_spec("vllm") and any(Path(item.path).is_relative_to(here) for item in session.items):
         # The tmp_path_factory fixture's own object (pytest's tmpdir plugin keeps it on the config).
         session.config.stash[SERVER] = start_shared_server(session.config._tmp_path_factory)

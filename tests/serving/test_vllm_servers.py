@@ -135,9 +135,10 @@ def test_two_servers_both_sample_and_load_every_version_and_a_killed_one_is_rout
     rows = train_rows(cfg.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # no step lost
     assert b.proc.poll() is not None, "the server was not killed during the run"
-    # Both served before the kill; every version reached the one still up, and the killed
-    # one until it went.
-    assert pool.servers[a.url].requests > 10 and pool.servers[b.url].requests > 10
+    # Both served before the kill (how many each took depends on their speeds: `b` runs on one
+    # thread, and the suite's other worker shares the cores); every version reached the one still
+    # up, and the killed one until it went.
+    assert pool.servers[a.url].requests > 0 and pool.servers[b.url].requests > 0
     assert pool.servers[a.url].versions_loaded == [0, 1, 2, 3, 4, 5, 6]
     assert pool.servers[b.url].versions_loaded == list(range(len(pool.servers[b.url].versions_loaded)))
     assert info(a.url)["policy_version"] == 6
@@ -168,6 +169,8 @@ def test_with_every_server_killed_the_run_checkpoints_says_what_to_do_and_resume
     with `a` added (a server back, here one that never left), it finishes on `a` with `b` down."""
     a, b = two_servers
     a.wait_ready()
+    if b.proc.poll() is not None:  # the test before failed between its kill and its restart
+        b.start()
     b.wait_ready()
     cfg = async_config(tmp_path, [b.url], "--trainer.steps", "5", "--rollout.max_async_level", "1",
                        "--engine.no_server_wait_s", "3", "--checkpoint.every_steps", "0")
