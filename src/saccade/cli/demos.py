@@ -1,50 +1,113 @@
-"""`saccade demo`: the shapes, views and scenes demos, each checked against its bars."""
+"""`saccade demo`: the shapes, views and scenes demos, each checked against its bars, for one
+seed or, with `--seeds`, for several one after another (every seed reported, and the worst)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Callable
 
 from saccade.cli.common import write_json
 
 
-def _run_demo(args: argparse.Namespace, load_config, run) -> dict | None:
-    """Load the demo's config (None after --dry-run), run it on the chosen engine, add the
-    server's start to the minutes (the bar counts the whole demo), write the JSON."""
+def parse_seeds(text: str) -> list[int]:
+    """"0,1,2,3" -> [0, 1, 2, 3]; an error that says what was wrong."""
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes integers separated by commas, e.g. 0,1,2,3; got {text!r}")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds needs at least one seed and no seed twice; got {text!r}")
+    return seeds
+
+
+def seeded(cfg, seed: int):
+    """The demo's config for one of several seeds: trainer.seed (the warm start, the sampling
+    and the held-out set all follow it) and a run folder of its own, <run folder>/seed<S>."""
+    return cfg.model_copy(update={
+        "trainer": cfg.trainer.model_copy(update={"seed": seed}),
+        "log": cfg.log.model_copy(update={"dir": str(cfg.run_dir / f"seed{seed}")}),
+    })
+
+
+def _run_demo(args: argparse.Namespace, load_config, run) -> list[dict] | None:
+    """Load the demo's config (None after --dry-run), run it on the chosen engine once, or once
+    per seed of `--seeds`, add the server's start to the minutes (the bar counts the whole
+    demo), write the JSON: one run's figures, or with `--seeds` a list `seeds` of one such
+    entry per seed (each with its `seed`)."""
     from saccade.config import describe
     from saccade.demo import demo_engine
 
     cfg = load_config(args.overrides, args.config)
+    configs = [seeded(cfg, seed) for seed in args.seeds] if args.seeds else [cfg]
     if args.dry_run:
-        print(describe(cfg))
+        for one in configs:
+            print(describe(one))
         return None
-    with demo_engine(cfg, args.engine) as (cfg, server_minutes):
-        result = run(cfg)
-    result["server_start_minutes"] = server_minutes
-    result["minutes"] += server_minutes
-    write_json(args.json, result)
-    return result
+    results = []
+    for one in configs:
+        with demo_engine(one, args.engine) as (one, server_minutes):
+            result = run(one)
+        result["server_start_minutes"] = server_minutes
+        result["minutes"] += server_minutes
+        result["seed"] = one.trainer.seed
+        results.append(result)
+    write_json(args.json, {"seeds": results} if args.seeds else results[0])
+    return results
 
 
-def _demo_exit(misses: list[str], ok: str) -> int:
+@dataclass(frozen=True)
+class Demo:
+    """What `saccade demo X` runs and how it reports one run: its config loader and runner,
+    the figures printed, the bar (`verdict`: what missed it, in words) and the seed table's
+    columns (the result's keys)."""
+
+    load_config: Callable
+    run: Callable[..., dict]
+    report: Callable[[dict], str]
+    verdict: Callable[[dict], list[str]]
+    ok: str
+    columns: tuple[str, ...]
+
+
+def seed_table(results: list[dict], demo: Demo) -> str:
+    """One line per seed: its figures, its minutes and whether it met the bar; then the worst
+    seed (the lowest first column) named."""
+    head = "seed  " + "  ".join(f"{c:>22}" for c in demo.columns) + "  minutes  bar"
+    lines = [head]
+    for r in results:
+        misses = demo.verdict(r)
+        lines.append(f"{r['seed']:>4}  " + "  ".join(f"{r[c]:>22.3f}" for c in demo.columns)
+                     + f"  {r['minutes']:>7.1f}  {'met' if not misses else 'MISSED'}")
+    worst = min(results, key=lambda r: r[demo.columns[0]])
+    lines.append(f"worst seed: {worst['seed']} ({demo.columns[0]} {worst[demo.columns[0]]:.3f})")
+    return "\n".join(lines)
+
+
+def run_and_report(args: argparse.Namespace, demo: Demo) -> int:
+    """Run the demo (each seed of --seeds in turn), print each run's figures, and with several
+    seeds the table; exit 1 when any seed missed its bar, saying which and how."""
+    results = _run_demo(args, demo.load_config, demo.run)
+    if results is None:
+        return 0
+    misses = []
+    for r in results:
+        print(("" if len(results) == 1 else f"\nseed {r['seed']}:") + demo.report(r))
+        misses += [(f"seed {r['seed']}: " if args.seeds else "") + m for m in demo.verdict(r)]
+    if args.seeds:
+        print("\n" + seed_table(results, demo))
     if misses:
         print("demo missed its bar: " + "; ".join(misses))
         return 1
-    print(ok)
+    print(demo.ok if not args.seeds else f"{demo.ok} (every seed: {', '.join(str(s) for s in args.seeds)})")
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from saccade.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, demo_start, load_demo_config, run_demo, verdict
+def shapes_report(result: dict) -> str:
+    from saccade.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX
 
-    if args.task == "views":
-        return cmd_demo_views(args)
-    if args.task == "scenes":
-        return cmd_demo_scenes(args)
-    result = _run_demo(args, lambda overrides, path: demo_start(load_demo_config(overrides, path)), run_demo)
-    if result is None:
-        return 0
     chance = result["chance"]
-    print(
+    return (
         f"\nheld-out accuracy ({result['eval_size']} questions, chance {chance:.2f}, engine {result['engine']}):\n"
         f"  before GRPO (random-answer warm start): {result['accuracy_before']:.3f}   (bar: chance ± {CHANCE_MARGIN})\n"
         f"  after GRPO:                             {result['accuracy_after']:.3f}   (bar: ≥ {ACCURACY_AFTER_MIN})\n"
@@ -52,7 +115,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"  control model on the real images:       {result['control_accuracy_on_real_images']:.3f}\n"
         f"  minutes: {result['minutes']:.1f} (bar: ≤ {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
-    return _demo_exit(verdict(result), "demo OK: the model learned from the images, and the control without images did not")
 
 
 def _episode_lines(result: dict, success_gain_min: float) -> str:
@@ -68,34 +130,50 @@ def _episode_lines(result: dict, success_gain_min: float) -> str:
     )
 
 
-def cmd_demo_views(args: argparse.Namespace) -> int:
-    from saccade.demo_views import MINUTES_MAX, SUCCESS_GAIN_MIN, load_views_config, run_views_demo, views_verdict
+def views_report(result: dict) -> str:
+    from saccade.demo_views import MINUTES_MAX, SUCCESS_GAIN_MIN
 
-    result = _run_demo(args, load_views_config, run_views_demo)
-    if result is None:
-        return 0
-    print(
+    return (
         f"\nheld-out episodes ({result['eval_episodes']}, up to {result['max_turns']} turns, engine {result['engine']}):\n"
         + _episode_lines(result, SUCCESS_GAIN_MIN)
         + f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
-    return _demo_exit(views_verdict(result), "demo OK: success rose by the bar or more within the time")
 
 
-def cmd_demo_scenes(args: argparse.Namespace) -> int:
-    from saccade.demo_scenes import MINUTES_MAX, SUCCESS_GAIN_MIN, load_scenes_config, run_scenes_demo, scenes_verdict
+def scenes_report(result: dict) -> str:
+    from saccade.demo_scenes import MINUTES_MAX, SUCCESS_GAIN_MIN
 
-    result = _run_demo(args, load_scenes_config, run_scenes_demo)
-    if result is None:
-        return 0
-    print(
+    return (
         f"\nheld-out episodes ({result['eval_episodes']} in generated rooms, up to {result['max_turns']} turns, "
         f"{result['render_size']} px, engine {result['engine']}):\n"
         + _episode_lines(result, SUCCESS_GAIN_MIN)
         + f"  render cache hit rate: {result['render_cache_hit_rate']:.2f}\n"
         f"  minutes: {result['minutes']:.1f} (bar: <= {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
-    return _demo_exit(scenes_verdict(result), "demo OK: success rose by the bar or more within the time")
+
+
+def demo_of(task: str) -> Demo:
+    """The demo named on the command line, its modules imported only now (--help stays light)."""
+    episodes = ("success_after", "success_before")
+    if task == "views":
+        from saccade.demo_views import load_views_config, run_views_demo, views_verdict
+
+        return Demo(load_views_config, run_views_demo, views_report, views_verdict,
+                    "demo OK: success rose by the bar or more within the time", episodes)
+    if task == "scenes":
+        from saccade.demo_scenes import load_scenes_config, run_scenes_demo, scenes_verdict
+
+        return Demo(load_scenes_config, run_scenes_demo, scenes_report, scenes_verdict,
+                    "demo OK: success rose by the bar or more within the time", episodes)
+    from saccade.demo import demo_start, load_demo_config, run_demo, verdict
+
+    return Demo(lambda overrides, path: demo_start(load_demo_config(overrides, path)), run_demo, shapes_report,
+                verdict, "demo OK: the model learned from the images, and the control without images did not",
+                ("accuracy_after", "accuracy_before", "control_accuracy_after"))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_and_report(args, demo_of(args.task))
 
 
 def add_demo_parser(sub) -> None:
@@ -125,5 +203,9 @@ def add_demo_parser(sub) -> None:
     demo.add_argument("--engine", choices=["embedded", "vllm"], default="embedded",
                       help="who samples the rollouts: 'embedded' (default, in-process) or 'vllm' (the servers in "
                       "--engine.urls, or else a `saccade serve` started for the demo; needs vLLM installed)")
-    demo.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    demo.add_argument("--seeds", type=parse_seeds, metavar="0,1,2,3",
+                      help="run the demo once per seed (trainer.seed), one after another, each in "
+                      "<run folder>/seed<S>; prints every seed's figures, a table and the worst seed, and "
+                      "fails if any seed missed its bar. --json then holds {\"seeds\": [one entry per seed]}")
+    demo.add_argument("--dry-run", action="store_true", help="print the resolved config (each seed's) and exit")
     demo.set_defaults(func=cmd_demo)
