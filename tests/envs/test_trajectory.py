@@ -13,11 +13,16 @@ from saccade.envs.rollout import run_episodes
 from saccade.envs.trajectory import (
     ChatContinuation,
     ConsistencyError,
+    add_completion,
+    add_forced_turn,
+    add_messages,
     check_consistency,
+    loss_token_experts,
     marker_mask,
+    start_trajectory,
     to_training_sample,
 )
-from saccade.inference.engine import SamplingParams
+from saccade.inference.engine import Completion, SamplingParams
 from saccade.inference.local import LocalEngine
 from saccade.models.lm import load_policy_lm
 from saccade.models.lm import unwrap_policy
@@ -154,3 +159,33 @@ def test_continuation_is_the_templates_incremental_form(processor, limits, conti
     whole = messages_to_inputs(messages, processor, limits=limits, add_generation_prompt=True)
     assert t.input_ids == whole.input_ids.tolist()
     assert isinstance(t, Trajectory) and t.image_keys == whole.image_hashes
+
+
+def _turn(ids: list[int], first_mark: int) -> Completion:
+    """An engine's answer whose experts (2 MoE layers, top-2) mark each sampled token in order."""
+    C = len(ids)
+    marks = torch.arange(first_mark, first_mark + C, dtype=torch.uint8)
+    return Completion(request_id="r", prompt_ids=torch.zeros(0, dtype=torch.long),
+                      mm_token_type_ids=torch.zeros(0, dtype=torch.long), completion_ids=torch.tensor(ids),
+                      logprobs=torch.zeros(C), image_keys=[], image_grid_thw=torch.zeros(0, 3, dtype=torch.long),
+                      finish_reason="stop", routed_experts=marks.view(C, 1, 1).expand(C, 2, 2).clone())
+
+
+def test_the_engines_experts_follow_the_loss_tokens_across_turns(processor, limits, continuation):
+    """Each turn's sampled tokens keep the engine's experts, into the sample's loss tokens (a turn
+    cut by max_tokens is closed by a token nobody sampled, which has none); a forced turn, which
+    no engine sampled, leaves the sample without them."""
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    t = start_trajectory("ep", [{"role": "user", "content": "Look."}], processor, limits=limits, key_for_hash=str)
+    add_completion(t, _turn([11, 12, end], 0), end_of_turn_id=end)
+    add_messages(t, [{"role": "user", "content": "Again."}], continuation, key_for_hash=str)
+    add_completion(t, _turn([13, 14], 3), end_of_turn_id=end)  # cut: closed by an unsampled end
+    sample = to_training_sample(t, spatial_merge_size=2)
+    assert sample.routed_experts[:, 0, 0].tolist() == [0, 1, 2, 3, 4]
+    assert int(sample.loss_mask.sum()) == 5
+    # A loss on part of the sampled tokens (markers): the experts of those tokens only.
+    sampled_at = torch.tensor(t.sampled).nonzero().squeeze(1).tolist()
+    part = torch.tensor(t.sampled) & (torch.arange(t.num_tokens) % 2 == 0)
+    assert loss_token_experts(t, part)[:, 0, 0].tolist() == [i for i, at in enumerate(sampled_at) if at % 2 == 0]
+    add_forced_turn(t, "done", processor.tokenizer, end_of_turn_id=end)
+    assert to_training_sample(t, spatial_merge_size=2).routed_experts is None

@@ -64,6 +64,7 @@ def test_engine_logprobs_are_what_the_trainer_computes(lora_engine, temperature)
         assert c.finish_reason in ("stop", "length")
         assert c.prompt_ids.numel() == c.mm_token_type_ids.numel()
         assert len(c.image_keys) == c.image_grid_thw.shape[0]
+        assert c.routed_experts is None  # a dense model: no router, nothing recorded
 
 
 def test_vision_tokens_are_never_sampled(tiny_path, processor, encoder):

@@ -222,6 +222,52 @@ def test_record_routing_sees_the_experts_the_full_model_chose(moe_path, moe_full
         assert nothing is None
 
 
+# ---------------------------------------------------------------- engine vs trainer routing
+
+
+def _moe_samples(policy, processor, encoder, *, n: int = 2, max_tokens: int = 8):
+    """The tiny MoE's embedded engine on the parity prompts (one image, three, mixed sizes, text
+    only, multi-turn: left-padded together), n answers each; each answer's training sample.
+    A fifth of the vocabulary stops a row, so rows finish at different tokens and leave the batch."""
+    from saccade.inference.engine import ChatRequest, SamplingParams
+    from saccade.inference.local import LocalEngine
+    from saccade.orchestrator.samples import completion_to_sample
+    from saccade.parity import parity_conversations
+
+    requests = [ChatRequest(name, [m for m in msgs if m["role"] != "assistant"] if name != "multi_turn" else msgs[:3])
+                for name, msgs in parity_conversations().items()]
+    engine = LocalEngine(policy, processor, encoder, seed=0)
+    engine.stop_token_ids = list(range(0, policy.lm_head.weight.shape[0], 5))
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n)
+    completions = [c for g in engine.generate(requests, params) for c in g]
+    samples = [completion_to_sample(c, sample_id=str(i), advantage=(-1.0) ** i, reward=0.0, spatial_merge_size=encoder.merge)
+               for i, c in enumerate(completions)]
+    return engine, params, completions, samples
+
+
+def test_the_embedded_engine_reports_the_experts_each_sampled_token_came_from(moe_policy, moe_processor, moe_encoder):
+    """Per sampled token and MoE layer, the top-k that routed the position its logits came from
+    (the one before it): in fp32 the trainer's forward over the sample alone routes the same
+    positions to the same experts. The sample carries them as they came."""
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.packing import collate
+
+    _, _, completions, samples = _moe_samples(moe_policy, moe_processor, moe_encoder)
+    assert len({c.completion_ids.numel() for c in completions}) > 1  # rows left the batch at different tokens
+    c = moe_policy.language_model.config
+    for completion, sample in zip(completions, samples, strict=True):
+        P, C = completion.prompt_ids.numel(), completion.completion_ids.numel()
+        assert completion.routed_experts.shape == (C, c.num_hidden_layers, c.num_experts_per_tok)
+        assert completion.routed_experts.dtype == torch.uint8
+        assert sample.routed_experts is completion.routed_experts
+        mb = collate([sample], moe_encoder.cache.get, image_token_id=moe_policy.image_token_id,
+                     spatial_merge_size=moe_encoder.merge)
+        with torch.no_grad(), moe.FAMILY.record_routing(moe_policy.language_model) as routing:
+            forward_logprobs(moe_policy, mb)
+        trainer_CLK = routing.take()[P - 1:P - 1 + C]
+        assert torch.equal(trainer_CLK.sort(-1).values, completion.routed_experts.sort(-1).values), sample.sample_id
+
+
 # ---------------------------------------------------------------- LoRA on the experts
 
 

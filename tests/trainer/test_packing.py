@@ -134,3 +134,33 @@ def test_advantages_and_boundaries_follow_samples():
     assert mb.cu_seqlens.tolist() == [0, a.num_tokens, a.num_tokens + b.num_tokens]
     first, second = mb.sample_slices()
     assert (mb.advantages[first] == 1.5).all() and (mb.advantages[second] == -0.5).all()
+
+
+def _answered(sample_id: str, prompt: list[int], answer: list[int], experts: bool):
+    """A prompt and its answer (the loss tokens), with a MoE engine's experts per answer token
+    (2 layers, top-2, each row marked with the sample and the token) when `experts`."""
+    ids = torch.tensor(prompt + answer)
+    mask = torch.tensor([False] * len(prompt) + [True] * len(answer))
+    routed = None
+    if experts:
+        marks = torch.tensor([10 * int(sample_id[1:]) + t for t in range(len(answer))], dtype=torch.uint8)
+        routed = marks.view(-1, 1, 1).expand(-1, 2, 2).clone()
+    return make_sample(sample_id, ids, torch.zeros_like(ids), None, [], spatial_merge_size=MERGE, loss_mask=mask,
+                       routed_experts=routed)
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_the_engines_experts_follow_the_loss_tokens_into_the_row(share_prompts):
+    """A micro-batch carries its loss tokens' engine experts in row order (a shared prompt has
+    none to skip); a row with a sample that has none carries none."""
+    samples = [_answered("s1", [1, 2, 3], [4, 5], True), _answered("s2", [1, 2, 3], [6, 8, 9], True)]
+    (mb,) = pack(samples, {}.get, max_tokens=64, image_token_id=IMAGE, spatial_merge_size=MERGE,
+                 share_prompts=share_prompts)
+    assert (mb.context is not None) == share_prompts
+    assert mb.routed_experts.shape == (int(mb.loss_mask.sum()), 2, 2) == (5, 2, 2)
+    # Row order: the longer sample first (first-fit-decreasing); each sample's tokens in order.
+    order = [int(s[1:]) for s in mb.sample_ids]
+    assert mb.routed_experts[:, 0, 0].tolist() == [10 * i + t for i in order for t in range(2 + (i == 2))]
+    mixed = pack([samples[0], _answered("s3", [1], [9], False)], {}.get, max_tokens=64, image_token_id=IMAGE,
+                 spatial_merge_size=MERGE)
+    assert [mb.routed_experts for mb in mixed] == [None]

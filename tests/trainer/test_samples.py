@@ -68,6 +68,8 @@ def test_valid_fields_construct():
         ("position_ids", torch.zeros(6, dtype=torch.long), "position_ids"),
         ("image_keys", ["k0", "k1"], "image keys"),
         ("image_grid_thw", torch.ones(2, 3, dtype=torch.long), "image keys"),
+        ("routed_experts", torch.zeros(1, 4, 2, dtype=torch.uint8), "routed_experts"),  # no loss token
+        ("routed_experts", torch.zeros(0, 4, dtype=torch.uint8), "routed_experts"),  # not (tokens, layers, k)
     ],
 )
 def test_validation_rejects_mismatched_shapes(field, value, match):

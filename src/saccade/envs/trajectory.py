@@ -95,6 +95,7 @@ class TurnRecord:
     completion_ids: torch.Tensor  # (C,)
     logprobs: torch.Tensor  # (C,)
     policy_version: int = 0
+    routed_experts: torch.Tensor | None = None  # (C, layers, top_k): a MoE engine's experts per sampled token
 
 
 @dataclass
@@ -181,7 +182,7 @@ def add_completion(trajectory: Trajectory, completion: Completion, *, end_of_tur
         image_keys=list(completion.image_keys),
         image_grid_thw=completion.image_grid_thw.clone(), positions=positions,
         completion_ids=completion.completion_ids.clone(), logprobs=completion.logprobs.clone(),
-        policy_version=completion.policy_version,
+        policy_version=completion.policy_version, routed_experts=completion.routed_experts,
     ))
     trajectory._append(ids, [0] * len(ids), sampled=True, logprobs=completion.logprobs.tolist())
     if not ids or ids[-1] != end_of_turn_id:
@@ -249,6 +250,7 @@ def to_training_sample(trajectory: Trajectory, *, spatial_merge_size: int, advan
                        reward: float | None = None, sample_id: str | None = None, tokenizer=None,
                        markers: tuple[str, str] | None = None) -> TrainingSample:
     """The whole trajectory as one sample; positions computed over all of it."""
+    loss_mask = loss_mask_of(trajectory, tokenizer, markers=markers)
     return make_sample(
         sample_id or trajectory.sample_id,
         torch.tensor(trajectory.input_ids, dtype=torch.long),
@@ -256,12 +258,27 @@ def to_training_sample(trajectory: Trajectory, *, spatial_merge_size: int, advan
         trajectory.grid if trajectory.image_keys else None,
         trajectory.image_keys,
         spatial_merge_size=spatial_merge_size,
-        loss_mask=loss_mask_of(trajectory, tokenizer, markers=markers),
+        loss_mask=loss_mask,
         inference_logprobs=torch.tensor(trajectory.logprobs, dtype=torch.float32),
         advantage=advantage,
         reward=trajectory.total_reward if reward is None else reward,
         policy_version=trajectory.policy_version,
+        routed_experts=loss_token_experts(trajectory, loss_mask),
     )
+
+
+def loss_token_experts(trajectory: Trajectory, loss_mask: torch.Tensor) -> torch.Tensor | None:
+    """The engine's experts for each loss token (`TrainingSample.routed_experts`), when every
+    sampled token has them: the turns' sampled tokens, in order, are the trajectory's sampled
+    ones, unless a turn came without them (a dense model, vLLM) or was forced (no engine ran)."""
+    experts = [turn.routed_experts for turn in trajectory.turns]
+    if not experts or any(e is None for e in experts):
+        return None
+    sampled = torch.tensor(trajectory.sampled, dtype=torch.bool)
+    experts_SLK = torch.cat(experts)
+    if experts_SLK.shape[0] != int(sampled.sum()):  # a forced turn: tokens no engine sampled
+        return None
+    return experts_SLK[loss_mask[sampled]]
 
 
 # ----------------------------------------------------------------------------- the check

@@ -120,6 +120,10 @@ class Completion:
     text: str = ""
     policy_version: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # A mixture of experts: per sampled token and MoE layer, the top_k experts the engine computed
+    # its logits with (those its predecessor position was routed to), (C, layers, top_k) uint8
+    # (int16 past 256 experts). None: a dense model, or an engine that does not report them.
+    routed_experts: torch.Tensor | None = None
 
 
 class Engine(Protocol):

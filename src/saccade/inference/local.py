@@ -30,6 +30,11 @@ p / E, E ~ Exp(1) from the row's stream, which samples p exactly), so a completi
 depend on which other rows share its batch: the same request samples the same completion
 alone, in another chunk, or on another rank of a sharded trainer.
 
+Mixture of experts: while sampling, the family's `record_routing` (a hook on each router; dense
+families have none and pay nothing) records the experts every sampled token's logits were
+computed with, which each `Completion` carries as `routed_experts` (C, layers, top_k) for the
+train step to compare with its own (`saccade.trainer.routing`).
+
 Device: the engine runs where the model is. Sampled tokens, logprobs and stop flags stay
 on that device during decoding, drawn with generators on it; the host learns whether
 every row has stopped only every `stop_check_every` tokens (every token on the CPU, where
@@ -210,7 +215,7 @@ class LocalEngine:
         generators = self._row_generators(prompts, params)
         self.model.eval()
         try:
-            tokens_BT, logprobs_BT, lengths_B, stopped_B = self._sample(policy, prompts, params, generators)
+            tokens_BT, logprobs_BT, lengths_B, stopped_B, experts_BTLK = self._sample(policy, prompts, params, generators)
         finally:
             self.model.train(was_training)
         out = []
@@ -219,11 +224,13 @@ class LocalEngine:
             for b in range(p * params.n, (p + 1) * params.n):  # row b is sample b % n of prompt b // n
                 n = int(lengths_B[b])
                 ids = tokens_BT[b, :n].clone()
-                group.append(self._completion(prompt, ids, logprobs_BT[b, :n].clone(), bool(stopped_B[b])))
+                experts = experts_BTLK[b, :n].clone() if experts_BTLK is not None else None
+                group.append(self._completion(prompt, ids, logprobs_BT[b, :n].clone(), bool(stopped_B[b]), experts))
             out.append(group)
         return out
 
-    def _completion(self, prompt: PreparedPrompt, ids: torch.Tensor, logprobs: torch.Tensor, stopped: bool) -> Completion:
+    def _completion(self, prompt: PreparedPrompt, ids: torch.Tensor, logprobs: torch.Tensor, stopped: bool,
+                    routed_experts: torch.Tensor | None = None) -> Completion:
         return Completion(
             request_id=prompt.request.request_id,
             prompt_ids=prompt.inputs.input_ids.clone(),
@@ -240,6 +247,7 @@ class LocalEngine:
             text=self.tokenizer.decode(ids, skip_special_tokens=True),
             policy_version=self.policy_version,
             extra={"mrope_positions": prompt.mrope_3P},  # the positions the prompt ran at
+            routed_experts=routed_experts,
         )
 
     def _prefill_inputs(self, policy, rows: list[PreparedPrompt]):
@@ -297,7 +305,17 @@ class LocalEngine:
         repeated for its n samples. Rows that have stopped leave the batch (their cache rows
         dropped) at every stop check, so the batch shrinks as rows finish; each row draws from
         its own stream, so dropping rows changes no sample.
+
+        A mixture of experts (`family.record_routing` yields a `Routing`; dense families yield
+        None and record nothing) also returns, per row and sampled token, the experts its
+        logits were computed with: (B, T, MoE layers, top_k), read from the routers' output.
         """
+        lm = policy.language_model
+        with policy.family.record_routing(lm) as routing:
+            return self._prefill_and_decode(policy, prompts, params, generators, routing)
+
+    def _prefill_and_decode(self, policy, prompts: list[PreparedPrompt], params: SamplingParams,
+                            generators: list[torch.Generator], routing):
         from transformers import DynamicCache
 
         lm = policy.language_model
@@ -317,14 +335,27 @@ class LocalEngine:
             hidden_AH = out.last_hidden_state[:, -1].repeat_interleave(n, dim=0)
             if n > 1:
                 cache.batch_repeat_interleave(n)
+            # The first sampled token's logits come from each prompt's last position (left
+            # padding: the last column of the (prompts x P) rows the routers saw).
+            first_experts_ALK = None
+            if routing is not None:
+                P = embeds.shape[1]
+                first_experts_ALK = routing.take()[P - 1::P].repeat_interleave(n, dim=0)
         with timed("decode"):
             return self._decode(policy, cache, hidden_AH, mask.repeat_interleave(n, dim=0),
-                                next_pos_P.to(device).repeat_interleave(n), params, generators)
+                                next_pos_P.to(device).repeat_interleave(n), params, generators,
+                                routing, first_experts_ALK)
 
     def _decode(self, policy, cache, hidden_AH: torch.Tensor, mask: torch.Tensor, next_pos_A: torch.Tensor,
-                params: SamplingParams, generators: list[torch.Generator]):
+                params: SamplingParams, generators: list[torch.Generator], routing=None,
+                first_experts_ALK: torch.Tensor | None = None):
         """Sample up to max_tokens for every row from its prefilled cache (row b: sample b % n of
-        prompt b // n); returns tokens, logprobs, lengths and stop flags, on the host."""
+        prompt b // n); returns tokens, logprobs, lengths, stop flags and, with `routing` (a
+        MoE), each token's experts (B, T, layers, top_k), else None; all on the host.
+
+        Token t + 1's logits come from the forward that feeds token t, so that forward's routing
+        is token t + 1's; token 0's is the prefill's (`first_experts_ALK`). The last token is
+        never fed: nothing is recorded for its successor."""
         lm = policy.language_model
         device = policy.lm_head.weight.device
         dtype = policy.lm_head.weight.dtype
@@ -344,6 +375,12 @@ class LocalEngine:
         lengths_B = torch.zeros(B, dtype=torch.long, device=device)
         stopped_B = torch.zeros(B, dtype=torch.bool, device=device)
         stop_ids = torch.tensor(self.stop_token_ids, device=device)
+        # A MoE's experts per row and token, filled on the device like the tokens: (B, T, L, K)
+        # bytes (uint8 up to 256 experts), e.g. 384 per token for 48 layers of top-8.
+        experts_BTLK = None
+        if routing is not None:
+            experts_BTLK = first_experts_ALK.new_zeros((B, T, *first_experts_ALK.shape[1:]))
+            experts_BTLK[:, 0] = first_experts_ALK
         for t in range(T):
             token_A, logprob_A = self._next_token(self._logits(weight_VH, hidden_AH, dtype), params, row_generators)
             # Rows that stopped since the last check decode on harmlessly: nothing recorded.
@@ -376,7 +413,10 @@ class LocalEngine:
                 use_cache=True,
             )
             hidden_AH = out.last_hidden_state[:, -1]
-        return tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.cpu()
+            if experts_BTLK is not None:  # rows that stopped since the last check: past their length, never read
+                experts_BTLK[alive_A, t + 1] = routing.take()
+        return (tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.cpu(),
+                experts_BTLK.cpu() if experts_BTLK is not None else None)
 
 
 def decode_mask(mask_BK: torch.Tensor, padded: bool, attn_implementation: str) -> torch.Tensor | None:

@@ -16,7 +16,8 @@ def completion_to_sample(
     reward: float,
     spatial_merge_size: int,
 ) -> TrainingSample:
-    """Prompt ids + sampled ids, never re-tokenized; the loss falls on the sampled tokens only."""
+    """Prompt ids + sampled ids, never re-tokenized; the loss falls on the sampled tokens only
+    (so the engine's experts per sampled token, when it reports them, are the loss tokens')."""
     P, C = completion.prompt_ids.shape[0], completion.completion_ids.shape[0]
     input_ids = torch.cat([completion.prompt_ids, completion.completion_ids])
     types = torch.cat([completion.mm_token_type_ids, torch.zeros(C, dtype=torch.long)])
@@ -34,4 +35,5 @@ def completion_to_sample(
         advantage=advantage,
         reward=reward,
         policy_version=completion.policy_version,
+        routed_experts=completion.routed_experts,
     )

@@ -108,7 +108,15 @@ def collate_segments(
         context=[seg.context for seg in segments] if any(seg.skip for seg in segments) else None,
         policy_versions=torch.cat([torch.full((n,), seg.sample.policy_version, dtype=torch.long)
                                    for seg, n in zip(segments, lengths)]),
+        routed_experts=_routed_experts(segments),
     )
+
+
+def _routed_experts(segments: list[Segment]) -> torch.Tensor | None:
+    """The row's loss tokens' engine experts, when every sample has them. A shared prompt skipped
+    in a segment holds no loss token, so each sample's rows are all there, in row order."""
+    experts = [seg.sample.routed_experts for seg in segments]
+    return torch.cat(experts) if all(e is not None for e in experts) else None
 
 
 def _image_embeddings(s: TrainingSample, lookup, *, image_token_id: int, spatial_merge_size: int) -> list:

@@ -27,11 +27,18 @@ class TrainingSample:
     advantage: float = 0.0
     reward: float = 0.0
     policy_version: int = 0  # the weights version the engine sampled under
+    # A mixture of experts: the engine's top_k experts per MoE layer for each loss token, in
+    # order, (loss tokens, layers, top_k) (`Completion.routed_experts`); None when not known.
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self):
         L = self.input_ids.shape[0]
         if self.loss_mask.shape != (L,) or self.inference_logprobs.shape != (L,):
             raise ValueError(f"sample {self.sample_id}: loss_mask/inference_logprobs must have shape ({L},)")
+        if self.routed_experts is not None and (
+                self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != int(self.loss_mask.sum())):
+            raise ValueError(f"sample {self.sample_id}: routed_experts must be (loss tokens = "
+                             f"{int(self.loss_mask.sum())}, layers, top_k), got {tuple(self.routed_experts.shape)}")
         if self.position_ids.shape != (4, L):
             raise ValueError(f"sample {self.sample_id}: position_ids must be (4, {L}), got {tuple(self.position_ids.shape)}")
         if len(self.image_keys) != self.image_grid_thw.shape[0]:
@@ -61,6 +68,7 @@ def make_sample(
     advantage: float = 0.0,
     reward: float = 0.0,
     policy_version: int = 0,
+    routed_experts: torch.Tensor | None = None,
 ) -> TrainingSample:
     """Build a sample, computing its M-RoPE positions from the token types and grids."""
     L = input_ids.shape[0]
@@ -77,6 +85,7 @@ def make_sample(
         advantage=float(advantage),
         reward=float(reward),
         policy_version=int(policy_version),
+        routed_experts=routed_experts,
     )
 
 
@@ -102,6 +111,9 @@ class MicroBatch:
     sample_ids: list[str]
     context: list[tuple[int, int]] | None = None  # per segment: the row range it continues; None: no sharing
     policy_versions: torch.Tensor | None = None  # (N,) int64: each token's sample's sampling weights version
+    # A mixture of experts: the engine's experts for each loss token in row order, (loss tokens,
+    # layers, top_k); None unless every sample in the row has them (`TrainingSample.routed_experts`).
+    routed_experts: torch.Tensor | None = None
     # The same micro-batch in host memory, on a copy made by `to(device)`: what the host reads
     # (loss mask, ids, boundaries) is read there, so the trainer never waits on the device for it.
     host: MicroBatch | None = field(default=None, repr=False, compare=False)

@@ -73,7 +73,23 @@ class Routing:
     after forward."""
 
     num_experts: int
+    layers: int = 0  # MoE layers: how many entries of `chosen` one forward appends
     chosen: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def id_dtype(self) -> torch.dtype:
+        """The narrowest dtype that holds every expert id: what a sample carries per token, layer
+        and choice, a byte up to 256 experts (vLLM's routing capture narrows the same way)."""
+        return torch.uint8 if self.num_experts <= 256 else torch.int16
+
+    def take(self) -> torch.Tensor:
+        """What one forward recorded, as (N, MoE layers, top_k) in `id_dtype`, and forget it:
+        a caller that runs many forwards (the embedded engine, a token at a time) keeps only
+        the rows it wants."""
+        assert len(self.chosen) == self.layers, f"{len(self.chosen)} layers recorded, one forward has {self.layers}"
+        chosen_NLK = torch.stack(self.chosen, dim=1).to(self.id_dtype)
+        self.chosen.clear()
+        return chosen_NLK
 
 
 @contextlib.contextmanager

@@ -119,7 +119,7 @@ def record_routing(language_model: nn.Module) -> Iterator[Routing]:
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
 
     routers = [m for m in language_model.modules() if isinstance(m, Qwen3VLMoeTextTopKRouter)]
-    routing = Routing(num_experts=routers[0].num_experts if routers else 0)
+    routing = Routing(num_experts=routers[0].num_experts if routers else 0, layers=len(routers))
     handles = [r.register_forward_hook(lambda _m, _i, out: routing.chosen.append(out[2].detach())) for r in routers]
     try:
         yield routing
