@@ -34,12 +34,15 @@ from torch import nn
 
 from saccade.config import LossConfig, TrainerConfig
 from saccade.distributed import SINGLE, World, all_reduce_sum
-from saccade.models.lm import ban_bias, unwrap_policy
+from saccade.models.families.interface import Routing
+from saccade.models.lm import ban_bias, to_device, unwrap_policy
 from saccade.models.sampling import SampledDistribution
 from saccade.timing import timed
-from saccade.trainer.forward import forward_logprobs
+from saccade.trainer.forward import forward_logprobs, predecessors
 from saccade.trainer.loss import LossInputs, policy_loss
-from saccade.trainer.routing import expert_counts, load_figures
+from saccade.trainer.routing import (
+    expert_counts, load_figures, routing_differs, routing_split_figures, routing_split_sums,
+)
 from saccade.trainer.samples import MicroBatch
 
 # A reference policy: a micro-batch in, the reference's logprob of each of its tokens out.
@@ -285,7 +288,14 @@ def train_step(
 
     A mixture-of-experts family (`ModelFamily.record_routing`) adds the router's load balance over
     the step's loss tokens, from the first pass's forwards (`saccade.trainer.routing`):
-    `router_max_over_mean`, `router_cv`, `router_dead_experts`.
+    `router_max_over_mean`, `router_cv`, `router_dead_experts`. Where the samples carry the
+    engine's experts (`MicroBatch.routed_experts`: the embedded engine reports them, vLLM is not
+    asked), the same forwards' experts at each loss token's predecessor are compared with the
+    engine's: `routing_differs_frac` (loss tokens whose top-k set differs in some MoE layer),
+    `mismatch_abs_routing_same` and `mismatch_abs_routing_differs` (mean |logprobs - engine's|
+    over each group; a group with no token has no figure, and none of the three is logged
+    without engine routing). Over all loss tokens, as `mismatch_abs`: a stale sample's experts
+    also differ by what the policy moved since it was sampled.
 
     With a sharded model (`world.size` > 1), `micro_batches` are this rank's share of the step
     (`saccade.trainer.packing.rank_micro_batches`, padded so that every rank has as many) and
@@ -317,8 +327,10 @@ def train_step(
 
     lag0 = torch.zeros(2, dtype=torch.float64, device=device)  # |logprobs - engine's| over fresh tokens, and their count
 
-    # A mixture of experts: the experts the first pass's forwards sent the loss tokens to, (layers, E) counts.
+    # A mixture of experts: the experts the first pass's forwards sent the loss tokens to, (layers, E) counts,
+    # and, where the engine reported its own, the mismatch split by whether the two routed alike.
     router_counts: list[torch.Tensor] = []
+    routing_split = torch.zeros(4, dtype=torch.float64, device=device)  # `routing_split_sums`
 
     def clipped_objective(k: int, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Micro-batch k's share of the policy loss, and its metrics weighted by its loss tokens.
@@ -328,6 +340,8 @@ def train_step(
         if routing is not None and iteration == 0:
             counts_LE = expert_counts(routing.chosen, routing.num_experts, mb.loss_mask.reshape(-1))
             router_counts[:] = [counts_LE if not router_counts else router_counts[0] + counts_LE]
+            if mb.routed_experts is not None:
+                routing_split.add_(engine_routing_split(routing, mb, logprobs))
         inputs = LossInputs(
             logprobs_N=logprobs,
             old_logprobs_N=old_logprobs[k] if old_logprobs[k] is not None else mb.inference_logprobs,
@@ -367,16 +381,20 @@ def train_step(
     # Sums over this rank's micro-batches, then over the ranks (the grad norm is global already).
     summed = sorted(sums)
     counts = ["micro_batches", "train_tokens", "forward_tokens"]
+    # Every rank sends the routing split, zeros or not (a rank's padding micro-batches have no
+    # engine routing): the collective is the same on every rank.
     reduced = all_reduce_sum(
-        [sums[k] for k in summed] + lag0.tolist()
+        [sums[k] for k in summed] + lag0.tolist() + routing_split.tolist()
         # The samples' tokens (a shared prompt once per sample), and what the forward computed.
         + [float(len(real)), float(sum(mb.num_sample_tokens for mb in real)), float(sum(mb.num_tokens for mb in real))],
         world, device)
     out = {k: v / applied for k, v in zip(summed, reduced)}
-    gap_sum, fresh_tokens = reduced[len(summed):len(summed) + 2]
+    at = len(summed)
+    gap_sum, fresh_tokens = reduced[at:at + 2]
+    split_sums = reduced[at + 2:at + 6]
     if grad_norms:
         out["grad_norm"] = sum(grad_norms) / applied
-    out.update(zip(counts, reduced[len(summed) + 2:]))
+    out.update(zip(counts, reduced[at + 6:]))
     out.update(skipped_steps=float(skipped), lr=scheduler.get_last_lr()[0])
     out["loss_tokens"] = total_loss_tokens  # the step's, not a mean over micro-batches (that depends on the packing)
     if current_version is not None and fresh_tokens:
@@ -385,7 +403,25 @@ def train_step(
         counts_LE = router_counts[0]
         summed = all_reduce_sum(counts_LE.reshape(-1).tolist(), world, device)
         out.update(load_figures(torch.tensor(summed, dtype=torch.float64).view_as(counts_LE)))
+    out.update(routing_split_figures(split_sums))  # {} unless the engine reported its routing
     return out
+
+
+def engine_routing_split(routing: Routing, mb: MicroBatch, logprobs_N: torch.Tensor) -> torch.Tensor:
+    """`routing_split_sums` over the micro-batch's loss tokens: the experts this forward routed
+    each one's predecessor to (the position its logits come from), against the engine's
+    (`mb.routed_experts`), and |trainer - engine| logprob. Rows are picked on the host."""
+    host = mb.on_host
+    loss_rows_T = host.loss_mask.cpu().nonzero().squeeze(1)
+    source_T = predecessors(host)[loss_rows_T]
+    scored_T = source_T >= 0  # a sample's first token is never scored (it has no predecessor)
+    device = logprobs_N.device
+    source = to_device(source_T[scored_T], device)
+    trainer_TLK = torch.stack([chosen_NK.index_select(0, source) for chosen_NK in routing.chosen], dim=1)
+    engine_TLK = mb.routed_experts.index_select(0, to_device(scored_T.nonzero().squeeze(1), device))
+    rows = to_device(loss_rows_T[scored_T], device)
+    gap_T = logprobs_N.detach().index_select(0, rows) - mb.inference_logprobs.index_select(0, rows)
+    return routing_split_sums(routing_differs(trainer_TLK, engine_TLK), gap_T)
 
 
 def _accumulate(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
