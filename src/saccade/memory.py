@@ -248,7 +248,7 @@ def dims_from_hf_config(config: dict, name: str = "model") -> ModelDims:
 
 def model_dims(model: str | os.PathLike) -> ModelDims:
     """The dimensions of `model`: a Qwen3-VL hub id above, a published checkpoint a family knows
-    (`ModelFamily.published_configs`) or a preset at its shapes (`preset_shapes`), a local folder's
+    (`ModelFamily.published_configs`) or a preset built at real shapes (`preset_configs`), a local folder's
     config.json, or the built-in 'tiny'/'small' presets (built offline on first use; that imports
     torch) and the warm starts ('tiny-warm', 'qwen2.5vl-tiny-warm')."""
     from saccade.models.families import FAMILIES, preset_family, warm_start_base
@@ -257,9 +257,9 @@ def model_dims(model: str | os.PathLike) -> ModelDims:
     if name in QWEN3_VL:
         return QWEN3_VL[name]
     for family in FAMILIES:
-        hub_id = family.preset_shapes.get(name, name)
-        if hub_id in family.published_configs:
-            return dims_from_hf_config(family.published_configs[hub_id], hub_id)
+        config = family.preset_configs.get(name) or family.published_configs.get(name)
+        if config is not None:
+            return dims_from_hf_config(config, name)
     if name == "qwen3vl-2b":  # the random preset at Qwen3-VL-2B's shapes (tests/test_memory.py checks)
         return QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
     if name == "qwen3vl-4b":  # and at 4B's (tests/models/test_tiny.py checks)

@@ -10,6 +10,7 @@ changes a shape and fails loudly here, where a square one would load transposed 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -147,6 +148,29 @@ def test_the_30b_a3b_preset_has_the_published_sizes():
     full = trainer_memory(dims, lora_rank=None, max_tokens=4096, world_size=8)
     assert lora.get("expert LoRA merged weights") > 0 and "active per token" in lora.items[0].note
     assert full.get("weights") == pytest.approx(dims.text.params * 4 / 8 / 2**30)
+
+
+def test_the_cut_30b_a3b_preset_has_the_published_widths_and_six_layers():
+    """qwen3vl-30b-a3b-l6 builds (on the meta device) Qwen3-VL-30B-A3B with 6 decoder layers: every
+    width the hub config's, the parameters `saccade memory` counts for it without building it."""
+    from saccade.memory import model_dims
+    from saccade.models.tiny import build_tokenizer
+
+    preset, hub = "qwen3vl-30b-a3b-l6", "Qwen/Qwen3-VL-30B-A3B-Instruct"
+    config = moe.build_config(build_tokenizer(1024), moe.PRESETS[preset])
+    with torch.device("meta"):
+        model = moe.full_model_class()(config)
+    dims, real = model_dims(preset), model_dims(hub)
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    assert (sum(p.numel() for p in model.parameters()) - vision, vision) == (dims.text.params, dims.vision.params)
+    assert dims.vision == real.vision and dims.text.num_hidden_layers == 6
+    assert dims.text == dataclasses.replace(real.text, num_hidden_layers=6, experts=dataclasses.replace(
+        real.text.experts, layers=6))
+    # What is per layer is the real model's: a decoder layer, its experts (not square) and the router.
+    assert dims.text.layer_params == real.text.layer_params
+    assert config.text_config.moe_intermediate_size != config.text_config.hidden_size
+    assert (config.text_config.num_experts, config.text_config.num_experts_per_tok) == (128, 8)
+    assert round(dims.params / 1e9, 2) == 4.90 and moe.PRESETS[preset].base.weights_dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------- LM-only parity

@@ -27,7 +27,7 @@ class Section(BaseModel):
 # The built-in random models: every family's `tiny_presets`, in FAMILIES' order
 # (tests/models/test_families.py keeps the lists equal).
 PRESET_NAMES = ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b", "qwen2.5vl-tiny", "qwen2.5vl-7b", "qwen2.5vl-3b",
-                "moe-tiny")
+                "moe-tiny", "qwen3vl-30b-a3b-l6")
 # Every dense family's `lora_target_modules` (tests/models/test_families.py checks Qwen3-VL's).
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -41,7 +41,8 @@ class ModelConfig(Section):
         min_length=1,
         description="Hugging Face hub id or local folder of a checkpoint of a supported family (docs/families.md); 'tiny', 'small', "
         "'qwen3vl-2b' or 'qwen3vl-4b' (Qwen3-VL-2B's or 4B's shapes), 'qwen2.5vl-tiny', 'qwen2.5vl-3b' or "
-        "'qwen2.5vl-7b' (Qwen2.5-VL's) for the built-in random presets "
+        "'qwen2.5vl-7b' (Qwen2.5-VL's), 'moe-tiny' or 'qwen3vl-30b-a3b-l6' (Qwen3-VL-30B-A3B's widths, 6 "
+        "layers) for the built-in random presets "
         "(built offline, cached); "
         "'tiny-warm' or 'qwen2.5vl-tiny-warm' ('<tiny preset>-warm'): that tiny model after the demo's warm "
         "start (built on first use, cached)",

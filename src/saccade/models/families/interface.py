@@ -134,6 +134,7 @@ class ModelFamily:
     tiny_presets: tuple[str, ...]  # the random builds `build_tiny` makes, the test one first
     build_tiny: Callable[[Path, str, int], Path]  # (out_dir, preset, seed) -> out_dir, written
     tiny_model_path: Callable[[str, int], Path]  # (preset, seed) -> its folder, built once, cached
+    preset_folder: Callable[[str, int], Path]  # (preset, seed) -> where tiny_model_path keeps it, built or not
     lora_target_modules: tuple[str, ...]  # the language model's linears LoRA wraps by default
     lora_target_parameters: tuple[str, ...] = ()  # parameters (not modules) LoRA wraps: MoE experts
     checkpoint_key: Callable[[str], str | None] = same_key  # a checkpoint's key -> canonical or None
@@ -150,10 +151,11 @@ class ModelFamily:
     split_served_features: Callable[[torch.Tensor, int], tuple[torch.Tensor, list[torch.Tensor]]] = (
         split_concatenated)
     processor_size: Callable[[ImagesConfig], dict] = resize_bounds
-    # Published checkpoints' config.json (hub id -> dict), and the presets built at their shapes
-    # (preset -> hub id): `saccade memory` answers for either without a download or a build.
+    # Published checkpoints' config.json (hub id -> dict), and the config.json of the presets built
+    # at real shapes (preset -> dict, the fields memory_dims reads): `saccade memory` answers for
+    # either without a download or a build.
     published_configs: Mapping[str, dict] = field(default_factory=dict)
-    preset_shapes: Mapping[str, str] = field(default_factory=dict)
+    preset_configs: Mapping[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         assert self.model_types and self.tiny_presets, self.name

@@ -222,8 +222,9 @@ PRESETS: dict[str, Preset] = {
     "qwen2.5vl-7b": _published("Qwen/Qwen2.5-VL-7B-Instruct"),
     "qwen2.5vl-3b": _published("Qwen/Qwen2.5-VL-3B-Instruct"),
 }
-# The hub checkpoint whose shapes a preset has (`saccade memory` answers without building it).
-PRESET_SHAPES = {"qwen2.5vl-7b": "Qwen/Qwen2.5-VL-7B-Instruct", "qwen2.5vl-3b": "Qwen/Qwen2.5-VL-3B-Instruct"}
+# The config of the presets at published shapes: the hub's (`saccade memory` answers without building them).
+PRESET_CONFIGS = {"qwen2.5vl-7b": HUB_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"],
+                  "qwen2.5vl-3b": HUB_CONFIGS["Qwen/Qwen2.5-VL-3B-Instruct"]}
 
 
 def preset_folder(preset: str, seed: int = 0) -> Path:
@@ -322,8 +323,9 @@ FAMILY = ModelFamily(
     tiny_presets=tuple(PRESETS),
     build_tiny=build_tiny,
     tiny_model_path=tiny_model_path,
+    preset_folder=preset_folder,
     lora_target_modules=LORA_TARGETS,
     checkpoint_key=checkpoint_key,
     published_configs=HUB_CONFIGS,
-    preset_shapes=PRESET_SHAPES,
+    preset_configs=PRESET_CONFIGS,
 )

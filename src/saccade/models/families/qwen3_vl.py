@@ -104,6 +104,12 @@ def tiny_model_path(preset: str, seed: int) -> Path:
     return built(preset, seed)
 
 
+def preset_folder(preset: str, seed: int) -> Path:
+    from saccade.models.tiny import preset_folder as folder
+
+    return folder(preset, seed)
+
+
 FAMILY = ModelFamily(
     name="Qwen3-VL",
     model_types=("qwen3_vl",),
@@ -118,6 +124,7 @@ FAMILY = ModelFamily(
     tiny_presets=("tiny", "small", "qwen3vl-2b", "qwen3vl-4b"),
     build_tiny=build_tiny,
     tiny_model_path=tiny_model_path,
+    preset_folder=preset_folder,
     lora_target_modules=LORA_TARGETS,
     prepare_language_model=prepare_language_model,
     language_model_kwargs=language_model_kwargs,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -205,10 +206,15 @@ QWEN3_VL_30B_A3B = {
                         num_key_value_heads=4, head_dim=128, intermediate_size=6144, num_experts=128,
                         num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1,
                         mlp_only_layers=[], tie_word_embeddings=False),
-    "vision_config": dict(hidden_size=1152, depth=27, intermediate_size=4304, out_hidden_size=2048,
+    "vision_config": dict(hidden_size=1152, depth=27, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24], patch_size=16,
                           temporal_patch_size=2, in_channels=3, spatial_merge_size=2),
 }
+
+
+def with_layers(config: dict, layers: int) -> dict:
+    """A copy of a config.json dict with `layers` decoder layers, every other field as it was."""
+    return {**config, "text_config": {**config["text_config"], "num_hidden_layers": layers}}
 
 
 # ---------------------------------------------------------------- the tiny builder
@@ -228,9 +234,44 @@ class MoePreset:
     extra: dict = field(default_factory=dict)
 
 
+def _published(config: dict) -> MoePreset:
+    """A random model at a published config's shapes (its vocabulary rows, a small BPE), in bf16."""
+    t, v = config["text_config"], config["vision_config"]
+    grid = math.isqrt(v["num_position_embeddings"])
+    assert grid * grid == v["num_position_embeddings"], v["num_position_embeddings"]
+    base = TinyPreset(
+        bpe_vocab_size=8192, text_hidden=t["hidden_size"], text_layers=t["num_hidden_layers"],
+        text_heads=t["num_attention_heads"], text_kv_heads=t["num_key_value_heads"], text_head_dim=t["head_dim"],
+        text_intermediate=t["intermediate_size"], vision_hidden=v["hidden_size"], vision_depth=v["depth"],
+        vision_heads=v["num_heads"], vision_intermediate=v["intermediate_size"],
+        deepstack_indexes=tuple(v["deepstack_visual_indexes"]), vision_position_grid=grid, max_pixels=448 * 448,
+        vocab_size=t["vocab_size"], weights_dtype="bfloat16",
+    )
+    return MoePreset(base=base, num_experts=t["num_experts"], top_k=t["num_experts_per_tok"],
+                     moe_intermediate=t["moe_intermediate_size"], tie_word_embeddings=config["tie_word_embeddings"])
+
+
+# Qwen3-VL-30B-A3B's widths with 6 of its 48 decoder layers. Why cut: the whole model is 31.07B
+# parameters, 62 GB in bf16, and does not fit one 80 GB GPU with LoRA's state (`saccade memory`:
+# 161.7 GiB at 4096 tokens), nor does the parity check's three copies (LM-only and full model in
+# bf16, full model in fp32). Cut to 6 layers it is 4.90B parameters (9.8 GB in bf16; LoRA training
+# estimated at 21.2 GiB, parity's three copies and the tower about 39 GB), built on the GPU machine's host.
+# What the cut does to the figures: everything per layer holds (an MoE layer's step time and
+# FLOPs, its activations and peft's merged experts, routing per token, attention at a length), and
+# so do the embedding, the lm_head and the tower, which are whole. Totals scale: the decoder's time
+# and memory are about 48/6 = 8 times these in the real model, the embedding's and the head's are
+# not; and bf16 rounding accumulates over 6 layers, not 48, so a parity figure here is no bound
+# on the real depth's.
+CUT_LAYERS = 6
+PRESET_CONFIGS = {"qwen3vl-30b-a3b-l6": with_layers(QWEN3_VL_30B_A3B, CUT_LAYERS)}
+
 PRESETS: dict[str, MoePreset] = {
     # ~1.3M parameters: 8 experts, top-2, H 128 against I 48 (gate_up (8, 96, 128), down (8, 128, 48)).
     "moe-tiny": MoePreset(base=QWEN3_VL_PRESETS["tiny"], num_experts=8, top_k=2, moe_intermediate=48),
+    # Random weights at Qwen3-VL-30B-A3B's widths, 6 decoder layers (above): 128 experts, top-8,
+    # moe_intermediate 768 against hidden 2048 (not square), the 151,936-row vocabulary, the 1152-wide
+    # 27-block tower; bf16, for `saccade memory` and `saccade bench gpu` on a GPU.
+    "qwen3vl-30b-a3b-l6": _published(PRESET_CONFIGS["qwen3vl-30b-a3b-l6"]),
 }
 
 # Bump when anything the builder writes changes.
@@ -337,6 +378,7 @@ FAMILY = ModelFamily(
     tiny_presets=tuple(PRESETS),
     build_tiny=build_tiny,
     tiny_model_path=tiny_model_path,
+    preset_folder=preset_folder,
     lora_target_modules=LORA_TARGETS,
     lora_target_parameters=EXPERT_PARAMS,
     prepare_language_model=qwen3_vl.prepare_language_model,
@@ -346,4 +388,5 @@ FAMILY = ModelFamily(
     record_routing=record_routing,
     vllm_cpu_weight_updates=CPU_RELOAD_FAILS,
     published_configs={"Qwen/Qwen3-VL-30B-A3B-Instruct": QWEN3_VL_30B_A3B},
+    preset_configs=PRESET_CONFIGS,
 )
