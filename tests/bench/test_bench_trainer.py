@@ -72,6 +72,24 @@ def test_lm_step_flops_by_hand():
         6 * linear * 8 + attention * (9 + 25) + 6 * head * loss)
 
 
+def test_lm_step_flops_count_a_moe_layers_router_and_the_experts_a_token_runs():
+    from dataclasses import replace
+
+    from saccade.bench.trainer import lm_step_flops
+    from saccade.memory import TextDims
+    from saccade.models.families.qwen3_vl_moe import ExpertDims
+
+    dense = TextDims(vocab_size=10, hidden_size=4, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=2, intermediate_size=8, tie_word_embeddings=True)
+    # One of the two layers sparse: 6 experts of moe_intermediate 3, a token routed to 2 of them.
+    moe = replace(dense, experts=ExpertDims(num_experts=6, per_token=2, intermediate_size=3, layers=1))
+    # per layer: attention q 16 + k 8 + v 8 + o 16 = 48; dense MLP 96; MoE: router 6x4 + 2 experts x 3 x 4x3 = 96
+    matmul = 2 * 48 + 96 + (6 * 4 + 2 * 3 * 4 * 3)
+    attention, head, lengths, loss = 6 * 2 * 4, 10 * 4, [3, 5], 4
+    assert lm_step_flops(moe, lengths, loss, full_finetune=False) == (
+        4 * matmul * 8 + attention * (9 + 25) + 4 * head * loss)
+
+
 @pytest.mark.slow
 def test_trainer_bench_full_finetuning_on_tiny_preset():
     from saccade.bench.trainer import run_trainer_bench

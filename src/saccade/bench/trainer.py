@@ -95,7 +95,7 @@ from saccade.bench.trainer_variants import (
 )
 from saccade.config import ImagesConfig
 from saccade.devices import resolve_device
-from saccade.memory import TextDims, model_dims, trainer_memory
+from saccade.memory import LINEARS, TextDims, model_dims, trainer_memory
 from saccade.models.lm import unwrap_policy
 from saccade.models.loading import load_processor, load_vision_tower
 from saccade.models.families import preset_family
@@ -363,19 +363,30 @@ def _free(device: torch.device) -> None:
 def lm_step_flops(text: TextDims, lengths: list[int], loss_tokens: int, *, full_finetune: bool) -> float:
     """The language model's FLOPs in one training step over samples of these lengths.
 
-    Counted: the decoder's linears (P weights: 2 P per token forward, 2 P backward for the
-    inputs' gradients, and with full fine-tuning 2 P for the weights'; LoRA's adapters are
-    negligible); causal attention (2 q_dim n^2 per layer forward for a sample of n tokens,
+    Counted: the decoder's linears (P weights a token multiplies through: 2 P per token forward,
+    2 P backward for the inputs' gradients, and with full fine-tuning 2 P for the weights'; LoRA's
+    adapters are negligible; a MoE layer counts its router and the top-k experts a token runs,
+    not all of them); causal attention (2 q_dim n^2 per layer forward for a sample of n tokens,
     twice that backward); the lm_head on the loss tokens only, as the trainer computes it
     (2 V H each way, and the weight's gradient with full fine-tuning). Not counted: the vision
     tower (the cached path never runs it), norms and elementwise work, and recomputation
     (activation checkpointing, the chunked logprobs' backward): MFU counts the model's work.
     """
-    linear = text.num_hidden_layers * sum(i * o for i, o in text.linear_shapes().values())
     passes = 6 if full_finetune else 4
     attention = 6 * text.num_hidden_layers * text.q_dim * sum(n * n for n in lengths)
     head = passes * text.vocab_size * text.hidden_size * loss_tokens
-    return passes * linear * sum(lengths) + attention + head
+    return passes * token_matmul_params(text) * sum(lengths) + attention + head
+
+
+def token_matmul_params(text: TextDims) -> int:
+    """The decoder weights one token multiplies through: every layer's attention linears, the dense
+    layers' MLP, and in each MoE layer the router and the `per_token` experts it is routed to."""
+    shapes = text.linear_shapes()
+    attention = sum(i * o for name, (i, o) in shapes.items() if name in LINEARS[:4])
+    mlp = sum(i * o for name, (i, o) in shapes.items() if name in LINEARS[4:])
+    dense = text.num_hidden_layers - text.moe_layers
+    moe = text.experts.mlp_params(text.hidden_size, active=True) if text.moe_layers else 0
+    return text.num_hidden_layers * attention + dense * mlp + text.moe_layers * moe
 
 
 # Dense bf16 peak, TFLOP/s, from the spec sheets (SXM parts), by the name CUDA reports.

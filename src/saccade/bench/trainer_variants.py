@@ -32,7 +32,7 @@ import torch
 from saccade.bench.trainer_data import BenchBatch, FullMicroBatch, PaddedBatch, full_micro_batches, pad_batches
 from saccade.config import LoraConfig
 from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
-from saccade.models.loading import load_full_model
+from saccade.models.loading import load_family, load_full_model
 from saccade.process_stats import proc_status_kb
 from saccade.timing import synchronize
 from saccade.trainer.forward import forward_logprobs, predicted_positions
@@ -87,12 +87,17 @@ def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: in
     settings = lora_settings()
     if lora_rank is not None:
         settings = LoraConfig(rank=lora_rank, alpha=2 * lora_rank)
+    # The family's parameter targets too (MoE experts), as `apply_lora` wraps them on the cached
+    # path: without them the full path would train fewer adapters and the ratios would compare
+    # unequal work. The tower has no parameter of those names.
+    parameters = list(load_family(model_path).lora_target_parameters)
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=rf"model\.language_model\..*\.({'|'.join(settings.target_modules)})",
         bias="none",
+        **({"target_parameters": parameters} if parameters else {}),
     )
     torch.manual_seed(seed)
     model = peft.get_peft_model(full, config)
@@ -244,7 +249,6 @@ def measure_peak_memory(path_name: str, data_file: str, model_path: str, device:
     torch.set_num_threads(threads)
     # Both paths import the same modules before the baseline, so imports count for neither.
     import peft  # noqa: F401
-    from saccade.models.loading import load_family
 
     load_family(model_path).full_model_class()  # imports the family's transformers modules
 
