@@ -19,8 +19,12 @@ in the next invocation, with the whole budget; stopped then too, it has failed. 
 0 every selected stage is ok; 1 one failed (an error, or a check it makes: parity over its
 bar); 3 stages are left for the next invocation: run the same command again.
 
-`--device cpu --quick` runs every stage on the tiny preset with few steps and short lengths;
-the tests run it so that the command cannot rot.
+`--device cpu --quick` runs every stage on its family's tiny preset with few steps and short
+lengths; the tests run it so that the command cannot rot.
+
+The stages are Qwen3-VL's (every check, at 2B and 4B shapes) and then two per further family
+(`FAMILY_SHAPES`: bf16 parity and `bench trainer` LoRA at one real shape each); `--list` shows
+them by family with their estimates.
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ class Stage:
     run: Callable[[S.Plan], dict]
     summary: Callable[[dict], str]
     gpu_s: int  # estimated seconds on one H100 (80 GB), its models already built
-    needs: tuple[str, ...] = ()  # real-shape models it loads ("2b", "4b"): built first if missing
+    needs: tuple[str, ...] = ()  # real-shape models it loads (keys of S.BIG: "2b", ...): built first if missing
+    family: str = "Qwen3-VL"  # whose code it checks: `--list` groups the stages by it
 
 
-STAGES = (
+# Qwen3-VL, the family saccade started with: every check, at 2B and 4B shapes.
+QWEN3_VL_STAGES = (
     Stage("models", "random models at 2B and 4B shapes built on this machine; the demo's warm start",
           S.models, S.models_summary, 30, needs=("2b", "4b")),
     Stage("parity-2b", "bf16 parity at 2B shapes, LM-only vs the full model, 1k and 8k positions",
@@ -66,9 +72,9 @@ STAGES = (
     Stage("syncs", "host syncs per decoded token (embedded engine) and per trainer micro-batch",
           S.syncs, S.syncs_summary, 40),
     Stage("trainer-lora", "`bench trainer` at 2B shapes, LoRA: tokens/s, MFU, peak vs `saccade memory`",
-          lambda p: S.trainer(p, full_finetune=False), S.trainer_summary, 170, needs=("2b",)),
+          lambda p: S.trainer(p, "2b", full_finetune=False), S.trainer_summary, 170, needs=("2b",)),
     Stage("trainer-full", "`bench trainer` at 2B shapes, full fine-tuning",
-          lambda p: S.trainer(p, full_finetune=True), S.trainer_summary, 220, needs=("2b",)),
+          lambda p: S.trainer(p, "2b", full_finetune=True), S.trainer_summary, 220, needs=("2b",)),
     Stage("step", "`bench step` at 2B shapes, bf16, LoRA, 448 px: one RL step against HF's path",
           S.step, S.step_summary, 120, needs=("2b",)),
     Stage("rl", "RL steps with the embedded engine that train (demo config from tiny-warm)",
@@ -80,6 +86,31 @@ STAGES = (
     Stage("render", "`bench render`: the mesh rasterizer on the device (and the CPU beside it)",
           S.render, S.render_summary, 30),
 )
+
+# The other families: bf16 parity and `bench trainer` LoRA, each at one real shape (a key of S.BIG,
+# whose first stage builds it), with the estimated H100 seconds of each, the model built. Scaled
+# from Qwen3-VL's stages: parity 100 s at 2B, 150 s at 4B; the trainer 170 s at 2B (loading is most
+# of a stage; the MoE computes 1B active parameters a token but loads 4.9B, three times for parity).
+#        family          shape (key)           in words                                   parity s  trainer s
+FAMILY_SHAPES = (
+    ("Qwen2.5-VL", "qwen2.5vl-3b", "Qwen2.5-VL-3B's shapes", 140, 220),
+    ("Qwen3-VL-MoE", "qwen3vl-30b-a3b-l6", "Qwen3-VL-30B-A3B's widths (6 of 48 layers)", 160, 240),
+)
+
+
+def family_stages(family: str, size: str, shapes: str, parity_s: int, trainer_s: int) -> tuple[Stage, Stage]:
+    """A family's two stages: parity as `parity-2b` runs it, and `bench trainer` with LoRA as
+    `trainer-lora` runs it, at `shapes` (--quick: the family's tiny preset)."""
+    return (
+        Stage(f"parity-{size}", f"bf16 parity at {shapes}, LM-only vs the full model, 1k and 8k positions",
+              lambda p: S.parity(p, size), S.parity_summary, parity_s, needs=(size,), family=family),
+        Stage(f"trainer-lora-{size}", f"`bench trainer` at {shapes}, LoRA: tokens/s, MFU, peak vs `saccade memory`",
+              lambda p: S.trainer(p, size, full_finetune=False), S.trainer_summary, trainer_s, needs=(size,),
+              family=family),
+    )
+
+
+STAGES = QWEN3_VL_STAGES + tuple(stage for row in FAMILY_SHAPES for stage in family_stages(*row))
 BY_NAME = {s.name: s for s in STAGES}
 
 
@@ -243,10 +274,14 @@ def estimate_s(stage: Stage, plan: S.Plan) -> float:
     are not built yet (a fresh machine, or the models stage not run)."""
     if plan.quick:
         return 0.0
-    from saccade.models.tiny import is_built, preset_folder
+    return stage.gpu_s + sum(S.BIG[n].build_s for n in stage.needs if not _is_built(S.BIG[n].preset))
 
-    build = sum(S.BUILD_S[S.BIG[n]] for n in stage.needs if not is_built(preset_folder(S.BIG[n])))
-    return stage.gpu_s + build
+
+def _is_built(preset: str) -> bool:
+    from saccade.models.families import preset_family
+    from saccade.models.tiny import is_built
+
+    return is_built(preset_family(preset).preset_folder(preset, 0))
 
 
 # ----------------------------------------------------------------------------- the command
@@ -354,11 +389,27 @@ def run_recorded_stage(name: str, *, device: str, quick: bool, out: str | Path, 
     return 0
 
 
-def list_stages() -> str:
-    """The stages and their estimated seconds on one H100 (the models stage with its builds)."""
-    def seconds(stage: Stage) -> int:
-        return stage.gpu_s + (sum(S.BUILD_S[S.BIG[n]] for n in stage.needs) if stage.name == "models" else 0)
+def listed_seconds(stages=None) -> dict[str, int]:
+    """Each stage's estimated seconds on one H100 when the stages run in order on a fresh machine:
+    a stage's own, plus building the models it is the first to need (the models stage builds
+    Qwen3-VL's; each other family's first stage builds its shape)."""
+    seconds, built = {}, set()
+    for stage in STAGES if stages is None else stages:
+        new = [n for n in stage.needs if n not in built]
+        built.update(new)
+        seconds[stage.name] = stage.gpu_s + sum(S.BIG[n].build_s for n in new)
+    return seconds
 
-    lines = [f"{'stage':<14}{'H100 s':>8}  checks"] + [f"{s.name:<14}{seconds(s):>8}  {s.what}" for s in STAGES]
-    lines.append(f"{'all':<14}{sum(map(seconds, STAGES)):>8}  (estimates; one process start each included)")
+
+def list_stages() -> str:
+    """The stages by family, with their estimated seconds on one H100 (builds included where they
+    happen), each family's sum and the whole."""
+    seconds = listed_seconds()
+    width = max(len(s.name) for s in STAGES) + 2
+    lines = [f"{'stage':<{width}}{'H100 s':>8}  checks"]
+    for family in dict.fromkeys(s.family for s in STAGES):
+        stages = [s for s in STAGES if s.family == family]
+        lines.append(f"{family}: {sum(seconds[s.name] for s in stages)} s")
+        lines += [f"  {s.name:<{width - 2}}{seconds[s.name]:>8}  {s.what}" for s in stages]
+    lines.append(f"{'all':<{width}}{sum(seconds.values()):>8}  (estimates; one process start each included)")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """The stages of `saccade bench gpu` (saccade.bench.gpu runs them): what each measures, at the
-real shapes on a GPU and at the tiny preset under `--quick`.
+real shapes on a GPU and at the family's tiny preset under `--quick`.
 
 Each stage is a function of a `Plan` returning a JSON-able dict of figures, and a summary
 function giving the one cell of the markdown table that the README pastes. They call the
@@ -17,11 +17,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-# Qwen3-VL shapes measured on a GPU; --quick runs the same stages on the tiny preset.
-BIG = {"2b": "qwen3vl-2b", "4b": "qwen3vl-4b"}
-# Seconds to build a random model at these shapes on the GPU machine's 16-core CPU
-# (estimated from 65 s for the 2B on this 2-core machine: initialisation is most of it).
-BUILD_S = {"qwen3vl-2b": 60, "qwen3vl-4b": 120}
+@dataclass(frozen=True)
+class Shape:
+    """A real shape the stages load: its preset (random weights at those shapes, built on the GPU
+    machine), the same family's tiny preset that --quick runs instead, and the seconds building it
+    takes on the GPU machine's 16-core host."""
+
+    preset: str
+    quick: str
+    build_s: int
+
+
+# The shapes measured on a GPU, by the key a stage names. Build seconds are estimates scaled from
+# this 2-core CPU, where initialisation and writing are most of it: 65 s for the 2B; for the MoE,
+# 79 s at 1 layer and 112 s at 2 (it writes its weights twice: transformers' layout, then the hub's).
+BIG = {
+    "2b": Shape("qwen3vl-2b", "tiny", 60),
+    "4b": Shape("qwen3vl-4b", "tiny", 120),
+    "qwen2.5vl-3b": Shape("qwen2.5vl-3b", "qwen2.5vl-tiny", 100),
+    "qwen3vl-30b-a3b-l6": Shape("qwen3vl-30b-a3b-l6", "moe-tiny", 180),
+}
 
 
 class NotAvailable(Exception):
@@ -36,7 +51,7 @@ class Plan:
     log: Callable[[str], None] = print
 
     def preset(self, size: str) -> str:
-        return "tiny" if self.quick else BIG[size]
+        return BIG[size].quick if self.quick else BIG[size].preset
 
     @property
     def dtype(self) -> str:
@@ -57,7 +72,7 @@ def models(plan: Plan) -> dict[str, Any]:
     from saccade.demo import resolve_model_name
     from saccade.models.tiny import is_built, preset_folder
 
-    names = ["tiny", "tiny-warm"] if plan.quick else [BIG["2b"], BIG["4b"], "tiny", "tiny-warm"]
+    names = ["tiny", "tiny-warm"] if plan.quick else [BIG["2b"].preset, BIG["4b"].preset, "tiny", "tiny-warm"]
     out = {}
     for name in names:
         # The warm start's folder is keyed by the demo config: found, or built, in resolve_model_name.
@@ -128,11 +143,12 @@ def parity_summary(r: dict) -> str:
 # ----------------------------------------------------------------------------- trainer
 
 
-def trainer(plan: Plan, *, full_finetune: bool) -> dict[str, Any]:
-    """`bench trainer` at 2B shapes: tokens/s, MFU, peak memory against saccade memory's estimate."""
+def trainer(plan: Plan, size: str, *, full_finetune: bool) -> dict[str, Any]:
+    """`bench trainer` at a real shape (`BIG[size]`): tokens/s, MFU, peak memory against saccade
+    memory's estimate."""
     from saccade.bench.trainer import format_report, run_trainer_bench
 
-    kwargs: dict[str, Any] = dict(preset=plan.preset("2b"), device=plan.device, full_finetune=full_finetune)
+    kwargs: dict[str, Any] = dict(preset=plan.preset(size), device=plan.device, full_finetune=full_finetune)
     if plan.quick:  # the memory processes (three fresh interpreters) are left out: seconds here, not figures
         kwargs.update(steps=1, batch=2, max_side=64, measure_memory=False)
     result = run_trainer_bench(**kwargs)
@@ -162,8 +178,8 @@ def step(plan: Plan) -> dict[str, Any]:
     if plan.quick:
         result = run_step_bench("tiny", steps=1, device=plan.device, dtype=plan.dtype, prompts=2, log=plan.log)
     else:
-        result = run_step_bench(BIG["2b"], image_size=448, lora=True, steps=3, device=plan.device, dtype=plan.dtype,
-                                log=plan.log)
+        result = run_step_bench(BIG["2b"].preset, image_size=448, lora=True, steps=3, device=plan.device,
+                                dtype=plan.dtype, log=plan.log)
     plan.log(format_step_report(result))
     return result
 

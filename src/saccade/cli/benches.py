@@ -198,8 +198,9 @@ def add_bench_parity(bench_sub) -> None:
         "parity",
         help="max |Δ logprob| of the LM-only path vs the full model, packed vs unpacked, and two known bugs",
         description="Writes lm_only_vs_full_max_abs, packed_vs_unpacked_max_abs, deepstack_dropped_max_abs and "
-        "positions_1d_max_abs. Runs on any folder of a supported family with --model (or a preset: tiny, small, qwen3vl-2b, "
-        "qwen3vl-4b). Bars: 1e-5 in float32, 0.25 in bfloat16 (two bf16 paths round differently; the mistakes move "
+        "positions_1d_max_abs. Runs on any folder of a supported family with --model (or any family's preset: tiny, "
+        "qwen3vl-2b, qwen2.5vl-3b, moe-tiny, qwen3vl-30b-a3b-l6, ...). Bars: 1e-5 in float32, 0.25 in bfloat16 (two "
+        "bf16 paths round differently; the mistakes move "
         "it by more than 1 at 2B). Mean |Δ| figures are written too.",
     )
     _add_model_and_json(parity)
@@ -407,12 +408,14 @@ def add_bench_gpu(bench_sub) -> None:
         description="Runs, stage by stage, each in a fresh process: building the random real-shape models (2B, "
         "4B), bf16 parity at 2B and 4B shapes at 1k and 8k positions, host syncs per decoded token and per trainer "
         "micro-batch, `bench trainer` at 2B (LoRA, full fine-tuning), `bench step` at 2B, RL steps that train "
-        "(tiny-warm), FSDP2 at world 1 (2B; bf16 mixed precision against fp32), `bench render`. Results go into "
+        "(tiny-warm), FSDP2 at world 1 (2B; bf16 mixed precision against fp32), `bench render`; then for the other "
+        "families bf16 parity and `bench trainer` LoRA at Qwen2.5-VL-3B's shapes and at Qwen3-VL-30B-A3B's widths "
+        "with 6 layers (qwen3vl-30b-a3b-l6), each built by its first stage. Results go into "
         "OUT/bench-gpu.json as each stage ends, with OUT/bench-gpu.md (the README's table) and OUT/bench-gpu.log. "
         "Run again, it skips stages that are ok (--force runs them again) or failed (name them with --stage to "
         "retry). --budget S starts a stage only if its H100 estimate fits in what is left of S seconds, and exits 3 "
         "when stages are left: run the same command again. Exit 1 if a stage failed. --device cpu --quick runs "
-        "every stage on the tiny preset (the tests do).",
+        "every stage on its family's tiny preset (the tests do).",
     )
     gpu.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cuda, cpu")
     gpu.add_argument("--quick", action="store_true", help="the tiny preset, few steps, short lengths (minutes on a "
