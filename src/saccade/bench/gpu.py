@@ -57,7 +57,7 @@ class Stage:
     run: Callable[[S.Plan], dict]
     summary: Callable[[dict], str]
     gpu_s: int  # estimated seconds on one H100 (80 GB), its models already built
-    needs: tuple[str, ...] = ()  # real-shape models it loads (keys of S.BIG: "2b", ...): built first if missing
+    needs: tuple[str, ...] = ()  # real-shape models it loads (keys of S.BIG): built first if missing
     family: str = "Qwen3-VL"  # whose code it checks: `--list` groups the stages by it
 
 
@@ -91,7 +91,7 @@ QWEN3_VL_STAGES = (
 # whose first stage builds it), with the estimated H100 seconds of each, the model built. Scaled
 # from Qwen3-VL's stages: parity 100 s at 2B, 150 s at 4B; the trainer 170 s at 2B (loading is most
 # of a stage; the MoE computes 1B active parameters a token but loads 4.9B, three times for parity).
-#        family          shape (key)           in words                                   parity s  trainer s
+# Rows: (family, shape key, the shape in words, parity s, trainer s).
 FAMILY_SHAPES = (
     ("Qwen2.5-VL", "qwen2.5vl-3b", "Qwen2.5-VL-3B's shapes", 140, 220),
     ("Qwen3-VL-MoE", "qwen3vl-30b-a3b-l6", "Qwen3-VL-30B-A3B's widths (6 of 48 layers)", 160, 240),
@@ -389,12 +389,12 @@ def run_recorded_stage(name: str, *, device: str, quick: bool, out: str | Path, 
     return 0
 
 
-def listed_seconds(stages=None) -> dict[str, int]:
+def listed_seconds() -> dict[str, int]:
     """Each stage's estimated seconds on one H100 when the stages run in order on a fresh machine:
     a stage's own, plus building the models it is the first to need (the models stage builds
     Qwen3-VL's; each other family's first stage builds its shape)."""
     seconds, built = {}, set()
-    for stage in STAGES if stages is None else stages:
+    for stage in STAGES:
         new = [n for n in stage.needs if n not in built]
         built.update(new)
         seconds[stage.name] = stage.gpu_s + sum(S.BIG[n].build_s for n in new)
