@@ -199,6 +199,66 @@ def test_kl_k3_value_and_gradient_sign():
     assert g[1] < 0 and g[5] < 0 and g[2] > 0 and g[6] > 0 and g[3] == 0
 
 
+# d = ref - lp on the loss tokens 1, 2, 3, 5, 6 (A = 0: only the KL term remains), and each
+# estimator's per-token value and its derivative w.r.t. lp, computed by hand:
+#   k1 = -d:             -0.5, 1.0, 0, -2.0, 0.25                      d/dlp: 1 everywhere
+#   k2 = d^2 / 2:         0.125, 0.5, 0, 2.0, 0.03125                  d/dlp: -d
+#   k3 = e^d - d - 1:     e^0.5 - 1.5 = 0.1487212707, e^-1 = 0.3678794412, 0,
+#                         e^2 - 3 = 4.3890560989, e^-0.25 - 0.75 = 0.0288007831
+#                                                                      d/dlp: 1 - e^d
+KL_D = {1: 0.5, 2: -1.0, 3: 0.0, 5: 2.0, 6: -0.25}
+KL_BY_HAND = {
+    "k1": ([-0.5, 1.0, 0.0, -2.0, 0.25], [1.0, 1.0, 1.0, 1.0, 1.0]),
+    "k2": ([0.125, 0.5, 0.0, 2.0, 0.03125], [-0.5, 1.0, 0.0, -2.0, 0.25]),
+    "k3": ([0.1487212707, 0.3678794412, 0.0, 4.3890560989, 0.0288007831],
+           [1 - 1.6487212707, 1 - 0.3678794412, 0.0, 1 - 7.3890560989, 1 - 0.7788007831]),
+}
+
+
+@pytest.mark.parametrize("estimator", list(KL_BY_HAND))
+def test_each_kl_estimator_by_hand(estimator):
+    values, slopes = KL_BY_HAND[estimator]
+    ref = list(OLD)
+    for i, di in KL_D.items():
+        ref[i] = OLD[i] + di
+    inp = make_inputs(ratios=[1.0] * 7, adv=[0.0] * 7, ref_logprobs_N=t(ref))
+    loss, m = policy_loss(inp, LossConfig(kl_coef=0.1, kl_estimator=estimator))
+    assert m["kl"].item() == pytest.approx(sum(values) / 5, abs=1e-9)  # the metric: the estimator's mean
+    assert loss.item() == pytest.approx(0.1 * sum(values) / 5, abs=1e-9)  # token normalization: / 5
+    g = grad_of(loss, inp)
+    assert [g[i] for i in KL_D] == pytest.approx([0.1 * s / 5 for s in slopes], abs=1e-9)
+    assert g[0] == g[4] == 0.0  # the prompt tokens
+
+
+def test_kl_estimators_on_average_over_a_vocabulary():
+    """What each estimator's value and gradient are on average over tokens sampled from pi,
+    summed exactly over a 6-token vocabulary (weights pi, detached): k1 and k3 values are
+    unbiased for KL(pi || ref), k2's is not; as loss terms, k1's gradient averages to 0, k2's
+    is the gradient of KL(pi || ref), k3's the gradient of KL(ref || pi)."""
+    from saccade.trainer.loss import KL_ESTIMATORS
+
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(6, generator=gen, dtype=torch.float64).requires_grad_(True)
+    ref_V = torch.log_softmax(torch.randn(6, generator=gen, dtype=torch.float64), 0)
+    lp_V = torch.log_softmax(theta, 0)
+    pi_V = lp_V.exp().detach()
+
+    def grad(scalar):
+        (g,) = torch.autograd.grad(scalar, theta, retain_graph=True)
+        return g
+
+    kl_pi_ref = (lp_V.exp() * (lp_V - ref_V)).sum()
+    kl_ref_pi = (ref_V.exp() * (ref_V - lp_V)).sum()
+    average = {name: (pi_V * k(lp_V, ref_V)).sum() for name, k in KL_ESTIMATORS.items()}
+    assert average["k1"].item() == pytest.approx(kl_pi_ref.item(), rel=1e-12)
+    assert average["k3"].item() == pytest.approx(kl_pi_ref.item(), rel=1e-12)
+    assert abs(average["k2"].item() - kl_pi_ref.item()) > 1e-3  # biased
+    assert torch.allclose(grad(average["k1"]), torch.zeros(6, dtype=torch.float64), atol=1e-15)
+    assert torch.allclose(grad(average["k2"]), grad(kl_pi_ref), rtol=1e-12, atol=1e-15)
+    assert torch.allclose(grad(average["k3"]), grad(kl_ref_pi), rtol=1e-12, atol=1e-15)
+    assert not torch.allclose(grad(kl_pi_ref), grad(kl_ref_pi), atol=1e-3)  # the two KLs' gradients differ
+
+
 def test_kl_metric_without_coef_does_not_change_the_loss():
     ref = [o + math.log(r) + 0.3 for o, r in zip(OLD, RATIOS)]  # ref - lp = 0.3 everywhere
     base, _ = policy_loss(make_inputs(), LossConfig())
@@ -380,6 +440,7 @@ def test_non_bool_mask_is_a_value_error():
         dict(max_completion_tokens=0),
         dict(tis_cap=0.0),
         dict(kl_coef=-1.0),
+        dict(kl_estimator="k4"),
         dict(entropy_coef=-1.0),
     ],
 )

@@ -266,7 +266,22 @@ class LossConfig(Section):
     tis_cap: float | None = Field(
         None, gt=0, description="truncated importance sampling cap on pi_old / mu; unset: 2.0 when TIS is on"
     )
-    kl_coef: float = Field(0.0, ge=0, description="weight of the KL(pi || reference) penalty (k3 estimator)")
+    kl_coef: float = Field(
+        0.0, ge=0,
+        description="weight of the KL(pi || reference) penalty, estimated per token by kl_estimator. The reference "
+        "is the policy the run starts from: with LoRA the base with the adapters off (no copy); with full "
+        "fine-tuning a frozen copy of the language model in model.dtype (sharded like the policy under torchrun; "
+        "`saccade memory` counts it), taken before the first step, so a resumed run keeps the original anchor, "
+        "not its checkpoint",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="the per-token KL estimate, with d = log ref - log pi (Schulman's approximations): 'k1' -d "
+        "(an unbiased value, negative on some tokens; as a loss term its gradient averages to 0 over pi's "
+        "tokens, so it regularises nothing), 'k2' d^2 / 2 (a biased value; its gradient averages to KL(pi || "
+        "ref)'s), 'k3' exp(d) - d - 1 (unbiased, >= 0; its gradient averages to KL(ref || pi)'s). The `kl` "
+        "metric is the chosen estimator's mean over the loss tokens",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
 
 

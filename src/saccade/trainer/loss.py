@@ -40,7 +40,7 @@ equals the loss of the whole batch (exactly, for all three normalizations).
 Metrics are detached 0-dim tensors, averaged over the micro-batch's loss tokens (no device
 sync): ``clip_frac_low`` (ratio < 1 - eps_low with A < 0: the clip is active and the token
 gets no gradient), ``clip_frac_high`` (ratio > 1 + eps_high with A > 0), ``clip_frac``
-(their sum), ``ratio_mean``, ``kl`` (k3, when ref given), ``entropy`` (when given),
+(their sum), ``ratio_mean``, ``kl`` (the ``kl_estimator``'s mean, when ref given), ``entropy`` (when given),
 ``tis_weight_mean`` and ``tis_frac_truncated`` (when TIS is on), ``mismatch_abs``
 (mean |logprobs - inference_logprobs|) and ``mismatch_kl`` (k3 estimate of KL(mu || pi))
 when inference logprobs are given, and ``loss_tokens`` (count in this micro-batch).
@@ -106,6 +106,29 @@ def per_sequence_mean(x_N: Tensor, mask_N: Tensor, cu_seqlens: Tensor) -> Tensor
     return sums_S / counts_S.clamp(min=1)
 
 
+# Per-token estimators of KL(pi || ref) on tokens sampled from pi (Schulman, "Approximating KL
+# divergence", 2020), with d = log ref - log pi. Their values and the gradients they give as a
+# loss term differ; on average over tokens sampled from pi (tests/trainer/test_loss.py checks
+# each over a whole vocabulary):
+#   k1 = -d               value: unbiased, high variance, negative on some tokens.
+#                         gradient: grad log pi, which averages to 0: it regularises nothing.
+#   k2 = d^2 / 2          value: biased (close for a small KL), low variance, >= 0.
+#                         gradient: -d grad log pi, on average the gradient of KL(pi || ref).
+#   k3 = e^d - d - 1      value: unbiased, low variance, >= 0.
+#                         gradient: (1 - e^d) grad log pi, on average the gradient of KL(ref || pi).
+
+
+def k1_kl(logprobs_N: Tensor, ref_logprobs_N: Tensor) -> Tensor:
+    """Per-token k1 estimator of KL(pi || ref): log pi - log ref. Its gradient w.r.t. lp is 1."""
+    return logprobs_N - ref_logprobs_N
+
+
+def k2_kl(logprobs_N: Tensor, ref_logprobs_N: Tensor) -> Tensor:
+    """Per-token k2 estimator of KL(pi || ref): (log pi - log ref)^2 / 2. Always >= 0; its
+    gradient w.r.t. lp is lp - ref, which pushes lp toward ref."""
+    return 0.5 * (logprobs_N - ref_logprobs_N) ** 2
+
+
 def k3_kl(logprobs_N: Tensor, ref_logprobs_N: Tensor) -> Tensor:
     """Per-token k3 estimator of KL(pi || ref) on tokens sampled from pi: exp(d) - d - 1, d = ref - lp.
 
@@ -113,6 +136,9 @@ def k3_kl(logprobs_N: Tensor, ref_logprobs_N: Tensor) -> Tensor:
     """
     d_N = ref_logprobs_N - logprobs_N
     return torch.exp(d_N) - d_N - 1.0
+
+
+KL_ESTIMATORS = {"k1": k1_kl, "k2": k2_kl, "k3": k3_kl}  # `LossConfig.kl_estimator` names one
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,9 +188,10 @@ def policy_loss(inp: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Ten
     Per loss token t, with ratio_t = exp(logprobs_t - old_logprobs_t) and A_t the advantage:
       ppo_clip:  pg_t = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
       reinforce: pg_t = -A_t * logprobs_t
-      loss_t = w_t * pg_t + kl_coef * k3_t - entropy_coef * entropy_t
+      loss_t = w_t * pg_t + kl_coef * kl_t - entropy_coef * entropy_t
     with w_t = min(exp(old_t - inference_t), tis_cap) (detached) when tis_cap is set, else 1,
-    and k3_t = exp(ref_t - lp_t) - (ref_t - lp_t) - 1. The loss is the normalized sum of loss_t
+    and kl_t the `kl_estimator`'s, with d_t = ref_t - lp_t: k1 -d_t, k2 d_t^2 / 2, k3
+    exp(d_t) - d_t - 1 (the default). The loss is the normalized sum of loss_t
     (see the module docstring). Computed in float32 (float64 if logprobs are float64).
     """
     _check_inputs(inp, cfg)
@@ -221,7 +248,7 @@ def policy_loss(inp: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Ten
 
     loss_N = pg_N
     if ref_N is not None:
-        kl_N = k3_kl(lp_N, ref_N)
+        kl_N = KL_ESTIMATORS[cfg.kl_estimator](lp_N, ref_N)
         metrics["kl"] = masked_mean(kl_N.detach(), mask_N)
         if cfg.kl_coef > 0:
             loss_N = loss_N + cfg.kl_coef * kl_N
