@@ -32,20 +32,25 @@ def _config(tmp_path, name, *extra):
     return load_config(RunConfig, "configs/demo.toml", [*FAST, "--log.dir", str(tmp_path / name), *extra])
 
 
+# The KL term on, with full fine-tuning: its reference is a frozen copy of the start weights, which a
+# resumed run must rebuild from model.path, not take from its checkpoint (saccade.trainer.reference).
+KL = ["--loss.kl_coef", "0.05"]
+
+
 @pytest.mark.slow
 def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path):
-    cfg = _config(tmp_path, "straight")
+    cfg = _config(tmp_path, "straight", *KL)
     train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     straight = read_metrics(cfg.run_dir)
 
-    cfg2 = _config(tmp_path, "killed")
+    cfg2 = _config(tmp_path, "killed", *KL)
     train_rl(cfg2, run_dir=cfg2.run_dir, task=scored_task(cfg2), progress=False, stop_after=2)  # "killed" after 2
     assert (cfg2.run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()
     train_rl(cfg2, run_dir=cfg2.run_dir, task=scored_task(cfg2), resume=True, progress=False)
     resumed = read_metrics(cfg2.run_dir)
 
     assert [(r["step"], r["phase"]) for r in resumed] == [(r["step"], r["phase"]) for r in straight]
-    compared = ("reward_mean", "accuracy", "completion_len_mean", "loss", "mismatch_abs", "grad_norm", "clip_frac")
+    compared = ("reward_mean", "accuracy", "completion_len_mean", "loss", "mismatch_abs", "grad_norm", "clip_frac", "kl")
     for a, b in zip(straight, resumed, strict=True):
         for key in compared:
             if key in a:
@@ -54,6 +59,10 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path):
     train = [r for r in straight if r["phase"] == "train"]
     assert all(r["mismatch_abs"] <= 1e-4 for r in train)
     assert len({round(r["loss"], 8) for r in train}) > 1
+    # The KL is 0 while the policy is its start, then the policy moves away from it: had the resumed
+    # run taken its reference from the step-2 checkpoint, its step 3 would log a KL near 0.
+    kl = [r["kl"] for r in train]
+    assert kl[0] == 0.0 and all(k > 1e-4 for k in kl[2:]), kl
 
 
 def _trainable(setup) -> dict[str, torch.Tensor]:

@@ -79,7 +79,8 @@ from saccade.timing import timed
 from saccade.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from saccade.trainer.checkpoint_folder import latest_checkpoint
 from saccade.trainer.packing import rank_micro_batches
-from saccade.trainer.step import Reference, adapter_free_reference, build_optimizer, lr_schedule, staged, train_step
+from saccade.trainer.reference import Reference, adapter_free_reference, frozen_copy, frozen_reference
+from saccade.trainer.step import build_optimizer, lr_schedule, staged, train_step
 
 # Steps in a row with nothing to train on before the run says so. Zero-variance filtering
 # can leave a collapsed policy (e.g. one whose replies no longer end) with no signal at
@@ -100,6 +101,19 @@ def stall_message(steps_without_signal: int, metrics: dict[str, float], run_dir:
     )
 
 
+def kl_reference(cfg: RunConfig, setup: Setup, sampling: SamplingParams, world: World = SINGLE) -> Reference:
+    """The KL term's reference policy (`saccade.trainer.reference`), scoring what the engine samples
+    from: with LoRA the base with the adapters off; with full fine-tuning a frozen copy of the
+    policy's weights as they are now. `RLStep.build` calls it before `--resume` loads a
+    checkpoint, so a resumed run's reference is the weights the run started from, not the
+    checkpoint's."""
+    banned = setup.engine.banned_token_ids
+    if cfg.lora.enabled:
+        return adapter_free_reference(setup.model, distribution=sampling.distribution, banned_token_ids=banned)
+    copy = frozen_copy(setup.model, setup.model_path, compute_dtype=getattr(torch, cfg.model.dtype), world=world)
+    return frozen_reference(copy, distribution=sampling.distribution, banned_token_ids=banned)
+
+
 @dataclass
 class RLStep:
     """An RL step's parts, built once per run from the config and the setup (`RLStep.build`):
@@ -115,7 +129,7 @@ class RLStep:
     loss: LossConfig  # effective_loss: TIS on whenever rollouts may come from older weights
     # What the engine samples from, so what the trainer, its old logprobs and the reference score.
     sampling: SamplingParams
-    reference: Reference | None  # the KL term's: the base model, adapters off
+    reference: Reference | None  # the KL term's: LoRA's base with adapters off, or a frozen copy (full FT)
     share_prompts: bool  # a group's prompt forwarded once
     max_lag: int  # the oldest weights a trained batch may come from, in versions behind the trainer's
     fits: Callable[[Any], None] | None  # a data set's rows must fit the token budget (an image span is never cut)
@@ -128,8 +142,7 @@ class RLStep:
         sampling = SamplingParams.sampled(cfg.sampling, n=cfg.rollout.group_size)
         reference = None
         if cfg.loss.kl_coef > 0:
-            reference = adapter_free_reference(setup.model, distribution=sampling.distribution,
-                                               banned_token_ids=setup.engine.banned_token_ids)
+            reference = kl_reference(cfg, setup, sampling, world)
         share_prompts = t.share_prompts and shares_prompts(setup.model)
         if t.share_prompts and not share_prompts and world.is_main:
             warnings.warn(

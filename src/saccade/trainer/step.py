@@ -12,7 +12,8 @@ function: the clipped policy objective (`train_step`), SFT's negative log-likeli
 its scheduler, the step's micro-batches (packed, in host memory), the loss
 settings, the sampled distribution (temperature, top_k, top_p, min_p) and the banned tokens
 (so the trainer scores exactly the distribution the engine sampled from), and optionally a
-reference policy for the KL term.
+reference policy for the KL term (`saccade.trainer.reference`: the base with LoRA's adapters
+off, or a frozen copy for full fine-tuning; the same callable either way).
 A distributed trainer or an async orchestrator calls it the same way.
 
 Per step: behaviour logprobs first (the engine's, or with TIS the trainer's own before the
@@ -40,13 +41,12 @@ from saccade.models.sampling import SampledDistribution
 from saccade.timing import timed
 from saccade.trainer.forward import forward_logprobs, predecessors
 from saccade.trainer.loss import LossInputs, policy_loss
+from saccade.trainer.reference import Reference
 from saccade.trainer.routing import (
     expert_counts, load_figures, routing_differs, routing_split_figures, routing_split_sums,
 )
 from saccade.trainer.samples import MicroBatch
 
-# A reference policy: a micro-batch in, the reference's logprob of each of its tokens out.
-Reference = Callable[[MicroBatch], torch.Tensor]
 # A micro-batch's loss: (its index k in the step, micro-batch k on the device) in; the loss to
 # backpropagate (normalised by the step's totals, so the micro-batches' losses sum to the
 # step's) and figures to sum over the step (0-dim device tensors) out.
@@ -184,25 +184,6 @@ def on_device(micro_batches: Sequence, device: torch.device) -> Iterator[tuple[i
             ahead = micro_batches[k + 1].to(device)
         yield k, current
         del current  # before the next one is sent
-
-
-def adapter_free_reference(model: nn.Module, *, distribution: SampledDistribution,
-                           banned_token_ids: list[int]) -> Reference:
-    """The base model, LoRA adapters switched off, as the reference policy (no second copy held).
-    It scores the same shaped distribution as the policy: its own logits, truncated by the same rule."""
-    if not hasattr(model, "disable_adapter"):
-        raise ValueError("loss.kl_coef > 0 needs LoRA (the reference is the base model with adapters off)")
-
-    ban_bias_V = ban_bias(unwrap_policy(model).lm_head, banned_token_ids)  # built once, as the engine's
-
-    @torch.no_grad()
-    def reference(mb: MicroBatch) -> torch.Tensor:
-        with model.disable_adapter():
-            logprobs, _ = forward_logprobs(model, mb, distribution=distribution, only_loss_tokens=True,
-                                           ban_bias_V=ban_bias_V)
-        return logprobs
-
-    return reference
 
 
 @dataclass
