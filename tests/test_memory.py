@@ -372,6 +372,54 @@ def test_optimizer_step_temporaries_are_sharded_too():
     assert est.get("activations") == est.get("unsharded root") == 0  # gathered copies are freed before the step
 
 
+# -- the KL term's reference (loss.kl_coef > 0) ----------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+@pytest.mark.parametrize("name", list(QWEN3_VL))
+def test_full_finetuning_with_kl_holds_one_more_copy_of_the_language_model(name, world_size):
+    """Full fine-tuning with the KL term holds a frozen copy of the language model + lm_head in
+    model.dtype, over N when sharded, and nothing else changes; LoRA's reference is its own base."""
+    d = QWEN3_VL[name]
+    for dtype, b in (("bfloat16", 2), ("float32", 4)):
+        kw = {"dtype": dtype, "max_tokens": 4096, "world_size": world_size}
+        plain = trainer_memory(d, lora_rank=None, **kw)
+        kl = trainer_memory(d, lora_rank=None, kl_reference=True, **kw)
+        assert kl.get("KL reference") == pytest.approx(d.text.params * b / world_size / GiB)
+        assert kl.total == pytest.approx(plain.total + kl.get("KL reference"))
+        assert [i for i in kl.items if i.name != "KL reference"] == list(plain.items)
+        assert trainer_memory(d, lora_rank=32, kl_reference=True, **kw) == trainer_memory(d, lora_rank=32, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kl_reference_counts_the_real_copy(tiny_path, tiny_dims, dtype):
+    from saccade.models.lm import load_policy_lm, set_full_finetune
+    from saccade.trainer.reference import frozen_copy
+
+    torch_dtype = getattr(torch, dtype)
+    copy = frozen_copy(set_full_finetune(load_policy_lm(tiny_path, dtype=torch_dtype)), str(tiny_path),
+                       compute_dtype=torch_dtype)
+    held = sum(p.numel() * p.element_size() for p in copy.parameters())  # the tied head once
+    est = trainer_memory(tiny_dims, dtype=dtype, lora_rank=None, kl_reference=True)
+    assert est.get("KL reference") * GiB == pytest.approx(held, rel=1e-12)
+
+
+def test_the_memory_command_counts_the_kl_reference_for_full_finetuning(capsys):
+    from saccade.cli import main
+
+    path = str(_configs() / "qwen3vl-8b-8gpu.toml")
+    full = ["--world-size", "4", "--lora.enabled", "false", "--engine.sync_lora_adapter", "false"]
+    without = _estimate(f"saccade memory configs/qwen3vl-8b-8gpu.toml {' '.join(full)}")
+    with_kl = _estimate(f"saccade memory configs/qwen3vl-8b-8gpu.toml {' '.join(full)} --loss.kl_coef 0.05")
+    reference = QWEN3_VL["Qwen/Qwen3-VL-8B-Instruct"].text.params * 2 / 4 / GiB  # bf16 shards over 4
+    assert without.trainer.get("KL reference") == 0
+    assert with_kl.trainer.get("KL reference") == pytest.approx(reference)
+    assert with_kl.trainer.total == pytest.approx(without.trainer.total + reference)
+    lora = "saccade memory configs/qwen3vl-8b-8gpu.toml --world-size 4"
+    assert _estimate(f"{lora} --loss.kl_coef 0.05").trainer == _estimate(lora).trainer  # adapters off: no copy
+    main(["memory", path, *full, "--loss.kl_coef", "0.05"])
+    assert "KL reference" in capsys.readouterr().out
+
+
 def test_a_world_size_below_one_is_refused():
     with pytest.raises(ValueError, match="world size"):
         trainer_memory(QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"], world_size=0)

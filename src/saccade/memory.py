@@ -10,6 +10,9 @@ real modules' exactly, and the activation bytes equal what autograd saves for ba
 What the trainer holds at its peak (the start of backward on the largest micro-batch):
 - weights: the language model and lm_head in `model.dtype`; never the vision tower with a
   vLLM engine (the servers encode images). The embedded engine loads the tower here too.
+- the KL term's reference (`loss.kl_coef` > 0): full fine-tuning holds a frozen copy of the
+  language model and lm_head in `model.dtype` (`saccade.trainer.reference.frozen_copy`); LoRA's
+  reference is its own frozen base with the adapters off, nothing more.
 - trainable state: peft keeps LoRA adapters in float32 (its `autocast_adapter_dtype`), so
   LoRA params, grads and AdamW's two moments are 4 bytes each. Full fine-tuning in bf16
   keeps float32 master weights beside the bf16 ones the model computes with
@@ -39,14 +42,17 @@ on every decoder layer, then on the PolicyLM as the root), the figures are per r
   directly, no separate master copy: 4 + 4 (gradients) + 8 (moments) bytes per parameter,
   over N. LoRA is stored as in one process (`saccade.trainer.sharding.mixed_precision`): the
   frozen base in `model.dtype` over N, the float32 adapters, their gradients and moments
-  over N;
+  over N; full fine-tuning's KL reference copy is sharded like the policy: `model.dtype`
+  shards, over N;
 - transient whole copies, as computed (the compute dtype; LoRA's adapters float32): FSDP
   all-gathers one decoder layer at a time
   and prefetches the next, so two layers are counted in flight (forward and backward alike);
   the root's own parameters (embedding, final norm, lm_head) stay whole from forward to
   backward (the root does not reshard after forward). A layer's whole gradient, before its
   reduce-scatter, exists while that layer's own saved activations are being freed: not
-  counted;
+  counted. The KL reference copy's forwards come before the training pass and keep no
+  activations; its layers are gathered one at a time like the policy's and its root is
+  sharded again after each micro-batch: not counted either;
 - activations, logprob buffers, image embeddings and the CUDA context are per rank and not
   divided: each rank runs its own micro-batches of up to `trainer.max_tokens` tokens.
   The activation formula is the single process's (peft's float32 input copies included: the
@@ -412,7 +418,7 @@ def trainer_memory(
     dims: ModelDims, *, dtype: str = "bfloat16", lora_rank: int | None = 16, lora_targets: tuple[str, ...] = LINEARS,
     max_tokens: int = 4096, holds_vision_tower: bool = False, loss_fraction: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK, activation_checkpointing: bool = False, world_size: int = 1,
-    fsdp: bool | None = None,
+    fsdp: bool | None = None, kl_reference: bool = False,
 ) -> Estimate:
     """Peak GPU memory of the trainer, per rank. `lora_rank=None` is full fine-tuning of the language model.
 
@@ -423,6 +429,9 @@ def trainer_memory(
 
     `world_size` N > 1 is FSDP2 full sharding over N ranks (the module docstring says what is
     divided by N and what is added); `fsdp` forces the FSDP path on or off (default: N > 1).
+
+    `kl_reference`: the KL term is on (`loss.kl_coef` > 0). Full fine-tuning then holds one more
+    copy of the language model in `dtype`, over N when sharded; LoRA nothing more.
     """
     if world_size < 1:
         raise ValueError(f"the world size (--world-size) must be >= 1, got {world_size}")
@@ -448,6 +457,9 @@ def trainer_memory(
         weights = Item("weights", lm_params * b / GiB,
                        f"language model + lm_head, {size}, {dtype}")
     items = [weights]
+    if kl_reference and full:
+        items.append(Item("KL reference", lm_params * b / GiB / n,
+                          f"frozen copy of the language model + lm_head, {dtype}" + (f" shards{of_n}" if sharded else "")))
     if holds_vision_tower:
         items.append(Item("vision tower", dims.vision.params * b / GiB, "embedded engine: the tower lives here"
                           + (" (not sharded)" if sharded else "")))
@@ -570,6 +582,7 @@ def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = G
         dims, dtype=cfg.model.dtype, lora_rank=lora_rank, lora_targets=tuple(cfg.lora.target_modules),
         max_tokens=cfg.trainer.max_tokens, holds_vision_tower=embedded,
         activation_checkpointing=cfg.trainer.activation_checkpointing, world_size=world_size,
+        kl_reference=cfg.loss.kl_coef > 0,
     )
     server = None
     if not embedded:
