@@ -343,6 +343,18 @@ def test_tis_is_on_by_default_whenever_rollouts_can_be_older_than_the_trainer():
     assert cap("--engine.sync_every_steps", "2", "--loss.tis", "off") is None
 
 
+def test_the_kl_term_loads_with_lora_and_with_full_finetuning():
+    """loss.kl_coef > 0 is no longer refused for full fine-tuning (a frozen copy of the start
+    weights is its reference, saccade.trainer.reference); the estimator is k1, k2 or k3 (k3 by
+    default, as before), and another is refused with the choices."""
+    for lora in ("true", "false"):
+        cfg = load_config(RunConfig, None, ["--lora.enabled", lora, "--loss.kl_coef", "0.05",
+                                            "--loss.kl_estimator", "k2"])
+        assert cfg.loss.kl_coef == 0.05 and cfg.loss.kl_estimator == "k2"
+    assert load_config(RunConfig, None, []).loss.kl_estimator == "k3"
+    assert error(None, ["--loss.kl_estimator", "k4"]) == "--loss.kl_estimator: input should be 'k1', 'k2' or 'k3' (got 'k4')"
+
+
 def test_sampling_ahead_needs_vllm_servers():
     with pytest.raises(ConfigError, match="max_async_level = 1 needs vLLM servers"):
         load_config(RunConfig, None, ["--rollout.max_async_level", "1"])

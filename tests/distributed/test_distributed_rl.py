@@ -3,10 +3,14 @@
 Every run here is a real `train_rl` in fresh processes (tests/distributed/worker.py), on the
 demo config from its warm start (`tiny-warm`), with micro-batches of 256 tokens so that a step
 packs into several of them and the ranks share them unevenly (padding micro-batches fill in).
-What must hold (issue 16):
+Every run has the KL term on (`loss.kl_coef`): full fine-tuning's reference is a frozen copy
+of the start weights, sharded like the policy (`saccade.trainer.reference`), LoRA's the base
+with the adapters off. What must hold (issue 16; the KL, issue 31):
 - world 2 samples exactly what world 1 samples (the same token ids and rewards every step),
-  and its per-step loss and grad norm, and its final weights, agree within 1e-5;
-- killed with SIGKILL after a checkpoint and resumed at world 2, it logs the same metrics;
+  and its per-step loss, grad norm and KL, and its final weights, agree within 1e-5; the KL
+  is 0 at step 1 (the policy is its reference) and above it after;
+- killed with SIGKILL after a checkpoint and resumed at world 2, it logs the same metrics (the
+  KL too: the resumed run's reference is the start weights again, not the checkpoint's);
 - a checkpoint resumes at the other world size (2 -> 1 and 1 -> 2);
 - two torchrun launches with --nnodes 2 over 127.0.0.1 train (LoRA, activation checkpointing).
 """
@@ -32,7 +36,7 @@ WORKER = str(Path(__file__).with_name("worker.py"))
 RTOL = 1e-5
 # Enough to make several micro-batches per step; checkpoints after steps 2 and 4.
 OVERRIDES = ["--trainer.steps", "4", "--trainer.max_tokens", "256", "--checkpoint.every_steps", "2",
-             "--eval.every_steps", "0", "--log.samples_every", "2"]
+             "--eval.every_steps", "0", "--log.samples_every", "2", "--loss.kl_coef", "0.05"]
 # Figures that depend on the machine's clock and memory, or on how a step was laid out.
 NOT_COMPARED = {"time", "elapsed_s", "rollout_s", "train_s", "weight_sync_s", "step_s", "tokens_per_s", "sample_s", "trainer_idle_s",
                 "rss_mb", "peak_rss_mb", "cache_hit_rate", "cache_mb", "cache_evictions", "cache_entries",
@@ -145,6 +149,8 @@ def test_world_2_samples_and_trains_like_world_1(world_runs):
     m1, m2 = train_metrics(world1 / "run"), train_metrics(world2 / "run")
     assert all(r["micro_batches"] >= 3 for r in m1)  # several micro-batches, shared unevenly by 2 ranks
     assert all(0 < r["reward_std"] for r in m1) and len({r["loss"] for r in m1}) == 4  # it trains
+    for m in (m1, m2):  # the KL to the start weights: 0 while the policy is them, then above 0
+        assert m[0]["kl"] == 0.0 and all(r["kl"] > 0 for r in m[1:]), [r["kl"] for r in m]
     assert_same_metrics(m2, m1, RTOL)
     # Rank 0 writes samples.jsonl from the prompts it sampled itself: the same records, images included.
     samples1, samples2 = read_metrics(world1 / "run" / "samples.jsonl"), read_metrics(world2 / "run" / "samples.jsonl")
@@ -202,7 +208,8 @@ def test_a_checkpoint_resumes_at_the_other_world_size(world1, world2, tmp_path, 
 
 def test_two_nodes_over_loopback_train(tmp_path):
     """Two torchrun launches, one per "node", meeting at a c10d rendezvous on 127.0.0.1: LoRA with
-    activation checkpointing, so that both compose with FSDP2 in a real run."""
+    activation checkpointing and the KL term (the base with the adapters off), so that all three
+    compose with FSDP2 in a real run."""
     port = free_port()
     run_dir = tmp_path / "run"
     launches = [
@@ -212,7 +219,7 @@ def test_two_nodes_over_loopback_train(tmp_path):
              "--rdzv-id", "saccade-test", "-m", "saccade", "rl", "configs/demo.toml", "--model.path", "tiny-warm",
              "--trainer.steps", "2", "--trainer.torch_threads", "1", "--trainer.max_tokens", "256",
              "--eval.every_steps", "0", "--lora.enabled", "true", "--trainer.activation_checkpointing", "true",
-             "--log.dir", str(run_dir)],
+             "--loss.kl_coef", "0.05", "--log.dir", str(run_dir)],
             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in (0, 1)
     ]
@@ -220,6 +227,7 @@ def test_two_nodes_over_loopback_train(tmp_path):
     assert [p.returncode for p in launches] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     metrics = train_metrics(run_dir)
     assert [r["step"] for r in metrics] == [1, 2] and all(r["grad_norm"] > 0 for r in metrics)
+    assert metrics[0]["kl"] == 0.0 and metrics[1]["kl"] > 0
     assert "done: 2 steps on 2 rank(s)" in outputs[0]
     assert (run_dir / "checkpoints" / "step_000002" / "adapter" / "adapter_model.safetensors").is_file()
     assert (run_dir / "checkpoints" / "step_000002" / "COMPLETE").is_file()
