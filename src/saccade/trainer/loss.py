@@ -15,7 +15,8 @@ Which logprobs are which
   (pi_theta_old as the trainer sees it). The caller decides.
 - ``inference_logprobs_N``: the engine's logprobs of the sampled tokens (mu). Needed for
   truncated importance sampling and for the train/inference mismatch metrics.
-- ``ref_logprobs_N``: the frozen reference policy, for the KL penalty.
+- ``ref_logprobs_N``: the frozen reference policy (the start weights: `saccade.trainer.reference`),
+  for the KL penalty, estimated per token by ``kl_estimator`` (k1, k2, k3; below).
 
 Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
 brings you off-policy RL training"): the engine (mu) and the trainer (pi_old) disagree a
