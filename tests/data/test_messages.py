@@ -228,3 +228,29 @@ def test_openai_input_image_part(processor, limits, picture):
     inp = messages_to_inputs(user({"type": "input_image", "image_url": url}), processor, limits=limits)
     ref = messages_to_inputs(user(image_part(picture)), processor, limits=limits)
     assert torch.equal(inp.input_ids, ref.input_ids)
+
+
+# ------------------------------------------------------------- blank images
+
+
+def test_blank_images_keep_every_token_and_lose_every_pixel(processor, limits, picture):
+    """Each image, whatever its form, becomes a uniform gray one of its size: the same ids and
+    grids (the same tokens at the same positions), other pixels; text, roles and order kept.
+    Two images of one size blank to the same pixels (one embedding in the content-keyed cache)."""
+    from saccade.data.images import BLANK_GRAY
+    from saccade.data.messages import with_blank_images
+
+    other = synthetic_image(96, 64, 7)
+    messages = [{"role": "system", "content": "Be brief."},
+                *user(text("Look:"), image_part(picture), {"type": "image_url", "image_url": image_to_data_url(other)},
+                      text("What?"))]
+    blanked = with_blank_images(messages, limits=limits)
+    assert blanked[0] == messages[0] and messages[1]["content"][1]["image"] is picture  # the input is left alone
+    parts = blanked[1]["content"]
+    assert [p["type"] for p in parts] == ["text", "image", "image", "text"] and parts[0] == text("Look:")
+    for part in parts[1:3]:
+        assert part["image"].size == picture.size and part["image"].getcolors() == [(96 * 64, BLANK_GRAY)]
+    real, blank = (messages_to_inputs(m, processor, limits=limits) for m in (messages, blanked))
+    assert torch.equal(blank.input_ids, real.input_ids) and torch.equal(blank.image_grid_thw, real.image_grid_thw)
+    assert not torch.equal(blank.pixel_values, real.pixel_values)
+    assert blank.image_hashes[0] == blank.image_hashes[1] != real.image_hashes[0]

@@ -274,3 +274,14 @@ def test_rewards_accept_shape_samples():
     count = make_sample(ShapesTask(kinds=("count",)), 2, seed=0)
     word = ["zero", "one", "two", "three", "four"][int(count.answer)]
     assert correct_reward(word, count) == 1.0
+
+
+def test_blanking_a_sample_messages_gives_the_blank_tasks_images():
+    """The generic blanking (saccade.data.messages.with_blank_images, what eval.visual_gain
+    scores) shows the policy exactly the pixels of the shapes control task (blank_images)."""
+    from saccade.data.messages import with_blank_images
+
+    real, blank = (ShapesTask(kinds=KINDS, image_size=48, blank_images=b).eval_samples(3) for b in (False, True))
+    for r, b in zip(real, blank, strict=True):
+        (part,) = [p for p in with_blank_images(to_messages(r))[0]["content"] if p["type"] == "image"]
+        assert part["image"].tobytes() == b.images[0].tobytes() and part["image"].size == b.images[0].size

@@ -45,11 +45,11 @@ import numpy as np
 from PIL import Image
 
 from saccade.config import DEFAULT_PROMPT_TEMPLATE, ColumnsConfig, ImagesConfig
-from saccade.data.images import ImageError, MissingImageError, load_image
+from saccade.data.images import ImageError, MissingImageError, blank_like, load_image
 from saccade.data.rows import (
     DATASET_TASKS, EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows,
 )
-from saccade.data.shapes import BLANK_GRAY, IMAGE_PLACEHOLDER, VQASample
+from saccade.data.shapes import IMAGE_PLACEHOLDER, VQASample
 
 __all__ = [
     "DatasetRows",
@@ -587,5 +587,5 @@ class DatasetTask:
 
     def _maybe_blank(self, sample: VQASample) -> VQASample:
         if self.blank_images:
-            sample.images = [Image.new("RGB", im.size, BLANK_GRAY) for im in sample.images]
+            sample.images = [blank_like(im) for im in sample.images]
         return sample

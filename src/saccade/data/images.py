@@ -40,7 +40,9 @@ __all__ = [
     "ImageError",
     "ImageSource",
     "MissingImageError",
+    "BLANK_GRAY",
     "TooManyPixelsError",
+    "blank_like",
     "image_hash",
     "image_to_data_url",
     "image_to_png_bytes",
@@ -58,6 +60,11 @@ _MAX_DICT_DEPTH = 4
 
 # Long sources (data URLs, huge paths) are cut to this many characters in messages.
 _MAX_SHOWN_CHARS = 80
+
+# What stands in for an image where the image must say nothing: the demo's control run and
+# the visual-reliance figures (`eval_accuracy_blank`, `reply_logprob_blank`). Mid gray, never
+# an answer color of the synthetic tasks.
+BLANK_GRAY: tuple[int, int, int] = (128, 128, 128)
 
 _REMOTE_CHUNK_BYTES = 64 * 1024
 
@@ -462,6 +469,14 @@ def image_hash(image: Image.Image) -> str:
     digest.update(f"{rgb.mode}:{rgb.width}x{rgb.height}:".encode())
     digest.update(rgb.tobytes())
     return digest.hexdigest()
+
+
+def blank_like(image: Image.Image) -> Image.Image:
+    """A uniform BLANK_GRAY RGB image of `image`'s size. Same size, so the processor resizes it
+    to the same grid: the same image tokens at the same positions, showing nothing. Every
+    image of one size gets the same pixels, so the embedding cache (keyed by content) encodes
+    it once."""
+    return Image.new("RGB", image.size, BLANK_GRAY)
 
 
 def image_to_png_bytes(image: Image.Image) -> bytes:

@@ -22,7 +22,7 @@ from PIL import Image
 
 from saccade.timing import timed
 from saccade.config import ImagesConfig
-from saccade.data.images import image_hash, load_image
+from saccade.data.images import blank_like, image_hash, load_image
 
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 # Tokens that only the processor may write: typed into text they would desynchronise the
@@ -103,6 +103,30 @@ def image_source(part: dict[str, Any], kind: str):
     if isinstance(value, dict):  # {"url": ...} in OpenAI's image_url
         value = value.get("url", value)
     return value
+
+
+def with_blank_images(messages: list[dict[str, Any]], *, limits: ImagesConfig = ImagesConfig(),
+                      sample: str | None = None) -> list[dict[str, Any]]:
+    """`messages` with every image part replaced by a blank one of that image's size
+    (`blank_like`), as {"type": "image", "image": ...}; roles, text and order as they were. The
+    model then reads the same tokens at the same positions, and only what the images showed is
+    gone: the counterfactual the visual-reliance figures score. Each image is loaded as the
+    engine loads it (`load_image`: EXIF orientation can swap its sides) to learn its size."""
+    blanked = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            blanked.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in IMAGE_PART_TYPES:
+                image = load_image(image_source(part, kind), limits=limits, sample=sample)
+                part = {"type": "image", "image": blank_like(image)}
+            parts.append(part)
+        blanked.append({**message, "content": parts})
+    return blanked
 
 
 def render_chat(processor, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageDraw
 
-from saccade.data.images import image_to_data_url
+from saccade.data.images import BLANK_GRAY, image_to_data_url
 
 __all__ = [
     "BACKGROUND_RANGE",
@@ -59,9 +59,9 @@ COLORS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "diamond")
 KINDS: tuple[str, ...] = ("color", "shape", "count")
-# Backgrounds are light neutral grays (never an answer color); blank images are mid gray.
+# Backgrounds are light neutral grays (never an answer color); blank images are mid gray
+# (BLANK_GRAY, saccade.data.images).
 BACKGROUND_RANGE: tuple[int, int] = (205, 255)
-BLANK_GRAY: tuple[int, int, int] = (128, 128, 128)
 
 QUESTIONS: dict[str, str] = {
     "color": "What color is the shape?",
