@@ -105,7 +105,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("saccade.bench", "saccade.demo", "saccade.demo_scenes", "saccade.demo_views", "saccade.doctor",
      "saccade.parity", "saccade.memory", "saccade.export"),
     ("saccade.rl", "saccade.sft"),
-    ("saccade.orchestrator", "saccade.evaluation", "saccade.sample_log"),
+    ("saccade.orchestrator", "saccade.evaluation", "saccade.sample_log", "saccade.visual"),
     ("saccade.setup", "saccade.tasks"),
     ("saccade.envs",),
     ("saccade.inference", "saccade.trainer", "saccade.serving"),

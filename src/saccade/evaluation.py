@@ -8,6 +8,12 @@ data set's task.eval_split, else test, else validation) in order.
 Each row keeps the question, the gold answer, the completion, the answer extracted from it
 and whether it scored, so every figure can be recounted from the samples file.
 
+Visual reliance (`eval.visual_gain`, on by default): both score the same prompts a second
+time with every image replaced by a uniform gray one of its size (`BlankImagesTask`):
+`accuracy_blank`, and `visual_gain` = accuracy - accuracy_blank. RL can raise accuracy
+through text priors alone while the policy stops looking at the image; then visual_gain
+falls towards 0 while accuracy holds.
+
 pass@k uses the unbiased estimator of Chen et al. (2021): with n samples of which c are
 correct, pass@k = 1 - C(n - c, k) / C(n, k), averaged over questions.
 """
@@ -36,23 +42,45 @@ CATEGORY_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def evaluate(setup, task, samples: list, *, max_tokens: int, env: EnvConfig | None = None) -> dict[str, float]:
+def evaluate(setup, task, samples: list, *, max_tokens: int, env: EnvConfig | None = None,
+             visual_gain: bool = False) -> dict[str, float]:
     """Greedy decoding on held-out prompts, one answer or episode each, scored by the task's
     environments: `accuracy` (the share scored fully correct), `n`, `turns` and the mean of
     every number the environments reported at their last step (`env_<key>`). A data set's
     held-out rows that could not be used (`samples.skipped`, saccade.data.rows) are not
-    scored: `skipped` counts them."""
+    scored: `skipped` counts them.
+
+    `visual_gain`: the same prompts once more with every image blank (`BlankImagesTask`, every
+    turn's images of an episode too): `accuracy_blank`, and `visual_gain` = accuracy -
+    accuracy_blank, how much of the success the images bring. A policy that stopped looking
+    has a visual_gain near 0 however high its accuracy. The blank pass decodes as much again;
+    its images, one gray picture per image size, are encoded once (the embedding cache keys
+    by content)."""
     from saccade.inference.engine import SamplingParams
     from saccade.orchestrator.rollout import final_info_means, reward_metrics, sample_groups
+    from saccade.visual import BlankImagesTask
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1)
-    groups = sample_groups(setup.engine, task, samples, greedy, merge=setup.merge, continuation=setup.continuation,
-                           env=env, tokenizer=setup.processor.tokenizer)
-    rollouts = [group[0] for group in groups]
+
+    def greedy_rollouts(task) -> list:
+        groups = sample_groups(setup.engine, task, samples, greedy, merge=setup.merge,
+                               continuation=setup.continuation, env=env, tokenizer=setup.processor.tokenizer)
+        return [group[0] for group in groups]
+
+    rollouts = greedy_rollouts(task)
     skipped = {"skipped": float(len(samples.skipped))} if hasattr(samples, "skipped") else {}
-    return {"accuracy": float(np.mean([r.correct for r in rollouts])), "n": len(rollouts),
-            "turns": float(np.mean([r.turns for r in rollouts])), **skipped,
-            **final_info_means([r.info for r in rollouts]), **reward_metrics([r.info for r in rollouts])}
+    result = {"accuracy": share_correct(rollouts), "n": len(rollouts),
+              "turns": float(np.mean([r.turns for r in rollouts])), **skipped,
+              **final_info_means([r.info for r in rollouts]), **reward_metrics([r.info for r in rollouts])}
+    if visual_gain:
+        result["accuracy_blank"] = share_correct(greedy_rollouts(BlankImagesTask(task, setup.images)))
+        result["visual_gain"] = result["accuracy"] - result["accuracy_blank"]
+    return result
+
+
+def share_correct(rollouts: list) -> float:
+    """The share of rollouts scored fully correct (`Rollout.correct`)."""
+    return float(np.mean([r.correct for r in rollouts]))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -97,12 +125,15 @@ def load_weights(setup, cfg: RunConfig, checkpoint: str | None) -> str:
 
 
 def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> dict[str, Any]:
-    """Greedy accuracy and (with eval.samples_k = n > 1) pass@1..n on the held-out split."""
+    """Greedy accuracy, with eval.visual_gain also with every image blank (`accuracy_blank`,
+    `visual_gain`; each row's `completion_blank`, `correct_blank`), and (with eval.samples_k =
+    n > 1) pass@1..n on the held-out split."""
     from saccade.inference.engine import SamplingParams
     from saccade.orchestrator.rollout import sample_groups
     from saccade.rewards import extract_answer
     from saccade.setup import build_setup
     from saccade.tasks import task_from_config
+    from saccade.visual import BlankImagesTask
 
     task = task_from_config(cfg)
     if task.max_turns > 1:
@@ -126,10 +157,13 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
     weights = load_weights(setup, cfg, checkpoint)
     setup.engine.update_weights()  # a vLLM server samples from these weights, not whatever it held
 
-    def answers(params: SamplingParams) -> list[list]:
+    def answers(params: SamplingParams, task=task) -> list[list]:
         return sample_groups(setup.engine, task, samples, params, merge=setup.merge)
 
-    greedy = answers(SamplingParams(temperature=0.0, max_tokens=cfg.sampling.max_tokens, n=1))
+    greedy_params = SamplingParams(temperature=0.0, max_tokens=cfg.sampling.max_tokens, n=1)
+    greedy = answers(greedy_params)
+    # eval.visual_gain: the same questions with every image blank, greedy too.
+    blank = answers(greedy_params, BlankImagesTask(task, setup.images)) if cfg.eval.visual_gain else None
     n = cfg.eval.samples_k
     sampled = None
     if n > 1:
@@ -141,6 +175,10 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
                "choices": sample.choices, "answer_type": sample.answer_type, "precision": sample.precision,
                "completion": text, "extracted": extract_answer(text),
                "correct": float(answer.info["correct"]), "metadata": _plain(sample.metadata)}
+        if blank is not None:
+            (blank_answer,) = blank[i]
+            row["completion_blank"] = blank_answer.texts[-1]
+            row["correct_blank"] = float(blank_answer.info["correct"])
         if sampled is not None:
             row["samples"] = [r.texts[-1] for r in sampled[i]]
             row["samples_correct"] = int(sum(r.info["correct"] for r in sampled[i]))
@@ -150,6 +188,7 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
         "n": len(rows),  # the rows scored; accuracy is over these, the skipped ones apart
         "accuracy": float(np.mean([r["correct"] for r in rows])),
         "task": cfg.task.kind,
+        **(visual_gain_figures(rows) if blank is not None else {}),
         "by_category": by_category(rows, CATEGORY_FIELDS.get(cfg.task.kind, ())),
         "skipped": {reason: n for reason, n in Counter(r["reason"] for r in skipped).items()},
         "skipped_rows": skipped,
@@ -164,13 +203,22 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
     return result
 
 
+def visual_gain_figures(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """`accuracy_blank` (the greedy answers with every image blank, scored) and `visual_gain` =
+    accuracy - accuracy_blank, over the rows of `run_eval`."""
+    accuracy = float(np.mean([r["correct"] for r in rows]))
+    blank = float(np.mean([r["correct_blank"] for r in rows]))
+    return {"accuracy_blank": blank, "visual_gain": accuracy - blank}
+
+
 def _reasons(skipped: list[dict[str, Any]]) -> str:
     return ", ".join(f"{reason} {n}" for reason, n in Counter(r["reason"] for r in skipped).most_common())
 
 
 def write_samples(rows: list[dict[str, Any]], path: str | Path) -> Path:
     """One JSON line per question: id, question, answer, completion, extracted answer,
-    correct, metadata (and the n samples with their correct count for pass@k)."""
+    correct, metadata (with eval.visual_gain the blank-image completion_blank and correct_blank;
+    with pass@k the n samples and their correct count)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -195,6 +243,9 @@ def format_eval(result: dict[str, Any]) -> str:
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("greedy accuracy", f"{result['accuracy']:.3f}")
+    if "visual_gain" in result:
+        table.add_row("greedy accuracy, every image blank", f"{result['accuracy_blank']:.3f}")
+        table.add_row("visual gain (accuracy - blank)", f"{result['visual_gain']:+.3f}")
     for k, v in result.get("pass_at_k", {}).items():
         table.add_row(f"pass@{k} (n={result['samples_per_question']})", f"{v:.3f}")
     for field, groups in result["by_category"].items():

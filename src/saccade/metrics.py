@@ -171,6 +171,7 @@ _SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
     ("accuracy", "acc"),
     ("eval/accuracy", "eval_acc"),
     ("eval_accuracy", "eval_acc"),
+    ("visual_gain", "vis_gain"),
     ("loss", "loss"),
     ("kl", "kl"),
     ("entropy", "ent"),

@@ -52,7 +52,9 @@ def _is_loss(b: str) -> bool:
 
 GROUPS: tuple[Group, ...] = (
     Group("reward", "Reward", "reward", lambda b: "reward" in b),
-    Group("accuracy", "Accuracy", "accuracy", lambda b: "accuracy" in b or b == "acc" or b.endswith("_acc")),
+    # visual_gain (eval accuracy with the images minus with them blank) is on the accuracy's scale.
+    Group("accuracy", "Accuracy", "accuracy",
+          lambda b: "accuracy" in b or b == "acc" or b.endswith("_acc") or b == "visual_gain"),
     Group("completion_len", "Completion length", "tokens", _is_len),
     Group("kl", "KL to the reference policy", "KL", _is_kl, log_scale=True),
     Group("mismatch", "Train / inference mismatch", "mismatch", lambda b: b.startswith("mismatch"), log_scale=True),

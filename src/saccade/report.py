@@ -4,8 +4,9 @@ The page holds, from the run folder:
 
 * the curves of metrics.jsonl, the groups `saccade plot` draws (`saccade.plot.plotted_groups`:
   reward, accuracy, lengths, KL, mismatch, step time, ...), as matplotlib SVGs;
-* the evaluations: the RL loop's held-out greedy success (the "eval" records of metrics.jsonl)
-  and every `saccade eval --json` file found in the folder, per category;
+* the evaluations: the RL loop's held-out greedy success (the "eval" records of metrics.jsonl,
+  with `accuracy_blank` and `visual_gain` where the run measured them) and every
+  `saccade eval --json` file found in the folder, per category;
 * a gallery of samples.jsonl (`saccade.sample_log`): per step, each prompt's images and text
   and its G completions coloured by reward, with a step slider (arrow keys move it);
 * the resolved config.toml the run ran with.
@@ -102,6 +103,9 @@ def eval_section(records: list[dict], run_dir: Path) -> str:
         parts.append(f"<h3>{html.escape(path.name)} (saccade eval)</h3>")
         rows = [["weights", str(result.get("weights", "?"))], ["questions", result.get("n")],
                 ["greedy accuracy", result["accuracy"]]]
+        if "visual_gain" in result:
+            rows += [["greedy accuracy, every image blank", result["accuracy_blank"]],
+                     ["visual gain", result["visual_gain"]]]
         rows += [[f"pass@{k}", v] for k, v in result.get("pass_at_k", {}).items()]
         parts.append(table(["", "value"], rows))
         for field, groups in result["by_category"].items():
@@ -144,7 +148,10 @@ def summary(records: list[dict], run_dir: Path) -> str:
                 items.append(f"{label} {last[key]:.3g}")
         items.append(f"{last.get('elapsed_s', 0) / 60:.1f} min")
     if evals:
-        items.append(f"eval accuracy {evals[-1]['accuracy']:.3g} at step {evals[-1]['step']}")
+        last_eval = evals[-1]
+        gain = last_eval.get("visual_gain")
+        also = f" (visual gain {gain:+.3g})" if isinstance(gain, (int, float)) else ""
+        items.append(f"eval accuracy {last_eval['accuracy']:.3g}{also} at step {last_eval['step']}")
     return " · ".join(html.escape(i) for i in items)
 
 

@@ -31,8 +31,9 @@ completions to samples.jsonl (`saccade.sample_log`), for a person to read.
 Simplified on purpose:
 - Sampling ahead is a thread in the one trainer process, not an orchestrator process of its
   own: under torchrun `rollout.max_async_level` > 0 is refused.
-- Rank 0 alone evaluates (greedy success on a held-out split) while the other ranks wait, and
-  rank 0 alone writes the metrics and the samples.
+- Rank 0 alone evaluates (greedy success on a held-out split, and with `eval.visual_gain` the
+  same with every image blank: `eval_accuracy_blank`, `visual_gain`) while the other ranks
+  wait, and rank 0 alone writes the metrics and the samples.
 - Every rank reads and checks all of a step's rows (so all skip the same broken ones) and
   holds the whole step's scored groups, gathered to it.
 - A step whose groups carry no signal trains on nothing; the run does not sample more to fill
@@ -201,11 +202,12 @@ class RLStep:
         )
 
     def evaluate(self, samples: list) -> dict[str, float]:
-        """Greedy success on the held-out `samples`, evaluated by rank 0 ({} on the others, which
-        wait; with the embedded engine every rank holds the whole weights meanwhile)."""
+        """Greedy success on the held-out `samples` (with eval.visual_gain, also with every image
+        blank), evaluated by rank 0 ({} on the others, which wait; with the embedded engine every
+        rank holds the whole weights meanwhile)."""
         with self.sampling_weights():
             ev = evaluate(self.setup, self.task, samples, max_tokens=self.cfg.sampling.max_tokens,
-                          env=self.cfg.env) if self.world.is_main else {}
+                          env=self.cfg.env, visual_gain=self.cfg.eval.visual_gain) if self.world.is_main else {}
             barrier(self.world)
         return ev
 
@@ -317,6 +319,8 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                     if world.is_main:
                         logger.log(state.step, {k: v for k, v in ev.items() if k != "n"}, phase="eval")
                         metrics["eval_accuracy"] = ev["accuracy"]
+                        if "visual_gain" in ev:  # eval.visual_gain: the same prompts, images blank
+                            metrics.update(eval_accuracy_blank=ev["accuracy_blank"], visual_gain=ev["visual_gain"])
                 logger.log(state.step, metrics)
                 last = metrics
                 note = None
