@@ -56,7 +56,7 @@ def test_the_page_is_self_contained(report):
     assert page.count('class="curve"') >= 8 and "data:image/svg+xml;base64," in page
     assert "data:image/png;base64," in page  # the gallery's thumbnails
     for text in ("[rollout]", "group_size = 4", "During training (greedy, held-out split)", "eval.json (saccade eval)",
-                 "<td>color</td>"):
+                 "<td>color</td>", "<th>accuracy_blank</th>", "<th>visual_gain</th>", "(visual gain "):
         assert text in page
 
 
@@ -75,6 +75,9 @@ def test_a_browser_renders_the_curves_and_every_gallery_step(report, tmp_path):
     for step in measured["steps"]:
         assert step["images"] == [64, 64]  # each prompt's thumbnail, decoded at its size
         assert step["completions"] == 2 * 4  # 2 prompts x G = 4
+    # Each completion shows its reply's logprob and what its image adds (the last step's, as left shown).
+    assert len(re.findall(r'class="gain" title="reply logprob -\d+\.\d\d, with blank images -\d+\.\d\d">'
+                          r'logp=-\d+\.\d\d img=[+-]\d+\.\d\d<', dom)) == 2 * 4
 
 
 @pytest.mark.slow

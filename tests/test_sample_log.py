@@ -5,11 +5,13 @@ once; every image of a multi-turn episode; a resumed run drops the lines past it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import shutil
 
 import pytest
+import torch
 from PIL import Image
 from stub_tasks import HashEpisodesTask, scored_task
 
@@ -40,8 +42,52 @@ def test_every_step_writes_its_first_prompts_with_their_completions(short_rl_run
             assert len(c["texts"]) == len(c["finish_reasons"]) == 1 and c["finish_reasons"][0] in ("stop", "length")
             assert c["info"]["correct"] in (0.0, 1.0) and c["replies"] == []
             assert c["policy_version"] == rec["step"] - 1  # sampled from the weights of the step before
+            # The reply's logprob with and without its image (checked against a direct forward below).
+            assert c["reply_logprob"] < 0 and c["reply_logprob_blank"] < 0
+            assert c["image_logprob_gain"] == c["reply_logprob"] - c["reply_logprob_blank"]
+    # The random tiny model's replies depend on its image a little: the blank one moves them.
+    assert all(c["image_logprob_gain"] != 0 for rec in records for c in rec["completions"])
     # The two prompts of a step are the step's first two, in order: different questions.
     assert records[0]["prompt_id"] != records[1]["prompt_id"]
+
+
+@pytest.mark.slow
+def test_a_replys_logprob_with_and_without_its_image_matches_a_direct_forward(short_rl_run):
+    """`reply_logprobs` packs each sample with its blank counterpart; each figure equals the
+    sample's own forward (the trainer's path: collate, forward_logprobs, the loss tokens summed),
+    the blank one with the prompt the engine itself makes of the blanked messages."""
+    from saccade.data.messages import with_blank_images
+    from saccade.inference.engine import ChatRequest
+    from saccade.trainer.forward import forward_logprobs
+    from saccade.trainer.packing import collate
+    from saccade.visual import reply_logprobs
+
+    cfg, result = short_rl_run
+    setup = result["setup"]
+    sampling = SamplingParams(max_tokens=cfg.sampling.max_tokens, n=2)
+    task = scored_task(cfg)
+    rows = StepRows([task.train_sample(50, seed=3)], positions=[50], end=51, skipped=[])
+    rollouts = sample_step(0, rows, setup=setup, task=task, cfg=cfg, sampling=sampling)
+    rollouts.pins.release()
+    (group,) = rollouts.groups
+    figures = reply_logprobs(setup, group, distribution=sampling.distribution,
+                             banned_token_ids=setup.engine.banned_token_ids, max_tokens=cfg.trainer.max_tokens)
+
+    @torch.no_grad()
+    def direct(sample) -> float:
+        mb = collate([sample], setup.cache.get, image_token_id=setup.image_token_id, spatial_merge_size=setup.merge)
+        logprobs_N, _ = forward_logprobs(setup.model, mb, distribution=sampling.distribution, only_loss_tokens=True,
+                                         banned_token_ids=setup.engine.banned_token_ids)
+        return float(logprobs_N.sum())
+
+    for r, f in zip(group, figures, strict=True):
+        blank_prompt = setup.engine.prepare(ChatRequest("blank", with_blank_images(r.env_messages[0])))
+        assert torch.equal(blank_prompt.inputs.input_ids, r.sample.input_ids[:blank_prompt.length])
+        blank_sample = dataclasses.replace(r.sample, image_keys=blank_prompt.image_keys)
+        assert blank_prompt.image_keys != r.sample.image_keys
+        assert abs(f["reply_logprob"] - direct(r.sample)) <= 1e-5
+        assert abs(f["reply_logprob_blank"] - direct(blank_sample)) <= 1e-5
+        assert f["image_logprob_gain"] == f["reply_logprob"] - f["reply_logprob_blank"] != 0
 
 
 @pytest.mark.slow
@@ -92,6 +138,12 @@ def test_a_multi_turn_record_holds_every_image_of_each_episode(short_rl_run, tmp
         with Image.open(tmp_path / rel) as im:
             assert max(im.size) <= 32
     json.dumps(rec, allow_nan=False)  # a record is plain JSON
+    # Each episode's reply (every turn's) scored with and without all its images.
+    from saccade.visual import reply_logprobs
+
+    figures = reply_logprobs(setup, batch.groups[0], distribution=SamplingParams().distribution,
+                             banned_token_ids=setup.engine.banned_token_ids, max_tokens=cfg.trainer.max_tokens)
+    assert all(f["reply_logprob"] < 0 and f["image_logprob_gain"] != 0 for f in figures)
     # Gathered to the other ranks (pickled), rollouts leave their images behind.
     (gathered,) = pickle.loads(pickle.dumps(batch.groups))
     assert [r.env_messages for r in gathered] == [[], []] and [r.texts for r in gathered] == [

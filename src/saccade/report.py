@@ -8,7 +8,9 @@ The page holds, from the run folder:
   with `accuracy_blank` and `visual_gain` where the run measured them) and every
   `saccade eval --json` file found in the folder, per category;
 * a gallery of samples.jsonl (`saccade.sample_log`): per step, each prompt's images and text
-  and its G completions coloured by reward, with a step slider (arrow keys move it);
+  and its G completions coloured by reward, each with its reply's logprob and how much its
+  images raise it (`image_logprob_gain`, `saccade.visual`), with a step slider (arrow keys
+  move it);
 * the resolved config.toml the run ran with.
 
 Everything is inside the one file: CSS and a small script inline, images and curves as data
@@ -215,7 +217,7 @@ pre.config { background: #f8f8f8; padding: 10px; overflow: auto; max-height: 480
 .card .prompt { flex: 0 0 300px; } .card .prompt img { width: 192px; height: auto; image-rendering: pixelated; border: 1px solid #ccc; }
 .card .answers { flex: 1; min-width: 0; }
 .completion { border-radius: 4px; padding: 3px 8px; margin: 3px 0; white-space: pre-wrap; word-break: break-word; }
-.completion .score { font: 12px monospace; color: #333; margin-right: 8px; }
+.completion .score { font: 12px monospace; color: #333; margin-right: 8px; } .completion .gain { color: #555; }
 .reply { color: #555; font-style: italic; } .reply img { max-height: 96px; vertical-align: middle; margin: 2px; }
 .muted { color: #777; }
 """
@@ -233,10 +235,15 @@ const colour = r => {
 };
 const img = path => DATA.images[path] ? `<img src="${DATA.images[path]}" alt="${esc(path)}">`
                                       : `<span class="muted">[missing ${esc(path)}]</span>`;
+// How much more likely its images make the reply (samples.jsonl's image_logprob_gain), the
+// reply's logprob with and without them in the tooltip; absent in older runs' records.
+const gain = c => c.image_logprob_gain === undefined ? '' :
+  ` <span class="gain" title="reply logprob ${num(c.reply_logprob)}, with blank images ${num(c.reply_logprob_blank)}">` +
+  `logp=${num(c.reply_logprob)} img=${num(c.image_logprob_gain, true)}</span>`;
 function card(rec) {
   const answers = rec.completions.map(c => {
     const turns = c.texts.map((t, i) => esc(t) + (c.replies[i] ? `<div class="reply">${c.replies[i].images.map(img).join('')} ${esc(c.replies[i].text)}</div>` : ''));
-    return `<div class="completion" style="background:${colour(c.reward)}"><span class="score">r=${num(c.reward)} A=${num(c.advantage, true)} ${esc(c.finish_reasons.join(','))}</span>${turns.join('<br>')}</div>`;
+    return `<div class="completion" style="background:${colour(c.reward)}"><span class="score">r=${num(c.reward)} A=${num(c.advantage, true)} ${esc(c.finish_reasons.join(','))}${gain(c)}</span>${turns.join('<br>')}</div>`;
   }).join('');
   const answer = rec.answer !== undefined ? `<div><b>answer:</b> ${esc(rec.answer)}</div>` : '';
   return `<div class="card"><div class="prompt">${rec.prompt.images.map(img).join(' ')}<div class="muted">${esc(rec.prompt_id)}</div><div>${esc(rec.prompt.text)}</div>${answer}</div><div class="answers">${answers}</div></div>`;

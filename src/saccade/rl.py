@@ -26,7 +26,8 @@ engine; at k > 0 (vLLM servers) a thread samples up to k steps ahead while the t
 trains, from weights at most k versions old, and TIS corrects for the lag (`loss.tis`).
 With every server gone the run saves a checkpoint and stops, saying what to restart.
 Every `log.samples_every` steps rank 0 also writes the step's first prompts with their
-completions to samples.jsonl (`saccade.sample_log`), for a person to read.
+completions to samples.jsonl (`saccade.sample_log`), for a person to read, each reply's
+logprob with and without its images beside it (`saccade.visual`; one process only).
 
 Simplified on purpose:
 - Sampling ahead is a thread in the one trainer process, not an orchestrator process of its
@@ -73,7 +74,7 @@ from saccade.orchestrator.rollout import sample_step
 from saccade.orchestrator.source import RolloutSource, StepRollouts
 from saccade.process_stats import memory_metrics, process_metrics
 from saccade.progress import ProgressBar
-from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
+from saccade.sample_log import SAMPLES_DIR, finite, sample_line, step_samples
 from saccade.setup import Setup, build_setup
 from saccade.tasks import Task, task_from_config
 from saccade.timing import timed
@@ -82,6 +83,7 @@ from saccade.trainer.checkpoint_folder import latest_checkpoint
 from saccade.trainer.packing import rank_micro_batches
 from saccade.trainer.reference import Reference, adapter_free_reference, frozen_copy, frozen_reference
 from saccade.trainer.step import build_optimizer, lr_schedule, staged, train_step
+from saccade.visual import reply_logprobs
 
 # Steps in a row with nothing to train on before the run says so. Zero-variance filtering
 # can leave a collapsed policy (e.g. one whose replies no longer end) with no signal at
@@ -325,7 +327,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 last = metrics
                 note = None
                 if world.is_main and cfg.log.samples_every and state.step % cfg.log.samples_every == 0:
-                    note = log_samples(logger, state.step, rollouts, cfg, run_dir)
+                    note = log_samples(logger, state.step, rollouts, run, run_dir)
                 bar(format_step(metrics), note=note)
                 if gone is not None:
                     raise gone
@@ -345,12 +347,24 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     return {"step": state.step, "last": last, "setup": setup}
 
 
-def log_samples(logger: MetricsLogger, step: int, rollouts: StepRollouts, cfg: RunConfig, run_dir: Path) -> str:
+def log_samples(logger: MetricsLogger, step: int, rollouts: StepRollouts, run: RLStep, run_dir: Path) -> str:
     """A few prompts with their completions for a person to read (samples.jsonl, `saccade
     report`): the step's first, which rank 0 sampled itself and so still holds their images.
-    Returns the console's line about the first."""
+    Each completion also gets its reply's logprob with and without its images under the
+    weights just trained (`saccade.visual.reply_logprobs`). Returns the console's line about
+    the first."""
+    cfg = run.cfg
     records = step_samples(step, rollouts.rows.prompts, rollouts.all_groups, rollouts.groups,
                            count=cfg.log.samples_prompts, folder=run_dir / SAMPLES_DIR, side=cfg.log.samples_image_side)
+    # Under torchrun the model is sharded: a forward on rank 0 alone would wait for the others.
+    if run.world.size == 1:
+        logged = [r for group in rollouts.groups[:len(records)] for r in group]
+        figures = iter(reply_logprobs(run.setup, logged, distribution=run.sampling.distribution,
+                                      banned_token_ids=run.setup.engine.banned_token_ids,
+                                      max_tokens=cfg.trainer.max_tokens))
+        for record in records:
+            for completion in record["completions"]:
+                completion.update({k: None if v is None else finite(v) for k, v in next(figures).items()})
     logger.log_samples(step, records)
     return sample_line(records)
 

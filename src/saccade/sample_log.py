@@ -10,12 +10,15 @@ and TensorBoard. `saccade report` shows them as a gallery. One record (docs/repo
      "prompt": {"text": "What color is the shape? ...", "images": ["samples/3f9c0a1e5b7d2c44.png"]},
      "completions": [{"texts": ["red"], "finish_reasons": ["stop"], "reward": 1.0,
                       "advantage": 0.93, "info": {"correct": 1.0}, "policy_version": 19,
-                      "replies": []}, ...]}
+                      "replies": [], "reply_logprob": -0.41, "reply_logprob_blank": -1.37,
+                      "image_logprob_gain": 0.96}, ...]}
 
 `texts` and `finish_reasons` have one entry per assistant turn; `replies` holds what a
 multi-turn environment answered after each turn (its text and images), so every image of an
 episode is there. `info` is what the environment reported at the last step (the reward's parts
-among it). A value JSON cannot hold (NaN, infinity) is written as null.
+among it). `reply_logprob`, `reply_logprob_blank` and `image_logprob_gain` are the reply's
+logprob with and without its images (`saccade.visual.reply_logprobs`; the RL loop adds them, in
+one process). A value JSON cannot hold (NaN, infinity) is written as null.
 
 Images are written once as small PNG thumbnails named by their content's hash under
 `<run_dir>/samples/` and referenced by a path relative to the run folder: the same image met at
