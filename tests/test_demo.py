@@ -21,7 +21,7 @@ FAST = [
 
 def passing(**changes):
     result = {"accuracy_before": 0.35, "accuracy_after": 0.95, "control_accuracy_after": 0.30,
-              "chance": 1 / 3, "minutes": 4.0}
+              "visual_gain_after": 0.62, "control_visual_gain": 0.02, "chance": 1 / 3, "minutes": 4.0}
     return {**result, **changes}
 
 
@@ -43,6 +43,9 @@ def test_verdict_passes_a_demo_that_met_the_bar():
         ({"control_accuracy_after": 0.7}, "control_accuracy_after"),
         ({"control_accuracy_after": 0.2}, "control_accuracy_after"),
         ({"minutes": 10.5}, "minutes"),
+        ({"visual_gain_after": 0.45}, "visual_gain_after"),
+        ({"control_visual_gain": 0.15}, "control_visual_gain"),
+        ({"control_visual_gain": -0.15}, "control_visual_gain"),
     ],
 )
 def test_verdict_names_what_missed_the_bar(changes, missed):
@@ -73,9 +76,12 @@ def test_the_demo_runs_every_stage_and_fails_loudly_when_it_does_not_learn(tmp_p
     rc = main(["demo", "--json", str(out), "--log.dir", str(tmp_path / "run"), *FAST])
     assert rc == 1  # two GRPO steps cannot reach 0.9: the demo must say it missed its bar
     result = json.loads(out.read_text())
-    for key in ("accuracy_before", "accuracy_after", "control_accuracy_after", "chance", "minutes"):
+    for key in ("accuracy_before", "accuracy_after", "control_accuracy_after", "control_accuracy_on_real_images",
+                "visual_gain_before", "visual_gain_after", "control_visual_gain", "chance", "minutes"):
         assert isinstance(result[key], float), key
     assert result["chance"] == pytest.approx(1 / 3)
+    # The control's visual gain: its accuracy on the real images minus on the blank ones it trained on.
+    assert result["control_visual_gain"] == result["control_accuracy_on_real_images"] - result["control_accuracy_after"]
     for part in ("sft", "grpo", "control"):
         assert (tmp_path / "run" / part / "metrics.jsonl").is_file(), part
     for part in ("grpo", "control"):

@@ -8,6 +8,10 @@ that the images are what it learned from.
 3. Control: the same GRPO from the same warm start, on the same questions with every image
    replaced by one uniform gray picture. With nothing to see it can only stay at chance.
 
+Each trained policy is also scored with every held-out image blank (`saccade.visual`): the
+GRPO policy's `visual_gain_after` (its accuracy minus its accuracy on blank images) shows it
+reads the image, the control's `control_visual_gain` that it never learned to.
+
 The settings live in `saccade/configs/demo.toml` (also `configs/demo.toml` in the repo).
 """
 
@@ -30,6 +34,11 @@ from saccade.distributed import SINGLE, World, barrier
 ACCURACY_AFTER_MIN = 0.9
 CHANCE_MARGIN = 0.1
 MINUTES_MAX = 10.0
+# ...and (issue 31) the learned policy's success comes from the image: blanking the images
+# takes at least this much accuracy from it (chance is 1/3), and nothing from the control's
+# (0 ± VISUAL_GAIN_MARGIN).
+VISUAL_GAIN_MIN = 0.5
+VISUAL_GAIN_MARGIN = 0.1
 
 
 def demo_config_path() -> Path:
@@ -209,6 +218,10 @@ def verdict(result: dict[str, float]) -> list[str]:
         misses.append(
             f"control_accuracy_after {result['control_accuracy_after']:.2f} is not within chance {chance:.2f} ± {CHANCE_MARGIN}"
         )
+    if result["visual_gain_after"] < VISUAL_GAIN_MIN:
+        misses.append(f"visual_gain_after {result['visual_gain_after']:.2f} < {VISUAL_GAIN_MIN}")
+    if abs(result["control_visual_gain"]) > VISUAL_GAIN_MARGIN:
+        misses.append(f"control_visual_gain {result['control_visual_gain']:.2f} is not within 0 ± {VISUAL_GAIN_MARGIN}")
     if result["minutes"] > MINUTES_MAX:
         misses.append(f"minutes {result['minutes']:.1f} > {MINUTES_MAX}")
     return misses
@@ -237,38 +250,42 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         )
 
     setup = build_setup(cfg, root)
-    task, blank_task = task_from_config(cfg, blank=False), task_from_config(cfg, blank=True)
-    held_out, held_out_blank = task.eval_samples(cfg.eval.prompts), blank_task.eval_samples(cfg.eval.prompts)
+    task = task_from_config(cfg, blank=False)
+    held_out = task.eval_samples(cfg.eval.prompts)
 
-    def accuracy(samples) -> float:
-        return evaluate(setup, task, samples, max_tokens=cfg.sampling.max_tokens)["accuracy"]
+    def evaluated() -> dict[str, float]:
+        """Greedy accuracy on the held-out questions, and on the same with every image blank
+        (the very pixels of the control task's images: tests/data/test_shapes.py)."""
+        return evaluate(setup, task, held_out, max_tokens=cfg.sampling.max_tokens, visual_gain=True)
 
     # 1. Warm start on answers that carry no visual signal.
     train_sft(run_config("sft"), run_dir=root / "sft", setup=setup, random_answers=True, progress=progress,
               phase="warm-start")
     warm = snapshot_trainable(setup.model)
-    accuracy_before = accuracy(held_out)
+    before = evaluated()
 
     # 2. GRPO on the real images.
     grpo_cfg = run_config("grpo")
     train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=setup, progress=progress)
-    accuracy_after = accuracy(held_out)
+    after = evaluated()
 
     # 3. Control: the same warm start and sampling seed, every image blank.
     restore_trainable(setup.model, warm)
     setup.engine.reseed(cfg.trainer.seed)
     control_cfg = run_config("control", blank_images=True)
     train_rl(control_cfg, run_dir=control_cfg.run_dir, setup=setup, progress=progress)
-    control_after = accuracy(held_out_blank)
-    control_on_real_images = accuracy(held_out)
+    control = evaluated()  # on blank images: what it trained on; on the real ones: what it never saw
 
     for part in ("grpo", "control"):
         plot_run(root / part)
     return {
-        "accuracy_before": accuracy_before,
-        "accuracy_after": accuracy_after,
-        "control_accuracy_after": control_after,
-        "control_accuracy_on_real_images": control_on_real_images,
+        "accuracy_before": before["accuracy"],
+        "accuracy_after": after["accuracy"],
+        "control_accuracy_after": control["accuracy_blank"],
+        "control_accuracy_on_real_images": control["accuracy"],
+        "visual_gain_before": before["visual_gain"],
+        "visual_gain_after": after["visual_gain"],
+        "control_visual_gain": control["visual_gain"],
         "chance": 1.0 / cfg.task.num_choices,
         "eval_size": cfg.eval.prompts,
         "question_kinds": list(cfg.task.question_kinds),

@@ -25,7 +25,8 @@ def figures(cfg) -> dict:
     """A shapes demo's figures that depend on the seed: seed 2 does not learn."""
     seed = cfg.trainer.seed
     return {"accuracy_before": 0.33, "accuracy_after": 0.5 if seed == 2 else 0.95 - 0.01 * seed,
-            "control_accuracy_after": 0.34, "chance": 1 / 3, "minutes": 1.0, "run_dir": str(cfg.run_dir)}
+            "control_accuracy_after": 0.34, "visual_gain_after": 0.6, "control_visual_gain": 0.0, "chance": 1 / 3,
+            "minutes": 1.0, "run_dir": str(cfg.run_dir)}
 
 
 SHAPES = Demo(lambda overrides, path: load_demo_config(overrides, path), figures, lambda r: "", verdict, "ok",
@@ -59,7 +60,7 @@ def test_seeds_that_all_meet_the_bar_pass_and_one_seed_keeps_todays_json(tmp_pat
 
 def test_the_table_names_the_worst_seed_by_the_first_column():
     rows = [{"seed": 0, "accuracy_after": 0.9, "accuracy_before": 0.3, "control_accuracy_after": 0.3, "minutes": 1.0,
-             "chance": 1 / 3},
+             "chance": 1 / 3, "visual_gain_after": 0.6, "control_visual_gain": 0.0},
             {"seed": 5, "accuracy_after": 0.8, "accuracy_before": 0.3, "control_accuracy_after": 0.3, "minutes": 1.0,
-             "chance": 1 / 3}]
+             "chance": 1 / 3, "visual_gain_after": 0.5, "control_visual_gain": 0.0}]
     assert seed_table(rows, SHAPES).splitlines()[-1] == "worst seed: 5 (accuracy_after 0.800)"

@@ -104,7 +104,7 @@ def run_and_report(args: argparse.Namespace, demo: Demo) -> int:
 
 
 def shapes_report(result: dict) -> str:
-    from saccade.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX
+    from saccade.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, VISUAL_GAIN_MARGIN, VISUAL_GAIN_MIN
 
     chance = result["chance"]
     return (
@@ -113,6 +113,10 @@ def shapes_report(result: dict) -> str:
         f"  after GRPO:                             {result['accuracy_after']:.3f}   (bar: ≥ {ACCURACY_AFTER_MIN})\n"
         f"  control, GRPO on blank images:          {result['control_accuracy_after']:.3f}   (bar: chance ± {CHANCE_MARGIN})\n"
         f"  control model on the real images:       {result['control_accuracy_on_real_images']:.3f}\n"
+        f"held-out visual gain (accuracy minus the accuracy with every image blank):\n"
+        f"  before GRPO:                            {result['visual_gain_before']:+.3f}\n"
+        f"  after GRPO:                             {result['visual_gain_after']:+.3f}   (bar: ≥ {VISUAL_GAIN_MIN})\n"
+        f"  control:                                {result['control_visual_gain']:+.3f}   (bar: 0 ± {VISUAL_GAIN_MARGIN})\n"
         f"  minutes: {result['minutes']:.1f} (bar: ≤ {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
     )
 
@@ -169,7 +173,8 @@ def demo_of(task: str) -> Demo:
 
     return Demo(lambda overrides, path: demo_start(load_demo_config(overrides, path)), run_demo, shapes_report,
                 verdict, "demo OK: the model learned from the images, and the control without images did not",
-                ("accuracy_after", "accuracy_before", "control_accuracy_after"))
+                ("accuracy_after", "accuracy_before", "control_accuracy_after", "visual_gain_after",
+                 "control_visual_gain"))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
