@@ -15,6 +15,7 @@ from PIL import Image
 
 from saccade.cli import main
 from saccade.evaluation import by_category
+from saccade.metrics import read_metrics
 from saccade.report import build_report
 
 CHROMIUM = shutil.which("chromium")
@@ -58,6 +59,22 @@ def test_the_page_is_self_contained(report):
     for text in ("[rollout]", "group_size = 4", "During training (greedy, held-out split)", "eval.json (saccade eval)",
                  "<td>color</td>", "<th>accuracy_blank</th>", "<th>visual_gain</th>", "(visual gain "):
         assert text in page
+
+
+@pytest.mark.slow
+def test_every_eval_of_the_run_logs_its_visual_gain(short_rl_run):
+    """eval.visual_gain (on by default): the eval records hold accuracy_blank and visual_gain, and
+    the step's train record eval_accuracy_blank and visual_gain beside eval_accuracy."""
+    cfg, _ = short_rl_run
+    records = read_metrics(cfg.run_dir / "metrics.jsonl")
+    evals = [r for r in records if r["phase"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    for ev in evals:
+        assert 0.0 <= ev["accuracy_blank"] <= 1.0 and ev["visual_gain"] == ev["accuracy"] - ev["accuracy_blank"]
+        (train,) = [r for r in records if r["phase"] == "train" and r["step"] == ev["step"]]
+        assert (train["eval_accuracy"], train["eval_accuracy_blank"], train["visual_gain"]) == (
+            ev["accuracy"], ev["accuracy_blank"], ev["visual_gain"])
+    assert all("visual_gain" not in r for r in records if r["step"] % 2)  # only where the run evaluated
 
 
 @pytest.mark.slow
