@@ -122,9 +122,9 @@ def reply_logprobs(setup, rollouts: list, *, distribution, banned_token_ids: lis
     policy's current weights, teacher-forced and summed over the tokens the loss trains on
     (every assistant turn's), with the distribution the engine sampled from (`distribution`,
     `banned_token_ids`); `reply_logprob_blank`, the same with every image blank;
-    `image_logprob_gain`, their difference. One forward of each rollout and one of its blank
-    counterpart, packed at most `max_tokens` to a row. All three are None for a rollout whose
-    images cannot be loaded again; a rollout without images has a gain of 0.
+    `image_logprob_gain`, their difference. Each rollout and its blank counterpart are scored
+    once, packed like text at most `max_tokens` to a row, one forward a row. All three are None
+    for a rollout whose images cannot be loaded again; a rollout without images has a gain of 0.
 
     `rollouts` must still hold their environments' messages (`Rollout.env_messages`: the rank
     that sampled them). Their images' embeddings are pinned in the cache while they are read."""
