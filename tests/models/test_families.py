@@ -13,7 +13,7 @@ import torch
 
 from saccade.config.sections import DEFAULT_LORA_TARGETS
 from saccade.models.families import FAMILIES, LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, family_of
-from saccade.models.families import qwen2_5_vl, qwen3_vl
+from saccade.models.families import qwen3_vl
 from saccade.parity import parity_conversations, run_parity
 
 TOLERANCE = 1e-5  # fp32, per-token logprob, max |Δ| (tests/models/test_lm.py's bar)

@@ -431,7 +431,6 @@ def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_
     from safetensors.torch import save_file
 
     from saccade.serving.server import reference_shapes
-    from saccade.serving.validation import RequestError  # noqa: F401 - the refusal's type, for the reader
 
     url, root = moe_server
     from saccade.models.lm import load_policy_lm
