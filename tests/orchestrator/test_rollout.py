@@ -80,7 +80,31 @@ def test_groups_without_variance_are_dropped(built):
     kept = {s.sample_id.rsplit("/", 1)[0] for s in batch.samples}
     assert kept == {prompts[0].sample_id, prompts[2].sample_id}
     assert batch.metrics["groups_kept_frac"] == pytest.approx(2 / 3)
+    assert batch.metrics["groups_with_signal_frac"] == pytest.approx(2 / 3)
     assert all(r.sample.advantage == 0.0 for r in batch.groups[1])
+    # Kept or not, the flat group carries no signal (what the stall watch counts).
+    unfiltered = _rollouts(cfg, setup, scored_task(cfg, score), prompts, filter_zero_variance=False)
+    assert unfiltered.metrics["groups_kept_frac"] == 1.0
+    assert unfiltered.metrics["groups_with_signal_frac"] == pytest.approx(2 / 3)
+
+
+def test_replies_cut_at_max_tokens_are_counted(built):
+    """truncated_frac: the share of replies that ran to sampling.max_tokens (finish reason
+    "length"); the rest ended (stopped_frac)."""
+    cfg, setup = built
+    prompts = scored_task(cfg).eval_samples(3)
+    cut_fracs = []
+    for max_tokens in (2, 6):
+        short = cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"max_tokens": max_tokens})})
+        batch = _rollouts(short, setup, scored_task(short), prompts)
+        replies = [(r.finish_reasons[0], r.completion_tokens) for group in batch.groups for r in group]
+        cut = [n for reason, n in replies if reason == "length"]
+        assert batch.metrics["truncated_frac"] == len(cut) / len(replies)
+        assert batch.metrics["truncated_frac"] + batch.metrics["stopped_frac"] == 1.0
+        assert all(n == max_tokens for n in cut)
+        cut_fracs.append(batch.metrics["truncated_frac"])
+    assert cut_fracs[0] > 0  # not vacuous: a random model's replies rarely end within 2 tokens
+    assert cut_fracs[0] >= cut_fracs[1]
 
 
 def test_an_episode_is_scored_by_all_its_turns(built):

@@ -212,31 +212,38 @@ def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> Rollout
     """Group-relative advantages set on the samples; the kept groups' samples and the metrics."""
     rewards_GN = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
     advantages_GN = group_advantages(rewards_GN, scale_by_std=rollout.scale_advantages_by_std)
-    keep_G = torch.ones(len(groups), dtype=torch.bool)
-    if rollout.filter_zero_variance:
-        keep_G = ~zero_variance_groups(rewards_GN)
+    signal_G = ~zero_variance_groups(rewards_GN)  # a group whose rewards are all equal teaches nothing
+    keep_G = signal_G if rollout.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
     samples = []
     for g, group in enumerate(groups):
         for i, r in enumerate(group):
             r.sample.advantage = float(advantages_GN[g, i])
             if keep_G[g]:
                 samples.append(r.sample)
-    return RolloutBatch(samples, rollout_metrics(groups, rewards_GN, keep_G), groups)
+    return RolloutBatch(samples, rollout_metrics(groups, rewards_GN, keep_G, signal_G), groups)
 
 
-def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_G: torch.Tensor) -> dict[str, float]:
-    """Rewards, accuracy, lengths, turns, images and how many groups were kept; plus the mean of
-    every number the environments reported at their last step, as env_<key>, and the reward
-    functions' values, parts and failures (reward_<name>, reward_errors, ...)."""
+def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_G: torch.Tensor,
+                    signal_G: torch.Tensor) -> dict[str, float]:
+    """Rewards, accuracy, lengths, turns, images, how many groups carry a signal (reward
+    variance) and how many were kept, how the replies ended; plus the mean of every number the
+    environments reported at their last step, as env_<key>, and the reward functions' values,
+    parts and failures (reward_<name>, reward_errors, ...). `stopped_frac` and `truncated_frac`
+    are shares of the replies (every turn of an episode): ended by the model, and cut at
+    sampling.max_tokens (finish reason "length"); the two watch for a policy whose replies no
+    longer end (saccade.stall)."""
     flat = [r for group in groups for r in group]
     lengths = torch.tensor([r.completion_tokens for r in flat], dtype=torch.float32)
+    reasons = [reason for r in flat for reason in r.finish_reasons]
     return {
         "reward_mean": float(rewards_GN.mean()),
         "reward_std": float(rewards_GN.std()) if rewards_GN.numel() > 1 else 0.0,
         "accuracy": float(np.mean([r.correct for r in flat])),
         "completion_len_mean": float(lengths.mean()),
         "completion_len_max": float(lengths.max()),
-        "stopped_frac": float(np.mean([reason == "stop" for r in flat for reason in r.finish_reasons])),
+        "stopped_frac": float(np.mean([reason == "stop" for reason in reasons])),
+        "truncated_frac": float(np.mean([reason == "length" for reason in reasons])),
+        "groups_with_signal_frac": float(signal_G.float().mean()),
         "groups_kept_frac": float(keep_G.float().mean()),
         "completion_tokens": float(lengths.sum()),
         "sampled_policy_version": float(min(r.policy_version for r in flat)),
