@@ -65,6 +65,18 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path):
     assert kl[0] == 0.0 and all(k > 1e-4 for k in kl[2:]), kl
 
 
+@pytest.mark.slow
+def test_a_resumed_run_trains_at_its_own_trainer_lr(tmp_path):
+    """The config's trainer.lr, not the checkpoint's, is the peak lr of a resumed run: what
+    going on from a checkpoint with a lower learning rate needs (a stalled run's advice)."""
+    cfg = _config(tmp_path, "lowered", "--eval.every_steps", "0")
+    train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False, stop_after=2)
+    lowered = load_config(RunConfig, cfg.run_dir / "config.toml", ["--trainer.lr", "2e-4"])
+    train_rl(lowered, run_dir=cfg.run_dir, task=scored_task(lowered), resume=True, progress=False)
+    lrs = [(r["step"], r["lr"]) for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert lrs == [(1, cfg.trainer.lr), (2, cfg.trainer.lr), (3, 2e-4), (4, 2e-4)]
+
+
 def _trainable(setup) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in setup.model.named_parameters() if p.requires_grad}
 

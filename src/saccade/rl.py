@@ -82,8 +82,12 @@ from saccade.trainer.checkpoint import TrainState, load_checkpoint, save_checkpo
 from saccade.trainer.checkpoint_folder import latest_checkpoint
 from saccade.trainer.packing import rank_micro_batches
 from saccade.trainer.reference import Reference, adapter_free_reference, frozen_copy, frozen_reference
-from saccade.trainer.step import build_optimizer, lr_schedule, staged, train_step
+from saccade.trainer.step import build_optimizer, lr_schedule, set_peak_lr, staged, train_step
 from saccade.visual import reply_logprobs
+
+# TrainState.extra's key for the product of the stall rollbacks' lr factors (1.0: none): the
+# peak lr is trainer.lr times it, after a resume too.
+LR_SCALE = "lr_scale"
 
 # Steps in a row with nothing to train on before the run says so. Zero-variance filtering
 # can leave a collapsed policy (e.g. one whose replies no longer end) with no signal at
@@ -215,11 +219,14 @@ class RLStep:
 
     def resume(self, run_dir: Path) -> TrainState:
         """The run's latest complete checkpoint loaded into the model and optimizer, the engine's
-        sampling RNG restored: the state to go on from."""
+        sampling RNG restored: the state to go on from. The peak lr is this config's trainer.lr
+        (times the factors of the run's stall rollbacks, if any), not the one saved with the
+        optimizer: going on at a lower lr is what a resume from a stall is for."""
         path = latest_checkpoint(run_dir)
         if path is None:
             raise ValueError(f"--resume: no complete checkpoint under {run_dir}; start without --resume")
         state = load_checkpoint(path, model=self.setup.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        set_peak_lr(self.optimizer, self.scheduler, self.cfg.trainer.lr * state.extra.get(LR_SCALE, 1.0))
         self.setup.engine.set_rng_state(state.extra.get("engine_rng"))
         return state
 

@@ -12,7 +12,7 @@ import torch
 from saccade.models.sampling import SampledDistribution
 from saccade.config import TrainerConfig
 from saccade.models.lm import load_policy_lm, set_full_finetune
-from saccade.trainer.step import build_optimizer, lr_schedule, optimized_params
+from saccade.trainer.step import build_optimizer, lr_schedule, optimized_params, set_peak_lr
 
 
 @pytest.mark.parametrize(
@@ -27,6 +27,35 @@ from saccade.trainer.step import build_optimizer, lr_schedule, optimized_params
 def test_lr_schedule_by_hand(decay, expected):
     schedule = lr_schedule(TrainerConfig(steps=10, warmup_steps=2, lr_decay=decay, min_lr_ratio=0.1))
     assert [schedule(k) for k in range(5)] == pytest.approx(expected)
+
+
+def test_a_new_peak_lr_takes_over_at_the_schedules_place():
+    """set_peak_lr after 3 steps of a warm-up-then-linear schedule: the next step's lr is the new
+    peak times the schedule's factor there, and so is every lr after it; the same peak changes
+    nothing, bit for bit. Through a state dict and back, as a checkpoint does."""
+    def run(steps: int, peak: float | None = None) -> list[float]:
+        model = torch.nn.Linear(2, 1)
+        optimizer, scheduler = build_optimizer(model, lr=0.1, weight_decay=0.0, schedule=schedule)
+        lrs = []
+        for k in range(steps):
+            if k == 3 and peak is not None:
+                saved = optimizer.state_dict(), scheduler.state_dict()
+                optimizer.load_state_dict(saved[0])
+                scheduler.load_state_dict(saved[1])
+                assert set_peak_lr(optimizer, scheduler, peak) == pytest.approx(peak * schedule(3))
+            lrs.append(optimizer.param_groups[0]["lr"])
+            model(torch.ones(2)).sum().backward()
+            optimizer.step()
+            scheduler.step()
+        return lrs
+
+    schedule = lr_schedule(TrainerConfig(steps=8, warmup_steps=2, lr_decay="linear", min_lr_ratio=0.1))
+    straight = run(8)
+    assert straight == pytest.approx([0.1 * schedule(k) for k in range(8)])
+    assert run(8, peak=0.1) == straight  # bit for bit
+    lowered = run(8, peak=0.02)
+    assert lowered[:3] == straight[:3]
+    assert lowered[3:] == pytest.approx([0.02 * schedule(k) for k in range(3, 8)])
 
 
 def _linear_step(micro_batches, *, poison_k: int | None = None):

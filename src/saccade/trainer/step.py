@@ -148,6 +148,22 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, schedul
     return optimizer, scheduler
 
 
+def set_peak_lr(optimizer: torch.optim.Optimizer, scheduler, peak_lr: float) -> float:
+    """Make `peak_lr` the schedule's peak from here on, at the schedule's current position:
+    the LambdaLR's base lr and every group's lr now, which the next optimizer step uses. A
+    checkpoint's scheduler and optimizer hold the lr they were saved with, so a resume with
+    another trainer.lr, or a stall's rollback to a lower one, must set it after loading them.
+    Returns the lr of the next optimizer step (with the peak unchanged, the very value it had)."""
+    scheduler.base_lrs = [peak_lr for _ in scheduler.base_lrs]
+    # LambdaLR.get_lr's own expression, so an unchanged peak gives the same float bit for bit.
+    lrs = [base * factor(scheduler.last_epoch) for factor, base in zip(scheduler.lr_lambdas, scheduler.base_lrs,
+                                                                        strict=True)]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"], group["initial_lr"] = lr, peak_lr
+    scheduler._last_lr = lrs  # what get_last_lr() (the logged lr) reports until the next step
+    return lrs[0]
+
+
 def optimized_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors the optimizer steps (where the gradients end up): the trainable parameters,
     or their float32 masters."""
