@@ -28,6 +28,8 @@ DCP_METADATA = DCP_DIR + "/.metadata"
 FORMAT_VERSION = 1  # the plain layout
 DCP_FORMAT_VERSION = 2  # the sharded layout (state.json "checkpoint": {"format": 2, "layout": "dcp", ...})
 
+STALLED_DIR = "checkpoints-stalled"  # a stalled run's checkpoints, set aside (set_aside_checkpoints)
+
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -39,8 +41,38 @@ def write_manifest(tmp: Path, step: int) -> None:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The complete `step_*` directory with the highest step, or None."""
-    complete = [(s, p) for s, p in step_dirs(Path(run_dir) / CHECKPOINTS_DIR) if (p / COMPLETE).is_file()]
+    complete = complete_checkpoints(run_dir)
     return complete[-1][1] if complete else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete `step_*` directory, oldest first."""
+    return [(s, p) for s, p in step_dirs(Path(run_dir) / CHECKPOINTS_DIR) if (p / COMPLETE).is_file()]
+
+
+def checkpoint_before(run_dir: Path, step: int) -> tuple[int, Path] | None:
+    """(step, folder) of the newest complete checkpoint saved before `step`, or None."""
+    older = [(s, p) for s, p in complete_checkpoints(run_dir) if s < step]
+    return older[-1] if older else None
+
+
+def set_aside_checkpoints(run_dir: Path, from_step: int) -> list[Path]:
+    """Move the step folders of `from_step` and later (complete or not) into `run_dir/STALLED_DIR`,
+    where neither --resume nor pruning looks, and return where they went. A stalled run's
+    (saccade.stall): kept for a person to look at, never resumed from by accident."""
+    moved = []
+    for s, p in step_dirs(Path(run_dir) / CHECKPOINTS_DIR):
+        if s < from_step:
+            continue
+        aside = Path(run_dir) / STALLED_DIR / p.name
+        n = 1
+        while aside.exists():  # a second stall over the same steps (after a --resume) keeps both
+            aside = aside.with_name(f"{p.name}.{n}")
+            n += 1
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        p.rename(aside)
+        moved.append(aside)
+    return moved
 
 
 def check_complete(path: Path) -> dict:
