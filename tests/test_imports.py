@@ -104,7 +104,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("saccade.__main__", "saccade.cli"),
     ("saccade.bench", "saccade.demo", "saccade.demo_scenes", "saccade.demo_views", "saccade.doctor",
      "saccade.parity", "saccade.memory", "saccade.export"),
-    ("saccade.rl", "saccade.sft"),
+    ("saccade.rl", "saccade.sft", "saccade.stall"),
     ("saccade.orchestrator", "saccade.evaluation", "saccade.sample_log", "saccade.visual"),
     ("saccade.setup", "saccade.tasks"),
     ("saccade.envs",),

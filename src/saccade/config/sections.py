@@ -239,6 +239,38 @@ class RolloutConfig(Section):
         description="the most seconds one reward function may take on one answer (async ones, and your sync "
         "ones, which run on worker threads); past it the answer scores 0 there, counted in reward_timeouts",
     )
+    # A stalled run (saccade.stall, docs/stalls.md): what GRPO's most common collapse looks like.
+    on_stall: Literal["warn", "stop", "rollback"] = Field(
+        "warn",
+        description="what a stalled run does. It has stalled when, for stall_steps steps in a row, no group had "
+        "reward variance (nothing to learn from; a step whose replies are all correct does not count) or more "
+        "than stall_truncated_frac of the replies were cut at sampling.max_tokens. 'warn': say so once per "
+        "stall and train on; 'stop': end with StallError, naming the last checkpoint from before the stall and "
+        "the --resume command with a lower trainer.lr (the stalled weights are not saved); 'rollback': reload "
+        "the last checkpoint from before the stall (the run then saves its start weights as step 0), multiply "
+        "the lr by stall_lr_factor and train on, the step count going forward. docs/stalls.md",
+    )
+    stall_steps: int = Field(
+        20, ge=1, le=100_000,
+        description="steps in a row without reward variance, or with most replies cut, before the run counts as "
+        "stalled",
+    )
+    stall_truncated_frac: float = Field(
+        0.5, gt=0, le=1,
+        description="a step counts towards a stall when more than this share of its replies was cut at "
+        "sampling.max_tokens (truncated_frac): past half, most answers are cut before they end. 1 turns this "
+        "kind of stall off (for a run whose replies are meant to be cut)",
+    )
+    stall_lr_factor: float = Field(
+        0.5, gt=0, lt=1,
+        description="on_stall = 'rollback': each rollback multiplies the peak lr by this (kept in the "
+        "checkpoints, so a --resume goes on at the lowered lr)",
+    )
+    max_rollbacks: int = Field(
+        3, ge=1, le=100,
+        description="on_stall = 'rollback': rollbacks a run may make; a stall after the last one stops the run "
+        "as on_stall = 'stop' does",
+    )
 
 
 class LossConfig(Section):

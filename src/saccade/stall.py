@@ -1,0 +1,149 @@
+"""The stall watch: the GRPO failure users hit most, caught, and what the run then does.
+
+The policy collapses, often into replies that no longer end (each one cut at
+sampling.max_tokens); every sample of a prompt then scores the same, no group has reward
+variance, every advantage is 0 and learning stops. Nothing fails: the loop goes on, the
+weights never move again. Two kinds of step count towards a stall, each in its own streak:
+- no signal: no group had reward variance (`groups_with_signal_frac` 0), and not every
+  reply was correct (a policy that answers everything right has nothing left to learn; that
+  is no collapse, and going back from it would undo the run);
+- truncated: more than `rollout.stall_truncated_frac` of the replies were cut at
+  sampling.max_tokens (`truncated_frac`). Past half, most answers are cut before they end, and
+  such a run can still have a little variance left (a reward for the format, a lucky short
+  reply), so this kind sees the collapse that the first would only see once it is complete.
+A run has stalled when either streak reaches `rollout.stall_steps` steps. Then
+`rollout.on_stall` says what happens: "warn" (once per streak), "stop", or "rollback" (at
+most `rollout.max_rollbacks` times; a stall after the last stops the run).
+
+`observe` (the state updated with a step's figures) and `stall_action` (state in, action out)
+are the whole rule, pure functions tested on crafted sequences (tests/test_stall.py); `train_rl`
+does what they say. Where a stall began is known by the policy version its first step sampled
+from (`Streak.since`): a rollback goes back to a checkpoint older than that.
+
+No torch here: the CLI imports `StallError` to report it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from saccade.config import RolloutConfig
+
+Action = Literal["go_on", "warn", "stop", "rollback"]
+
+
+class StallError(RuntimeError):
+    """A stalled run stopped (`rollout.on_stall` "stop", or "rollback" with nothing left to go
+    back to); the message names what to run next. `saccade rl` prints it and exits with 3."""
+
+
+@dataclass(frozen=True)
+class Streak:
+    """Steps in a row of one kind, and the policy version the first of them sampled from."""
+
+    steps: int = 0
+    since: int = 0
+
+    def extend(self, hit: bool, version: int) -> Streak:
+        if not hit:
+            return Streak()
+        return Streak(self.steps + 1, self.since if self.steps else version)
+
+
+@dataclass(frozen=True)
+class StepSignal:
+    """What one step's rollouts say about a stall (`StepSignal.of` reads them from its metrics)."""
+
+    groups_with_signal_frac: float  # groups with reward variance
+    truncated_frac: float  # replies cut at sampling.max_tokens
+    accuracy: float  # replies scored fully correct
+    sampled_version: int  # the oldest weights the step's rollouts were sampled from
+
+    @classmethod
+    def of(cls, metrics: Mapping[str, float]) -> StepSignal:
+        return cls(metrics["groups_with_signal_frac"], metrics["truncated_frac"], metrics["accuracy"],
+                   int(metrics["sampled_policy_version"]))
+
+
+@dataclass(frozen=True)
+class StallState:
+    """The watch's state between steps: the two streaks, the rollbacks made, and the first
+    policy version whose rollouts count (rollouts sampled ahead from the weights a rollback
+    undid do not: with rollout.max_async_level k, up to k steps of them are still queued)."""
+
+    no_signal: Streak = Streak()
+    truncated: Streak = Streak()
+    rollbacks: int = 0
+    counts_from: int = 0
+
+    def reached(self, stall_steps: int) -> list[Streak]:
+        """The streaks that reached `stall_steps` with this step: each acts once."""
+        return [s for s in (self.no_signal, self.truncated) if s.steps == stall_steps]
+
+    def stalled(self, stall_steps: int) -> bool:
+        return max(self.no_signal.steps, self.truncated.steps) >= stall_steps
+
+    def since(self, stall_steps: int) -> int:
+        """The policy version the stall's first step sampled from (the earlier of the two streaks
+        that have stalled): the weights from there on are the stalled ones."""
+        stalled = [s.since for s in (self.no_signal, self.truncated) if s.steps >= stall_steps]
+        assert stalled, "since() of a run that has not stalled"
+        return min(stalled)
+
+    def metrics(self, stall_steps: int) -> dict[str, float]:
+        """What every step logs: the streaks, whether the run has stalled, the rollbacks so far."""
+        return {"no_signal_steps": float(self.no_signal.steps), "truncated_steps": float(self.truncated.steps),
+                "stalled": float(self.stalled(stall_steps)), "rollbacks": float(self.rollbacks)}
+
+
+def observe(state: StallState, seen: StepSignal, rollout: RolloutConfig) -> StallState:
+    """The state after a step whose rollouts showed `seen`."""
+    if seen.sampled_version < state.counts_from:  # sampled before a rollback, from the weights it undid
+        return state
+    no_signal = seen.groups_with_signal_frac == 0 and seen.accuracy < 1.0
+    truncated = seen.truncated_frac > rollout.stall_truncated_frac
+    return replace(state, no_signal=state.no_signal.extend(no_signal, seen.sampled_version),
+                   truncated=state.truncated.extend(truncated, seen.sampled_version))
+
+
+def stall_action(state: StallState, rollout: RolloutConfig) -> Action:
+    """What the run does after the step `state` has observed: it acts the step a streak reaches
+    rollout.stall_steps, so "warn" says it once per streak, however long the stall lasts."""
+    if not state.reached(rollout.stall_steps):
+        return "go_on"
+    if rollout.on_stall == "warn":
+        return "warn"
+    if rollout.on_stall == "rollback" and state.rollbacks < rollout.max_rollbacks:
+        return "rollback"
+    return "stop"
+
+
+def after_rollback(state: StallState, version: int) -> StallState:
+    """The state once the run went back: streaks restarted, the rollback counted, rollouts
+    sampled from policy versions before `version` (the rolled-back weights') not counted."""
+    return StallState(rollbacks=state.rollbacks + 1, counts_from=version)
+
+
+def describe_stall(state: StallState, metrics: Mapping[str, float], rollout: RolloutConfig) -> str:
+    """What has stalled, in words, with the step's figures that show it."""
+    n = rollout.stall_steps
+    parts = []
+    if state.no_signal.steps >= n:
+        parts.append(f"no group has had reward variance for {state.no_signal.steps} steps (every episode of a prompt "
+                     f"scores the same, so the weights have not changed since)")
+    if state.truncated.steps >= n:
+        parts.append(f"more than {rollout.stall_truncated_frac:.0%} of the replies have been cut at "
+                     f"sampling.max_tokens for {state.truncated.steps} steps (they no longer end)")
+    figures = ", ".join(f"{k} {metrics[k]:.3g}" for k in ("reward_mean", "truncated_frac", "completion_len_mean")
+                        if k in metrics)
+    return " and ".join(parts) + f"; {figures}"
+
+
+def stall_warning(state: StallState, metrics: Mapping[str, float], rollout: RolloutConfig, metrics_path) -> str:
+    """on_stall = "warn": the stall, where to look, and what to change."""
+    return (f"{describe_stall(state, metrics, rollout)}. See {metrics_path}; if the policy collapsed, resume from "
+            "an earlier checkpoint with a lower trainer.lr (or set rollout.on_stall = 'rollback' to have the run "
+            "do it), or raise rollout.group_size or sampling.temperature; if the replies are cut from the first "
+            "step on, raise sampling.max_tokens")
