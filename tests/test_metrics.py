@@ -333,3 +333,15 @@ def test_format_step():
     assert format_step({"step": 3, "phase": "eval", "eval/accuracy": 0.5}) == "step 3 [eval] | eval_acc 0.5"
     assert format_step({"step": 1, "a": 1, "b": None}) == "step 1 | a 1 | b nan"  # fallback: first metrics
     assert format_step({"x": 1.23456, "y": 2}, keys=["y", "x", "z"]) == "y 2 | x 1.235"
+
+
+def test_format_step_shows_a_stall_and_a_rollback():
+    """The progress line says when the stall watch (saccade.stall) sees a stalled run, and where
+    a rollback went; a run that has not stalled shows nothing of it."""
+    calm = {"step": 4, "reward_mean": 0.5, "stalled": 0.0, "no_signal_steps": 2.0, "truncated_steps": 0.0}
+    assert format_step(calm) == "step 4 | reward 0.5"
+    stalled = {**calm, "stalled": 1.0, "no_signal_steps": 20.0, "truncated_steps": 21.0}
+    assert format_step(stalled) == "step 4 | reward 0.5 | STALLED: no signal 20 steps, cut 21 steps"
+    rolled = {**stalled, "rollback_to_step": 0.0, "rollback_lr": 0.00025}
+    assert format_step(rolled).endswith("| STALLED: no signal 20 steps, cut 21 steps | rolled back to step 0, lr 2.500e-04")
+    assert format_step(stalled, keys=["reward_mean"]) == "step 4 | reward_mean 0.5"

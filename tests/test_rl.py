@@ -151,19 +151,24 @@ def test_sft_skips_a_step_with_a_nan_gradient(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_with_no_signal_left_says_so(tmp_path, monkeypatch):
-    import saccade.rl as rl
-
-    monkeypatch.setattr(rl, "STALL_STEPS", 2)
-    # Weight 0: every answer scores 0, so no group ever has reward variance.
+def test_a_run_with_no_signal_left_says_so(tmp_path):
+    """Weight 0: every answer scores 0, so no group ever has reward variance; and a random
+    model's replies never end within 4 tokens: both kinds of stall, warned about once, in one
+    message, the step they reach rollout.stall_steps; every step logs the watch's figures."""
     cfg = _config(tmp_path, "stalled", "--trainer.steps", "3", "--rollout.filter_zero_variance", "true",
                   "--checkpoint.every_steps", "0", "--eval.every_steps", "0", "--rollout.reward_weights",
-                  '{"format": 0.0}')
+                  '{"format": 0.0}', "--rollout.stall_steps", "2")
     with pytest.warns(RuntimeWarning, match="no group has had reward variance for 2 steps") as caught:
         train_rl(cfg, run_dir=cfg.run_dir, progress=False)
     stalls = [str(w.message) for w in caught if "reward variance" in str(w.message)]
     assert len(stalls) == 1  # once, not every step
+    assert "more than 50% of the replies have been cut at sampling.max_tokens for 2 steps" in stalls[0]
     assert str(cfg.run_dir / "metrics.jsonl") in stalls[0]
+    train = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert [(r["no_signal_steps"], r["truncated_steps"], r["stalled"]) for r in train] == [
+        (1, 1, 0), (2, 2, 1), (3, 3, 1)]
+    assert all(r["truncated_frac"] == 1.0 and r["groups_with_signal_frac"] == 0.0 and r["rollbacks"] == 0
+               for r in train)
 
 
 @pytest.mark.slow

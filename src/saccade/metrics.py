@@ -226,7 +226,22 @@ def format_step(metrics: Mapping[str, Any], keys: list[str] | None = None, *, ma
             parts[-1] += f" ± {_fmt_number(v)}"
         else:
             parts.append(f"{label} {_fmt_number(v)}")
+    if keys is None:
+        parts.extend(_stall_parts(metrics))
     return " | ".join(parts)
+
+
+def _stall_parts(metrics: Mapping[str, Any]) -> list[str]:
+    """The stall watch's state (saccade.stall), shown only when there is something to see: a
+    stalled run's streaks, and a rollback's step and new lr."""
+    parts = []
+    if metrics.get("stalled"):
+        parts.append(f"STALLED: no signal {_fmt_number(metrics.get('no_signal_steps', 0))} steps, "
+                     f"cut {_fmt_number(metrics.get('truncated_steps', 0))} steps")
+    if metrics.get("rollback_to_step") is not None:
+        parts.append(f"rolled back to step {_fmt_number(metrics['rollback_to_step'])}, "
+                     f"lr {_fmt_number(metrics.get('rollback_lr'))}")
+    return parts
 
 
 def sample_markdown(record: dict) -> str:

@@ -29,6 +29,12 @@ Every `log.samples_every` steps rank 0 also writes the step's first prompts with
 completions to samples.jsonl (`saccade.sample_log`), for a person to read, each reply's
 logprob with and without its images beside it (`saccade.visual`; one process only).
 
+Every step the stall watch (`saccade.stall`, docs/stalls.md) reads the rollouts' figures: no
+group with reward variance, or most replies cut at max_tokens, for `rollout.stall_steps` steps
+in a row is a stalled (often collapsed) run. `rollout.on_stall` then warns, stops it naming the
+command to go on with, or rolls it back to the last checkpoint from before the stall at a lower
+lr (`RLStep.roll_back`) and trains on, the step count going forward.
+
 Simplified on purpose:
 - Sampling ahead is a thread in the one trainer process, not an orchestrator process of its
   own: under torchrun `rollout.max_async_level` > 0 is refused.
@@ -38,13 +44,14 @@ Simplified on purpose:
 - Every rank reads and checks all of a step's rows (so all skip the same broken ones) and
   holds the whole step's scored groups, gathered to it.
 - A step whose groups carry no signal trains on nothing; the run does not sample more to fill
-  it (DAPO's dynamic sampling), and says so after STALL_STEPS such steps in a row.
+  it (DAPO's dynamic sampling); the stall watch counts such steps.
 - vLLM servers get the weights as an exported folder, not over NCCL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -68,7 +75,7 @@ from saccade.distributed import SINGLE, World, barrier, unsharded
 from saccade.evaluation import evaluate
 from saccade.inference.engine import SamplingParams
 from saccade.inference.servers import NoServerError
-from saccade.metrics import MetricsLogger, format_step
+from saccade.metrics import METRICS_FILE, MetricsLogger, format_step
 from saccade.models.lm import shares_prompts
 from saccade.orchestrator.rollout import sample_step
 from saccade.orchestrator.source import RolloutSource, StepRollouts
@@ -76,10 +83,25 @@ from saccade.process_stats import memory_metrics, process_metrics
 from saccade.progress import ProgressBar
 from saccade.sample_log import SAMPLES_DIR, finite, sample_line, step_samples
 from saccade.setup import Setup, build_setup
+from saccade.stall import (
+    StallError,
+    StallState,
+    StepSignal,
+    after_rollback,
+    describe_stall,
+    observe,
+    stall_action,
+    stall_warning,
+)
 from saccade.tasks import Task, task_from_config
 from saccade.timing import timed
 from saccade.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from saccade.trainer.checkpoint_folder import latest_checkpoint
+from saccade.trainer.checkpoint_folder import (
+    STALLED_DIR,
+    checkpoint_before,
+    latest_checkpoint,
+    set_aside_checkpoints,
+)
 from saccade.trainer.packing import rank_micro_batches
 from saccade.trainer.reference import Reference, adapter_free_reference, frozen_copy, frozen_reference
 from saccade.trainer.step import build_optimizer, lr_schedule, set_peak_lr, staged, train_step
@@ -89,23 +111,8 @@ from saccade.visual import reply_logprobs
 # peak lr is trainer.lr times it, after a resume too.
 LR_SCALE = "lr_scale"
 
-# Steps in a row with nothing to train on before the run says so. Zero-variance filtering
-# can leave a collapsed policy (e.g. one whose replies no longer end) with no signal at
-# all: the loop goes on, the weights never move again, and nothing else would tell.
-STALL_STEPS = 20
-
-
-def stall_message(steps_without_signal: int, metrics: dict[str, float], run_dir: Path) -> str | None:
-    """The warning for a run that has had nothing to train on for STALL_STEPS steps, or None."""
-    if steps_without_signal != STALL_STEPS:
-        return None
-    return (
-        f"no group has had reward variance for {STALL_STEPS} steps (every episode of a prompt scores "
-        f"the same; reward_mean {metrics.get('reward_mean', float('nan')):.3f}, completion_len_mean "
-        f"{metrics.get('completion_len_mean', float('nan')):.1f}), so the weights have not changed since. "
-        f"See {run_dir / 'metrics.jsonl'}; if the policy collapsed, resume from an earlier checkpoint with "
-        "a lower trainer.lr, or raise rollout.group_size or sampling.temperature"
-    )
+# TrainState.extra's key for the stall rollbacks made so far (rollout.max_rollbacks bounds them).
+ROLLBACKS = "rollbacks"
 
 
 def kl_reference(cfg: RunConfig, setup: Setup, sampling: SamplingParams, world: World = SINGLE) -> Reference:
@@ -230,6 +237,27 @@ class RLStep:
         self.setup.engine.set_rng_state(state.extra.get("engine_rng"))
         return state
 
+    def roll_back(self, run_dir: Path, state: TrainState, *, since: int) -> dict[str, float]:
+        """A stalled run back to the newest checkpoint saved before policy version `since` (the
+        weights the stall's first step sampled): its weights, optimizer state and place in the lr
+        schedule reloaded, the peak lr multiplied by rollout.stall_lr_factor (kept in
+        `state.extra`, so a resume keeps it), the checkpoints from the stall on set aside. The
+        checkpoint's own TrainState is not used: the step count, the data position and the
+        policy versions go on forward, so metrics.jsonl stays append-only. Every rank takes part.
+        Returns the figures the step logs, or {} when no checkpoint from before the stall is
+        left (the run then stops)."""
+        found = checkpoint_before(run_dir, since)
+        if found is None:
+            return {}
+        step, path = found
+        load_checkpoint(path, model=self.setup.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        state.extra[LR_SCALE] = state.extra.get(LR_SCALE, 1.0) * self.cfg.rollout.stall_lr_factor
+        lr = set_peak_lr(self.optimizer, self.scheduler, self.cfg.trainer.lr * state.extra[LR_SCALE])
+        if self.world.is_main:  # the stalled weights: never the latest checkpoint a resume would load
+            set_aside_checkpoints(run_dir, since)
+        barrier(self.world)
+        return {"rollback_to_step": float(step), "rollback_lr": lr}
+
     def save(self, run_dir: Path, state: TrainState) -> Path:
         """A checkpoint of the run as it stands (every rank takes part), the engine's sampling RNG with it."""
         state.extra["engine_rng"] = self.setup.engine.rng_state()
@@ -267,6 +295,10 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     # server may still hold the base model, or another run's (the embedded engine shares them).
     engine.update_weights(version=state.policy_version)
     barrier(world)
+    if cfg.rollout.on_stall == "rollback" and not resume:  # a stall before the first checkpoint goes back here
+        with stop_if_unwritable(run_dir, state.step):
+            run.save(run_dir, state)
+    stall = StallState(rollbacks=state.extra.get(ROLLBACKS, 0))  # streaks start afresh on a resume
     logger = MetricsLogger(
         run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, tensorboard=cfg.log.tensorboard,
         config=cfg.model_dump(), resume=resume,
@@ -274,7 +306,6 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     if resume:
         logger.truncate_after(state.step)
     last: dict[str, float] = {}
-    steps_without_signal = 0
     end = t.steps if stop_after is None else min(t.steps, state.step + stop_after)
     stream = run.prompt_stream(run_dir, position=state.data_position, done_steps=state.step, resume=resume)
     source = RolloutSource(  # each step's rollouts; on the rollout thread when sampling ahead
@@ -294,17 +325,35 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 # 2. Train: this rank's micro-batches of the samples, `num_iterations` optimizer steps.
                 train_metrics = run.train(step, rollouts)
                 train_s = time.perf_counter() - start - rollout_s
-                steps_without_signal = 0 if rollouts.batch.samples else steps_without_signal + 1
-                stalled = stall_message(steps_without_signal, rollouts.batch.metrics, run_dir)
-                if stalled and world.is_main:  # every rank holds the same batch: say it once
-                    warnings.warn(stalled, RuntimeWarning, stacklevel=2)
 
-                # 3. Weights to the engine: every k-th step, and whenever the run evaluates,
-                # checkpoints or ends, so those see (and a resume restarts from) the current weights.
-                # Rollouts sampled ahead go on meanwhile, on the weights the servers hold.
+                # 3. The stall watch: no group with reward variance, or most replies cut at max_tokens,
+                # for rollout.stall_steps steps in a row. Every rank holds the same figures, so all
+                # decide alike: warn (rank 0 says it), stop (below, once the step is logged), or roll
+                # back now, before the weights go to the engine.
+                stall = observe(stall, StepSignal.of(rollouts.batch.metrics), cfg.rollout)
+                action = stall_action(stall, cfg.rollout)
+                stall_figures = stall.metrics(cfg.rollout.stall_steps)  # before a rollback restarts the streaks
+                if action == "warn" and world.is_main:
+                    warnings.warn(stall_warning(stall, rollouts.batch.metrics, cfg.rollout, run_dir / METRICS_FILE),
+                                  RuntimeWarning, stacklevel=2)
+                rolled_back: dict[str, float] = {}
+                if action == "rollback":
+                    rolled_back = run.roll_back(run_dir, state, since=stall.since(cfg.rollout.stall_steps))
+                    if not rolled_back:  # no checkpoint from before the stall is left
+                        action = "stop"
+                    else:  # rollouts from here on sample the restored weights, version step + 1
+                        stall = after_rollback(stall, version=step + 1)
+                        state.extra[ROLLBACKS] = stall.rollbacks
+                        rolled_back[ROLLBACKS] = float(stall.rollbacks)
+
+                # 4. Weights to the engine: every k-th step, and whenever the run evaluates,
+                # checkpoints, rolls back or ends, so those see (and a resume restarts from) the
+                # current weights. Rollouts sampled ahead go on meanwhile, on the weights the servers hold.
                 state.step = step + 1
                 evaluating = bool(cfg.eval.every_steps) and state.step % cfg.eval.every_steps == 0
-                checkpointing = bool(cfg.checkpoint.every_steps) and state.step % cfg.checkpoint.every_steps == 0
+                # A rollback saves at once: a resume must not go back to the stalled weights.
+                checkpointing = bool(rolled_back) or (
+                    bool(cfg.checkpoint.every_steps) and state.step % cfg.checkpoint.every_steps == 0)
                 sync_s, gone = 0.0, None
                 if state.step % cfg.engine.sync_every_steps == 0 or evaluating or checkpointing or state.step == end:
                     try:
@@ -316,12 +365,13 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 source.trained(step)
                 step_s = time.perf_counter() - start
 
-                # 4. Metrics, evaluation, checkpoint.
+                # 5. Metrics, evaluation, checkpoint.
                 engine_now = engine_stats(engine)
                 metrics = step_metrics(
                     rollouts, train_metrics, setup, engine_counters(engine_now, engine_before),
                     rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync_s, step_s=step_s,
                     trainer_idle_s=waited_s, rollout_queue_depth=float(queue_depth), dataset=run.fits is not None)
+                metrics.update(stall_figures, **rolled_back)
                 engine_before = engine_now
                 if evaluating and gone is None:
                     ev = run.evaluate(eval_samples)
@@ -338,6 +388,8 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 bar(format_step(metrics), note=note)
                 if gone is not None:
                     raise gone
+                if action == "stop":  # the stalled weights are not saved: the last checkpoint is the one to go on from
+                    raise stalled_stop(cfg, run_dir, state.step, stall, metrics, world)
                 if checkpointing or state.step == t.steps:  # and always at the end of the run
                     with stop_if_unwritable(run_dir, state.step):
                         run.save(run_dir, state)
@@ -352,6 +404,46 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 f"go on with: saccade rl {run_dir / 'config.toml'} --resume"
             ) from None
     return {"step": state.step, "last": last, "setup": setup}
+
+
+def stalled_stop(cfg: RunConfig, run_dir: Path, step: int, stall: StallState, metrics: dict[str, float],
+                 world: World) -> StallError:
+    """The error that ends a stalled run (on_stall "stop", or "rollback" with no rollback left):
+    the checkpoints from the stall on set aside, so that `--resume` loads the last one from
+    before it, and the command to go on with at a lower lr. A collapsed policy's weights are not
+    worth a checkpoint. `--resume` cuts metrics.jsonl back to the checkpoint's step, so the
+    stalled run's metrics are kept aside too."""
+    n, rollout = cfg.rollout.stall_steps, cfg.rollout
+    since = stall.since(n)  # the stall's first step sampled these weights: they and later ones stalled
+    found = checkpoint_before(run_dir, since)
+    aside, moved = run_dir / STALLED_DIR, []
+    if world.is_main:
+        moved = set_aside_checkpoints(run_dir, since)
+        if found is not None and (run_dir / METRICS_FILE).exists():
+            aside.mkdir(exist_ok=True)
+            shutil.copyfile(run_dir / METRICS_FILE, aside / f"metrics-to-step_{step:06d}.jsonl")
+    barrier(world)
+    text = f"the run stalled: {describe_stall(stall, metrics, rollout)}. It stopped after step {step}"
+    if rollout.on_stall == "rollback":
+        text += f" after {stall.rollbacks} rollback(s) (rollout.max_rollbacks {rollout.max_rollbacks})"
+    text += " without saving its weights (a stalled policy is not worth a checkpoint)"
+    if moved:
+        text += f"; the checkpoints written since the stall began are set aside in {aside}"
+    config, lower = run_dir / "config.toml", f"{cfg.trainer.lr * rollout.stall_lr_factor:g}"
+    if found is not None:
+        return StallError(
+            f"{text}. Go on from step {found[0]}, the last checkpoint from before the stall, at a lower learning "
+            f"rate (--resume cuts metrics.jsonl back to that step; the stalled run's is kept in {aside}):\n"
+            f"  saccade rl {config} --resume --trainer.lr {lower}")
+    if since == 0:
+        return StallError(
+            f"{text}. It stalled from its first step, so the start weights did, not training: check that the "
+            "rewards can tell a prompt's replies apart (docs/rewards.md); if the replies are cut from the start, "
+            "raise sampling.max_tokens; else raise rollout.group_size or sampling.temperature")
+    return StallError(
+        f"{text}. No checkpoint from before the stall (its first step sampled the weights of step {since}) is "
+        f"left (checkpoint.every_steps {cfg.checkpoint.every_steps}, keep_last {cfg.checkpoint.keep_last}); "
+        f"start again at a lower learning rate:\n  saccade rl {config} --trainer.lr {lower}")
 
 
 def log_samples(logger: MetricsLogger, step: int, rollouts: StepRollouts, run: RLStep, run_dir: Path) -> str:

@@ -22,6 +22,10 @@ def cmd_serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+# `saccade rl`'s exit status when the stall watch stopped the run (2 is a user's error).
+STALLED_EXIT = 3
+
+
 def _load_run_config(args: argparse.Namespace):
     from saccade.config import RunConfig, describe, load_config
     from saccade.tasks import check_user_code
@@ -41,12 +45,17 @@ def cmd_rl(args: argparse.Namespace) -> int:
     from saccade.devices import resolve_device
     from saccade.distributed import close_world, exit_rank, init_world
     from saccade.rl import train_rl
+    from saccade.stall import StallError
 
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU); else one process.
     world = init_world(resolve_device(cfg.trainer.device), timeout_s=cfg.trainer.dist_timeout_s)
     try:
         cfg = resolve_warm_start(cfg, world)
         result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world)
+    except StallError as err:  # rollout.on_stall: no traceback, the message is what to run next
+        if world.is_main:
+            print(f"saccade: stopped: {err}", file=sys.stderr)
+        return STALLED_EXIT
     finally:
         close_world(world)
     if world.is_main:
@@ -125,7 +134,11 @@ def add_rl_parser(sub) -> None:
         description="Train with RL from verifiable rewards. CONFIG is a TOML file (see configs/); any field can be "
         "overridden as --section.key VALUE. --dry-run prints the resolved config and exits. On several GPUs or "
         "machines, start it with torchrun (`torchrun --nproc-per-node N -m saccade rl CONFIG`): the trainer is then "
-        "sharded with FSDP2 over the N processes and each samples its share of the prompts (README: Scaling out).",
+        "sharded with FSDP2 over the N processes and each samples its share of the prompts (README: Scaling out). "
+        "A run that stalls (no group with reward variance, or most replies cut at sampling.max_tokens, for "
+        "rollout.stall_steps steps; rollout.stall_truncated_frac) warns, stops (exit status 3, naming the --resume "
+        "command) or rolls back to its last checkpoint from before the stall at rollout.stall_lr_factor times the "
+        "lr (at most rollout.max_rollbacks times), as rollout.on_stall says (docs/stalls.md).",
     )
     add_config_arguments(rl)
     rl.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
