@@ -162,12 +162,13 @@ def test_a_run_with_no_signal_left_says_so(tmp_path):
         train_rl(cfg, run_dir=cfg.run_dir, progress=False)
     stalls = [str(w.message) for w in caught if "reward variance" in str(w.message)]
     assert len(stalls) == 1  # once, not every step
-    assert "more than 50% of the replies have been cut at sampling.max_tokens for 2 steps" in stalls[0]
+    assert "more than 50% of the final replies have been cut at sampling.max_tokens for 2 steps" in stalls[0]
     assert str(cfg.run_dir / "metrics.jsonl") in stalls[0]
     train = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     assert [(r["no_signal_steps"], r["truncated_steps"], r["stalled"]) for r in train] == [
         (1, 1, 0), (2, 2, 1), (3, 3, 1)]
-    assert all(r["truncated_frac"] == 1.0 and r["groups_with_signal_frac"] == 0.0 and r["rollbacks"] == 0
+    assert all(r["truncated_frac"] == r["final_truncated_frac"] == 1.0 and r["groups_with_signal_frac"] == 0.0
+               and r["rollbacks"] == 0
                for r in train)
 
 

@@ -26,11 +26,11 @@ from saccade.stall import (
     stall_action,
 )
 
-HEALTHY = dict(groups_with_signal_frac=0.75, truncated_frac=0.1, accuracy=0.4)
-NO_SIGNAL = dict(groups_with_signal_frac=0.0, truncated_frac=0.0, accuracy=0.0)  # every reply wrong, all end
-CUT = dict(groups_with_signal_frac=0.25, truncated_frac=0.9, accuracy=0.0)  # some variance left, replies cut
-COLLAPSED = dict(groups_with_signal_frac=0.0, truncated_frac=1.0, accuracy=0.0)  # both at once
-SOLVED = dict(groups_with_signal_frac=0.0, truncated_frac=0.0, accuracy=1.0)  # every reply right
+HEALTHY = dict(groups_with_signal_frac=0.75, final_truncated_frac=0.1, accuracy=0.4)
+NO_SIGNAL = dict(groups_with_signal_frac=0.0, final_truncated_frac=0.0, accuracy=0.0)  # every reply wrong, all end
+CUT = dict(groups_with_signal_frac=0.25, final_truncated_frac=0.9, accuracy=0.0)  # some variance left, replies cut
+COLLAPSED = dict(groups_with_signal_frac=0.0, final_truncated_frac=1.0, accuracy=0.0)  # both at once
+SOLVED = dict(groups_with_signal_frac=0.0, final_truncated_frac=0.0, accuracy=1.0)  # every reply right
 
 
 def watch(kinds: list[dict], **rollout) -> tuple[list[str], StallState]:
@@ -68,7 +68,7 @@ def test_a_collapse_that_starts_as_cut_replies_is_dated_from_them():
 
 def test_a_solved_run_or_a_cut_share_at_the_threshold_is_no_stall():
     assert watch([SOLVED] * 5)[0] == ["go_on"] * 5
-    half = dict(HEALTHY, truncated_frac=0.5)
+    half = dict(HEALTHY, final_truncated_frac=0.5)
     assert watch([half] * 5)[0] == ["go_on"] * 5  # "more than" the threshold
     assert watch([dict(COLLAPSED, groups_with_signal_frac=0.1)] * 4, stall_truncated_frac=1.0)[0] == ["go_on"] * 4
 
@@ -114,10 +114,11 @@ def test_rollouts_sampled_before_a_rollback_do_not_count():
 def test_the_description_names_each_kind_and_the_figures():
     cfg = RolloutConfig(stall_steps=3)
     _, state = watch([COLLAPSED] * 3)
-    text = describe_stall(state, {"reward_mean": 0.0, "truncated_frac": 1.0, "completion_len_mean": 128.0}, cfg)
+    figures = {"reward_mean": 0.0, "final_truncated_frac": 1.0, "completion_len_mean": 128.0}
+    text = describe_stall(state, figures, cfg)
     assert text.startswith("no group has had reward variance for 3 steps")
-    assert "more than 50% of the replies have been cut at sampling.max_tokens for 3 steps" in text
-    assert text.endswith("reward_mean 0, truncated_frac 1, completion_len_mean 128")
+    assert "more than 50% of the final replies have been cut at sampling.max_tokens for 3 steps" in text
+    assert text.endswith("reward_mean 0, final_truncated_frac 1, completion_len_mean 128")
 
 
 # --------------------------------------------------------------------------- real runs

@@ -7,10 +7,13 @@ weights never move again. Two kinds of step count towards a stall, each in its o
 - no signal: no group had reward variance (`groups_with_signal_frac` 0), and not every
   reply was correct (a policy that answers everything right has nothing left to learn; that
   is no collapse, and going back from it would undo the run);
-- truncated: more than `rollout.stall_truncated_frac` of the replies were cut at
-  sampling.max_tokens (`truncated_frac`). Past half, most answers are cut before they end, and
-  such a run can still have a little variance left (a reward for the format, a lucky short
-  reply), so this kind sees the collapse that the first would only see once it is complete.
+- truncated: more than `rollout.stall_truncated_frac` of the answers or episodes ended on a
+  reply cut at sampling.max_tokens (`final_truncated_frac`; single-turn: the share of replies
+  cut). Past half, most answers are cut before they end, and such a run can still have a
+  little variance left (a reward for the format, a lucky short reply), so this kind sees the
+  collapse that the first would only see once it is complete. Final replies, not all of them:
+  a multi-turn run whose groups still vary can have half its replies cut (the views demo's
+  look turns: 0.44 of all its replies over 300 steps, 0.06 of its final ones).
 A run has stalled when either streak reaches `rollout.stall_steps` steps. Then
 `rollout.on_stall` says what happens: "warn" (once per streak), "stop", or "rollback" (at
 most `rollout.max_rollbacks` times; a stall after the last stops the run).
@@ -57,13 +60,13 @@ class StepSignal:
     """What one step's rollouts say about a stall (`StepSignal.of` reads them from its metrics)."""
 
     groups_with_signal_frac: float  # groups with reward variance
-    truncated_frac: float  # replies cut at sampling.max_tokens
+    final_truncated_frac: float  # answers or episodes whose final reply was cut at sampling.max_tokens
     accuracy: float  # replies scored fully correct
     sampled_version: int  # the oldest weights the step's rollouts were sampled from
 
     @classmethod
     def of(cls, metrics: Mapping[str, float]) -> StepSignal:
-        return cls(metrics["groups_with_signal_frac"], metrics["truncated_frac"], metrics["accuracy"],
+        return cls(metrics["groups_with_signal_frac"], metrics["final_truncated_frac"], metrics["accuracy"],
                    int(metrics["sampled_policy_version"]))
 
 
@@ -103,7 +106,7 @@ def observe(state: StallState, seen: StepSignal, rollout: RolloutConfig) -> Stal
     if seen.sampled_version < state.counts_from:  # sampled before a rollback, from the weights it undid
         return state
     no_signal = seen.groups_with_signal_frac == 0 and seen.accuracy < 1.0
-    truncated = seen.truncated_frac > rollout.stall_truncated_frac
+    truncated = seen.final_truncated_frac > rollout.stall_truncated_frac
     return replace(state, no_signal=state.no_signal.extend(no_signal, seen.sampled_version),
                    truncated=state.truncated.extend(truncated, seen.sampled_version))
 
@@ -134,9 +137,9 @@ def describe_stall(state: StallState, metrics: Mapping[str, float], rollout: Rol
         parts.append(f"no group has had reward variance for {state.no_signal.steps} steps (every episode of a prompt "
                      f"scores the same, so the weights have not changed since)")
     if state.truncated.steps >= n:
-        parts.append(f"more than {rollout.stall_truncated_frac:.0%} of the replies have been cut at "
+        parts.append(f"more than {rollout.stall_truncated_frac:.0%} of the final replies have been cut at "
                      f"sampling.max_tokens for {state.truncated.steps} steps (they no longer end)")
-    figures = ", ".join(f"{k} {metrics[k]:.3g}" for k in ("reward_mean", "truncated_frac", "completion_len_mean")
+    figures = ", ".join(f"{k} {metrics[k]:.3g}" for k in ("reward_mean", "final_truncated_frac", "completion_len_mean")
                         if k in metrics)
     return " and ".join(parts) + f"; {figures}"
 

@@ -101,6 +101,7 @@ def test_replies_cut_at_max_tokens_are_counted(built):
         cut = [n for reason, n in replies if reason == "length"]
         assert batch.metrics["truncated_frac"] == len(cut) / len(replies)
         assert batch.metrics["truncated_frac"] + batch.metrics["stopped_frac"] == 1.0
+        assert batch.metrics["final_truncated_frac"] == batch.metrics["truncated_frac"]  # one reply each
         assert all(n == max_tokens for n in cut)
         cut_fracs.append(batch.metrics["truncated_frac"])
     assert cut_fracs[0] > 0  # not vacuous: a random model's replies rarely end within 2 tokens
@@ -117,6 +118,11 @@ def test_an_episode_is_scored_by_all_its_turns(built):
         assert [r.sample.reward for r in group] == pytest.approx(returns, abs=1e-12)
         assert [r.sample.advantage for r in group] == pytest.approx(_by_hand(returns), abs=1e-6)
     assert batch.metrics["turns_mean"] == 3.0 and batch.metrics["images_mean"] > 3
+    # Every turn's reply counts in truncated_frac, each episode's last in final_truncated_frac.
+    episodes = [r for group in batch.groups for r in group]
+    turns = [reason for r in episodes for reason in r.finish_reasons]
+    assert batch.metrics["truncated_frac"] == turns.count("length") / len(turns)
+    assert batch.metrics["final_truncated_frac"] == sum(r.finish_reasons[-1] == "length" for r in episodes) / len(episodes)
 
 
 @pytest.mark.slow

@@ -244,7 +244,7 @@ class RolloutConfig(Section):
         "warn",
         description="what a stalled run does. It has stalled when, for stall_steps steps in a row, no group had "
         "reward variance (nothing to learn from; a step whose replies are all correct does not count) or more "
-        "than stall_truncated_frac of the replies were cut at sampling.max_tokens. 'warn': say so once per "
+        "than stall_truncated_frac of the answers (episodes: their final replies) were cut at sampling.max_tokens. 'warn': say so once per "
         "stall and train on; 'stop': end with StallError, naming the last checkpoint from before the stall and "
         "the --resume command with a lower trainer.lr (the stalled weights are not saved); 'rollback': reload "
         "the last checkpoint from before the stall (the run then saves its start weights as step 0), multiply "
@@ -257,9 +257,9 @@ class RolloutConfig(Section):
     )
     stall_truncated_frac: float = Field(
         0.5, gt=0, le=1,
-        description="a step counts towards a stall when more than this share of its replies was cut at "
-        "sampling.max_tokens (truncated_frac): past half, most answers are cut before they end. 1 turns this "
-        "kind of stall off (for a run whose replies are meant to be cut)",
+        description="a step counts towards a stall when more than this share of its answers (episodes: their "
+        "final replies) was cut at sampling.max_tokens (final_truncated_frac): past half, most answers are cut "
+        "before they end. 1 turns this kind of stall off (for a run whose answers are meant to be cut)",
     )
     stall_lr_factor: float = Field(
         0.5, gt=0, lt=1,

@@ -230,8 +230,10 @@ def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_
     environments reported at their last step, as env_<key>, and the reward functions' values,
     parts and failures (reward_<name>, reward_errors, ...). `stopped_frac` and `truncated_frac`
     are shares of the replies (every turn of an episode): ended by the model, and cut at
-    sampling.max_tokens (finish reason "length"); the two watch for a policy whose replies no
-    longer end (saccade.stall)."""
+    sampling.max_tokens (finish reason "length"). `final_truncated_frac` counts each answer or
+    episode once, by its final reply (single-turn: the same as truncated_frac): the stall watch's
+    sign of a policy whose replies no longer end (saccade.stall): a multi-turn run whose groups
+    still vary can have half its replies cut (the views demo's look turns), not its final ones."""
     flat = [r for group in groups for r in group]
     lengths = torch.tensor([r.completion_tokens for r in flat], dtype=torch.float32)
     reasons = [reason for r in flat for reason in r.finish_reasons]
@@ -243,6 +245,7 @@ def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_
         "completion_len_max": float(lengths.max()),
         "stopped_frac": float(np.mean([reason == "stop" for reason in reasons])),
         "truncated_frac": float(np.mean([reason == "length" for reason in reasons])),
+        "final_truncated_frac": float(np.mean([r.finish_reasons[-1:] == ["length"] for r in flat])),
         "groups_with_signal_frac": float(signal_G.float().mean()),
         "groups_kept_frac": float(keep_G.float().mean()),
         "completion_tokens": float(lengths.sum()),
