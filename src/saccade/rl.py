@@ -424,8 +424,8 @@ def stalled_stop(cfg: RunConfig, run_dir: Path, step: int, stall: StallState, me
             shutil.copyfile(run_dir / METRICS_FILE, aside / f"metrics-to-step_{step:06d}.jsonl")
     barrier(world)
     text = f"the run stalled: {describe_stall(stall, metrics, rollout)}. It stopped after step {step}"
-    if rollout.on_stall == "rollback":
-        text += f" after {stall.rollbacks} rollback(s) (rollout.max_rollbacks {rollout.max_rollbacks})"
+    if rollout.on_stall == "rollback" and stall.rollbacks >= rollout.max_rollbacks:
+        text += f", its rollout.max_rollbacks ({rollout.max_rollbacks}) rollbacks spent,"
     text += " without saving its weights (a stalled policy is not worth a checkpoint)"
     if moved:
         text += f"; the checkpoints written since the stall began are set aside in {aside}"
