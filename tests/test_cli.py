@@ -25,6 +25,9 @@ def test_help_explains_the_commands():
         assert command in out.stdout
     bench = run_cli("bench", "parity", "--help")
     assert "--model" in bench.stdout and "--json" in bench.stdout
+    rl = " ".join(run_cli("rl", "--help").stdout.split())  # argparse wraps the description
+    for field in ("on_stall", "stall_steps", "stall_truncated_frac", "stall_lr_factor", "max_rollbacks"):
+        assert f"rollout.{field}" in rl, field
 
 
 def test_unknown_command_is_a_clear_error():

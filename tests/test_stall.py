@@ -183,15 +183,16 @@ def test_a_collapsed_run_stops_and_the_command_it_prints_goes_on_from_before_the
 
 @pytest.mark.slow
 def test_a_collapsed_run_rolls_back_to_its_start_at_a_lower_lr_and_learns(tmp_path):
-    """on_stall = "rollback" with no checkpoint on the way: the run saves its start weights as
-    step 0, collapses, rolls back to them after step 5 at lr 1e-2 x 0.07 = 7e-4 (saving them at
-    once as step 5), and learns from there: the last steps' reward is far above the stalled
-    level (0). The step count goes on forward: one metrics line per step, 1 to 22."""
+    """on_stall = "rollback", a checkpoint every 4 steps: the run saves its start weights as step 0,
+    collapses (steps 3-5 sampled the weights of steps 2-4), and after step 5 rolls back past the
+    stalled checkpoint of step 4 (set aside) to step 0, at lr 1e-2 x 0.07 = 7e-4, saving the
+    reloaded weights at once as step 5. It learns from there: the last steps' reward is far above
+    the stalled level (0). The step count goes on forward: one metrics line per step, 1 to 22."""
     from safetensors.torch import load_file
 
     cfg = collapsing_run(tmp_path, "rollback", "--trainer.steps", "22", "--rollout.on_stall", "rollback",
-                         "--rollout.stall_lr_factor", "0.07", "--checkpoint.every_steps", "0",
-                         "--checkpoint.keep_last", "5")
+                         "--rollout.stall_lr_factor", "0.07", "--checkpoint.every_steps", "4",
+                         "--checkpoint.keep_last", "10")
     _train(cfg)
     records = _train_records(cfg.run_dir)
     assert [r["step"] for r in records] == list(range(1, 23))
@@ -204,7 +205,9 @@ def test_a_collapsed_run_rolls_back_to_its_start_at_a_lower_lr_and_learns(tmp_pa
     last = sorted(r["reward_mean"] for r in records[-5:])
     assert last[2] > 0.6, [r["reward_mean"] for r in records]  # the median: learning again
     checkpoints = cfg.run_dir / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000000", "step_000005", "step_000022"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        f"step_{k:06d}" for k in (0, 5, 8, 12, 16, 20, 22)]
+    assert [p.name for p in (cfg.run_dir / "checkpoints-stalled").iterdir()] == ["step_000004"]
     start, rolled = (load_file(checkpoints / f"step_00000{k}" / "model.safetensors") for k in (0, 5))
     assert all(rolled[name].equal(start[name]) for name in start)  # the start weights, exactly
     assert "lr_scale" in (checkpoints / "step_000005" / "state.json").read_text()
