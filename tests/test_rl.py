@@ -50,7 +50,8 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path):
     resumed = read_metrics(cfg2.run_dir)
 
     assert [(r["step"], r["phase"]) for r in resumed] == [(r["step"], r["phase"]) for r in straight]
-    compared = ("reward_mean", "accuracy", "completion_len_mean", "loss", "mismatch_abs", "grad_norm", "clip_frac", "kl")
+    compared = ("reward_mean", "accuracy", "completion_len_mean", "loss", "mismatch_abs", "grad_norm", "clip_frac",
+                "kl", "truncated_steps", "no_signal_steps", "stalled")  # the stall watch's streaks go on too
     for a, b in zip(straight, resumed, strict=True):
         for key in compared:
             if key in a:
@@ -58,6 +59,7 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path):
     # Not vacuous: the run moved, and the logged mismatch is the fp32 float noise it should be.
     train = [r for r in straight if r["phase"] == "train"]
     assert all(r["mismatch_abs"] <= 1e-4 for r in train)
+    assert [r["truncated_steps"] for r in train] == [1, 2, 3, 4]  # a random model's replies never end in 4 tokens
     assert len({round(r["loss"], 8) for r in train}) > 1
     # The KL is 0 while the policy is its start, then the policy moves away from it: had the resumed
     # run taken its reference from the step-2 checkpoint, its step 3 would log a KL near 0.

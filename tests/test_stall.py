@@ -111,6 +111,15 @@ def test_rollouts_sampled_before_a_rollback_do_not_count():
     assert state.no_signal == Streak(1, 4)
 
 
+def test_the_state_goes_into_a_checkpoint_and_back():
+    import json
+
+    _, state = watch([COLLAPSED] * 4, on_stall="rollback", max_rollbacks=1)
+    assert state != StallState()
+    assert StallState.restored(json.loads(json.dumps(state.saved()))) == state
+    assert StallState.restored(None) == StallState()  # a checkpoint from before the watch
+
+
 def test_the_description_names_each_kind_and_the_figures():
     cfg = RolloutConfig(stall_steps=3)
     _, state = watch([COLLAPSED] * 3)

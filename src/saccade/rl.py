@@ -111,8 +111,8 @@ from saccade.visual import reply_logprobs
 # peak lr is trainer.lr times it, after a resume too.
 LR_SCALE = "lr_scale"
 
-# TrainState.extra's key for the stall rollbacks made so far (rollout.max_rollbacks bounds them).
-ROLLBACKS = "rollbacks"
+# TrainState.extra's key for the stall watch's state (`StallState.saved`): its streaks and rollbacks.
+STALL = "stall"
 
 
 def kl_reference(cfg: RunConfig, setup: Setup, sampling: SamplingParams, world: World = SINGLE) -> Reference:
@@ -298,7 +298,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     if cfg.rollout.on_stall == "rollback" and not resume:  # a stall before the first checkpoint goes back here
         with stop_if_unwritable(run_dir, state.step):
             run.save(run_dir, state)
-    stall = StallState(rollbacks=state.extra.get(ROLLBACKS, 0))  # streaks start afresh on a resume
+    stall = StallState.restored(state.extra.get(STALL))
     logger = MetricsLogger(
         run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, tensorboard=cfg.log.tensorboard,
         config=cfg.model_dump(), resume=resume,
@@ -339,12 +339,12 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 rolled_back: dict[str, float] = {}
                 if action == "rollback":
                     rolled_back = run.roll_back(run_dir, state, since=stall.since(cfg.rollout.stall_steps))
-                    if not rolled_back:  # no checkpoint from before the stall is left
-                        action = "stop"
-                    else:  # rollouts from here on sample the restored weights, version step + 1
+                    if rolled_back:  # rollouts from here on sample the restored weights, version step + 1
                         stall = after_rollback(stall, version=step + 1)
-                        state.extra[ROLLBACKS] = stall.rollbacks
-                        rolled_back[ROLLBACKS] = float(stall.rollbacks)
+                        rolled_back["rollbacks"] = float(stall.rollbacks)
+                    else:  # no checkpoint from before the stall is left
+                        action = "stop"
+                state.extra[STALL] = stall.saved()  # a resume goes on with the same streaks
 
                 # 4. Weights to the engine: every k-th step, and whenever the run evaluates,
                 # checkpoints, rolls back or ends, so those see (and a resume restarts from) the

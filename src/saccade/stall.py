@@ -29,7 +29,7 @@ No torch here: the CLI imports `StallError` to report it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from saccade.config import RolloutConfig
@@ -94,6 +94,19 @@ class StallState:
         stalled = [s.since for s in (self.no_signal, self.truncated) if s.steps >= stall_steps]
         assert stalled, "since() of a run that has not stalled"
         return min(stalled)
+
+    def saved(self) -> dict:
+        """The state as JSON values, for a checkpoint's TrainState.extra (a resumed run goes on
+        with the same streaks, so its figures are the uninterrupted run's)."""
+        return asdict(self)
+
+    @classmethod
+    def restored(cls, saved: Mapping | None) -> StallState:
+        """The state `saved()` wrote; a fresh one for a checkpoint without it."""
+        if not saved:
+            return cls()
+        return cls(Streak(**saved["no_signal"]), Streak(**saved["truncated"]), saved["rollbacks"],
+                   saved["counts_from"])
 
     def metrics(self, stall_steps: int) -> dict[str, float]:
         """What every step logs: the streaks, whether the run has stalled, the rollbacks so far."""
