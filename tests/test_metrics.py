@@ -343,5 +343,6 @@ def test_format_step_shows_a_stall_and_a_rollback():
     stalled = {**calm, "stalled": 1.0, "no_signal_steps": 20.0, "truncated_steps": 21.0}
     assert format_step(stalled) == "step 4 | reward 0.5 | STALLED: no signal 20 steps, cut 21 steps"
     rolled = {**stalled, "rollback_to_step": 0.0, "rollback_lr": 0.00025}
-    assert format_step(rolled).endswith("| STALLED: no signal 20 steps, cut 21 steps | rolled back to step 0, lr 2.500e-04")
+    assert format_step(rolled).endswith(
+        "| STALLED: no signal 20 steps, cut 21 steps | rolled back to step 0, lr 2.500e-04")
     assert format_step(stalled, keys=["reward_mean"]) == "step 4 | reward_mean 0.5"

@@ -122,7 +122,8 @@ def test_an_episode_is_scored_by_all_its_turns(built):
     episodes = [r for group in batch.groups for r in group]
     turns = [reason for r in episodes for reason in r.finish_reasons]
     assert batch.metrics["truncated_frac"] == turns.count("length") / len(turns)
-    assert batch.metrics["final_truncated_frac"] == sum(r.finish_reasons[-1] == "length" for r in episodes) / len(episodes)
+    final_cut = [r.finish_reasons[-1] == "length" for r in episodes]
+    assert batch.metrics["final_truncated_frac"] == sum(final_cut) / len(episodes)
 
 
 @pytest.mark.slow

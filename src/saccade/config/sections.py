@@ -244,11 +244,12 @@ class RolloutConfig(Section):
         "warn",
         description="what a stalled run does. It has stalled when, for stall_steps steps in a row, no group had "
         "reward variance (nothing to learn from; a step whose replies are all correct does not count) or more "
-        "than stall_truncated_frac of the answers (episodes: their final replies) were cut at sampling.max_tokens. 'warn': say so once per "
-        "stall and train on; 'stop': end with StallError, naming the last checkpoint from before the stall and "
-        "the --resume command with a lower trainer.lr (the stalled weights are not saved); 'rollback': reload "
-        "the last checkpoint from before the stall (the run then saves its start weights as step 0), multiply "
-        "the lr by stall_lr_factor and train on, the step count going forward. docs/stalls.md",
+        "than stall_truncated_frac of the answers (episodes: their final replies) were cut at "
+        "sampling.max_tokens. 'warn': say so once per stall and train on; 'stop': end with StallError, naming "
+        "the last checkpoint from before the stall and the --resume command with a lower trainer.lr (the "
+        "stalled weights are not saved); 'rollback': reload the last checkpoint from before the stall (the run "
+        "then saves its start weights as step 0), multiply the lr by stall_lr_factor and train on, the step "
+        "count going forward. docs/stalls.md",
     )
     stall_steps: int = Field(
         20, ge=1, le=100_000,
