@@ -18,8 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 # Files that take a minute or more, first, so that the two workers end together: xdist hands out
-# whole files in this order (the longest-first rule), and a long file left to the end runs
-# alone. tests/serving is one unit: its tests share one vLLM server (tests/serving/conftest.py).
+# whole files in this order (the longest-first rule; `pytest_xdist_make_scheduler` below), and a
+# long file left to the end runs alone. tests/serving is one unit: its tests share one vLLM
+# server (tests/serving/conftest.py).
 LONG_FIRST = (
     "tests/serving/",
     "tests/distributed/test_distributed_rl.py",
@@ -32,10 +33,10 @@ LONG_FIRST = (
 )
 
 
-def xdist_unit(relative_path: str) -> str:
+def xdist_unit(path: str) -> str:
     """The unit a worker runs whole: the serving package, else the test's file (so that module
     fixtures, which start servers and train runs, are made once)."""
-    return "tests/serving/" if relative_path.startswith("tests/serving/") else relative_path
+    return "tests/serving/" if path.startswith("tests/serving/") else path
 
 
 def long_first_rank(unit: str) -> int:
@@ -43,13 +44,22 @@ def long_first_rank(unit: str) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test gets its unit as an xdist group (`--dist loadgroup`), and the long units go
-    first. The sort is stable and the same in every worker, as xdist requires."""
-    root = config.rootpath
-    units = {id(item): xdist_unit(item.path.relative_to(root).as_posix()) for item in items}
-    items.sort(key=lambda item: long_first_rank(units[id(item)]))
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(units[id(item)]))
+    """The long units first. The sort is stable and the same in every worker, as xdist requires."""
+    items.sort(key=lambda item: long_first_rank(xdist_unit(item.path.relative_to(config.rootpath).as_posix())))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's file scheduling, with tests/serving as one unit, in the order collected (long
+    first). Not `--dist loadgroup` with markers: with pytest 9 its group suffix never reaches
+    the node ids (xdist 3.8 sets `item._nodeid`; pytest 9's `nodeid` reads `item._id`), so
+    every test went its own way and module fixtures were made in both workers."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid.split("::")[0])
+
+    return ByUnit(config, log)
 
 
 @pytest.fixture(autouse=True)

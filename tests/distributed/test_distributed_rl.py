@@ -152,8 +152,17 @@ def test_world_2_samples_and_trains_like_world_1(world_runs):
     for m in (m1, m2):  # the KL to the start weights: 0 while the policy is them, then above 0
         assert m[0]["kl"] == 0.0 and all(r["kl"] > 0 for r in m[1:]), [r["kl"] for r in m]
     assert_same_metrics(m2, m1, RTOL)
-    # Rank 0 writes samples.jsonl from the prompts it sampled itself: the same records, images included.
+    # Rank 0 writes samples.jsonl from the prompts it sampled itself: the same records, images
+    # included. The replies' logprobs with and without images (saccade.visual) are written at
+    # world 1 only: under torchrun the model is sharded, and rank 0 alone cannot run a forward.
     samples1, samples2 = read_metrics(world1 / "run" / "samples.jsonl"), read_metrics(world2 / "run" / "samples.jsonl")
+    per_sample = ("reply_logprob", "reply_logprob_blank", "image_logprob_gain")
+    assert all(k in c for r in samples1 for c in r["completions"] for k in per_sample)
+    assert not any(k in c for r in samples2 for c in r["completions"] for k in per_sample)
+    for r in samples1:
+        for c in r["completions"]:
+            for k in per_sample:
+                del c[k]
     assert [r["step"] for r in samples1] == [2, 2, 4, 4] and samples2 == samples1
     assert all(r["prompt"]["images"] for r in samples2)
     w1, w2 = load_file(world1 / "weights.safetensors"), load_file(world2 / "weights.safetensors")
