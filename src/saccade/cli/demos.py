@@ -189,7 +189,7 @@ def add_demo_parser(sub) -> None:
         description="Builds (once, cached) a tiny random vision-language model offline; SFT warm start on random answers "
         "(the answer format, no visual signal); GRPO on the synthetic shapes task; then the same GRPO on "
         "blank images as a control. Prints held-out accuracy before, after and for the control, and fails "
-        "(exit 1) if the model did not learn or the control did. About 6 minutes on 2 cores (8 on vLLM). "
+        "(exit 1) if the model did not learn or the control did. About 2 minutes on 2 cores (docs/demo.md has each seed's). "
         "Settings: saccade/configs/demo.toml (configs/demo.toml in the repo); dotted overrides apply. "
         "Runs, metrics and plots go to runs/demo/{sft,grpo,control}, replacing a previous demo's. "
         "Another family: --model.path qwen2.5vl-tiny (its tiny preset; '<preset>-warm' runs the same demo, "
