@@ -10,8 +10,9 @@ first to one worker, which starts the server with the package's first test: its 
 minute, most of it one core importing vLLM in one process after another) overlaps the other
 worker's tests. In one process (`-n 0`) it is started as soon as the tests are collected, when
 any of this package's are to run, so that it overlaps the tests before this package, and it
-idles until they come (an idle server took 0.25 CPU-s in 20 s here). It is stopped when this package's tests end (this folder is a package for
-that: a package-scoped fixture of a plain folder lives to the end of the session). Each module
+idles until they come (an idle server took 0.25 CPU-s in 20 s here). It is stopped when this
+package's tests end (this folder is a package for that: a package-scoped fixture of a plain
+folder lives to the end of the session). Each module
 gets it serving the base weights, whatever an earlier module pushed."""
 
 from __future__ import annotations

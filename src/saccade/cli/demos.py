@@ -30,32 +30,6 @@ def seeded(cfg, seed: int):
     })
 
 
-def _run_demo(args: argparse.Namespace, load_config, run) -> list[dict] | None:
-    """Load the demo's config (None after --dry-run), run it on the chosen engine once, or once
-    per seed of `--seeds`, add the server's start to the minutes (the bar counts the whole
-    demo), write the JSON: one run's figures, or with `--seeds` a list `seeds` of one such
-    entry per seed (each with its `seed`)."""
-    from saccade.config import describe
-    from saccade.demo import demo_engine
-
-    cfg = load_config(args.overrides, args.config)
-    configs = [seeded(cfg, seed) for seed in args.seeds] if args.seeds else [cfg]
-    if args.dry_run:
-        for one in configs:
-            print(describe(one))
-        return None
-    results = []
-    for one in configs:
-        with demo_engine(one, args.engine) as (one, server_minutes):
-            result = run(one)
-        result["server_start_minutes"] = server_minutes
-        result["minutes"] += server_minutes
-        result["seed"] = one.trainer.seed
-        results.append(result)
-    write_json(args.json, {"seeds": results} if args.seeds else results[0])
-    return results
-
-
 @dataclass(frozen=True)
 class Demo:
     """What `saccade demo X` runs and how it reports one run: its config loader and runner,
@@ -68,6 +42,32 @@ class Demo:
     verdict: Callable[[dict], list[str]]
     ok: str
     columns: tuple[str, ...]
+
+
+def _run_demo(args: argparse.Namespace, demo: Demo) -> list[dict] | None:
+    """Load the demo's config (None after --dry-run), run it on the chosen engine once, or once
+    per seed of `--seeds`, add the server's start to the minutes (the bar counts the whole
+    demo), write the JSON: one run's figures, or with `--seeds` a list `seeds` of one such
+    entry per seed (each with its `seed`)."""
+    from saccade.config import describe
+    from saccade.demo import demo_engine
+
+    cfg = demo.load_config(args.overrides, args.config)
+    configs = [seeded(cfg, seed) for seed in args.seeds] if args.seeds else [cfg]
+    if args.dry_run:
+        for one in configs:
+            print(describe(one))
+        return None
+    results = []
+    for one in configs:
+        with demo_engine(one, args.engine) as (one, server_minutes):
+            result = demo.run(one)
+        result["server_start_minutes"] = server_minutes
+        result["minutes"] += server_minutes
+        result["seed"] = one.trainer.seed
+        results.append(result)
+    write_json(args.json, {"seeds": results} if args.seeds else results[0])
+    return results
 
 
 def seed_table(results: list[dict], demo: Demo) -> str:
@@ -87,7 +87,7 @@ def seed_table(results: list[dict], demo: Demo) -> str:
 def run_and_report(args: argparse.Namespace, demo: Demo) -> int:
     """Run the demo (each seed of --seeds in turn), print each run's figures, and with several
     seeds the table; exit 1 when any seed missed its bar, saying which and how."""
-    results = _run_demo(args, demo.load_config, demo.run)
+    results = _run_demo(args, demo)
     if results is None:
         return 0
     misses = []
