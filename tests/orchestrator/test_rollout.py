@@ -108,6 +108,32 @@ def test_replies_cut_at_max_tokens_are_counted(built):
     assert cut_fracs[0] >= cut_fracs[1]
 
 
+def test_overlong_penalty_gives_all_zero_groups_a_signal_and_mask_drops_cut_answers(built):
+    """DAPO's overlong tools on the collapse they are for: every answer scores 0, some are cut.
+    Without shaping no group has variance; with overlong_penalty the answers that ended get the
+    positive advantages; with mask_overlong the cut ones leave the loss."""
+    cfg, setup = built
+    short = cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"max_tokens": 3})})
+    task = scored_task(short, lambda text, sample: 0.0)
+    prompts = task.eval_samples(3)
+    plain = _rollouts(short, setup, task, prompts)
+    assert plain.metrics["groups_with_signal_frac"] == 0.0 and "reward_shaped_mean" not in plain.metrics
+    shaped = _rollouts(short, setup, task, prompts, overlong_penalty=0.5, filter_zero_variance=True)
+    mixed = [g for g in shaped.groups if len({r.finish_reasons[0] for r in g}) == 2]
+    assert mixed, "not vacuous: some group must have both cut and ended answers"
+    for group in mixed:
+        shaped_rewards = [-0.5 * (r.finish_reasons[0] == "length") for r in group]
+        assert [r.sample.advantage for r in group] == pytest.approx(_by_hand(shaped_rewards), abs=1e-6)
+        assert all((r.sample.advantage > 0) == (r.finish_reasons[0] == "stop") for r in group)
+    assert shaped.metrics["groups_with_signal_frac"] == pytest.approx(len(mixed) / 3)
+    assert shaped.metrics["reward_mean"] == 0.0  # the task's reward, unshaped
+    assert shaped.metrics["reward_shaped_mean"] == pytest.approx(-0.5 * shaped.metrics["truncated_frac"])
+    masked = _rollouts(short, setup, task, prompts, overlong_penalty=0.5, mask_overlong=True)
+    kept = {s.sample_id for s in masked.samples}
+    ended = {r.sample.sample_id for g in masked.groups for r in g if r.finish_reasons[0] == "stop"}
+    assert kept == ended and kept
+
+
 def test_an_episode_is_scored_by_all_its_turns(built):
     cfg, setup = built
     task = HashEpisodesTask()

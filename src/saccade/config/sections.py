@@ -239,6 +239,19 @@ class RolloutConfig(Section):
         description="the most seconds one reward function may take on one answer (async ones, and your sync "
         "ones, which run on worker threads); past it the answer scores 0 there, counted in reward_timeouts",
     )
+    # Replies cut at sampling.max_tokens (DAPO's overlong filtering and shaping, docs/stalls.md).
+    overlong_penalty: float = Field(
+        0.0, ge=0, le=100,
+        description="subtracted from an answer's reward when it was cut at sampling.max_tokens (an episode's: "
+        "times the share of its replies cut). A group whose answers all score 0 then still has variance, and the "
+        "answers that end beat those that run on: the way out of the collapse where replies stop ending. "
+        "reward_mean stays the task's reward; reward_shaped_mean is what advantages came from. 0: off",
+    )
+    mask_overlong: bool = Field(
+        False,
+        description="leave answers whose final reply was cut at sampling.max_tokens out of the loss (DAPO's "
+        "overlong filtering); they still count in their group's mean and std",
+    )
     # A stalled run (saccade.stall, docs/stalls.md): what GRPO's most common collapse looks like.
     on_stall: Literal["warn", "stop", "rollback"] = Field(
         "warn",

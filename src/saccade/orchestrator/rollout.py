@@ -66,6 +66,11 @@ class Rollout:
         """1.0 when the environment scored the last turn fully correct."""
         return float(float(self.info.get("correct", 0.0)) >= 1.0)
 
+    @property
+    def cut_frac(self) -> float:
+        """The share of its replies cut at sampling.max_tokens (single-turn: 0 or 1)."""
+        return sum(reason == "length" for reason in self.finish_reasons) / max(len(self.finish_reasons), 1)
+
 
 @dataclass
 class RolloutBatch:
@@ -208,19 +213,33 @@ def lag_metrics(groups: list[list[Rollout]], step: int, max_lag: int) -> dict[st
     return out
 
 
+def shaped_rewards(groups: list[list[Rollout]], overlong_penalty: float) -> torch.Tensor:
+    """The rewards advantages are computed from: each episode's return minus overlong_penalty
+    times the share of its replies cut at sampling.max_tokens (DAPO's overlong shaping, its
+    hard part). When every reply of a group scores 0, those that ended now beat those cut."""
+    return torch.tensor([[r.reward - overlong_penalty * r.cut_frac for r in group] for group in groups],
+                        dtype=torch.float32)
+
+
 def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> RolloutBatch:
-    """Group-relative advantages set on the samples; the kept groups' samples and the metrics."""
+    """Group-relative advantages set on the samples; the kept groups' samples and the metrics.
+    With rollout.mask_overlong, a sample whose final reply was cut stays in its group's
+    statistics but out of the loss (DAPO's overlong filtering)."""
     rewards_GN = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
-    advantages_GN = group_advantages(rewards_GN, scale_by_std=rollout.scale_advantages_by_std)
-    signal_G = ~zero_variance_groups(rewards_GN)  # a group whose rewards are all equal teaches nothing
+    shaped_GN = shaped_rewards(groups, rollout.overlong_penalty) if rollout.overlong_penalty else rewards_GN
+    advantages_GN = group_advantages(shaped_GN, scale_by_std=rollout.scale_advantages_by_std)
+    signal_G = ~zero_variance_groups(shaped_GN)  # a group whose rewards are all equal teaches nothing
     keep_G = signal_G if rollout.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
     samples = []
     for g, group in enumerate(groups):
         for i, r in enumerate(group):
             r.sample.advantage = float(advantages_GN[g, i])
-            if keep_G[g]:
+            if keep_G[g] and not (rollout.mask_overlong and r.finish_reasons[-1:] == ["length"]):
                 samples.append(r.sample)
-    return RolloutBatch(samples, rollout_metrics(groups, rewards_GN, keep_G, signal_G), groups)
+    metrics = rollout_metrics(groups, rewards_GN, keep_G, signal_G)
+    if rollout.overlong_penalty:
+        metrics["reward_shaped_mean"] = float(shaped_GN.mean())
+    return RolloutBatch(samples, metrics, groups)
 
 
 def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_G: torch.Tensor,
