@@ -8,6 +8,13 @@ that the images are what it learned from.
 3. Control: the same GRPO from the same warm start, on the same questions with every image
    replaced by one uniform gray picture. With nothing to see it can only stay at chance.
 
+The same three stages run on one's own multiple-choice data set (`--task.kind dataset`, every
+row with a choices column, `task.columns.choices`): the warm start's target is an option drawn
+at random per row, the control blanks every image of the data set (uniform gray, each
+image's own size), and chance is the held-out rows' mean of 1 / their number of options. It
+asks of a data set what the shapes show: can a model learn it from the pictures, and not
+without them (docs/demo.md, "Your own multiple-choice data set").
+
 Each trained policy is also scored with every held-out image blank (`saccade.visual`): the
 GRPO policy's `visual_gain_after` (its accuracy minus its accuracy on blank images) shows it
 reads the image, the control's `control_visual_gain` that it never learned to.
@@ -202,6 +209,37 @@ def demo_engine(cfg: RunConfig, engine: str):
                 torch.set_num_threads(threads)
 
 
+# The tasks the demo runs: the shapes, and a data set whose rows all have options.
+DEMO_TASKS = ("shapes", "dataset")
+
+
+def check_demo_task(cfg: RunConfig) -> RunConfig:
+    """`cfg` when the demo can run its task, else a ValueError that says what to do: the demo's
+    warm start draws random options and its chance is 1 / options, so it needs multiple choice."""
+    kind = cfg.task.kind
+    if kind not in DEMO_TASKS:
+        raise ValueError(f"saccade demo runs task.kind 'shapes' (the default) or 'dataset' (your own multiple-choice "
+                         f"data set, with task.columns.choices); got {kind!r}. Train it with saccade rl instead")
+    if kind == "dataset" and cfg.task.columns.choices is None:
+        raise ValueError("saccade demo on a data set needs its options: set task.columns.choices to the list column "
+                         "of each row's options (the warm start answers with one of them at random, and chance is "
+                         "1 / their number)")
+    return cfg
+
+
+def chance_of(samples: list) -> float:
+    """Held-out chance of a random option: the mean over the questions of 1 / their number of
+    options (1 / options when every row has as many). A question without options is refused."""
+    if not samples:
+        raise ValueError("the demo's held-out set is empty: the data set's held-out split has no usable rows")
+    missing = [s.sample_id for s in samples if not s.choices]
+    if missing:
+        raise ValueError(f"held-out questions without options ({', '.join(missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''}): the demo needs multiple choice on every row; "
+                         "check task.columns.choices")
+    return sum(1.0 / len(s.choices) for s in samples) / len(samples)
+
+
 def within_chance(accuracy: float, chance: float, margin: float = CHANCE_MARGIN) -> bool:
     return abs(accuracy - chance) <= margin
 
@@ -237,6 +275,7 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     from saccade.sft import train_sft
     from saccade.tasks import task_from_config
 
+    check_demo_task(cfg)
     start = time.perf_counter()
     root = cfg.run_dir
     for part in ("sft", "grpo", "control"):
@@ -252,6 +291,7 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     setup = build_setup(cfg, root)
     task = task_from_config(cfg, blank=False)
     held_out = task.eval_samples(cfg.eval.prompts)
+    chance = chance_of(held_out)
 
     def evaluated() -> dict[str, float]:
         """Greedy accuracy on the held-out questions, and on the same with every image blank
@@ -278,6 +318,13 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
 
     for part in ("grpo", "control"):
         plot_run(root / part)
+    if cfg.task.kind == "shapes":
+        task_fields = {"task": "shapes", "question_kinds": list(cfg.task.question_kinds),
+                       "num_choices": cfg.task.num_choices}
+    else:
+        counts = sorted({len(s.choices) for s in held_out})
+        task_fields = {"task": "dataset", "dataset": cfg.task.dataset,
+                       "num_choices": counts[0] if len(counts) == 1 else counts}
     return {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
@@ -286,10 +333,9 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "visual_gain_before": before["visual_gain"],
         "visual_gain_after": after["visual_gain"],
         "control_visual_gain": control["visual_gain"],
-        "chance": 1.0 / cfg.task.num_choices,
-        "eval_size": cfg.eval.prompts,
-        "question_kinds": list(cfg.task.question_kinds),
-        "num_choices": cfg.task.num_choices,
+        "chance": chance,
+        "eval_size": len(held_out),
+        **task_fields,
         "grpo_steps": cfg.trainer.steps,
         "engine": cfg.engine.kind,
         "torch_threads": torch.get_num_threads(),

@@ -100,8 +100,9 @@ def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool
 
 def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool = False,
               progress: bool = True, phase: str = "sft") -> dict:
-    """SFT on the configured task's questions. random_answers: answers drawn uniformly from the
-    choices, independent of the image (the demo's warm start: format without visual signal)."""
+    """SFT on the configured task's questions. random_answers: answers drawn uniformly from each
+    question's choices, independent of the image (the demo's warm start: format without visual
+    signal); a question without choices is refused."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
     setup = setup or build_setup(cfg, run_dir)
@@ -113,6 +114,9 @@ def train_sft(cfg: RunConfig, *, run_dir: Path, setup=None, random_answers: bool
         for i in range(cfg.sft.batch_size):
             index = step * cfg.sft.batch_size + i
             vqa = task.train_sample(index, seed=cfg.trainer.seed + 777)
+            if random_answers and not vqa.choices:
+                raise ValueError(f"sample {vqa.sample_id!r} has no options to draw a random answer from: the "
+                                 "random-answer warm start needs multiple choice (task.columns.choices)")
             answer = rng.choice(vqa.choices) if random_answers else vqa.answer
             items.append((vqa, answer, f"sft-{index}"))
         return sft_samples(setup, items)

@@ -107,8 +107,10 @@ def shapes_report(result: dict) -> str:
     from saccade.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, VISUAL_GAIN_MARGIN, VISUAL_GAIN_MIN
 
     chance = result["chance"]
+    source = f"{result['dataset']}, " if result.get("task") == "dataset" else ""
     return (
-        f"\nheld-out accuracy ({result['eval_size']} questions, chance {chance:.2f}, engine {result['engine']}):\n"
+        f"\nheld-out accuracy ({source}{result['eval_size']} questions, chance {chance:.2f}, "
+        f"engine {result['engine']}):\n"
         f"  before GRPO (random-answer warm start): {result['accuracy_before']:.3f}   (bar: chance ± {CHANCE_MARGIN})\n"
         f"  after GRPO:                             {result['accuracy_after']:.3f}   (bar: ≥ {ACCURACY_AFTER_MIN})\n"
         f"  control, GRPO on blank images:          {result['control_accuracy_after']:.3f}   (bar: chance ± {CHANCE_MARGIN})\n"
@@ -169,9 +171,10 @@ def demo_of(task: str) -> Demo:
 
         return Demo(load_scenes_config, run_scenes_demo, scenes_report, scenes_verdict,
                     "demo OK: success rose by the bar or more within the time", episodes)
-    from saccade.demo import demo_start, load_demo_config, run_demo, verdict
+    from saccade.demo import check_demo_task, demo_start, load_demo_config, run_demo, verdict
 
-    return Demo(lambda overrides, path: demo_start(load_demo_config(overrides, path)), run_demo, shapes_report,
+    return Demo(lambda overrides, path: check_demo_task(demo_start(load_demo_config(overrides, path))), run_demo,
+                shapes_report,
                 verdict, "demo OK: the model learned from the images, and the control without images did not",
                 ("accuracy_after", "accuracy_before", "control_accuracy_after", "visual_gain_after",
                  "control_visual_gain"))
@@ -193,7 +196,12 @@ def add_demo_parser(sub) -> None:
         "Settings: saccade/configs/demo.toml (configs/demo.toml in the repo); dotted overrides apply. "
         "Runs, metrics and plots go to runs/demo/{sft,grpo,control}, replacing a previous demo's. "
         "Another family: --model.path qwen2.5vl-tiny (its tiny preset; '<preset>-warm' runs the same demo, "
-        "which trains its own warm start; docs/families.md).",
+        "which trains its own warm start; docs/families.md). "
+        "Your own multiple-choice data set instead of the shapes: --task.kind dataset --task.dataset PATH "
+        "--task.columns '{\"images\": ..., \"prompt\": ..., \"answer\": ..., \"choices\": ...}' (the warm start "
+        "answers a random option of each row, the control blanks every image, chance is 1 / options): is the "
+        "data set visually grounded, and does the path learn it? python -m saccade.data.choices_example FOLDER "
+        "writes one to try (docs/demo.md).",
     )
     demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views", "scenes"],
                       help="which demo: 'shapes' (default; single-turn VQA), 'views' (multi-turn: act to change "
