@@ -265,6 +265,20 @@ def verdict(result: dict[str, float]) -> list[str]:
     return misses
 
 
+DEMO_STAGES = ("sft", "grpo", "control")
+
+
+def stage_config(cfg: RunConfig, stage: str) -> RunConfig:
+    """The config of one of the demo's stages: its run folder <run_dir>/<stage>, and for the
+    control every image of the task blank (`task.blank_images`, the shapes' or the data set's)."""
+    if stage not in DEMO_STAGES:
+        raise ValueError(f"the demo's stages are {', '.join(DEMO_STAGES)}; got {stage!r}")
+    update: dict[str, Any] = {"log": cfg.log.model_copy(update={"dir": str(cfg.run_dir / stage)})}
+    if stage == "control":
+        update["task"] = cfg.task.model_copy(update={"blank_images": True})
+    return cfg.model_copy(update=update)
+
+
 def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     """Warm start, GRPO, control. Writes sft/, grpo/ and control/ (metrics, plots, checkpoint)
     under cfg.run_dir, replacing a previous demo's; returns the figures."""
@@ -278,15 +292,9 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     check_demo_task(cfg)
     start = time.perf_counter()
     root = cfg.run_dir
-    for part in ("sft", "grpo", "control"):
+    for part in DEMO_STAGES:
         shutil.rmtree(root / part, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-
-    def run_config(part: str, **task: Any) -> RunConfig:
-        return cfg.model_copy(
-            update={"log": cfg.log.model_copy(update={"dir": str(root / part)}),
-                    "task": cfg.task.model_copy(update=task)},
-        )
 
     setup = build_setup(cfg, root)
     task = task_from_config(cfg, blank=False)
@@ -299,20 +307,20 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         return evaluate(setup, task, held_out, max_tokens=cfg.sampling.max_tokens, visual_gain=True)
 
     # 1. Warm start on answers that carry no visual signal.
-    train_sft(run_config("sft"), run_dir=root / "sft", setup=setup, random_answers=True, progress=progress,
+    train_sft(stage_config(cfg, "sft"), run_dir=root / "sft", setup=setup, random_answers=True, progress=progress,
               phase="warm-start")
     warm = snapshot_trainable(setup.model)
     before = evaluated()
 
     # 2. GRPO on the real images.
-    grpo_cfg = run_config("grpo")
+    grpo_cfg = stage_config(cfg, "grpo")
     train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=setup, progress=progress)
     after = evaluated()
 
     # 3. Control: the same warm start and sampling seed, every image blank.
     restore_trainable(setup.model, warm)
     setup.engine.reseed(cfg.trainer.seed)
-    control_cfg = run_config("control", blank_images=True)
+    control_cfg = stage_config(cfg, "control")
     train_rl(control_cfg, run_dir=control_cfg.run_dir, setup=setup, progress=progress)
     control = evaluated()  # on blank images: what it trained on; on the real ones: what it never saw
 
