@@ -200,11 +200,13 @@ def add_demo_parser(sub) -> None:
         "Your own multiple-choice data set instead of the shapes: --task.kind dataset --task.dataset PATH "
         "--task.columns '{\"images\": ..., \"prompt\": ..., \"answer\": ..., \"choices\": ...}' (the warm start "
         "answers a random option of each row, the control blanks every image, chance is 1 / options): is the "
-        "data set visually grounded, and does the path learn it? python -m saccade.data.choices_example FOLDER "
-        "writes one to try (docs/demo.md).",
+        "data set visually grounded, and does the path learn it? Four options need more than the shapes' three: "
+        "--trainer.steps 200 --sampling.temperature 1.3 --trainer.lr_decay linear. "
+        "python -m saccade.data.choices_example FOLDER writes one to try (docs/demo.md).",
     )
     demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views", "scenes"],
-                      help="which demo: 'shapes' (default; single-turn VQA), 'views' (multi-turn: act to change "
+                      help="which demo: 'shapes' (default; single-turn VQA; with --task.kind dataset your own "
+                      "multiple-choice data set instead), 'views' (multi-turn: act to change "
                       "the view, then answer; configs/views.toml, runs/demo-views, about 10 minutes) or 'scenes' "
                       "(the same in generated 3D mesh rooms with camera-pose actions; configs/scenes.toml, "
                       "runs/demo-scenes)")
