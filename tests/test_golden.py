@@ -68,6 +68,7 @@ COMMON = [
 RUNS = {
     "shapes_full": ("configs/demo.toml", [
         "--trainer.steps", "3", "--trainer.num_iterations", "2", "--loss.tis_cap", "2.0", "--trainer.lr", "2e-3",
+        "--loss.entropy_coef", "0.0",  # the demo's recipe moves; these runs stay as recorded
     ]),
     "shapes_lora_kl": ("configs/demo.toml", [
         "--trainer.steps", "3", "--lora.enabled", "true", "--lora.rank", "4", "--loss.kl_coef", "0.05",
@@ -76,6 +77,7 @@ RUNS = {
     "episodes": ("configs/views.toml", [
         "--trainer.steps", "2", "--rollout.prompts_per_step", "2", "--task.max_turns", "3",
         "--loss.max_completion_tokens", "18", "--trainer.max_tokens", "512",
+        "--loss.kl_coef", "0.0", "--rollout.overlong_penalty", "0.0",
     ]),
 }
 
