@@ -189,4 +189,7 @@ def test_the_demo_runs_every_stage_on_vllm(tmp_path, server):
     for part in ("sft", "grpo", "control"):
         assert (tmp_path / "runs" / part / "metrics.jsonl").exists()
     grpo = [r for r in read_metrics(tmp_path / "runs" / "grpo") if r["phase"] == "train"]
-    assert all(r["mismatch_abs"] <= MEAN_BAR for r in grpo)
+    # The demo samples one step ahead on vLLM: a batch from older weights differs by the policy's
+    # own step (more so with the entropy bonus); the parity bar is for samples of the current weights.
+    lag0 = [r["mismatch_abs_lag0"] for r in grpo if "mismatch_abs_lag0" in r]
+    assert lag0 and all(m <= MEAN_BAR for m in lag0), lag0
