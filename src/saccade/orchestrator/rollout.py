@@ -67,6 +67,11 @@ class Rollout:
         return float(float(self.info.get("correct", 0.0)) >= 1.0)
 
     @property
+    def final_cut(self) -> bool:
+        """Its final reply (the answer) was cut at sampling.max_tokens."""
+        return self.finish_reasons[-1:] == ["length"]
+
+    @property
     def cut_frac(self) -> float:
         """The share of its replies cut at sampling.max_tokens (single-turn: 0 or 1)."""
         return sum(reason == "length" for reason in self.finish_reasons) / max(len(self.finish_reasons), 1)
@@ -234,7 +239,7 @@ def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> Rollout
     for g, group in enumerate(groups):
         for i, r in enumerate(group):
             r.sample.advantage = float(advantages_GN[g, i])
-            if keep_G[g] and not (rollout.mask_overlong and r.finish_reasons[-1:] == ["length"]):
+            if keep_G[g] and not (rollout.mask_overlong and r.final_cut):
                 samples.append(r.sample)
     metrics = rollout_metrics(groups, rewards_GN, keep_G, signal_G)
     if rollout.overlong_penalty:
@@ -264,7 +269,7 @@ def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_
         "completion_len_max": float(lengths.max()),
         "stopped_frac": float(np.mean([reason == "stop" for reason in reasons])),
         "truncated_frac": float(np.mean([reason == "length" for reason in reasons])),
-        "final_truncated_frac": float(np.mean([r.finish_reasons[-1:] == ["length"] for r in flat])),
+        "final_truncated_frac": float(np.mean([r.final_cut for r in flat])),
         "groups_with_signal_frac": float(signal_G.float().mean()),
         "groups_kept_frac": float(keep_G.float().mean()),
         "completion_tokens": float(lengths.sum()),
