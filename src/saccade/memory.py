@@ -106,12 +106,16 @@ class TextDims:
     qkv_bias: bool = False  # q/k/v with biases (Qwen2.5-VL); Qwen3-VL's have none
     qk_norm: bool = True  # RMSNorms over head_dim on q and k (Qwen3-VL); Qwen2.5-VL has none
     experts: Any = None  # a MoE's sparse layers, counted by its family (qwen3_vl_moe.ExpertDims); None: dense
+    attention_output_gate: bool = False  # q_proj twice as wide: the query and a sigmoid gate (Qwen3.5)
+    # A hybrid's linear-attention layers, whose mixer replaces attention, counted by its family
+    # (qwen3_5.LinearAttentionDims: params, LoRA, activations, decode state); None: attention everywhere.
+    linear_attention: Any = None
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear of one dense decoder layer."""
         h, q, kv, inter = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
         return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "q_proj": (h, 2 * q if self.attention_output_gate else q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
         }
 
@@ -126,6 +130,15 @@ class TextDims:
     @property
     def moe_layers(self) -> int:
         return self.experts.layers if self.experts else 0
+
+    @property
+    def linear_layers(self) -> int:
+        return self.linear_attention.layers if self.linear_attention else 0
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with (full) attention: all but a hybrid's linear-attention ones."""
+        return self.num_hidden_layers - self.linear_layers
 
     def _layer(self, experts: str | None = None) -> int:
         """One decoder layer: attention (q/k/v biases, q_norm and k_norm where the family has them),
@@ -143,9 +156,17 @@ class TextDims:
         return self._layer("all" if self.moe_layers else None)
 
     def decoder_params(self, experts: str = "all") -> int:
-        """All decoder layers, with every expert (what the trainer holds) or the active ones."""
+        """All decoder layers, with every expert (what the trainer holds) or the active ones. A
+        hybrid's linear-attention layers swap attention (and its norms) for their mixer."""
         moe = self.moe_layers * self._layer(experts) if self.moe_layers else 0
-        return (self.num_hidden_layers - self.moe_layers) * self._layer() + moe
+        swap = self.linear_layers * (self.linear_attention.mixer_params(self.hidden_size) - self._attention_params)
+        return (self.num_hidden_layers - self.moe_layers) * self._layer() + moe + swap
+
+    @property
+    def _attention_params(self) -> int:
+        shapes = self.linear_shapes()
+        biases = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        return sum(i * o for i, o in (shapes[n] for n in LINEARS[:4])) + biases + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def params(self) -> int:
@@ -165,10 +186,15 @@ class TextDims:
         attention = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[:4])
         dense_mlp = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[4:])
         experts = self.moe_layers * self.experts.lora_params(rank, self.hidden_size) if self.moe_layers else 0
-        return self.num_hidden_layers * attention + (self.num_hidden_layers - self.moe_layers) * dense_mlp + experts
+        mixer = self.linear_layers * self.linear_attention.lora_params(rank, self.hidden_size, targets) \
+            if self.linear_layers else 0
+        return self.attention_layers * attention + (self.num_hidden_layers - self.moe_layers) * dense_mlp + experts \
+            + mixer
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.num_hidden_layers * self.kv_dim * dtype_bytes
+        """K and V of the attention layers (a hybrid's linear-attention layers hold a state per
+        sequence instead, whatever its length: `linear_attention.state_bytes`, not counted here)."""
+        return 2 * self.attention_layers * self.kv_dim * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -355,6 +381,7 @@ def activation_bytes_per_token(
         + norm(q, text.num_attention_heads)
         + norm(kv, text.num_key_value_heads)
         + b * (2 * q + 2 * kv) + 4 * text.num_attention_heads
+        + (2 * b * q if text.attention_output_gate else 0)  # the gate's sigmoid and the ungated output
         + (4 * q if cast and "o_proj" in targets else 0)  # otherwise shared with attention's output
         + norm(h, 1)
         + 4 * (lora_rank or 0) * len(targets & set(LINEARS[:4]))
@@ -367,12 +394,18 @@ def activation_bytes_per_token(
         + 4 * (lora_rank or 0) * len(targets & set(LINEARS[4:]))
     )
     moe = attention + text.experts.activation_bytes(b, h) if text.moe_layers else 0  # the family's estimate
+    linear = 0  # a hybrid's linear-attention layer: its mixer instead of attention (the family's estimate)
+    if text.linear_layers:
+        mixer = text.linear_attention
+        adapted = sum(n in targets for n in mixer.linear_shapes(h))
+        linear = (dense - attention + 2 * norm(h, 1) + inputs(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), h)
+                  + mixer.activation_bytes(b, h) + inputs(("out_proj",), mixer.value_dim) + 4 * (lora_rank or 0) * adapted)
     dense_layers = text.num_hidden_layers - text.moe_layers
     rope = 2 * b * text.head_dim  # cos, sin: computed once, shared by every layer
     if checkpointing:  # inputs held, the largest layer recomputed
-        per_token = text.num_hidden_layers * b * h + max(dense if dense_layers else 0, moe)
+        per_token = text.num_hidden_layers * b * h + max(dense if dense_layers else 0, moe, linear)
     else:
-        per_token = dense_layers * dense + text.moe_layers * moe
+        per_token = dense_layers * dense + text.moe_layers * moe + text.linear_layers * (linear - dense)
         if not full:
             per_token -= norm(h, 1)  # layer 0's input norm: nothing before it requires grad
     return per_token + rope + outside_layers_bytes_per_token(text, dtype_bytes=b, full=full, loss_fraction=loss_fraction)
