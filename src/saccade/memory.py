@@ -159,7 +159,8 @@ class TextDims:
         """All decoder layers, with every expert (what the trainer holds) or the active ones. A
         hybrid's linear-attention layers swap attention (and its norms) for their mixer."""
         moe = self.moe_layers * self._layer(experts) if self.moe_layers else 0
-        swap = self.linear_layers * (self.linear_attention.mixer_params(self.hidden_size) - self._attention_params)
+        swap = self.linear_layers * (self.linear_attention.mixer_params(self.hidden_size) - self._attention_params) \
+            if self.linear_layers else 0
         return (self.num_hidden_layers - self.moe_layers) * self._layer() + moe + swap
 
     @property
