@@ -187,10 +187,18 @@ def _tensor_headers(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             for k, v in _safetensors_header(f)[2].items()}
 
 
+# Qwen3.5 (issue 32): LoRA stops at apply_lora (PolicyLM has no base_model_prefix, which peft's weight
+# conversion for qwen3_5_text reads: lm.py), full fine-tuning at the embedded engine's sampling
+# (transformers' hybrid cache has no batch_repeat_interleave: the engine's decoding, not this part).
+NOT_TRAINABLE_YET = {"Qwen3.5": {
+    "lora": "PolicyLM has no base_model_prefix: peft's conversion scoping for qwen3_5_text needs it (lm.py)",
+    "full": "embedded engine: the hybrid cache's LinearAttentionLayer has no batch_repeat_interleave"}}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lora", "full"])
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
-def test_every_family_trains_and_exports_in_its_base_layout(family, kind, tmp_path, limits):
+def test_every_family_trains_and_exports_in_its_base_layout(family, kind, tmp_path, limits, request):
     """`saccade rl` on the family's tiny model (LoRA, with the family's target_parameters, or full
     fine-tuning), then `saccade export --merged`: the files hold the base's keys, dtypes and
     shapes (a MoE's experts in the hub layout: non-square, so a transposition shows), and the
@@ -202,6 +210,9 @@ def test_every_family_trains_and_exports_in_its_base_layout(family, kind, tmp_pa
     from saccade.models.vision import VisionEncoder
     from saccade.parity import max_abs, prepare
 
+    if family.name in NOT_TRAINABLE_YET:  # strict: the mark goes when the run works
+        request.applymarker(pytest.mark.xfail(raises=AttributeError, strict=True,
+                                              reason=NOT_TRAINABLE_YET[family.name][kind]))
     base = family.tiny_model_path(family.tiny_presets[0], 0)
     run_dir, policy = train_run(tmp_path / "run", base, LORA if kind == "lora" else FULL)
     result = export_merged(run_dir, tmp_path / "out")
