@@ -219,6 +219,7 @@ def test_without_boundaries_the_layers_are_transformers_own(implementation):
     exact = copy.deepcopy(reference)
     make_packing_exact(exact)
     assert is_packing_exact(exact) and not is_packing_exact(reference)
+    assert is_packing_exact(copy.deepcopy(exact))  # a copy (a reference policy) keeps the reset
     torch.manual_seed(3)
     ids = torch.randint(0, VOCAB, (2, 70))
     mask = torch.ones(2, 70, dtype=torch.long)
