@@ -25,6 +25,7 @@ from torch import nn
 from saccade.config import LoraConfig
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout, resolve_attention
 from saccade.models.families import family_of
+from saccade.models.linear_attention import has_linear_attention, is_packing_exact
 from saccade.models.loading import (
     LM_HEAD_KEY, LM_PREFIX, load_config, parameters_on_meta, read_family_state_dict, resolve_model_path,
     to_keeping_rotary_fp32,
@@ -54,6 +55,11 @@ class PolicyLM(nn.Module):
         self.family = family_of(config)
         self.num_deepstack_levels = self.family.deepstack_levels(config)
         self.family.prepare_language_model(language_model)
+        # Linear-attention layers (Gated DeltaNet) carry a state across a packed row unless their
+        # family reset it at sample boundaries (`saccade.models.linear_attention.make_packing_exact`).
+        self.linear_attention = has_linear_attention(language_model)
+        assert not self.linear_attention or is_packing_exact(language_model), (
+            f"{self.family.name}: prepare_language_model must call make_packing_exact (linear attention)")
 
     @property
     def language_model(self) -> nn.Module:
@@ -129,18 +135,19 @@ class PolicyLM(nn.Module):
         if context is not None and implementation != PACKED_SDPA:
             raise ValueError(f"shared prompts need attn_implementation 'packed_sdpa', not {implementation!r}: "
                              "pack without share_prompts for this kernel")
-        if cu_seqlens is not None and (implementation == PACKED_SDPA or implementation.startswith("flash")):
-            # Sample boundaries go in explicitly: flash-attention's varlen arguments, or packed_sdpa's
-            # layout (and no mask at all: NO_MASK, so transformers builds none). Plain sdpa and eager
-            # get the block-diagonal mask transformers derives from the restarting text row.
+        if cu_seqlens is not None:
+            # Sample boundaries go in explicitly where a kernel reads them: packed_sdpa's layout (and no
+            # mask at all: NO_MASK, so transformers builds none), flash-attention's varlen arguments.
+            # Plain sdpa and eager get the block-diagonal mask transformers derives from the restarting
+            # text row. Linear-attention layers read the layout whatever the kernel: they have no mask.
+            if implementation == PACKED_SDPA or self.linear_attention:
+                attn_kwargs["packed_layout"] = PackedLayout.from_cu_seqlens(cu_seqlens, input_ids_BL.device, context)
             if implementation == PACKED_SDPA:
                 attention_mask = NO_MASK
-                attn_kwargs = dict(packed_layout=PackedLayout.from_cu_seqlens(cu_seqlens, input_ids_BL.device,
-                                                                                context))
-            else:
+            elif implementation.startswith("flash"):
                 longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # read before the copy: no device sync
                 cu = cu_seqlens.to(device=input_ids_BL.device, dtype=torch.int32, non_blocking=True)
-                attn_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+                attn_kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         out = self.language_model(
             inputs_embeds=inputs_embeds_BLH,
             position_ids=position_ids_4BL,
