@@ -18,18 +18,12 @@ from saccade.parity import parity_conversations, run_parity
 
 TOLERANCE = 1e-5  # fp32, per-token logprob, max |Δ| (tests/models/test_lm.py's bar)
 MISTAKE_FLOOR = 1e-2
-# Families whose packed rows are not exact yet: a hybrid's linear-attention layers carry their
-# convolution and recurrent state from one packed sample into the next (strict: an exact packing
-# makes these tests pass, and the mark must then go).
-PACKING_PENDING = {"Qwen3.5"}
-LINEAR_ATTENTION_PACKING = "linear-attention packing: issue 32, linear_attention.py"
-
-
-def xfail_packed(request, family: ModelFamily) -> None:
-    if family.name in PACKING_PENDING:
-        request.applymarker(pytest.mark.xfail(reason=LINEAR_ATTENTION_PACKING, strict=True))
-
-
+# Gradients are compared relative to their largest entry, but never to less than 1: Qwen3.5's
+# reference Gated DeltaNet kernel (always fp32 inside, chunks of 64 tokens) sums a shared or
+# repeated prompt in another order, and parameters whose gradients are near 0 (dt_bias, A_log:
+# largest entries 7e-3 and 1.3e-2) show that rounding, up to 1.2e-6 (2.1e-6 with the model in
+# float64: the kernel's own fp32, not the model's dtype).
+GRAD_FLOOR = 1.0
 @pytest.fixture(scope="module", params=FAMILIES, ids=lambda f: f.name)
 def family_model_path(request):
     """(family, the folder of its first tiny preset), for every registered family."""
@@ -159,7 +153,6 @@ def test_the_lm_only_path_matches_the_full_model(family_model_path, parity_figur
 
 def test_the_packed_lm_only_path_matches_the_full_model(request, family_model_path, parity_figures):
     """The same five conversations packed in one row."""
-    xfail_packed(request, family_model_path[0])
     assert parity_figures["packed_vs_full_max_abs"] <= TOLERANCE
 
 
@@ -221,7 +214,6 @@ def test_shared_prompts_give_each_familys_packed_logprobs_and_gradients(request,
     from saccade.trainer.samples import make_sample
 
     family, path, processor, _, encoder = family_models
-    xfail_packed(request, family)
     gen = torch.Generator().manual_seed(0)
     samples = []
     for c in prepare(processor, encoder, encoder.limits, encoder.merge):
@@ -248,7 +240,7 @@ def test_shared_prompts_give_each_familys_packed_logprobs_and_gradients(request,
     (whole, whole_grads), (shared, shared_grads) = results[False], results[True]
     assert max(float((whole[k] - shared[k]).detach().abs().max()) for k in whole) <= TOLERANCE
     for name, grad in whole_grads.items():
-        assert (shared_grads[name] - grad).abs().max() <= TOLERANCE * grad.abs().max() + 1e-12, name
+        assert (shared_grads[name] - grad).abs().max() <= TOLERANCE * max(float(grad.abs().max()), GRAD_FLOOR), name
 
 
 def test_checkpoint_tensor_undoes_engine_tensors_on_the_tiny_model(family_model_path):

@@ -3,9 +3,8 @@ sample gives alone: `saccade.models.linear_attention`, and `PolicyLM.hidden_stat
 linear layers their boundaries under every CPU kernel. A tiny random Qwen3.5 text model: linear
 head dims 64 (the real ones are 128), the real 3-linear:1-full pattern, fp32.
 
-Until the Qwen3.5 family lands, `PolicyLM` is built with a stand-in family: Qwen3-VL's
-functions, with `make_packing_exact` as its `prepare_language_model` (what the family will call),
-no DeepStack and no image kwargs."""
+`PolicyLM` takes the Qwen3.5 family (saccade.models.families.qwen3_5), whose
+`prepare_language_model` calls `make_packing_exact`."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ import torch
 
 from saccade.models import lm as lm_module
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout
-from saccade.models.families import qwen3_vl
-from saccade.models.families.interface import no_hooks, no_kwargs
+from saccade.models.families import qwen3_5
+from saccade.models.families.interface import no_hooks
 from saccade.models.linear_attention import has_linear_attention, is_packing_exact, make_packing_exact
 from saccade.models.lm import PolicyLM
 
@@ -67,15 +66,10 @@ def text_model(seed: int = 0):
     return model.eval()
 
 
-STAND_IN = dataclasses.replace(qwen3_vl.FAMILY, name="Qwen3.5 (stand-in)", prepare_language_model=make_packing_exact,
-                               language_model_kwargs=no_kwargs, deepstack_levels=lambda config: 0)
-
-
 @pytest.fixture()
-def policy(monkeypatch):
+def policy():
     from transformers.models.qwen3_5 import Qwen3_5Config
 
-    monkeypatch.setattr(lm_module, "family_of", lambda config: STAND_IN)
     language_model = text_model()
     config = Qwen3_5Config(text_config=language_model.config.to_dict())
     config.text_config = language_model.config  # one config: switching the kernel switches the model's
@@ -182,7 +176,7 @@ def test_a_family_that_skips_the_reset_is_refused(monkeypatch):
     """PolicyLM will not hold a hybrid model whose family did not make its packing exact."""
     from transformers.models.qwen3_5 import Qwen3_5Config
 
-    monkeypatch.setattr(lm_module, "family_of", lambda config: dataclasses.replace(STAND_IN,
+    monkeypatch.setattr(lm_module, "family_of", lambda config: dataclasses.replace(qwen3_5.FAMILY,
                                                                                    prepare_language_model=no_hooks))
     language_model = text_model()
     assert has_linear_attention(language_model) and not is_packing_exact(language_model)

@@ -1,7 +1,7 @@
 """What is particular to Qwen3.5 (saccade.models.families.qwen3_5): the tiny folder it builds with
 the real hybrid layer pattern, LM-only parity per sample, LoRA on the Gated DeltaNet's linears,
 the memory counts of a hybrid. Positions against `get_rope_index`, the tower and the packed cases
-(xfail until linear-attention packing lands) run for every family in tests/models/test_families.py."""
+(exact through saccade.models.linear_attention) run for every family in tests/models/test_families.py."""
 
 from __future__ import annotations
 
