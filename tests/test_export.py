@@ -16,6 +16,7 @@ import torch
 from export_runs import FULL, LORA, train_run
 
 from saccade.export import HubUploadError, export_adapter, export_merged, push_to_hub
+from saccade.config.sections import DEFAULT_LORA_TARGETS
 from saccade.models.families import FAMILIES
 
 # Max |Δ logprob| between two fp32 paths that compute the same function (parity.TOLERANCE).
@@ -187,19 +188,11 @@ def _tensor_headers(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             for k, v in _safetensors_header(f)[2].items()}
 
 
-# Qwen3.5 (issue 32): LoRA stops at apply_lora (PolicyLM has no base_model_prefix, which peft's weight
-# conversion for qwen3_5_text reads: lm.py), full fine-tuning at the embedded engine's sampling
-# (transformers' hybrid cache has no batch_repeat_interleave: the engine's decoding, not this part).
-NOT_TRAINABLE_YET = {"Qwen3.5": {
-    "lora": "PolicyLM has no base_model_prefix: peft's conversion scoping for qwen3_5_text needs it (lm.py)",
-    "full": "embedded engine: the hybrid cache's LinearAttentionLayer has no batch_repeat_interleave"}}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lora", "full"])
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
-def test_every_family_trains_and_exports_in_its_base_layout(family, kind, tmp_path, limits, request):
-    """`saccade rl` on the family's tiny model (LoRA, with the family's target_parameters, or full
+def test_every_family_trains_and_exports_in_its_base_layout(family, kind, tmp_path, limits):
+    """`saccade rl` on the family's tiny model (LoRA, with the family's targets and target_parameters, or full
     fine-tuning), then `saccade export --merged`: the files hold the base's keys, dtypes and
     shapes (a MoE's experts in the hub layout: non-square, so a transposition shows), and the
     family's transformers class loads them with every key and computes the trained policy's
@@ -210,11 +203,12 @@ def test_every_family_trains_and_exports_in_its_base_layout(family, kind, tmp_pa
     from saccade.models.vision import VisionEncoder
     from saccade.parity import max_abs, prepare
 
-    if family.name in NOT_TRAINABLE_YET:  # strict: the mark goes when the run works
-        request.applymarker(pytest.mark.xfail(raises=AttributeError, strict=True,
-                                              reason=NOT_TRAINABLE_YET[family.name][kind]))
     base = family.tiny_model_path(family.tiny_presets[0], 0)
-    run_dir, policy = train_run(tmp_path / "run", base, LORA if kind == "lora" else FULL)
+    # A family whose LoRA targets go beyond the config's default (Qwen3.5's Gated DeltaNet
+    # projections) trains them all, so that their adapters are merged and exported too.
+    beyond = set(family.lora_target_modules) - set(DEFAULT_LORA_TARGETS)
+    targets = ["--lora.target_modules", json.dumps(list(family.lora_target_modules))] if beyond else []
+    run_dir, policy = train_run(tmp_path / "run", base, [*LORA, *targets] if kind == "lora" else FULL)
     result = export_merged(run_dir, tmp_path / "out")
     assert result.trained == kind
     assert _tensor_headers(result.out) == _tensor_headers(base)

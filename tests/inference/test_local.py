@@ -10,6 +10,7 @@ from saccade.bench.engine import trainer_logprob_diffs
 from saccade.inference.engine import ChatRequest, SamplingParams
 from saccade.inference.local import LocalEngine
 from saccade.config import LoraConfig
+from saccade.models.families import FAMILIES
 from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.orchestrator.samples import completion_to_sample
 from saccade.parity import parity_conversations
@@ -51,20 +52,71 @@ def _trainer_logprobs(engine, completions, temperature_or_distribution):
     )
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_engine_logprobs_are_what_the_trainer_computes(lora_engine, temperature):
-    groups = lora_engine.generate(_requests(), SamplingParams(temperature=temperature, max_tokens=8, n=3))
+@pytest.fixture(scope="module", params=FAMILIES, ids=lambda f: f.name)
+def family_parts(request):
+    """(family, its tiny preset's processor, tower) for every registered family."""
+    from saccade.models.loading import load_processor, load_vision_tower
+
+    family = request.param
+    path = family.tiny_model_path(family.tiny_presets[0], 0)
+    return family, path, load_processor(path), load_vision_tower(path)
+
+
+@pytest.fixture()
+def family_lora_engine(family_parts, limits):
+    """The family's tiny model with LoRA on the family's own targets (Qwen3.5: the Gated DeltaNet's
+    linears too), adapters moved off zero so the LoRA path contributes. Every 7th token id stops
+    a row, so rows finish at different steps and leave the decode batch (and its cache) midway."""
+    from saccade.models.vision import EmbeddingCache, VisionEncoder
+
+    family, path, processor, tower = family_parts
+    model = apply_lora(load_policy_lm(path), LoraConfig(rank=4, target_modules=list(family.lora_target_modules)))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    engine = LocalEngine(model, processor, VisionEncoder(tower, processor, limits=limits, cache=EmbeddingCache()), seed=0)
+    engine.stop_token_ids = list(range(0, unwrap_policy(model).lm_head.weight.shape[0], 7))
+    return engine
+
+
+# Families whose packed trainer rows are not exact yet (tests/models/test_families.py's list): the
+# trainer's side is then checked one sample per row, and the packed variant is a strict xfail.
+PACKING_PENDING = {"Qwen3.5"}
+LINEAR_ATTENTION_PACKING = "linear-attention packing: issue 32, linear_attention.py"
+
+
+@pytest.mark.parametrize(("temperature", "packed"), [(1.0, True), (1.0, False), (0.7, False)],
+                         ids=["packed", "one_per_row", "one_per_row_T0.7"])
+def test_engine_logprobs_are_what_the_trainer_computes(request, family_lora_engine, temperature, packed):
+    """Every family, fp32, LoRA on: the five parity prompts (one image, three, mixed sizes, text only,
+    multi-turn: padded rows of different lengths), n = 3, rows finishing at different steps; the
+    trainer's logprob of every sampled token against the engine's, the trainer packing the
+    samples into rows or taking one sample per row."""
+    engine = family_lora_engine
+    family = unwrap_policy(engine.model).family
+    if packed and family.name in PACKING_PENDING:
+        request.applymarker(pytest.mark.xfail(reason=LINEAR_ATTENTION_PACKING, strict=True))
+    max_tokens = 12
+    groups = engine.generate(_requests(), SamplingParams(temperature=temperature, max_tokens=max_tokens, n=3))
     assert [len(g) for g in groups] == [3] * 5
     completions = [c for g in groups for c in g]
-    diff = _trainer_logprobs(lora_engine, completions, temperature)
-    assert diff.numel() >= 5 * 3
+    lengths = sorted(c.completion_ids.numel() for c in completions)
+    assert lengths[0] < lengths[-1] == max_tokens  # some rows left the batch before others
+    if packed:
+        diff = _trainer_logprobs(engine, completions, temperature)
+    else:
+        diff = torch.cat([_trainer_logprobs(engine, [c], temperature) for c in completions])
+    print(f"{family.name} T={temperature} {'packed' if packed else 'one per row'}: {diff.numel()} tokens, "
+          f"mismatch mean {float(diff.mean()):.2e} max {float(diff.max()):.2e}")
+    assert diff.numel() == sum(lengths)
     assert float(diff.mean()) <= MISMATCH_MEAN and float(diff.max()) <= MISMATCH_MAX
     for c in completions:
-        assert 1 <= c.completion_ids.numel() <= 8
+        assert 1 <= c.completion_ids.numel() <= max_tokens
         assert c.finish_reason in ("stop", "length")
         assert c.prompt_ids.numel() == c.mm_token_type_ids.numel()
         assert len(c.image_keys) == c.image_grid_thw.shape[0]
-        assert c.routed_experts is None  # a dense model: no router, nothing recorded
+        assert (c.routed_experts is None) == (family.name != "Qwen3-VL-MoE")  # only a MoE records routing
 
 
 def test_vision_tokens_are_never_sampled(tiny_path, processor, encoder):

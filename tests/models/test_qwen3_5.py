@@ -121,31 +121,29 @@ def test_lm_only_parity_per_sample_one_image_text_only_two_images(models):
     assert flat["one_image"] > 1e-2 and flat["two_images"] > 1e-2
 
 
-# peft (transformers 5) looks up the weight conversions of every submodule's model_type; Qwen3.5's
-# text model has one ("qwen3_5_text": a PrefixChange), and scoping it reads the root module's
-# `base_model_prefix`, which PolicyLM (saccade/models/lm.py, not this branch's to edit) lacks.
-NO_PREFIX = "PolicyLM has no base_model_prefix: peft's conversion scoping for qwen3_5_text needs it (lm.py)"
-
-
-@pytest.mark.xfail(raises=AttributeError, strict=True, reason=NO_PREFIX)
 def test_apply_lora_on_the_policy_as_lm_py_builds_it(path):
+    """peft (transformers 5) looks up the weight conversions of every submodule's model_type;
+    Qwen3.5's text model has one ("qwen3_5_text": a PrefixChange), and scoping it reads the root
+    module's `base_model_prefix`: PolicyLM's class attribute. Without it apply_lora raises."""
     from saccade.config import LoraConfig
-    from saccade.models.lm import apply_lora, load_policy_lm
-
-    apply_lora(load_policy_lm(path), LoraConfig(rank=4, target_modules=list(FAMILY.lora_target_modules)))
-
-
-def test_lora_wraps_the_linear_attention_projections_and_a_step_changes_them(path, monkeypatch):
-    """peft wraps every family target (31 linears: 3 linear-attention layers x 5 + 1 attention layer
-    x 4 + 4 MLPs x 3), and one optimizer step on a logprob loss moves each adapter's B (0 at init),
-    so every wrapped linear's effective weight changes; `saccade.memory` counts the same adapters.
-    PolicyLM gets the `base_model_prefix` the full model has (the one-line fix lm.py needs; see
-    the xfail above): peft's regex and everything else are the real ones."""
-    from saccade.config import LoraConfig
-    from saccade.memory import model_dims
     from saccade.models.lm import PolicyLM, apply_lora, load_policy_lm
 
-    monkeypatch.setattr(PolicyLM, "base_model_prefix", "model", raising=False)
+    lora = LoraConfig(rank=4, target_modules=list(FAMILY.lora_target_modules))
+    assert PolicyLM.base_model_prefix == "model"
+    apply_lora(load_policy_lm(path), lora)
+    policy = load_policy_lm(path)
+    policy.base_model_prefix = None  # what PolicyLM had before: peft reads getattr(root, ..., None)
+    with pytest.raises((AttributeError, TypeError)):
+        apply_lora(policy, lora)
+
+
+def test_lora_wraps_the_linear_attention_projections_and_a_step_changes_them(path):
+    """peft wraps every family target (31 linears: 3 linear-attention layers x 5 + 1 attention layer
+    x 4 + 4 MLPs x 3), and one optimizer step on a logprob loss moves each adapter's B (0 at init),
+    so every wrapped linear's effective weight changes; `saccade.memory` counts the same adapters."""
+    from saccade.config import LoraConfig
+    from saccade.memory import model_dims
+    from saccade.models.lm import apply_lora, load_policy_lm
 
     rank = 4
     model = apply_lora(load_policy_lm(path), LoraConfig(rank=rank, target_modules=list(FAMILY.lora_target_modules)))
@@ -199,3 +197,82 @@ def test_memory_counts_the_hybrid_exactly():
     model = FAMILY.full_model_class().from_pretrained(path)
     vision = sum(p.numel() for p in model.model.visual.parameters())
     assert (sum(p.numel() for p in model.parameters()) - vision, vision) == (tiny.text.params, tiny.vision.params)
+
+
+# ------------------------------------------------------------------ the embedded engine's cache
+
+
+def _prefill(engine, prompts):
+    """The embedded engine's prefill of these prompts (left-padded into one batch): its cache and
+    the last position's hidden state per row."""
+    from transformers import DynamicCache
+
+    policy = engine.model
+    lm = policy.language_model
+    embeds, positions, mask, visual_mask, deepstack, _ = engine._prefill_inputs(policy, prompts)
+    cache = DynamicCache(config=lm.config)
+    out = lm(inputs_embeds=embeds, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True,
+             **policy.family.language_model_kwargs(visual_mask, deepstack))
+    return cache, out.last_hidden_state[:, -1]
+
+
+def _state_diffs(cache, row: int, alone, length: int) -> dict[str, float]:
+    """max |Δ| of row `row` of a batch's cache against a prompt's own cache (batch of 1), per layer
+    and tensor: the Gated DeltaNet's conv and recurrent states, the full-attention layer's keys and
+    values at the prompt's `length` positions (the last ones: left padding)."""
+    diffs = {}
+    for i, (ours, theirs) in enumerate(zip(cache.layers, alone.layers, strict=True)):
+        if hasattr(ours, "recurrent_states"):
+            for kind in ("conv_states", "recurrent_states"):
+                diffs[f"{i}.{kind}"] = float((getattr(ours, kind)[0][row] - getattr(theirs, kind)[0][0]).abs().max())
+        else:
+            for kind in ("keys", "values"):
+                diffs[f"{i}.{kind}"] = float((getattr(ours, kind)[row, :, -length:] - getattr(theirs, kind)[0]).abs().max())
+    return diffs
+
+
+def test_a_left_padded_prefill_leaves_each_prompt_the_state_it_has_alone(models):
+    """The embedded engine prefills prompts of different lengths left-padded in one batch. The
+    Gated DeltaNet layers see no positions: the pads are exact only because transformers zeroes
+    their inputs (`apply_mask_to_padding_states`), so that the conv reads zeros (as its own left
+    padding does) and the recurrent state stays 0 through them. Each row's conv and recurrent
+    states, its keys and values and its last hidden state equal its prompt's prefilled alone, fp32;
+    with the pads' inputs left in (the masking undone) they do not. The pad is an ordinary token
+    here: the tiny model's pad row is zero (nn.Embedding's padding_idx), which would hide a leak
+    that a trained checkpoint's pad embedding shows."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from saccade.inference.engine import ChatRequest
+    from saccade.inference.local import LocalEngine
+
+    processor, encoder, _, policy = models
+    engine = LocalEngine(policy, processor, encoder, seed=0)
+    engine.pad_token_id = 100
+    assert float(policy.language_model.embed_tokens.weight[100].abs().max()) > 0
+    prompts = [engine.prepare(ChatRequest(name, messages[:1])) for name, messages in _conversations().items()]
+    lengths = [p.length for p in prompts]
+    assert len(set(lengths)) == len(lengths)  # every row but the longest is padded
+
+    def figures():
+        with torch.no_grad():
+            cache, hidden = _prefill(engine, prompts)
+            out = {}
+            for b, p in enumerate(prompts):
+                alone, hidden_alone = _prefill(engine, [p])
+                diffs = _state_diffs(cache, b, alone, p.length)
+                diffs["hidden"] = float((hidden[b] - hidden_alone[0]).abs().max())
+                out[p.request.request_id] = max(diffs.values())
+        return out
+
+    exact = figures()
+    print("left-padded prefill vs alone, max |Δ| over states, keys, values, last hidden:", exact, "lengths", lengths)
+    assert all(v <= TOLERANCE for v in exact.values()), exact
+    real_mask = modeling_qwen3_5.apply_mask_to_padding_states
+    modeling_qwen3_5.apply_mask_to_padding_states = lambda hidden, mask: hidden
+    try:
+        unmasked = figures()
+    finally:
+        modeling_qwen3_5.apply_mask_to_padding_states = real_mask
+    print("the pads' inputs left in:", unmasked)
+    padded = [p.request.request_id for p in prompts if p.length < max(lengths)]
+    assert all(unmasked[name] > 1e-3 for name in padded), unmasked

@@ -9,8 +9,12 @@ included, with M-RoPE positions from `saccade.models.positions`.
 
 Batching: the distinct prompts are left-padded into one batch and prefilled once; each
 prompt's KV cache is then repeated for its n samples, and one token per step is decoded for
-every row that has not stopped (finished rows leave the batch). Simplified on purpose: no paged
-attention, no continuous batching, no speculative decoding; that is vLLM's job.
+every row that has not stopped (finished rows leave the batch). A hybrid's cache (Qwen3.5: a
+conv and a recurrent state in each Gated DeltaNet layer, keys and values in the full-attention
+ones) is repeated and cut the same way (`take_rows`); left padding leaves those states exact,
+as transformers zeroes the pads' inputs to the linear layers (tests/models/test_qwen3_5.py).
+Simplified on purpose: no paged attention, no continuous batching, no speculative decoding;
+that is vLLM's job.
 
 Logprobs: the engine reports log softmax(logits / temperature) with the vision tokens
 masked out and, with top_k, top_p or min_p set, renormalised over the kept set
@@ -333,8 +337,8 @@ class LocalEngine:
                 **policy.family.language_model_kwargs(visual_mask, deepstack),
             )
             hidden_AH = out.last_hidden_state[:, -1].repeat_interleave(n, dim=0)
-            if n > 1:
-                cache.batch_repeat_interleave(n)
+            if n > 1:  # row a of the decode batch is prompt a // n's
+                take_rows(cache, torch.arange(len(prompts), device=device).repeat_interleave(n))
             # The first sampled token's logits come from each prompt's last position (left
             # padding: the last column of the (prompts x P) rows the routers saw).
             first_experts_ALK = None
@@ -400,7 +404,7 @@ class LocalEngine:
                     token_A, alive_A, mask, next_pos_A = token_A[kept], alive_A[kept], mask[kept], next_pos_A[kept]
                     alive = [alive[a] for a in kept.tolist()]
                     row_generators = [generators[b] for b in alive] if generators else []
-                    cache.batch_select_indices(kept)
+                    take_rows(cache, kept)
             # Feed each live row its sampled token.
             A = alive_A.shape[0]
             mask = torch.cat([mask, torch.ones(A, 1, dtype=mask.dtype, device=device)], dim=1)
@@ -419,13 +423,24 @@ class LocalEngine:
                 experts_BTLK.cpu() if experts_BTLK is not None else None)
 
 
+def take_rows(cache, rows_A: torch.Tensor) -> None:
+    """Keep the cache's rows `rows_A` (repeated or dropped ones alike), in every layer whatever
+    it holds: keys and values (attention), or a convolution and a recurrent state (a hybrid's
+    linear-attention layers, e.g. Qwen3.5's Gated DeltaNet). transformers' `reorder_cache` (beam
+    search's) index-selects the batch of every tensor each kind of layer holds; its
+    `batch_repeat_interleave` / `batch_select_indices` exist for attention layers only."""
+    cache.reorder_cache(rows_A)
+
+
 def decode_mask(mask_BK: torch.Tensor, padded: bool, attn_implementation: str) -> torch.Tensor | None:
     """The attention mask of one decode step (one new query per row over K cached keys).
 
     Without padding: none (every row attends to all its keys). With padding under sdpa: the
     4-D boolean mask transformers would build from the 2-D one, built here, because
     transformers first asks the host whether the 2-D mask is all ones (a device sync at
-    every token). Other kernels get the 2-D mask as it is."""
+    every token). Other kernels get the 2-D mask as it is. A hybrid's linear-attention layers
+    take no mask while decoding, whichever this is (`create_recurrent_attention_mask`: None for
+    a one-token step or a 4-D mask): a decoded token is never padding."""
     if not padded:
         return None
     if attn_implementation in ("sdpa", PACKED_SDPA):

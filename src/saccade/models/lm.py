@@ -46,6 +46,11 @@ class _Container(nn.Module):
 
 
 class PolicyLM(nn.Module):
+    # What transformers' PreTrainedModel calls the attribute holding the model; peft (transformers
+    # 5) scopes a submodule's weight conversions with the root module's (Qwen3.5's text model has
+    # one: `qwen3_5_text`), so apply_lora fails without it.
+    base_model_prefix = "model"
+
     def __init__(self, config, language_model: nn.Module, lm_head: nn.Linear):
         super().__init__()
         self.config = config
