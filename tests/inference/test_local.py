@@ -80,34 +80,22 @@ def family_lora_engine(family_parts, limits):
     return engine
 
 
-# Families whose packed trainer rows are not exact yet (tests/models/test_families.py's list): the
-# trainer's side is then checked one sample per row, and the packed variant is a strict xfail.
-PACKING_PENDING = {"Qwen3.5"}
-LINEAR_ATTENTION_PACKING = "linear-attention packing: issue 32, linear_attention.py"
-
-
-@pytest.mark.parametrize(("temperature", "packed"), [(1.0, True), (1.0, False), (0.7, False)],
-                         ids=["packed", "one_per_row", "one_per_row_T0.7"])
-def test_engine_logprobs_are_what_the_trainer_computes(request, family_lora_engine, temperature, packed):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_are_what_the_trainer_computes(family_lora_engine, temperature):
     """Every family, fp32, LoRA on: the five parity prompts (one image, three, mixed sizes, text only,
     multi-turn: padded rows of different lengths), n = 3, rows finishing at different steps; the
-    trainer's logprob of every sampled token against the engine's, the trainer packing the
-    samples into rows or taking one sample per row."""
+    trainer's logprob of every sampled token against the engine's, the samples packed into rows
+    (a hybrid's linear layers restart at each sample: saccade.models.linear_attention)."""
     engine = family_lora_engine
     family = unwrap_policy(engine.model).family
-    if packed and family.name in PACKING_PENDING:
-        request.applymarker(pytest.mark.xfail(reason=LINEAR_ATTENTION_PACKING, strict=True))
     max_tokens = 12
     groups = engine.generate(_requests(), SamplingParams(temperature=temperature, max_tokens=max_tokens, n=3))
     assert [len(g) for g in groups] == [3] * 5
     completions = [c for g in groups for c in g]
     lengths = sorted(c.completion_ids.numel() for c in completions)
     assert lengths[0] < lengths[-1] == max_tokens  # some rows left the batch before others
-    if packed:
-        diff = _trainer_logprobs(engine, completions, temperature)
-    else:
-        diff = torch.cat([_trainer_logprobs(engine, [c], temperature) for c in completions])
-    print(f"{family.name} T={temperature} {'packed' if packed else 'one per row'}: {diff.numel()} tokens, "
+    diff = _trainer_logprobs(engine, completions, temperature)
+    print(f"{family.name} T={temperature}: {diff.numel()} tokens, "
           f"mismatch mean {float(diff.mean()):.2e} max {float(diff.max()):.2e}")
     assert diff.numel() == sum(lengths)
     assert float(diff.mean()) <= MISMATCH_MEAN and float(diff.max()) <= MISMATCH_MAX
