@@ -113,9 +113,11 @@ def world2(tmp_path_factory) -> Path:
 
 # Each family's pair of runs: Qwen3-VL's from the warm start (the fixtures above, which the resume
 # tests share), the others from their random tiny model with hash-scored replies (rewards vary;
-# Qwen3-VL-MoE's fused experts are sharded by FSDP2 like any parameter).
+# Qwen3-VL-MoE's fused experts and Qwen3.5's Gated DeltaNet parameters are sharded by FSDP2 like
+# any parameter).
 FAMILY_RUNS = {"Qwen3-VL": None, "Qwen2.5-VL": ("--model.path", "qwen2.5vl-tiny", "--scored"),
-               "Qwen3-VL-MoE": ("--model.path", "moe-tiny", "--scored")}
+               "Qwen3-VL-MoE": ("--model.path", "moe-tiny", "--scored"),
+               "Qwen3.5": ("--model.path", "qwen3.5-tiny", "--scored")}
 
 
 def test_every_family_has_a_pair_of_runs():
