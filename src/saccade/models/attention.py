@@ -77,6 +77,16 @@ class PackedLayout:
             offset += len(bucket) * longest
         return cls(gathers, shapes, scatter_N.to(device, non_blocking=True))
 
+    def map_padded(self, fn, *tensors_N: torch.Tensor) -> torch.Tensor:
+        """Run `fn` on each bucket's padded batch and gather the real tokens back in row order.
+        `tensors_N` are (N, ...) over the row's tokens; `fn` gets each as (S_b, L_b, ...) and
+        returns (S_b, L_b, ...). Returns (N, ...)."""
+        outs = []
+        for gather, (S, L) in zip(self.gathers, self.shapes, strict=True):
+            batches = (t.index_select(0, gather).view(S, L, *t.shape[1:]) for t in tensors_N)
+            outs.append(fn(*batches).flatten(0, 1))
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, self.scatter_N)
+
 
 def length_buckets(lengths: list[int]) -> list[list[int]]:
     """Sample indices grouped so that padding each group to its longest costs little: longest
@@ -118,15 +128,14 @@ def packed_sdpa_attention(
     # (1, H, N, D) is a view of the projections' (N, H, D): whole tokens are contiguous rows.
     q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query, key, value))
     gqa = query.shape[1] != key.shape[1]
-    outs = []
-    for gather, (S, L) in zip(packed_layout.gathers, packed_layout.shapes, strict=True):
-        q, k, v = (t.index_select(0, gather).view(S, L, t.shape[1], t.shape[2]).transpose(1, 2)
-                   for t in (q_NHD, k_NHD, v_NHD))
+
+    def attend(q_SLHD, k_SLHD, v_SLHD):
         out_SHLD = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=gqa)
-        outs.append(out_SHLD.transpose(1, 2).reshape(S * L, query.shape[1], query.shape[3]))
-    out_NHD = (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, packed_layout.scatter_N)
-    return out_NHD.unsqueeze(0), None
+            q_SLHD.transpose(1, 2), k_SLHD.transpose(1, 2), v_SLHD.transpose(1, 2), is_causal=True,
+            dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=gqa)
+        return out_SHLD.transpose(1, 2)
+
+    return packed_layout.map_padded(attend, q_NHD, k_NHD, v_NHD).unsqueeze(0), None
 
 
 ATTENTION_CHOICES = ("auto", PACKED_SDPA, "sdpa", "eager", "flash_attention_2")

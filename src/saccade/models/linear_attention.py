@@ -88,10 +88,7 @@ def _packing_exact_forward(self: nn.Module, hidden_states: torch.Tensor, cache_p
     assert attention_mask is None, "a packed row has no padding to mask"
     assert hidden_states.shape[0] == 1, "packed rows come one per micro-batch"
     kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_BOUNDARY_KWARGS}
-    hidden_NH = hidden_states[0]
-    outs = []
-    for gather, (S, L) in zip(layout.gathers, layout.shapes, strict=True):
-        batch_SLH = hidden_NH.index_select(0, gather).view(S, L, hidden_NH.shape[-1])
-        outs.append(reference(self, batch_SLH, cache_params=None, attention_mask=None, **kwargs).flatten(0, 1))
-    out_NH = (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, layout.scatter_N)
-    return out_NH.unsqueeze(0)
+    def run_alone(batch_SLH: torch.Tensor) -> torch.Tensor:
+        return reference(self, batch_SLH, cache_params=None, attention_mask=None, **kwargs)
+
+    return layout.map_padded(run_alone, hidden_states[0]).unsqueeze(0)
