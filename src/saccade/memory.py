@@ -145,10 +145,9 @@ class TextDims:
         two RMSNorms over hidden, and the dense MLP, or a MoE layer's router and its experts
         (`experts` "all", or "active": those one token runs through)."""
         shapes = self.linear_shapes()
-        linears = sum(i * o for n, (i, o) in shapes.items() if experts is None or n in LINEARS[:4])
-        biases = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        mlp = sum(i * o for i, o in (shapes[n] for n in LINEARS[4:])) if experts is None else 0
         moe = self.experts.mlp_params(self.hidden_size, active=experts == "active") if experts else 0
-        return linears + biases + moe + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        return self._attention_params + mlp + moe + 2 * self.hidden_size
 
     @property
     def layer_params(self) -> int:
@@ -165,6 +164,7 @@ class TextDims:
 
     @property
     def _attention_params(self) -> int:
+        """One layer's attention: q/k/v/o, their biases and q/k norms where the family has them."""
         shapes = self.linear_shapes()
         biases = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
         return sum(i * o for i, o in (shapes[n] for n in LINEARS[:4])) + biases + (2 * self.head_dim if self.qk_norm else 0)
