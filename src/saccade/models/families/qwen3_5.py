@@ -262,6 +262,13 @@ PRESETS: dict[str, Preset] = {
         text_intermediate=384, linear_key_heads=2, linear_value_heads=4, linear_head_dim=64,
         vision_hidden=64, vision_depth=4, vision_heads=2, vision_intermediate=128, vision_position_grid=8,
     ),
+    # About 65M parameters (language model 43M, tower 22M), the real pattern (6 Gated DeltaNet, 2 full), the
+    # 9B's head shapes scaled down: for `saccade bench trainer` (packed vs padded) on the CPU.
+    "qwen3.5-small": Preset(
+        bpe_vocab_size=8192, text_hidden=640, text_layers=8, text_heads=10, text_kv_heads=2, text_head_dim=64,
+        text_intermediate=2048, linear_key_heads=4, linear_value_heads=8, linear_head_dim=64,
+        vision_hidden=512, vision_depth=6, vision_heads=8, vision_intermediate=1536, vision_position_grid=16,
+    ),
     # Random weights at Qwen3.5-9B's shapes, for `saccade memory` and the benches on a GPU.
     "qwen3.5-9b": _published("Qwen/Qwen3.5-9B"),
 }
