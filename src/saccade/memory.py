@@ -238,6 +238,7 @@ class ModelDims:
     name: str
     text: TextDims
     vision: VisionDims
+    lora_targets: tuple[str, ...] = LINEARS  # the family's `lora_target_modules`: what LoRA wraps when unset
 
     @property
     def params(self) -> int:
@@ -275,8 +276,9 @@ def dims_from_hf_config(config: dict, name: str = "model") -> ModelDims:
     """ModelDims from a config.json dict; its family reads the fields (`memory_dims`)."""
     from saccade.models.families import family_of
 
-    text, vision = family_of(config).memory_dims(config)
-    return ModelDims(name, TextDims(**text), VisionDims(**vision))
+    family = family_of(config)
+    text, vision = family.memory_dims(config)
+    return ModelDims(name, TextDims(**text), VisionDims(**vision), lora_targets=family.lora_target_modules)
 
 
 def model_dims(model: str | os.PathLike) -> ModelDims:
@@ -449,7 +451,7 @@ class Estimate:
 
 
 def trainer_memory(
-    dims: ModelDims, *, dtype: str = "bfloat16", lora_rank: int | None = 16, lora_targets: tuple[str, ...] = LINEARS,
+    dims: ModelDims, *, dtype: str = "bfloat16", lora_rank: int | None = 16, lora_targets: tuple[str, ...] | None = None,
     max_tokens: int = 4096, holds_vision_tower: bool = False, loss_fraction: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK, activation_checkpointing: bool = False, world_size: int = 1,
     fsdp: bool | None = None, kl_reference: bool = False,
@@ -474,6 +476,7 @@ def trainer_memory(
     b = DTYPE_BYTES[dtype]
     t = dims.text
     full = lora_rank is None
+    lora_targets = lora_targets or dims.lora_targets
     lm_params = t.params
     size = f"{lm_params / 1e9:.2f}B params" + (f" ({t.active_params / 1e9:.2f}B active per token)" * bool(t.moe_layers))
     trainable = lm_params if full else t.lora_params(lora_rank, lora_targets)
@@ -555,7 +558,7 @@ def server_memory(
     budget = gpu_memory_utilization * gpu_gib
     items = [Item("weights", dims.params * b / GiB, f"LM + vision tower, {dims.params / 1e9:.2f}B params, {dtype}")]
     if max_lora_rank:
-        lora = dims.text.lora_params(max_lora_rank, LINEARS) * b / GiB
+        lora = dims.text.lora_params(max_lora_rank, dims.lora_targets) * b / GiB
         items.append(Item("LoRA slot", lora, f"--enable-lora --max-lora-rank {max_lora_rank}, one adapter"))
     items.append(Item("overhead", overhead_gib, "assumed: profiling activations, CUDA graphs, encoder cache"))
     kv = budget - sum(i.gib for i in items)
@@ -613,7 +616,7 @@ def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = G
     lora_rank = cfg.lora.rank if cfg.lora.enabled else None
     embedded = cfg.engine.kind == "embedded"
     trainer = trainer_memory(
-        dims, dtype=cfg.model.dtype, lora_rank=lora_rank, lora_targets=tuple(cfg.lora.target_modules),
+        dims, dtype=cfg.model.dtype, lora_rank=lora_rank, lora_targets=tuple(cfg.lora.target_modules or dims.lora_targets),
         max_tokens=cfg.trainer.max_tokens, holds_vision_tower=embedded,
         activation_checkpointing=cfg.trainer.activation_checkpointing, world_size=world_size,
         kl_reference=cfg.loss.kl_coef > 0,

@@ -70,7 +70,7 @@ def family_lora_engine(family_parts, limits):
     from saccade.models.vision import EmbeddingCache, VisionEncoder
 
     family, path, processor, tower = family_parts
-    model = apply_lora(load_policy_lm(path), LoraConfig(rank=4, target_modules=list(family.lora_target_modules)))
+    model = apply_lora(load_policy_lm(path), LoraConfig(rank=4))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from saccade.config.sections import DEFAULT_LORA_TARGETS
+from saccade.memory import LINEARS
 from saccade.models.families import FAMILIES, LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, family_of
 from saccade.models.families import qwen3_vl
 from saccade.parity import parity_conversations, run_parity
@@ -104,7 +104,7 @@ def test_qwen3_vl_members_are_the_canonical_layout():
         assert f.checkpoint_key(key) == key
     t = torch.randn(3, 4)
     assert [(n, x) for n, x in f.engine_tensors("lm_head.weight", t)] == [("lm_head.weight", t)]
-    assert list(f.lora_target_modules) == DEFAULT_LORA_TARGETS and f.lora_target_parameters == ()
+    assert f.lora_target_modules == LINEARS and f.lora_target_parameters == ()
     assert f.language_model_kwargs(None, None) == {}
     main, levels = f.split_served_features(torch.arange(24.0).view(2, 12), 2)
     assert main.shape == (2, 4) and [x.shape for x in levels] == [(2, 4), (2, 4)]

@@ -138,15 +138,15 @@ def test_apply_lora_on_the_policy_as_lm_py_builds_it(path):
 
 
 def test_lora_wraps_the_linear_attention_projections_and_a_step_changes_them(path):
-    """peft wraps every family target (31 linears: 3 linear-attention layers x 5 + 1 attention layer
-    x 4 + 4 MLPs x 3), and one optimizer step on a logprob loss moves each adapter's B (0 at init),
+    """With the config's targets unset, peft wraps every family target (31 linears: 3 linear-attention
+    layers x 5 + 1 attention layer x 4 + 4 MLPs x 3), and one optimizer step on a logprob loss moves each adapter's B (0 at init),
     so every wrapped linear's effective weight changes; `saccade.memory` counts the same adapters."""
     from saccade.config import LoraConfig
     from saccade.memory import model_dims
     from saccade.models.lm import apply_lora, load_policy_lm
 
     rank = 4
-    model = apply_lora(load_policy_lm(path), LoraConfig(rank=rank, target_modules=list(FAMILY.lora_target_modules)))
+    model = apply_lora(load_policy_lm(path), LoraConfig(rank=rank))
     suffix = ".lora_A.default.weight"
     wrapped = {n.removesuffix(suffix) for n, _ in model.named_parameters() if n.endswith(suffix)}
     leaves = sorted({w.rsplit(".", 1)[1] for w in wrapped})
@@ -154,7 +154,9 @@ def test_lora_wraps_the_linear_attention_projections_and_a_step_changes_them(pat
     assert len(wrapped) == 3 * 5 + 1 * 4 + 4 * 3
     assert sum(".linear_attn." in w for w in wrapped) == 15
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert trainable == model_dims(str(path)).text.lora_params(rank, qwen3_5.LORA_TARGETS)
+    dims = model_dims(str(path))
+    assert dims.lora_targets == qwen3_5.LORA_TARGETS  # what `saccade memory` counts when the config leaves them unset
+    assert trainable == dims.text.lora_params(rank, dims.lora_targets)
 
     ids = torch.randint(10, 500, (1, 40), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(40).view(1, 1, -1).expand(4, 1, -1)

@@ -95,7 +95,7 @@ from saccade.bench.trainer_variants import (
 )
 from saccade.config import ImagesConfig
 from saccade.devices import resolve_device
-from saccade.memory import LINEARS, TextDims, model_dims, trainer_memory
+from saccade.memory import LINEARS, ModelDims, TextDims, model_dims, trainer_memory
 from saccade.models.lm import unwrap_policy
 from saccade.models.loading import load_processor, load_vision_tower
 from saccade.models.families import preset_family
@@ -233,7 +233,8 @@ def run_trainer_bench(
         med = {name: statistics.median(times[name]) for name in VARIANTS}
         tps = {name: data.num_tokens / med[name] for name in VARIANTS}
         lengths = [s.num_tokens for s in data.samples]
-        text = model_dims(model_path).text
+        dims = model_dims(model_path)
+        text = dims.text
         flops = lm_step_flops(text, lengths, data.num_loss_tokens, full_finetune=full_finetune)
         peak = peak_tflops if peak_tflops is not None else spec_peak_tflops(dev)
         result = {
@@ -243,7 +244,7 @@ def run_trainer_bench(
                 "lm_params": lm_params,
                 "vision_params": vision_params,
                 "trainable_params": trainable_params,
-                "lora": {"rank": lora_settings().rank, "targets": lora_settings().target_modules},
+                "lora": {"rank": lora_settings().rank, "targets": list(lora_settings().target_modules or dims.lora_targets)},
                 "full_finetune": full_finetune,
                 "attention": attention_used,
                 "interleaved": interleave,
@@ -293,8 +294,8 @@ def run_trainer_bench(
             "lm_flops_per_step": flops,
             "cached_tflops": flops / med["cached"] / 1e12,
             "cached_mfu": flops / med["cached"] / 1e12 / peak if peak else None,
-            "estimated_cached_peak_mb": estimated_peak_mb(text, data, dtype_name, full_finetune, checkpointing=False),
-            "estimated_checkpointed_peak_mb": estimated_peak_mb(text, data, dtype_name, full_finetune,
+            "estimated_cached_peak_mb": estimated_peak_mb(dims, data, dtype_name, full_finetune, checkpointing=False),
+            "estimated_checkpointed_peak_mb": estimated_peak_mb(dims, data, dtype_name, full_finetune,
                                                                 checkpointing=True),
             # checks and raw figures
             "warmup_loss": warmup_loss,
@@ -400,17 +401,17 @@ def spec_peak_tflops(device: torch.device) -> float | None:
     return next((v for k, v in SPEC_PEAK_TFLOPS.items() if k in name), None)
 
 
-def estimated_peak_mb(text: TextDims, data: BenchBatch, dtype_name: str, full_finetune: bool, *,
+def estimated_peak_mb(dims: ModelDims, data: BenchBatch, dtype_name: str, full_finetune: bool, *,
                       checkpointing: bool) -> float:
     """`saccade memory`'s estimate of the cached path's peak for this batch (the assumed CUDA
     context left out: the measured peak is what the allocator handed out)."""
-    from saccade.memory import ModelDims, VisionDims
+    from saccade.memory import VisionDims
 
     # The vision dims only size the micro-batch's image embeddings (main + DeepStack levels).
     levels = len(next(iter(data.embeddings.values())).deepstack) if data.embeddings else 0
-    vision = VisionDims(1, 1, 1, text.hidden_size, 1, deepstack_levels=levels)
+    vision = VisionDims(1, 1, 1, dims.text.hidden_size, 1, deepstack_levels=levels)
     est = trainer_memory(
-        ModelDims("bench", text, vision), dtype=dtype_name, lora_rank=None if full_finetune else lora_settings().rank,
+        ModelDims("bench", dims.text, vision, lora_targets=dims.lora_targets), dtype=dtype_name, lora_rank=None if full_finetune else lora_settings().rank,
         max_tokens=data.max_tokens, loss_fraction=data.num_loss_tokens / data.num_tokens,
         activation_checkpointing=checkpointing,
     )

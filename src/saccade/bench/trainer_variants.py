@@ -31,7 +31,7 @@ import torch
 
 from saccade.bench.trainer_data import BenchBatch, FullMicroBatch, PaddedBatch, full_micro_batches, pad_batches
 from saccade.config import LoraConfig
-from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
+from saccade.models.lm import apply_lora, load_policy_lm, lora_target_modules, set_full_finetune, unwrap_policy
 from saccade.models.loading import load_family, load_full_model
 from saccade.process_stats import proc_status_kb
 from saccade.timing import synchronize
@@ -90,12 +90,13 @@ def build_full(model_path, *, dtype: torch.dtype, device: torch.device, seed: in
     # The family's parameter targets too (MoE experts), as `apply_lora` wraps them on the cached
     # path: without them the full path would train fewer adapters and the ratios would compare
     # unequal work. The tower has no parameter of those names.
-    parameters = list(load_family(model_path).lora_target_parameters)
+    family = load_family(model_path)
+    parameters = list(family.lora_target_parameters)
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=rf"model\.language_model\..*\.({'|'.join(settings.target_modules)})",
+        target_modules=rf"model\.language_model\..*\.({'|'.join(lora_target_modules(settings, family))})",
         bias="none",
         **({"target_parameters": parameters} if parameters else {}),
     )

@@ -28,8 +28,6 @@ class Section(BaseModel):
 # (tests/models/test_families.py keeps the lists equal).
 PRESET_NAMES = ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b", "qwen2.5vl-tiny", "qwen2.5vl-7b", "qwen2.5vl-3b",
                 "moe-tiny", "qwen3vl-30b-a3b-l6", "qwen3.5-tiny", "qwen3.5-small", "qwen3.5-9b")
-# Every dense family's `lora_target_modules` (tests/models/test_families.py checks Qwen3-VL's).
-DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
@@ -86,10 +84,11 @@ class LoraConfig(Section):
     rank: int = Field(16, ge=1, le=4096, description="LoRA rank r")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input, in [0, 1)")
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+    target_modules: list[str] | None = Field(
+        None,
         min_length=1,
-        description="names of the language model's linear layers that get adapters",
+        description="names of the language model's linear layers that get adapters; unset: the model family's own "
+        "(attention and MLP linears, and Qwen3.5's Gated DeltaNet projections: docs/families.md)",
     )
 
     @property

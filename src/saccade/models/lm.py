@@ -24,7 +24,7 @@ from torch import nn
 
 from saccade.config import LoraConfig
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout, resolve_attention
-from saccade.models.families import family_of
+from saccade.models.families import ModelFamily, family_of
 from saccade.models.linear_attention import has_linear_attention, is_packing_exact
 from saccade.models.loading import (
     LM_HEAD_KEY, LM_PREFIX, load_config, parameters_on_meta, read_family_state_dict, resolve_model_path,
@@ -249,6 +249,12 @@ def assert_no_vision_tower(module: nn.Module) -> None:
     assert not vision, f"vision tower found in the trainer's model: {vision[:3]}"
 
 
+def lora_target_modules(lora: LoraConfig, family: ModelFamily) -> tuple[str, ...]:
+    """The linears LoRA wraps: the config's list when it gives one, else the family's own (which
+    for Qwen3.5 adds the Gated DeltaNet's projections to the attention and MLP ones)."""
+    return tuple(lora.target_modules or family.lora_target_modules)
+
+
 def apply_lora(policy: PolicyLM, lora: LoraConfig):
     """Wrap the language model's linears with LoRA (peft). Only the adapters train.
 
@@ -260,7 +266,7 @@ def apply_lora(policy: PolicyLM, lora: LoraConfig):
     import peft
 
     # Only the language model's linears: anchor the patterns so nothing else can match.
-    targets = rf"model\.language_model\..*\.({'|'.join(lora.target_modules)})"
+    targets = rf"model\.language_model\..*\.({'|'.join(lora_target_modules(lora, policy.family))})"
     parameters = list(policy.family.lora_target_parameters)
     config = peft.LoraConfig(
         r=lora.rank,
