@@ -93,7 +93,10 @@ def test_engine_logprobs_are_what_the_trainer_computes(family_lora_engine, tempe
     assert [len(g) for g in groups] == [3] * 5
     completions = [c for g in groups for c in g]
     lengths = sorted(c.completion_ids.numel() for c in completions)
-    assert lengths[0] < lengths[-1] == max_tokens  # some rows left the batch before others
+    # Some rows left the batch before others. (Not also "one ran to max_tokens": with every 7th
+    # id a stop, 15 rows all stop early about 1 time in 14, and a float-level flip of one sampled
+    # token between runs decides it; that failed once on Qwen2.5-VL at T=0.7.)
+    assert lengths[0] < lengths[-1] <= max_tokens
     diff = _trainer_logprobs(engine, completions, temperature)
     print(f"{family.name} T={temperature}: {diff.numel()} tokens, "
           f"mismatch mean {float(diff.mean()):.2e} max {float(diff.max()):.2e}")
