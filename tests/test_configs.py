@@ -53,6 +53,7 @@ REAL = [
     # no 1-GPU config: the trainer's and a server's bf16 weights alone exceed one 80 GB GPU (its header)
     Real("qwen3vl-30b-a3b-8gpu.toml", "Qwen/Qwen3-VL-30B-A3B-Instruct", 1024, world_size=4,
          ports=(8004, 8005, 8006, 8007)),
+    Real("qwen3.5-9b-1gpu.toml", "Qwen/Qwen3.5-9B", 1024),
 ]
 QWEN = [r.path for r in REAL if r.name.startswith(("qwen3vl-2b", "qwen3vl-4b", "qwen3vl-8b"))]  # the first six
 ids = lambda r: r.name  # noqa: E731
