@@ -186,7 +186,7 @@ class TextDims:
         shapes = self.linear_shapes()
         attention = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[:4])
         dense_mlp = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[4:])
-        experts = self.moe_layers * self.experts.lora_params(rank, self.hidden_size) if self.moe_layers else 0
+        experts = self.moe_layers * self.experts.lora_params(rank, self.hidden_size, targets) if self.moe_layers else 0
         mixer = self.linear_layers * self.linear_attention.lora_params(rank, self.hidden_size, targets) \
             if self.linear_layers else 0
         return self.attention_layers * attention + (self.num_hidden_layers - self.moe_layers) * dense_mlp + experts \
