@@ -186,7 +186,7 @@ class TextDims:
         shapes = self.linear_shapes()
         attention = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[:4])
         dense_mlp = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[4:])
-        experts = self.moe_layers * self.experts.lora_params(rank, self.hidden_size) if self.moe_layers else 0
+        experts = self.moe_layers * self.experts.lora_params(rank, self.hidden_size, targets) if self.moe_layers else 0
         mixer = self.linear_layers * self.linear_attention.lora_params(rank, self.hidden_size, targets) \
             if self.linear_layers else 0
         return self.attention_layers * attention + (self.num_hidden_layers - self.moe_layers) * dense_mlp + experts \
@@ -406,7 +406,10 @@ def activation_bytes_per_token(
     dense_layers = text.num_hidden_layers - text.moe_layers
     rope = 2 * b * text.head_dim  # cos, sin: computed once, shared by every layer
     if checkpointing:  # inputs held, the largest layer recomputed
-        per_token = text.num_hidden_layers * b * h + max(dense if dense_layers else 0, moe, linear)
+        # A linear-attention layer's MLP is the dense one or, in a hybrid MoE (Qwen3.5-MoE), the experts.
+        largest_mlp_layer = max(dense if dense_layers else 0, moe)
+        linear_layer = linear - dense + largest_mlp_layer if text.linear_layers else 0
+        per_token = text.num_hidden_layers * b * h + max(largest_mlp_layer, linear_layer)
     else:
         per_token = dense_layers * dense + text.moe_layers * moe + text.linear_layers * (linear - dense)
         if not full:

@@ -11,6 +11,7 @@ from saccade.inference.engine import ChatRequest, SamplingParams
 from saccade.inference.local import LocalEngine
 from saccade.config import LoraConfig
 from saccade.models.families import FAMILIES
+from saccade.models.families.interface import no_routing
 from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.orchestrator.samples import completion_to_sample
 from saccade.parity import parity_conversations
@@ -107,7 +108,7 @@ def test_engine_logprobs_are_what_the_trainer_computes(family_lora_engine, tempe
         assert c.finish_reason in ("stop", "length")
         assert c.prompt_ids.numel() == c.mm_token_type_ids.numel()
         assert len(c.image_keys) == c.image_grid_thw.shape[0]
-        assert (c.routed_experts is None) == (family.name != "Qwen3-VL-MoE")  # only a MoE records routing
+        assert (c.routed_experts is None) == (family.record_routing is no_routing)  # only a MoE records routing
 
 
 def test_vision_tokens_are_never_sampled(tiny_path, processor, encoder):

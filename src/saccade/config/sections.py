@@ -27,7 +27,8 @@ class Section(BaseModel):
 # The built-in random models: every family's `tiny_presets`, in FAMILIES' order
 # (tests/models/test_families.py keeps the lists equal).
 PRESET_NAMES = ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b", "qwen2.5vl-tiny", "qwen2.5vl-7b", "qwen2.5vl-3b",
-                "moe-tiny", "qwen3vl-30b-a3b-l6", "qwen3.5-tiny", "qwen3.5-small", "qwen3.5-9b")
+                "moe-tiny", "qwen3vl-30b-a3b-l6", "qwen3.5-tiny", "qwen3.5-small", "qwen3.5-9b",
+                "qwen3.5-moe-tiny", "qwen3.5-35b-a3b")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 

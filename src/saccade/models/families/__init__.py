@@ -11,13 +11,14 @@ import json
 import os
 from pathlib import Path
 
-from saccade.models.families import qwen2_5_vl, qwen3_5, qwen3_vl, qwen3_vl_moe
+from saccade.models.families import qwen2_5_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe
 from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily
 
 __all__ = ["FAMILIES", "LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX", "ModelFamily", "family_of", "model_type_of",
            "preset_family", "resolve_model", "warm_start_base", "warm_start_names"]
 
-FAMILIES: tuple[ModelFamily, ...] = (qwen3_vl.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl_moe.FAMILY, qwen3_5.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (qwen3_vl.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl_moe.FAMILY, qwen3_5.FAMILY,
+                                     qwen3_5_moe.FAMILY)
 
 # A sub-config (`config.vision_config`, `config.text_config`) names its family's type plus one of these.
 _PART_SUFFIXES = ("_vision", "_text")

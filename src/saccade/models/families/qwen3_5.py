@@ -237,15 +237,15 @@ class Preset:
     text_init_std: float = 0.02
 
 
-def _published(hub_id: str) -> Preset:
-    """A random model at a published checkpoint's shapes (its vocabulary rows, a small BPE)."""
-    c = HUB_CONFIGS[hub_id]
+def published_preset(c: dict) -> Preset:
+    """A random model at a published config.json's shapes (its vocabulary rows, a small BPE), bf16.
+    A MoE's config has no dense `intermediate_size` (qwen3_5_moe): 0, which its builder drops."""
     t, v = c["text_config"], c["vision_config"]
     assert t["linear_key_head_dim"] == t["linear_value_head_dim"]
     return Preset(
         bpe_vocab_size=8192, text_hidden=t["hidden_size"], text_layers=t["num_hidden_layers"],
         text_heads=t["num_attention_heads"], text_kv_heads=t["num_key_value_heads"], text_head_dim=t["head_dim"],
-        text_intermediate=t["intermediate_size"], linear_key_heads=t["linear_num_key_heads"],
+        text_intermediate=t.get("intermediate_size", 0), linear_key_heads=t["linear_num_key_heads"],
         linear_value_heads=t["linear_num_value_heads"], linear_head_dim=t["linear_key_head_dim"],
         vision_hidden=v["hidden_size"], vision_depth=v["depth"], vision_heads=v["num_heads"],
         vision_intermediate=v["intermediate_size"], vision_position_grid=48, max_pixels=448 * 448,
@@ -270,7 +270,7 @@ PRESETS: dict[str, Preset] = {
         vision_hidden=512, vision_depth=6, vision_heads=8, vision_intermediate=1536, vision_position_grid=16,
     ),
     # Random weights at Qwen3.5-9B's shapes, for `saccade memory` and the benches on a GPU.
-    "qwen3.5-9b": _published("Qwen/Qwen3.5-9B"),
+    "qwen3.5-9b": published_preset(QWEN3_5_9B),
 }
 PRESET_CONFIGS = {"qwen3.5-9b": QWEN3_5_9B}
 

