@@ -54,6 +54,7 @@ REAL = [
     Real("qwen3vl-30b-a3b-8gpu.toml", "Qwen/Qwen3-VL-30B-A3B-Instruct", 1024, world_size=4,
          ports=(8004, 8005, 8006, 8007)),
     Real("qwen3.5-9b-1gpu.toml", "Qwen/Qwen3.5-9B", 1024),
+    Real("qwen3.5-35b-a3b-8gpu.toml", "Qwen/Qwen3.5-35B-A3B", 1024, world_size=4, ports=(8004, 8005, 8006, 8007)),
 ]
 QWEN = [r.path for r in REAL if r.name.startswith(("qwen3vl-2b", "qwen3vl-4b", "qwen3vl-8b"))]  # the first six
 ids = lambda r: r.name  # noqa: E731
