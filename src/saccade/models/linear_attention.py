@@ -177,8 +177,11 @@ TORCH_VARLEN = VarlenKernels("torch reference, varlen (a loop over segments)", t
 def fla_kernels() -> VarlenKernels | None:
     """flash-linear-attention's varlen kernels (Triton, CUDA only), or None where fla does not import."""
     try:
-        from fla.modules.convolution import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        try:  # fla.modules.convolution: fla 0.2-0.4 and, as an alias, the newest; fla.modules.conv between
+            from fla.modules.convolution import causal_conv1d
+        except ImportError:
+            from fla.modules.conv import causal_conv1d
     except Exception:  # ImportError, or Triton failing to load without a GPU
         return None
     return VarlenKernels("flash-linear-attention, varlen (cu_seqlens)", causal_conv1d, chunk_gated_delta_rule)
