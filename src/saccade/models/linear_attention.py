@@ -234,6 +234,7 @@ class VarlenPlan:
 
     @classmethod
     def of(cls, layout: PackedLayout, device: torch.device) -> VarlenPlan:
+        assert layout.bounds, "the layout knows its row's boundaries (PackedLayout.from_cu_seqlens)"
         return _plan(layout.bounds, layout.context, device)
 
 
