@@ -21,7 +21,6 @@ the linear layers on the padded path (a shared prompt recomputed per completion)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import statistics
 import time
@@ -83,11 +82,11 @@ def main() -> None:
     for name, lengths in rows.items():
         samples = [torch.randint(0, 1000, (1, n)) for n in lengths]
         row = torch.cat(samples, 1)
-        alone = timed(lambda: [step(exact, s, [s.shape[1]], packed=False) for s in samples], args.repeats)
-        packed = timed(lambda: step(exact, row, lengths), args.repeats)
-        with linear_kernels(TORCH_VARLEN):
-            varlen = timed(lambda: step(exact, row, lengths), args.repeats)
-        wrong = timed(lambda: step(leaky, row, lengths), args.repeats)
+        alone, packed, varlen, wrong = side_by_side([
+            lambda: [step(exact, s, [s.shape[1]], packed=False) for s in samples],
+            lambda: step(exact, row, lengths),
+            lambda: linear_kernels(TORCH_VARLEN, lambda: step(exact, row, lengths)),
+            lambda: step(leaky, row, lengths)], args.repeats)
         print(f"| {name} ({sum(lengths)}) | {alone:.0f} | {packed:.0f} | {varlen:.0f} | {wrong:.0f} "
               f"| {alone / packed:.2f}x |")
 
@@ -98,12 +97,12 @@ def main() -> None:
     shared = torch.cat([prompt, *outs], 1)
     shared_lengths = [P + C] + [C] * (G - 1)
     context = [(0, 0)] + [(0, P)] * (G - 1)
-    t_whole = timed(lambda: step(exact, whole, [P + C] * G), args.repeats)
-    with linear_kernels(None):
-        recompute = timed(lambda: step(exact, shared, shared_lengths, starts=[0] + [P] * (G - 1), context=context),
-                          args.repeats)
-    t_shared = timed(lambda: step(exact, shared, shared_lengths, starts=[0] + [P] * (G - 1), context=context),
-                     args.repeats)
+    def shared_step():
+        step(exact, shared, shared_lengths, starts=[0] + [P] * (G - 1), context=context)
+
+    t_whole, recompute, t_shared = side_by_side([
+        lambda: step(exact, whole, [P + C] * G), lambda: linear_kernels(None, shared_step), shared_step],
+        args.repeats)
     print(f"\nshared prompt, {G} completions of {C} tokens after {P}: every sample whole ({G * (P + C)} tokens) "
           f"{t_whole:.0f} ms; shared ({P + G * C} tokens in the row), the linear layers recomputing the prompt "
           f"{recompute:.0f} ms ({t_whole / recompute:.2f}x), running it once {t_shared:.0f} ms "
@@ -153,35 +152,37 @@ def grpo(args) -> None:
           f"{P} tokens, {G} completions of {min(completions)}-{max(completions)} ({sum(completions)} tokens)")
     print("| row | linear layers | tokens through the linear layers | ms |")
     print("|---|---|---|---|")
-    for name, kernels, row, tokens in (("every sample whole", None, whole, total),
-                                       ("every sample whole", TORCH_VARLEN, whole, total),
-                                       ("prompt shared", None, shared, total),
-                                       ("prompt shared", TORCH_VARLEN, shared, once)):
-        with linear_kernels(kernels):
-            ms = timed(lambda: step(*row), args.repeats)
+    cases = (("every sample whole", None, whole, total), ("every sample whole", TORCH_VARLEN, whole, total),
+             ("prompt shared", None, shared, total), ("prompt shared", TORCH_VARLEN, shared, once))
+    times = side_by_side([lambda k=kernels, r=row: linear_kernels(k, lambda: step(*r)) for _, kernels, row, _ in cases],
+                         args.repeats)
+    for (name, kernels, row, tokens), ms in zip(cases, times):
         path = "padded (reference, recomputes a shared prompt)" if kernels is None else "varlen (torch loop)"
         print(f"| {name} ({row[0].shape[1]} in the row) | {path} | {tokens} | {ms:.0f} |")
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+def side_by_side(fns, repeats: int) -> list[float]:
+    """Median ms of each fn, timed in turns (fn 1, fn 2, ..., fn 1, ...) after one warm-up each, so
+    that other jobs on the machine slow them alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, kept in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - t)
+    return [1000 * statistics.median(kept) for kept in times]
 
 
-@contextlib.contextmanager
-def linear_kernels(kernels):
-    """Force the linear layers' path for packed rows: `VarlenKernels`, or None for the padded one."""
+def linear_kernels(kernels, fn):
+    """fn() with the linear layers' path for packed rows forced: `VarlenKernels`, or None for the padded one."""
     from saccade.models import linear_attention
 
     chosen = linear_attention.choose_kernels
     linear_attention.choose_kernels = lambda device, shared_prompts=False: kernels
     try:
-        yield
+        return fn()
     finally:
         linear_attention.choose_kernels = chosen
 
