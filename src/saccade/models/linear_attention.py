@@ -23,7 +23,9 @@ state and zero convolution history. Two paths, picked once per device by `choose
 - padded (no fla, no shared prompt in the row): the layer's own forward on the layout's
   right-padded batches of whole sequences (one batch row per sample) with no cache, the real
   tokens gathered back. The layer is causal end to end, so pads after a sample's end never reach
-  its tokens. On the CPU this beats the varlen loop (fewer, larger kernel calls: docs/packing.md).
+  its tokens. On the CPU the varlen loop is no slower (docs/packing.md); padded stays the choice
+  there for rows without shared prompts as the layer's own forward, and on CUDA without fla as
+  fewer, larger kernel calls than a loop over segments.
 Without a layout (the embedded engine's prefill and decode, with a cache) the forward is
 transformers' own, untouched.
 """
@@ -195,7 +197,7 @@ def choose_kernels(device: torch.device, shared_prompts: bool = False) -> Varlen
     layer's own forward over right-padded batches). Logged once per choice:
     - CUDA with flash-linear-attention importable: fla's varlen kernels (no padding; shared prompts run once);
     - otherwise, a row with shared prompts: the torch varlen kernels, which run each prompt once;
-    - otherwise the padded path (transformers' reference kernels over batches: fewer, larger calls).
+    - otherwise the padded path: the layer's own forward (transformers' kernels) over batches.
     docs/packing.md has the figures behind the last two."""
     key = (torch.device(device).type, shared_prompts)
     if key not in _chosen:
