@@ -240,7 +240,7 @@ class VarlenPlan:
         return _plan(layout.bounds, layout.context, device)
 
 
-@functools.lru_cache(maxsize=8)  # one row's plan, read by every linear layer of the forward and its backward
+@functools.lru_cache(maxsize=8)  # one row's plan, built once and read by every linear layer of the forward
 def _plan(bounds: tuple[int, ...], context: tuple[tuple[int, int], ...], device: torch.device) -> VarlenPlan:
     segments = list(zip(bounds, bounds[1:]))
     context = context or ((0, 0),) * len(segments)
