@@ -4,12 +4,18 @@ One run, side by side, forward + backward of one micro-batch, medians of --repea
 - each sample alone (a forward per sample), the packed row with the reset
   (`make_packing_exact`), and the packed row without it (wrong: the state leaks; the
   gather/scatter's own price);
-- a group sharing one prompt: packed with the shared prompt (the linear layers recompute it per
-  completion) against every sample packed whole.
+- the packed row on the varlen path (`TORCH_VARLEN`: the torch kernels in a loop over segments);
+- a group sharing one prompt: packed with the shared prompt against every sample packed whole.
 A random Qwen3.5 text model, fp32, packed_sdpa for the full-attention layers, the reference
 (torch) linear-attention kernels: flash-linear-attention is not installed here.
 
+`--grpo`: instead, a GRPO group on qwen3.5-small (PolicyLM, fp32, every parameter trained): one
+prompt of --prompt tokens and G completions of 60-120 tokens, packed whole or with the prompt shared,
+the linear layers on the padded path (a shared prompt recomputed per completion) or the varlen path
+(a shared prompt run once, its state carried into each completion).
+
     OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/bench_linear_attention.py
+    OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/bench_linear_attention.py --grpo
 """
 
 from __future__ import annotations
@@ -28,13 +34,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--grpo", action="store_true", help="a GRPO group on qwen3.5-small instead")
+    parser.add_argument("--prompt", type=int, default=300)
+    parser.add_argument("--group", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.grpo:
+        return grpo(args)
 
     from transformers.models.qwen3_5 import Qwen3_5TextConfig, Qwen3_5TextModel
 
     from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout
-    from saccade.models.linear_attention import make_packing_exact
+    from saccade.models.linear_attention import TORCH_VARLEN, make_packing_exact
 
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(
@@ -61,29 +72,23 @@ def main() -> None:
         out = model(input_ids=ids, position_ids=positions(lengths, starts), use_cache=False, **kwargs)
         out.last_hidden_state.square().mean().backward()
 
-    def timed(fn):
-        fn()  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return 1000 * statistics.median(times)
-
     print(f"hidden {args.hidden}, {args.layers} layers ({config.layer_types.count('linear_attention')} linear), "
           f"{args.threads} threads, forward + backward, median of {args.repeats} (ms)")
     rows = {"8 samples of 200-300 tokens": [212, 298, 251, 203, 277, 230, 265, 241],
             "2 x 300 + 30 x 60 tokens": [300, 300] + [60] * 30,
             "8 mixed, 3-140 tokens": [65, 66, 3, 140, 9, 50, 77, 21]}
-    print("| row | each alone | packed, reset | packed, no reset (leaks) | alone / packed |")
-    print("|---|---|---|---|---|")
+    print("| row | each alone | packed, reset (padded) | packed, varlen | packed, no reset (leaks) | alone / packed |")
+    print("|---|---|---|---|---|---|")
     for name, lengths in rows.items():
         samples = [torch.randint(0, 1000, (1, n)) for n in lengths]
         row = torch.cat(samples, 1)
-        alone = timed(lambda: [step(exact, s, [s.shape[1]], packed=False) for s in samples])
-        packed = timed(lambda: step(exact, row, lengths))
-        wrong = timed(lambda: step(leaky, row, lengths))
-        print(f"| {name} ({sum(lengths)}) | {alone:.0f} | {packed:.0f} | {wrong:.0f} | {alone / packed:.2f}x |")
+        alone, packed, varlen, wrong = side_by_side([
+            lambda: [step(exact, s, [s.shape[1]], packed=False) for s in samples],
+            lambda: step(exact, row, lengths),
+            lambda: linear_kernels(TORCH_VARLEN, lambda: step(exact, row, lengths)),
+            lambda: step(leaky, row, lengths)], args.repeats)
+        print(f"| {name} ({sum(lengths)}) | {alone:.0f} | {packed:.0f} | {varlen:.0f} | {wrong:.0f} "
+              f"| {alone / packed:.2f}x |")
 
     P, G, C = 300, 8, 30
     prompt = torch.randint(0, 1000, (1, P))
@@ -92,11 +97,94 @@ def main() -> None:
     shared = torch.cat([prompt, *outs], 1)
     shared_lengths = [P + C] + [C] * (G - 1)
     context = [(0, 0)] + [(0, P)] * (G - 1)
-    t_whole = timed(lambda: step(exact, whole, [P + C] * G))
-    t_shared = timed(lambda: step(exact, shared, shared_lengths, starts=[0] + [P] * (G - 1), context=context))
+    def shared_step():
+        step(exact, shared, shared_lengths, starts=[0] + [P] * (G - 1), context=context)
+
+    t_whole, recompute, t_shared = side_by_side([
+        lambda: step(exact, whole, [P + C] * G), lambda: linear_kernels(None, shared_step), shared_step],
+        args.repeats)
     print(f"\nshared prompt, {G} completions of {C} tokens after {P}: every sample whole ({G * (P + C)} tokens) "
-          f"{t_whole:.0f} ms, shared ({P + G * C} tokens; the linear layers recompute the prompt) {t_shared:.0f} ms, "
-          f"{t_whole / t_shared:.2f}x")
+          f"{t_whole:.0f} ms; shared ({P + G * C} tokens in the row), the linear layers recomputing the prompt "
+          f"{recompute:.0f} ms ({t_whole / recompute:.2f}x), running it once {t_shared:.0f} ms "
+          f"({t_whole / t_shared:.2f}x)")
+
+
+def grpo(args) -> None:
+    """A GRPO group's training forward + backward on qwen3.5-small, side by side: packed whole, or with
+    the prompt shared; the linear layers padded (a shared prompt recomputed) or varlen (run once)."""
+    from saccade.models.families.qwen3_5 import tiny_model_path
+    from saccade.models.linear_attention import TORCH_VARLEN
+    from saccade.models.lm import load_policy_lm
+
+    policy = load_policy_lm(tiny_model_path("qwen3.5-small"))
+    vocab = policy.lm_head.weight.shape[0]
+    linear = policy.config.text_config.layer_types.count("linear_attention")
+    torch.manual_seed(0)
+    P, G = args.prompt, args.group
+    completions = torch.randint(60, 121, (G,)).tolist()
+    image_token = policy.config.image_token_id
+    words = torch.arange(vocab)[torch.arange(vocab) < min(image_token, 8000)]  # plain tokens
+
+    def text(n):
+        return words[torch.randint(0, len(words), (1, n))]
+
+    # The prompt: 20 tokens, one image of 256 x 256 px (64 tokens: 32 x 32 px each), then text.
+    prompt = torch.cat([text(20), torch.full((1, 64), image_token), text(P - 84)], 1)
+    image_embeds_MH = torch.randn(64, policy.config.text_config.hidden_size)
+    outs = [text(n) for n in completions]
+
+    def step(ids, lengths, starts=None, context=None):
+        starts = starts or [0] * len(lengths)
+        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])  # text positions for all 4 rows
+        images = int((ids == image_token).sum()) // 64
+        hidden = policy.hidden_states(ids, rows.view(1, 1, -1).expand(4, 1, -1).contiguous(),
+                                      image_embeds_NH=image_embeds_MH.repeat(images, 1),
+                                      cu_seqlens=torch.tensor([0, *lengths]).cumsum(0), context=context)
+        policy.zero_grad(set_to_none=True)
+        hidden.square().mean().backward()
+
+    whole = (torch.cat([torch.cat([prompt, o], 1) for o in outs], 1), [P + n for n in completions])
+    shared = (torch.cat([prompt, *outs], 1), [P + completions[0], *completions[1:]],
+              [0] + [P] * (G - 1), [(0, 0)] + [(0, P)] * (G - 1))
+    total, once = G * P + sum(completions), P + sum(completions)
+    print(f"qwen3.5-small ({linear} of {len(policy.config.text_config.layer_types)} layers linear), fp32, "
+          f"{args.threads} threads, forward + backward of every parameter, median of {args.repeats}: a prompt of "
+          f"{P} tokens, {G} completions of {min(completions)}-{max(completions)} ({sum(completions)} tokens)")
+    print("| row | linear layers | tokens through the linear layers | ms |")
+    print("|---|---|---|---|")
+    cases = (("every sample whole", None, whole, total), ("every sample whole", TORCH_VARLEN, whole, total),
+             ("prompt shared", None, shared, total), ("prompt shared", TORCH_VARLEN, shared, once))
+    times = side_by_side([lambda k=kernels, r=row: linear_kernels(k, lambda: step(*r)) for _, kernels, row, _ in cases],
+                         args.repeats)
+    for (name, kernels, row, tokens), ms in zip(cases, times):
+        path = "padded (reference, recomputes a shared prompt)" if kernels is None else "varlen (torch loop)"
+        print(f"| {name} ({row[0].shape[1]} in the row) | {path} | {tokens} | {ms:.0f} |")
+
+
+def side_by_side(fns, repeats: int) -> list[float]:
+    """Median ms of each fn, timed in turns (fn 1, fn 2, ..., fn 1, ...) after one warm-up each, so
+    that other jobs on the machine slow them alike."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, kept in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - t)
+    return [1000 * statistics.median(kept) for kept in times]
+
+
+def linear_kernels(kernels, fn):
+    """fn() with the linear layers' path for packed rows forced: `VarlenKernels`, or None for the padded one."""
+    from saccade.models import linear_attention
+
+    chosen = linear_attention.choose_kernels
+    linear_attention.choose_kernels = lambda device, shared_prompts=False: kernels
+    try:
+        return fn()
+    finally:
+        linear_attention.choose_kernels = chosen
 
 
 if __name__ == "__main__":

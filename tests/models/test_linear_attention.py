@@ -18,6 +18,7 @@ from saccade.models import lm as lm_module
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout
 from saccade.models.families import qwen3_5
 from saccade.models.families.interface import no_hooks
+from saccade.models import linear_attention as la
 from saccade.models.linear_attention import has_linear_attention, is_packing_exact, make_packing_exact
 from saccade.models.lm import PolicyLM
 
@@ -126,26 +127,133 @@ def test_packed_row_matches_each_sample_alone(policy, implementation, row):
     assert max_diff(grads_packed, grads_alone) <= GRAD_TOL
 
 
-def test_shared_prompts_match_whole_sequences(policy):
-    """Completions continuing one shared prompt (PackedLayout's context) equal each prompt +
-    completion run alone: the linear layers recompute the prompt's state per sequence."""
+# Rows with shared prompts: (prompt length, completion lengths) per group, then lone samples. A prompt
+# longer than a chunk (64); completions crossing one; a prompt of 2 tokens, shorter than the
+# convolution's history of 3.
+SHARED_ROWS = {
+    "one group": ([(83, [20, 71, 9])], []),
+    "two groups and a lone sample": ([(70, [12, 5]), (2, [9, 30, 4])], [40]),
+}
+
+
+@pytest.mark.parametrize("row", SHARED_ROWS)
+def test_shared_prompts_match_whole_sequences(policy, monkeypatch, row):
+    """Completions continuing a shared prompt (PackedLayout's context) equal each prompt + completion
+    run alone, gradients included: on the CPU the varlen path runs each prompt once and starts each
+    completion from its final state. Every token of the row goes through the linear layers once."""
+    groups, lone = SHARED_ROWS[row]
+    counted = []
+
+    def counting_rule(q, *args, **kwargs):
+        counted.append(q.shape[1])
+        return la.torch_varlen_chunk_gated_delta_rule(q, *args, **kwargs)
+
+    monkeypatch.setattr(la, "TORCH_VARLEN", dataclasses.replace(la.TORCH_VARLEN, chunk_gated_delta_rule=counting_rule))
+    monkeypatch.setattr(la, "_chosen", {})
     torch.manual_seed(2)
-    P, completions = 83, [20, 71, 9]  # prompt longer than a chunk; completion 71 crosses one too
-    prompt = torch.randint(0, VOCAB, (1, P))
-    outs = [torch.randint(0, VOCAB, (1, n)) for n in completions]
-    weights = [torch.randn(P + n, 64) for n in completions]
-    alone = [hidden(policy, torch.cat([prompt, o], 1), [P + o.shape[1]]) for o in outs]
-    grads_alone = loss_and_grads(policy, [(h[P:] if i else h, w[P:] if i else w)
-                                          for i, (h, w) in enumerate(zip(alone, weights))])
-    # Row: prompt + completion 0 (whole), then completions 1 and 2 alone, continuing the prompt.
-    lengths = [P + completions[0], *completions[1:]]
-    row = torch.cat([prompt, *outs], 1)
-    context = [(0, 0)] + [(0, P)] * (len(completions) - 1)
-    packed = hidden(policy, row, lengths, starts=[0, P, P], context=context)
-    expected = torch.cat([alone[0], *(h[P:] for h in alone[1:])])
-    assert (packed - expected).abs().max().item() <= TOL
-    grads_packed = loss_and_grads(policy, [(packed, torch.cat([weights[0], *(w[P:] for w in weights[1:])]))])
+    pieces, lengths, starts, context, expected, alone_pieces = [], [], [], [], [], []
+    for P, completions in groups:
+        prompt = torch.randint(0, VOCAB, (1, P))
+        at = sum(lengths)
+        for i, n in enumerate(completions):
+            out = torch.randint(0, VOCAB, (1, n))
+            h = hidden(policy, torch.cat([prompt, out], 1), [P + n])
+            w = torch.randn(P + n, 64)
+            own = slice(0 if i == 0 else P, None)  # a group's first sample is whole in the row
+            pieces.append(torch.cat([prompt, out], 1)[:, own])
+            lengths.append(P + n if i == 0 else n)
+            starts.append(0 if i == 0 else P)
+            context.append((0, 0) if i == 0 else (at, at + P))
+            expected.append(h[own])
+            alone_pieces.append((h[own], w[own]))
+    for n in lone:
+        ids = torch.randint(0, VOCAB, (1, n))
+        h, w = hidden(policy, ids, [n]), torch.randn(n, 64)
+        pieces.append(ids), lengths.append(n), starts.append(0), context.append((0, 0))
+        expected.append(h), alone_pieces.append((h, w))
+    grads_alone = loss_and_grads(policy, alone_pieces)
+    counted.clear()
+    packed = hidden(policy, torch.cat(pieces, 1), lengths, starts=starts, context=context)
+    assert sum(counted) == sum(lengths) * len(la.linear_attention_layers(policy.language_model))
+    assert (packed - torch.cat(expected)).abs().max().item() <= TOL
+    grads_packed = loss_and_grads(policy, [(packed, torch.cat([w for _, w in alone_pieces]))])
     assert max_diff(grads_packed, grads_alone) <= GRAD_TOL
+
+
+@pytest.mark.parametrize("row", ["8 samples"])
+def test_the_varlen_path_matches_the_padded_path(policy, monkeypatch, row):
+    """The varlen path (the row unpadded, the torch kernels with fla's signatures, a loop over
+    segments) gives the padded path's hidden states and gradients."""
+    lengths = ROWS[row]
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
+    weights_NH = torch.randn(sum(lengths), 64)
+    results = {}
+    for kernels in (None, la.TORCH_VARLEN):
+        monkeypatch.setattr(la, "choose_kernels", lambda device, shared_prompts=False, k=kernels: k)
+        h = hidden(policy, ids, lengths)
+        results[kernels] = h, loss_and_grads(policy, [(h, weights_NH)])
+    (padded, padded_grads), (varlen, varlen_grads) = results.values()
+    assert (varlen - padded).abs().max().item() <= TOL
+    assert max_diff(varlen_grads, padded_grads) <= GRAD_TOL
+
+
+def test_the_torch_varlen_kernels_carry_state_as_one_sequence():
+    """fla's state conventions, kept by the torch kernels: a sequence cut in two, the second part
+    started from the first's final states (convolution inputs, recurrent state), equals the whole;
+    so does a first part shorter than the convolution's history. Two sequences at once (cu_seqlens)."""
+    torch.manual_seed(4)
+    D, W, H, K, V = 12, 4, 2, 8, 8
+    weight = torch.randn(D, W)
+    for cut in (50, 2):
+        T = 90
+        x = torch.randn(1, 2 * T, D)
+        q, k = torch.randn(2, 1, 2 * T, H, K).unbind(0)
+        v, g, beta = torch.randn(1, 2 * T, H, V), -torch.rand(1, 2 * T, H), torch.rand(1, 2 * T, H)
+        whole = torch.tensor([0, T, 2 * T])
+        heads = [torch.arange(0, cut), torch.arange(T, T + cut)]
+        tails = [torch.arange(cut, T), torch.arange(T + cut, 2 * T)]
+        first, rest = torch.cat(heads), torch.cat(tails)
+        cu_first, cu_rest = torch.tensor([0, cut, 2 * cut]), torch.tensor([0, T - cut, 2 * (T - cut)])
+
+        def part(t, index):
+            return t.index_select(1, index)
+
+        conv_whole, _ = la.torch_varlen_causal_conv1d(x, weight, activation="silu", cu_seqlens=whole)
+        _, state = la.torch_varlen_causal_conv1d(part(x, first), weight, activation="silu", output_final_state=True,
+                                                 cu_seqlens=cu_first)
+        conv_rest, _ = la.torch_varlen_causal_conv1d(part(x, rest), weight, initial_state=state, activation="silu",
+                                                     cu_seqlens=cu_rest)
+        assert state.shape == (2, D, W)
+        assert (conv_rest - part(conv_whole, rest)).abs().max() <= 1e-6
+
+        args = dict(use_qk_l2norm_in_kernel=True)
+        out_whole, _ = la.torch_varlen_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=whole, **args)
+        _, state = la.torch_varlen_chunk_gated_delta_rule(*(part(t, first) for t in (q, k, v, g, beta)),
+                                                          output_final_state=True, cu_seqlens=cu_first, **args)
+        out_rest, _ = la.torch_varlen_chunk_gated_delta_rule(*(part(t, rest) for t in (q, k, v, g, beta)),
+                                                             initial_state=state, cu_seqlens=cu_rest, **args)
+        assert state.shape == (2, H, K, V)
+        assert (out_rest - part(out_whole, rest)).abs().max() <= 1e-5
+
+
+def test_the_kernel_choice_is_logged_once(monkeypatch, caplog):
+    """fla's varlen kernels on CUDA where fla imports; else the torch varlen kernels for a row with
+    shared prompts (they run each prompt once), the padded path for the rest. Each choice logged once."""
+    fla = dataclasses.replace(la.TORCH_VARLEN, name="fla (stand-in)")
+    monkeypatch.setattr(la, "_chosen", {})
+    monkeypatch.setattr(la, "fla_kernels", lambda: fla)
+    with caplog.at_level("WARNING", logger="saccade.linear_attention"):
+        for _ in range(2):
+            assert la.choose_kernels(torch.device("cpu")) is None
+            assert la.choose_kernels(torch.device("cpu"), shared_prompts=True) is la.TORCH_VARLEN
+            assert la.choose_kernels(torch.device("cuda", 0)) is fla
+    assert len(caplog.records) == 3
+    assert "fla needs CUDA" in caplog.records[0].message and "fla (stand-in)" in caplog.records[2].message
+    monkeypatch.setattr(la, "_chosen", {})
+    monkeypatch.setattr(la, "fla_kernels", lambda: None)  # CUDA without fla: as the CPU
+    assert la.choose_kernels(torch.device("cuda")) is None
+    assert la.choose_kernels(torch.device("cuda"), shared_prompts=True) is la.TORCH_VARLEN
 
 
 def test_without_the_reset_the_state_leaks_across_samples():

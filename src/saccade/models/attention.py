@@ -47,6 +47,11 @@ class PackedLayout:
     gathers: list[torch.Tensor]
     shapes: list[tuple[int, int]]  # (S_b, L_b)
     scatter_N: torch.Tensor
+    # The row as the layout was built from it, on the host: segment boundaries (S+1,) and, per
+    # segment, the row range of the shared prompt it continues ((0, 0): none). Read by layers that
+    # lay the row out their own way (linear attention's varlen kernels).
+    bounds: tuple[int, ...] = ()
+    context: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device: torch.device | str = "cpu",
@@ -75,7 +80,8 @@ class PackedLayout:
             gathers.append(gather_SL.flatten().to(device, non_blocking=True))
             shapes.append((len(bucket), longest))
             offset += len(bucket) * longest
-        return cls(gathers, shapes, scatter_N.to(device, non_blocking=True))
+        return cls(gathers, shapes, scatter_N.to(device, non_blocking=True), tuple(cu.tolist()),
+                   tuple((int(a), int(b)) for a, b in spans))
 
     def map_padded(self, fn, *tensors_N: torch.Tensor) -> torch.Tensor:
         """Run `fn` on each bucket's padded batch and gather the real tokens back in row order.
