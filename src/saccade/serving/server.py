@@ -143,8 +143,8 @@ def with_cpu_dtype(vllm_args: list[str], family) -> tuple[list[str], str | None]
         raise SystemExit(
             f"saccade serve: vLLM's CPU build serves {family.name} in {want} only, not {given} ({why}). "
             f"Pass --dtype {want}, or leave --dtype out and it is chosen. A float32 trainer can sample from "
-            f"it (its logprob gap is then {want}'s rounding: docs/families.md, {family.name}); a GPU server "
-            "serves any dtype")
+            f"it (its logprob gap is then {want}'s rounding: docs/families.md, {family.name}). vLLM's GPU "
+            "kernels have no such limit (untested here)")
     note = None if given == want else (
         f"saccade serve: {family.name} on vLLM's CPU build: --dtype {want} ({why})")
     return out + ["--dtype", want], note
