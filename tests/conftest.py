@@ -29,6 +29,7 @@ LONG_FIRST = (
     "tests/trainer/test_checkpoint_distributed.py",
     "tests/distributed/test_mixed_precision.py",
     "tests/models/test_qwen3_vl_moe.py",
+    "tests/models/test_qwen3_5_vllm.py",
     "tests/test_distributed.py",
 )
 

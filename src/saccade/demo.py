@@ -180,7 +180,7 @@ def demo_engine(cfg: RunConfig, engine: str):
         return
     from saccade.timing import split_cores
     from saccade.models.families import resolve_model
-    from saccade.serving.launch import CPU_ARGS, served
+    from saccade.serving.launch import cpu_args, served
 
     start = time.perf_counter()
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -189,11 +189,12 @@ def demo_engine(cfg: RunConfig, engine: str):
     print("starting a vLLM server for the demo (saccade serve; about a minute on CPU)"
           + (f" on cores {server_cores}, the trainer on {trainer_cores}" if server_cores else "") + " ...", flush=True)
     # No line per request in the log: the demo makes thousands.
-    args = (*CPU_ARGS, "--disable-uvicorn-access-log")
+    model = resolve_model(cfg.model.path)
+    args = (*cpu_args(model), "--disable-uvicorn-access-log")
     env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, server_cores))} if server_cores else None
     # The server may load weights only from where this run's trainer writes them.
     weights_root = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else cfg.run_dir / "engine-weights"
-    with served(resolve_model(cfg.model.path), args=args, log_path=cfg.run_dir / "vllm-server.log", env=env,
+    with served(model, args=args, log_path=cfg.run_dir / "vllm-server.log", env=env,
                 cores=server_cores, weights_root=weights_root) as url:
         engine_cfg = cfg.engine.model_copy(update={"kind": "vllm", "urls": [url]})
         minutes = (time.perf_counter() - start) / 60

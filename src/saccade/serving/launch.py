@@ -15,6 +15,16 @@ from pathlib import Path
 CPU_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "2048")
 
 
+def cpu_args(model: str | Path) -> tuple[str, ...]:
+    """CPU_ARGS in the dtype vLLM's CPU build serves the model's family in: float32, or the
+    family's only one (`vllm_cpu_dtype`: Qwen3.5's bfloat16, which `saccade serve` refuses to
+    replace with float32)."""
+    from saccade.models.loading import load_family
+
+    only = load_family(str(model)).vllm_cpu_dtype
+    return CPU_ARGS if only is None else tuple(only[0] if a == "float32" else a for a in CPU_ARGS)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

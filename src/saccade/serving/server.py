@@ -119,6 +119,37 @@ def with_float32_head(vllm_args: list[str]) -> list[str]:
     return out[:at] + flag + out[at:] if at is not None else out + flag
 
 
+# vLLM's --dtype spellings -> torch's names.
+DTYPE_NAMES = {"float": "float32", "float32": "float32", "half": "float16", "float16": "float16",
+               "bfloat16": "bfloat16", "auto": "auto"}
+
+
+def with_cpu_dtype(vllm_args: list[str], family) -> tuple[list[str], str | None]:
+    """vLLM's argv for a CPU server of `family`: where vLLM's CPU build serves the family in one
+    dtype only (`family.vllm_cpu_dtype`), --dtype is set to it when absent or "auto" (returned with
+    the line that says so), and another dtype is refused with a SystemExit that says what to do:
+    vLLM itself would start and then kill its engine at the first request."""
+    if family.vllm_cpu_dtype is None:
+        return list(vllm_args), None
+    want, why = family.vllm_cpu_dtype
+    out, given = [], None
+    args = iter(vllm_args)
+    for arg in args:
+        if arg == "--dtype" or arg.startswith("--dtype="):
+            given = arg.split("=", 1)[1] if "=" in arg else next(args, "")
+            continue
+        out.append(arg)
+    if given is not None and DTYPE_NAMES.get(given, given) not in (want, "auto"):
+        raise SystemExit(
+            f"saccade serve: vLLM's CPU build serves {family.name} in {want} only, not {given} ({why}). "
+            f"Pass --dtype {want}, or leave --dtype out and it is chosen. A float32 trainer can sample from "
+            f"it (its logprob gap is then {want}'s rounding: docs/families.md, {family.name}). vLLM's GPU "
+            "kernels have no such limit (untested here)")
+    note = None if given == want else (
+        f"saccade serve: {family.name} on vLLM's CPU build: --dtype {want} ({why})")
+    return out + ["--dtype", want], note
+
+
 CPU_KV_CACHE_MAX_GIB = 4
 
 
@@ -559,6 +590,14 @@ def main(argv: list[str] | None = None) -> int:
         ) from None
 
     cli_env_setup()
+    from vllm.platforms import current_platform
+
+    from saccade.models.loading import load_family
+
+    if current_platform.is_cpu():
+        rest, note = with_cpu_dtype(rest, load_family(model_path))
+        if note:
+            print(note, file=sys.stderr, flush=True)
     parser = make_arg_parser(FlexibleArgumentParser(prog="saccade serve"))
     args = parser.parse_args(["--model", model_path, *with_defaults(rest)])
     validate_parsed_serve_args(args)

@@ -148,6 +148,9 @@ class ModelFamily:
     record_routing: Callable[[nn.Module], contextlib.AbstractContextManager] = no_routing
     # None: a vLLM CPU server reloads this family's weights in place (/update_weights); else why it cannot.
     vllm_cpu_weight_updates: str | None = None
+    # None: a vLLM CPU server serves this family in any dtype; else (the one dtype it serves it in,
+    # why): `saccade serve` on a CPU takes that dtype when --dtype is not given and refuses another.
+    vllm_cpu_dtype: tuple[str, str] | None = None
     split_served_features: Callable[[torch.Tensor, int], tuple[torch.Tensor, list[torch.Tensor]]] = (
         split_concatenated)
     processor_size: Callable[[ImagesConfig], dict] = resize_bounds

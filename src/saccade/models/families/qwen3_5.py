@@ -205,6 +205,12 @@ QWEN3_5_9B = {
 HUB_CONFIGS = {"Qwen/Qwen3.5-9B": QWEN3_5_9B}
 
 
+# vLLM 0.32's CPU build runs the Gated DeltaNet with its own kernels, which take bf16 only: an fp32
+# server starts and answers /health, then its engine dies at the first request.
+CPU_DTYPE = ("bfloat16", "its CPU Gated DeltaNet kernel asserts it: vllm/model_executor/layers/mamba/ops/cpu/"
+             "gdn_attention.py, 'CPU GDN attention requires BF16', at the first request, not at start")
+
+
 # --------------------------------------------------------------------------- tiny builder
 
 
@@ -367,4 +373,5 @@ FAMILY = ModelFamily(
     prepare_language_model=prepare_language_model,
     published_configs=HUB_CONFIGS,
     preset_configs=PRESET_CONFIGS,
+    vllm_cpu_dtype=CPU_DTYPE,
 )
