@@ -206,10 +206,11 @@ def test_vllm_serves_the_fused_hub_layout_as_the_trainer_scores_it(path, limits,
     from saccade.models.loading import load_processor, load_vision_tower
     from saccade.models.sampling import SampledDistribution
     from saccade.models.vision import EmbeddingCache, VisionEncoder
-    from saccade.serving.launch import CPU_ARGS, served
+    from saccade.serving.launch import cpu_args, served
 
     mean_bar, max_bar, encode_bar = bars("bfloat16")
-    args = tuple("bfloat16" if a == "float32" else a for a in CPU_ARGS)
+    args = cpu_args(path)  # bfloat16: the family's vllm_cpu_dtype
+    assert "bfloat16" in args
     processor = load_processor(path)
     with served(str(path), args=args, log_path=tmp_path / "serve.log", weights_root=tmp_path) as url:
         engine = VLLMEngine([url], processor, limits=limits)

