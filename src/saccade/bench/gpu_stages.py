@@ -382,8 +382,8 @@ def linear_attention(plan: Plan) -> dict[str, Any]:
     check = packing_check(resolve_model("qwen3.5-tiny"), device=plan.device)
     plan.log(f"  kernels: {check['kernels']}" + "".join(f"\n  log: {line}" for line in check["kernel_log"]))
     plan.log(f"  fla: {check['fla']}")
-    plan.log(f"  {check['segments']} segments ({check['tokens']} tokens, {check['images']} images, "
-             f"{check['shared_prompts']} shared prompts) vs each sample alone on the torch kernels: logprobs max "
+    plan.log(f"  {check['segments']} segments ({check['tokens']} tokens, {check['alone_tokens']} alone; "
+             f"{check['images']} images, {check['shared_prompts']} shared prompts) vs each sample alone on the torch kernels: logprobs max "
              f"|Δ| {check['logprob_max_abs']:.2e} (bar {check['logprob_bar']:g}), gradients max "
              f"{check['grad_max_rel']:.2e} of max(1, |g|) ({check['grad_worst']}; bar {check['grad_bar']:g})")
     if check["kernel_error"]:

@@ -165,6 +165,7 @@ def packing_check(model_path, *, device: str, completions: tuple[int, ...] = (4,
     return {
         "model": str(model_path), "device": device, "dtype": "float32",
         "samples": len(samples), "tokens": int(mb.cu_seqlens[-1]), "segments": len(mb.sample_ids),
+        "alone_tokens": sum(int(s.input_ids.numel()) for s in samples),
         "shared_prompts": len(shared), "images": int(sum(len(s.image_keys) for s in samples)),
         "kernels": used, "fla": fla, "fla_used": fla_used, "kernel_log": lines.lines, "kernel_error": kernel_error,
         "logprob_max_abs": logprob_max, "logprob_bar": LOGPROB_BAR,
