@@ -381,7 +381,7 @@ def linear_attention(plan: Plan) -> dict[str, Any]:
 
     check = packing_check(resolve_model("qwen3.5-tiny"), device=plan.device)
     plan.log(f"  kernels: {check['kernels']}" + "".join(f"\n  log: {line}" for line in check["kernel_log"]))
-    plan.log(f"  fla: {check['fla']}")
+    plan.log(f"  fla: {check['fla']}; Triton's fp32 dots: {check['triton_f32_default'] or 'its default'}")
     plan.log(f"  {check['segments']} segments ({check['tokens']} tokens, {check['alone_tokens']} alone; "
              f"{check['images']} images, {check['shared_prompts']} shared prompts) vs each sample alone on the torch kernels: logprobs max "
              f"|Δ| {check['logprob_max_abs']:.2e} (bar {check['logprob_bar']:g}), gradients max "

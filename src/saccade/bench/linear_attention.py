@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -107,6 +108,11 @@ def packing_check(model_path, *, device: str, completions: tuple[int, ...] = (4,
     from saccade.trainer.samples import make_sample
 
     use_full_fp32_matmuls()
+    if device == "cuda":
+        # Triton's fp32 dots run in TF32 unless told otherwise, and fla's gated-delta kernels leave it
+        # to that default: the bars are fp32's, so here fla computes in IEEE fp32, as torch does after
+        # use_full_fp32_matmuls (read when Triton compiles a kernel: before the first forward).
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     processor = load_processor(model_path)
     limits = ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256)
     encoder = VisionEncoder(load_vision_tower(model_path), processor, limits=limits, cache=EmbeddingCache())
@@ -167,7 +173,7 @@ def packing_check(model_path, *, device: str, completions: tuple[int, ...] = (4,
         "samples": len(samples), "tokens": int(mb.cu_seqlens[-1]), "segments": len(mb.sample_ids),
         "alone_tokens": sum(int(s.input_ids.numel()) for s in samples),
         "shared_prompts": len(shared), "images": int(sum(len(s.image_keys) for s in samples)),
-        "kernels": used, "fla": fla, "fla_used": fla_used, "kernel_log": lines.lines, "kernel_error": kernel_error,
+        "kernels": used, "fla": fla, "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"), "fla_used": fla_used, "kernel_log": lines.lines, "kernel_error": kernel_error,
         "logprob_max_abs": logprob_max, "logprob_bar": LOGPROB_BAR,
         "grad_max_rel": relative[worst], "grad_worst": worst, "grad_bar": GRAD_BAR,
         "linear_attn_grad_max_rel": max(linear.values()) if linear else None, "parameters": len(relative),
