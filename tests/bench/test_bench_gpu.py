@@ -158,6 +158,8 @@ def test_the_linear_attention_check_fails_off_its_bars_or_off_fla_on_cuda():
     assert "gpu-wheels.sh" in la_bench.missed_fla("cuda", False, absent)
     assert "ImportError: triton" in la_bench.missed_fla("cuda", False, broken)
     assert "did not pick it" in la_bench.missed_fla("cuda", False, working)
-    # Here (no fla): nothing imports it, and on the CPU it is not expected.
+    # On the CPU fla is never expected; where it is not installed, nothing tries to import it.
     status = la_bench.fla_status("cpu")
-    assert status == {"installed": False, "imports": False, "error": None, "expected": False}
+    assert status["expected"] is False
+    if not status["installed"]:
+        assert status == {"installed": False, "imports": False, "error": None, "expected": False}
