@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
+
+from saccade.bench.linear_attention import forced_kernels, side_by_side
 
 
 def main() -> None:
@@ -111,80 +111,39 @@ def main() -> None:
 
 def grpo(args) -> None:
     """A GRPO group's training forward + backward on qwen3.5-small, side by side: packed whole, or with
-    the prompt shared; the linear layers padded (a shared prompt recomputed) or varlen (run once)."""
+    the prompt shared; the linear layers padded (a shared prompt recomputed) or varlen (run once).
+    The group and the step are saccade.bench.linear_attention's (`saccade bench gpu`'s linear-attention
+    stage times them on a GPU)."""
+    from saccade.bench.linear_attention import grpo_rows, grpo_step
     from saccade.models.families.qwen3_5 import tiny_model_path
     from saccade.models.linear_attention import TORCH_VARLEN
     from saccade.models.lm import load_policy_lm
 
     policy = load_policy_lm(tiny_model_path("qwen3.5-small"))
-    vocab = policy.lm_head.weight.shape[0]
     linear = policy.config.text_config.layer_types.count("linear_attention")
-    torch.manual_seed(0)
     P, G = args.prompt, args.group
-    completions = torch.randint(60, 121, (G,)).tolist()
-    image_token = policy.config.image_token_id
-    words = torch.arange(vocab)[torch.arange(vocab) < min(image_token, 8000)]  # plain tokens
-
-    def text(n):
-        return words[torch.randint(0, len(words), (1, n))]
-
     # The prompt: 20 tokens, one image of 256 x 256 px (64 tokens: 32 x 32 px each), then text.
-    prompt = torch.cat([text(20), torch.full((1, 64), image_token), text(P - 84)], 1)
-    image_embeds_MH = torch.randn(64, policy.config.text_config.hidden_size)
-    outs = [text(n) for n in completions]
-
-    def step(ids, lengths, starts=None, context=None):
-        starts = starts or [0] * len(lengths)
-        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])  # text positions for all 4 rows
-        images = int((ids == image_token).sum()) // 64
-        hidden = policy.hidden_states(ids, rows.view(1, 1, -1).expand(4, 1, -1).contiguous(),
-                                      image_embeds_NH=image_embeds_MH.repeat(images, 1),
-                                      cu_seqlens=torch.tensor([0, *lengths]).cumsum(0), context=context)
-        policy.zero_grad(set_to_none=True)
-        hidden.square().mean().backward()
-
-    whole = (torch.cat([torch.cat([prompt, o], 1) for o in outs], 1), [P + n for n in completions])
-    shared = (torch.cat([prompt, *outs], 1), [P + completions[0], *completions[1:]],
-              [0] + [P] * (G - 1), [(0, 0)] + [(0, P)] * (G - 1))
+    rows = grpo_rows(policy, prompt=P, group=G)
+    completions = rows["completions"]
     total, once = G * P + sum(completions), P + sum(completions)
     print(f"qwen3.5-small ({linear} of {len(policy.config.text_config.layer_types)} layers linear), fp32, "
           f"{args.threads} threads, forward + backward of every parameter, median of {args.repeats}: a prompt of "
           f"{P} tokens, {G} completions of {min(completions)}-{max(completions)} ({sum(completions)} tokens)")
     print("| row | linear layers | tokens through the linear layers | ms |")
     print("|---|---|---|---|")
-    cases = (("every sample whole", None, whole, total), ("every sample whole", TORCH_VARLEN, whole, total),
-             ("prompt shared", None, shared, total), ("prompt shared", TORCH_VARLEN, shared, once))
-    times = side_by_side([lambda k=kernels, r=row: linear_kernels(k, lambda: step(*r)) for _, kernels, row, _ in cases],
-                         args.repeats)
-    for (name, kernels, row, tokens), ms in zip(cases, times):
+    cases = (("every sample whole", None, "whole", total), ("every sample whole", TORCH_VARLEN, "whole", total),
+             ("prompt shared", None, "shared", total), ("prompt shared", TORCH_VARLEN, "shared", once))
+    times = side_by_side([lambda k=kernels, w=which: linear_kernels(k, lambda: grpo_step(policy, rows, w))
+                          for _, kernels, which, _ in cases], args.repeats)
+    for (name, kernels, which, tokens), ms in zip(cases, times):
         path = "padded (reference, recomputes a shared prompt)" if kernels is None else "varlen (torch loop)"
-        print(f"| {name} ({row[0].shape[1]} in the row) | {path} | {tokens} | {ms:.0f} |")
-
-
-def side_by_side(fns, repeats: int) -> list[float]:
-    """Median ms of each fn, timed in turns (fn 1, fn 2, ..., fn 1, ...) after one warm-up each, so
-    that other jobs on the machine slow them alike."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, kept in zip(fns, times):
-            t = time.perf_counter()
-            fn()
-            kept.append(time.perf_counter() - t)
-    return [1000 * statistics.median(kept) for kept in times]
+        print(f"| {name} ({rows[which][0].shape[1]} in the row) | {path} | {tokens} | {ms:.0f} |")
 
 
 def linear_kernels(kernels, fn):
     """fn() with the linear layers' path for packed rows forced: `VarlenKernels`, or None for the padded one."""
-    from saccade.models import linear_attention
-
-    chosen = linear_attention.choose_kernels
-    linear_attention.choose_kernels = lambda device, shared_prompts=False: kernels
-    try:
+    with forced_kernels(kernels):
         return fn()
-    finally:
-        linear_attention.choose_kernels = chosen
 
 
 if __name__ == "__main__":

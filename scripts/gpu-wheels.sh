@@ -9,6 +9,14 @@
 # it (pydantic 2.14 needs >= 4.16; the machine's may be older). Pure Python except
 # pydantic-core (a cp312 manylinux wheel, 2 MB). About 3 MB in all.
 #
+# And flash-linear-attention (fla), for the linear-attention stage: Qwen3.5's packed rows run on
+# its varlen Triton kernels on CUDA when it imports (saccade.models.linear_attention.fla_kernels).
+# fla-core holds the kernels (it needs einops, and triton at import: the machine's torch brings
+# triton); flash-linear-attention only its layers and models (it asks for transformers, which the
+# machine has). All three py3-none-any, about 1.5 MB. Nothing imports fla where it is absent:
+# saccade only inside fla_kernels(), transformers' Qwen3.5 module in a try (its torch kernels then).
+# Where fla is installed, transformers' Qwen3.5 layers take fla's chunk rule themselves.
+#
 # There, before saccade:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:src
@@ -21,6 +29,9 @@ WHEELS=(
     "annotated-types==0.8.0"
     "typing-inspection==0.4.5"
     "typing-extensions==4.16.0"
+    "flash-linear-attention==0.6.0"
+    "fla-core==0.6.0"
+    "einops==0.8.2"
 )
 rm -rf .whl
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -8,7 +8,9 @@ import json
 import pytest
 
 from saccade.bench import gpu
+from saccade.bench import linear_attention as la_bench
 from saccade.cli import main
+from saccade.models.linear_attention import TORCH_VARLEN
 
 
 @pytest.mark.slow
@@ -29,14 +31,24 @@ def test_every_stage_runs_quick_on_the_cpu_and_a_second_run_resumes(tmp_path):
     syncs = data["stages"]["syncs"]["result"]
     assert syncs["per_token"]["syncs"] is None and syncs["per_token"]["would_sync"] >= 0
     for name, preset in (("parity-2b", "tiny"), ("parity-qwen2.5vl-3b", "qwen2.5vl-tiny"),
-                         ("parity-qwen3vl-30b-a3b-l6", "moe-tiny")):
+                         ("parity-qwen3vl-30b-a3b-l6", "moe-tiny"), ("parity-qwen3.5-9b", "qwen3.5-tiny")):
         parity = data["stages"][name]["result"]
         assert parity["passed"] and list(parity["lengths"]) == ["64", "256"] and parity["preset"] == preset
     # Each family's trainer stage ran its own tiny preset (--quick), the MoE's experts with LoRA.
     trainers = {n: data["stages"][n]["result"]["config"] for n in ("trainer-lora-qwen2.5vl-3b",
-                                                                    "trainer-lora-qwen3vl-30b-a3b-l6")}
-    assert [c["preset"] for c in trainers.values()] == ["qwen2.5vl-tiny", "moe-tiny"]
+                                                                    "trainer-lora-qwen3vl-30b-a3b-l6",
+                                                                    "trainer-lora-qwen3.5-9b")}
+    assert [c["preset"] for c in trainers.values()] == ["qwen2.5vl-tiny", "moe-tiny", "qwen3.5-tiny"]
     assert not any(c["full_finetune"] for c in trainers.values())
+    # Qwen3.5's packed rows on the CPU: the shared prompts take the torch varlen kernels (fla needs CUDA),
+    # exact against each sample alone; the timing ran both paths.
+    linear = data["stages"]["linear-attention"]["result"]
+    check, timing = linear["check"], linear["timing"]
+    assert check["kernels"] == TORCH_VARLEN.name and not check["fla_used"] and check["kernel_error"] is None
+    assert check["shared_prompts"] >= 1 and check["images"] >= 1 and check["tokens"] < check["alone_tokens"]
+    assert check["passed"] and check["logprob_max_abs"] <= 1e-5 and check["grad_max_rel"] <= 5e-5
+    assert check["linear_attn_grad_max_rel"] is not None
+    assert timing["varlen_kernels"] == TORCH_VARLEN.name and timing["shared_padded_over_varlen"] > 0
 
     # Run again: what finished is skipped, its record kept as it was.
     assert main(args) == gpu.EXIT_OK
@@ -95,10 +107,12 @@ def test_the_stage_list_adds_up_to_the_gpu_budget():
     seconds = gpu.listed_seconds()
     assert total == sum(seconds.values())
     by_family = {f: sum(seconds[s.name] for s in gpu.STAGES if s.family == f) for f in {s.family for s in gpu.STAGES}}
-    assert set(by_family) == {"Qwen3-VL", "Qwen2.5-VL", "Qwen3-VL-MoE"}
+    assert set(by_family) == {"Qwen3-VL", "Qwen2.5-VL", "Qwen3-VL-MoE", "Qwen3.5"}
     # Qwen3-VL's set, models built, in about 25 minutes of one H100 (a session's device time);
-    # the other families' together in another such session.
-    assert by_family["Qwen3-VL"] <= 25 * 60 and total - by_family["Qwen3-VL"] <= 25 * 60
+    # Qwen2.5-VL's and the MoE's together in another such session; Qwen3.5's (its 9B build and
+    # parity alone about 520 s) in a third.
+    assert by_family["Qwen3-VL"] <= 25 * 60 and by_family["Qwen2.5-VL"] + by_family["Qwen3-VL-MoE"] <= 25 * 60
+    assert by_family["Qwen3.5"] <= 25 * 60
     # Every stage, with the builds of all it loads (a fresh machine), fits one command of the
     # README's `--budget 540`: a stage whose estimate never fits would be left for the next run forever.
     for stage in gpu.STAGES:
@@ -114,7 +128,9 @@ def test_each_family_stage_runs_its_familys_code_at_real_shapes_and_its_tiny_pre
             real, quick = plan(False).preset(size), plan(True).preset(size)
             assert preset_family(real) is preset_family(quick), (stage.name, real, quick)
             if stage.family != "Qwen3-VL":
-                assert preset_family(real).name == stage.family and real in stage.name
+                assert preset_family(real).name == stage.family, (stage.name, real)
+            if stage.name.startswith(("parity-", "trainer-lora-")) and stage.family != "Qwen3-VL":
+                assert real in stage.name
 
 
 def test_a_stage_the_budget_stops_runs_first_next_time_then_fails(tmp_path):
@@ -128,3 +144,22 @@ def test_a_stage_the_budget_stops_runs_first_next_time_then_fails(tmp_path):
     assert main(args) == gpu.EXIT_FAILED
     record = json.loads((tmp_path / gpu.JSON_NAME).read_text())["stages"]["render"]
     assert record["status"] == "failed" and "longer than the whole budget (1 s) twice" in record["error"]
+
+
+def test_the_linear_attention_check_fails_off_its_bars_or_off_fla_on_cuda():
+    """The linear-attention stage's verdict: both CPU bars, and on CUDA the packed row on
+    flash-linear-attention (not installed, or installed and not importing, fails it, saying which)."""
+    assert la_bench.verdict(1e-5, 5e-5, None) and not la_bench.verdict(1.1e-5, 0.0, None)
+    assert not la_bench.verdict(0.0, 5.1e-5, None) and not la_bench.verdict(0.0, 0.0, "no fla")
+    absent = {"installed": False, "imports": False, "error": None}
+    broken = {"installed": True, "imports": False, "error": "ImportError: triton"}
+    working = {"installed": True, "imports": True, "error": None}
+    assert la_bench.missed_fla("cpu", False, absent) is None and la_bench.missed_fla("cuda", True, working) is None
+    assert "gpu-wheels.sh" in la_bench.missed_fla("cuda", False, absent)
+    assert "ImportError: triton" in la_bench.missed_fla("cuda", False, broken)
+    assert "did not pick it" in la_bench.missed_fla("cuda", False, working)
+    # On the CPU fla is never expected; where it is not installed, nothing tries to import it.
+    status = la_bench.fla_status("cpu")
+    assert status["expected"] is False
+    if not status["installed"]:
+        assert status == {"installed": False, "imports": False, "error": None, "expected": False}

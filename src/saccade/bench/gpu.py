@@ -23,8 +23,9 @@ bar); 3 stages are left for the next invocation: run the same command again.
 lengths; the tests run it so that the command cannot rot.
 
 The stages are Qwen3-VL's (every check, at 2B and 4B shapes) and then two per further family
-(`FAMILY_SHAPES`: bf16 parity and `bench trainer` LoRA at one real shape each); `--list` shows
-them by family with their estimates.
+(`FAMILY_SHAPES`: bf16 parity and `bench trainer` LoRA at one real shape each), Qwen3.5's after
+its `linear-attention` check (flash-linear-attention's varlen kernels on packed rows); `--list`
+shows them by family with their estimates.
 """
 
 from __future__ import annotations
@@ -95,6 +96,14 @@ QWEN3_VL_STAGES = (
 FAMILY_SHAPES = (
     ("Qwen2.5-VL", "qwen2.5vl-3b", "Qwen2.5-VL-3B's shapes", 140, 220),
     ("Qwen3-VL-MoE", "qwen3vl-30b-a3b-l6", "Qwen3-VL-30B-A3B's widths (6 of 48 layers)", 160, 240),
+    # Qwen3.5-9B (18.8 GB in bf16). Parity: 260 s, the same ~11 s a GB past 50 s as 2B -> 4B; it holds
+    # LM-only bf16, full bf16 and full fp32 at once, about 75 GB (70 GiB) of an H100's 79 GiB, ~8 left for
+    # activations at 8k positions. Trainer: scaled so from 170 s at 2B and 220 s at 3B it would be ~400 s,
+    # and with the 9B's build (260 s) would not fit one 540 s command on a fresh machine; counted part by
+    # part instead: five loads of 18.8 GB (the policy, the full VLM, three memory processes) at ~2 GB/s
+    # from the page cache 95 s, four Python starts 40 s, 4 variants x 4 steps of 8 samples at 9B with
+    # LoRA ~2 s each at 300 TFLOP/s 35 s: 170 s, 270 with a margin. Neither is measured.
+    ("Qwen3.5", "qwen3.5-9b", "Qwen3.5-9B's shapes", 260, 270),
 )
 
 
@@ -110,7 +119,25 @@ def family_stages(family: str, size: str, shapes: str, parity_s: int, trainer_s:
     )
 
 
-STAGES = QWEN3_VL_STAGES + tuple(stage for row in FAMILY_SHAPES for stage in family_stages(*row))
+# Qwen3.5's packed rows through Gated DeltaNet on the device: flash-linear-attention's varlen kernels
+# (never run before this stage) against the torch ones, exactness and speed. 200 s on an H100, a guess
+# counted part by part: a Python start and imports 10 s; building qwen3.5-tiny ~5 s; Triton compiling and
+# autotuning fla's forward and backward kernels, fp32 and bf16, varlen and not, most of it (~150 s);
+# the check (15 samples alone, fp32, 1.4M parameters) a few s; the timing 6 cases x 6 runs of a GRPO
+# group of 16 at qwen3.5-small's 65M parameters, ~20 s.
+LINEAR_ATTENTION = Stage(
+    "linear-attention", "Qwen3.5's Gated DeltaNet on packed rows: fla's varlen kernels vs torch (fp32 "
+    "logprobs and gradients, images, shared prompts), then varlen vs padded speed of a GRPO group",
+    S.linear_attention, S.linear_attention_summary, 200, needs=("qwen3.5-small",), family="Qwen3.5")
+
+
+def _family(family: str) -> tuple[Stage, ...]:
+    """A family's stages: its parity and trainer, and Qwen3.5's linear-attention check first."""
+    row = next(r for r in FAMILY_SHAPES if r[0] == family)
+    return ((LINEAR_ATTENTION,) if family == "Qwen3.5" else ()) + family_stages(*row)
+
+
+STAGES = QWEN3_VL_STAGES + tuple(stage for row in FAMILY_SHAPES for stage in _family(row[0]))
 BY_NAME = {s.name: s for s in STAGES}
 
 

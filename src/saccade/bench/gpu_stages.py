@@ -36,6 +36,13 @@ BIG = {
     "4b": Shape("qwen3vl-4b", "tiny", 120),
     "qwen2.5vl-3b": Shape("qwen2.5vl-3b", "qwen2.5vl-tiny", 100),
     "qwen3vl-30b-a3b-l6": Shape("qwen3vl-30b-a3b-l6", "moe-tiny", 180),
+    # 9.41B parameters, 18.8 GB in bf16 (docs/families.md: 8.95B text + 0.46B tower): at the 2B's and
+    # 4B's 14 s a GB, 260 s. No smaller preset has Qwen3.5's real shapes.
+    "qwen3.5-9b": Shape("qwen3.5-9b", "qwen3.5-tiny", 260),
+    # Not a real shape: 65M parameters, the 9B's pattern and head counts scaled down, linear heads of 64
+    # (the 9B's are 128); the linear-attention stage times on it. A 0.26 GB fp32 folder and an 8192-token
+    # BPE trained for it: 20 s, a guess (not timed here: the 2B's 65 s is mostly initialising 2.1B weights).
+    "qwen3.5-small": Shape("qwen3.5-small", "qwen3.5-tiny", 20),
 }
 
 
@@ -355,3 +362,48 @@ def syncs_summary(r: dict) -> str:
     return (f"{r['device']} {r['dtype']}: per decoded token {one(r['per_token'])} (the engine checks for stops "
             f"every {r['stop_check_every']} token(s)); per trainer micro-batch "
             f"{one(r['per_micro_batch'])} (+ {one(r['per_micro_batch_to_device'])} moving it to the device)")
+
+
+# ----------------------------------------------------------------------------- linear attention
+
+
+def linear_attention(plan: Plan) -> dict[str, Any]:
+    """Qwen3.5's packed rows through its Gated DeltaNet layers on the device
+    (saccade.bench.linear_attention): on qwen3.5-tiny in fp32, a packed micro-batch with images and
+    shared prompts on the kernels `choose_kernels` picks (fla's varlen kernels on CUDA) against each
+    sample alone on the torch kernels, logprobs and every parameter's gradient at the CPU tests' bars,
+    failed if fla was expected and not used; then forward + backward of a GRPO group, varlen against
+    padded, at qwen3.5-small's shapes in the device's precision (--quick: qwen3.5-tiny, a short group)."""
+    import torch
+
+    from saccade.bench.linear_attention import grpo_timing, packing_check
+    from saccade.models.families import resolve_model
+
+    check = packing_check(resolve_model("qwen3.5-tiny"), device=plan.device)
+    plan.log(f"  kernels: {check['kernels']}" + "".join(f"\n  log: {line}" for line in check["kernel_log"]))
+    plan.log(f"  fla: {check['fla']}; Triton's fp32 dots: {check['triton_f32_default'] or 'its default'}")
+    plan.log(f"  {check['segments']} segments ({check['tokens']} tokens, {check['alone_tokens']} alone; "
+             f"{check['images']} images, {check['shared_prompts']} shared prompts) vs each sample alone on the torch kernels: logprobs max "
+             f"|Δ| {check['logprob_max_abs']:.2e} (bar {check['logprob_bar']:g}), gradients max "
+             f"{check['grad_max_rel']:.2e} of max(1, |g|) ({check['grad_worst']}; bar {check['grad_bar']:g})")
+    if check["kernel_error"]:
+        plan.log(f"  CHECK FAILED: {check['kernel_error']}")
+    shape = dict(prompt=100, group=4, completions=(20, 40), repeats=1) if plan.quick else \
+        dict(prompt=1024, group=16, completions=(128, 512), repeats=5)
+    dtype = torch.bfloat16 if plan.device == "cuda" else torch.float32
+    timing = grpo_timing(resolve_model(plan.preset("qwen3.5-small")), device=plan.device, dtype=dtype, **shape)
+    for name, ms in timing["ms"].items():
+        plan.log(f"  {name}: {ms:.1f} ms")
+    return {"check": check, "timing": timing, "passed": check["passed"]}
+
+
+def linear_attention_summary(r: dict) -> str:
+    c, t = r["check"], r["timing"]
+    preset = Path(t["model"]).name.split("-seed")[0]
+    fla = "" if not c.get("kernel_error") else f" ({c['kernel_error']})"
+    return (f"{c['kernels']}{fla}; qwen3.5-tiny fp32, {c['segments']} segments with images and "
+            f"{c['shared_prompts']} shared prompts vs alone on torch: logprobs {c['logprob_max_abs']:.1e} (bar "
+            f"{c['logprob_bar']:g}), gradients {c['grad_max_rel']:.1e} (bar {c['grad_bar']:g}): "
+            f"{'pass' if c['passed'] else 'FAIL'}; {preset} {t['dtype']}, GRPO group of {t['group']} "
+            f"(prompt {t['prompt']}): padded (torch) / varlen {t['whole_padded_over_varlen']:.2f}x whole, "
+            f"{t['shared_padded_over_varlen']:.2f}x shared ({t['ms']['shared, varlen']:.0f} ms varlen)")
