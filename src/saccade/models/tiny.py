@@ -201,6 +201,22 @@ def cached_folder(name: str, spec, build_version: int, seed: int) -> Path:
     return cache_dir() / f"{name}-seed{seed}-{key}"
 
 
+def cached_builds(family: str, presets: dict, build_version: int, build, folder_name=lambda preset: preset):
+    """A family's `(preset_folder, tiny_model_path)` over its `presets` (name -> a dataclass of
+    shapes): where each preset's build is cached (`cached_folder`, under `folder_name(preset)`)
+    and that folder, built by `build(out_dir, preset, seed)` on first use (`build_once`)."""
+    def preset_folder(preset: str, seed: int = 0) -> Path:
+        if preset not in presets:
+            raise ValueError(f"unknown {family} preset {preset!r}; choose one of {sorted(presets)}")
+        return cached_folder(folder_name(preset), presets[preset], build_version, seed)
+
+    def tiny_model_path(preset: str, seed: int = 0) -> Path:
+        return build_once(preset_folder(preset, seed), lambda tmp: build(tmp, preset, seed))
+
+    tiny_model_path.__doc__ = f"The folder of a generated {family}, built on first use and cached."
+    return preset_folder, tiny_model_path
+
+
 def seeded_model(model_class, config, seed: int):
     """`model_class(config)` with random weights that depend on the seed alone: initialised on a
     private generator state, the caller's left as it was."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, transformers_class
 from saccade.models.positions import mrope_positions as _shared_mrope_positions
+from saccade.models.tiny import cached_builds
 
 # Bump when anything below changes what `build_tiny` writes, so stale caches are not reused.
 BUILD_VERSION = 2
@@ -227,19 +228,9 @@ PRESET_CONFIGS = {"qwen2.5vl-7b": HUB_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"],
                   "qwen2.5vl-3b": HUB_CONFIGS["Qwen/Qwen2.5-VL-3B-Instruct"]}
 
 
-def preset_folder(preset: str, seed: int = 0) -> Path:
-    from saccade.models.tiny import cached_folder
-
-    if preset not in PRESETS:
-        raise ValueError(f"unknown Qwen2.5-VL preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return cached_folder(preset, PRESETS[preset], BUILD_VERSION, seed)
-
-
-def tiny_model_path(preset: str, seed: int = 0) -> Path:
-    """The folder of a generated Qwen2.5-VL, built on first use (cached like models.tiny's)."""
-    from saccade.models.tiny import build_once
-
-    return build_once(preset_folder(preset, seed), lambda tmp: build_tiny(tmp, preset, seed))
+# Where each preset's build is cached, and that folder built on first use (`build_tiny`, below).
+preset_folder, tiny_model_path = cached_builds("Qwen2.5-VL", PRESETS, BUILD_VERSION,
+                                               lambda out, preset, seed: build_tiny(out, preset, seed))
 
 
 def build_tiny(out_dir: str | os.PathLike, preset: str, seed: int = 0) -> Path:

@@ -36,6 +36,7 @@ from torch import nn
 
 from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, transformers_class
 from saccade.models.positions import mrope_positions as _shared_mrope_positions
+from saccade.models.tiny import cached_builds
 
 # Bump when anything below changes what `build_tiny` writes, so stale caches are not reused.
 BUILD_VERSION = 1
@@ -281,19 +282,9 @@ PRESETS: dict[str, Preset] = {
 PRESET_CONFIGS = {"qwen3.5-9b": QWEN3_5_9B}
 
 
-def preset_folder(preset: str, seed: int = 0) -> Path:
-    from saccade.models.tiny import cached_folder
-
-    if preset not in PRESETS:
-        raise ValueError(f"unknown Qwen3.5 preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return cached_folder(preset, PRESETS[preset], BUILD_VERSION, seed)
-
-
-def tiny_model_path(preset: str, seed: int = 0) -> Path:
-    """The folder of a generated Qwen3.5, built on first use (cached like models.tiny's)."""
-    from saccade.models.tiny import build_once
-
-    return build_once(preset_folder(preset, seed), lambda tmp: build_tiny(tmp, preset, seed))
+# Where each preset's build is cached, and that folder built on first use (`build_tiny`, below).
+preset_folder, tiny_model_path = cached_builds("Qwen3.5", PRESETS, BUILD_VERSION,
+                                               lambda out, preset, seed: build_tiny(out, preset, seed))
 
 
 def build_tiny(out_dir: str | os.PathLike, preset: str, seed: int = 0) -> Path:

@@ -33,6 +33,7 @@ import torch
 
 from saccade.models.families import qwen3_5, qwen3_vl_moe
 from saccade.models.families.interface import ModelFamily, transformers_class
+from saccade.models.tiny import cached_builds
 
 MODELING = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 text_model_class = transformers_class(MODELING, "Qwen3_5MoeTextModel")
@@ -193,19 +194,9 @@ PRESET_CONFIGS = {"qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
 BUILD_VERSION = 1
 
 
-def preset_folder(preset: str, seed: int = 0) -> Path:
-    from saccade.models.tiny import cached_folder
-
-    if preset not in PRESETS:
-        raise ValueError(f"unknown Qwen3.5-MoE preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return cached_folder(preset, PRESETS[preset], BUILD_VERSION, seed)
-
-
-def tiny_model_path(preset: str, seed: int = 0) -> Path:
-    """The folder of a generated Qwen3.5-MoE, built on first use (cached like models.tiny's)."""
-    from saccade.models.tiny import build_once
-
-    return build_once(preset_folder(preset, seed), lambda tmp: build_tiny(tmp, preset, seed))
+# Where each preset's build is cached, and that folder built on first use (`build_tiny`, below).
+preset_folder, tiny_model_path = cached_builds("Qwen3.5-MoE", PRESETS, BUILD_VERSION,
+                                               lambda out, preset, seed: build_tiny(out, preset, seed))
 
 
 def build_config(tokenizer, spec: MoePreset):

@@ -42,7 +42,7 @@ from saccade.models.families import qwen3_vl
 from saccade.models.families.interface import ModelFamily, Routing, transformers_class
 from saccade.models.tiny import PRESETS as QWEN3_VL_PRESETS
 from saccade.models.tiny import (
-    TinyPreset, build_once, build_processor, build_tokenizer, cached_folder, seeded_model,
+    TinyPreset, build_processor, build_tokenizer, cached_builds, seeded_model,
 )
 from saccade.models.tiny import build_config as build_qwen3_vl_config
 
@@ -290,15 +290,10 @@ PRESETS: dict[str, MoePreset] = {
 BUILD_VERSION = 2
 
 
-def preset_folder(preset: str = "moe-tiny", seed: int = 0) -> Path:
-    if preset not in PRESETS:
-        raise ValueError(f"unknown Qwen3-VL-MoE preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return cached_folder(f"qwen3vlmoe-{preset}", PRESETS[preset], BUILD_VERSION, seed)
-
-
-def tiny_model_path(preset: str = "moe-tiny", seed: int = 0) -> Path:
-    """The folder of a generated Qwen3-VL-MoE, built on first use (cached like `tiny.tiny_model_path`)."""
-    return build_once(preset_folder(preset, seed), lambda tmp: build_tiny(tmp, preset, seed))
+# Where each preset's build is cached (as "qwen3vlmoe-<preset>"), and that folder built on first use.
+preset_folder, tiny_model_path = cached_builds("Qwen3-VL-MoE", PRESETS, BUILD_VERSION,
+                                               lambda out, preset, seed: build_tiny(out, preset, seed),
+                                               folder_name=lambda preset: f"qwen3vlmoe-{preset}")
 
 
 def build_config(tokenizer, spec: MoePreset):
