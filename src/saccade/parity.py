@@ -108,6 +108,23 @@ def prepare(processor, encoder: VisionEncoder, limits: ImagesConfig, merge: int)
     return out
 
 
+def grouped_samples(processor, encoder: VisionEncoder, completion_lengths, generator: torch.Generator) -> list[TrainingSample]:
+    """GRPO-like groups on the parity prompts: after each prompt, one completion of random ids
+    per entry of `completion_lengths` (its length), the loss on the completion only, advantage
+    g - 1 for the g-th. Packed with shared prompts, each group's prompt is one context."""
+    samples = []
+    for c in prepare(processor, encoder, encoder.limits, encoder.merge):
+        prompt = c.inputs.input_ids
+        for g, n in enumerate(completion_lengths):
+            samples.append(make_sample(
+                f"{c.name}/{g}", torch.cat([prompt, torch.randint(10, 200, (n,), generator=generator)]),
+                torch.cat([c.inputs.mm_token_type_ids, torch.zeros(n, dtype=torch.long)]), c.inputs.image_grid_thw,
+                c.sample.image_keys, spatial_merge_size=encoder.merge,
+                loss_mask=torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(n, dtype=torch.bool)]),
+                advantage=g - 1.0))
+    return samples
+
+
 def _lookup(encoder: VisionEncoder):
     def lookup(key: str):
         hit = encoder.cache.get(key)

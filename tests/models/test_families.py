@@ -208,23 +208,13 @@ def test_shared_prompts_give_each_familys_packed_logprobs_and_gradients(request,
     the logprobs and gradients of the sample packed whole (tests/trainer/test_shared_prompts.py
     shows it at length on Qwen3-VL)."""
     from saccade.models.lm import load_policy_lm, set_full_finetune
-    from saccade.parity import prepare
+    from saccade.parity import grouped_samples
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.packing import pack
-    from saccade.trainer.samples import make_sample
 
     family, path, processor, _, encoder = family_models
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    for c in prepare(processor, encoder, encoder.limits, encoder.merge):
-        for g in range(3):  # three completions of different lengths per prompt
-            n, prompt = 4 + g, c.inputs.input_ids
-            samples.append(make_sample(
-                f"{c.name}/{g}", torch.cat([prompt, torch.randint(10, 200, (n,), generator=gen)]),
-                torch.cat([c.inputs.mm_token_type_ids, torch.zeros(n, dtype=torch.long)]), c.inputs.image_grid_thw,
-                c.sample.image_keys, spatial_merge_size=encoder.merge,
-                loss_mask=torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(n, dtype=torch.bool)]),
-                advantage=g - 1.0))
+    # Three completions of different lengths per prompt.
+    samples = grouped_samples(processor, encoder, (4, 5, 6), torch.Generator().manual_seed(0))
     results = {}
     for share in (False, True):
         model = set_full_finetune(load_policy_lm(path))

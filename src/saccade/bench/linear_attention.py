@@ -102,10 +102,9 @@ def packing_check(model_path, *, device: str, completions: tuple[int, ...] = (4,
     from saccade.models.lm import load_policy_lm, set_full_finetune
     from saccade.models.loading import load_processor, load_vision_tower
     from saccade.models.vision import EmbeddingCache, VisionEncoder
-    from saccade.parity import prepare
+    from saccade.parity import grouped_samples
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.packing import pack
-    from saccade.trainer.samples import make_sample
 
     use_full_fp32_matmuls()
     if device == "cuda":
@@ -117,17 +116,7 @@ def packing_check(model_path, *, device: str, completions: tuple[int, ...] = (4,
     limits = ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256)
     encoder = VisionEncoder(load_vision_tower(model_path), processor, limits=limits, cache=EmbeddingCache())
     policy = set_full_finetune(load_policy_lm(model_path, device=device))
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    for c in prepare(processor, encoder, encoder.limits, encoder.merge):
-        prompt = c.inputs.input_ids
-        for g, n in enumerate(completions):
-            samples.append(make_sample(
-                f"{c.name}/{g}", torch.cat([prompt, torch.randint(10, 200, (n,), generator=gen)]),
-                torch.cat([c.inputs.mm_token_type_ids, torch.zeros(n, dtype=torch.long)]), c.inputs.image_grid_thw,
-                c.sample.image_keys, spatial_merge_size=encoder.merge,
-                loss_mask=torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(n, dtype=torch.bool)]),
-                advantage=g - 1.0))
+    samples = grouped_samples(processor, encoder, completions, torch.Generator().manual_seed(0))
     weight = {s.sample_id: (i % 3) - 1.0 for i, s in enumerate(samples)}
     packing = dict(image_token_id=policy.image_token_id, spatial_merge_size=encoder.merge)
 
