@@ -25,7 +25,7 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
     from saccade.metrics import read_metrics
     from saccade.demo import resolve_model_name
     from saccade.rl import train_rl
-    from saccade.serving.launch import CPU_ARGS, served
+    from saccade.serving.launch import cpu_args, served
     from saccade.setup import build_setup
     from saccade.tasks import task_from_config
 
@@ -79,7 +79,7 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
     else:
         if progress:
             print(f"starting a vLLM server on cores {server_cores}; the trainer runs on {trainer_cores} ...", flush=True)
-        args = (*CPU_ARGS, "--disable-uvicorn-access-log")
+        args = (*cpu_args(model), "--disable-uvicorn-access-log")
         # Every level's run (and its engine-weights folder, unless overridden) lives under `out`.
         with served(model, args=args, log_path=out / "vllm-server.log", env=env,
                     cores=server_cores, weights_root=base.engine.weights_dir or out) as url:

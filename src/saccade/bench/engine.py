@@ -114,21 +114,19 @@ def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperatur
     from saccade.inference.engine import SamplingParams
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm, set_full_finetune
-    from saccade.models.loading import load_family, load_processor, load_vision_tower
+    from saccade.models.loading import load_processor, load_vision_tower
     from saccade.demo import resolve_model_name
     from saccade.models.vision import EmbeddingCache, VisionEncoder
-    from saccade.serving.launch import CPU_ARGS, served
+    from saccade.serving.launch import cpu_args, cpu_dtype, served
     from saccade.trainer.engine_weights import merge_full_weights_for_engine
 
     start = time.perf_counter()
     path = resolve_model_name(model)
     processor = load_processor(path)
-    if dtype is None:
-        only = load_family(path).vllm_cpu_dtype
-        dtype = only[0] if only else "float32"
+    dtype = dtype or cpu_dtype(path)
     torch_dtype = getattr(torch, dtype)
     work = Path(tempfile.mkdtemp(prefix="saccade-engine-parity-"))
-    args = tuple(dtype if a == "float32" else a for a in CPU_ARGS)  # --dtype <dtype>
+    args = cpu_args(path, dtype)
     server = nullcontext(url) if url else served(path, args=args, log_path=work / "serve.log", weights_root=work)
     with server as base:
         engine = VLLMEngine.for_servers([base], processor)

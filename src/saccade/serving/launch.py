@@ -15,14 +15,20 @@ from pathlib import Path
 CPU_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "2048")
 
 
-def cpu_args(model: str | Path) -> tuple[str, ...]:
-    """CPU_ARGS in the dtype vLLM's CPU build serves the model's family in: float32, or the
-    family's only one (`vllm_cpu_dtype`: Qwen3.5's bfloat16, which `saccade serve` refuses to
+def cpu_dtype(model: str | Path) -> str:
+    """The dtype a CPU server of `model` runs in by default: float32, or the family's only one on
+    vLLM's CPU build (`vllm_cpu_dtype`: Qwen3.5's bfloat16, which `saccade serve` refuses to
     replace with float32)."""
     from saccade.models.loading import load_family
 
     only = load_family(str(model)).vllm_cpu_dtype
-    return CPU_ARGS if only is None else tuple(only[0] if a == "float32" else a for a in CPU_ARGS)
+    return "float32" if only is None else only[0]
+
+
+def cpu_args(model: str | Path, dtype: str | None = None) -> tuple[str, ...]:
+    """CPU_ARGS with `--dtype dtype`, by default the model's `cpu_dtype`."""
+    dtype = dtype or cpu_dtype(model)
+    return tuple(dtype if a == "float32" else a for a in CPU_ARGS)
 
 
 def free_port() -> int:

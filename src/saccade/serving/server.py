@@ -132,13 +132,9 @@ def with_cpu_dtype(vllm_args: list[str], family) -> tuple[list[str], str | None]
     if family.vllm_cpu_dtype is None:
         return list(vllm_args), None
     want, why = family.vllm_cpu_dtype
-    out, given = [], None
-    args = iter(vllm_args)
-    for arg in args:
-        if arg == "--dtype" or arg.startswith("--dtype="):
-            given = arg.split("=", 1)[1] if "=" in arg else next(args, "")
-            continue
-        out.append(arg)
+    out, given = list(vllm_args), None
+    while (value := pop_option(out, "--dtype")) is not None:  # vLLM's parser keeps the last one given
+        given = value
     if given is not None and DTYPE_NAMES.get(given, given) not in (want, "auto"):
         raise SystemExit(
             f"saccade serve: vLLM's CPU build serves {family.name} in {want} only, not {given} ({why}). "

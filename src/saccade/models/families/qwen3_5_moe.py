@@ -44,7 +44,6 @@ full_model_class = transformers_class("transformers", "Qwen3_5MoeForConditionalG
 # linears (the only nn.Linear MLP there is); the routed experts are fused 3-D parameters, reached
 # through peft's `target_parameters` as in Qwen3-VL-MoE. The routers and the shared expert's gate
 # (H -> 1) are left frozen.
-SHARED_EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = qwen3_5.LORA_TARGETS
 EXPERT_PARAMS = qwen3_vl_moe.EXPERT_PARAMS
 
