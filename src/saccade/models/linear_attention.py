@@ -147,7 +147,9 @@ def torch_varlen_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torc
                       else x_DL.new_zeros(x_DL.shape[0], width - 1))
         inputs_1DL = torch.cat([history_DW, x_DL], 1).unsqueeze(0)
         outs.append(conv(inputs_1DL, weight, bias, activation=activation)[0, :, width - 1:])
-        finals.append(F.pad(inputs_1DL[0], (1, 0))[:, -width:])  # the last W inputs (zeros before any)
+        if output_final_state:  # the last W inputs (zeros before any)
+            tail_DW = inputs_1DL[0, :, -width:]
+            finals.append(F.pad(tail_DW, (width - tail_DW.shape[1], 0)))
     y_1LD = torch.cat(outs, 1).transpose(0, 1).unsqueeze(0)
     return y_1LD, torch.stack(finals) if output_final_state else None
 
