@@ -459,7 +459,8 @@ def trainer_memory(
     chunk_size: int = LOGPROB_CHUNK, activation_checkpointing: bool = False, world_size: int = 1,
     fsdp: bool | None = None, kl_reference: bool = False,
 ) -> Estimate:
-    """Peak GPU memory of the trainer, per rank. `lora_rank=None` is full fine-tuning of the language model.
+    """Peak GPU memory of the trainer, per rank. `lora_rank=None` is full fine-tuning of the language model;
+    `lora_targets` empty or None: the family's own (`dims.lora_targets`), as a run with them unset.
 
     `loss_fraction`, the share of micro-batch tokens that are completion tokens, is 1 by default
     (an upper bound). The peak is the larger of the backward peak (everything below) and the
@@ -619,7 +620,7 @@ def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = G
     lora_rank = cfg.lora.rank if cfg.lora.enabled else None
     embedded = cfg.engine.kind == "embedded"
     trainer = trainer_memory(
-        dims, dtype=cfg.model.dtype, lora_rank=lora_rank, lora_targets=tuple(cfg.lora.target_modules or dims.lora_targets),
+        dims, dtype=cfg.model.dtype, lora_rank=lora_rank, lora_targets=tuple(cfg.lora.target_modules or ()),
         max_tokens=cfg.trainer.max_tokens, holds_vision_tower=embedded,
         activation_checkpointing=cfg.trainer.activation_checkpointing, world_size=world_size,
         kl_reference=cfg.loss.kl_coef > 0,
