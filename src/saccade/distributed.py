@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,10 @@ class World:
     size: int = 1
     local_rank: int = 0
     sharded: bool = False  # the model is FSDP2-sharded over the ranks (torchrun started the run)
+    # The process group this World's collectives use; None: the default one. The rollout
+    # thread that samples ahead has a gloo group of its own (`with_own_group`): collectives of
+    # two threads on one group would interleave in different orders on different ranks.
+    group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -55,6 +59,19 @@ class World:
         base, extra = divmod(n, self.size)
         start = self.rank * base + min(self.rank, extra)
         return range(start, start + base + (self.rank < extra))
+
+
+    def with_own_group(self, timeout_s: float) -> World:
+        """The same ranks over a new gloo group, for collectives on another thread than the
+        trainer's (the rollout thread). Every rank must call it, in the same order. A single
+        process is returned as it is."""
+        if self.size == 1:
+            return self
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        return replace(self, group=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
 
 SINGLE = World()
@@ -171,8 +188,17 @@ def all_gather(obj: Any, world: World) -> list[Any]:
     import torch.distributed as dist
 
     out: list[Any] = [None] * world.size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=world.group)
     return out
+
+
+def first_error(error: BaseException | None, world: World) -> BaseException | None:
+    """The lowest rank's error, on every rank (None: no rank had one), so that all ranks
+    decide alike after a step that may fail on some of them (a push only rank 0 makes).
+    Also a barrier: no rank returns before every rank has come here."""
+    if world.size == 1:
+        return error
+    return next((e for e in all_gather(error, world) if e is not None), None)
 
 
 def broadcast(obj: Any, world: World, src: int = 0) -> Any:
@@ -181,7 +207,7 @@ def broadcast(obj: Any, world: World, src: int = 0) -> Any:
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=world.group)
     return box[0]
 
 
@@ -192,7 +218,7 @@ def all_reduce_sum(values: list[float], world: World, device: torch.device) -> l
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=world.group)
     return t.tolist()
 
 
@@ -200,7 +226,7 @@ def barrier(world: World) -> None:
     if world.size > 1:
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=world.group)
 
 
 # ---------------------------------------------------------------------------- balancing

@@ -23,8 +23,9 @@ its share of the micro-batches of the FSDP2-sharded model. One process is the sa
 Rollouts come from a `RolloutSource` (saccade.orchestrator.source): at
 `rollout.max_async_level` 0 each step samples after the previous step's weights reached the
 engine; at k > 0 (vLLM servers) a thread samples up to k steps ahead while the trainer
-trains, from weights at most k versions old, and TIS corrects for the lag (`loss.tis`).
-With every server gone the run saves a checkpoint and stops, saying what to restart.
+trains, from the weights of exactly k versions before (a schedule, not a race: the same at
+any world size), and TIS corrects for the lag (`loss.tis`). With every server gone every
+rank saves the finished steps in one checkpoint and stops, saying what to restart.
 Every `log.samples_every` steps rank 0 also writes the step's first prompts with their
 completions to samples.jsonl (`saccade.sample_log`), for a person to read, each reply's
 logprob with and without its images beside it (`saccade.visual`; one process only).
@@ -36,8 +37,9 @@ command to go on with, or rolls it back to the last checkpoint from before the s
 lr (`RLStep.roll_back`) and trains on, the step count going forward.
 
 Simplified on purpose:
-- Sampling ahead is a thread in the one trainer process, not an orchestrator process of its
-  own: under torchrun `rollout.max_async_level` > 0 is refused.
+- Sampling ahead is a thread in each trainer process, not an orchestrator process of its own:
+  under torchrun every rank's thread samples its share of the step and gathers the groups
+  over a gloo process group of its own (`World.with_own_group`), beside the trainer's.
 - Rank 0 alone evaluates (greedy success on a held-out split, and with `eval.visual_gain` the
   same with every image blank: `eval_accuracy_blank`, `visual_gain`) while the other ranks
   wait, and rank 0 alone writes the metrics and the samples.
@@ -71,7 +73,7 @@ from saccade.data.rows import (
     row_check,
     skip_counts,
 )
-from saccade.distributed import SINGLE, World, barrier, unsharded
+from saccade.distributed import SINGLE, World, barrier, first_error, unsharded
 from saccade.evaluation import evaluate
 from saccade.inference.engine import SamplingParams
 from saccade.inference.servers import NoServerError
@@ -147,6 +149,9 @@ class RLStep:
     share_prompts: bool  # a group's prompt forwarded once
     max_lag: int  # the oldest weights a trained batch may come from, in versions behind the trainer's
     fits: Callable[[Any], None] | None  # a data set's rows must fit the token budget (an image span is never cut)
+    # The ranks as the rollouts see them: `world` itself, or, when a thread samples ahead under
+    # torchrun, the same ranks over a process group of the thread's own.
+    rollout_world: World = SINGLE
 
     @classmethod
     def build(cls, cfg: RunConfig, setup: Setup, task: Task, world: World = SINGLE) -> RLStep:
@@ -164,9 +169,11 @@ class RLStep:
                 "share a prompt: each of a group's G samples forwards its prompt, images included, again (G x the "
                 "prompt tokens per group; forward_tokens in metrics.jsonl shows it). Use 'auto' (packed_sdpa) to share "
                 "them, or set trainer.share_prompts = false to silence this", RuntimeWarning, stacklevel=3)
+        samples_ahead = cfg.rollout.max_async_level > 0
         return cls(cfg, setup, task, world, optimizer, scheduler, effective_loss(cfg), sampling, reference,
                    share_prompts, max_lag=cfg.rollout.max_async_level + e.sync_every_steps - 1,
-                   fits=row_check(cfg, setup.processor))
+                   fits=row_check(cfg, setup.processor),
+                   rollout_world=world.with_own_group(t.dist_timeout_s) if samples_ahead else world)
 
     def sampling_weights(self):
         """The context the engine samples in. The embedded engine samples from the sharded module
@@ -186,7 +193,7 @@ class RLStep:
     def sample(self, step: int, rows: StepRows) -> StepRollouts:
         """This rank's rollouts of the step's prompts; every rank's groups, scored (`sample_step`)."""
         return sample_step(step, rows, setup=self.setup, task=self.task, cfg=self.cfg, sampling=self.sampling,
-                           world=self.world, max_lag=self.max_lag, sampling_weights=self.sampling_weights)
+                           world=self.rollout_world, max_lag=self.max_lag, sampling_weights=self.sampling_weights)
 
     def train(self, step: int, rollouts: StepRollouts) -> dict[str, float]:
         """`train_step` on the step's samples, packed like text (never splitting a sample) into this
@@ -278,9 +285,6 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     run_dir.mkdir(parents=True, exist_ok=True)
     if world.is_main:
         (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
-    if cfg.rollout.max_async_level > 0 and world.size > 1:
-        raise ValueError("rollout.max_async_level > 0 runs in one trainer process for now; under torchrun set "
-                         "rollout.max_async_level = 0")
     setup = setup or build_setup(cfg, run_dir, world)
     task = task or task_from_config(cfg)
     run = RLStep.build(cfg, setup, task, world)
@@ -356,13 +360,17 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                     bool(cfg.checkpoint.every_steps) and state.step % cfg.checkpoint.every_steps == 0)
                 sync_s, gone = 0.0, None
                 if state.step % cfg.engine.sync_every_steps == 0 or evaluating or checkpointing or state.step == end:
+                    source.wait_to_push(state.step)  # first, the steps due to sample older weights
                     try:
                         sync_s = engine.update_weights(version=state.step)
                     except NoServerError as err:  # the step is logged, then the run checkpoints and stops
                         gone = err
-                    barrier(world)  # no rank samples again before the servers hold the new weights
+                    # Rank 0 pushes: every rank learns how it went, and none samples again before
+                    # the servers hold the new weights.
+                    gone = first_error(gone, world)
                 state.policy_version = engine.policy_version
-                source.trained(step)
+                if gone is None:
+                    source.trained(step)
                 step_s = time.perf_counter() - start
 
                 # 5. Metrics, evaluation, checkpoint.
@@ -394,16 +402,23 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                     with stop_if_unwritable(run_dir, state.step):
                         run.save(run_dir, state)
         except NoServerError as err:
-            # Nothing trained is lost: the weights of every finished step go into a checkpoint.
-            if world.size > 1:
-                raise
+            # Nothing trained is lost: the weights of every finished step go into a checkpoint. Every
+            # rank gets here at the same step (sampling and pushing agree on failures across ranks).
             state.policy_version = state.step
             saved = run.save(run_dir, state)
             raise NoServerError(
                 f"{err}. The run stopped after step {state.step} and saved {saved}; once a server answers again, "
-                f"go on with: saccade rl {run_dir / 'config.toml'} --resume"
+                f"go on with: {rl_command(run_dir, world)} --resume"
             ) from None
     return {"step": state.step, "last": last, "setup": setup}
+
+
+def rl_command(run_dir: Path, world: World) -> str:
+    """The command that runs this run's config again: under torchrun, with as many ranks."""
+    config = run_dir / "config.toml"
+    if world.size > 1:
+        return f"torchrun --nproc-per-node {world.size} -m saccade rl {config}"
+    return f"saccade rl {config}"
 
 
 def stalled_stop(cfg: RunConfig, run_dir: Path, step: int, stall: StallState, metrics: dict[str, float],

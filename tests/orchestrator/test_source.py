@@ -96,3 +96,33 @@ def test_close_stops_sampling_ahead_and_releases_queued_pins():
         assert source._changed.wait_for(lambda: len(source._ready) == 3, timeout=WAIT_S)
     source.close()
     assert sampled == [0, 1, 2] and len(released) == 3 and not source._thread.is_alive()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_push_waits_until_the_steps_due_to_sample_older_weights_have_sampled(level):
+    """Which weights a step samples is the schedule's choice, not the machine's speed: step s
+    samples the newest weights pushed by step s - level, even when the trainer is fast."""
+    pushed = []  # version on the servers when each step began sampling
+    recorder = Recorder()
+    versions = {"now": 0}
+
+    def sample(step):
+        pushed.append((step, versions["now"]))
+        return recorder(step)
+
+    with RolloutSource(sample, first_step=0, end=8, max_async_level=level) as source:
+        for step in range(8):
+            source.get(step)
+            source.wait_to_push(step + 1)  # a trainer that trains in no time
+            versions["now"] = step + 1
+            source.trained(step)
+    assert pushed == [(s, max(0, s - level)) for s in range(8)]
+
+
+def test_a_push_does_not_wait_for_a_sampler_that_failed():
+    recorder = Recorder(fail_at=1)
+    with RolloutSource(recorder, first_step=0, end=5, max_async_level=2) as source:
+        source.get(0)
+        source.wait_to_push(1)  # steps 1 and 2 were due first: step 1 failed, nothing more samples
+        with pytest.raises(ConnectionError):
+            source.get(1)

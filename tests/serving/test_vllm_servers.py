@@ -203,3 +203,54 @@ def test_with_every_server_killed_the_run_checkpoints_says_what_to_do_and_resume
     assert info(a.url)["policy_version"] == 5
     assert out["setup"].engine.client.pool.servers[b.url].alive is False  # still down: the run went on without it
     out["setup"].engine.close()
+
+
+@pytest.mark.long  # about 110 s: two torchrun launches (README, "Development": pytest -m long)
+def test_at_world_2_with_every_server_killed_every_rank_checkpoints_once_and_resume_finishes(tmp_path, two_servers):
+    """As above, under torchrun at world 2, sampling ahead: the ranks agree that the servers are
+    gone (on whichever rank a request failed first), save the finished steps together in one
+    checkpoint and stop naming the torchrun command; resumed with a server back, the run
+    finishes, no step twice."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    a, b = two_servers
+    if b.proc.poll() is not None:
+        b.start()
+    b.wait_ready()
+    root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+
+    def torchrun(urls, *args):
+        from saccade.serving.launch import free_port
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(root / "tests" / "distributed" / "worker.py"),
+               str(run_dir), "--scored", *FAST, "--engine.kind", "vllm", "--engine.urls", json.dumps(urls),
+               "--trainer.steps", "5", "--rollout.max_async_level", "1", "--engine.no_server_wait_s", "3",
+               "--checkpoint.every_steps", "0", "--rollout.on_stall", "warn", *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+        return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    proc = torchrun([b.url])
+    metrics_file = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics_file.exists() and metrics_file.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.01)
+    b.kill()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out[-3000:]
+    done = train_rows(run_dir)[-1]["step"]
+    assert 2 <= done < 5, out[-3000:]
+    stop = f"The run stopped after step {done} and saved"
+    assert out.count(stop) == 2, out[-4000:]  # both ranks, the same step
+    assert f"torchrun --nproc-per-node 2 -m saccade rl {run_dir / 'config.toml'} --resume" in out
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{done:06d}"]
+
+    resumed = torchrun([a.url, b.url], "--resume")
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out[-4000:]
+    assert [r["step"] for r in train_rows(run_dir)] == [1, 2, 3, 4, 5]
+    assert info(a.url)["policy_version"] == 5

@@ -25,8 +25,16 @@ Prompts for training without sampling (SFT): `prepare_all` tokenizes with saccad
 messages -> inputs (the ids the server produces, a test holds them equal) and fetches the
 images' embeddings from a server, so the trainer never needs a vision tower.
 
-Sampling is not seeded per request (vLLM samples seeded requests one by one), so runs on
-vLLM are not bit-reproducible; `reseed` and the RNG state are no-ops kept for the protocol.
+Sampling is seeded per request: a request carries its prompt's stream seed (ChatRequest.seed,
+a function of the run seed, the step and the prompt's place in the data alone), and vLLM draws
+completion j of it from seed + j. So the same prompts sample the same completions however
+the requests are spread over ranks and servers, after a retry on another server, and on a
+resume, as far as the servers' float results do not depend on what else is in their batch
+(on the CPU they did not, in tests/serving/test_vllm_async_distributed.py). The streams are
+not the embedded engine's (it draws completion j from stream_seed(seed, j)): the two engines
+sample different completions. A request without a seed is unseeded. vLLM samples seeded
+requests with a generator each, a little slower than its batched sampler; `reseed` and the
+RNG state are no-ops kept for the protocol (nothing but the seeds shapes the draws).
 """
 
 from __future__ import annotations
@@ -322,8 +330,9 @@ class VLLMEngine:
 
         return list(await asyncio.gather(*(one(item) for item in items)))
 
-    def _sampling(self, params: SamplingParams) -> dict[str, Any]:
-        """The sampling fields both routes share; vision tokens banned with a logit bias.
+    def _sampling(self, params: SamplingParams, seed: int | None = None) -> dict[str, Any]:
+        """The sampling fields both routes share; vision tokens banned with a logit bias; the
+        request's `seed` (else params.seed, else none: unseeded).
 
         Every field that shapes the distribution is sent, even at its "off" value: a field left
         out takes the model's generation_config.json default (Qwen's VL models set top_k = 20), and
@@ -341,18 +350,20 @@ class VLLMEngine:
             "max_tokens": params.max_tokens,
             "logit_bias": {str(t): BAN_BIAS for t in self.banned_token_ids},
         }
-        if params.seed is not None:
-            fields["seed"] = params.seed
+        seed = params.seed if seed is None else seed
+        if seed is not None:
+            fields["seed"] = seed
         return fields
 
-    def _body(self, model: str, messages, params: SamplingParams) -> dict[str, Any]:
-        return {"model": model, "messages": messages, **self._sampling(params), "logprobs": True,
+    def _body(self, model: str, messages, params: SamplingParams, seed: int | None = None) -> dict[str, Any]:
+        return {"model": model, "messages": messages, **self._sampling(params, seed), "logprobs": True,
                 "return_token_ids": True, "skip_special_tokens": True}
 
     async def _complete(self, model: str, item: tuple[ChatRequest, tuple], params: SamplingParams) -> list[Completion]:
         request, (messages, keys, urls) = item
         await self._ensure_embeddings(keys, urls)  # a no-op unless the cache evicted them since
-        response, server = await self.client.post(CHAT_COMPLETIONS, json_body=self._body(model, messages, params))
+        body = self._body(model, messages, params, request.seed)
+        response, server = await self.client.post(CHAT_COMPLETIONS, json_body=body)
         return self._completions(request, response.json(), keys, self._version_of(response, server))
 
     def _completions(self, request: ChatRequest, data: dict, keys: list[str], version: int) -> list[Completion]:
@@ -422,7 +433,7 @@ class VLLMEngine:
         urls = [self._data_url(k, im) for k, im in zip(prompt.image_keys, prompt.images, strict=True)]
         await self._ensure_embeddings(list(prompt.image_keys), urls)
         # vLLM's own SamplingParams here: logprobs=0 is the sampled token's; stops are not implied.
-        sampling = {**self._sampling(params), "logprobs": 0, "stop_token_ids": self.stop_token_ids}
+        sampling = {**self._sampling(params, prompt.seed), "logprobs": 0, "stop_token_ids": self.stop_token_ids}
         body = {
             "model": model, "token_ids": collapse_image_pads(prompt.input_ids.tolist(), self.image_pad_id),
             "content_parts": [{"type": "image_url", "url": u} for u in urls],

@@ -28,6 +28,7 @@ from saccade.config import EnvConfig, RolloutConfig, RunConfig
 from saccade.data.rows import StepRows
 from saccade.distributed import SINGLE, World, all_gather
 from saccade.inference.engine import ChatRequest, Engine, SamplingParams, stream_seed
+from saccade.inference.servers import NoServerError
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 from saccade.orchestrator.samples import completion_to_sample
 from saccade.orchestrator.source import StepRollouts
@@ -189,15 +190,25 @@ def sample_step(step: int, rows: StepRows, *, setup: Setup, task: Task, cfg: Run
     check = cfg.env.check_consistency == "always" or (cfg.env.check_consistency == "first" and step == 0)
     pins = setup.cache.pins(f"step {step + 1}")
     start = time.perf_counter()
+    own, error = [], None
     with pins, sampling_weights():
-        own = sample_groups(
-            setup.engine, task, [rows.prompts[i] for i in mine], sampling, merge=setup.merge,
-            continuation=setup.continuation, env=cfg.env, tokenizer=setup.processor.tokenizer, check=check,
-            seeds=prompt_seeds(cfg.trainer.seed, step, [rows.positions[i] for i in mine]),
-        )
+        try:
+            own = sample_groups(
+                setup.engine, task, [rows.prompts[i] for i in mine], sampling, merge=setup.merge,
+                continuation=setup.continuation, env=cfg.env, tokenizer=setup.processor.tokenizer, check=check,
+                seeds=prompt_seeds(cfg.trainer.seed, step, [rows.positions[i] for i in mine]),
+            )
+        except Exception as err:  # noqa: BLE001 - under torchrun every rank must hear of it (below)
+            if world.size == 1:
+                raise
+            error = err
     sample_s = time.perf_counter() - start
     with timed("samples"):
-        groups = [g for part in all_gather(own, world) for g in part]
+        try:
+            groups = every_ranks_groups(own, error, world, step)
+        except Exception:
+            pins.release()
+            raise
         # Never trained on: a group from weights staler than the bound (none, by construction;
         # counted, so a change that breaks it shows).
         fresh = [g for g in groups if step - min(r.policy_version for r in g) <= max_lag]
@@ -206,6 +217,27 @@ def sample_step(step: int, rows: StepRows, *, setup: Setup, task: Task, cfg: Run
             batch.samples = []
         batch.metrics.update(lag_metrics(groups, step, max_lag), stale_groups_dropped=float(len(groups) - len(fresh)))
     return StepRollouts(step, own, pins, sample_s, rows=rows, all_groups=groups, batch=batch)
+
+
+def every_ranks_groups(own: list[list[Rollout]], error: Exception | None, world: World,
+                       step: int) -> list[list[Rollout]]:
+    """Every rank's groups, in rank (so prompt) order; or, when sampling failed on any rank, an
+    error raised on every rank alike, so that all stop at the same step: NoServerError if any
+    rank's servers were all gone (then every rank checkpoints, as one process does), else
+    this rank's own error or one naming the rank that failed. Without this, the other ranks
+    would wait in the next collective until the process group's timeout."""
+    failure = None if error is None else (type(error).__name__, str(error), isinstance(error, NoServerError))
+    parts = all_gather((own, failure), world)
+    failures = [(rank, f) for rank, (_, f) in enumerate(parts) if f is not None]
+    if not failures:
+        return [g for part, _ in parts for g in part]
+    gone = next(((rank, f) for rank, f in failures if f[2]), None)
+    if gone is not None:
+        raise NoServerError(gone[1][1] if gone[0] == world.rank else f"rank {gone[0]}: {gone[1][1]}")
+    if error is not None:
+        raise error
+    rank, (kind, text, _) = failures[0]
+    raise RuntimeError(f"rank {rank} failed while sampling step {step + 1}: {kind}: {text}")
 
 
 def lag_metrics(groups: list[list[Rollout]], step: int, max_lag: int) -> dict[str, float]:

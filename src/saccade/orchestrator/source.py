@@ -7,6 +7,13 @@ the ones step s trains (k + sync_every_steps - 1 when weights are pushed every f
 Level 0 is today's loop: sample, train, push, sample. Level 1 samples step s + 1 while step
 s trains. At most k sampled steps wait in the queue: the bound is the rule above, not a size.
 
+Which weights a step samples from is fixed by the schedule, never by timing: the trainer
+pushes version v only once every step that may not see it (steps before v + k) has been
+sampled (`wait_to_push`). So step s samples the newest weights pushed by step s - k, whatever
+the machine's speed: a run's rollouts are the same at any world size and on a resume, and the
+lag histogram of a step is a single bar. The price is that a push no longer overlaps the
+sampling of the step before it; at level 1 the trainer would wait for that step anyway.
+
 The sampling thread runs the same rollout code as level 0 (environments, rewards, the engine's
 synchronous calls, which go to the engine's own event loop). An error there (no server left,
 a broken environment) is handed to the trainer, which raises it at its next `get`.
@@ -44,6 +51,7 @@ class RolloutSource:
         self.level = max_async_level
         self.end = end
         self._trained = first_step  # steps before this one have trained and pushed their weights
+        self._sampled = first_step  # steps before this one have been sampled (or failed)
         self._ready: deque[StepRollouts] = deque()
         self._changed = threading.Condition()
         self._stopping = False
@@ -69,6 +77,16 @@ class RolloutSource:
         if item.step != step:
             raise RuntimeError(f"rollouts of step {item.step + 1} came when step {step + 1} was due")
         return item, time.perf_counter() - start, depth
+
+    def wait_to_push(self, version: int) -> None:
+        """Block until the weights of `version` may go to the servers: every step that samples
+        from older weights (those before version + level) has been sampled, or sampling stopped.
+        A no-op when nothing samples ahead."""
+        if self._thread is None:
+            return
+        due = min(version + self.level, self.end)
+        with self._changed:
+            self._changed.wait_for(lambda: self._sampled >= due or self._stopping)
 
     def trained(self, step: int) -> None:
         """Step has trained and its weights are where the servers sample (when it pushed any)."""
@@ -107,6 +125,7 @@ class RolloutSource:
                 item = StepRollouts(step, [], None, 0.0, error=err)
             with self._changed:
                 self._ready.append(item)
+                self._sampled = step + 1 if item.error is None else self.end  # a failure samples nothing more
                 self._changed.notify_all()
             if item.error is not None:
                 return
