@@ -46,3 +46,24 @@ def test_a_request_sends_every_field_that_shapes_the_distribution(engine):
                                    "presence_penalty", "frequency_penalty")} == {
         "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
         "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def test_a_seeded_request_samples_the_same_completions_whatever_else_is_in_the_batch(engine):
+    """A request carries its prompt's stream seed (vLLM draws completion j from seed + j), so
+    the same prompts sample the same ids alone or in any batch: what makes runs on vLLM
+    reproducible and the same at any world size. Another seed samples other completions."""
+    from dataclasses import replace
+
+    from saccade.inference.engine import stream_seed
+
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=3)
+    requests = [replace(r, seed=stream_seed(7, i)) for i, r in enumerate(shapes_requests(3, seed=5))]
+
+    def ids(reqs):
+        return [[c.completion_ids.tolist() for c in group] for group in engine.generate(reqs, params)]
+
+    together = ids(requests)
+    assert ids(requests[::-1]) == together[::-1]
+    assert ids(requests[1:2]) == together[1:2]
+    assert all(len({tuple(c) for c in group}) > 1 for group in together)  # seed + j: the G draws differ
+    assert ids([replace(r, seed=r.seed + 1000) for r in requests]) != together

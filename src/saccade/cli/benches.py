@@ -102,10 +102,22 @@ def cmd_bench_distributed(args: argparse.Namespace) -> int:
 def cmd_bench_async(args: argparse.Namespace) -> int:
     from saccade.bench.async_rollouts import format_async_report, run_async_bench
 
-    result = run_async_bench(args.config, args.overrides, url=args.url, out_dir=args.out)
+    result = run_async_bench(args.config, args.overrides, url=args.url, out_dir=args.out,
+                             world_sizes=parse_world_sizes(args.world_sizes))
     print(format_async_report(result))
     write_json(args.json, result)
     return 0
+
+
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """'1,2' -> (1, 2): the trainer world sizes of `saccade bench async`."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--world-sizes: comma-separated whole numbers, e.g. 1,2; got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--world-sizes: each at least 1; got {text!r}")
+    return sizes
 
 
 def cmd_bench_kill(args: argparse.Namespace) -> int:
@@ -291,17 +303,20 @@ def add_bench_async(bench_sub) -> None:
     """`saccade bench async`."""
     bench_async = bench_sub.add_parser(
         "async",
-        help="the vLLM demo config at rollout.max_async_level 0, then 1: seconds per step, ratio, idle fractions",
-        description="Runs the demo config on a vLLM server from the demo's warm start (model tiny-warm), twice back "
-        "to back on the same server: rollout.max_async_level 0 (sample, train, push) and 1 (step n+1 sampled while "
-        "step n trains). Prints seconds per step, the steps-per-second ratio, the fraction of the wall time the "
-        "trainer waited for rollouts and the server had nothing to do, the lag, and each run's held-out accuracy. "
-        "The cores are split: the server's compute threads on the first half, the trainer on the other half. "
-        "Dotted overrides (--trainer.steps 40) apply to both runs.",
+        help="the vLLM demo config at rollout.max_async_level 0, then 1, at each world size: seconds per step, ratio",
+        description="Runs the demo config on a vLLM server from the demo's warm start (model tiny-warm), back to back "
+        "on the same server: rollout.max_async_level 0 (sample, train, push) and 1 (step n+1 sampled while step n "
+        "trains), at each trainer world size of --world-sizes (1: one `saccade rl` process; more: torchrun). Prints "
+        "seconds per step (the loop's own, start-up left out), level 1's steps per second over level 0's at each "
+        "world size, the fraction of the loop the trainer waited for rollouts and the server had nothing to do, the "
+        "lag, and each run's held-out accuracy. The cores are split: the server's compute threads on the first half, "
+        "the trainer's ranks on the other half. Dotted overrides (--trainer.steps 40) apply to every run.",
     )
     bench_async.add_argument("config", nargs="?", default="configs/demo.toml", help="config (default configs/demo.toml)")
     bench_async.add_argument("--url", help="an already running `saccade serve` of tiny-warm (default: start one)")
-    bench_async.add_argument("--out", metavar="DIR", help="where the two runs are written (default: a temp folder)")
+    bench_async.add_argument("--world-sizes", default="1", metavar="N,N",
+                             help="the trainer's world sizes, comma-separated (default 1; e.g. 1,2)")
+    bench_async.add_argument("--out", metavar="DIR", help="where the runs are written (default: a temp folder)")
     bench_async.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     bench_async.set_defaults(func=cmd_bench_async)
 
