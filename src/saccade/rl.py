@@ -23,8 +23,8 @@ its share of the micro-batches of the FSDP2-sharded model. One process is the sa
 Rollouts come from a `RolloutSource` (saccade.orchestrator.source): at
 `rollout.max_async_level` 0 each step samples after the previous step's weights reached the
 engine; at k > 0 (vLLM servers) a thread samples up to k steps ahead while the trainer
-trains, from the weights of exactly k versions before (a schedule, not a race: the same at
-any world size), and TIS corrects for the lag (`loss.tis`). With every server gone every
+trains, from the newest weights pushed by step s - k (k versions old when every step pushes;
+a schedule, not a race, so the same at any world size), and TIS corrects for the lag (`loss.tis`). With every server gone every
 rank saves the finished steps in one checkpoint and stops, saying what to restart.
 Every `log.samples_every` steps rank 0 also writes the step's first prompts with their
 completions to samples.jsonl (`saccade.sample_log`), for a person to read, each reply's
@@ -444,12 +444,12 @@ def stalled_stop(cfg: RunConfig, run_dir: Path, step: int, stall: StallState, me
     text += " without saving its weights (a stalled policy is not worth a checkpoint)"
     if moved:
         text += f"; the checkpoints written since the stall began are set aside in {aside}"
-    config, lower = run_dir / "config.toml", f"{cfg.trainer.lr * rollout.stall_lr_factor:g}"
+    command, lower = rl_command(run_dir, world), f"{cfg.trainer.lr * rollout.stall_lr_factor:g}"
     if found is not None:
         return StallError(
             f"{text}. Go on from step {found[0]}, the last checkpoint from before the stall, at a lower learning "
             f"rate (--resume cuts metrics.jsonl back to that step; the stalled run's is kept in {aside}):\n"
-            f"  saccade rl {config} --resume --trainer.lr {lower}")
+            f"  {command} --resume --trainer.lr {lower}")
     if since == 0:
         return StallError(
             f"{text}. It stalled from its first step, so the start weights did, not training: check that the "
@@ -458,7 +458,7 @@ def stalled_stop(cfg: RunConfig, run_dir: Path, step: int, stall: StallState, me
     return StallError(
         f"{text}. No checkpoint from before the stall (its first step sampled the weights of step {since}) is "
         f"left (checkpoint.every_steps {cfg.checkpoint.every_steps}, keep_last {cfg.checkpoint.keep_last}); "
-        f"start again at a lower learning rate:\n  saccade rl {config} --trainer.lr {lower}")
+        f"start again at a lower learning rate:\n  {command} --trainer.lr {lower}")
 
 
 def log_samples(logger: MetricsLogger, step: int, rollouts: StepRollouts, run: RLStep, run_dir: Path) -> str:
