@@ -85,6 +85,7 @@ from saccade.process_stats import memory_metrics, process_metrics
 from saccade.progress import ProgressBar
 from saccade.sample_log import SAMPLES_DIR, finite, sample_line, step_samples
 from saccade.setup import Setup, build_setup
+from saccade.stopping import RunStopped, StopRequest
 from saccade.stall import (
     StallError,
     StallState,
@@ -275,14 +276,17 @@ class RLStep:
 
 def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,
              task: Task | None = None, stop_after: int | None = None, progress: bool = True,
-             world: World = SINGLE) -> dict[str, Any]:
+             world: World = SINGLE, stop: StopRequest | None = None) -> dict[str, Any]:
     """The RL loop. Returns final figures. `stop_after` ends early after that many steps (tests).
+    `stop`: asked to stop (a STOP file in the run folder, or a signal `saccade rl` caught), the
+    run saves a checkpoint after the step under way and raises `RunStopped`.
 
     `world`: this process's place among the trainer's ranks (`saccade.distributed`; torchrun
     started it). Each rank samples its share of the prompts; every rank then holds the whole
     step's scored batch and trains its share of the micro-batches of the sharded model. Rank 0
     writes the metrics; every rank takes part in checkpoints and weight exports."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    stop = stop or StopRequest(run_dir)
     if world.is_main:
         (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
     setup = setup or build_setup(cfg, run_dir, world)
@@ -398,9 +402,19 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                     raise gone
                 if action == "stop":  # the stalled weights are not saved: the last checkpoint is the one to go on from
                     raise stalled_stop(cfg, run_dir, state.step, stall, metrics, world)
+                saved = None
                 if checkpointing or state.step == t.steps:  # and always at the end of the run
                     with stop_if_unwritable(run_dir, state.step):
-                        run.save(run_dir, state)
+                        saved = run.save(run_dir, state)
+                # 6. Asked to stop (STOP file, Ctrl-C): every rank alike, after a checkpoint.
+                if state.step < end and stop.agreed(world, setup.device):
+                    if saved is None:
+                        state.policy_version = state.step  # the weights saved: a resume pushes them as this version
+                        with stop_if_unwritable(run_dir, state.step):
+                            saved = run.save(run_dir, state)
+                    stop.done(world)
+                    raise RunStopped(f"stopped on request after step {state.step}; saved {saved}; go on with: "
+                                     f"{rl_command(run_dir, world)} --resume")
         except NoServerError as err:
             # Nothing trained is lost: the weights of every finished step go into a checkpoint. Every
             # rank gets here at the same step (sampling and pushing agree on failures across ranks).

@@ -24,6 +24,8 @@ def cmd_serve(argv: list[str]) -> int:
 
 # `saccade rl`'s exit status when the stall watch stopped the run (2 is a user's error).
 STALLED_EXIT = 3
+# ... and when it stopped on request (Ctrl-C, SIGTERM, a STOP file) after saving a checkpoint: 128 + SIGINT.
+STOPPED_EXIT = 130
 
 
 def _load_run_config(args: argparse.Namespace):
@@ -46,16 +48,19 @@ def cmd_rl(args: argparse.Namespace) -> int:
     from saccade.distributed import close_world, exit_rank, init_world
     from saccade.rl import train_rl
     from saccade.stall import StallError
+    from saccade.stopping import RunStopped, StopRequest
 
+    stop = StopRequest(cfg.run_dir)
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU); else one process.
     world = init_world(resolve_device(cfg.trainer.device), timeout_s=cfg.trainer.dist_timeout_s)
     try:
-        cfg = resolve_warm_start(cfg, world)
-        result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world)
-    except StallError as err:  # rollout.on_stall: no traceback, the message is what to run next
+        with stop.catch_signals():  # Ctrl-C / SIGTERM: stop after the step under way, with a checkpoint
+            cfg = resolve_warm_start(cfg, world)
+            result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world, stop=stop)
+    except (StallError, RunStopped) as err:  # no traceback: the message is what to run next
         if world.is_main:
             print(f"saccade: stopped: {err}", file=sys.stderr)
-        return STALLED_EXIT
+        return STALLED_EXIT if isinstance(err, StallError) else STOPPED_EXIT
     finally:
         close_world(world)
     if world.is_main:
@@ -138,7 +143,9 @@ def add_rl_parser(sub) -> None:
         "A run that stalls (no group with reward variance, or most replies cut at sampling.max_tokens, for "
         "rollout.stall_steps steps; rollout.stall_truncated_frac) warns, stops (exit status 3, naming the --resume "
         "command) or rolls back to its last checkpoint from before the stall at rollout.stall_lr_factor times the "
-        "lr (at most rollout.max_rollbacks times), as rollout.on_stall says (docs/stalls.md).",
+        "lr (at most rollout.max_rollbacks times), as rollout.on_stall says (docs/stalls.md). Ctrl-C or SIGTERM (or a "
+        "file named STOP in the run folder) stops it after the step under way, with a checkpoint: exit status 130, "
+        "naming the --resume command.",
     )
     add_config_arguments(rl)
     rl.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
