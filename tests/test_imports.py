@@ -102,7 +102,7 @@ def test_saccade_has_no_import_cycle():
 # utility (metrics, timing, distributed, plugins, rewards, ...): the ground floor.
 LAYERS: list[tuple[str, ...]] = [
     ("saccade.__main__", "saccade.cli"),
-    ("saccade.bench", "saccade.demo", "saccade.demo_scenes", "saccade.demo_views", "saccade.doctor",
+    ("saccade.bench", "saccade.launcher", "saccade.demo", "saccade.demo_scenes", "saccade.demo_views", "saccade.doctor",
      "saccade.parity", "saccade.memory", "saccade.export"),
     ("saccade.rl", "saccade.sft", "saccade.stall"),
     ("saccade.orchestrator", "saccade.evaluation", "saccade.sample_log", "saccade.visual"),

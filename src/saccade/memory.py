@@ -606,16 +606,21 @@ class RunEstimate:
         return self.trainer.total <= self.trainer_budget
 
 
-def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = GPU_GIB, shared_gpu: bool = False,
-                 dims: ModelDims | None = None, world_size: int = 1) -> RunEstimate:
+def estimate_run(cfg, *, gpu_memory_utilization: float | None = None, gpu_gib: float = GPU_GIB,
+                 shared_gpu: bool | None = None, dims: ModelDims | None = None,
+                 world_size: int | None = None) -> RunEstimate:
     """The estimate for a `saccade.config.RunConfig`.
 
-    The servers' --gpu-memory-utilization is not part of the run config: pass it. With
-    `shared_gpu`, one server and the trainer share a GPU (start the server first: vLLM takes its
-    share of the whole GPU, the trainer then fits in what is left); with `world_size` > 1,
-    each rank shares its GPU with one server. `world_size` is the trainer's torchrun
-    --nproc-per-node: the trainer's figures are per rank under FSDP2; the server's do not change.
+    What is not given comes from the config's `[launch]` layout (`launch_shape`): the servers'
+    --gpu-memory-utilization, whether a server and a trainer rank share a GPU (`shared_gpu`:
+    start the server first, vLLM takes its share of the whole GPU and the trainer fits in what
+    is left; at world size > 1 each rank shares its GPU with one server), and the trainer's
+    ranks (`world_size`: the trainer's figures are per rank under FSDP2; the server's do not change).
     """
+    layout = launch_shape(cfg)
+    gpu_memory_utilization = layout[0] if gpu_memory_utilization is None else gpu_memory_utilization
+    shared_gpu = layout[1] if shared_gpu is None else shared_gpu
+    world_size = layout[2] if world_size is None else world_size
     dims = dims or model_dims(cfg.model.path)
     lora_rank = cfg.lora.rank if cfg.lora.enabled else None
     embedded = cfg.engine.kind == "embedded"
@@ -632,6 +637,15 @@ def estimate_run(cfg, *, gpu_memory_utilization: float = 0.9, gpu_gib: float = G
             max_lora_rank=cfg.lora.rank if cfg.engine.sync_lora_adapter else None,
         )
     return RunEstimate(dims, trainer, server, gpu_gib, shared_gpu and not embedded, world_size)
+
+
+def launch_shape(cfg) -> tuple[float, bool, int]:
+    """(--gpu-memory-utilization, a server shares a GPU with a trainer rank, trainer ranks) of the
+    config's [launch] layout; without one, 0.9, no, 1."""
+    launch = cfg.launch
+    if not launch.nodes:
+        return 0.9, False, 1
+    return launch.gpu_memory_utilization, launch.shares_gpu(), launch.world_size
 
 
 def header_lines(est: RunEstimate) -> list[str]:

@@ -3,7 +3,7 @@ so `--help` and argument errors answer at once.
 
 A module per command group, each holding its commands (`cmd_*`) and the functions that add
 their parsers: `demos` (demo), `benches` (bench ...), `runs` (serve, rl, sft, eval, export) and
-`tools` (memory, doctor, plot, report, build-model).
+`tools` (memory, doctor, plot, report, build-model), `launch` (launch).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 
 from saccade.cli.benches import add_bench_parser
 from saccade.cli.demos import add_demo_parser
+from saccade.cli.launch import add_launch_parser
 from saccade.cli.runs import (
     add_eval_parser, add_export_parser, add_rl_parser, add_serve_parser, add_sft_parser, cmd_serve,
 )
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_serve_parser(sub)
     add_rl_parser(sub)
+    add_launch_parser(sub)
     add_sft_parser(sub)
     add_eval_parser(sub)
     add_export_parser(sub)

@@ -23,7 +23,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         print("\n".join(header_lines(est)))
         return 0
     console = Console()
-    n = args.world_size
+    n = est.world_size
     trainer_title = ("trainer, world size 1 (one process, no FSDP)" if n == 1
                      else f"trainer, per rank at world size {n} (FSDP2, torchrun --nproc-per-node {n})")
     server_title = "each vLLM server" + (" (the same at any trainer world size)" if n > 1 else "")
@@ -95,17 +95,20 @@ def add_memory_parser(sub) -> None:
         "figures are per rank of N under FSDP2 (docs/qwen3vl.md). Exit 1 if the trainer does not fit.",
     )
     add_config_arguments(memory)
-    memory.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="U",
-                        help="the servers' --gpu-memory-utilization (default 0.9)")
-    memory.add_argument("--shared-gpu", action="store_true",
-                        help="the trainer and one server share a GPU (the one-GPU layout)")
+    memory.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="U",
+                        help="the servers' --gpu-memory-utilization (default: the config's "
+                        "launch.gpu_memory_utilization with a [launch] layout, else 0.9)")
+    memory.add_argument("--shared-gpu", action=argparse.BooleanOptionalAction, default=None,
+                        help="the trainer and one server share a GPU (the one-GPU layout; default: as the config's "
+                        "[launch] layout places them)")
     from saccade.memory import GPU_GIB
 
     memory.add_argument("--gpu-gib", type=float, default=GPU_GIB, metavar="GIB",
                         help=f"memory of one GPU as CUDA shows it (default {GPU_GIB:g}: an 80 GB H100)")
-    memory.add_argument("--world-size", type=int, default=1, metavar="N",
+    memory.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="the trainer's ranks (torchrun --nproc-per-node N): per-rank figures under FSDP2 "
-                        "full sharding; 1 (default) is one process without FSDP. The servers' figures do not change")
+                        "full sharding; 1 is one process without FSDP (default: the [launch] layout's ranks, else 1). "
+                        "The servers' figures do not change")
     memory.add_argument("--header", action="store_true", help="print the lines a config header carries")
     memory.set_defaults(func=cmd_memory)
 

@@ -2,7 +2,7 @@
 
 A run is described by one `RunConfig` (`run.py`), composed of sections (`sections.py`:
 `model`, `lora`, `images`, `image_cache`, `engine`, `sampling`, `rollout`, `loss`, `trainer`,
-`sft`, `env`, `eval`, `checkpoint`, `log`) and the `[task]` union (`task.py`: one variant per
+`sft`, `env`, `eval`, `checkpoint`, `log`; `launch.py`: the `[launch]` layout) and the `[task]` union (`task.py`: one variant per
 kind of task, each with its own fields). Each section is a pydantic model with a docstring, a
 description on every field and bounds wherever a bound means something; unknown keys are
 refused everywhere (`extra="forbid"`), and assignment is validated too (`cfg.trainer.lr = -1`
@@ -47,6 +47,7 @@ Overrides are split off *before* argparse sees them: ``parse_known_args`` alone 
 the value of ``--trainer.lr 1e-5`` to the optional CONFIG positional.
 """
 
+from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
 from saccade.config.legacy import LegacyConfigWarning
 from saccade.config.loading import add_config_arguments, load_config, parse_overrides, split_overrides
 from saccade.config.run import RunConfig, effective_loss
@@ -80,6 +81,8 @@ __all__ = [
     "HubDatasetTaskConfig",
     "ImageCacheConfig",
     "ImagesConfig",
+    "LaunchConfig",
+    "LaunchNode",
     "LegacyConfigWarning",
     "LogConfig",
     "LoraConfig",
@@ -100,6 +103,7 @@ __all__ = [
     "ViewsTaskConfig",
     "add_config_arguments",
     "config_to_toml",
+    "is_loopback",
     "describe",
     "effective_loss",
     "load_config",

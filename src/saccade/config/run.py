@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from saccade.config.launch import LaunchConfig
 from saccade.config.sections import (
     DEFAULT_TIS_CAP, CheckpointConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig,
     LogConfig, LoraConfig, LossConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, TrainerConfig,
@@ -32,6 +33,9 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="periodic evaluation")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving weights")
     log: LogConfig = Field(default_factory=LogConfig, description="metrics and the run folder")
+    launch: LaunchConfig = Field(
+        default_factory=LaunchConfig, description="where `saccade launch` runs the servers and the trainer"
+    )
 
     @property
     def run_dir(self) -> Path:
@@ -50,6 +54,35 @@ class RunConfig(Section):
         if isinstance(data, dict) and isinstance(data.get("task"), dict) and "kind" not in data["task"]:
             return {**data, "task": {"kind": ShapesTaskConfig().kind, **data["task"]}}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _servers_from_the_layout(cls, data: Any) -> Any:
+        # A layout's servers are the run's engine.urls: a config with [launch] leaves them out.
+        if not (isinstance(data, dict) and isinstance(data.get("launch"), dict)):
+            return data
+        engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+        if engine.get("kind") != "vllm" or "urls" in engine:
+            return data
+        try:
+            urls = LaunchConfig.model_validate(data["launch"]).server_urls()
+        except ValidationError:
+            return data  # reported where [launch] itself is validated
+        return {**data, "engine": {**engine, "urls": urls}} if urls else data
+
+    @model_validator(mode="after")
+    def _layout_matches_the_engine(self) -> RunConfig:
+        if not self.launch.nodes:
+            return self
+        layout = self.launch.server_urls()
+        if self.engine.kind == "embedded" and layout:
+            raise ValueError(f"launch.nodes start {len(layout)} vLLM server(s) but engine.kind is 'embedded': set "
+                             "engine.kind = 'vllm', or give the nodes no servers")
+        if self.engine.kind == "vllm" and self.engine.urls != layout:
+            raise ValueError(
+                f"engine.urls {self.engine.urls} are not the servers launch.nodes start ({layout or 'none'}): leave "
+                "engine.urls out of a config with a [launch] layout (they are the layout's), or change the layout")
+        return self
 
     @model_validator(mode="after")
     def _async_needs_servers(self) -> RunConfig:

@@ -176,7 +176,8 @@ class EngineConfig(Section):
     @model_validator(mode="after")
     def _urls_for_vllm(self) -> EngineConfig:
         if self.kind == "vllm" and not self.urls:
-            raise ValueError("kind 'vllm' needs at least one server in urls, e.g. urls = [\"http://localhost:8000\"]")
+            raise ValueError("kind 'vllm' needs at least one server in urls, e.g. urls = [\"http://localhost:8000\"], "
+                             "or a [launch] layout whose servers they are (docs/launch.md)")
         for url in self.urls:
             if not re.match(r"^https?://[^/\s]+", url):
                 raise ValueError(f"urls must be http(s)://host[:port] addresses, got {url!r}")

@@ -203,8 +203,9 @@ class VLLMEngine:
                 raise ValueError(
                     f"the server at {url} resizes images to {served[0]}..{served[1]} pixels, but this run uses "
                     f"{limits.min_pixels}..{limits.max_pixels}; set images.min_pixels = {served[0]} and "
-                    f"images.max_pixels = {served[1]}, or serve a model whose preprocessor_config.json has "
-                    f"the run's bounds"
+                    f"images.max_pixels = {served[1]}, or start the server with the run's bounds: --mm-processor-kwargs "
+                    f"'{{\"size\": {{\"shortest_edge\": {limits.min_pixels}, \"longest_edge\": {limits.max_pixels}}}}}' "
+                    f"(`saccade launch` passes them)"
                 )
         return engine
 

@@ -219,7 +219,7 @@ class SaccadeState:
     """What the routes need, built once per server process."""
 
     def __init__(self, model_path: str, max_body_bytes: int, api_key: str | None = None,
-                 weights_root: str | os.PathLike = "."):
+                 weights_root: str | os.PathLike = ".", processor_kwargs: dict | None = None):
         from transformers import AutoProcessor
 
         from saccade.config import ImagesConfig
@@ -233,11 +233,11 @@ class SaccadeState:
         self.api_key = api_key
         self.processor = AutoProcessor.from_pretrained(model_path)
         ip = self.processor.image_processor
-        size = getattr(ip, "size", None) or {}
-        self.limits = ImagesConfig(
-            min_pixels=int(size.get("shortest_edge", getattr(ip, "min_pixels", 56 * 56))),
-            max_pixels=int(size.get("longest_edge", getattr(ip, "max_pixels", 28 * 28 * 1280))),
-        )
+        size = dict(getattr(ip, "size", None) or {})
+        size.setdefault("shortest_edge", getattr(ip, "min_pixels", 56 * 56))
+        size.setdefault("longest_edge", getattr(ip, "max_pixels", 28 * 28 * 1280))
+        low, high = resize_bounds(size, processor_kwargs)
+        self.limits = ImagesConfig(min_pixels=low, max_pixels=high)
         self.merge = int(getattr(ip, "merge_size", 2))
         self.family = load_family(model_path)
         self.policy_version = 0
@@ -258,6 +258,21 @@ class SaccadeState:
             return_tensors="pt",
         )
         return out["pixel_values"].float(), out["image_grid_thw"].long()
+
+
+def resize_bounds(size: dict, processor_kwargs: dict | None) -> tuple[int, int]:
+    """The (min, max) pixels vLLM resizes a chat request's images to: the served folder's processor
+    `size`, then --mm-processor-kwargs' `size`, then its `min_pixels` / `max_pixels`, at the top or
+    under `images_kwargs`, the scoped ones last (vLLM 0.32: Qwen2VLProcessingInfo._get_vision_size
+    and the merge before it, where a scoped value wins)."""
+    size = dict(size)
+    kwargs = processor_kwargs or {}
+    for scope in (kwargs, kwargs.get("images_kwargs") or {}):
+        size.update(scope.get("size") or {})
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if scope.get(key) is not None:
+                size[edge] = scope[key]
+    return int(size["shortest_edge"]), int(size["longest_edge"])
 
 
 def reference_shapes(model_path: str, checkpoint_key=lambda key: key) -> dict[str, list[int]]:
@@ -601,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     api_key = api_key or os.environ.get("VLLM_API_KEY")
     check_exposure(args.host, api_key)
 
-    state = SaccadeState(model_path, int(max_body_mb * 1024 * 1024), api_key, weights_root)
+    state = SaccadeState(model_path, int(max_body_mb * 1024 * 1024), api_key, weights_root,
+                         processor_kwargs=args.mm_processor_kwargs)
     original_build_app = entry.build_app
 
     def build_app(*a, **kw):
