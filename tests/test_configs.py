@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import tomllib
@@ -18,6 +19,7 @@ from pydantic import BaseModel
 import saccade
 from saccade.cli import build_parser, main
 from saccade.config import LegacyConfigWarning, RunConfig, load_config, split_overrides
+from saccade.launcher.plan import node_plan
 from saccade.memory import estimate_run, header_lines
 
 CONFIGS = Path(saccade.__file__).parent / "configs"
@@ -32,7 +34,7 @@ class Real:
     hub_id: str
     pixels_per_token: int  # (patch x merge)^2: 1024 for Qwen3-VL's 16-px patches, 784 for Qwen2.5-VL's 14
     world_size: int = 1  # the trainer's torchrun ranks as shipped
-    ports: tuple[int, ...] = (8000,)  # the servers in engine.urls
+    ports: tuple[int, ...] = (8001,)  # the servers' ports (engine.urls, the layout's)
 
     @property
     def path(self) -> Path:
@@ -44,17 +46,17 @@ class Real:
 
 
 SEVEN = tuple(range(8001, 8008))  # 8 GPUs: the trainer on GPU 0, seven servers beside it
+FOUR = tuple(range(8001, 8005))  # 8 GPUs: the trainer on GPUs 0-3, four servers on 4-7
 REAL = [
     *(Real(f"qwen3vl-{size}-{layout}.toml", f"Qwen/Qwen3-VL-{size.upper()}-Instruct", 1024,
-           ports=(8000,) if layout == "1gpu" else SEVEN)
+           ports=(8001,) if layout == "1gpu" else SEVEN)
       for size in ("2b", "4b", "8b") for layout in ("1gpu", "8gpu")),
     Real("qwen2.5vl-7b-1gpu.toml", "Qwen/Qwen2.5-VL-7B-Instruct", 784),
     Real("qwen2.5vl-7b-8gpu.toml", "Qwen/Qwen2.5-VL-7B-Instruct", 784, ports=SEVEN),
     # no 1-GPU config: the trainer's and a server's bf16 weights alone exceed one 80 GB GPU (its header)
-    Real("qwen3vl-30b-a3b-8gpu.toml", "Qwen/Qwen3-VL-30B-A3B-Instruct", 1024, world_size=4,
-         ports=(8004, 8005, 8006, 8007)),
+    Real("qwen3vl-30b-a3b-8gpu.toml", "Qwen/Qwen3-VL-30B-A3B-Instruct", 1024, world_size=4, ports=FOUR),
     Real("qwen3.5-9b-1gpu.toml", "Qwen/Qwen3.5-9B", 1024),
-    Real("qwen3.5-35b-a3b-8gpu.toml", "Qwen/Qwen3.5-35B-A3B", 1024, world_size=4, ports=(8004, 8005, 8006, 8007)),
+    Real("qwen3.5-35b-a3b-8gpu.toml", "Qwen/Qwen3.5-35B-A3B", 1024, world_size=4, ports=FOUR),
 ]
 QWEN = [r.path for r in REAL if r.name.startswith(("qwen3vl-2b", "qwen3vl-4b", "qwen3vl-8b"))]  # the first six
 ids = lambda r: r.name  # noqa: E731
@@ -119,7 +121,9 @@ def test_header_claims_that_something_does_not_fit_hold(path):
 
 
 @pytest.mark.parametrize("real", REAL, ids=ids)
-def test_header_commands_agree_with_the_body(real):
+def test_the_launch_commands_agree_with_the_body(real):
+    # What `saccade launch CONFIG` runs (its --dry-run plan) is what the body and the header's memory
+    # figures assume: the servers' image bounds, LoRA rank, GPU share and model length; the trainer's ranks.
     path = real.path
     cfg = load_config(RunConfig, path)
     raw = tomllib.loads(path.read_text())
@@ -127,27 +131,39 @@ def test_header_commands_agree_with_the_body(real):
     assert cfg.model.path == real.hub_id
     assert raw["task"]["kind"] == "openmmreasoner"
     assert cfg.engine.kind == "vllm" and cfg.engine.sync_lora_adapter and cfg.lora.enabled
+    assert "urls" not in raw["engine"]  # the layout's servers
     assert cfg.loss.max_completion_tokens == cfg.sampling.max_tokens
     assert cfg.engine.max_concurrency >= cfg.rollout.prompts_per_step
-    # one server on port 8000 next to the trainer, seven on 8001-8007 beside it, or the GPUs the trainer leaves
+    assert cfg.rollout.max_async_level == 1  # one step sampled ahead, torchrun trainers too
     ports = tuple(int(u.rsplit(":", 1)[1]) for u in cfg.engine.urls)
     assert ports == real.ports
-    joined = " ".join(line.lstrip("# ").rstrip(" \\") for line in header.splitlines())
-    serve = re.search(r"saccade serve [^&]+&", joined).group(0)
-    assert int(re.search(r"--max-lora-rank (\d+)", serve).group(1)) >= cfg.lora.rank
-    assert f"-max{cfg.images.max_pixels} " in serve  # the served copy carries the run's image bounds
-    util = float(re.search(r"--gpu-memory-utilization ([0-9.]+)", serve).group(1))
-    reproduce = re.search(r"#   reproduce: (saccade memory .+)", header).group(1)
-    assert f"--gpu-memory-utilization {util:.2f}" in reproduce
+    [node] = cfg.launch.nodes
+    processes = node_plan(cfg, 0, config=f"configs/{path.name}", overrides=[], python="python")
+    *servers, trainer = processes
+    assert [s.url for s in servers] == cfg.engine.urls and trainer.url is None
     image_tokens = cfg.images.max_pixels // real.pixels_per_token
     assert cfg.images.max_pixels % real.pixels_per_token == 0 and cfg.images.min_pixels % real.pixels_per_token == 0
-    assert int(re.search(r"--max-model-len (\d+)", serve).group(1)) >= cfg.sampling.max_tokens + image_tokens
+    used = set()
+    for server, gpus in zip(servers, node.server_gpus, strict=True):
+        argv = list(server.argv)
+        flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
+        assert argv[:5] == ["python", "-m", "saccade", "serve", real.hub_id]  # the hub id itself: no copied folder
+        assert json.loads(flag("--mm-processor-kwargs")) == {
+            "size": {"shortest_edge": cfg.images.min_pixels, "longest_edge": cfg.images.max_pixels}}
+        assert int(flag("--max-lora-rank")) >= cfg.lora.rank and "--enable-lora" in argv
+        assert int(flag("--max-model-len")) >= cfg.sampling.max_tokens + image_tokens
+        assert float(flag("--gpu-memory-utilization")) == cfg.launch.gpu_memory_utilization
+        assert flag("--dtype") == cfg.model.dtype
+        assert server.env == {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+        used |= set(gpus)
     assert cfg.trainer.max_tokens >= cfg.sampling.max_tokens + image_tokens  # one longest sample fits a micro-batch
-    assert f"saccade rl configs/{path.name}" in header
-    if real.world_size > 1:  # the run command shards the trainer as the figures assume
-        assert f"torchrun --nproc-per-node {real.world_size} -m saccade rl configs/{path.name}" in joined
-        assert f"--world-size {real.world_size}" in reproduce
-        assert cfg.rollout.max_async_level == 0  # torchrun trainers sample on-policy (docs/async.md)
+    assert trainer.env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, node.trainer_gpus))
+    assert len(node.trainer_gpus) == real.world_size
+    if real.world_size > 1:  # the trainer is sharded as the header's figures assume
+        assert "torch.distributed.run" in trainer.argv and f"{real.world_size}" in trainer.argv
+    assert (used & set(node.trainer_gpus) != set()) == real.one_gpu  # one GPU: the server beside the trainer
+    assert len(used | set(node.trainer_gpus)) == (1 if real.one_gpu else 8)
+    assert f"saccade launch configs/{path.name}" in " ".join(line.lstrip("# ") for line in header.splitlines())
 
 
 NEW_FAMILIES = [r.path for r in REAL if r.path not in QWEN]

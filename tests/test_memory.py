@@ -515,8 +515,8 @@ EIGHT_GPU = ["qwen3vl-2b-8gpu.toml", "qwen3vl-4b-8gpu.toml", "qwen3vl-8b-8gpu.to
 @pytest.mark.parametrize("name", EIGHT_GPU)
 def test_eight_gpu_headers_say_how_they_shard(name):
     """Every `reproduce:` line of an 8-GPU config's header, at the world size it names, gives
-    lines that are in the header; every torchrun launch has a reproduce line at its
-    --nproc-per-node with the same estimate, and its GPUs plus its servers' are at most eight,
+    lines that are in the header; every sharded `saccade launch` layout has a reproduce line at
+    its trainer ranks with the same estimate, and its GPUs plus its servers' are at most eight,
     none shared; every "(X GiB) ... `saccade memory ...`" figure is that command's total."""
     from saccade.config import RunConfig, load_config, split_overrides
     from saccade.memory import estimate_run, header_lines
@@ -536,23 +536,22 @@ def test_eight_gpu_headers_say_how_they_shard(name):
     assert 1 in by_world and any(n > 1 for n in by_world)
     assert "world size 1" in header and "--world-size K" in header
 
-    launches = [c for c in _joined_commands(header) if c.startswith("CUDA_VISIBLE_DEVICES=") and " torchrun " in c]
-    assert launches, f"{name}: no torchrun command"
+    # The sharded layouts the header gives as `saccade launch CONFIG ... --launch.nodes '[...]'`.
+    launches = [c for c in _joined_commands(header) if c.startswith("saccade launch ") and "--launch.nodes" in c]
+    assert launches, f"{name}: no sharded saccade launch command"
     for launch in launches:
         argv = shlex.split(launch)
-        env = dict(a.split("=", 1) for a in argv[: argv.index("torchrun")])
-        rest = argv[argv.index("torchrun") + 1:]
-        assert rest[:4] == ["--nproc-per-node", rest[1], "-m", "saccade"] and rest[4] == "rl", launch
-        k = int(rest[1])
-        assert rest[5] == f"configs/{name}"
-        trainer_gpus = {int(g) for g in env["CUDA_VISIBLE_DEVICES"].split(",")}
-        assert len(trainer_gpus) == k
-        _, overrides = split_overrides(rest[6:])
+        assert argv[2] == f"configs/{name}", launch
+        _, overrides = split_overrides(argv[3:])
         cfg = load_config(RunConfig, path, overrides)
-        server_gpus = {int(u.rsplit(":", 1)[1]) - 8000 for u in cfg.engine.urls}  # port 800i on GPU i
+        [node] = cfg.launch.nodes
+        trainer_gpus, server_gpus = set(node.trainer_gpus), {g for gpus in node.server_gpus for g in gpus}
+        k = cfg.launch.world_size
+        assert k == len(trainer_gpus) > 1
         assert not trainer_gpus & server_gpus and trainer_gpus | server_gpus <= set(range(8)), launch
         assert k in by_world, f"{name}: no reproduce line at --world-size {k}"
-        est = estimate_run(cfg, gpu_memory_utilization=0.9, world_size=k)
+        est = estimate_run(cfg)  # the layout's world size and GPU share
+        assert est.world_size == k
         assert any(e.trainer == est.trainer and e.server == est.server for e in by_world[k]), launch
 
     prose = " ".join(_joined_commands(header))
