@@ -124,7 +124,8 @@ def kill_when_busy(engine, server, *, after_step_file, min_lines: int = 1, timeo
     return thread
 
 
-def test_two_servers_both_sample_and_load_every_version_and_a_killed_one_is_routed_around(tmp_path, two_servers):
+def test_two_servers_both_sample_and_load_every_version_and_a_killed_one_is_routed_around(tmp_path, two_servers,
+                                                                                          capsys):
     a, b = two_servers
     cfg = async_config(tmp_path, [a.url, b.url], "--trainer.steps", "6", "--rollout.max_async_level", "1")
     setup = build_setup(cfg, cfg.run_dir)
@@ -142,9 +143,12 @@ def test_two_servers_both_sample_and_load_every_version_and_a_killed_one_is_rout
     assert pool.servers[a.url].versions_loaded == [0, 1, 2, 3, 4, 5, 6]
     assert pool.servers[b.url].versions_loaded == list(range(len(pool.servers[b.url].versions_loaded)))
     assert info(a.url)["policy_version"] == 6
-    # The kill was seen and its in-flight request(s) went to the other server.
-    assert sum(r["requests_rerouted"] for r in rows) >= 1
+    # The kill was seen, once. A sampling request in flight on it went to the other server; the
+    # request in flight at the kill may instead have been a weight push (the pool counts both), which
+    # takes the server out without a reroute: seen once in a loaded suite.
     assert sum(r["servers_taken_out"] for r in rows) == 1 and rows[-1]["servers_alive"] == 1
+    pushed_into_the_kill = "taken out while loading weights" in capsys.readouterr().err
+    assert sum(r["requests_rerouted"] for r in rows) >= 1 or pushed_into_the_kill
     assert all(r["policy_lag"] <= 1 for r in rows)
 
     # Restarted, it rejoins with the weights of the run (version 6), and serves again.
