@@ -16,7 +16,7 @@ from stub_tasks import scored_task
 from saccade.config import RunConfig, load_config
 from saccade.metrics import read_metrics
 from saccade.rl import train_rl
-from saccade.stopping import REPEAT_WINDOW_S, STOP_FILE, RunStopped, StopRequest
+from saccade.stopping import REPEAT_WINDOW_S, STOP_FILE, STOPPED_FILE, RunStopped, StopRequest, stopped_since
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--trainer.steps", "4", "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
@@ -32,8 +32,10 @@ def test_a_stop_file_counts_only_when_written_since_the_run_started(tmp_path):
     assert not stop.asked() and not stop.agreed()
     (tmp_path / STOP_FILE).touch()
     assert stop.asked() and stop.agreed()
-    stop.done()
+    stop.done("stopped on request after step 3")
     assert not (tmp_path / STOP_FILE).exists() and not stop.asked()
+    assert (tmp_path / STOPPED_FILE).read_text() == "stopped on request after step 3\n"
+    assert stopped_since(tmp_path, time.time() - 5) and not stopped_since(tmp_path, time.time() + 60)
 
 
 def test_signals_ask_once_and_a_later_one_stops_at_once(tmp_path):
@@ -58,6 +60,7 @@ def test_a_stopped_run_saves_its_step_and_resumes_without_repeating_one(tmp_path
         train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False, stop=stop)
     assert (cfg.run_dir / "checkpoints" / "step_000001" / "COMPLETE").exists()
     assert not (cfg.run_dir / STOP_FILE).exists()  # carried out: the resume is not stopped by it
+    assert (cfg.run_dir / STOPPED_FILE).read_text().startswith("stopped on request after step 1; saved ")
     train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False, resume=True)
     assert [r["step"] for r in read_metrics(cfg.run_dir) if r["phase"] == "train"] == [1, 2, 3, 4]
 

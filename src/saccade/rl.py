@@ -412,9 +412,10 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                         state.policy_version = state.step  # the weights saved: a resume pushes them as this version
                         with stop_if_unwritable(run_dir, state.step):
                             saved = run.save(run_dir, state)
-                    stop.done(world)
-                    raise RunStopped(f"stopped on request after step {state.step}; saved {saved}; go on with: "
-                                     f"{rl_command(run_dir, world)} --resume")
+                    message = (f"stopped on request after step {state.step}; saved {saved}; go on with: "
+                               f"{rl_command(run_dir, world)} --resume")
+                    stop.done(message, world)
+                    raise RunStopped(message)
         except NoServerError as err:
             # Nothing trained is lost: the weights of every finished step go into a checkpoint. Every
             # rank gets here at the same step (sampling and pushing agree on failures across ranks).

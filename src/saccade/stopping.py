@@ -24,6 +24,9 @@ from pathlib import Path
 from saccade.distributed import SINGLE, World, all_reduce_sum
 
 STOP_FILE = "STOP"
+# Written by rank 0 when a stop on request is carried out, with its message: torchrun reports its
+# workers' exit status 130 as a failure (1), so `saccade launch` reads this file to tell the two apart.
+STOPPED_FILE = "STOPPED"
 REPEAT_WINDOW_S = 5.0
 
 
@@ -53,10 +56,12 @@ class StopRequest:
         """True on every rank when any rank was asked (a collective: every rank calls it)."""
         return all_reduce_sum([float(self.asked())], world, device)[0] > 0
 
-    def done(self, world: World = SINGLE) -> None:
-        """The request was carried out: rank 0 removes the STOP file, so that `--resume` goes on."""
+    def done(self, message: str, world: World = SINGLE) -> None:
+        """The request was carried out: rank 0 removes the STOP file, so that `--resume` goes on,
+        and writes STOPPED with `message`."""
         if world.is_main:
             self.file.unlink(missing_ok=True)
+            (self.file.parent / STOPPED_FILE).write_text(message + "\n")
 
     @contextlib.contextmanager
     def catch_signals(self):
@@ -81,3 +86,11 @@ class StopRequest:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+def stopped_since(run_dir: Path, since: float) -> bool:
+    """True when a run in `run_dir` stopped on request (STOPPED written) at or after `since`."""
+    try:
+        return (Path(run_dir) / STOPPED_FILE).stat().st_mtime >= since - 1.0
+    except OSError:
+        return False
