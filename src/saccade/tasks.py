@@ -18,8 +18,8 @@ it holds.
 
 `task.kind` picks the task (`task_from_config`), and the `[task]` variant of that kind
 (`saccade.config.task`) holds its fields: a built-in; "verifiers", an environment loaded by
-verifiers' own `load_environment(task.env_id, **task.env_args)` and run through
-`saccade.envs.verifiers_env`; or "plugin", a user's function `task.make_task` called as
+verifiers' own `load_environment` (taskset `task.env_id`, its config `task.env_args`) and run
+through `saccade.envs.verifiers_env`; or "plugin", a user's function `task.make_task` called as
 `make_task(cfg)` with the whole `RunConfig` that returns a `Task` (docs/rewards.md).
 
 `check_user_code` resolves everything a config names in user code before a run builds
@@ -151,11 +151,10 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task:
     t = cfg.task
     eval_seed = cfg.trainer.seed + EVAL_SEED_OFFSET
     if isinstance(t, VerifiersTaskConfig):
-        from saccade.envs.verifiers_env import VerifiersTask, load_verifiers_env
+        from saccade.envs.verifiers_env import VerifiersTask
 
-        env = load_verifiers_env(t.env_id, t.env_args)
-        # saccade bounds every episode: task.max_turns caps the env's own max_turns.
-        return VerifiersTask(env, max_turns=t.max_turns, correct_metric=t.correct_metric)
+        # saccade bounds every episode: task.max_turns caps the seat's own max_turns.
+        return VerifiersTask(t.env_id, t.env_args, max_turns=t.max_turns, correct_metric=t.correct_metric)
     if isinstance(t, PluginTaskConfig):
         task = load_callable(t.make_task, field="task.make_task")(cfg)
         missing = [m for m in ("max_turns", "train_sample", "eval_samples", "make_env") if not hasattr(task, m)]

@@ -7,7 +7,7 @@
 - "scenes": multi-turn questions about mesh scenes (`saccade.envs.scenes`);
 - "openmmreasoner", "mathvista", "geometry3k": those data sets, read from the hub or a copy;
 - "dataset": your own data set, read through `columns` (docs/data.md);
-- "verifiers": a verifiers environment, `load_environment(env_id, **env_args)`;
+- "verifiers": a verifiers environment by its id, `env_args` its taskset's config;
 - "plugin": your own Task, `make_task(cfg)` (docs/rewards.md).
 
 `saccade.tasks.task_from_config` builds the task from its variant. A variant checks only what
@@ -331,19 +331,22 @@ class OwnDatasetTaskConfig(HubDatasetTaskConfig):
 
 
 class VerifiersTaskConfig(Section):
-    """An environment of the `verifiers` package, built by its own `load_environment(env_id,
-    **env_args)` and run through `saccade.envs.verifiers_env`."""
+    """An environment written for the `verifiers` package (0.4, its v1 API), built by its own
+    `load_environment` with `env_args` as the taskset's config, and run through
+    `saccade.envs.verifiers_env`."""
 
     kind: Literal["verifiers"] = Field("verifiers", description=KIND)
     env_id: str = Field(min_length=1, description="the environment's id, e.g. 'my-env' (its module: my_env)")
-    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of load_environment")
+    env_args: dict[str, Any] = Field(
+        default_factory=dict, description="the taskset's config: fields of its TasksetConfig"
+    )
     max_turns: int = Field(
-        3, ge=1, le=64, description="assistant turns per episode at most: caps the env's own max_turns"
+        3, ge=1, le=64, description="assistant turns per episode at most: caps the seat's own max_turns"
     )
     correct_metric: str | None = Field(
         None, min_length=1,
-        description="the rubric function whose score counts as success (accuracy metrics); unset: accuracy "
-        "stays 0 and the rubric's scores are logged as env_<function>",
+        description="the reward or metric whose value counts as success (accuracy metrics); unset: accuracy "
+        "stays 0 and the rewards and metrics are logged as env_<name>",
     )
 
 
