@@ -43,8 +43,12 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpar
     return found
 
 
-def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
+def _cell(text) -> str:
+    """One table cell: one line, pipes escaped, and outside code spans `<` and `>` as entities
+    (else markdown reads `<image>` as an HTML tag and drops it)."""
+    parts = " ".join(str(text).split()).replace("|", "\\|").split("`")
+    parts[::2] = [p.replace("<", "&lt;").replace(">", "&gt;") for p in parts[::2]]
+    return "`".join(parts)
 
 
 def _flag(action: argparse.Action) -> str:

@@ -1,6 +1,7 @@
 """The docs stay whole: the mkdocs site builds with --strict (no broken link or anchor, no page
-left out of the nav), the README's links reach files and headings that exist, and the
-command-line reference (docs/cli.md) is what the argparse parsers say today."""
+left out of the nav), the README's links reach files and headings that exist, and the two
+generated references are what the code says today: docs/cli.md (the argparse parsers) and
+docs/config-reference.md (the config's models, every key)."""
 
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ def test_readme_links_reach_files_and_headings():
             assert anchor in anchors(target), f"README.md links to {link}: no such heading in {target.name}"
 
 
-def load_reference_script():
-    spec = importlib.util.spec_from_file_location("cli_reference", ROOT / "scripts" / "cli_reference.py")
+def load_reference_script(name: str = "cli_reference"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -114,3 +115,18 @@ def test_cli_reference_has_every_command_and_flag():
                     assert f"`{flag}" in page or f", {flag}" in page, f"{name} {flag} is not in docs/cli.md"
                     seen += 1
     assert seen > 60
+
+
+def test_config_reference_is_what_the_models_say():
+    reference = load_reference_script("config_reference").reference()
+    assert (DOCS / "config-reference.md").read_text() == reference, (
+        "docs/config-reference.md differs from saccade.config: run `uv run python scripts/config_reference.py` "
+        "and commit docs/config-reference.md")
+
+
+def test_every_config_key_is_documented():
+    from test_configs import config_keys
+
+    page = (DOCS / "config-reference.md").read_text()
+    missing = sorted(key for key in config_keys() if f"| `{key}` |" not in page and f"## `[{key}]`" not in page)
+    assert not missing, f"config keys missing from docs/config-reference.md: {missing}"
