@@ -166,3 +166,18 @@ def test_a_new_user_writes_a_qwen2_5_vl_config_from_the_readme(tmp_path, monkeyp
     assert f'dataset = "{spec["dataset"]}"' in printed and f'eval_dataset = "{spec["eval_dataset"]}"' in printed
     for key, column in cols.items():
         assert f'{key} = "{column}"' in printed
+
+
+def test_readme_config_table_equals_the_estimator():
+    """The README's table of shipped configs quotes each one's trainer and server estimates as its
+    header's `saccade memory` command gives them (tests/test_configs.py checks the Qwen3-VL rows;
+    this, every family's)."""
+    from test_configs import REAL, estimate_from_command, header_of
+
+    rows = [line for line in README.read_text().splitlines() if line.startswith("| `configs/")]
+    for real in REAL:
+        row = [r for r in rows if r.startswith(f"| `configs/{real.name}`")]
+        assert len(row) == 1, f"README.md: no single row for {real.name}"
+        est = estimate_from_command(re.search(r"#   reproduce: (saccade memory .+)", header_of(real.path)).group(1))
+        figures = re.findall(r"\d+\.\d", row[0])
+        assert f"{est.trainer.total:.1f}" in figures and f"{est.server.total:.1f}" in figures, row[0]
