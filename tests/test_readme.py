@@ -93,7 +93,8 @@ def test_readme_command_passes_dry_run(argv, tmp_path, monkeypatch, capsys):
     argv = in_repo(argv)
     monkeypatch.chdir(tmp_path)  # nothing the dry run might write lands in the checkout
     assert main([*argv, *([] if "--dry-run" in argv else ["--dry-run"])]) == 0
-    assert "[model]" in capsys.readouterr().out
+    if argv[0] != "launch":  # launch's dry run prints the commands it would start, not the config
+        assert "[model]" in capsys.readouterr().out
 
 
 def as_rl(argv: list[str]) -> list[str]:
