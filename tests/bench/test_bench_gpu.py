@@ -114,7 +114,7 @@ def test_the_stage_list_adds_up_to_the_gpu_budget():
     assert by_family["Qwen3-VL"] <= 25 * 60 and by_family["Qwen2.5-VL"] + by_family["Qwen3-VL-MoE"] <= 25 * 60
     assert by_family["Qwen3.5"] <= 25 * 60
     # Every stage, with the builds of all it loads (a fresh machine), fits one command of the
-    # README's `--budget 540`: a stage whose estimate never fits would be left for the next run forever.
+    # docs/gpu-runs.md's `--budget 540`: a stage whose estimate never fits would be left for the next run forever.
     for stage in gpu.STAGES:
         assert stage.gpu_s + sum(gpu.S.BIG[n].build_s for n in stage.needs) <= 540, stage.name
 

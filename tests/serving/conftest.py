@@ -1,7 +1,7 @@
 """One real `saccade serve` (vLLM's CPU build, the tiny model) shared by the vLLM tests of this
 package: starting one takes about a minute on this machine.
 
-It is started as the README has a new user start one (`saccade serve tiny --dtype float32
+It is started as docs/vllm.md has a new user start one (`saccade serve tiny --dtype float32
 --enforce-eager`, VLLM_CPU_KVCACHE_SPACE unset, vLLM's default engine processes), plus LoRA
 and a small body limit, so the tests of those run on the same server.
 

@@ -2,7 +2,7 @@
 build, the tiny model): sampling one step ahead, two servers, one SIGKILLed mid-run and
 restarted, every server of a run killed and the run resumed on another.
 
-`a` is the package's shared server (started as the README says; never killed here). `b` is
+`a` is the package's shared server (started as docs/vllm.md says; never killed here). `b` is
 this module's own, the one the tests kill: two starts in all. `b` runs vLLM's engine with its
 worker in the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one thread): one
 process fewer to start, about 20 s of the two cores per start, while `a` keeps vLLM's default
@@ -209,7 +209,7 @@ def test_with_every_server_killed_the_run_checkpoints_says_what_to_do_and_resume
     out["setup"].engine.close()
 
 
-@pytest.mark.long  # about 110 s: two torchrun launches (README, "Development": pytest -m long)
+@pytest.mark.long  # about 110 s: two torchrun launches (docs/getting-started.md, "Tests": pytest -m long)
 def test_at_world_2_with_every_server_killed_every_rank_checkpoints_once_and_resume_finishes(tmp_path, two_servers):
     """As above, under torchrun at world 2, sampling ahead: the ranks agree that the servers are
     gone (on whichever rank a request failed first), save the finished steps together in one

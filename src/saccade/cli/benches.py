@@ -427,7 +427,7 @@ def add_bench_gpu(bench_sub) -> None:
         "(tiny-warm), FSDP2 at world 1 (2B; bf16 mixed precision against fp32), `bench render`; then for the other "
         "families bf16 parity and `bench trainer` LoRA at Qwen2.5-VL-3B's shapes and at Qwen3-VL-30B-A3B's widths "
         "with 6 layers (qwen3vl-30b-a3b-l6), each built by its first stage. Results go into "
-        "OUT/bench-gpu.json as each stage ends, with OUT/bench-gpu.md (the README's table) and OUT/bench-gpu.log. "
+        "OUT/bench-gpu.json as each stage ends, with OUT/bench-gpu.md (docs/gpu-runs.md's table) and OUT/bench-gpu.log. "
         "Run again, it skips stages that are ok (--force runs them again) or failed (name them with --stage to "
         "retry). --budget S starts a stage only if its H100 estimate fits in what is left of S seconds, and exits 3 "
         "when stages are left: run the same command again. Exit 1 if a stage failed. --device cpu --quick runs "

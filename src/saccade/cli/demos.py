@@ -192,7 +192,7 @@ def add_demo_parser(sub) -> None:
         description="Builds (once, cached) a tiny random vision-language model offline; SFT warm start on random answers "
         "(the answer format, no visual signal); GRPO on the synthetic shapes task; then the same GRPO on "
         "blank images as a control. Prints held-out accuracy before, after and for the control, and fails "
-        "(exit 1) if the model did not learn or the control did. About 2 minutes on 2 cores (docs/demo.md has each seed's). "
+        "(exit 1) if the model did not learn or the control did. About 2.5 minutes on a quiet 2-core CPU (docs/demo.md has each seed's). "
         "Settings: saccade/configs/demo.toml (configs/demo.toml in the repo); dotted overrides apply. "
         "Runs, metrics and plots go to runs/demo/{sft,grpo,control}, replacing a previous demo's. "
         "Another family: --model.path qwen2.5vl-tiny (its tiny preset; '<preset>-warm' runs the same demo, "
@@ -207,7 +207,7 @@ def add_demo_parser(sub) -> None:
     demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views", "scenes"],
                       help="which demo: 'shapes' (default; single-turn VQA; with --task.kind dataset your own "
                       "multiple-choice data set instead), 'views' (multi-turn: act to change "
-                      "the view, then answer; configs/views.toml, runs/demo-views, about 10 minutes) or 'scenes' "
+                      "the view, then answer; configs/views.toml, runs/demo-views, about 10.5 minutes on one core) or 'scenes' "
                       "(the same in generated 3D mesh rooms with camera-pose actions; configs/scenes.toml, "
                       "runs/demo-scenes)")
     demo.add_argument("--config", metavar="PATH",

@@ -139,7 +139,7 @@ def add_rl_parser(sub) -> None:
         description="Train with RL from verifiable rewards. CONFIG is a TOML file (see configs/); any field can be "
         "overridden as --section.key VALUE. --dry-run prints the resolved config and exits. On several GPUs or "
         "machines, start it with torchrun (`torchrun --nproc-per-node N -m saccade rl CONFIG`): the trainer is then "
-        "sharded with FSDP2 over the N processes and each samples its share of the prompts (README: Scaling out). "
+        "sharded with FSDP2 over the N processes and each samples its share of the prompts (docs/distributed.md). "
         "A run that stalls (no group with reward variance, or most replies cut at sampling.max_tokens, for "
         "rollout.stall_steps steps; rollout.stall_truncated_frac) warns, stops (exit status 3, naming the --resume "
         "command) or rolls back to its last checkpoint from before the stall at rollout.stall_lr_factor times the "

@@ -8,10 +8,10 @@ with DeepStack on. The folder it writes is an ordinary Hugging Face folder: the 
 classes and vLLM load it like a real checkpoint, so every code path is the real one.
 
 Presets:
-- "tiny": about 1M parameters; what the tests and the demo use. Text head_dim is 32
-  because vLLM's CPU attention refuses 16.
-- "small": about 110M parameters (LM ~80M, vision ~30M) with Qwen3-VL's layer shapes
-  scaled down; for benchmarks. Its BPE stops at ~1.7k tokens: the corpus has no more merges.
+- "tiny": 1.55M parameters (language model 0.92M, vision 0.63M); what the tests and the
+  demo use. Text head_dim is 32 because vLLM's CPU attention refuses 16.
+- "small": 111.2M parameters (language model 50.3M, vision 61.0M) with Qwen3-VL's layer
+  shapes scaled down; for benchmarks. Its BPE stops at ~1.7k tokens: the corpus has no more merges.
 - "qwen3vl-2b": random weights at exactly Qwen3-VL-2B-Instruct's shapes (2.13B parameters,
   the 151,936-row vocabulary included, DeepStack from ViT blocks 5, 11, 17), saved in bf16
   (4.3 GB): what the GPU benchmarks measure speed, memory and bf16 parity on, offline.
