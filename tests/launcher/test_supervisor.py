@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from saccade.launcher.plan import Process
-from saccade.launcher.supervisor import LAUNCH_DIR, Log, alive, process_tree, supervise
+from saccade.launcher.supervisor import ENDED_FILE, LAUNCH_DIR, Log, alive, process_tree, supervise
 from saccade.serving.launch import free_port
 
 HERE = Path(__file__).parent
@@ -159,3 +159,22 @@ def test_a_server_that_cannot_start_ends_the_launch_with_its_log(tmp_path):
     log = out.getvalue()
     assert "[launch] error: server 0 exited with 3 before it answered" in log and "cannot start: --fail" in log
     assert "trainer" not in pids(tmp_path)  # never started
+
+
+def test_a_node_without_trainer_ranks_serves_until_the_trainers_node_has_ended(tmp_path):
+    server = processes(tmp_path)[0]
+
+    def end_the_run():
+        wait_for(lambda: answers(server.url))
+        time.sleep(1.0)
+        assert answers(server.url)  # still up: nothing said the run ended
+        (tmp_path / LAUNCH_DIR / ENDED_FILE).write_text("done\n")  # what the trainer's node writes
+
+    out = io.StringIO()
+    helper = in_thread(end_the_run, tmp_path)
+    code = supervise([server], urls=[server.url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                     resume_hint="-", log=Log(out))
+    helper.join(timeout=10)
+    assert not helper.errors, helper.errors
+    assert code == 0 and "[launch] the trainer's node has ended: stopping the servers" in out.getvalue()
+    assert not answers(server.url) and not alive(pids(tmp_path)["server 0"])
