@@ -123,3 +123,14 @@ def test_saccade_options_are_taken_out_before_vllm_parses_the_rest():
     assert args == ["--dtype", "float32", "--port", "8000"]
     with pytest.raises(SystemExit, match="--weights-root needs a value"):
         pop_option(["--weights-root"], "--weights-root")
+
+
+def test_resize_bounds_follow_vllms_order_folder_then_size_then_pixels_scoped_last():
+    from saccade.serving.server import resize_bounds
+
+    folder = {"shortest_edge": 65536, "longest_edge": 16777216}
+    assert resize_bounds(folder, None) == (65536, 16777216)
+    assert resize_bounds(folder, {"size": {"longest_edge": 802816}}) == (65536, 802816)  # what saccade launch passes
+    assert resize_bounds(folder, {"size": {"shortest_edge": 1024, "longest_edge": 4096}, "max_pixels": 8192}) \
+        == (1024, 8192)
+    assert resize_bounds(folder, {"max_pixels": 8192, "images_kwargs": {"max_pixels": 4096}}) == (65536, 4096)

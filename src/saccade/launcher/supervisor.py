@@ -67,6 +67,14 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def send(pid: int, sig: int) -> None:
+    """`sig` to `pid`, if it still exists."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie has exited: only its parent's wait is missing)."""
     fields = _stat(pid)
@@ -160,20 +168,14 @@ class Child:
         self.signal(signal.SIGTERM)
         for pid in tree:  # those in sessions of their own
             if pid != self.proc.pid and alive(pid):
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                send(pid, signal.SIGTERM)
         deadline = time.time() + grace_s
         while time.time() < deadline and any(alive(p) for p in tree):
             self.proc.poll()
             time.sleep(0.2)
         for pid in tree:
             if alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                send(pid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
