@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LONG_FIRST = (
     "tests/serving/",
     "tests/distributed/test_distributed_rl.py",
+    "tests/launcher/test_launch_vllm.py",
     "tests/test_kills.py",
     "tests/bench/test_bench_gpu.py",
     "tests/trainer/test_checkpoint_distributed.py",

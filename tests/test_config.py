@@ -30,7 +30,7 @@ from saccade.config import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = [ROOT / "configs" / "demo.toml", ROOT / "configs" / "example-qwen3vl-2b.toml"]
+SHIPPED = [ROOT / "configs" / "demo.toml", ROOT / "configs" / "qwen3vl-2b-1gpu.toml"]
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -93,8 +93,8 @@ def test_shipped_configs_load(path):
         assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
         assert (cfg.model.dtype, cfg.model.attn_implementation) == ("bfloat16", "auto")
         assert cfg.lora.enabled and cfg.engine.kind == "vllm" and len(cfg.engine.urls) == 1
-        assert cfg.rollout.group_size == 8 and cfg.sampling.max_tokens == 1024
-        assert cfg.images.max_pixels == 1003520
+        assert cfg.rollout.group_size == 8 and cfg.sampling.max_tokens == 2048
+        assert cfg.images.max_pixels == 802816 and cfg.launch.shares_gpu()
     else:
         assert cfg.model.path == "tiny" and cfg.engine.kind == "embedded"
         assert cfg.model.dtype == "float32" and cfg.task.kind == "shapes"
@@ -313,8 +313,8 @@ def test_the_runtime_code_takes_the_sections_themselves():
     import saccade.trainer.loss as loss
 
     assert loss.LossConfig is LossConfig and images.ImagesConfig is ImagesConfig and lm.LoraConfig is LoraConfig
-    cfg = load_config(RunConfig, ROOT / "configs" / "example-qwen3vl-2b.toml", [])
-    assert cfg.loss.tis_cap == 2.0 and cfg.loss.max_completion_tokens == 1024
+    cfg = load_config(RunConfig, ROOT / "configs" / "qwen3vl-2b-1gpu.toml", [])
+    assert cfg.loss.tis_cap == 2.0 and cfg.loss.max_completion_tokens == 2048
     for module in (images, lm, loss):
         twins = [name for name in vars(module) if name in ("ImageLimits", "LoraSettings", "LossSection")]
         assert not twins, f"{module.__name__} still defines {twins}"

@@ -15,14 +15,14 @@ pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs v
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.long]
 
-from test_launch_vllm import CONFIG, Launch, train_rows  # noqa: E402
+from test_launch_vllm import CONFIG, Launch, free_ports, train_rows  # noqa: E402
 
 from saccade.serving.launch import free_port  # noqa: E402
 
 
 def test_two_launchers_as_two_nodes_train_together(tmp_path):
     run = tmp_path / "run"
-    layout = CONFIG.split("[[launch.nodes]]")[0].format(port=free_port())
+    layout = CONFIG.split("[[launch.nodes]]")[0].format(port=free_ports(2))
     nodes = "".join("[[launch.nodes]]\nhost = \"127.0.0.1\"\ntrainer_ranks = 1\nservers = 1\n" for _ in range(2))
     config = tmp_path / "run.toml"
     config.write_text(layout.replace("[launch]\n", f"[launch]\nrdzv_port = {free_port()}\n") + nodes

@@ -1,7 +1,9 @@
-"""`saccade launch` for real: two vLLM servers (vLLM's CPU build) and a trainer at world 2
-(torchrun, FSDP2 over gloo) sampling one step ahead, on the tiny model, from one config.
+"""`saccade launch` for real: vLLM servers (vLLM's CPU build) and a trainer at world 2 (torchrun,
+FSDP2 over gloo) sampling one step ahead, on the tiny model, from one config.
 
-One run shows the three things the launcher is for:
+By default, the cheapest whole launch: one server, the trainer at world 2, 3 steps, exit 0,
+nothing left. With `pytest -m long` (about 220 s), two servers and one run that shows the three
+things the launcher is for:
 - a server SIGKILLed mid-run is started again and the trainer takes it back (servers_rejoined);
 - Ctrl-C (SIGINT) to the launcher stops everything within seconds, leaving a checkpoint;
 - `saccade launch CONFIG --resume` trains 4 more steps and exits 0, no step twice;
@@ -107,6 +109,29 @@ class Launch:
         return self.log.read_text(errors="replace")
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive ports that are free now (a layout's servers take port, port + 1, ...)."""
+    import socket
+
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def wait_until(condition, launch: Launch, timeout_s: float, what: str):
     deadline = time.time() + timeout_s
     while not condition():
@@ -123,10 +148,31 @@ def train_rows(run: Path) -> list[dict]:
         return []
 
 
+def test_launch_trains_at_world_2_and_leaves_no_process(tmp_path):
+    config = tmp_path / "run.toml"
+    run = tmp_path / "run"
+    one_server = CONFIG.replace("servers = 2", "servers = 1").replace("steps = 200", "steps = 3")
+    config.write_text(one_server.format(port=free_ports(1)) + f'[log]\ndir = "{run}"\n')
+    launch = Launch(config, tmp_path / "launch.log")
+    try:
+        code = launch.wait(timeout_s=600)
+    finally:
+        if launch.proc.poll() is None:
+            os.killpg(launch.proc.pid, signal.SIGKILL)
+    text = launch.text()
+    assert code == 0, text[-6000:]
+    assert "[trainer] done: 3 steps on 2 rank(s)" in text  # torchrun, both ranks
+    assert "[launch] the trainer finished; every process started here has stopped" in text
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["policy_lag"] for r in rows] == [0, 1, 1]
+    assert launch.seen and not launch.left(), launch.left()
+
+
+@pytest.mark.long
 def test_launch_restarts_a_killed_server_stops_on_ctrl_c_and_resumes(tmp_path):
     config = tmp_path / "run.toml"
     run = tmp_path / "run"
-    config.write_text(CONFIG.format(port=free_port()) + f'[log]\ndir = "{run}"\n')
+    config.write_text(CONFIG.format(port=free_ports(2)) + f'[log]\ndir = "{run}"\n')
 
     first = Launch(config, tmp_path / "launch-1.log")
     try:

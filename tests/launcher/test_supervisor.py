@@ -9,6 +9,7 @@ import io
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -178,3 +179,26 @@ def test_a_node_without_trainer_ranks_serves_until_the_trainers_node_has_ended(t
     assert not helper.errors, helper.errors
     assert code == 0 and "[launch] the trainer's node has ended: stopping the servers" in out.getvalue()
     assert not answers(server.url) and not alive(pids(tmp_path)["server 0"])
+
+
+def test_a_killed_launcher_takes_its_processes_with_it(tmp_path):
+    """SIGKILL to the launcher (the OOM killer, a scheduler) leaves no server or trainer behind:
+    each child gets SIGTERM when its parent dies (PR_SET_PDEATHSIG)."""
+    code = ("import sys; from pathlib import Path; from saccade.launcher.plan import Process; "
+            "from saccade.launcher.supervisor import supervise; "
+            f"plan = {[(p.name, p.argv, p.env, p.url) for p in processes(tmp_path)]!r}; "
+            "ps = [Process(*p) for p in plan]; "
+            f"supervise(ps, urls=[ps[0].url], run_dir=Path({str(tmp_path)!r}), max_restarts=3, "
+            "ready_timeout_s=60, resume_hint='-')")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: "trainer" in pids(tmp_path) and (tmp_path / "grandchild.pid").exists())
+        children = [pids(tmp_path)["server 0"], pids(tmp_path)["trainer"]]
+        launcher.kill()
+        launcher.wait(timeout=10)
+        wait_for(lambda: not any(alive(p) for p in children), timeout_s=20)
+    finally:
+        grandchild = tmp_path / "grandchild.pid"  # the trainer's own child, which only a launcher stops
+        for pid in [*pids(tmp_path).values(), *([int(grandchild.read_text())] if grandchild.exists() else [])]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

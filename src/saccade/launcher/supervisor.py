@@ -67,6 +67,18 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def die_with_parent() -> None:
+    """In a child, before it runs its program: SIGTERM when the launcher dies, even by SIGKILL
+    (Linux's PR_SET_PDEATHSIG), so that no server is left holding a GPU after a killed launcher.
+    The child (saccade serve, torchrun) then stops its own children as on any SIGTERM."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own stop is all there is
+
+
 def send(pid: int, sig: int) -> None:
     """`sig` to `pid`, if it still exists."""
     try:
@@ -118,7 +130,7 @@ class Child:
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.process.env}
         self.proc = subprocess.Popen(self.process.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         self.reader = threading.Thread(target=self._stream, args=(self.proc,), daemon=True,
                                        name=f"log {self.name}")
         self.reader.start()
