@@ -1,9 +1,14 @@
 """`saccade launch` for real: vLLM servers (vLLM's CPU build) and a trainer at world 2 (torchrun,
 FSDP2 over gloo) sampling one step ahead, on the tiny model, from one config.
 
-By default, the cheapest whole launch: one server, the trainer at world 2, 3 steps, exit 0,
-nothing left. With `pytest -m long` (about 220 s), two servers and one run that shows the three
-things the launcher is for:
+`pytest -m long`: these whole runs take minutes. The default suite covers their parts: the
+supervisor on small real processes (test_supervisor.py), the commands against the configs
+(test_plan.py), and a vLLM server started with the launcher's arguments
+(tests/serving/test_vllm_servers.py, `b`).
+
+The cheapest whole launch: one server, the trainer at world 2, 3 steps, exit 0, nothing left
+(about 85-120 s). Then two servers and one run (about 220 s) that shows the three things the
+launcher is for:
 - a server SIGKILLed mid-run is started again and the trainer takes it back (servers_rejoined);
 - Ctrl-C (SIGINT) to the launcher stops everything within seconds, leaving a checkpoint;
 - `saccade launch CONFIG --resume` trains 4 more steps and exits 0, no step twice;
@@ -148,6 +153,7 @@ def train_rows(run: Path) -> list[dict]:
         return []
 
 
+@pytest.mark.long
 def test_launch_trains_at_world_2_and_leaves_no_process(tmp_path):
     config = tmp_path / "run.toml"
     run = tmp_path / "run"

@@ -62,15 +62,34 @@ def info(url: str) -> dict:
 ONE_PROCESS_FEWER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
+def launched_server_args(model: str, weights_root) -> tuple[str, ...]:
+    """The vLLM arguments `saccade launch` gives a CPU server of a run on the demo config (the
+    launcher's plan: image bounds by --mm-processor-kwargs, --limit-mm-per-prompt, --max-model-len,
+    dtype), less the port and weights root, which ServerProcess sets."""
+    from saccade.launcher.plan import server_processes
+
+    cfg = load_config(RunConfig, "configs/demo.toml", [
+        "--engine.kind", "vllm", "--engine.weights_dir", str(weights_root),
+        "--launch.nodes", json.dumps([{"trainer_ranks": 1, "servers": 1}])])
+    [process] = server_processes(cfg, 0, model=model)
+    argv = list(process.argv[5:])  # after python -m saccade serve MODEL
+    for flag in ("--port", "--weights-root"):
+        at = argv.index(flag)
+        del argv[at:at + 2]
+    return tuple(argv)
+
+
 @pytest.fixture(scope="module")
 def two_servers(server, shared_server, tiny_path, tmp_path_factory):
     """(`a`, `b`): the shared server, serving the base weights (`server`), and one of this
-    module's own with the tests' CPU args, which the tests kill and restart."""
-    from saccade.serving.launch import CPU_ARGS, ServerProcess
+    module's own, which the tests kill and restart. `b` is started with the arguments
+    `saccade launch` gives a CPU server (`launched_server_args`), so the default suite runs
+    vLLM with them; tests/launcher/test_launch_vllm.py launches whole runs (`pytest -m long`)."""
+    from saccade.serving.launch import ServerProcess
 
-    b = ServerProcess(str(tiny_path), args=CPU_ARGS, env=ONE_PROCESS_FEWER,
-                      log_path=tmp_path_factory.mktemp("server-b") / "serve.log",
-                      weights_root=tmp_path_factory.getbasetemp())
+    root = tmp_path_factory.getbasetemp()
+    b = ServerProcess(str(tiny_path), args=launched_server_args(str(tiny_path), root), env=ONE_PROCESS_FEWER,
+                      log_path=tmp_path_factory.mktemp("server-b") / "serve.log", weights_root=root)
     try:
         b.start().wait_ready()
         yield shared_server, b
@@ -82,10 +101,15 @@ def two_servers(server, shared_server, tiny_path, tmp_path_factory):
 
 def test_saccade_serve_starts_as_the_readme_says_and_chooses_a_cpu_kv_cache(two_servers):
     """vLLM alone would ask for 92% of a NUMA node and refuse to start on a machine with less
-    free; saccade serve picks a cache that fits and says so in one line."""
-    a, _ = two_servers
+    free; saccade serve picks a cache that fits and says so in one line. The server started with
+    `saccade launch`'s arguments reports the run's image bounds."""
+    a, b = two_servers
     assert httpx.get(a.url + "/saccade/info", timeout=10).status_code == 200
     assert "GiB KV cache in host memory" in a.log_path.read_text()
+    args = launched_server_args("tiny", "/tmp")
+    assert "--mm-processor-kwargs" in args and "--limit-mm-per-prompt" in args and "--max-model-len" in args
+    limits = RunConfig().images
+    assert (info(b.url)["min_pixels"], info(b.url)["max_pixels"]) == (limits.min_pixels, limits.max_pixels)
 
 
 def test_one_step_ahead_never_trains_on_older_weights_than_one_version(tmp_path, two_servers):
