@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from saccade.config import is_loopback
 from saccade.serving.server import (
-    DEFAULT_FLAGS, RequestError, check_exposure, check_weights_folder, is_loopback, split_features, with_defaults,
+    DEFAULT_FLAGS, RequestError, check_exposure, check_weights_folder, split_features, with_defaults,
 )
 
 

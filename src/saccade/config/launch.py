@@ -26,8 +26,9 @@ from saccade.config.sections import Section
 LOOPBACK_NAMES = ("localhost",)
 
 
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and 'localhost': an address no other machine reaches."""
+def is_loopback(host: str | None) -> bool:
+    """True for 127.0.0.0/8, ::1 and 'localhost': an address no other machine reaches. False for
+    0.0.0.0 and "" (all interfaces), None, and the rest. `saccade serve` and the launcher use it."""
     if host in LOOPBACK_NAMES:
         return True
     try:

@@ -29,13 +29,13 @@ the pure functions of saccade.serving.validation. /encode_images takes data: URL
 
 # No `from __future__ import annotations`: FastAPI must see the route parameters' real types.
 
-import ipaddress
 import json
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from saccade.config import is_loopback
 from saccade.serving.validation import (
     CHAT_ROUTES, RequestError, chat_media_urls, check_aspect_ratio, check_chat_media_url, parse_image_list,
     parse_json_body, parse_update_request, resolve_weights_path, resolve_weights_root,
@@ -66,16 +66,6 @@ DEFAULT_FLAGS = {
     # machine; 1.2 s vs 1.6 s with the same image 20 times).
     "--mm-processor-cache-gb": "0",
 }
-
-
-def is_loopback(host: str | None) -> bool:
-    """True for 127.x, ::1 and localhost; False for 0.0.0.0, "" (all interfaces) and the rest."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def with_defaults(vllm_args: list[str]) -> list[str]:
