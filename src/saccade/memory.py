@@ -641,10 +641,8 @@ def estimate_run(cfg, *, gpu_memory_utilization: float | None = None, gpu_gib: f
 
 def launch_shape(cfg) -> tuple[float, bool, int]:
     """(--gpu-memory-utilization, a server shares a GPU with a trainer rank, trainer ranks) of the
-    config's [launch] layout; without one, 0.9, no, 1."""
+    config's [launch] layout; without nodes, the section's defaults: 0.9, no, 1."""
     launch = cfg.launch
-    if not launch.nodes:
-        return 0.9, False, 1
     return launch.gpu_memory_utilization, launch.shares_gpu(), launch.world_size
 
 
