@@ -50,17 +50,14 @@ def weights_root(cfg: RunConfig) -> Path:
 
 def cpu_server_dtype(cfg: RunConfig) -> str:
     """The dtype a CPU server of the run's model takes: model.dtype, unless vLLM's CPU build serves
-    the family in one dtype only (Qwen3.5: bfloat16). Known without a download for the built-in
-    presets and local folders; a hub id on the CPU is asked for model.dtype."""
-    from saccade.models.families import preset_family, warm_start_base
-    from saccade.models.loading import load_family
+    the family in one dtype only (Qwen3.5: bfloat16; `saccade.serving.launch.cpu_dtype`). Known
+    without a download for the built-in presets and local folders; a hub id on the CPU is asked
+    for model.dtype (a plan downloads nothing)."""
+    from saccade.serving.launch import cpu_dtype
 
-    path = cfg.model.path
-    family = preset_family(warm_start_base(path) or path)
-    if family is None and Path(path).is_dir():
-        family = load_family(path)
-    only = family.vllm_cpu_dtype if family is not None else None
-    return only[0] if only else cfg.model.dtype
+    if not (cfg.model.is_preset or Path(cfg.model.path).is_dir()):
+        return cfg.model.dtype
+    return cpu_dtype(cfg.model.path, default=cfg.model.dtype)
 
 
 def server_processes(cfg: RunConfig, node_rank: int, *, model: str | None = None,

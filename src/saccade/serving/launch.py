@@ -15,14 +15,18 @@ from pathlib import Path
 CPU_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "2048")
 
 
-def cpu_dtype(model: str | Path) -> str:
-    """The dtype a CPU server of `model` runs in by default: float32, or the family's only one on
-    vLLM's CPU build (`vllm_cpu_dtype`: Qwen3.5's bfloat16, which `saccade serve` refuses to
-    replace with float32)."""
+def cpu_dtype(model: str | Path, default: str = "float32") -> str:
+    """The dtype a CPU server of `model` runs in: `default`, or the family's only one on vLLM's CPU
+    build (`vllm_cpu_dtype`: Qwen3.5's bfloat16, which `saccade serve` refuses to replace with
+    float32). `model`: a folder or hub id (its config.json is read), or a built-in preset's name,
+    or its warm start's (known without building it)."""
+    from saccade.models.families import preset_family, warm_start_base
     from saccade.models.loading import load_family
 
-    only = load_family(str(model)).vllm_cpu_dtype
-    return "float32" if only is None else only[0]
+    name = str(model)
+    family = preset_family(warm_start_base(name) or name) or load_family(name)
+    only = family.vllm_cpu_dtype
+    return default if only is None else only[0]
 
 
 def cpu_args(model: str | Path, dtype: str | None = None) -> tuple[str, ...]:
