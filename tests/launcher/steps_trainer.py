@@ -1,7 +1,7 @@
 """A process the supervisor can watch as it watches `saccade rl`: it prints a line per "step",
 starts a child in a session of its own (as torchrun starts its workers) and writes its pid to
-RUN/grandchild.pid, then runs until RUN/finish exists (exit 0) or RUN/STOP does (exit 130, as
-`saccade rl` does after a stop on request). With --ignore-stop it never looks at STOP."""
+RUN/grandchild.pid, then runs until RUN/finish exists (exit 0) or RUN/STOP does (it writes
+RUN/STOPPED and exits 130, as `saccade rl` does after a stop on request). With --ignore-stop it never looks at STOP."""
 
 import subprocess
 import sys
@@ -19,5 +19,6 @@ while True:
         sys.exit(0)
     if (run / "STOP").exists() and "--ignore-stop" not in sys.argv:
         print("stopped on request", flush=True)
+        (run / "STOPPED").write_text("stopped on request\n")
         sys.exit(130)
     time.sleep(0.2)

@@ -147,6 +147,8 @@ def test_a_second_ctrl_c_stops_everything_at_once(tmp_path):
     helper.join(timeout=10)
     assert not helper.errors, helper.errors
     assert code == 130 and "[launch] stopping at once" in out.getvalue()
+    assert "with a checkpoint; go on" not in out.getvalue()  # none was saved
+    assert "[launch] stopped at once; go on from the run's last checkpoint with: -" in out.getvalue()
     assert not alive(int((tmp_path / "grandchild.pid").read_text()))
     assert not alive(pids(tmp_path)["trainer"]) and not alive(pids(tmp_path)["server 0"])
 

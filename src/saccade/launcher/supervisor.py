@@ -299,8 +299,10 @@ def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_r
                 child.stop(tree, grace_s=KILL_AFTER_S if interrupts.count < 2 else 2.0)
     if code == 0:
         log.say("the trainer finished; every process started here has stopped")
-    elif code == 130:
+    elif code == 130 and stopped_since(run_dir, started_at):
         log.say(f"stopped on request, with a checkpoint; go on with: {resume_hint}")
+    elif code == 130:  # Ctrl-C twice, or a node without the trainer: nothing was saved here
+        log.say(f"stopped at once; go on from the run's last checkpoint with: {resume_hint}")
     elif trainer is not None:
         log.say(f"the trainer exited with {code}; every process started here has stopped (logs: {folder})")
     return code
