@@ -45,12 +45,7 @@ class StopRequest:
     def asked(self) -> bool:
         """This process's view: a caught signal, or a STOP file written since the run started
         (an older one is left from an earlier run and ignored)."""
-        if self.signalled_at is not None:
-            return True
-        try:
-            return self.file.stat().st_mtime >= self.started - 1.0
-        except OSError:
-            return False
+        return self.signalled_at is not None or written_since(self.file, self.started)
 
     def agreed(self, world: World = SINGLE, device=None) -> bool:
         """True on every rank when any rank was asked (a collective: every rank calls it)."""
@@ -88,9 +83,15 @@ class StopRequest:
                 signal.signal(s, h)
 
 
-def stopped_since(run_dir: Path, since: float) -> bool:
-    """True when a run in `run_dir` stopped on request (STOPPED written) at or after `since`."""
+def written_since(path: Path, since: float) -> bool:
+    """True when `path` exists and was written at or after `since` (1 s of slack: file times may be
+    coarser than the clock)."""
     try:
-        return (Path(run_dir) / STOPPED_FILE).stat().st_mtime >= since - 1.0
+        return path.stat().st_mtime >= since - 1.0
     except OSError:
         return False
+
+
+def stopped_since(run_dir: Path, since: float) -> bool:
+    """True when a run in `run_dir` stopped on request (STOPPED written) at or after `since`."""
+    return written_since(Path(run_dir) / STOPPED_FILE, since)

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from saccade.launcher.plan import Process
-from saccade.stopping import STOP_FILE, stopped_since
+from saccade.stopping import STOP_FILE, stopped_since, written_since
 
 # Folder under the run folder with each process's log and the pids started.
 LAUNCH_DIR = "launch"
@@ -320,7 +320,7 @@ def watch(servers: list[Child], trainer: Child | None, *, run_dir: Path, started
             code = trainer.exit_code()
             if code is not None:  # torchrun reports a stop on request (130 from each rank) as 1
                 return 130 if code != 0 and stopped_since(run_dir, started_at) else code
-        elif ended.exists() and ended.stat().st_mtime >= started_at:
+        elif written_since(ended, started_at):
             log.say("the trainer's node has ended: stopping the servers")
             return 0
         if interrupts.count > asked:
