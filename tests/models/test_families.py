@@ -100,8 +100,6 @@ def test_every_familys_tiny_preset_has_a_warm_start_resolved_only_where_a_run_st
 
 def test_qwen3_vl_members_are_the_canonical_layout():
     f = qwen3_vl.FAMILY
-    for key in (f"{LM_PREFIX}layers.0.self_attn.q_proj.weight", f"{VISION_PREFIX}blocks.0.attn.qkv.weight", LM_HEAD_KEY):
-        assert f.checkpoint_key(key) == key
     t = torch.randn(3, 4)
     assert [(n, x) for n, x in f.engine_tensors("lm_head.weight", t)] == [("lm_head.weight", t)]
     assert f.lora_target_modules == LINEARS and f.lora_target_parameters == ()
@@ -188,7 +186,7 @@ def test_positions_equal_the_full_models_get_rope_index(family_models):
 
 
 def test_the_tower_alone_equals_the_full_models_image_features(family_models):
-    """`run_tower` on the tower `load_vision_tower` reads (through `checkpoint_key`) equals the
+    """`run_tower` on the tower `load_vision_tower` reads (through transformers' loader) equals the
     full model's `get_image_features`, main features and DeepStack levels alike."""
     from saccade.data.messages import messages_to_inputs
 
@@ -233,24 +231,23 @@ def test_shared_prompts_give_each_familys_packed_logprobs_and_gradients(request,
         assert (shared_grads[name] - grad).abs().max() <= TOLERANCE * max(float(grad.abs().max()), GRAD_FLOOR), name
 
 
-def test_checkpoint_tensor_undoes_engine_tensors_on_the_tiny_model(family_model_path):
-    """Loading reads the base files through `checkpoint_tensor` into the modules' layout; writing
-    goes back through `engine_tensors`, one tensor for one, to the bytes the files hold."""
+def test_engine_tensors_give_back_the_bytes_the_tiny_folder_holds(family_model_path):
+    """Loading goes through transformers' loader into the modules' layout; writing goes back
+    through `engine_tensors`, one tensor for one, to the bytes the (hub-layout) files hold."""
     from safetensors import safe_open
 
     from saccade.models.lm import load_policy_lm
-    from saccade.models.loading import safetensors_files
+    from saccade.models.loading import load_layout, safetensors_files
 
     family, path = family_model_path
-    policy = load_policy_lm(path)
-    held = policy.state_dict()
+    layout = load_layout(path)
+    held = load_policy_lm(path).state_dict()
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118
-                name = family.checkpoint_key(key)
-                if name is None or name not in held:
+                name, _ = layout.canonical(key)
+                if name not in held:
                     continue
                 stored = f.get_tensor(key)
-                assert torch.equal(family.checkpoint_tensor(name, stored), held[name].to(stored.dtype)), name
                 (back_name, back), = family.engine_tensors(name, held[name].to(stored.dtype))
                 assert back_name == name and torch.equal(back, stored), name

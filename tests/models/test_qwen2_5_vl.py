@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from saccade.models.families import qwen2_5_vl
+from saccade.models.loading import load_layout
 
 FAMILY = qwen2_5_vl.FAMILY
 
@@ -33,8 +34,9 @@ def test_the_tiny_folder_loads_in_transformers_auto_classes(path):
     assert 1.0e6 < sum(p.numel() for p in model.parameters()) < 1.5e6
 
 
-def test_checkpoint_key_maps_both_layouts():
-    key = FAMILY.checkpoint_key
+def test_both_layouts_map_onto_the_canonical_names_through_transformers(path):
+    """transformers' own renames (what saccade's loader runs) take the hub's names and the canonical ones."""
+    key = lambda k: load_layout(path).canonical(k)[0]  # noqa: E731
     # The hub's layout (and what transformers 5.19's save_pretrained writes for Qwen2.5-VL).
     assert key("model.layers.0.self_attn.q_proj.bias") == "model.language_model.layers.0.self_attn.q_proj.bias"
     assert key("model.embed_tokens.weight") == "model.language_model.embed_tokens.weight"
@@ -43,7 +45,6 @@ def test_checkpoint_key_maps_both_layouts():
     assert key("lm_head.weight") == "lm_head.weight"
     for k in ("model.language_model.layers.3.mlp.up_proj.weight", "model.visual.blocks.0.attn.qkv.weight"):
         assert key(k) == k  # the canonical layout, unchanged
-    assert key("mtp.layers.0.weight") is None and key("model") is None  # not ours
 
 
 def test_every_stored_tensor_maps_onto_the_full_model(path):
@@ -56,7 +57,8 @@ def test_every_stored_tensor_maps_onto_the_full_model(path):
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         stored = list(f.keys())
     assert "model.layers.0.self_attn.q_proj.weight" in stored and "visual.patch_embed.proj.weight" in stored
-    assert {FAMILY.checkpoint_key(k) for k in stored} == set(load_full_model(path).state_dict()) - {"lm_head.weight"}
+    layout = load_layout(path)
+    assert {layout.canonical(k)[0] for k in stored} == set(load_full_model(path).state_dict()) - {"lm_head.weight"}
 
 
 def test_a_weights_folder_in_either_layout_passes_the_servers_check(path, tmp_path):
@@ -66,17 +68,19 @@ def test_a_weights_folder_in_either_layout_passes_the_servers_check(path, tmp_pa
 
     from saccade.serving.server import RequestError, check_weights_folder, reference_shapes
 
-    reference = reference_shapes(str(path), FAMILY.checkpoint_key)
+    layout = load_layout(path)
+    canonical = lambda k: layout.canonical(k)[0]  # noqa: E731
+    reference = reference_shapes(layout)
     assert "model.language_model.embed_tokens.weight" in reference and "model.embed_tokens.weight" not in reference
     tensors = load_file(path / "model.safetensors")
-    for name, keys in (("hub", tensors), ("canonical", {FAMILY.checkpoint_key(k): v for k, v in tensors.items()})):
+    for name, keys in (("hub", tensors), ("canonical", {canonical(k): v for k, v in tensors.items()})):
         (tmp_path / name).mkdir()
         save_file(dict(keys), tmp_path / name / "model.safetensors")
-        assert check_weights_folder(str(tmp_path / name), reference, FAMILY.checkpoint_key) == len(tensors)
+        assert check_weights_folder(str(tmp_path / name), reference, canonical) == len(tensors)
     (tmp_path / "bad").mkdir()
     save_file({"model.layers.0.self_attn.q_proj.bias": torch.zeros(3)}, tmp_path / "bad" / "model.safetensors")
     with pytest.raises(RequestError, match="wrong shape"):
-        check_weights_folder(str(tmp_path / "bad"), reference, FAMILY.checkpoint_key)
+        check_weights_folder(str(tmp_path / "bad"), reference, canonical)
 
 
 @pytest.mark.parametrize("hub_id, preset, billions", [("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2.5vl-7b", 8.29),

@@ -45,7 +45,6 @@ def test_the_tiny_folder_is_the_hub_layout_and_loads_with_every_key(path, full):
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     assert set(shapes) == set(model.state_dict()) - {"lm_head.weight"}
-    assert {FAMILY.checkpoint_key(k) for k in shapes} == set(shapes)
     c = model.config.text_config
     E, H, I, S = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
     assert len({H, I, 2 * I, S}) == 4  # no expert tensor square, the shared expert's width apart
@@ -60,15 +59,8 @@ def test_the_tiny_folder_is_the_hub_layout_and_loads_with_every_key(path, full):
     assert all(torch.equal(t, model.state_dict()[k]) for k, t in full.state_dict().items())
 
 
-def test_checkpoint_key_drops_mtp_and_refuses_experts_split_per_expert():
-    assert FAMILY.checkpoint_key("mtp.layers.0.mlp.experts.gate_up_proj") is None
-    for k in (f"{LM_PREFIX}layers.0.mlp.experts.gate_up_proj", f"{LM_PREFIX}layers.0.mlp.shared_expert.up_proj.weight",
-              "model.visual.blocks.0.attn.qkv.weight", "lm_head.weight"):
-        assert FAMILY.checkpoint_key(k) == k
-    with pytest.raises(ValueError, match="save_original_format=False"):
-        FAMILY.checkpoint_key(f"{LM_PREFIX}layers.3.mlp.experts.17.up_proj.weight")
-    t = torch.randn(2, 6, 4)  # the hub's layout is the modules': no transpose either way
-    assert FAMILY.checkpoint_tensor(f"{LM_PREFIX}layers.0.{moe.EXPERT_PARAMS[0]}", t) is t
+def test_the_hub_layout_of_the_experts_is_the_modules():
+    t = torch.randn(2, 6, 4)  # the hub's layout is the modules': no transpose when writing for vLLM
     assert [x for _, x in FAMILY.engine_tensors(f"{LM_PREFIX}layers.0.{moe.EXPERT_PARAMS[0]}", t)] == [t]
 
 

@@ -26,10 +26,8 @@ from saccade.config import LoraConfig
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout, resolve_attention
 from saccade.models.families import ModelFamily, family_of
 from saccade.models.linear_attention import has_linear_attention, is_packing_exact
-from saccade.models.loading import (
-    LM_HEAD_KEY, LM_PREFIX, load_config, parameters_on_meta, read_family_state_dict, resolve_model_path,
-    to_keeping_rotary_fp32,
-)
+from saccade.models.checkpoint_layout import LANGUAGE_MODEL, to_keeping_rotary_fp32
+from saccade.models.loading import load_layout
 
 
 # A token the engine must never sample gets this logit: exp(-1e4) is exactly 0 in float32 and
@@ -216,28 +214,15 @@ def load_policy_lm(
     attn_implementation: str = "auto",
     device: str | torch.device = "cpu",
 ) -> PolicyLM:
-    """The language model and lm_head of a checkpoint of a known family; the vision weights are
-    never read. `attn_implementation` "auto" is the measured default (`saccade.models.attention`)."""
-    path = resolve_model_path(model)
-    config = load_config(path)
-    family = family_of(config)
-    text_config = config.text_config
-    text_config._attn_implementation = resolve_attention(attn_implementation, device)
-    with parameters_on_meta():  # the rotary inverse frequencies (not in the checkpoint) computed as built
-        language_model = family.text_model_class()._from_config(text_config)
-    with torch.device("meta"):
-        lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
-    state = read_family_state_dict(path, LM_PREFIX, family, dtype=dtype)
-    language_model.load_state_dict({k[len(LM_PREFIX):]: v for k, v in state.items()}, strict=True, assign=True)
-    tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
-    if tied:
-        lm_head.weight = language_model.embed_tokens.weight
-    else:
-        head = read_family_state_dict(path, LM_HEAD_KEY, family, dtype=dtype)
-        if LM_HEAD_KEY not in head:
-            raise ValueError(f"{path}: no {LM_HEAD_KEY} in the checkpoint and tie_word_embeddings is false")
-        lm_head.load_state_dict({"weight": head[LM_HEAD_KEY]}, assign=True)
-    policy = to_keeping_rotary_fp32(PolicyLM(config, language_model, lm_head), device=device, dtype=dtype)
+    """The language model and lm_head of a checkpoint of a known family, read as transformers'
+    `from_pretrained` reads them (any layout it reads; lm_head tied as it ties it); the vision
+    weights are never read. `attn_implementation` "auto" is the measured default
+    (`saccade.models.attention`)."""
+    layout = load_layout(model)
+    layout.config.text_config._attn_implementation = resolve_attention(attn_implementation, device)
+    layout.load(LANGUAGE_MODEL, dtype=dtype, device=device)
+    language_model, lm_head = layout.language_model_and_head()
+    policy = to_keeping_rotary_fp32(PolicyLM(layout.config, language_model, lm_head), device=device, dtype=dtype)
     assert_no_vision_tower(policy)
     return policy
 

@@ -213,7 +213,8 @@ class SaccadeState:
         from transformers import AutoProcessor
 
         from saccade.config import ImagesConfig
-        from saccade.models.loading import load_family, resolve_model_path
+        from saccade.models.checkpoint_layout import fingerprint
+        from saccade.models.loading import load_family, load_layout, resolve_model_path
 
         self.model_path = model_path
         # /update_weights loads only from below this real path (or the served checkpoint itself).
@@ -237,9 +238,12 @@ class SaccadeState:
         self.base_modified = False
         self.vision: dict[str, Any] | None = None
         self.update_lock: Any = None  # an asyncio.Lock, made on the server's event loop
-        # What an uploaded weights folder is checked against: the served checkpoint's tensors,
-        # under their canonical names (a family may store another layout: Qwen2.5-VL's hub one).
-        self.reference_shapes = reference_shapes(model_path, self.family.checkpoint_key)
+        # What an uploaded weights folder is checked against: the served model's tensors in the
+        # layout saccade writes for vLLM, under their canonical names (read through transformers'
+        # renames: Qwen2.5-VL's hub names are the same tensors).
+        self.layout = load_layout(model_path)
+        self.reference_shapes = reference_shapes(self.layout)
+        self.fingerprint = fingerprint(self.layout)
 
     def preprocess(self, images) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Pixels as the chat endpoint feeds vLLM's tower: resized and patched, not normalised."""
@@ -265,14 +269,16 @@ def resize_bounds(size: dict, processor_kwargs: dict | None) -> tuple[int, int]:
     return int(size["shortest_edge"]), int(size["longest_edge"])
 
 
-def reference_shapes(model_path: str, checkpoint_key=lambda key: key) -> dict[str, list[int]]:
-    """Tensor names and shapes of the served checkpoint, from its safetensors headers; names
-    through `checkpoint_key` (the family's map onto canonical names) where it knows them."""
-    from saccade.models.loading import resolve_model_path
+def reference_shapes(layout) -> dict[str, list[int]]:
+    """The served model's tensors (a `CheckpointLayout`) and their shapes as saccade writes them
+    for vLLM (`CheckpointLayout.engine_shapes`), plus the tensors its files hold that the model
+    does not read (Qwen3.5's `mtp.*`), under their stored names: a weights folder saccade wrote
+    copies those as they are."""
+    from saccade.models.checkpoint_layout import safetensors_files
 
-    folder = Path(resolve_model_path(model_path))
-    shapes = _header_shapes(sorted(folder.glob("*.safetensors")))
-    return {checkpoint_key(k) or k: v for k, v in shapes.items()}
+    stored = _header_shapes(safetensors_files(layout.path))
+    unused = layout.classify(stored).unused
+    return {**layout.engine_shapes(), **{k: stored[k] for k in unused}}
 
 
 # safetensors' own bound on a header; a larger length field means a corrupt or hostile file.
@@ -299,10 +305,11 @@ def _header_shapes(files: list[Path]) -> dict[str, list[int]]:
     return shapes
 
 
-def check_weights_folder(path: str, reference: dict[str, list[int]], checkpoint_key=lambda key: key) -> int:
+def check_weights_folder(path: str, reference: dict[str, list[int]], canonical=lambda key: key) -> int:
     """Refuse a folder vLLM would choke on: missing, empty, unknown names, wrong shapes. Names are
-    compared through `checkpoint_key`, as `reference_shapes` keys them: a folder in either of the
-    family's layouts passes (vLLM reads both)."""
+    compared as `reference_shapes` keys them: a stored name the reference has, else its canonical
+    one (`canonical`: transformers' renames, `CheckpointLayout.canonical`), so a folder under the
+    hub's names or transformers' passes (vLLM reads both)."""
     folder = Path(path)
     if not folder.is_dir():
         raise RequestError(f"weights folder {path!r} does not exist on the server")
@@ -310,7 +317,7 @@ def check_weights_folder(path: str, reference: dict[str, list[int]], checkpoint_
     if not files:
         raise RequestError(f"weights folder {path!r} holds no *.safetensors files")
     try:
-        shapes = {checkpoint_key(k) or k: v for k, v in _header_shapes(files).items()}
+        shapes = {k if k in reference else canonical(k): v for k, v in _header_shapes(files).items()}
     except (OSError, ValueError) as err:
         raise RequestError(f"weights folder {path!r}: unreadable safetensors header ({err})") from None
     unknown = sorted(set(shapes) - set(reference))
@@ -411,7 +418,7 @@ def build_router(state: SaccadeState):
                 check_adapter_folder(path)
                 count = None
             else:
-                count = check_weights_folder(path, state.reference_shapes, state.family.checkpoint_key)
+                count = check_weights_folder(path, state.reference_shapes, lambda k: state.layout.canonical(k)[0])
             refusal = weight_updates_refusal(request)
             if refusal:
                 raise RequestError(f"this server cannot load new weights: {refusal}. Train with "
@@ -460,7 +467,8 @@ def build_router(state: SaccadeState):
                 "base_modified": state.base_modified, "weights_root": str(state.weights_root),
                 "weight_updates_refused": weight_updates_refusal(request),
                 "dtype": str(model_config.dtype).removeprefix("torch."),
-                "head_dtype": str(model_config.head_dtype).removeprefix("torch.")}
+                "head_dtype": str(model_config.head_dtype).removeprefix("torch."),
+                "fingerprint": state.fingerprint}
 
     return router
 

@@ -11,6 +11,7 @@ checkpoint's. Every folder is written atomically (`saccade.atomic`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -22,7 +23,8 @@ from torch import nn
 
 from saccade.atomic import atomic_dir
 from saccade.distributed import World, broadcast, is_sharded
-from saccade.models.loading import LM_HEAD_KEY, LM_PREFIX, load_family, resolve_model_path, safetensors_files
+from saccade.models.checkpoint_layout import INDEX_FILE
+from saccade.models.loading import LM_HEAD_KEY, LM_PREFIX, resolve_model_path, safetensors_files
 from saccade.trainer.checkpoint_dcp import dcp_load_here, dcp_metadata
 from saccade.trainer.checkpoint_folder import (
     ADAPTER_CONFIG,
@@ -88,8 +90,9 @@ def merge_full_weights_for_engine(
             with atomic_dir(out_dir) as tmp:
                 streamed = True
                 _stream_engine_weights(source, base, tmp)
-                for p in base.iterdir():  # config, generation config, tokenizer, processor, chat template, index
-                    if p.is_file() and not p.name.endswith(".safetensors") and not p.name.startswith("."):
+                for p in base.iterdir():  # config, generation config, tokenizer, processor, chat template
+                    if (p.is_file() and not p.name.endswith(".safetensors") and not p.name.startswith(".")
+                            and not (tmp / p.name).exists()):  # the index: written with the files
                         shutil.copy2(p, tmp / p.name)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
             failure = e
@@ -348,54 +351,100 @@ def _safetensors_header(file: Path) -> tuple[int, dict, dict[str, dict]]:
     return 8 + n, metadata, dict(sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]))
 
 
+@dataclass(frozen=True)
+class _Out:
+    """One tensor of an output file: written under `key`; the trained tensor `trained` (canonical
+    name) in the engine's layout, or else the base's bytes at `offset` copied as they are."""
+
+    key: str
+    dtype: str  # safetensors' name
+    shape: tuple[int, ...]
+    nbytes: int
+    trained: str | None = None
+    offset: int = 0
+
+
+def engine_file_plan(headers, layout, trained_shapes: dict[str, tuple[int, ...]]) -> list[tuple[Path, list[_Out]]]:
+    """What each output file holds, in order: every base file again, the language model's trained
+    tensors in the engine's (the hub's) layout, everything else (the vision tower, tensors the
+    model does not read) byte for byte. A base that stores a trained tensor as the engine reads it
+    keeps its key; one stored otherwise (experts split per expert, or in transformers' memory
+    layout: what `save_pretrained` writes) gets the tensor once, under its canonical name, at the
+    place of its first stored piece. Checked in full before anything is gathered, identically on
+    every rank: no rank may stop half way."""
+    family = layout.family
+    canonical = {k: layout.canonical(k)[0] for _, _, _, entries in headers for k in entries}
+    pieces: dict[str, int] = {}
+    for name in canonical.values():
+        pieces[name] = pieces.get(name, 0) + 1
+    in_base = set(canonical.values())
+    bad = [k for k in trained_shapes if not (k.startswith(LM_PREFIX) or k == LM_HEAD_KEY)]
+    if bad:
+        raise ValueError(f"trained weights have names outside the language model: {bad[:3]}")
+    lacking = sorted(c for c in in_base if (c.startswith(LM_PREFIX) or c == LM_HEAD_KEY) and c not in trained_shapes)
+    if lacking:
+        raise ValueError(f"the trained weights lack {lacking[0]}, which the base model has")
+    extra = sorted(set(trained_shapes) - in_base)
+    if extra:
+        raise ValueError(f"trained tensors not in the base model {layout.path}: {extra[:3]}")
+    expected = layout.engine_shapes()
+    engine_shape = {}
+    for c in sorted(trained_shapes):  # the family's conversion run on a shape alone
+        engine_shape[c] = tuple(_engine_tensor(family, c, torch.empty(trained_shapes[c], device="meta")).shape)
+        if list(engine_shape[c]) != expected[c]:
+            raise ValueError(f"{c}: trained shape {engine_shape[c]} in the engine's layout != the base model's "
+                             f"{tuple(expected[c])}")
+    plan, placed = [], set()
+    for file, data_start, _, entries in headers:
+        out = []
+        for key, info in entries.items():
+            c = canonical[key]
+            begin, end = info["data_offsets"]
+            if c not in trained_shapes:
+                out.append(_Out(key, info["dtype"], tuple(info["shape"]), end - begin, offset=data_start + begin))
+            elif c not in placed:
+                placed.add(c)
+                as_stored = pieces[c] == 1 and tuple(info["shape"]) == engine_shape[c]
+                itemsize = torch.empty((), dtype=_ST_DTYPES[info["dtype"]]).element_size()
+                nbytes = itemsize * math.prod(engine_shape[c])
+                out.append(_Out(key if as_stored else c, info["dtype"], engine_shape[c], nbytes, trained=c))
+        plan.append((file, out))
+    return plan
+
+
 def _stream_engine_weights(source, base: Path, tmp: Path | None) -> None:
     """Every base safetensors file again under tmp (None: only take part in a sharded source's
-    gathers), the language model's tensors taken from `source`, one at a time."""
+    gathers), the language model's tensors taken from `source`, one at a time (`engine_file_plan`)."""
+    from saccade.models.loading import load_layout
+
     if sys.byteorder != "little":
         raise RuntimeError("writing safetensors needs a little-endian machine")
     headers = [(file, *_safetensors_header(file)) for file in safetensors_files(base)]
-    # Checked before the first gather, identically on every rank: no rank may stop half way.
-    base_tensors = {k: info for _, _, _, entries in headers for k, info in entries.items()}
-    # The base file's own key -> saccade's canonical name of what it holds (the family's layout map).
-    family = load_family(base)
-    canonical = {k: family.checkpoint_key(k) for k in base_tensors}
-    in_base = {c: k for k, c in canonical.items() if c is not None}
-    trained = source.keys
-    bad = [k for k in trained if not (k.startswith(LM_PREFIX) or k == LM_HEAD_KEY)]
-    if bad:
-        raise ValueError(f"trained weights have names outside the language model: {bad[:3]}")
-    lacking = sorted(c for c in in_base if (c.startswith(LM_PREFIX) or c == LM_HEAD_KEY) and c not in trained)
-    if lacking:
-        raise ValueError(f"the trained weights lack {lacking[0]}, which the base model has")
-    extra = sorted(set(trained) - set(in_base))
-    if extra:
-        raise ValueError(f"trained tensors not in the base model {base}: {extra[:3]}")
-    for c in sorted(trained):  # compared in the base's layout: the family's conversion run on a shape alone
-        shape = tuple(_engine_tensor(family, c, torch.empty(source.shape(c), device="meta")).shape)
-        if shape != tuple(base_tensors[in_base[c]]["shape"]):
-            raise ValueError(f"{c}: trained shape {shape} != base {tuple(base_tensors[in_base[c]]['shape'])}")
-    trained = {k for k, c in canonical.items() if c in trained}  # now the base files' keys
+    layout = load_layout(base)
+    plan = engine_file_plan(headers, layout, {k: tuple(source.shape(k)) for k in source.keys})
+    metadata = {file: meta for file, _, meta, _ in headers}
 
     failure = None
-    for file, data_start, metadata, entries in headers:
+    weight_map: dict[str, str] = {}
+    for file, entries in plan:
         out = None
         if tmp is not None and failure is None:
             try:
-                out = _SafetensorsWriter(tmp / file.name, entries, metadata or {"format": "pt"})
+                out = _SafetensorsWriter(tmp / file.name, entries, metadata[file] or {"format": "pt"})
             except BaseException as e:  # noqa: BLE001 - keep taking part in the gathers, raise at the end
                 failure = e
         with open(file, "rb") as src:
-            for key, info in entries.items():
-                t = source.get(canonical[key]) if key in trained else None  # every rank, in this order
+            for entry in entries:
+                weight_map[entry.key] = file.name
+                t = source.get(entry.trained) if entry.trained else None  # every rank, in this order
                 if out is None:
                     continue
                 try:
-                    if key in trained:
-                        t = _engine_tensor(family, canonical[key], t.detach())
-                        out.write(key, t.to(device="cpu", dtype=_ST_DTYPES[info["dtype"]]))
+                    if entry.trained:
+                        t = _engine_tensor(layout.family, entry.trained, t.detach())
+                        out.write(entry.key, t.to(device="cpu", dtype=_ST_DTYPES[entry.dtype]))
                     else:  # the vision tower: its bytes as they are
-                        begin, end = info["data_offsets"]
-                        out.copy(key, src, data_start + begin, end - begin)
+                        out.copy(entry.key, src, entry.offset, entry.nbytes)
                 except BaseException as e:  # noqa: BLE001
                     failure, out = e, out.abort()
                 del t
@@ -406,15 +455,19 @@ def _stream_engine_weights(source, base: Path, tmp: Path | None) -> None:
                 failure = e
     if failure is not None:
         raise failure
+    if tmp is not None and (base / INDEX_FILE).is_file():  # the index names the keys as written
+        index = json.loads((base / INDEX_FILE).read_text())
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _engine_tensor(family, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The trained tensor in the layout the base files (and so vLLM and the hub) hold it: the
-    family's `engine_tensors`, which keeps one tensor one tensor here (the base's key is written)."""
+    """The trained tensor in the layout vLLM and the hub hold it: the family's `engine_tensors`,
+    which keeps one tensor one tensor here."""
     converted = list(family.engine_tensors(name, tensor))
     if len(converted) != 1:
         raise NotImplementedError(f"{name}: the family writes it as {len(converted)} tensors; the streamed "
-                                  "writer mirrors the base files one tensor for one")
+                                  "writer writes one tensor for one")
     return converted[0][1]
 
 
@@ -422,16 +475,15 @@ class _SafetensorsWriter:
     """A safetensors file written tensor by tensor: the header (known up front from the base file's
     dtypes and shapes) first, then each tensor's bytes in order."""
 
-    def __init__(self, path: Path, entries: dict[str, dict], metadata: dict[str, str]):
+    def __init__(self, path: Path, entries: list[_Out], metadata: dict[str, str]):
         header: dict = {"__metadata__": metadata}
         self.sizes: list[tuple[str, int]] = []
         offset = 0
-        for key, info in entries.items():
-            begin, end = info["data_offsets"]
-            size = end - begin
-            header[key] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + size]}
-            self.sizes.append((key, size))
-            offset += size
+        for entry in entries:
+            header[entry.key] = {"dtype": entry.dtype, "shape": list(entry.shape),
+                                 "data_offsets": [offset, offset + entry.nbytes]}
+            self.sizes.append((entry.key, entry.nbytes))
+            offset += entry.nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.path, self.total, self.next = path, 8 + len(text) + offset, 0

@@ -42,11 +42,6 @@ def transformers_class(module: str, name: str) -> Callable[[], type]:
     return load
 
 
-def same_key(key: str) -> str | None:
-    """A checkpoint already in the canonical layout: its keys as they are."""
-    return key
-
-
 def no_hooks(language_model: nn.Module) -> None:
     """A language model that takes image features in its input embeddings only."""
 
@@ -59,11 +54,6 @@ def no_kwargs(image_positions_N: torch.Tensor | None, deepstack_levels: list[tor
 def same_tensor(name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
     """Engines and exports read the tensor under saccade's own name and layout."""
     yield name, tensor
-
-
-def as_stored(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """Checkpoints hold the tensor in the layout the modules hold it."""
-    return tensor
 
 
 @dataclass
@@ -137,12 +127,11 @@ class ModelFamily:
     preset_folder: Callable[[str, int], Path]  # (preset, seed) -> where tiny_model_path keeps it, built or not
     lora_target_modules: tuple[str, ...]  # the language model's linears LoRA wraps by default
     lora_target_parameters: tuple[str, ...] = ()  # parameters (not modules) LoRA wraps: MoE experts
-    checkpoint_key: Callable[[str], str | None] = same_key  # a checkpoint's key -> canonical or None
     prepare_language_model: Callable[[nn.Module], None] = no_hooks  # once, after it is built
     language_model_kwargs: Callable[[torch.Tensor | None, list[torch.Tensor] | None], dict] = no_kwargs
+    # A trained tensor (canonical name, the modules' layout) as saccade writes it for vLLM and
+    # exports: the hub's layout. Reading goes through transformers (`models/checkpoint_layout.py`).
     engine_tensors: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] = same_tensor
-    # The inverse: a checkpoint's tensor (canonical name) in the layout the modules hold it.
-    checkpoint_tensor: Callable[[str, torch.Tensor], torch.Tensor] = as_stored
     # MoE: a context manager over the language model's forwards, yielding a `Routing` that fills
     # with each MoE layer's chosen experts; None for dense models.
     record_routing: Callable[[nn.Module], contextlib.AbstractContextManager] = no_routing

@@ -12,23 +12,22 @@ How it differs from Qwen3-VL (checked against transformers 5.19's `models/qwen2_
 - Positions: the same rule as Qwen3-VL for images (an image advances the text position by
   max(H', W')), so `saccade.models.positions.mrope_positions` serves as is.
 - Checkpoints on the hub are in the pre-4.52 layout (`model.layers.*`, `visual.*`), and
-  transformers 5.19's save_pretrained writes that layout back: `checkpoint_key` maps it (and the
-  canonical one) onto the canonical names. vLLM reads both layouts, so what saccade writes into a
-  base folder keeps the base's own keys (the writer's rule) and needs no conversion.
+  transformers 5.19's save_pretrained writes that layout back; saccade reads it through
+  transformers' own renames (`models/checkpoint_layout.py`). vLLM reads both layouts, so what
+  saccade writes into a base folder keeps the base's own keys (the writer's rule).
 - Hub config.json is flat: the text fields sit at the top level, only `vision_config` nests.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, transformers_class
+from saccade.models.families.interface import ModelFamily, transformers_class
 from saccade.models.positions import mrope_positions as _shared_mrope_positions
 from saccade.models.tiny import cached_builds
 
@@ -52,27 +51,11 @@ vision_model_class = transformers_class(MODELING, "Qwen2_5_VisionTransformerPret
 full_model_class = transformers_class("transformers", "Qwen2_5_VLForConditionalGeneration")
 
 
-# ------------------------------------------------------------------------- checkpoint keys
-
-# The hub's Qwen2.5-VL checkpoints (written before transformers 4.52) hold `model.layers.*`,
-# `model.embed_tokens.*`, `model.norm.*`, `visual.*` and `lm_head.weight`. transformers 5.19
-# renames them on load (conversion_mapping.py: "Qwen2_5_VLForConditionalGeneration" ->
-# "Qwen2VLForConditionalGeneration": `^visual` -> `model.visual`,
-# `^model(?!\.(language_model|visual))` -> `model.language_model`) and save_pretrained writes the
-# new names. vLLM 0.32 reads both (its hf_to_vllm_mapper lists the two layouts).
-_HUB_LM = re.compile(r"^model\.(?!language_model\.|visual\.)")
-
-
-def checkpoint_key(key: str) -> str | None:
-    """A checkpoint tensor's canonical name (`model.language_model.*`, `model.visual.*`,
-    `lm_head.weight`), from either layout; None for a key that is neither (not ours to read)."""
-    if key.startswith((LM_PREFIX, VISION_PREFIX)) or key == LM_HEAD_KEY:
-        return key
-    if key.startswith("visual."):
-        return "model." + key
-    if _HUB_LM.match(key):
-        return LM_PREFIX + key[len("model."):]
-    return None
+# Checkpoint keys: the hub's Qwen2.5-VL checkpoints (written before transformers 4.52) hold
+# `model.layers.*`, `model.embed_tokens.*`, `model.norm.*`, `visual.*` and `lm_head.weight`;
+# transformers 5.19 renames them on load (conversion_mapping.py: "Qwen2_5_VLForConditionalGeneration"
+# -> "Qwen2VLForConditionalGeneration"), and saccade reads through that same loader
+# (`models/checkpoint_layout.py`). vLLM 0.32 reads both layouts (its hf_to_vllm_mapper).
 
 
 def deepstack_levels(config) -> int:
@@ -316,7 +299,6 @@ FAMILY = ModelFamily(
     tiny_model_path=tiny_model_path,
     preset_folder=preset_folder,
     lora_target_modules=LORA_TARGETS,
-    checkpoint_key=checkpoint_key,
     published_configs=HUB_CONFIGS,
     preset_configs=PRESET_CONFIGS,
 )

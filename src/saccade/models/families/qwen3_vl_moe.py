@@ -17,8 +17,8 @@ The trap is the experts' layout, which differs between memory and disk:
 same check, which then never fires: `save_pretrained` writes the memory layout, which vLLM
 0.32 (`is_fused_checkpoint_transposed=True`: it always transposes) refuses, or, when
 H == I, loads transposed without a word. `engine_tensors` turns memory into the hub's layout;
-`checkpoint_tensor` is its inverse, for saccade's own loaders, which read safetensors by key
-and so bypass transformers' conversion.
+saccade reads through transformers' own loader (`models/checkpoint_layout.py`), which transposes
+by shape, and refuses the square shapes neither can tell apart.
 
 The hub's text config also carries `norm_topk_prob: true`, which transformers' config class
 lacks (its router always renormalises the top-k weights) and vLLM reads (`renormalize=`):
@@ -77,14 +77,6 @@ def engine_tensors(key: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.
         yield key, tensor.transpose(1, 2).contiguous()
     else:
         yield key, tensor
-
-
-def checkpoint_tensor(key: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The inverse of `engine_tensors`: a hub checkpoint's tensor in transformers' memory layout."""
-    if is_expert_param(key):
-        assert tensor.dim() == 3, (key, tuple(tensor.shape))
-        return tensor.transpose(1, 2).contiguous()
-    return tensor
 
 
 def hub_expert_shapes(text_config) -> dict[str, tuple[int, int, int]]:
@@ -391,7 +383,6 @@ FAMILY = ModelFamily(
     prepare_language_model=qwen3_vl.prepare_language_model,
     language_model_kwargs=qwen3_vl.language_model_kwargs,
     engine_tensors=engine_tensors,
-    checkpoint_tensor=checkpoint_tensor,
     record_routing=record_routing,
     vllm_cpu_weight_updates=CPU_RELOAD_FAILS,
     published_configs={"Qwen/Qwen3-VL-30B-A3B-Instruct": QWEN3_VL_30B_A3B},
