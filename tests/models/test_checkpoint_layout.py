@@ -159,3 +159,15 @@ def test_a_square_expert_shape_is_refused_with_the_folder_named(tmp_path):
     with pytest.raises(ValueError, match=r"square.*cannot say") as err:
         load_policy_lm(path)
     assert str(path) in str(err.value)
+
+
+def test_the_tie_rule_from_config_json_alone_is_each_config_class_own():
+    """`ties_embeddings` (what `saccade memory` counts by) asks transformers' config classes, whose
+    rules differ by family: a text-level true is not read for Qwen3-VL-MoE, forwarded for Qwen2.5-VL."""
+    from saccade.models.families.interface import ties_embeddings
+
+    text_says_tie = {"text_config": {"tie_word_embeddings": True}}
+    assert ties_embeddings({"model_type": "qwen3_vl_moe", **text_says_tie}) is False
+    assert ties_embeddings({"model_type": "qwen2_5_vl", **text_says_tie}) is True
+    assert ties_embeddings({"model_type": "qwen3_vl", "tie_word_embeddings": True}) is True
+    assert ties_embeddings({"model_type": "qwen3_5"}) is False

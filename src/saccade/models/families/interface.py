@@ -30,6 +30,18 @@ VISION_PREFIX = "model.visual."
 LM_HEAD_KEY = "lm_head.weight"
 
 
+def ties_embeddings(config: dict) -> bool:
+    """Whether lm_head is the embeddings, by config.json alone: transformers' config class decides
+    (`tie_word_embeddings` of the composite config, which the model's loader and vLLM read), so
+    each family's own rule holds: Qwen3-VL-MoE's text config defaults the flag to true and is not
+    read; Qwen2.5-VL's forwards a pre-v5 text-level true to the top. With the weights at hand,
+    `models/checkpoint_layout.py` asks transformers' loader (which also looks at the tensors)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    return bool(AutoConfig.for_model(config["model_type"], **fields).tie_word_embeddings)
+
+
 def transformers_class(module: str, name: str) -> Callable[[], type]:
     """A function that imports `module` and returns its class `name` when called: families name
     their transformers classes without importing transformers until a model is built."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from saccade.models.families.interface import ModelFamily, transformers_class
+from saccade.models.families.interface import ModelFamily, ties_embeddings, transformers_class
 from saccade.models.positions import mrope_positions as _shared_mrope_positions
 from saccade.models.tiny import cached_builds
 
@@ -92,7 +92,7 @@ def memory_dims(config: dict) -> tuple[dict, dict]:
         vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
         num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
         head_dim=t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+        tie_word_embeddings=ties_embeddings(config),
         qkv_bias=True, qk_norm=False,
     )
     vision = dict(
