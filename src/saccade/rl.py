@@ -78,6 +78,7 @@ from saccade.evaluation import evaluate
 from saccade.inference.engine import SamplingParams
 from saccade.inference.servers import NoServerError
 from saccade.metrics import METRICS_FILE, MetricsLogger, format_step
+from saccade.model_match import ModelMatchGuard
 from saccade.models.lm import shares_prompts
 from saccade.orchestrator.rollout import sample_step
 from saccade.orchestrator.source import RolloutSource, StepRollouts
@@ -320,6 +321,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
         lambda step: run.sample(step, stream.take(cfg.rollout.prompts_per_step, step=step + 1)),
         first_step=state.step, end=end, max_async_level=cfg.rollout.max_async_level)
     engine_before = engine_stats(engine)
+    model_match = ModelMatchGuard(cfg.engine.model_mismatch_limit, cfg.model.path, cfg.engine.kind)
     with logger, stream, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar, source:
         try:
             for step in range(state.step, end):
@@ -331,7 +333,9 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 rollout_s = time.perf_counter() - start
 
                 # 2. Train: this rank's micro-batches of the samples, `num_iterations` optimizer steps.
+                # At the first step, the trainer and the engine must have scored those tokens alike.
                 train_metrics = run.train(step, rollouts)
+                model_match.after_train(step, train_metrics)
                 train_s = time.perf_counter() - start - rollout_s
 
                 # 3. The stall watch: no group with reward variance, or most replies cut at max_tokens,

@@ -193,3 +193,36 @@ def test_the_demo_runs_every_stage_on_vllm(tmp_path, server):
     # own step (more so with the entropy bonus); the parity bar is for samples of the current weights.
     lag0 = [r["mismatch_abs_lag0"] for r in grpo if "mismatch_abs_lag0" in r]
     assert lag0 and all(m <= MEAN_BAR for m in lag0), lag0
+
+
+def test_a_server_on_another_model_is_refused_at_the_start(tmp_path, server):
+    """The server serves the tiny model of seed 0; a trainer on seed 1's (same shapes, other
+    weights) is told at the start, by the two fingerprints, before any step."""
+    from saccade.models.tiny import tiny_model_path
+
+    other = str(tiny_model_path("tiny", seed=1))
+    with pytest.raises(ValueError, match=r"fingerprint.*different models"):
+        build_setup(vllm_config(tmp_path, server, "--model.path", other), tmp_path)
+
+
+def test_a_trainer_holding_another_head_stops_at_the_first_step(tmp_path, server):
+    """The same files on both sides, but the trainer's lm_head is not what the server read (what a
+    tie flag read differently gave: 0.72 mean on a tiny model). As the shipped configs run (LoRA,
+    the adapter synced: the server keeps its own base), it is stopped at step 1 with the causes,
+    before anything is saved. The right head (every other run here) passes."""
+    from torch import nn
+
+    from saccade.model_match import ModelMismatchError
+    from saccade.models.lm import unwrap_policy
+
+    cfg = vllm_config(tmp_path, server, "--lora.enabled", "true", "--lora.rank", "8",
+                      "--engine.sync_lora_adapter", "true")
+    setup = build_setup(cfg, cfg.run_dir)
+    policy = unwrap_policy(setup.model)
+    head = policy.lm_head.weight.detach()
+    other = torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * float(head.std())
+    policy.lm_head.weight = nn.Parameter(other, requires_grad=False)  # untied from the embeddings
+    with pytest.raises(ModelMismatchError, match=r"step 1: .*different models.*saccade bench parity") as err:
+        train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
+    assert "engine.model_mismatch_limit" in str(err.value)
+    assert not (cfg.run_dir / "checkpoints").exists()

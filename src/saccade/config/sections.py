@@ -167,6 +167,12 @@ class EngineConfig(Section):
         description="with every server out, how long a request waits for one to come back before the run saves "
         "a checkpoint and stops (then restart the servers and --resume)",
     )
+    model_mismatch_limit: float | None = Field(
+        0.1, gt=0,
+        description="at the first step, the mean |trainer - engine| logprob of the tokens sampled under the weights "
+        "being trained above which the run stops: the two hold different models (a dtype or kernel difference "
+        "gives about 1e-6 in fp32, 2e-3 to 5e-3 in bf16); unset: never checked (saccade.model_match)",
+    )
     weights_dir: str | None = Field(
         None,
         description="folder where weights for the vLLM servers are written (must be readable by every server: "

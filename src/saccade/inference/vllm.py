@@ -52,6 +52,7 @@ from saccade.inference.engine import (
     ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, vision_token_ids,
 )
 from saccade.inference.server_client import Server, ServerClient, ServerError, head_dtype_problem
+from saccade.model_match import fingerprint_mismatch
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
 from saccade.serving.wire import (
     CHAT_COMPLETIONS, ENCODE_IMAGES, GENERATE_TOKENS, LORA_NAME, MAX_IMAGES_PER_REQUEST, VERSION_HEADER,
@@ -172,13 +173,16 @@ class VLLMEngine:
     shares_weights = False
 
     @classmethod
-    def for_servers(cls, urls: list[str], processor, *, limits: ImagesConfig | None = None, **kwargs) -> VLLMEngine:
+    def for_servers(cls, urls: list[str], processor, *, limits: ImagesConfig | None = None,
+                    model: tuple[str, str] | None = None, **kwargs) -> VLLMEngine:
         """An engine on these servers, with image limits that match theirs.
 
         Without `limits`, the first server's own resize bounds (from /saccade/info) are used.
         With them, every server must resize to the same bounds, or the trainer's prompts
         would not be the ones the servers sample after: that is refused with what to change.
-        With `lora=True`, every server must have LoRA enabled. Servers that do not answer now
+        With `lora=True`, every server must have LoRA enabled. `model`: the trainer's model (its
+        path or hub id, its fingerprint: `saccade.models.checkpoint_layout.fingerprint`); a server
+        serving another is refused (`saccade.model_match`). Servers that do not answer now
         start out of the pool (the health check brings them in once they do); none answering
         is an error.
         """
@@ -195,6 +199,9 @@ class VLLMEngine:
             if refused and engine.exporter is not None:
                 raise ValueError(f"the server at {url} cannot load the trainer's weights: {refused}. Train this "
                                  'model with engine.kind = "embedded" (the trainer samples itself), or on GPU servers')
+            other_model = model and fingerprint_mismatch(url, info, *model)
+            if other_model:
+                raise ValueError(other_model)
             problem = head_dtype_problem(info)
             if problem:
                 raise ValueError(f"the server at {url} {problem}")
