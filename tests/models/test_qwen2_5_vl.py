@@ -66,7 +66,8 @@ def test_a_weights_folder_in_either_layout_passes_the_servers_check(path, tmp_pa
     engine-weights writer keeps the base's (hub) keys, an export may hold canonical ones."""
     from safetensors.torch import load_file, save_file
 
-    from saccade.serving.server import RequestError, check_weights_folder, reference_shapes
+    from saccade.serving.validation import RequestError
+    from saccade.serving.weights import check_weights_folder, reference_shapes
 
     layout = load_layout(path)
     canonical = lambda k: layout.canonical(k)[0]  # noqa: E731

@@ -41,7 +41,7 @@ ENCODE_REL = 4 * 2**-8
 
 def test_a_cpu_server_serves_qwen3_5_in_bf16_and_refuses_fp32():
     from saccade.models.families import qwen3_vl
-    from saccade.serving.server import with_cpu_dtype
+    from saccade.serving.flags import with_cpu_dtype
 
     args, note = with_cpu_dtype(["--enforce-eager"], qwen3_5.FAMILY)
     assert args == ["--enforce-eager", "--dtype", "bfloat16"] and "Gated DeltaNet" in note

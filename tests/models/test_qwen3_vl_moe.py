@@ -432,7 +432,7 @@ def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_
     httpx = pytest.importorskip("httpx")
     from safetensors.torch import save_file
 
-    from saccade.serving.server import reference_shapes
+    from saccade.serving.weights import reference_shapes
 
     url, root = moe_server
     from saccade.models.lm import load_policy_lm

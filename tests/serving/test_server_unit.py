@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from saccade.config import is_loopback
-from saccade.serving.server import (
-    DEFAULT_FLAGS, RequestError, check_exposure, check_weights_folder, split_features, with_defaults,
-)
+from saccade.serving.flags import DEFAULT_FLAGS, check_exposure, with_defaults
+from saccade.serving.server import split_features
+from saccade.serving.validation import RequestError
+from saccade.serving.weights import check_weights_folder
 
 
 @pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("::1", True), ("localhost", True),
@@ -99,7 +100,7 @@ def test_serve_help_and_the_exposure_refusal_from_the_command_line(tiny_path):
 
 
 def test_a_cpu_server_takes_a_quarter_of_the_free_memory_for_its_kv_cache_within_1_to_4_gib():
-    from saccade.serving.server import choose_cpu_kv_cache, cpu_kv_cache_gib
+    from saccade.serving.flags import choose_cpu_kv_cache, cpu_kv_cache_gib
 
     GiB = 2**30
     assert [cpu_kv_cache_gib(g * GiB) for g in (0, 2, 6, 9, 14, 100)] == [1, 1, 1, 2, 3, 4]
@@ -115,7 +116,7 @@ def test_a_cpu_server_takes_a_quarter_of_the_free_memory_for_its_kv_cache_within
 
 
 def test_saccade_options_are_taken_out_before_vllm_parses_the_rest():
-    from saccade.serving.server import pop_option
+    from saccade.serving.flags import pop_option
 
     args = ["--dtype", "float32", "--weights-root", "/runs", "--max-body-mb=2", "--port", "8000"]
     assert pop_option(args, "--weights-root") == "/runs"

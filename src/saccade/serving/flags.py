@@ -1,0 +1,171 @@
+"""The command line `saccade serve` hands vLLM: saccade's defaults, a float32 lm_head, the CPU
+build's dtype and KV cache, and the refusal to listen beyond loopback without a key. Pure
+functions of argv and the environment; `saccade.serving.server.main` calls them before vLLM
+parses what is left."""
+
+import json
+import os
+from pathlib import Path
+
+from saccade.config import is_loopback
+
+WORKER_EXTENSION = "saccade.serving.worker.SaccadeWorker"
+
+# What `saccade serve` adds to vLLM's defaults unless the user gave the flag.
+DEFAULT_FLAGS = {
+    "--host": "127.0.0.1",  # local by default; elsewhere needs an API key
+    # The logprobs of the distribution actually sampled from (temperature applied), which is
+    # what the trainer's ratio needs; vLLM's default reports them before temperature.
+    "--logprobs-mode": "processed_logprobs",
+    "--worker-extension-cls": WORKER_EXTENSION,
+    # Token-in/token-out sampling (/inference/v1/generate): multi-turn rollouts send the
+    # trajectory's own token ids, never text that vLLM would re-tokenize.
+    "--enable-scale-out": None,
+    # No multimodal processor cache: with it, a request refused after its images were processed
+    # (e.g. max_tokens=-1, n=0) leaves the front end believing the engine holds those images, and
+    # the next valid request with the same image fails with a 500 (vLLM 0.32: "P0/P1 cache drift",
+    # only a retry recovers). Without it, every request carries its processed images; measured
+    # here, 20 chat requests with one 200x200 image each were no slower (1.7 s vs 4.1 s on a busy
+    # machine; 1.2 s vs 1.6 s with the same image 20 times).
+    "--mm-processor-cache-gb": "0",
+}
+
+
+def with_defaults(vllm_args: list[str]) -> list[str]:
+    """vLLM's argv with saccade's defaults for the flags the user did not give, and a float32
+    lm_head (`with_float32_head`)."""
+    given = {a.split("=", 1)[0] for a in vllm_args if a.startswith("--")}
+    out = list(vllm_args)
+    for flag, value in DEFAULT_FLAGS.items():
+        if flag not in given:
+            out += [flag] if value is None else [flag, value]
+    return with_float32_head(out)
+
+
+# The lm_head's products summed and returned in float32 (vLLM: "required for RL training-inference
+# consistency"), as the trainer and the embedded engine compute them (saccade.models.head). vLLM's
+# default rounds the logits to the model's dtype (bf16: about 3 significant digits) before its
+# float32 softmax. In a float32 model the two are the same.
+HEAD_DTYPE = "float32"
+
+
+def with_float32_head(vllm_args: list[str]) -> list[str]:
+    """`--hf-overrides` with head_dtype = float32 added, merged into the user's own overrides (a
+    JSON object, given as `--hf-overrides JSON` or `--hf-overrides=JSON`); a head_dtype the user
+    set is kept."""
+    out, overrides, at = [], {}, None
+    args = iter(vllm_args)
+    for arg in args:
+        if arg == "--hf-overrides" or arg.startswith("--hf-overrides="):
+            text = arg.split("=", 1)[1] if "=" in arg else next(args, "{}")
+            try:
+                overrides = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"saccade serve: --hf-overrides must be a JSON object ({err}): {text!r}") from None
+            if not isinstance(overrides, dict):
+                raise SystemExit(f"saccade serve: --hf-overrides must be a JSON object, not {text!r}")
+            at = len(out)
+            continue
+        out.append(arg)
+    overrides.setdefault("head_dtype", HEAD_DTYPE)
+    flag = ["--hf-overrides", json.dumps(overrides)]
+    return out[:at] + flag + out[at:] if at is not None else out + flag
+
+
+# vLLM's --dtype spellings -> torch's names.
+DTYPE_NAMES = {"float": "float32", "float32": "float32", "half": "float16", "float16": "float16",
+               "bfloat16": "bfloat16", "auto": "auto"}
+
+
+def with_cpu_dtype(vllm_args: list[str], family) -> tuple[list[str], str | None]:
+    """vLLM's argv for a CPU server of `family`: where vLLM's CPU build serves the family in one
+    dtype only (`family.vllm_cpu_dtype`), --dtype is set to it when absent or "auto" (returned with
+    the line that says so), and another dtype is refused with a SystemExit that says what to do:
+    vLLM itself would start and then kill its engine at the first request."""
+    if family.vllm_cpu_dtype is None:
+        return list(vllm_args), None
+    want, why = family.vllm_cpu_dtype
+    out, given = list(vllm_args), None
+    while (value := pop_option(out, "--dtype")) is not None:  # vLLM's parser keeps the last one given
+        given = value
+    if given is not None and DTYPE_NAMES.get(given, given) not in (want, "auto"):
+        raise SystemExit(
+            f"saccade serve: vLLM's CPU build serves {family.name} in {want} only, not {given} ({why}). "
+            f"Pass --dtype {want}, or leave --dtype out and it is chosen. A float32 trainer can sample from "
+            f"it (its logprob gap is then {want}'s rounding: docs/families.md, {family.name}). vLLM's GPU "
+            "kernels have no such limit (untested here)")
+    note = None if given == want else (
+        f"saccade serve: {family.name} on vLLM's CPU build: --dtype {want} ({why})")
+    return out + ["--dtype", want], note
+
+
+CPU_KV_CACHE_MAX_GIB = 4
+
+
+def cpu_kv_cache_gib(available_bytes: int) -> int:
+    """The KV cache a CPU server takes when VLLM_CPU_KVCACHE_SPACE is unset: a quarter of the
+    memory available now, at least 1 and at most CPU_KV_CACHE_MAX_GIB GiB. Left to itself,
+    vLLM's CPU build asks for 92% of a NUMA node and refuses to start when that much is not
+    free (here: "Available memory on node 0 (8.95/10.71 GiB) ... is less than desired")."""
+    return max(1, min(CPU_KV_CACHE_MAX_GIB, available_bytes // 4 // 2**30))
+
+
+def available_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def choose_cpu_kv_cache(environ: dict[str, str]) -> str | None:
+    """On a machine without CUDA, set VLLM_CPU_KVCACHE_SPACE when the user has not; returns the
+    line that says so (None when nothing was chosen)."""
+    if "VLLM_CPU_KVCACHE_SPACE" in environ:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    gib = cpu_kv_cache_gib(available_memory_bytes())
+    environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+    return (f"saccade serve: no GPU, so a {gib} GiB KV cache in host memory (a quarter of what is free, "
+            f"1-{CPU_KV_CACHE_MAX_GIB} GiB); set VLLM_CPU_KVCACHE_SPACE=<GiB> to choose another size")
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    if not is_loopback(host) and not api_key:
+        raise SystemExit(
+            f"saccade serve: refusing to listen on {host!r} without an API key: pass --api-key KEY "
+            "(or VLLM_API_KEY), or keep the default --host 127.0.0.1"
+        )
+
+
+USAGE = ("usage: saccade serve MODEL [--max-body-mb N] [--weights-root DIR] "
+         "[vLLM arguments, e.g. --dtype float32 --enforce-eager]")
+WEIGHTS_ROOT_HELP = (
+    "--weights-root DIR: /update_weights loads only folders whose real path (symlinks resolved) is "
+    "under DIR, or the served checkpoint itself; anything else gets a 403. Default: the directory "
+    "`saccade serve` was started in, which holds the trainer's default engine.weights_dir "
+    "(<run_dir>/engine-weights, run_dir relative) when trainer and server start in the same "
+    "directory, as in the README. A trainer writing elsewhere (an absolute run_dir or "
+    "engine.weights_dir) needs --weights-root set to that folder or a parent of it."
+)
+
+
+def pop_option(args: list[str], flag: str) -> str | None:
+    """Remove `flag VALUE` or `flag=VALUE` from `args` (saccade's own options, before vLLM
+    parses the rest); its value, or None when absent."""
+    for i, arg in enumerate(args):
+        if arg == flag:
+            if i + 1 >= len(args):
+                raise SystemExit(f"saccade serve: {flag} needs a value")
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+        if arg.startswith(flag + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
