@@ -11,7 +11,8 @@ import importlib
 import pytest
 
 from saccade.config import ConfigError, RunConfig, ScenesTaskConfig, ViewsTaskConfig, load_config
-from saccade.data.shapes import ShapesTask, VQASample
+from saccade.data.questions import VQASample
+from saccade.data.shapes import ShapesTask
 from saccade.scoring import Rewards
 from saccade.tasks import QuestionEnv, QuestionTask, check_user_code, task_from_config
 

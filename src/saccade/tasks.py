@@ -61,7 +61,7 @@ class Task(Protocol):
 
 
 class QuestionSource(Protocol):
-    """Visual questions (`saccade.data.shapes.VQASample`): the shapes generator or a data set."""
+    """Visual questions (`saccade.data.questions.VQASample`): the shapes generator or a data set."""
 
     def train_sample(self, position: int, *, seed: int) -> Any: ...
 
@@ -83,7 +83,7 @@ class QuestionEnv:
         self.messages: list[Message] = []
 
     def reset(self, sample: Any) -> list[Message]:
-        from saccade.data.shapes import to_messages
+        from saccade.data.questions import to_messages
 
         self.sample = sample
         self.messages = to_messages(sample)

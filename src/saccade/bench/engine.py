@@ -42,7 +42,8 @@ def meets_bars(result: dict[str, Any]) -> bool:
 
 def shapes_requests(n: int, *, seed: int = 5, second_image_every: int = 2):
     """Shapes questions as chat requests; every `second_image_every`-th carries a second image."""
-    from saccade.data.shapes import ShapesTask, make_sample, to_messages
+    from saccade.data.questions import to_messages
+    from saccade.data.shapes import ShapesTask, make_sample
     from saccade.inference.engine import ChatRequest
 
     task = ShapesTask(kinds=("color", "count"), num_choices=3, image_size=64)

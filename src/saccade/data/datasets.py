@@ -49,7 +49,7 @@ from saccade.data.images import ImageError, MissingImageError, blank_like, load_
 from saccade.data.rows import (
     DATASET_TASKS, EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows,
 )
-from saccade.data.shapes import IMAGE_PLACEHOLDER, VQASample
+from saccade.data.questions import IMAGE_PLACEHOLDER, VQASample
 
 __all__ = [
     "DatasetRows",

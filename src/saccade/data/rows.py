@@ -94,7 +94,7 @@ def check_image_count(sample) -> None:
 
     No placeholder at all is fine (the images go first, as `to_messages` places them), unless
     there are placeholders and no image at all: then the images are missing."""
-    from saccade.data.shapes import IMAGE_PLACEHOLDER
+    from saccade.data.questions import IMAGE_PLACEHOLDER
 
     if sample.prompt is None:
         return
@@ -119,7 +119,7 @@ def prompt_tokens(sample, processor, limits) -> int:
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     from saccade.data.messages import extract_images, render_chat
-    from saccade.data.shapes import to_messages
+    from saccade.data.questions import to_messages
 
     normalized, images = extract_images(to_messages(sample), limits=limits, sample=sample.sample_id)
     text = render_chat(processor, normalized, add_generation_prompt=True)
