@@ -171,6 +171,11 @@ class Engine(Protocol):
         """Restore `rng_state()`'s value (None: leave the stream as it is)."""
         ...
 
+    def stats(self) -> dict[str, float]:
+        """Counters since the engine was made (the loop logs a step's differences of
+        `saccade.rl.STEP_COUNTERS`, and `servers_alive` as it is); {} where there are none."""
+        ...
+
 
 def stop_token_ids(tokenizer) -> list[int]:
     """The tokens that end a completion: the Qwen chat template's end of turn and end of text."""

@@ -139,6 +139,12 @@ class LocalEngine:
         if state is not None:
             self.generator.set_state(torch.tensor(state, dtype=torch.uint8))
 
+    # --- counters ----------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """None: in-process, nothing is retried, rerouted or taken out, and the engine never
+        waits for a server (its sampling time is the step's `rollout_s`)."""
+        return {}
+
     # --- prompts ---------------------------------------------------------------------
     def prepare(self, request: ChatRequest) -> PreparedPrompt:
         inputs = messages_to_inputs(
