@@ -29,9 +29,9 @@ from saccade.data.rows import StepRows
 from saccade.distributed import SINGLE, World, all_gather
 from saccade.inference.engine import ChatRequest, Engine, SamplingParams, stream_seed
 from saccade.inference.servers import NoServerError
+from saccade.models.vision import Pins
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 from saccade.orchestrator.samples import completion_to_sample
-from saccade.orchestrator.source import StepRollouts
 from saccade.setup import Setup
 from saccade.tasks import Task
 from saccade.timing import timed
@@ -85,6 +85,20 @@ class RolloutBatch:
     samples: list[TrainingSample]
     metrics: dict[str, float]
     groups: list[list[Rollout]] = field(default_factory=list)
+
+
+@dataclass
+class StepRollouts:
+    """One step's rollouts, as sampled and scored for it (`sample_step`): what the sampling
+    hands the trainer (`saccade.orchestrator.source.RolloutSource`)."""
+
+    step: int
+    groups: list[list[Rollout]]  # this rank's groups, in prompt order (they still hold the environments' images)
+    pins: Pins  # the cache pins that keep their image embeddings until the step has trained
+    sample_s: float  # wall seconds the sampling took
+    rows: StepRows  # the data rows read for the step: prompts, positions, skips
+    all_groups: list[list[Rollout]]  # every rank's groups, in prompt order, advantages set
+    batch: RolloutBatch  # the scored step: the samples to train on, the rollout metrics
 
 
 def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingParams, *,
@@ -216,7 +230,7 @@ def sample_step(step: int, rows: StepRows, *, setup: Setup, task: Task, cfg: Run
         if not fresh:
             batch.samples = []
         batch.metrics.update(lag_metrics(groups, step, max_lag), stale_groups_dropped=float(len(groups) - len(fresh)))
-    return StepRollouts(step, own, pins, sample_s, rows=rows, all_groups=groups, batch=batch)
+    return StepRollouts(step, own, pins, sample_s, rows, groups, batch)
 
 
 def every_ranks_groups(own: list[list[Rollout]], error: Exception | None, world: World,
