@@ -579,7 +579,7 @@ class DatasetTask:
         rows = self.train_rows
         return self._maybe_blank(rows.sample(shuffled_index(position, len(rows), seed=seed)))
 
-    def eval_samples(self, n: int) -> EvalRows:
+    def eval_samples(self, n: int) -> EvalRows[VQASample]:
         """The usable rows among the first ``n`` of the held-out split, in order (all of them
         when it has fewer); the broken ones' records in `.skipped`."""
         rows = self.eval_rows

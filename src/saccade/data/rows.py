@@ -33,7 +33,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from saccade.config import HubDatasetTaskConfig
 
@@ -47,6 +47,9 @@ SKIPPED_FILE = "skipped.jsonl"
 # true rate of 1%, more than 5% of 200 rows happens about once in 10^5 windows); a data set
 # smaller than the window is read round again until the window is full.
 SKIP_WINDOW_ROWS = 200
+
+# A task's prompt, as its `train_sample` gives it (a VQASample for the data sets).
+S = TypeVar("S")
 
 
 class RowSkipped(ValueError):
@@ -275,16 +278,16 @@ class SkipWindow:
 
 
 @dataclass
-class StepRows:
+class StepRows(Generic[S]):
     """What one step read from the training stream."""
 
-    prompts: list  # the usable prompts, in stream order
+    prompts: list[S]  # the usable prompts, in stream order
     positions: list[int]  # each one's position in the stream
     end: int  # the position after the last row read: where the next step starts
     skipped: list[dict[str, Any]]  # the records of the rows skipped on the way
 
 
-class PromptStream:
+class PromptStream(Generic[S]):
     """The training stream read one step at a time from `position`: rows that `read` or
     `check` refuse (`RowSkipped`) are skipped, listed in `log` and counted in `window`, and
     the step reads on until it holds the prompts it asked for.
@@ -292,21 +295,21 @@ class PromptStream:
     `read(position)` is the task's `train_sample`; `check(sample)` may refuse a readable row
     (the token budget). Reading is sequential: one step after the other, in step order."""
 
-    def __init__(self, read: Callable[[int], Any], *, position: int, window: SkipWindow,
-                 check: Callable[[Any], None] | None = None, log: SkipLog | None = None) -> None:
+    def __init__(self, read: Callable[[int], S], *, position: int, window: SkipWindow,
+                 check: Callable[[S], None] | None = None, log: SkipLog | None = None) -> None:
         self.read, self.check, self.window, self.log = read, check, window, log
         self.position = position
 
-    def __enter__(self) -> PromptStream:
+    def __enter__(self) -> PromptStream[S]:
         return self
 
     def __exit__(self, *exc) -> None:
         if self.log is not None:
             self.log.close()
 
-    def take(self, n: int, *, step: int) -> StepRows:
+    def take(self, n: int, *, step: int) -> StepRows[S]:
         """The next `n` usable prompts, read for `step` (numbered as metrics.jsonl numbers it)."""
-        prompts: list = []
+        prompts: list[S] = []
         positions: list[int] = []
         skipped: list[dict[str, Any]] = []
         while len(prompts) < n:
@@ -340,9 +343,9 @@ def resumed_window(run_dir: str | os.PathLike, *, through_step: int, end: int, m
     return window
 
 
-def open_prompt_stream(read: Callable[[int], Any], *, run_dir: str | os.PathLike, position: int, done_steps: int,
-                       resume: bool, max_skip_fraction: float, check: Callable[[Any], None] | None = None,
-                       writes: bool = True) -> PromptStream:
+def open_prompt_stream(read: Callable[[int], S], *, run_dir: str | os.PathLike, position: int, done_steps: int,
+                       resume: bool, max_skip_fraction: float, check: Callable[[S], None] | None = None,
+                       writes: bool = True) -> PromptStream[S]:
     """The stream of a run that has trained `done_steps` steps and read up to `position`:
     resumed, its skipped.jsonl keeps the lines of those steps and its window is rebuilt from
     them. `writes`: this process lists the skips (rank 0; every rank reads the same rows)."""
@@ -357,19 +360,19 @@ def open_prompt_stream(read: Callable[[int], Any], *, run_dir: str | os.PathLike
 # ------------------------------------------------------------------------ evaluation
 
 
-class EvalRows(list):
+class EvalRows(list[S], Generic[S]):
     """Held-out questions that could be read, with the records of those that could not
     (`skipped`): an evaluation scores the first and reports the second apart."""
 
-    def __init__(self, samples: Iterable[Any] = (), skipped: Iterable[dict[str, Any]] = ()) -> None:
+    def __init__(self, samples: Iterable[S] = (), skipped: Iterable[dict[str, Any]] = ()) -> None:
         super().__init__(samples)
         self.skipped: list[dict[str, Any]] = list(skipped)
 
 
-def usable_rows(read: Callable[[int], Any], indices: Iterable[int], *, check: Callable[[Any], None] | None = None,
-                skipped: Iterable[dict[str, Any]] = ()) -> EvalRows:
+def usable_rows(read: Callable[[int], S], indices: Iterable[int], *, check: Callable[[S], None] | None = None,
+                skipped: Iterable[dict[str, Any]] = ()) -> EvalRows[S]:
     """The rows at `indices` that `read` and `check` accept; the others' records after `skipped`."""
-    out = EvalRows(skipped=skipped)
+    out: EvalRows[S] = EvalRows(skipped=skipped)
     for i in indices:
         try:
             sample = read(i)
@@ -382,7 +385,7 @@ def usable_rows(read: Callable[[int], Any], indices: Iterable[int], *, check: Ca
     return out
 
 
-def recheck(samples: list, check: Callable[[Any], None]) -> EvalRows:
+def recheck(samples: list[S], check: Callable[[S], None]) -> EvalRows[S]:
     """`samples` less those `check` refuses, which join the skipped ones (the token budget
     can only be checked once the processor is loaded)."""
     skipped = getattr(samples, "skipped", [])

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,15 +27,20 @@ import torch
 from saccade.config import EnvConfig, RolloutConfig, RunConfig
 from saccade.data.rows import StepRows
 from saccade.distributed import SINGLE, World, all_gather
-from saccade.inference.engine import ChatRequest, Engine, SamplingParams, stream_seed
+from saccade.envs.base import StepResult
+from saccade.inference.engine import ChatRequest, Completion, Engine, SamplingParams, stream_seed
 from saccade.inference.servers import NoServerError
 from saccade.models.vision import Pins
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 from saccade.orchestrator.samples import completion_to_sample
 from saccade.setup import Setup
-from saccade.tasks import Task
+from saccade.tasks import Prompt, Task
 from saccade.timing import timed
 from saccade.trainer.samples import TrainingSample
+
+
+# A task's prompt: what its environments are reset with.
+S = TypeVar("S", bound=Prompt)
 
 
 @dataclass
@@ -96,12 +101,12 @@ class StepRollouts:
     groups: list[list[Rollout]]  # this rank's groups, in prompt order (they still hold the environments' images)
     pins: Pins  # the cache pins that keep their image embeddings until the step has trained
     sample_s: float  # wall seconds the sampling took
-    rows: StepRows  # the data rows read for the step: prompts, positions, skips
+    rows: StepRows[Any]  # the data rows read for the step: prompts, positions, skips
     all_groups: list[list[Rollout]]  # every rank's groups, in prompt order, advantages set
     batch: RolloutBatch  # the scored step: the samples to train on, the rollout metrics
 
 
-def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingParams, *,
+def sample_answers(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *,
                    merge: int, seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """Single-turn: one request per prompt with n = params.n; each answer scored by its own
     environment (reset with the prompt, stepped with the answer). `seeds`: each prompt's
@@ -122,7 +127,7 @@ def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingPa
         return _scored_groups(groups, prompts, results, merge, openings)
 
 
-def _scored_groups(groups: list[list], prompts: list, results: list, merge: int,
+def _scored_groups(groups: list[list[Completion]], prompts: list[S], results: list[StepResult], merge: int,
                    openings: list) -> list[list[Rollout]]:
     """Each completion with its environment's result, as a Rollout holding its training sample."""
     G = len(groups[0]) if groups else 0
@@ -140,7 +145,7 @@ def _scored_groups(groups: list[list], prompts: list, results: list, merge: int,
     return out
 
 
-def sample_episodes(engine: Engine, task: Task, prompts: list, params: SamplingParams, *, merge: int,
+def sample_episodes(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *, merge: int,
                     continuation, env: EnvConfig, tokenizer, check: bool,
                     seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """Multi-turn: params.n environments per prompt, each episode one training sample. With
@@ -171,7 +176,7 @@ def sample_episodes(engine: Engine, task: Task, prompts: list, params: SamplingP
     return [rollouts[g * G:(g + 1) * G] for g in range(len(prompts))]
 
 
-def sample_groups(engine: Engine, task: Task, prompts: list, params: SamplingParams, *, merge: int,
+def sample_groups(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *, merge: int,
                   continuation=None, env: EnvConfig | None = None, tokenizer=None,
                   check: bool = False, seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """params.n scored rollouts per prompt, answers or episodes as the task's max_turns says.
@@ -188,7 +193,7 @@ def prompt_seeds(seed: int, step: int, prompt_indices) -> list[int]:
     return [stream_seed(seed, step, i) for i in prompt_indices]
 
 
-def sample_step(step: int, rows: StepRows, *, setup: Setup, task: Task, cfg: RunConfig, sampling: SamplingParams,
+def sample_step(step: int, rows: StepRows[S], *, setup: Setup, task: Task[S], cfg: RunConfig, sampling: SamplingParams,
                 world: World = SINGLE, max_lag: int = 0, sampling_weights=contextlib.nullcontext) -> StepRollouts:
     """One RL step's rollouts, scored. This rank samples its share of the step's prompts (`rows`),
     `sampling.n` answers or episodes each, every sampling stream a function of (seed, step,

@@ -62,8 +62,7 @@ class RolloutSource:
         rollouts were ready in the queue behind them."""
         start = time.perf_counter()
         if self._thread is None:
-            item = self.sample(step)
-            return item, time.perf_counter() - start, 0
+            return self.sample(step), time.perf_counter() - start, 0
         with self._changed:
             self._changed.wait_for(lambda: bool(self._ready))
             item = self._ready.popleft()
