@@ -27,7 +27,6 @@ twice, none is lost, and the window of recent rows is rebuilt from the file as i
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from saccade.config import HubDatasetTaskConfig
+from saccade.journal import Journal, read_jsonl
 
 # The tasks whose prompts are a data set's rows (the [task] kinds of saccade.config.task's
 # HubDatasetTaskConfig and OwnDatasetTaskConfig; a test keeps them equal).
@@ -189,21 +189,12 @@ def read_skipped(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     if path.is_dir():
         path = path / SKIPPED_FILE
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_bytes().split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line a kill cut short: the resumed run writes it again
-            continue
-    return records
+    return read_jsonl(path) if path.exists() else []
 
 
 class SkipLog:
-    """Appends one fsync'd JSON line per skipped row to `run_dir/skipped.jsonl`.
+    """Appends one fsync'd JSON line per skipped row to `run_dir/skipped.jsonl` (a
+    `saccade.journal.Journal`, opened at the first skip: a run without broken rows has no file).
 
     `resume`: keep the lines of steps up to `keep_through_step` (the checkpoint the run
     restarts from) and drop the rest, a torn last line included, by an atomic rewrite: the
@@ -211,38 +202,19 @@ class SkipLog:
     earlier run is set aside as skipped.jsonl.1 (.2, ...), as metrics.jsonl is."""
 
     def __init__(self, run_dir: str | os.PathLike, *, resume: bool, keep_through_step: int = 0) -> None:
-        self.path = Path(run_dir) / SKIPPED_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume and self.path.exists():
-            kept = [r for r in read_skipped(self.path) if r.get("step", 0) <= keep_through_step]
-            tmp = self.path.with_name(SKIPPED_FILE + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(b"".join(_line(r) for r in kept))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        elif self.path.exists() and self.path.stat().st_size > 0:
-            n = 1
-            while (aside := self.path.with_name(f"{SKIPPED_FILE}.{n}")).exists():
-                n += 1
-            os.replace(self.path, aside)
-        self._file = None  # opened at the first skip: a run without broken rows has no file
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(Path(run_dir) / SKIPPED_FILE, ensure_ascii=False)
+        self.path = self.journal.path
+        if resume:
+            self.journal.truncate_after(keep_through_step)
+        else:
+            self.journal.set_aside()
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
-            self._file = open(self.path, "ab")
-        self._file.write(_line(record))  # one write: a kill leaves at most this line torn
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self.journal.append(record)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def _line(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+        self.journal.close()
 
 
 # --------------------------------------------------------------------- the stream
