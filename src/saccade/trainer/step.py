@@ -24,6 +24,7 @@ counts (so the micro-batch losses sum to the loss of the whole batch).
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +52,8 @@ from saccade.trainer.samples import MicroBatch
 # backpropagate (normalised by the step's totals, so the micro-batches' losses sum to the
 # step's) and figures to sum over the step (0-dim device tensors) out.
 MicroBatchLoss = Callable[[int, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+log = logging.getLogger(__name__)
 
 
 def lr_schedule(trainer: TrainerConfig) -> Callable[[int], float]:
@@ -248,7 +251,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler, micro_batches: S
         # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
         optimizer.zero_grad(set_to_none=True)
         reason = "non-finite loss" if not finite_loss else "non-finite gradient"
-        print(f"step skipped: {reason}; the weights were not changed")
+        if world.is_main:  # every rank skipped it: one says so
+            log.warning("step skipped: %s; the weights were not changed", reason)
         return outcome
     with timed("optimizer"):
         optimizer.step()
