@@ -230,9 +230,9 @@ def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: i
 
         def hf(reqs):
             texts, images = repeated_prompts(processor, [r.messages for r in reqs], n, limits)
-            new_BC = hf_generate(full, hf_inputs(processor, texts, images, limits, "cpu"), max_new_tokens=max_tokens,
+            new_BT = hf_generate(full, hf_inputs(processor, texts, images, limits, "cpu"), max_new_tokens=max_tokens,
                                  banned=local.banned_token_ids)
-            return int(completion_mask(new_BC, local.stop_token_ids).sum())
+            return int(completion_mask(new_BT, local.stop_token_ids).sum())
 
         def count(engine):
             return lambda reqs: sum(c.completion_ids.numel() for g in engine.generate(reqs, params) for c in g)

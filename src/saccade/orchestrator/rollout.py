@@ -281,25 +281,25 @@ def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> Rollout
     """Group-relative advantages set on the samples; the kept groups' samples and the metrics.
     With rollout.mask_overlong, a sample whose final reply was cut stays in its group's
     statistics but out of the loss (DAPO's overlong filtering)."""
-    rewards_GN = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
-    shaped_GN = shaped_rewards(groups, rollout.overlong_penalty) if rollout.overlong_penalty else rewards_GN
-    advantages_GN = group_advantages(shaped_GN, scale_by_std=rollout.scale_advantages_by_std)
-    signal_G = ~zero_variance_groups(shaped_GN)  # a group whose rewards are all equal teaches nothing
-    keep_G = signal_G if rollout.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
+    rewards_PG = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
+    shaped_PG = shaped_rewards(groups, rollout.overlong_penalty) if rollout.overlong_penalty else rewards_PG
+    advantages_PG = group_advantages(shaped_PG, scale_by_std=rollout.scale_advantages_by_std)
+    signal_P = ~zero_variance_groups(shaped_PG)  # a group whose rewards are all equal teaches nothing
+    keep_P = signal_P if rollout.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
     samples = []
     for g, group in enumerate(groups):
         for i, r in enumerate(group):
-            r.sample.advantage = float(advantages_GN[g, i])
-            if keep_G[g] and not (rollout.mask_overlong and r.final_cut):
+            r.sample.advantage = float(advantages_PG[g, i])
+            if keep_P[g] and not (rollout.mask_overlong and r.final_cut):
                 samples.append(r.sample)
-    metrics = rollout_metrics(groups, rewards_GN, keep_G, signal_G)
+    metrics = rollout_metrics(groups, rewards_PG, keep_P, signal_P)
     if rollout.overlong_penalty:
-        metrics["reward_shaped_mean"] = float(shaped_GN.mean())
+        metrics["reward_shaped_mean"] = float(shaped_PG.mean())
     return RolloutBatch(samples, metrics, groups)
 
 
-def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_G: torch.Tensor,
-                    signal_G: torch.Tensor) -> dict[str, float]:
+def rollout_metrics(groups: list[list[Rollout]], rewards_PG: torch.Tensor, keep_P: torch.Tensor,
+                    signal_P: torch.Tensor) -> dict[str, float]:
     """Rewards, accuracy, lengths, turns, images, how many groups carry a signal (reward
     variance) and how many were kept, how the replies ended; plus the mean of every number the
     environments reported at their last step, as env_<key>, and the reward functions' values,
@@ -313,16 +313,16 @@ def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_
     lengths = torch.tensor([r.completion_tokens for r in flat], dtype=torch.float32)
     reasons = [reason for r in flat for reason in r.finish_reasons]
     return {
-        "reward_mean": float(rewards_GN.mean()),
-        "reward_std": float(rewards_GN.std()) if rewards_GN.numel() > 1 else 0.0,
+        "reward_mean": float(rewards_PG.mean()),
+        "reward_std": float(rewards_PG.std()) if rewards_PG.numel() > 1 else 0.0,
         "accuracy": float(np.mean([r.correct for r in flat])),
         "completion_len_mean": float(lengths.mean()),
         "completion_len_max": float(lengths.max()),
         "stopped_frac": float(np.mean([reason == "stop" for reason in reasons])),
         "truncated_frac": float(np.mean([reason == "length" for reason in reasons])),
         "final_truncated_frac": float(np.mean([r.final_cut for r in flat])),
-        "groups_with_signal_frac": float(signal_G.float().mean()),
-        "groups_kept_frac": float(keep_G.float().mean()),
+        "groups_with_signal_frac": float(signal_P.float().mean()),
+        "groups_kept_frac": float(keep_P.float().mean()),
         "completion_tokens": float(lengths.sum()),
         "sampled_policy_version": float(min(r.policy_version for r in flat)),
         "turns_mean": float(np.mean([r.turns for r in flat])),
