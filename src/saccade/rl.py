@@ -79,8 +79,8 @@ from saccade.inference.engine import SamplingParams
 from saccade.inference.servers import NoServerError
 from saccade.metrics import METRICS_FILE, MetricsLogger, format_step
 from saccade.models.lm import shares_prompts
-from saccade.orchestrator.rollout import StepRollouts, sample_step
-from saccade.orchestrator.source import RolloutSource
+from saccade.orchestrator.rollout import sample_step
+from saccade.orchestrator.source import RolloutSource, StepRollouts
 from saccade.process_stats import memory_metrics, process_metrics
 from saccade.progress import ProgressBar
 from saccade.sample_log import SAMPLES_DIR, finite, sample_line, step_samples

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 from saccade.orchestrator.rollout import StepRollouts
 
+__all__ = ["RolloutSource", "SamplingFailed", "StepRollouts"]  # StepRollouts: what `get` hands out
+
 
 @dataclass
 class SamplingFailed:
