@@ -66,9 +66,10 @@ def die_at(point: str, n: int) -> None:
 
         def dying_log(self, step, metrics, *, phase="train"):
             if reached():
-                self._file.write(b'{"step": %d, "phase": "train", "loss": 0.' % step)  # a torn line
-                self._file.flush()
-                os.fsync(self._file.fileno())
+                with open(self.path, "ab") as f:
+                    f.write(b'{"step": %d, "phase": "train", "loss": 0.' % step)  # a torn line
+                    f.flush()
+                    os.fsync(f.fileno())
                 die()
             return log(self, step, metrics, phase=phase)
 

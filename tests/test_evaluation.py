@@ -96,7 +96,7 @@ def test_eval_of_the_saved_checkpoint_equals_the_trained_model(tmp_path):
 
 
 def rl_request(sample):
-    from saccade.data.shapes import to_messages
+    from saccade.data.questions import to_messages
     from saccade.inference.engine import ChatRequest
 
     return ChatRequest(sample.sample_id, to_messages(sample))
@@ -213,7 +213,7 @@ def test_visual_gain_shows_a_model_that_reads_the_image_and_none_without_images(
     shapes control task's own blank questions, answered one by one. The same model on that
     blank-image task has nothing to lose: its visual_gain is 0."""
     from saccade.inference.engine import ChatRequest
-    from saccade.data.shapes import to_messages
+    from saccade.data.questions import to_messages
     from saccade.evaluation import evaluate
     from saccade.rewards import correct_reward
     from saccade.setup import build_setup

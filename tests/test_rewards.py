@@ -152,7 +152,7 @@ def test_parse_number_and_choice_index():
 
 
 def test_correct_reward_reads_sample_fields():
-    from saccade.data.shapes import VQASample
+    from saccade.data.questions import VQASample
 
     sample = VQASample("s1", [], "What color?", "blue", COLORS4, "multi_choice", {})
     assert correct_reward("Answer: blue", sample) == 1.0

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from saccade.config import RunConfig, load_config
-from saccade.data.shapes import VQASample
+from saccade.data.questions import VQASample
 from saccade.scoring import Rewards, metric_name
 from saccade.tasks import check_user_code
 

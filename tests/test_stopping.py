@@ -81,7 +81,7 @@ def test_ctrl_c_to_saccade_rl_saves_a_checkpoint_and_exits_130(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert time.time() - asked < 30
-    assert "SIGINT: stopping after this step, with a checkpoint" in out
+    assert "saccade: SIGINT: stopping after this step, with a checkpoint" in err  # logged (saccade.logs)
     assert "saccade: stopped: stopped on request after step" in err and "--resume" in err
     step = int(err.split("stopped on request after step ")[1].split(";")[0])
     assert 1 <= step < 200 and (run / "checkpoints" / f"step_{step:06d}" / "COMPLETE").exists()

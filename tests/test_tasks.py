@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import typing
 
 import pytest
 
 from saccade.config import ConfigError, RunConfig, ScenesTaskConfig, ViewsTaskConfig, load_config
-from saccade.data.shapes import ShapesTask, VQASample
+from saccade.data.questions import VQASample
+from saccade.data.shapes import ShapesTask
 from saccade.scoring import Rewards
 from saccade.tasks import QuestionEnv, QuestionTask, check_user_code, task_from_config
 
@@ -122,6 +124,31 @@ def test_every_task_offers_the_same_members(overrides):
     assert first.sample_id not in {s.sample_id for s in held_out}
     env = task.make_env()
     assert env.max_turns == task.max_turns and env.reset(first)
+
+
+@pytest.mark.parametrize("module, task, sample", [
+    ("saccade.tasks", "QuestionTask", "saccade.data.questions:VQASample"),
+    ("saccade.envs.views", "ViewsTask", "saccade.envs.views:ViewSample"),
+    ("saccade.envs.scenes", "ScenesTask", "saccade.envs.scenes:SceneSample"),
+    ("saccade.envs.verifiers_env", "VerifiersTask", "saccade.envs.verifiers_env:VerifiersSample"),
+], ids=["questions", "views", "scenes", "verifiers"])
+def test_every_task_names_its_prompt_type(module, task, sample):
+    """A `Task[S]`: train_sample gives an S (which has the sample_id the rollout names things
+    by), eval_samples a list of them, and its environments are reset with one."""
+    sample_module, _, sample_name = sample.partition(":")
+    S = getattr(importlib.import_module(sample_module), sample_name)
+    cls = getattr(importlib.import_module(module), task)
+    names = {**vars(importlib.import_module(module)), sample_name: S}
+
+    def hints(fn) -> dict:
+        return typing.get_type_hints(fn, globalns=names)
+
+    assert hints(cls.train_sample)["return"] is S
+    assert issubclass(typing.get_origin(hints(cls.eval_samples)["return"]), list)
+    assert typing.get_args(hints(cls.eval_samples)["return"]) == (S,)
+    accepted = hints(hints(cls.make_env)["return"].reset)["sample"]
+    assert accepted is S or S in typing.get_args(accepted)
+    assert "sample_id" in {f.name for f in dataclasses.fields(S)}
 
 
 def test_shapes_questions_come_from_the_seeded_streams():

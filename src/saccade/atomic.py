@@ -1,4 +1,4 @@
-"""Folders written whole or not at all: a crash leaves the old folder or the new one, never half of either.
+"""Folders and files written whole or not at all: a crash leaves the old one or the new one, never half of either.
 
 Everything is written into `.tmp-<name>-<pid>/` beside the final folder, fsynced, then renamed to
 its name in one step (`atomic_dir`). Replacing a folder that exists swaps the two atomically (Linux
@@ -8,6 +8,10 @@ supported. A writer killed mid-write leaves at worst a `.tmp-*` folder, which
 filesystem shared between machines a live writer elsewhere could look dead). Used by the
 checkpoints (`saccade.trainer.checkpoint`) and the engine and export weights
 (`saccade.trainer.engine_weights`).
+
+A file is rewritten the same way (`write_file_atomically`: a temp file beside it, fsynced, renamed
+over it): how a resumed run's JSONL journals drop their later steps (`saccade.journal`). The
+fsync helpers here are the package's only ones.
 """
 
 from __future__ import annotations
@@ -109,6 +113,32 @@ def _exchange(a: Path, b: Path) -> bool:
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     at_fdcwd, rename_exchange = -100, 2
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def write_file_atomically(path: Path, data: bytes) -> None:
+    """Replace `path`'s contents with `data` in one step: written to `NAME.tmp` beside it,
+    fsynced, renamed over it, and the rename made durable."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (best effort: some filesystems refuse)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def list_files(root: Path) -> list[Path]:

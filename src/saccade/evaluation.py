@@ -24,12 +24,15 @@ import json
 from collections import Counter, defaultdict
 from math import comb
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from saccade.config import EnvConfig, RunConfig
 from saccade.data.rows import recheck, row_check
+from saccade.tasks import Prompt, Task
+
+S = TypeVar("S", bound=Prompt)  # the task's prompts
 
 # Metadata fields that name a category, per task. MathVista's skills is a list: a row counts
 # in each of its skills.
@@ -42,7 +45,7 @@ CATEGORY_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def evaluate(setup, task, samples: list, *, max_tokens: int, env: EnvConfig | None = None,
+def evaluate(setup, task: Task[S], samples: list[S], *, max_tokens: int, env: EnvConfig | None = None,
              visual_gain: bool = False) -> dict[str, float]:
     """Greedy decoding on held-out prompts, one answer or episode each, scored by the task's
     environments: `accuracy` (the share scored fully correct), `n`, `turns` and the mean of
@@ -62,7 +65,7 @@ def evaluate(setup, task, samples: list, *, max_tokens: int, env: EnvConfig | No
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1)
 
-    def greedy_rollouts(task) -> list:
+    def greedy_rollouts(task: Task[S]) -> list:
         groups = sample_groups(setup.engine, task, samples, greedy, merge=setup.merge,
                                continuation=setup.continuation, env=env, tokenizer=setup.processor.tokenizer)
         return [group[0] for group in groups]

@@ -1,7 +1,8 @@
 """Metrics logging for the RL and SFT loops.
 
 Every call to `MetricsLogger.log` appends one JSON line to `run_dir/metrics.jsonl`, then flushes
-and fsyncs it, so a run killed at any moment loses at most the line being written. Weights & Biases
+and fsyncs it (a `saccade.journal.Journal`), so a run killed at any moment loses at most the line
+being written. Weights & Biases
 and TensorBoard are optional mirrors: asked for but not installed, they cost one warning and the run
 goes on with the JSONL file alone. The JSONL file is the record `saccade plot` reads.
 
@@ -34,6 +35,8 @@ from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from saccade.journal import Journal, read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # saccade.sample_log writes its records through `MetricsLogger.log_samples`
@@ -76,91 +79,12 @@ def _is_nonfinite(v: float | int | None) -> bool:
 def read_metrics(path: str | os.PathLike, *, phase: str | None = None) -> list[dict]:
     """The records of a metrics.jsonl file (or of `run_dir/metrics.jsonl` if given a directory),
     in file order. A truncated last line (a kill mid-write) is skipped silently; an unreadable line
-    elsewhere is skipped with a warning. `phase` keeps only that phase's records."""
+    elsewhere is skipped with a warning (`saccade.journal.read_jsonl`). `phase` keeps only that
+    phase's records."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
-    lines = path.read_bytes().split(b"\n")
-    records: list[dict] = []
-    for i, raw in enumerate(lines):
-        raw = raw.strip()
-        if not raw:
-            continue
-        try:
-            rec = json.loads(raw)
-            if not isinstance(rec, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as e:
-            if i != len(lines) - 1:  # the last piece has no newline after it: a torn write
-                warnings.warn(f"{path}:{i + 1}: skipping an unreadable line ({e})", RuntimeWarning, stacklevel=2)
-            continue
-        if phase is None or rec.get("phase", "train") == phase:
-            records.append(rec)
-    return records
-
-
-
-# The run's JSONL files (metrics.jsonl, samples.jsonl) share these three writes.
-
-
-def repair_torn_tail(path: Path) -> None:
-    """Cut a half-written last line (no trailing newline) of a JSONL file, so that appending
-    does not glue the next record onto it."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if not data or data.endswith(b"\n"):
-        return
-    cut = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
-    with open(path, "r+b") as f:
-        f.truncate(cut)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def set_aside(path: Path) -> Path:
-    """Move a previous run's file to the first free `NAME.N` and return where it went."""
-    n = 1
-    while (kept := path.with_name(f"{path.name}.{n}")).exists():
-        n += 1
-    os.replace(path, kept)
-    return kept
-
-
-def truncate_jsonl(path: Path, step: int) -> tuple[list[dict], int]:
-    """Drop every record with step > `step` (and a torn last line) from a JSONL file, rewritten
-    atomically (temp file + fsync + rename). Returns the records kept and how many were dropped."""
-    records = read_metrics(path) if path.exists() else []
-    kept = [rec for rec in records if not (isinstance(rec.get("step"), (int, float)) and rec["step"] > step)]
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(b"".join(json.dumps(rec, allow_nan=False).encode() + b"\n" for rec in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return kept, len(records) - len(kept)
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (best effort: some filesystems refuse)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def append_line(file, record: dict) -> None:
-    """One JSON line in one write, flushed and fsync'd: a kill leaves at most this line torn."""
-    file.write(json.dumps(record, allow_nan=False).encode() + b"\n")
-    file.flush()
-    os.fsync(file.fileno())
+    return [rec for rec in read_jsonl(path) if phase is None or rec.get("phase", "train") == phase]
 
 
 # Console summary: (key, short label), in display order.
@@ -280,28 +204,28 @@ class MetricsLogger:
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / METRICS_FILE
-        self.samples_path = self.run_dir / SAMPLES_FILE  # opened on the first `log_samples`
-        self._samples_file = None
+        self.journal = Journal(self.run_dir / METRICS_FILE)
+        self.samples = Journal(self.run_dir / SAMPLES_FILE)  # opened on the first `log_samples`
+        self.path, self.samples_path = self.journal.path, self.samples.path
         self.resume = resume
         self.config = dict(config) if config else {}
         self.nonfinite_counts: Counter[str] = Counter()
         self.backend_warnings: list[str] = []
         self._start = time.time()
         self._elapsed_offset = 0.0
-        self._file = None
         self._closed = False
 
         if resume:
-            self._repair_torn_tail()
+            self.journal.repair()
+            self.samples.repair()
             self._elapsed_offset = self._last_elapsed()
         else:
-            for path in (self.path, self.samples_path):
-                if path.exists() and path.stat().st_size > 0:
-                    kept = set_aside(path)
-                    warnings.warn(f"{path} already existed (a previous run, not resumed): moved it to {kept.name}",
-                                  RuntimeWarning, stacklevel=2)
-        self._open()
+            for journal in (self.journal, self.samples):
+                kept = journal.set_aside()
+                if kept is not None:
+                    warnings.warn(f"{journal.path} already existed (a previous run, not resumed): moved it to "
+                                  f"{kept.name}", RuntimeWarning, stacklevel=2)
+        self.journal.open()
 
         self._wandb = None
         self._wandb_run = None
@@ -315,13 +239,6 @@ class MetricsLogger:
             self.truncate_after(resume_step)
 
     # -- the JSONL file -------------------------------------------------------------------------
-
-    def _open(self) -> None:
-        self._file = open(self.path, "ab")
-
-    def _repair_torn_tail(self) -> None:
-        repair_torn_tail(self.path)
-        repair_torn_tail(self.samples_path)
 
     def _last_elapsed(self) -> float:
         if not self.path.exists():
@@ -339,14 +256,8 @@ class MetricsLogger:
         records dropped. Each file is rewritten atomically (temp file + fsync + rename).
         TensorBoard events past `step` are purged too."""
         self._check_open()
-        self._file.close()
-        kept, dropped = truncate_jsonl(self.path, step)
-        self._open()
-        if self.samples_path.exists():
-            if self._samples_file is not None:
-                self._samples_file.close()
-                self._samples_file = None
-            truncate_jsonl(self.samples_path, step)
+        kept, dropped = self.journal.truncate_after(step)
+        self.samples.truncate_after(step)
         self._elapsed_offset = max((float(e) for rec in kept if isinstance(e := rec.get("elapsed_s"), (int, float))
                                     and math.isfinite(e)), default=0.0)
         if self._tb is not None:
@@ -378,7 +289,7 @@ class MetricsLogger:
                 self.nonfinite_counts[k] += 1
                 v = None
             record[k] = v
-        append_line(self._file, record)
+        self.journal.append(record)
 
         # Mirrors get finite values only (inf wrecks W&B/TensorBoard axes); the JSONL has the nulls.
         mirrored = {self._tag(k, phase): v for k, v in record.items() if k in values and v is not None}
@@ -401,10 +312,9 @@ class MetricsLogger:
         written under `run_dir`) to samples.jsonl, as metrics.jsonl's lines are written, and
         mirror them: a W&B table with the images, TensorBoard text and images."""
         self._check_open()
-        if self._samples_file is None:
-            self._samples_file = open(self.samples_path, "ab")
+        self.samples.open()  # the file is there once asked for, records or none
         for record in records:
-            append_line(self._samples_file, record)
+            self.samples.append(record)
         if self._wandb_run is not None and records:
             try:
                 self._wandb_run.log({"samples": self._wandb_table(records)}, step=int(step))
@@ -540,10 +450,8 @@ class MetricsLogger:
         if self._closed:
             return
         self._closed = True
-        if self._file is not None:
-            self._file.close()
-        if self._samples_file is not None:
-            self._samples_file.close()
+        self.journal.close()
+        self.samples.close()
         if self._tb is not None:
             try:
                 self._tb.close()
@@ -566,7 +474,8 @@ class MetricsLogger:
 
     def __del__(self) -> None:
         try:
-            if not self._closed and self._file is not None:
-                self._file.close()
+            if not self._closed:
+                self.journal.close()
+                self.samples.close()
         except Exception:
             pass

@@ -15,7 +15,7 @@ Unlike MathVista's official script, a prediction that names no option is not map
 nearest option by edit distance: as a reward that would pay for unrelated text.
 
 Reward functions take ``(completion, sample)``, where ``sample`` is a
-:class:`saccade.data.shapes.VQASample` or a mapping with the same field names (``answer``,
+:class:`saccade.data.questions.VQASample` or a mapping with the same field names (``answer``,
 ``choices``, ``answer_type``, optional ``precision`` or ``metadata["precision"]``), and
 return a float. :data:`REWARD_FUNCTIONS` names them for configuration files
 (``rollout.reward_weights``), beside a user's own functions given as import paths;

@@ -320,7 +320,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     source = RolloutSource(  # each step's rollouts; on the rollout thread when sampling ahead
         lambda step: run.sample(step, stream.take(cfg.rollout.prompts_per_step, step=step + 1)),
         first_step=state.step, end=end, max_async_level=cfg.rollout.max_async_level)
-    engine_before = engine_stats(engine)
+    engine_before = engine.stats()
     model_match = ModelMatchGuard(cfg.engine.model_mismatch_limit, cfg.model.path, cfg.engine.kind)
     with logger, stream, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar, source:
         try:
@@ -382,7 +382,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 step_s = time.perf_counter() - start
 
                 # 5. Metrics, evaluation, checkpoint.
-                engine_now = engine_stats(engine)
+                engine_now = engine.stats()
                 metrics = step_metrics(
                     rollouts, train_metrics, setup, engine_counters(engine_now, engine_before),
                     rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync_s, step_s=step_s,
@@ -549,12 +549,6 @@ def stop_if_unwritable(run_dir: Path, step: int):
 
 # The engine's counters whose per-step differences are logged (servers of a vLLM engine).
 STEP_COUNTERS = ("requests_retried", "requests_rerouted", "servers_taken_out", "servers_rejoined", "engine_idle_s")
-
-
-def engine_stats(engine) -> dict[str, float]:
-    """The engine's cumulative counters (`VLLMEngine.stats`); none for the embedded engine."""
-    stats = getattr(engine, "stats", None)
-    return stats() if stats is not None else {}
 
 
 def engine_counters(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:

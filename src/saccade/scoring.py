@@ -7,7 +7,7 @@ Each key of `rollout.reward_weights` names a reward function: a built-in
     fn(completion, *, sample, messages) -> float | dict[str, float]
 
 - `completion`: the answer's text, as sampled;
-- `sample`: the prompt (a `saccade.data.shapes.VQASample`: answer, choices, answer_type,
+- `sample`: the prompt (a `saccade.data.questions.VQASample`: answer, choices, answer_type,
   precision, metadata, ...; a data set's rows are mapped onto the same fields);
 - `messages`: the prompt as OpenAI-format chat messages, images as
   ``{"type": "image", "image": PIL.Image}`` parts.

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from saccade.config import RunConfig, describe
-from saccade.data.shapes import to_messages
+from saccade.data.questions import to_messages
 from saccade.inference.engine import ChatRequest
 from saccade.metrics import MetricsLogger, format_step
 from saccade.models.lm import unwrap_policy

@@ -16,6 +16,7 @@ same checkpoint and stop together.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 import time
@@ -28,6 +29,8 @@ STOP_FILE = "STOP"
 # workers' exit status 130 as a failure (1), so `saccade launch` reads this file to tell the two apart.
 STOPPED_FILE = "STOPPED"
 REPEAT_WINDOW_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 class RunStopped(RuntimeError):
@@ -72,8 +75,9 @@ class StopRequest:
                 raise KeyboardInterrupt
             if self.signalled_at is None:
                 self.signalled_at = now
-                print(f"saccade: {signal.Signals(signum).name}: stopping after this step, with a checkpoint "
-                      f"(the same signal again, {REPEAT_WINDOW_S:.0f} s or more from now, stops at once, unsaved)", flush=True)
+                # Said by the rank that caught it (a signal may reach one rank only).
+                log.warning("%s: stopping after this step, with a checkpoint (the same signal again, %.0f s or "
+                            "more from now, stops at once, unsaved)", signal.Signals(signum).name, REPEAT_WINDOW_S)
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         try:

@@ -30,7 +30,7 @@ anything; the entry points call it right after loading the config, `--dry-run` i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from saccade.config import (
     HubDatasetTaskConfig, OwnDatasetTaskConfig, PluginTaskConfig, RunConfig, ScenesTaskConfig, ShapesTaskConfig,
@@ -40,32 +40,53 @@ from saccade.envs.base import Environment, Message, StepResult, message_text
 from saccade.plugins import load_callable
 from saccade.scoring import Rewards, reward_functions
 
+if TYPE_CHECKING:
+    from saccade.data.questions import VQASample
+
 # Held-out prompts come from another seed's stream than the training prompts.
 EVAL_SEED_OFFSET = 10_000
 
 
-class Task(Protocol):
-    max_turns: int
+class Prompt(Protocol):
+    """What the rollout path reads of any task's prompt: its id, which names the prompt's
+    requests, episodes and training samples (`<sample_id>/<i>`)."""
 
-    def train_sample(self, position: int, *, seed: int) -> Any:
+    @property
+    def sample_id(self) -> str: ...
+
+
+S = TypeVar("S", bound=Prompt)
+
+
+class Task(Protocol[S]):
+    """A task whose prompts are of type S: `QuestionTask` a `Task[VQASample]`, `ViewsTask` a
+    `Task[ViewSample]`, `ScenesTask` a `Task[SceneSample]`, `VerifiersTask` a
+    `Task[VerifiersSample]`. Its environments are reset with those same prompts."""
+
+    @property
+    def max_turns(self) -> int:
+        """Assistant turns per episode at most (1: single-turn questions)."""
+        ...
+
+    def train_sample(self, position: int, *, seed: int) -> S:
         """Prompt `position` of the training stream (every epoch a new seeded order for data sets)."""
         ...
 
-    def eval_samples(self, n: int) -> list[Any]:
+    def eval_samples(self, n: int) -> list[S]:
         """The first `n` held-out prompts (fewer when the split is smaller)."""
         ...
 
-    def make_env(self) -> Environment:
+    def make_env(self) -> Environment[S]:
         """A fresh environment for one episode."""
         ...
 
 
 class QuestionSource(Protocol):
-    """Visual questions (`saccade.data.shapes.VQASample`): the shapes generator or a data set."""
+    """Visual questions (`saccade.data.questions.VQASample`): the shapes generator or a data set."""
 
-    def train_sample(self, position: int, *, seed: int) -> Any: ...
+    def train_sample(self, position: int, *, seed: int) -> VQASample: ...
 
-    def eval_samples(self, n: int) -> list[Any]: ...
+    def eval_samples(self, n: int) -> list[VQASample]: ...
 
 
 class QuestionEnv:
@@ -79,11 +100,11 @@ class QuestionEnv:
 
     def __init__(self, rewards: Rewards):
         self.rewards = rewards
-        self.sample = None
+        self.sample: VQASample | None = None
         self.messages: list[Message] = []
 
-    def reset(self, sample: Any) -> list[Message]:
-        from saccade.data.shapes import to_messages
+    def reset(self, sample: VQASample) -> list[Message]:
+        from saccade.data.questions import to_messages
 
         self.sample = sample
         self.messages = to_messages(sample)
@@ -104,16 +125,17 @@ class QuestionEnv:
 
 @dataclass
 class QuestionTask:
-    """Single-turn visual questions from `questions`, each answer scored by `rewards`."""
+    """Single-turn visual questions from `questions`, each answer scored by `rewards`: a
+    `Task[VQASample]`."""
 
     questions: QuestionSource
     rewards: Rewards = field(default_factory=lambda: Rewards({"correct": 1.0}))
     max_turns: int = 1
 
-    def train_sample(self, position: int, *, seed: int) -> Any:
+    def train_sample(self, position: int, *, seed: int) -> VQASample:
         return self.questions.train_sample(position, seed=seed)
 
-    def eval_samples(self, n: int) -> list[Any]:
+    def eval_samples(self, n: int) -> list[VQASample]:
         return self.questions.eval_samples(n)
 
     def make_env(self) -> QuestionEnv:
@@ -143,7 +165,7 @@ def check_user_code(cfg: RunConfig) -> None:
         check_verifiers_env(cfg.task.env_id)
 
 
-def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task:
+def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task[Any]:
     """The run's task, built from its `[task]` variant: shapes questions, a data set's (splits
     opened on first use), the views environment, the mesh-scenes environment, a verifiers
     environment, or a user's own (`make_task(cfg)`). `blank` overrides the variant's

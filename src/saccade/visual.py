@@ -24,30 +24,33 @@ content, and all blank images of one size have the same pixels.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Generic, TypeVar
 
 import torch
 
 from saccade.config import ImagesConfig
 from saccade.envs.base import Environment, Message, StepResult, as_step_result, maybe_await
+from saccade.tasks import Prompt, Task
 
 __all__ = ["BlankImagesEnv", "BlankImagesTask", "episode_images", "reply_logprobs"]
 
+S = TypeVar("S", bound=Prompt)  # the task's prompts
 
-class BlankImagesEnv:
+
+class BlankImagesEnv(Generic[S]):
     """`env` with every image it shows the policy blanked: its opening and every later turn's
     messages, each image replaced by a blank one of its size
     (`saccade.data.messages.with_blank_images`). `env` runs and scores as ever (its reward
     functions read the real sample). Async, so that a sync or an async `env` fits."""
 
-    def __init__(self, env: Environment, limits: ImagesConfig):
+    def __init__(self, env: Environment[S], limits: ImagesConfig):
         self.env, self.limits = env, limits
 
     @property
     def max_turns(self) -> int:
         return self.env.max_turns
 
-    async def reset(self, sample: Any) -> list[Message]:
+    async def reset(self, sample: S) -> list[Message]:
         from saccade.data.messages import with_blank_images
 
         return with_blank_images(await maybe_await(self.env.reset(sample)), limits=self.limits,
@@ -61,24 +64,24 @@ class BlankImagesEnv:
 
 
 @dataclass
-class BlankImagesTask:
+class BlankImagesTask(Generic[S]):
     """`task` (any `saccade.tasks.Task`) with every image its environments show blanked
     (`BlankImagesEnv`): the same prompts, answers and scoring, nothing to see."""
 
-    task: Any
+    task: Task[S]
     limits: ImagesConfig
 
     @property
     def max_turns(self) -> int:
         return self.task.max_turns
 
-    def train_sample(self, position: int, *, seed: int) -> Any:
+    def train_sample(self, position: int, *, seed: int) -> S:
         return self.task.train_sample(position, seed=seed)
 
-    def eval_samples(self, n: int) -> list[Any]:
+    def eval_samples(self, n: int) -> list[S]:
         return self.task.eval_samples(n)
 
-    def make_env(self) -> BlankImagesEnv:
+    def make_env(self) -> BlankImagesEnv[S]:
         return BlankImagesEnv(self.task.make_env(), self.limits)
 
 

@@ -23,7 +23,7 @@ from saccade.config import ColumnsConfig, ConfigError, RunConfig, load_config
 from saccade.data import datasets as ds
 from saccade.data.datasets import DatasetRows, RowLayout, format_choices
 from saccade.data.rows import RowSkipped
-from saccade.data.shapes import to_messages
+from saccade.data.questions import to_messages
 from saccade.rewards import correct_reward
 from saccade.tasks import task_from_config
 

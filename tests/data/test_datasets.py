@@ -23,7 +23,7 @@ from saccade.data import datasets as ds
 from saccade.data.datasets import DatasetRows, DatasetTask, parse_options, shuffled_index
 from saccade.data.images import ImageError, image_to_png_bytes
 from saccade.data.rows import RowSkipped
-from saccade.data.shapes import IMAGE_PLACEHOLDER, to_messages
+from saccade.data.questions import IMAGE_PLACEHOLDER, to_messages
 from saccade.rewards import correct_reward, score
 
 

@@ -61,7 +61,7 @@ def test_each_broken_row_is_refused_with_its_reason_and_place(broken, processor)
 @pytest.mark.parametrize("sizes", [[(56, 48)], [(1024, 768)], [(20, 300), (640, 64)], [(33, 33), (2000, 40)]])
 def test_prompt_tokens_count_what_the_processor_makes(processor, sizes):
     from saccade.data.messages import messages_to_inputs
-    from saccade.data.shapes import VQASample, to_messages
+    from saccade.data.questions import VQASample, to_messages
 
     limits = ImagesConfig(min_pixels=32 * 32, max_pixels=128 * 128)
     marks = " and ".join("<image>" for _ in sizes)

@@ -6,22 +6,17 @@ from collections import Counter, deque
 
 import numpy as np
 import pytest
-from PIL import Image
 
-from saccade.data.images import load_image
-from saccade.data.messages import messages_to_inputs
+from saccade.data.questions import VQASample, prompt_text, to_messages
 from saccade.data.shapes import (
     BLANK_GRAY,
     COLORS,
     KINDS,
     SHAPES,
     ShapesTask,
-    VQASample,
     make_sample,
     make_split,
-    prompt_text,
     task_choices,
-    to_messages,
 )
 from saccade.rewards import correct_reward, format_reward
 
@@ -223,44 +218,6 @@ def test_task_validation():
     with pytest.raises(ValueError, match="seed"):
         make_sample(ShapesTask(), 0, seed=-3)
     assert make_split(ShapesTask(), 0, seed=0) == []
-
-
-# ----------------------------------------------------------------------- messages
-
-
-def test_to_messages_format():
-    s = make_sample(ShapesTask(), 3, seed=0)
-    messages = to_messages(s)
-    assert messages == [
-        {"role": "user", "content": [{"type": "image", "image": s.images[0]}, {"type": "text", "text": prompt_text(s)}]}
-    ]
-    with_system = to_messages(s, system_prompt="Be brief.")
-    assert with_system[0] == {"role": "system", "content": "Be brief."}
-    assert with_system[1] == messages[0]
-    url_part = to_messages(s, image_format="data_url")[0]["content"][0]
-    assert url_part["type"] == "image_url" and url_part["image_url"]["url"].startswith("data:image/png;base64,")
-    assert load_image(url_part["image_url"]["url"]).tobytes() == s.images[0].tobytes()  # lossless
-    with pytest.raises(ValueError, match="image_format"):
-        to_messages(s, image_format="jpeg")
-
-
-def test_to_messages_goes_through_messages_to_inputs(processor, limits):
-    for s in make_split(ShapesTask(kinds=KINDS, num_choices=4), 3, seed=0) + [
-        make_sample(ShapesTask(blank_images=True), 0, seed=0)
-    ]:
-        for system in (None, "Answer briefly."):
-            inputs = messages_to_inputs(
-                to_messages(s, system_prompt=system), processor, limits=limits, add_generation_prompt=True, sample=s.sample_id
-            )
-            assert inputs.num_images == 1
-            assert inputs.image_grid_thw is not None and inputs.image_grid_thw.shape == (1, 3)
-            assert prompt_text(s) in inputs.text
-            assert isinstance(inputs.images[0], Image.Image)
-    # Training conversation: prompt + the answer as the assistant turn.
-    s = make_sample(ShapesTask(), 1, seed=0)
-    convo = to_messages(s) + [{"role": "assistant", "content": s.answer}]
-    inputs = messages_to_inputs(convo, processor, limits=limits)
-    assert s.answer in processor.tokenizer.decode(inputs.input_ids[-6:])
 
 
 def test_rewards_accept_shape_samples():

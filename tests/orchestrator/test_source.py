@@ -9,10 +9,17 @@ import threading
 
 import pytest
 
-from saccade.orchestrator.source import RolloutSource, StepRollouts
+from saccade.data.rows import StepRows
+from saccade.orchestrator.rollout import RolloutBatch, StepRollouts
+from saccade.orchestrator.source import RolloutSource
 
 
 WAIT_S = 30  # a condition not met in this long is a failure, not a slow machine
+
+
+def rollouts(step: int, groups: list, pins=None) -> StepRollouts:
+    """A step's rollouts as the source sees them: `groups` stand for the sampled groups."""
+    return StepRollouts(step, groups, pins, 0.01, StepRows([], [], 0, []), [], RolloutBatch([], {}))
 
 
 class Recorder:
@@ -32,7 +39,7 @@ class Recorder:
         self.threads.add(threading.current_thread().name)
         if step == self.fail_at:
             raise ConnectionError("no server")
-        return StepRollouts(step, [f"groups of {step}"], None, 0.01)
+        return rollouts(step, [f"groups of {step}"])
 
     def wait_began(self, step: int) -> bool:
         with self.changed:
@@ -89,7 +96,7 @@ def test_close_stops_sampling_ahead_and_releases_queued_pins():
 
     def sample(step):
         sampled.append(step)
-        return StepRollouts(step, [], Pins(), 0.0)
+        return rollouts(step, [], Pins())
 
     source = RolloutSource(sample, first_step=0, end=100, max_async_level=2)
     with source._changed:  # steps 0..2 sampled and queued; step 3 waits for step 0 to train

@@ -42,7 +42,8 @@ def meets_bars(result: dict[str, Any]) -> bool:
 
 def shapes_requests(n: int, *, seed: int = 5, second_image_every: int = 2):
     """Shapes questions as chat requests; every `second_image_every`-th carries a second image."""
-    from saccade.data.shapes import ShapesTask, make_sample, to_messages
+    from saccade.data.questions import to_messages
+    from saccade.data.shapes import ShapesTask, make_sample
     from saccade.inference.engine import ChatRequest
 
     task = ShapesTask(kinds=("color", "count"), num_choices=3, image_size=64)
@@ -229,9 +230,9 @@ def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: i
 
         def hf(reqs):
             texts, images = repeated_prompts(processor, [r.messages for r in reqs], n, limits)
-            new_BC = hf_generate(full, hf_inputs(processor, texts, images, limits, "cpu"), max_new_tokens=max_tokens,
+            new_BT = hf_generate(full, hf_inputs(processor, texts, images, limits, "cpu"), max_new_tokens=max_tokens,
                                  banned=local.banned_token_ids)
-            return int(completion_mask(new_BC, local.stop_token_ids).sum())
+            return int(completion_mask(new_BT, local.stop_token_ids).sum())
 
         def count(engine):
             return lambda reqs: sum(c.completion_ids.numel() for g in engine.generate(reqs, params) for c in g)

@@ -39,17 +39,17 @@ def hf_inputs(processor, texts: list[str], images: list[list], limits, device) -
     return {k: v.to(device) for k, v in encoded.items()}
 
 
-def completion_mask(new_BC: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
-    """(B, C) bool: the tokens generate sampled, each row up to and including its first stop."""
-    stops_BC = torch.isin(new_BC, torch.tensor(stop_ids, device=new_BC.device))
-    done_BC = stops_BC.long().cumsum(1)
-    return (done_BC == 0) | ((done_BC == 1) & stops_BC)
+def completion_mask(new_BT: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
+    """(B, T) bool: the tokens generate sampled, each row up to and including its first stop."""
+    stops_BT = torch.isin(new_BT, torch.tensor(stop_ids, device=new_BT.device))
+    done_BT = stops_BT.long().cumsum(1)
+    return (done_BT == 0) | ((done_BT == 1) & stops_BT)
 
 
 @torch.no_grad()
 def hf_generate(model, inputs: dict[str, torch.Tensor], *, max_new_tokens: int, banned: list[int],
                 temperature: float = 1.0) -> torch.Tensor:
-    """transformers' sampling on the batch: (B, C) new tokens (padded after a stop)."""
+    """transformers' sampling on the batch: (B, T) new tokens (padded after a stop)."""
     was_training = model.training
     model.eval()
     out = model.generate(**inputs, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
@@ -84,25 +84,25 @@ class ReferenceStep:
             inputs = hf_inputs(self.processor, texts, images, self.limits, self.device)
         with timed("generate"):
             torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=self.generator)))
-            completion_BC = hf_generate(model, inputs, max_new_tokens=NEW_TOKENS, banned=self.banned)
-        P = inputs["input_ids"].shape[1]
-        completion_mask_BC = completion_mask(completion_BC, self.stops).float()
+            completion_BT = hf_generate(model, inputs, max_new_tokens=NEW_TOKENS, banned=self.banned)
+        L = inputs["input_ids"].shape[1]  # the prompts' padded length
+        completion_mask_BT = completion_mask(completion_BT, self.stops).float()
         with timed("prep"):  # TRL prepares the prompts (images included) again for the loss forward
             inputs = hf_inputs(self.processor, texts, images, self.limits, self.device)
-        C = completion_BC.shape[1]
+        T = completion_BT.shape[1]
         with timed("forward"):
-            ids = torch.cat([inputs["input_ids"], completion_BC], dim=1)
-            mask = torch.cat([inputs["attention_mask"], completion_mask_BC.long()], dim=1)
-            types = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(completion_BC)], dim=1)
+            ids = torch.cat([inputs["input_ids"], completion_BT], dim=1)
+            mask = torch.cat([inputs["attention_mask"], completion_mask_BT.long()], dim=1)
+            types = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(completion_BT)], dim=1)
             hidden = model.model(input_ids=ids, attention_mask=mask, mm_token_type_ids=types,
                                  pixel_values=inputs["pixel_values"],
                                  image_grid_thw=inputs["image_grid_thw"]).last_hidden_state
-            hidden_BCH = hidden[:, P - 1 : P - 1 + C]  # logits_to_keep: the completion positions only
-            B = hidden_BCH.shape[0]
-            logprobs_T, _ = token_logprobs_and_entropy(hidden_BCH.reshape(B * C, -1), model.lm_head.weight,
-                                                       completion_BC.reshape(-1))
+            hidden_BTH = hidden[:, L - 1 : L - 1 + T]  # logits_to_keep: the completion positions only
+            B = hidden_BTH.shape[0]
+            logprobs_T, _ = token_logprobs_and_entropy(hidden_BTH.reshape(B * T, -1), model.lm_head.weight,
+                                                       completion_BT.reshape(-1))
             advantages_B = torch.zeros(B, device=self.device)  # a random model's rewards: all alike
-            loss = -(logprobs_T.view(B, C) * advantages_B[:, None] * completion_mask_BC).sum() / completion_mask_BC.sum()
+            loss = -(logprobs_T.view(B, T) * advantages_B[:, None] * completion_mask_BT).sum() / completion_mask_BT.sum()
         with timed("backward"):
             loss.backward()
         with timed("optimizer"):
@@ -110,5 +110,5 @@ class ReferenceStep:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return {"train_tokens": float(mask.sum()), "completion_tokens": float(completion_mask_BC.sum()),
+        return {"train_tokens": float(mask.sum()), "completion_tokens": float(completion_mask_BT.sum()),
                 "padded_tokens": float(mask.numel())}

@@ -136,9 +136,9 @@ def prepare_batch(
     encoder.encode_pixels(*encoder.preprocess(images[:1]))  # untimed: the first call pays one-off set-up
     synchronize(device)
     t0 = time.perf_counter()
-    pixels_PD, grid_I3 = encoder.preprocess(images)
+    pixels_XD, grid_I3 = encoder.preprocess(images)
     t1 = time.perf_counter()
-    encoded = encoder.encode_pixels(pixels_PD, grid_I3)
+    encoded = encoder.encode_pixels(pixels_XD, grid_I3)
     synchronize(device)
     timings = {"preprocess_once_s": t1 - t0, "encode_once_s": time.perf_counter() - t1}
     embeddings = dict(zip(keys, encoded, strict=True))
@@ -166,8 +166,8 @@ class PaddedBatch:
     position_ids_4BL: torch.Tensor
     loss_mask_BL: torch.Tensor
     advantages_BL: torch.Tensor
-    image_embeds_NH: torch.Tensor | None
-    deepstack_KNH: torch.Tensor | None
+    image_embeds_MH: torch.Tensor | None
+    deepstack_ZMH: torch.Tensor | None
 
     def to(self, device: torch.device) -> PaddedBatch:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
@@ -226,11 +226,11 @@ class FullMicroBatch:
     """A micro-batch of the full model: the packed samples and their images' pixel values."""
 
     micro_batch: MicroBatch
-    pixels_PD: torch.Tensor | None
+    pixels_XD: torch.Tensor | None
 
     def to(self, device: torch.device) -> FullMicroBatch:
         return FullMicroBatch(self.micro_batch.to(device),
-                              None if self.pixels_PD is None else self.pixels_PD.to(device))
+                              None if self.pixels_XD is None else self.pixels_XD.to(device))
 
 
 def full_micro_batches(batch: BenchBatch) -> list[FullMicroBatch]:

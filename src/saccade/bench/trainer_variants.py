@@ -147,7 +147,7 @@ def padded_step(model, optimizer, scheduler, batch: BenchBatch, device: torch.de
     policy = unwrap_policy(model)
 
     def loss(k: int, pb: PaddedBatch):
-        hidden_BLH = policy.hidden_states(pb.input_ids_BL, pb.position_ids_4BL, pb.image_embeds_NH, pb.deepstack_KNH)
+        hidden_BLH = policy.hidden_states(pb.input_ids_BL, pb.position_ids_4BL, pb.image_embeds_MH, pb.deepstack_ZMH)
         # Same tokens as the packed path: loss tokens only, each predicted from the state before it.
         b_T, t_T = pb.loss_mask_BL.nonzero(as_tuple=True)
         logprobs_T, _ = token_logprobs_and_entropy(
@@ -166,8 +166,8 @@ def full_step(model, optimizer, scheduler, batch: BenchBatch, device: torch.devi
 
     def loss(k: int, fmb: FullMicroBatch):
         mb, kwargs = fmb.micro_batch, {}
-        if fmb.pixels_PD is not None:
-            kwargs = dict(pixel_values=fmb.pixels_PD.to(dtype), image_grid_thw=mb.image_grid_thw)
+        if fmb.pixels_XD is not None:
+            kwargs = dict(pixel_values=fmb.pixels_XD.to(dtype), image_grid_thw=mb.image_grid_thw)
         # Positions passed in (with the restarting text row), use_cache=False: without both,
         # packed samples would attend to each other.
         out = full.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None, use_cache=False,

@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from saccade.config import split_overrides
+    from saccade.logs import configure
 
+    configure()  # what the library says as it runs (a step skipped, a server out) goes to stderr
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return cmd_serve(argv[1:])

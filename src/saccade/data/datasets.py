@@ -49,7 +49,7 @@ from saccade.data.images import ImageError, MissingImageError, blank_like, load_
 from saccade.data.rows import (
     DATASET_TASKS, EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows,
 )
-from saccade.data.shapes import IMAGE_PLACEHOLDER, VQASample
+from saccade.data.questions import IMAGE_PLACEHOLDER, VQASample
 
 __all__ = [
     "DatasetRows",
@@ -579,7 +579,7 @@ class DatasetTask:
         rows = self.train_rows
         return self._maybe_blank(rows.sample(shuffled_index(position, len(rows), seed=seed)))
 
-    def eval_samples(self, n: int) -> EvalRows:
+    def eval_samples(self, n: int) -> EvalRows[VQASample]:
         """The usable rows among the first ``n`` of the held-out split, in order (all of them
         when it has fewer); the broken ones' records in `.skipped`."""
         rows = self.eval_rows

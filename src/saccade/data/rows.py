@@ -27,15 +27,15 @@ twice, none is lost, and the window of recent rows is rebuilt from the file as i
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from saccade.config import HubDatasetTaskConfig
+from saccade.journal import Journal, read_jsonl
 
 # The tasks whose prompts are a data set's rows (the [task] kinds of saccade.config.task's
 # HubDatasetTaskConfig and OwnDatasetTaskConfig; a test keeps them equal).
@@ -47,6 +47,9 @@ SKIPPED_FILE = "skipped.jsonl"
 # true rate of 1%, more than 5% of 200 rows happens about once in 10^5 windows); a data set
 # smaller than the window is read round again until the window is full.
 SKIP_WINDOW_ROWS = 200
+
+# A task's prompt, as its `train_sample` gives it (a VQASample for the data sets).
+S = TypeVar("S")
 
 
 class RowSkipped(ValueError):
@@ -94,7 +97,7 @@ def check_image_count(sample) -> None:
 
     No placeholder at all is fine (the images go first, as `to_messages` places them), unless
     there are placeholders and no image at all: then the images are missing."""
-    from saccade.data.shapes import IMAGE_PLACEHOLDER
+    from saccade.data.questions import IMAGE_PLACEHOLDER
 
     if sample.prompt is None:
         return
@@ -119,7 +122,7 @@ def prompt_tokens(sample, processor, limits) -> int:
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     from saccade.data.messages import extract_images, render_chat
-    from saccade.data.shapes import to_messages
+    from saccade.data.questions import to_messages
 
     normalized, images = extract_images(to_messages(sample), limits=limits, sample=sample.sample_id)
     text = render_chat(processor, normalized, add_generation_prompt=True)
@@ -186,21 +189,12 @@ def read_skipped(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     if path.is_dir():
         path = path / SKIPPED_FILE
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_bytes().split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line a kill cut short: the resumed run writes it again
-            continue
-    return records
+    return read_jsonl(path) if path.exists() else []
 
 
 class SkipLog:
-    """Appends one fsync'd JSON line per skipped row to `run_dir/skipped.jsonl`.
+    """Appends one fsync'd JSON line per skipped row to `run_dir/skipped.jsonl` (a
+    `saccade.journal.Journal`, opened at the first skip: a run without broken rows has no file).
 
     `resume`: keep the lines of steps up to `keep_through_step` (the checkpoint the run
     restarts from) and drop the rest, a torn last line included, by an atomic rewrite: the
@@ -208,38 +202,19 @@ class SkipLog:
     earlier run is set aside as skipped.jsonl.1 (.2, ...), as metrics.jsonl is."""
 
     def __init__(self, run_dir: str | os.PathLike, *, resume: bool, keep_through_step: int = 0) -> None:
-        self.path = Path(run_dir) / SKIPPED_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume and self.path.exists():
-            kept = [r for r in read_skipped(self.path) if r.get("step", 0) <= keep_through_step]
-            tmp = self.path.with_name(SKIPPED_FILE + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(b"".join(_line(r) for r in kept))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        elif self.path.exists() and self.path.stat().st_size > 0:
-            n = 1
-            while (aside := self.path.with_name(f"{SKIPPED_FILE}.{n}")).exists():
-                n += 1
-            os.replace(self.path, aside)
-        self._file = None  # opened at the first skip: a run without broken rows has no file
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(Path(run_dir) / SKIPPED_FILE, ensure_ascii=False)
+        self.path = self.journal.path
+        if resume:
+            self.journal.truncate_after(keep_through_step)
+        else:
+            self.journal.set_aside()
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
-            self._file = open(self.path, "ab")
-        self._file.write(_line(record))  # one write: a kill leaves at most this line torn
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self.journal.append(record)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def _line(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+        self.journal.close()
 
 
 # --------------------------------------------------------------------- the stream
@@ -275,16 +250,16 @@ class SkipWindow:
 
 
 @dataclass
-class StepRows:
+class StepRows(Generic[S]):
     """What one step read from the training stream."""
 
-    prompts: list  # the usable prompts, in stream order
+    prompts: list[S]  # the usable prompts, in stream order
     positions: list[int]  # each one's position in the stream
     end: int  # the position after the last row read: where the next step starts
     skipped: list[dict[str, Any]]  # the records of the rows skipped on the way
 
 
-class PromptStream:
+class PromptStream(Generic[S]):
     """The training stream read one step at a time from `position`: rows that `read` or
     `check` refuse (`RowSkipped`) are skipped, listed in `log` and counted in `window`, and
     the step reads on until it holds the prompts it asked for.
@@ -292,21 +267,21 @@ class PromptStream:
     `read(position)` is the task's `train_sample`; `check(sample)` may refuse a readable row
     (the token budget). Reading is sequential: one step after the other, in step order."""
 
-    def __init__(self, read: Callable[[int], Any], *, position: int, window: SkipWindow,
-                 check: Callable[[Any], None] | None = None, log: SkipLog | None = None) -> None:
+    def __init__(self, read: Callable[[int], S], *, position: int, window: SkipWindow,
+                 check: Callable[[S], None] | None = None, log: SkipLog | None = None) -> None:
         self.read, self.check, self.window, self.log = read, check, window, log
         self.position = position
 
-    def __enter__(self) -> PromptStream:
+    def __enter__(self) -> PromptStream[S]:
         return self
 
     def __exit__(self, *exc) -> None:
         if self.log is not None:
             self.log.close()
 
-    def take(self, n: int, *, step: int) -> StepRows:
+    def take(self, n: int, *, step: int) -> StepRows[S]:
         """The next `n` usable prompts, read for `step` (numbered as metrics.jsonl numbers it)."""
-        prompts: list = []
+        prompts: list[S] = []
         positions: list[int] = []
         skipped: list[dict[str, Any]] = []
         while len(prompts) < n:
@@ -340,9 +315,9 @@ def resumed_window(run_dir: str | os.PathLike, *, through_step: int, end: int, m
     return window
 
 
-def open_prompt_stream(read: Callable[[int], Any], *, run_dir: str | os.PathLike, position: int, done_steps: int,
-                       resume: bool, max_skip_fraction: float, check: Callable[[Any], None] | None = None,
-                       writes: bool = True) -> PromptStream:
+def open_prompt_stream(read: Callable[[int], S], *, run_dir: str | os.PathLike, position: int, done_steps: int,
+                       resume: bool, max_skip_fraction: float, check: Callable[[S], None] | None = None,
+                       writes: bool = True) -> PromptStream[S]:
     """The stream of a run that has trained `done_steps` steps and read up to `position`:
     resumed, its skipped.jsonl keeps the lines of those steps and its window is rebuilt from
     them. `writes`: this process lists the skips (rank 0; every rank reads the same rows)."""
@@ -357,19 +332,19 @@ def open_prompt_stream(read: Callable[[int], Any], *, run_dir: str | os.PathLike
 # ------------------------------------------------------------------------ evaluation
 
 
-class EvalRows(list):
+class EvalRows(list[S], Generic[S]):
     """Held-out questions that could be read, with the records of those that could not
     (`skipped`): an evaluation scores the first and reports the second apart."""
 
-    def __init__(self, samples: Iterable[Any] = (), skipped: Iterable[dict[str, Any]] = ()) -> None:
+    def __init__(self, samples: Iterable[S] = (), skipped: Iterable[dict[str, Any]] = ()) -> None:
         super().__init__(samples)
         self.skipped: list[dict[str, Any]] = list(skipped)
 
 
-def usable_rows(read: Callable[[int], Any], indices: Iterable[int], *, check: Callable[[Any], None] | None = None,
-                skipped: Iterable[dict[str, Any]] = ()) -> EvalRows:
+def usable_rows(read: Callable[[int], S], indices: Iterable[int], *, check: Callable[[S], None] | None = None,
+                skipped: Iterable[dict[str, Any]] = ()) -> EvalRows[S]:
     """The rows at `indices` that `read` and `check` accept; the others' records after `skipped`."""
-    out = EvalRows(skipped=skipped)
+    out: EvalRows[S] = EvalRows(skipped=skipped)
     for i in indices:
         try:
             sample = read(i)
@@ -382,7 +357,7 @@ def usable_rows(read: Callable[[int], Any], indices: Iterable[int], *, check: Ca
     return out
 
 
-def recheck(samples: list, check: Callable[[Any], None]) -> EvalRows:
+def recheck(samples: list[S], check: Callable[[S], None]) -> EvalRows[S]:
     """`samples` less those `check` refuses, which join the skipped ones (the token budget
     can only be checked once the processor is loaded)."""
     skipped = getattr(samples, "skipped", [])

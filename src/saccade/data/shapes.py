@@ -19,19 +19,20 @@ exactly once, in a seeded random order.
 
 Images are drawn without anti-aliasing: every shape pixel is exactly its palette color,
 which keeps colors clean for a random frozen vision tower and lets tests count shapes by
-connected components.
+connected components. Each question is a `saccade.data.questions.VQASample`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from saccade.data.images import BLANK_GRAY, image_to_data_url
+from saccade.data.images import BLANK_GRAY
+from saccade.data.questions import VQASample
 
 __all__ = [
     "BACKGROUND_RANGE",
@@ -40,12 +41,9 @@ __all__ = [
     "KINDS",
     "SHAPES",
     "ShapesTask",
-    "VQASample",
     "make_sample",
     "make_split",
-    "prompt_text",
     "task_choices",
-    "to_messages",
 ]
 
 # Highly distinct, saturated colors; their names are words of the tiny model's tokenizer.
@@ -114,27 +112,6 @@ class ShapesTask:
         size = self.image_size
         if isinstance(size, bool) or not isinstance(size, int) or size < _MIN_IMAGE_SIZE:
             raise ValueError(f"ShapesTask: image_size must be an integer >= {_MIN_IMAGE_SIZE}, got {size!r}")
-
-
-@dataclass
-class VQASample:
-    """saccade's generic visual question: real datasets map onto the same fields."""
-
-    sample_id: str
-    images: list[Image.Image]
-    question: str  # the bare question; `prompt_text` adds the options
-    answer: str  # the correct option text, e.g. "red" (datasets: a letter, a number, LaTeX, ...)
-    choices: list[str] | None
-    answer_type: str  # "multi_choice" here; datasets also use "integer", "float", "list", "free_form"
-    metadata: dict[str, Any] = field(default_factory=dict)
-    precision: int | None = None  # decimal places a float answer is compared at (MathVista)
-    # Datasets: the chat as the data set wrote it, [{"role", "content"}] with string contents in
-    # which each "<image>" marks where the next image of `images` goes. None: `question` +
-    # options after the images (the synthetic tasks).
-    prompt: list[dict[str, str]] | None = None
-    # Datasets: where the row is, {"split", "config", "index" within the config}, for the
-    # records of a refused row (saccade.data.rows). None: generated.
-    origin: dict[str, Any] | None = None
 
 
 def task_choices(task: ShapesTask, kind: str) -> list[str]:
@@ -233,81 +210,6 @@ def make_split(task: ShapesTask, n: int, *, seed: int) -> list[VQASample]:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"make_split: n must be a non-negative integer, got {n!r}")
     return [make_sample(task, i, seed=seed) for i in range(n)]
-
-
-def prompt_text(sample: VQASample) -> str:
-    """The user's text: the question, plus the options when the sample has them."""
-    if sample.choices:
-        return f"{sample.question} Answer with one word from: {', '.join(sample.choices)}."
-    return sample.question
-
-
-def to_messages(
-    sample: VQASample,
-    *,
-    system_prompt: str | None = None,
-    image_format: Literal["pil", "data_url"] = "pil",
-) -> list[dict[str, Any]]:
-    """OpenAI-format chat messages for one sample: images first, then the prompt text.
-
-    ``image_format="pil"`` gives ``{"type": "image", "image": PIL}`` parts (for
-    ``messages_to_inputs``); ``"data_url"`` gives ``{"type": "image_url", ...}`` parts
-    with base64 PNG data URLs, ready to send to an OpenAI-compatible server.
-    """
-    if image_format == "pil":
-        image_parts: list[dict[str, Any]] = [{"type": "image", "image": im} for im in sample.images]
-    elif image_format == "data_url":
-        image_parts = [{"type": "image_url", "image_url": {"url": image_to_data_url(im)}} for im in sample.images]
-    else:
-        raise ValueError(f"to_messages: image_format must be 'pil' or 'data_url', got {image_format!r}")
-    messages: list[dict[str, Any]] = []
-    if system_prompt:
-        messages.append({"role": "system", "content": system_prompt})
-    if sample.prompt is not None:
-        return messages + _placed_images(sample, image_parts)
-    parts = [*image_parts, {"type": "text", "text": prompt_text(sample)}]
-    messages.append({"role": "user", "content": parts})
-    return messages
-
-
-IMAGE_PLACEHOLDER = "<image>"
-
-
-def _placed_images(sample: VQASample, image_parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The sample's own chat with an image part wherever its text says "<image>".
-
-    A prompt without any placeholder gets all images at the start of its first user turn
-    (where `prompt_text` samples have them); any other count that differs from the number of
-    images is an error: guessing would show the model the wrong picture."""
-    assert sample.prompt is not None
-    n_marks = sum(str(m.get("content", "")).count(IMAGE_PLACEHOLDER) for m in sample.prompt)
-    if n_marks not in (0, len(image_parts)):
-        raise ValueError(
-            f"sample {sample.sample_id!r}: its prompt has {n_marks} {IMAGE_PLACEHOLDER} placeholders "
-            f"but the sample has {len(image_parts)} images; they must match"
-        )
-    remaining = list(image_parts)
-    front = n_marks == 0
-    messages: list[dict[str, Any]] = []
-    for message in sample.prompt:
-        role, text = message["role"], str(message.get("content", ""))
-        pieces = text.split(IMAGE_PLACEHOLDER)
-        parts: list[dict[str, Any]] = []
-        if front and role == "user":
-            parts.extend(remaining)
-            remaining, front = [], False
-        for i, piece in enumerate(pieces):
-            if i > 0:
-                parts.append(remaining.pop(0))
-            if piece.strip():
-                parts.append({"type": "text", "text": piece})
-        if role == "system" and all(p["type"] == "text" for p in parts):
-            messages.append({"role": role, "content": "".join(p["text"] for p in parts)})
-        else:
-            messages.append({"role": role, "content": parts})
-    if remaining:
-        raise ValueError(f"sample {sample.sample_id!r}: its prompt has images but no user turn to put them in")
-    return messages
 
 
 # ------------------------------------------------------------------------ drawing

@@ -15,11 +15,14 @@ the answer and ends the episode.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 Message = dict[str, Any]
+# The sample (a task's prompt) an environment is reset with: a VQASample, a ViewSample, ...
+S = TypeVar("S")
+S_contra = TypeVar("S_contra", contravariant=True)
 
 
 @dataclass
@@ -30,12 +33,21 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class Environment(Protocol):
-    max_turns: int  # assistant turns at most; the episode ends after the last one
+# What `step` may return, or an async `step` resolve to (`as_step_result` reads either).
+Stepped = StepResult | tuple[list[Message], float, bool, dict[str, Any]]
 
-    def reset(self, sample: Any) -> list[Message]: ...
 
-    def step(self, assistant_message: Message) -> StepResult: ...
+class Environment(Protocol[S_contra]):
+    """One episode; `Environment[S]` is reset with samples of type S (its task's prompts)."""
+
+    @property
+    def max_turns(self) -> int:
+        """Assistant turns at most; the episode ends after the last one."""
+        ...
+
+    def reset(self, sample: S_contra) -> list[Message] | Awaitable[list[Message]]: ...
+
+    def step(self, assistant_message: Message) -> Stepped | Awaitable[Stepped]: ...
 
 
 async def maybe_await(value):
@@ -55,21 +67,22 @@ def as_step_result(value: Any) -> StepResult:
     raise TypeError(f"env.step must return a StepResult or (messages, reward, done, info), got {type(value).__name__}")
 
 
-class SingleTurnEnv:
+class SingleTurnEnv(Generic[S]):
     """Single-turn VQA: the question, one answer, scored by `reward_fn(text, sample)`."""
 
     max_turns = 1
 
-    def __init__(self, to_messages: Callable[[Any], list[Message]], reward_fn: Callable[[str, Any], float]):
+    def __init__(self, to_messages: Callable[[S], list[Message]], reward_fn: Callable[[str, S], float]):
         self.to_messages = to_messages
         self.reward_fn = reward_fn
-        self.sample = None
+        self.sample: S | None = None
 
-    def reset(self, sample: Any) -> list[Message]:
+    def reset(self, sample: S) -> list[Message]:
         self.sample = sample
         return self.to_messages(sample)
 
     def step(self, assistant_message: Message) -> StepResult:
+        assert self.sample is not None, "step before reset"
         reward = float(self.reward_fn(message_text(assistant_message), self.sample))
         return StepResult([], reward, True, {"correct": reward})
 

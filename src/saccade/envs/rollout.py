@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from saccade.envs.base import Environment, StepResult, as_step_result, maybe_await
 from saccade.envs.trajectory import ChatContinuation, Trajectory, add_completion, add_messages, start_trajectory
 from saccade.inference.engine import SamplingParams
 
+S = TypeVar("S")  # the samples the environments are reset with
 
-async def reset_all(envs: list[Environment], samples: list[Any]) -> list:
+
+async def reset_all(envs: list[Environment[S]], samples: list[S]) -> list:
     return list(await asyncio.gather(*(maybe_await(env.reset(s)) for env, s in zip(envs, samples, strict=True))))
 
 
@@ -28,7 +30,7 @@ async def step_all(envs: list[Environment], messages: list[dict[str, Any]]) -> l
     return [as_step_result(r) for r in results]
 
 
-def run_episodes(engine, envs: list[Environment], samples: list[Any], sample_ids: list[str], params: SamplingParams,
+def run_episodes(engine, envs: list[Environment[S]], samples: list[S], sample_ids: list[str], params: SamplingParams,
                  *, continuation: ChatContinuation, max_total_tokens: int = 8192,
                  seeds: list[int | None] | None = None) -> list[Trajectory]:
     """One episode per (environment, sample); returns their trajectories in order. `seeds`: each

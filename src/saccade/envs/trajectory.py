@@ -87,15 +87,15 @@ class ChatContinuation:
 class TurnRecord:
     """What the engine ran and sampled at one assistant turn: the generation-time inputs."""
 
-    prompt_ids: torch.Tensor  # (P,) as the engine reports running them
-    mm_token_type_ids: torch.Tensor  # (P,) 0 text, 1 image, as the engine saw them
+    prompt_ids: torch.Tensor  # (L,) as the engine reports running them
+    mm_token_type_ids: torch.Tensor  # (L,) 0 text, 1 image, as the engine saw them
     image_keys: list[str]
     image_grid_thw: torch.Tensor  # (n, 3)
-    positions: torch.Tensor | None  # (3, P) M-RoPE positions the engine used, when it reports them
-    completion_ids: torch.Tensor  # (C,)
-    logprobs: torch.Tensor  # (C,)
+    positions: torch.Tensor | None  # (3, L) M-RoPE positions the engine used, when it reports them
+    completion_ids: torch.Tensor  # (T,)
+    logprobs: torch.Tensor  # (T,)
     policy_version: int = 0
-    routed_experts: torch.Tensor | None = None  # (C, layers, top_k): a MoE engine's experts per sampled token
+    routed_experts: torch.Tensor | None = None  # (T, Y, K): a MoE engine's experts per sampled token
 
 
 @dataclass
@@ -275,10 +275,10 @@ def loss_token_experts(trajectory: Trajectory, loss_mask: torch.Tensor) -> torch
     if not experts or any(e is None for e in experts):
         return None
     sampled = torch.tensor(trajectory.sampled, dtype=torch.bool)
-    experts_SLK = torch.cat(experts)
-    if experts_SLK.shape[0] != int(sampled.sum()):  # a forced turn: tokens no engine sampled
+    experts_TYK = torch.cat(experts)
+    if experts_TYK.shape[0] != int(sampled.sum()):  # a forced turn: tokens no engine sampled
         return None
-    return experts_SLK[loss_mask[sampled]]
+    return experts_TYK[loss_mask[sampled]]
 
 
 # ----------------------------------------------------------------------------- the check

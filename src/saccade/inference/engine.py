@@ -87,8 +87,8 @@ class TokenPrompt:
     """
 
     request_id: str
-    input_ids: torch.Tensor  # (P,) int64: image pads expanded
-    mm_token_type_ids: torch.Tensor  # (P,) int64: 0 text, 1 image
+    input_ids: torch.Tensor  # (L,) int64: image pads expanded
+    mm_token_type_ids: torch.Tensor  # (L,) int64: 0 text, 1 image
     image_keys: list[str]  # cache keys, in order
     image_grid_thw: torch.Tensor  # (n_images, 3) int64
     images: list[Any] = field(default_factory=list)  # PIL images, in order
@@ -110,10 +110,10 @@ class Completion:
     """One sampled completion of one request, exactly as the engine produced it."""
 
     request_id: str
-    prompt_ids: torch.Tensor  # (P,) int64: image pads expanded
-    mm_token_type_ids: torch.Tensor  # (P,) int64: 0 text, 1 image
-    completion_ids: torch.Tensor  # (C,) int64: includes the stop token when it stopped
-    logprobs: torch.Tensor  # (C,) float32: under the distribution sampled from
+    prompt_ids: torch.Tensor  # (L,) int64: image pads expanded
+    mm_token_type_ids: torch.Tensor  # (L,) int64: 0 text, 1 image
+    completion_ids: torch.Tensor  # (T,) int64: includes the stop token when it stopped
+    logprobs: torch.Tensor  # (T,) float32: under the distribution sampled from
     image_keys: list[str]  # cache keys of the prompt's images, in order
     image_grid_thw: torch.Tensor  # (n_images, 3)
     finish_reason: str  # "stop" | "length"
@@ -121,8 +121,8 @@ class Completion:
     policy_version: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     # A mixture of experts: per sampled token and MoE layer, the top_k experts the engine computed
-    # its logits with (those its predecessor position was routed to), (C, layers, top_k) uint8
-    # (int16 past 256 experts). None: a dense model, or an engine that does not report them.
+    # its logits with (those its predecessor position was routed to), (T, Y, K) uint8 (int16 past
+    # 256 experts). None: a dense model, or an engine that does not report them.
     routed_experts: torch.Tensor | None = None
 
 
@@ -169,6 +169,11 @@ class Engine(Protocol):
 
     def set_rng_state(self, state: Any) -> None:
         """Restore `rng_state()`'s value (None: leave the stream as it is)."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the engine was made (the loop logs a step's differences of
+        `saccade.rl.STEP_COUNTERS`, and `servers_alive` as it is); {} where there are none."""
         ...
 
 

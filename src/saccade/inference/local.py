@@ -36,7 +36,7 @@ alone, in another chunk, or on another rank of a sharded trainer.
 
 Mixture of experts: while sampling, the family's `record_routing` (a hook on each router; dense
 families have none and pay nothing) records the experts every sampled token's logits were
-computed with, which each `Completion` carries as `routed_experts` (C, layers, top_k) for the
+computed with, which each `Completion` carries as `routed_experts` (T, Y, K: tokens, MoE layers, top_k) for the
 train step to compare with its own (`saccade.trainer.routing`).
 
 Device: the engine runs where the model is. Sampled tokens, logprobs and stop flags stay
@@ -72,7 +72,7 @@ class PreparedPrompt:
     inputs: ModelInputs
     image_keys: list[str]
     embeddings: list[ImageEmbedding]
-    mrope_3P: torch.Tensor
+    mrope_3L: torch.Tensor
 
     @property
     def length(self) -> int:
@@ -138,6 +138,12 @@ class LocalEngine:
     def set_rng_state(self, state: list[int] | None) -> None:
         if state is not None:
             self.generator.set_state(torch.tensor(state, dtype=torch.uint8))
+
+    # --- counters ----------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """None: in-process, nothing is retried, rerouted or taken out, and the engine never
+        waits for a server (its sampling time is the step's `rollout_s`)."""
+        return {}
 
     # --- prompts ---------------------------------------------------------------------
     def prepare(self, request: ChatRequest) -> PreparedPrompt:
@@ -219,7 +225,7 @@ class LocalEngine:
         generators = self._row_generators(prompts, params)
         self.model.eval()
         try:
-            tokens_BT, logprobs_BT, lengths_B, stopped_B, experts_BTLK = self._sample(policy, prompts, params, generators)
+            tokens_BT, logprobs_BT, lengths_B, stopped_B, experts_BTYK = self._sample(policy, prompts, params, generators)
         finally:
             self.model.train(was_training)
         out = []
@@ -228,7 +234,7 @@ class LocalEngine:
             for b in range(p * params.n, (p + 1) * params.n):  # row b is sample b % n of prompt b // n
                 n = int(lengths_B[b])
                 ids = tokens_BT[b, :n].clone()
-                experts = experts_BTLK[b, :n].clone() if experts_BTLK is not None else None
+                experts = experts_BTYK[b, :n].clone() if experts_BTYK is not None else None
                 group.append(self._completion(prompt, ids, logprobs_BT[b, :n].clone(), bool(stopped_B[b]), experts))
             out.append(group)
         return out
@@ -250,31 +256,31 @@ class LocalEngine:
             finish_reason="stop" if stopped else "length",
             text=self.tokenizer.decode(ids, skip_special_tokens=True),
             policy_version=self.policy_version,
-            extra={"mrope_positions": prompt.mrope_3P},  # the positions the prompt ran at
+            extra={"mrope_positions": prompt.mrope_3L},  # the positions the prompt ran at
             routed_experts=routed_experts,
         )
 
     def _prefill_inputs(self, policy, rows: list[PreparedPrompt]):
         """Left-padded batch: embeddings with images scattered in, DeepStack, positions, mask."""
         device = policy.lm_head.weight.device
-        B, P = len(rows), max(r.length for r in rows)
-        input_ids_BP = torch.full((B, P), self.pad_token_id, dtype=torch.long)
-        position_ids_3BP = torch.zeros(3, B, P, dtype=torch.long)
-        attention_mask_BP = torch.zeros(B, P, dtype=torch.long)
+        B, L = len(rows), max(r.length for r in rows)
+        input_ids_BL = torch.full((B, L), self.pad_token_id, dtype=torch.long)
+        position_ids_3BL = torch.zeros(3, B, L, dtype=torch.long)
+        attention_mask_BL = torch.zeros(B, L, dtype=torch.long)
         for b, row in enumerate(rows):
-            pad = P - row.length
-            input_ids_BP[b, pad:] = row.inputs.input_ids
-            position_ids_3BP[:, b, pad:] = row.mrope_3P
-            attention_mask_BP[b, pad:] = 1
+            pad = L - row.length
+            input_ids_BL[b, pad:] = row.inputs.input_ids
+            position_ids_3BL[:, b, pad:] = row.mrope_3L
+            attention_mask_BL[b, pad:] = 1
         # Rows' images concatenated in row order: the order masked_scatter fills the pads in.
         images = [e for row in rows for e in row.embeddings]
         main_MH = torch.cat([e.embeds for e in images]).to(device) if images else None
-        deepstack_KMH = torch.cat([e.deepstack for e in images], dim=1).to(device) if images else None
-        positions_N = image_positions(input_ids_BP, policy.image_token_id)  # on the host
-        embeds_BPH, visual_pos_masks, deepstack = policy.embed_inputs(input_ids_BP.to(device), main_MH, deepstack_KMH,
-                                                                     positions_N)
-        next_pos_B = torch.tensor([int(r.mrope_3P.max()) + 1 if r.length else 0 for r in rows])
-        return embeds_BPH, position_ids_3BP.to(device), attention_mask_BP.to(device), visual_pos_masks, deepstack, next_pos_B
+        deepstack_ZMH = torch.cat([e.deepstack for e in images], dim=1).to(device) if images else None
+        positions_M = image_positions(input_ids_BL, policy.image_token_id)  # on the host
+        embeds_BLH, visual_pos_masks, deepstack = policy.embed_inputs(input_ids_BL.to(device), main_MH, deepstack_ZMH,
+                                                                     positions_M)
+        next_pos_B = torch.tensor([int(r.mrope_3L.max()) + 1 if r.length else 0 for r in rows])
+        return embeds_BLH, position_ids_3BL.to(device), attention_mask_BL.to(device), visual_pos_masks, deepstack, next_pos_B
 
     def _logits(self, weight_VH: torch.Tensor, hidden_AH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """float32 logits with the banned tokens at BANNED_LOGIT, as the trainer computes them
@@ -340,25 +346,25 @@ class LocalEngine:
             if n > 1:  # row a of the decode batch is prompt a // n's
                 take_rows(cache, torch.arange(len(prompts), device=device).repeat_interleave(n))
             # The first sampled token's logits come from each prompt's last position (left
-            # padding: the last column of the (prompts x P) rows the routers saw).
-            first_experts_ALK = None
+            # padding: the last column of the (prompts x L) rows the routers saw).
+            first_experts_AYK = None
             if routing is not None:
-                P = embeds.shape[1]
-                first_experts_ALK = routing.take()[P - 1::P].repeat_interleave(n, dim=0)
+                L = embeds.shape[1]
+                first_experts_AYK = routing.take()[L - 1::L].repeat_interleave(n, dim=0)
         with timed("decode"):
             return self._decode(policy, cache, hidden_AH, mask.repeat_interleave(n, dim=0),
                                 next_pos_P.to(device).repeat_interleave(n), params, generators,
-                                routing, first_experts_ALK)
+                                routing, first_experts_AYK)
 
     def _decode(self, policy, cache, hidden_AH: torch.Tensor, mask: torch.Tensor, next_pos_A: torch.Tensor,
                 params: SamplingParams, generators: list[torch.Generator], routing=None,
-                first_experts_ALK: torch.Tensor | None = None):
+                first_experts_AYK: torch.Tensor | None = None):
         """Sample up to max_tokens for every row from its prefilled cache (row b: sample b % n of
         prompt b // n); returns tokens, logprobs, lengths, stop flags and, with `routing` (a
         MoE), each token's experts (B, T, layers, top_k), else None; all on the host.
 
         Token t + 1's logits come from the forward that feeds token t, so that forward's routing
-        is token t + 1's; token 0's is the prefill's (`first_experts_ALK`). The last token is
+        is token t + 1's; token 0's is the prefill's (`first_experts_AYK`). The last token is
         never fed: nothing is recorded for its successor."""
         lm = policy.language_model
         device = policy.lm_head.weight.device
@@ -379,12 +385,12 @@ class LocalEngine:
         lengths_B = torch.zeros(B, dtype=torch.long, device=device)
         stopped_B = torch.zeros(B, dtype=torch.bool, device=device)
         stop_ids = torch.tensor(self.stop_token_ids, device=device)
-        # A MoE's experts per row and token, filled on the device like the tokens: (B, T, L, K)
+        # A MoE's experts per row and token, filled on the device like the tokens: (B, T, Y, K)
         # bytes (uint8 up to 256 experts), e.g. 384 per token for 48 layers of top-8.
-        experts_BTLK = None
+        experts_BTYK = None
         if routing is not None:
-            experts_BTLK = first_experts_ALK.new_zeros((B, T, *first_experts_ALK.shape[1:]))
-            experts_BTLK[:, 0] = first_experts_ALK
+            experts_BTYK = first_experts_AYK.new_zeros((B, T, *first_experts_AYK.shape[1:]))
+            experts_BTYK[:, 0] = first_experts_AYK
         for t in range(T):
             token_A, logprob_A = self._next_token(self._logits(weight_VH, hidden_AH, dtype), params, row_generators)
             # Rows that stopped since the last check decode on harmlessly: nothing recorded.
@@ -417,10 +423,10 @@ class LocalEngine:
                 use_cache=True,
             )
             hidden_AH = out.last_hidden_state[:, -1]
-            if experts_BTLK is not None:  # rows that stopped since the last check: past their length, never read
-                experts_BTLK[alive_A, t + 1] = routing.take()
+            if experts_BTYK is not None:  # rows that stopped since the last check: past their length, never read
+                experts_BTYK[alive_A, t + 1] = routing.take()
         return (tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.cpu(),
-                experts_BTLK.cpu() if experts_BTLK is not None else None)
+                experts_BTYK.cpu() if experts_BTYK is not None else None)
 
 
 def take_rows(cache, rows_A: torch.Tensor) -> None:
@@ -432,7 +438,7 @@ def take_rows(cache, rows_A: torch.Tensor) -> None:
     cache.reorder_cache(rows_A)
 
 
-def decode_mask(mask_BK: torch.Tensor, padded: bool, attn_implementation: str) -> torch.Tensor | None:
+def decode_mask(mask_AL: torch.Tensor, padded: bool, attn_implementation: str) -> torch.Tensor | None:
     """The attention mask of one decode step (one new query per row over K cached keys).
 
     Without padding: none (every row attends to all its keys). With padding under sdpa: the
@@ -444,5 +450,5 @@ def decode_mask(mask_BK: torch.Tensor, padded: bool, attn_implementation: str) -
     if not padded:
         return None
     if attn_implementation in ("sdpa", PACKED_SDPA):
-        return mask_BK.bool()[:, None, None, :]
-    return mask_BK
+        return mask_AL.bool()[:, None, None, :]
+    return mask_AL

@@ -20,7 +20,7 @@ restores its base for) and remembers it, so a server that rejoins loads it first
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import threading
 import time
 from typing import Any
@@ -28,6 +28,8 @@ from typing import Any
 from saccade.config import ImagesConfig
 from saccade.inference.servers import NoServerError, Server, ServerPool
 from saccade.serving.wire import INFO, UPDATE_WEIGHTS
+
+log = logging.getLogger(__name__)  # the person running the job hears of servers leaving and coming back
 
 KEEPALIVE_EXPIRY_S = 2.0  # below the servers' 5 s keep-alive timeout (see ServerClient.http)
 
@@ -58,11 +60,6 @@ class LoopThread:
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=10)
-
-
-def say(message: str) -> None:
-    """A line for the person running the job: servers leaving and coming back."""
-    print(f"saccade: {message}", file=sys.stderr, flush=True)
 
 
 def head_dtype_problem(info: dict) -> str | None:
@@ -197,7 +194,7 @@ class ServerClient:
                 if server is not None:
                     raise Unreachable(f"{target.url}: {failure}") from err
                 if self.pool.take_out(target, failure):
-                    say(f"server {target.url} taken out ({failure}); its requests go to the others")
+                    log.warning("server %s taken out (%s); its requests go to the others", target.url, failure)
                 tried.add(target.url)
                 self.pool.counters.rerouted += 1
                 reroutes += 1
@@ -262,7 +259,7 @@ class ServerClient:
                 folder, version = self._pushed
                 await self._load(server, folder, version)
             self.pool.put_back(server, version)
-        say(f"server {server.url} is back in, with weights version {version}")
+        log.info("server %s is back in, with weights version %s", server.url, version)
 
     def add_server(self, url: str) -> None:
         """Bring a new server into the run: the health check gives it the current weights and
@@ -293,7 +290,7 @@ class ServerClient:
             for server, result in zip(live, results, strict=True):
                 if isinstance(result, Unreachable):
                     if self.pool.take_out(server, str(result)):
-                        say(f"server {server.url} taken out while loading weights v{version} ({result})")
+                        log.warning("server %s taken out while loading weights v%s (%s)", server.url, version, result)
                 elif isinstance(result, BaseException):
                     raise result
             if not self.pool.alive:
@@ -338,5 +335,5 @@ class ServerClient:
                 f"no server answers at {', '.join(failures)}; start one with `saccade serve MODEL`, or fix engine.urls"
             )
         if failures:
-            say(f"{', '.join(failures)} not answering: out until the health check finds it up")
+            log.warning("%s not answering: out until the health check finds it up", ", ".join(failures))
         return out

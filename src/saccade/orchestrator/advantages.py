@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 
-def _as_groups(rewards_G: Tensor | Sequence[Sequence[float]]) -> Tensor:
+def _as_groups(rewards_PG: Tensor | Sequence[Sequence[float]]) -> Tensor:
     """(num_groups, G) float tensor; ValueError for ragged, non-2-D or non-finite rewards."""
-    if not isinstance(rewards_G, Tensor) and all(isinstance(g, Sequence) for g in rewards_G):
-        lengths = {len(g) for g in rewards_G}
+    if not isinstance(rewards_PG, Tensor) and all(isinstance(g, Sequence) for g in rewards_PG):
+        lengths = {len(g) for g in rewards_PG}
         if len(lengths) > 1:
             raise ValueError(f"all groups must have the same size, got sizes {sorted(lengths)}")
-    r = torch.as_tensor(rewards_G)
+    r = torch.as_tensor(rewards_PG)
     if r.dim() != 2:
         raise ValueError(f"rewards must be (num_groups, G), got shape {tuple(r.shape)}")
     if not r.is_floating_point():
@@ -35,14 +35,14 @@ def _as_groups(rewards_G: Tensor | Sequence[Sequence[float]]) -> Tensor:
     return r
 
 
-def zero_variance_groups(rewards_G: Tensor | Sequence[Sequence[float]]) -> Tensor:
+def zero_variance_groups(rewards_PG: Tensor | Sequence[Sequence[float]]) -> Tensor:
     """(num_groups,) bool: True where every reward in the group is the same (no signal)."""
-    r = _as_groups(rewards_G)
+    r = _as_groups(rewards_PG)
     return (r == r[:, :1]).all(dim=1)
 
 
 def group_advantages(
-    rewards_G: Tensor | Sequence[Sequence[float]], *, scale_by_std: bool = True, eps: float = 1e-6
+    rewards_PG: Tensor | Sequence[Sequence[float]], *, scale_by_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
     """(num_groups, G) rewards -> (num_groups, G) advantages.
 
@@ -51,7 +51,7 @@ def group_advantages(
     """
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    r = _as_groups(rewards_G)
+    r = _as_groups(rewards_PG)
     if r.shape[1] < 2:  # a group of one has no relative signal (and no sample std)
         return torch.zeros_like(r)
     centered = r - r.mean(dim=1, keepdim=True)

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,15 +27,20 @@ import torch
 from saccade.config import EnvConfig, RolloutConfig, RunConfig
 from saccade.data.rows import StepRows
 from saccade.distributed import SINGLE, World, all_gather
-from saccade.inference.engine import ChatRequest, Engine, SamplingParams, stream_seed
+from saccade.envs.base import StepResult
+from saccade.inference.engine import ChatRequest, Completion, Engine, SamplingParams, stream_seed
 from saccade.inference.servers import NoServerError
+from saccade.models.vision import Pins
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 from saccade.orchestrator.samples import completion_to_sample
-from saccade.orchestrator.source import StepRollouts
 from saccade.setup import Setup
-from saccade.tasks import Task
+from saccade.tasks import Prompt, Task
 from saccade.timing import timed
 from saccade.trainer.samples import TrainingSample
+
+
+# A task's prompt: what its environments are reset with.
+S = TypeVar("S", bound=Prompt)
 
 
 @dataclass
@@ -87,7 +92,21 @@ class RolloutBatch:
     groups: list[list[Rollout]] = field(default_factory=list)
 
 
-def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingParams, *,
+@dataclass
+class StepRollouts:
+    """One step's rollouts, as sampled and scored for it (`sample_step`): what the sampling
+    hands the trainer (`saccade.orchestrator.source.RolloutSource`)."""
+
+    step: int
+    groups: list[list[Rollout]]  # this rank's groups, in prompt order (they still hold the environments' images)
+    pins: Pins  # the cache pins that keep their image embeddings until the step has trained
+    sample_s: float  # wall seconds the sampling took
+    rows: StepRows[Any]  # the data rows read for the step: prompts, positions, skips
+    all_groups: list[list[Rollout]]  # every rank's groups, in prompt order, advantages set
+    batch: RolloutBatch  # the scored step: the samples to train on, the rollout metrics
+
+
+def sample_answers(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *,
                    merge: int, seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """Single-turn: one request per prompt with n = params.n; each answer scored by its own
     environment (reset with the prompt, stepped with the answer). `seeds`: each prompt's
@@ -108,7 +127,7 @@ def sample_answers(engine: Engine, task: Task, prompts: list, params: SamplingPa
         return _scored_groups(groups, prompts, results, merge, openings)
 
 
-def _scored_groups(groups: list[list], prompts: list, results: list, merge: int,
+def _scored_groups(groups: list[list[Completion]], prompts: list[S], results: list[StepResult], merge: int,
                    openings: list) -> list[list[Rollout]]:
     """Each completion with its environment's result, as a Rollout holding its training sample."""
     G = len(groups[0]) if groups else 0
@@ -126,7 +145,7 @@ def _scored_groups(groups: list[list], prompts: list, results: list, merge: int,
     return out
 
 
-def sample_episodes(engine: Engine, task: Task, prompts: list, params: SamplingParams, *, merge: int,
+def sample_episodes(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *, merge: int,
                     continuation, env: EnvConfig, tokenizer, check: bool,
                     seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """Multi-turn: params.n environments per prompt, each episode one training sample. With
@@ -157,7 +176,7 @@ def sample_episodes(engine: Engine, task: Task, prompts: list, params: SamplingP
     return [rollouts[g * G:(g + 1) * G] for g in range(len(prompts))]
 
 
-def sample_groups(engine: Engine, task: Task, prompts: list, params: SamplingParams, *, merge: int,
+def sample_groups(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *, merge: int,
                   continuation=None, env: EnvConfig | None = None, tokenizer=None,
                   check: bool = False, seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """params.n scored rollouts per prompt, answers or episodes as the task's max_turns says.
@@ -174,7 +193,7 @@ def prompt_seeds(seed: int, step: int, prompt_indices) -> list[int]:
     return [stream_seed(seed, step, i) for i in prompt_indices]
 
 
-def sample_step(step: int, rows: StepRows, *, setup: Setup, task: Task, cfg: RunConfig, sampling: SamplingParams,
+def sample_step(step: int, rows: StepRows[S], *, setup: Setup, task: Task[S], cfg: RunConfig, sampling: SamplingParams,
                 world: World = SINGLE, max_lag: int = 0, sampling_weights=contextlib.nullcontext) -> StepRollouts:
     """One RL step's rollouts, scored. This rank samples its share of the step's prompts (`rows`),
     `sampling.n` answers or episodes each, every sampling stream a function of (seed, step,
@@ -216,7 +235,7 @@ def sample_step(step: int, rows: StepRows, *, setup: Setup, task: Task, cfg: Run
         if not fresh:
             batch.samples = []
         batch.metrics.update(lag_metrics(groups, step, max_lag), stale_groups_dropped=float(len(groups) - len(fresh)))
-    return StepRollouts(step, own, pins, sample_s, rows=rows, all_groups=groups, batch=batch)
+    return StepRollouts(step, own, pins, sample_s, rows, groups, batch)
 
 
 def every_ranks_groups(own: list[list[Rollout]], error: Exception | None, world: World,
@@ -262,25 +281,25 @@ def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> Rollout
     """Group-relative advantages set on the samples; the kept groups' samples and the metrics.
     With rollout.mask_overlong, a sample whose final reply was cut stays in its group's
     statistics but out of the loss (DAPO's overlong filtering)."""
-    rewards_GN = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
-    shaped_GN = shaped_rewards(groups, rollout.overlong_penalty) if rollout.overlong_penalty else rewards_GN
-    advantages_GN = group_advantages(shaped_GN, scale_by_std=rollout.scale_advantages_by_std)
-    signal_G = ~zero_variance_groups(shaped_GN)  # a group whose rewards are all equal teaches nothing
-    keep_G = signal_G if rollout.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
+    rewards_PG = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
+    shaped_PG = shaped_rewards(groups, rollout.overlong_penalty) if rollout.overlong_penalty else rewards_PG
+    advantages_PG = group_advantages(shaped_PG, scale_by_std=rollout.scale_advantages_by_std)
+    signal_P = ~zero_variance_groups(shaped_PG)  # a group whose rewards are all equal teaches nothing
+    keep_P = signal_P if rollout.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
     samples = []
     for g, group in enumerate(groups):
         for i, r in enumerate(group):
-            r.sample.advantage = float(advantages_GN[g, i])
-            if keep_G[g] and not (rollout.mask_overlong and r.final_cut):
+            r.sample.advantage = float(advantages_PG[g, i])
+            if keep_P[g] and not (rollout.mask_overlong and r.final_cut):
                 samples.append(r.sample)
-    metrics = rollout_metrics(groups, rewards_GN, keep_G, signal_G)
+    metrics = rollout_metrics(groups, rewards_PG, keep_P, signal_P)
     if rollout.overlong_penalty:
-        metrics["reward_shaped_mean"] = float(shaped_GN.mean())
+        metrics["reward_shaped_mean"] = float(shaped_PG.mean())
     return RolloutBatch(samples, metrics, groups)
 
 
-def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_G: torch.Tensor,
-                    signal_G: torch.Tensor) -> dict[str, float]:
+def rollout_metrics(groups: list[list[Rollout]], rewards_PG: torch.Tensor, keep_P: torch.Tensor,
+                    signal_P: torch.Tensor) -> dict[str, float]:
     """Rewards, accuracy, lengths, turns, images, how many groups carry a signal (reward
     variance) and how many were kept, how the replies ended; plus the mean of every number the
     environments reported at their last step, as env_<key>, and the reward functions' values,
@@ -294,16 +313,16 @@ def rollout_metrics(groups: list[list[Rollout]], rewards_GN: torch.Tensor, keep_
     lengths = torch.tensor([r.completion_tokens for r in flat], dtype=torch.float32)
     reasons = [reason for r in flat for reason in r.finish_reasons]
     return {
-        "reward_mean": float(rewards_GN.mean()),
-        "reward_std": float(rewards_GN.std()) if rewards_GN.numel() > 1 else 0.0,
+        "reward_mean": float(rewards_PG.mean()),
+        "reward_std": float(rewards_PG.std()) if rewards_PG.numel() > 1 else 0.0,
         "accuracy": float(np.mean([r.correct for r in flat])),
         "completion_len_mean": float(lengths.mean()),
         "completion_len_max": float(lengths.max()),
         "stopped_frac": float(np.mean([reason == "stop" for reason in reasons])),
         "truncated_frac": float(np.mean([reason == "length" for reason in reasons])),
         "final_truncated_frac": float(np.mean([r.final_cut for r in flat])),
-        "groups_with_signal_frac": float(signal_G.float().mean()),
-        "groups_kept_frac": float(keep_G.float().mean()),
+        "groups_with_signal_frac": float(signal_P.float().mean()),
+        "groups_kept_frac": float(keep_P.float().mean()),
         "completion_tokens": float(lengths.sum()),
         "sampled_policy_version": float(min(r.policy_version for r in flat)),
         "turns_mean": float(np.mean([r.turns for r in flat])),

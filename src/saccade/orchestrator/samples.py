@@ -18,11 +18,11 @@ def completion_to_sample(
 ) -> TrainingSample:
     """Prompt ids + sampled ids, never re-tokenized; the loss falls on the sampled tokens only
     (so the engine's experts per sampled token, when it reports them, are the loss tokens')."""
-    P, C = completion.prompt_ids.shape[0], completion.completion_ids.shape[0]
+    L, T = completion.prompt_ids.shape[0], completion.completion_ids.shape[0]  # prompt, sampled tokens
     input_ids = torch.cat([completion.prompt_ids, completion.completion_ids])
-    types = torch.cat([completion.mm_token_type_ids, torch.zeros(C, dtype=torch.long)])
-    loss_mask = torch.cat([torch.zeros(P, dtype=torch.bool), torch.ones(C, dtype=torch.bool)])
-    logprobs = torch.cat([torch.zeros(P), completion.logprobs.float()])
+    types = torch.cat([completion.mm_token_type_ids, torch.zeros(T, dtype=torch.long)])
+    loss_mask = torch.cat([torch.zeros(L, dtype=torch.bool), torch.ones(T, dtype=torch.bool)])
+    logprobs = torch.cat([torch.zeros(L), completion.logprobs.float()])
     return make_sample(
         sample_id,
         input_ids,

@@ -26,21 +26,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from saccade.orchestrator.rollout import StepRollouts
+
+__all__ = ["RolloutSource", "SamplingFailed", "StepRollouts"]  # StepRollouts: what `get` hands out
 
 
 @dataclass
-class StepRollouts:
-    """One step's rollouts, as sampled and scored for it (`saccade.orchestrator.rollout.sample_step`)."""
+class SamplingFailed:
+    """What the sampling thread queues for a step whose sampling raised: the trainer raises
+    `error` when it asks for that step."""
 
     step: int
-    groups: list  # this rank's groups of Rollouts, in prompt order (they still hold the environments' images)
-    pins: Any  # the cache pins that keep their image embeddings until the step has trained
-    sample_s: float  # wall seconds the sampling took
-    error: BaseException | None = field(default=None, repr=False)
-    rows: Any = None  # the data rows read for the step (saccade.data.rows.StepRows): positions, skips
-    all_groups: list = field(default_factory=list)  # every rank's groups, in prompt order, advantages set
-    batch: Any = None  # the scored step (RolloutBatch): the samples to train on, the rollout metrics
+    error: BaseException = field(repr=False)
 
 
 class RolloutSource:
@@ -52,7 +50,7 @@ class RolloutSource:
         self.end = end
         self._trained = first_step  # steps before this one have trained and pushed their weights
         self._sampled = first_step  # steps before this one have been sampled (or failed)
-        self._ready: deque[StepRollouts] = deque()
+        self._ready: deque[StepRollouts | SamplingFailed] = deque()
         self._changed = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -66,13 +64,12 @@ class RolloutSource:
         rollouts were ready in the queue behind them."""
         start = time.perf_counter()
         if self._thread is None:
-            item = self.sample(step)
-            return item, time.perf_counter() - start, 0
+            return self.sample(step), time.perf_counter() - start, 0
         with self._changed:
             self._changed.wait_for(lambda: bool(self._ready))
             item = self._ready.popleft()
             depth = len(self._ready)
-        if item.error is not None:
+        if isinstance(item, SamplingFailed):
             raise item.error
         if item.step != step:
             raise RuntimeError(f"rollouts of step {item.step + 1} came when step {step + 1} was due")
@@ -103,7 +100,7 @@ class RolloutSource:
             self._changed.notify_all()
         self._thread.join(timeout=600)
         for item in self._ready:
-            if item.pins is not None:
+            if isinstance(item, StepRollouts):
                 item.pins.release()
         self._ready.clear()
 
@@ -119,13 +116,15 @@ class RolloutSource:
                 self._changed.wait_for(lambda: self._stopping or step - self.level <= self._trained)
                 if self._stopping:
                     return
+            item: StepRollouts | SamplingFailed
             try:
                 item = self.sample(step)
             except BaseException as err:  # the trainer raises it at its next get()
-                item = StepRollouts(step, [], None, 0.0, error=err)
+                item = SamplingFailed(step, err)
+            failed = isinstance(item, SamplingFailed)
             with self._changed:
                 self._ready.append(item)
-                self._sampled = step + 1 if item.error is None else self.end  # a failure samples nothing more
+                self._sampled = self.end if failed else step + 1  # a failure samples nothing more
                 self._changed.notify_all()
-            if item.error is not None:
+            if failed:
                 return

@@ -126,18 +126,18 @@ class MeshScene:
         return None
 
 
-def dominant_color_name(colors_N3: np.ndarray, palette: dict[str, tuple[int, int, int]] | None = None) -> str | None:
+def dominant_color_name(colors_V3: np.ndarray, palette: dict[str, tuple[int, int, int]] | None = None) -> str | None:
     """The palette name that most of these colours are nearest to (a vote over vertices, so
     a few stray vertices of another colour do not move it); None for no colours."""
     palette = SCENE_COLORS if palette is None else palette
-    colors_N3 = np.asarray(colors_N3, dtype=np.float32).reshape(-1, 3)
-    if not len(colors_N3):
+    colors_V3 = np.asarray(colors_V3, dtype=np.float32).reshape(-1, 3)
+    if not len(colors_V3):
         return None
     names = list(palette)
-    palette_P3 = np.array([palette[n] for n in names], dtype=np.float32)
-    distance_NP = ((colors_N3[:, None, :] - palette_P3[None]) ** 2).sum(-1)
-    votes_P = np.bincount(distance_NP.argmin(1), minlength=len(names))
-    return names[int(votes_P.argmax())]
+    palette_C3 = np.array([palette[n] for n in names], dtype=np.float32)
+    distance_VC = ((colors_V3[:, None, :] - palette_C3[None]) ** 2).sum(-1)
+    votes_C = np.bincount(distance_VC.argmin(1), minlength=len(names))
+    return names[int(votes_C.argmax())]
 
 
 def infer_support(objects: tuple[SceneObject, ...], *, gap_m: float = 0.08) -> tuple[SceneObject, ...]:

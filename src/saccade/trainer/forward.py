@@ -68,11 +68,11 @@ def forward_logprobs(
     image_embeds = mb.image_embeds.to(device) if mb.image_embeds is not None else None
     deepstack = mb.deepstack.to(device) if mb.deepstack is not None else None
     # Where the image pads are, from the host copy: the device never has to say.
-    positions_N = image_positions(host.input_ids.cpu(), policy.image_token_id)
+    positions_M = image_positions(host.input_ids.cpu(), policy.image_token_id)
     with timed("forward"):
         hidden_1NH = policy.hidden_states(
             mb.input_ids.to(device), mb.position_ids.to(device), image_embeds, deepstack, cu_seqlens=host.cu_seqlens,
-            context=mb.context, image_positions_N=positions_N,
+            context=mb.context, image_positions_N=positions_M,
         )
     if ban_bias_V is None:
         ban_bias_V = ban_bias(policy.lm_head, banned_token_ids)

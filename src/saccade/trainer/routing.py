@@ -41,18 +41,18 @@ def expert_counts(chosen: Sequence[torch.Tensor], num_experts: int,
     return torch.stack(rows)
 
 
-def load_figures(counts_LE: torch.Tensor) -> dict[str, float]:
+def load_figures(counts_YE: torch.Tensor) -> dict[str, float]:
     """The step's balance figures from summed counts (layers with no counted token are left out)."""
-    counts_LE = counts_LE.double().cpu()
-    seen = counts_LE.sum(1) > 0
+    counts_YE = counts_YE.double().cpu()
+    seen = counts_YE.sum(1) > 0
     if not seen.any():
         return {}
-    load_LE = counts_LE[seen] / counts_LE[seen].sum(1, keepdim=True)
-    mean_L = load_LE.mean(1)
+    load_YE = counts_YE[seen] / counts_YE[seen].sum(1, keepdim=True)
+    mean_Y = load_YE.mean(1)
     return {
-        "router_max_over_mean": float((load_LE.max(1).values / mean_L).mean()),
-        "router_cv": float((load_LE.std(1, unbiased=False) / mean_L).mean()),
-        "router_dead_experts": float((counts_LE[seen] == 0).sum()),
+        "router_max_over_mean": float((load_YE.max(1).values / mean_Y).mean()),
+        "router_cv": float((load_YE.std(1, unbiased=False) / mean_Y).mean()),
+        "router_dead_experts": float((counts_YE[seen] == 0).sum()),
     }
 
 
@@ -65,13 +65,13 @@ def load_figures(counts_LE: torch.Tensor) -> dict[str, float]:
 # experts, and their logprob gap is expected to be larger than where only the numerics differ.
 
 
-def routing_differs(trainer_TLK: torch.Tensor, engine_TLK: torch.Tensor) -> torch.Tensor:
+def routing_differs(trainer_TYK: torch.Tensor, engine_TYK: torch.Tensor) -> torch.Tensor:
     """(T,) bool: True where a token's top-k expert *set* differs between trainer and engine in
     at least one MoE layer. Both (T, layers, top_k) expert ids; the order within the top-k is
     ignored (the same experts in another order compute the same sum)."""
-    assert trainer_TLK.shape == engine_TLK.shape, (tuple(trainer_TLK.shape), tuple(engine_TLK.shape))
-    trainer_sorted = trainer_TLK.long().sort(-1).values
-    engine_sorted = engine_TLK.to(trainer_TLK.device).long().sort(-1).values
+    assert trainer_TYK.shape == engine_TYK.shape, (tuple(trainer_TYK.shape), tuple(engine_TYK.shape))
+    trainer_sorted = trainer_TYK.long().sort(-1).values
+    engine_sorted = engine_TYK.to(trainer_TYK.device).long().sort(-1).values
     return (trainer_sorted != engine_sorted).flatten(1).any(1)
 
 

@@ -106,7 +106,7 @@ class MicroBatch:
     advantages: torch.Tensor  # (N,) float32: each token carries its sample's advantage
     cu_seqlens: torch.Tensor  # (S + 1,) int32: sample boundaries (flash-attention varlen form)
     image_embeds: torch.Tensor | None  # (M, H): all images' features, in token order
-    deepstack: torch.Tensor | None  # (levels, M, H)
+    deepstack: torch.Tensor | None  # (Z, M, H): the DeepStack levels
     image_grid_thw: torch.Tensor  # (n_images, 3)
     sample_ids: list[str]
     context: list[tuple[int, int]] | None = None  # per segment: the row range it continues; None: no sharing

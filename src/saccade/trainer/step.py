@@ -24,6 +24,7 @@ counts (so the micro-batch losses sum to the loss of the whole batch).
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +52,8 @@ from saccade.trainer.samples import MicroBatch
 # backpropagate (normalised by the step's totals, so the micro-batches' losses sum to the
 # step's) and figures to sum over the step (0-dim device tensors) out.
 MicroBatchLoss = Callable[[int, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+log = logging.getLogger(__name__)
 
 
 def lr_schedule(trainer: TrainerConfig) -> Callable[[int], float]:
@@ -248,7 +251,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler, micro_batches: S
         # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
         optimizer.zero_grad(set_to_none=True)
         reason = "non-finite loss" if not finite_loss else "non-finite gradient"
-        print(f"step skipped: {reason}; the weights were not changed")
+        if world.is_main:  # every rank skipped it: one says so
+            log.warning("step skipped: %s; the weights were not changed", reason)
         return outcome
     with timed("optimizer"):
         optimizer.step()
@@ -335,8 +339,8 @@ def train_step(
         with policy.family.record_routing(policy.language_model) as routing:  # dense families: None
             logprobs, entropy = forward_logprobs(model, mb, **score)
         if routing is not None and iteration == 0:
-            counts_LE = expert_counts(routing.chosen, routing.num_experts, mb.loss_mask.reshape(-1))
-            router_counts[:] = [counts_LE if not router_counts else router_counts[0] + counts_LE]
+            counts_YE = expert_counts(routing.chosen, routing.num_experts, mb.loss_mask.reshape(-1))
+            router_counts[:] = [counts_YE if not router_counts else router_counts[0] + counts_YE]
             if mb.routed_experts is not None:
                 routing_split.add_(engine_routing_split(routing, mb, logprobs))
         inputs = LossInputs(
@@ -397,9 +401,9 @@ def train_step(
     if current_version is not None and fresh_tokens:
         out["mismatch_abs_lag0"] = gap_sum / fresh_tokens
     if router_counts:  # a MoE: the load balance over every rank's loss tokens
-        counts_LE = router_counts[0]
-        summed = all_reduce_sum(counts_LE.reshape(-1).tolist(), world, device)
-        out.update(load_figures(torch.tensor(summed, dtype=torch.float64).view_as(counts_LE)))
+        counts_YE = router_counts[0]
+        summed = all_reduce_sum(counts_YE.reshape(-1).tolist(), world, device)
+        out.update(load_figures(torch.tensor(summed, dtype=torch.float64).view_as(counts_YE)))
     out.update(routing_split_figures(split_sums))  # {} unless the engine reported its routing
     return out
 
@@ -414,11 +418,11 @@ def engine_routing_split(routing: Routing, mb: MicroBatch, logprobs_N: torch.Ten
     scored_T = source_T >= 0  # a sample's first token is never scored (it has no predecessor)
     device = logprobs_N.device
     source = to_device(source_T[scored_T], device)
-    trainer_TLK = torch.stack([chosen_NK.index_select(0, source) for chosen_NK in routing.chosen], dim=1)
-    engine_TLK = mb.routed_experts.index_select(0, to_device(scored_T.nonzero().squeeze(1), device))
+    trainer_TYK = torch.stack([chosen_NK.index_select(0, source) for chosen_NK in routing.chosen], dim=1)
+    engine_TYK = mb.routed_experts.index_select(0, to_device(scored_T.nonzero().squeeze(1), device))
     rows = to_device(loss_rows_T[scored_T], device)
     gap_T = logprobs_N.detach().index_select(0, rows) - mb.inference_logprobs.index_select(0, rows)
-    return routing_split_sums(routing_differs(trainer_TLK, engine_TLK), gap_T)
+    return routing_split_sums(routing_differs(trainer_TYK, engine_TYK), gap_T)
 
 
 def _accumulate(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
