@@ -49,14 +49,6 @@ class RunConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _shapes_unless_told(cls, data: Any) -> Any:
-        # A [task] table without a kind is the default task's: `--task.num_choices 3` alone works.
-        if isinstance(data, dict) and isinstance(data.get("task"), dict) and "kind" not in data["task"]:
-            return {**data, "task": {"kind": ShapesTaskConfig().kind, **data["task"]}}
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
     def _servers_from_the_layout(cls, data: Any) -> Any:
         # A layout's servers are the run's engine.urls: a config with [launch] leaves them out.
         if not (isinstance(data, dict) and isinstance(data.get("launch"), dict)):

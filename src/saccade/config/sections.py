@@ -9,19 +9,67 @@ This module imports no other part of saccade (but `saccade.installed`, which imp
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Literal
+import types
+import typing
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
 
 class ConfigError(ValueError):
     """A user error in a config file or a command-line override; the message says where."""
 
 
 class Section(BaseModel):
-    """Base of every config model: unknown keys refused, assignment validated, no inf/nan."""
+    """Base of every config model: unknown keys refused, assignment validated, no inf/nan.
+
+    A field that is a union of sections picked by a tag (`[task]` by `kind`) reads a table
+    without its tag as the default's variant: `--task.num_choices 3` alone works."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tags(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, tag, default in _tagged_unions(cls):
+                table = data.get(name)
+                if isinstance(table, dict) and tag not in table:
+                    data = {**data, name: {tag: default, **table}}
+        return data
+
+
+def union_members(annotation: Any) -> list[Any]:
+    """The members of a union annotation (or the annotation itself)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return list(typing.get_args(annotation))
+    return [annotation]
+
+
+def union_variants(info: FieldInfo) -> dict[str, type[BaseModel]] | None:
+    """{tag: variant} of a field that is a union of sections picked by a tag; None for any other."""
+    if not isinstance(info.discriminator, str):
+        return None
+    out = {}
+    for member in union_members(info.annotation):
+        for tag in typing.get_args(member.model_fields[info.discriminator].annotation):
+            out[tag] = member
+    return out
+
+
+@functools.cache
+def _tagged_unions(cls: type[BaseModel]) -> tuple[tuple[str, str, str], ...]:
+    """(field, its tag's key, the default's tag) of each tagged union field of `cls`."""
+    out = []
+    for name, info in cls.model_fields.items():
+        if union_variants(info) is not None:
+            key = str(info.discriminator)
+            out.append((name, key, getattr(info.get_default(call_default_factory=True), key)))
+    return tuple(out)
 
 
 # The built-in random models: every family's `tiny_presets`, in FAMILIES' order
