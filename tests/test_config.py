@@ -403,7 +403,7 @@ def test_the_cache_budget_and_sampling_have_their_own_sections():
 @pytest.mark.parametrize(("old", "new"), [
     ("--data.task", "task.kind"), ("--data.num_choices", "task.num_choices"), ("--env.max_turns", "task.max_turns"),
     ("--engine.temperature", "sampling.temperature"), ("--images.cache_bytes", "image_cache.budget_bytes"),
-    ("--data.eval_size", "eval.prompts"),
+    ("--data.eval_size", "eval.prompts"), ("--data.columns.images", "task.columns.images"),
 ])
 def test_an_old_key_on_the_command_line_is_refused_with_its_new_name(old, new):
     assert error(None, [old, "1"]).startswith(f"{old}: {old[2:]} is now {new}")
@@ -421,46 +421,25 @@ cache_bytes = 2000000
 
 [data]
 task = "views"
-eval_size = 12
 num_choices = 3
-image_size = 64          # the shapes' image: views do not read it, and it is the old default
-blank_images = false
 
 [env]
 max_turns = 2
-places = ["left", "right"]
-colors = ["red", "green", "blue"]
-image_size = 48          # the views' render
 loss_on = "assistant"
 """
 
 
-def test_an_old_file_loads_with_its_keys_mapped_and_says_so(tmp_path):
-    path = write(tmp_path, OLD_VIEWS)
-    with pytest.warns(LegacyConfigWarning, match="data.task -> task.kind = 'views'.*--dry-run"):
-        cfg = load_config(RunConfig, path, ["--task.max_turns", "3"])  # a new-key override still wins
-    assert (cfg.sampling.temperature, cfg.sampling.max_tokens, cfg.image_cache.budget_bytes) == (0.9, 8, 2000000)
-    assert cfg.eval.prompts == 12 and cfg.env.loss_on == "assistant"
-    assert cfg.task.kind == "views" and cfg.task.image_size == 48 and cfg.task.places == ["left", "right"]
-    assert (cfg.task.num_choices, cfg.task.max_turns) == (3, 3)
-    written = tmp_path / "new.toml"
-    written.write_text(describe(cfg))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert load_config(RunConfig, written, ["--task.max_turns", "3"]) == cfg  # --dry-run writes the new keys
-
-
-def test_an_old_file_names_what_its_task_does_not_read(tmp_path):
-    path = write(tmp_path, '[data]\ntask = "shapes"\n[env]\nplaces = ["left"]\nmax_turns = 3\n')
-    with pytest.warns(LegacyConfigWarning, match="dropped, as task kind 'shapes' does not read them: env.places"):
-        assert load_config(RunConfig, path).task.kind == "shapes"  # env.max_turns: the old default, dropped quietly
-    path = write(tmp_path, '[data]\ntask = "verifiers:my-env"\ntask_args = { n = 2 }\n[env]\ncorrect_metric = "ok"\n')
-    with pytest.warns(LegacyConfigWarning):
-        task = load_config(RunConfig, path).task
-    assert (task.kind, task.env_id, task.env_args, task.correct_metric) == ("verifiers", "my-env", {"n": 2}, "ok")
-    path = write(tmp_path, '[data]\ntask = "shapes"\ntask_args = { n = 2 }\n')
-    with pytest.raises(ConfigError, match="data.task_args: task kind 'shapes' reads no arguments"):
-        load_config(RunConfig, path)
+def test_a_file_from_before_the_task_section_is_refused_naming_each_new_key(tmp_path):
+    """The format before the [task] union (2026-11-24) is no longer read (config/legacy.py is
+    retired): the message names every old key with its new one, and the date."""
+    msg = error(write(tmp_path, OLD_VIEWS), [])
+    assert "before the [task] section (2026-11-24)" in msg
+    for old, new in [("engine.temperature", "sampling.temperature"), ("engine.max_tokens", "sampling.max_tokens"),
+                     ("images.cache_bytes", "image_cache.budget_bytes"), ("data.task", "task.kind"),
+                     ("data.num_choices", "task.num_choices"), ("env.max_turns", "task.max_turns")]:
+        assert f"{old} is now {new}" in msg, old
+    assert "env.loss_on" not in msg and "images.max_pixels" not in msg  # today's keys
+    assert "[data] is now [task]" in error(write(tmp_path, "[data]\nwhatever = 1\n"), [])
 
 
 def test_shipped_configs_use_todays_keys():

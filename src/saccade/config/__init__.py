@@ -10,8 +10,9 @@ raises).
 
 Where the values come from, later wins (`loading.py`):
   1. the defaults (a CPU demo on the built-in tiny model),
-  2. a TOML file (tables map to sections: ``[trainer]`` ``lr = 1e-5``); a file from before
-     the [task] section is read with its keys mapped to today's (`legacy.py`, docs/config.md),
+  2. a TOML file (tables map to sections: ``[trainer]`` ``lr = 1e-5``); a file with an earlier
+     day's keys is read as today's (`upgrade.py`: one table of moves, each dated), one from
+     before the [task] section (2026-11-24) refused with each old key's new name (docs/config.md),
   3. dotted overrides from the command line: ``--trainer.lr 1e-5``, ``--trainer.lr=1e-5``,
      ``--lora.target_modules '["q_proj","v_proj"]'``, ``--rollout.reward_weights.format 0.1``
      (one key of a dict field), ``--task.kind scenes --task.max_turns 4``. A value is read as
@@ -48,7 +49,6 @@ the value of ``--trainer.lr 1e-5`` to the optional CONFIG positional.
 """
 
 from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
-from saccade.config.legacy import LegacyConfigWarning
 from saccade.config.loading import add_config_arguments, load_config, parse_overrides, split_overrides
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
@@ -62,6 +62,7 @@ from saccade.config.task import (
     ScenesTaskConfig, ShapesTaskConfig, TaskConfig, VerifiersTaskConfig, ViewsTaskConfig,
 )
 from saccade.config.toml import config_to_toml, describe
+from saccade.config.upgrade import LegacyConfigWarning
 
 __all__ = [
     "DATASET_CONFIGS",

@@ -19,6 +19,7 @@ import json
 import re
 import tomllib
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -26,9 +27,9 @@ from typing import Any, Literal, NamedTuple, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from saccade.config.legacy import migrate, new_key
 from saccade.config.run import RunConfig
 from saccade.config.sections import ConfigError, union_members, union_variants
+from saccade.config.upgrade import LegacyConfigWarning, moved, refuse_retired, retired_key, upgrade
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -207,7 +208,7 @@ def _field_at(cls: type[BaseModel], path: str, source: str, data: dict) -> _Targ
     for i, part in enumerate(parts):
         prefix = ".".join(parts[:i])
         if part not in current.model_fields:
-            hint = new_key(path) if i == 0 or parts[0] in ("data", "env", "engine", "images") else None
+            hint = retired_key(path)
             if hint:
                 raise ConfigError(f"{source}: {path} is now {hint} (docs/config.md)")
             elsewhere = _elsewhere(union[0], prefix, union[1], part) if union else ""
@@ -383,9 +384,9 @@ def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequenc
     """Defaults of `cls`, then the TOML file at `path` (if any), then the override tokens.
 
     `overrides` are argv-style tokens (``["--trainer.lr", "1e-5", "--lora.rank=8"]``), e.g.
-    the second value of `split_overrides`. A `RunConfig` file from before the [task] section
-    is read with its keys mapped to today's (`saccade.config.legacy`). Raises ConfigError for
-    any mistake.
+    the second value of `split_overrides`. A `RunConfig` file or override with an earlier
+    day's keys is read as today's, and one from before the [task] section refused, naming the
+    new keys (`saccade.config.upgrade`). Raises ConfigError for any mistake.
     """
     data: dict[str, Any] = {}
     file_label = None
@@ -402,12 +403,18 @@ def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequenc
             raise ConfigError(f"{file_label}: not UTF-8 text: {e}") from None
         if issubclass(cls, RunConfig):
             try:
-                data = migrate(data, file_label)
+                refuse_retired(data)
+                data = upgrade(data, file_label)
             except ValueError as e:
                 raise ConfigError(f"{file_label}: {e}") from None
 
     applied: list[tuple[str, str, bool]] = []  # (source, dotted path, whether it is a union's tag)
     for source, dotted, raw in parse_overrides(overrides):
+        move = moved(dotted, _parse_value(raw, Any)) if issubclass(cls, RunConfig) else None
+        if move is not None:
+            warnings.warn(f"{source} is now --{move.new} (since {move.date}: {move.why}); read as it",
+                          LegacyConfigWarning, stacklevel=2)
+            dotted = move.new
         target = _field_at(cls, dotted, source, data)
         value = _parse_value(raw, target.annotation)
         parts = dotted.split(".")
