@@ -456,3 +456,28 @@ def test_the_data_set_kinds_agree_with_the_row_code():
     kinds = [k for cls in DATASET_CONFIGS for k in typing.get_args(cls.model_fields["kind"].annotation)]
     assert sorted(kinds) == sorted(DATASET_TASKS)
 
+
+
+# --- modes as unions (issue 45) --------------------------------------------------------------
+
+
+def test_the_stall_action_is_a_union_whose_rollback_alone_has_its_own_fields(tmp_path):
+    from saccade.config import StallRollbackConfig, StallStopConfig, StallWarnConfig
+
+    assert RunConfig().stall == StallWarnConfig(steps=20, truncated_frac=0.5)
+    path = write(tmp_path, '[stall]\naction = "rollback"\nsteps = 5\nlr_factor = 0.3\n')
+    cfg = load_config(RunConfig, path)
+    assert cfg.stall == StallRollbackConfig(steps=5, lr_factor=0.3, max_rollbacks=3)
+    cfg = load_config(RunConfig, None, ["--stall.action", "rollback", "--stall.max_rollbacks", "1"])
+    assert isinstance(cfg.stall, StallRollbackConfig) and cfg.stall.max_rollbacks == 1
+    # The tag switched on the command line keeps the fields every action has, not the others.
+    cfg = load_config(RunConfig, path, ["--stall.action", "stop"])
+    assert cfg.stall == StallStopConfig(steps=5)
+    assert load_config(RunConfig, None, ["--stall.steps", "7"]).stall == StallWarnConfig(steps=7)
+    # A wrong mix, in a file and on the command line, names the action that has the field.
+    msg = error(write(tmp_path, '[stall]\naction = "warn"\nlr_factor = 0.3\n'), [])
+    assert "unknown key 'stall.lr_factor'" in msg and "is a field of action 'rollback'" in msg
+    assert "set stall.action = 'rollback'" in msg
+    msg = error(None, ["--stall.action", "stop", "--stall.max_rollbacks", "2"])
+    assert msg.startswith("--stall.max_rollbacks: unknown key") and "action 'rollback'" in msg
+    assert "did you mean 'rollback'" in error(None, ["--stall.action", "rolback"])

@@ -156,10 +156,10 @@ def test_sft_skips_a_step_with_a_nan_gradient(tmp_path):
 def test_a_run_with_no_signal_left_says_so(tmp_path):
     """Weight 0: every answer scores 0, so no group ever has reward variance; and a random
     model's replies never end within 4 tokens: both kinds of stall, warned about once, in one
-    message, the step they reach rollout.stall_steps; every step logs the watch's figures."""
+    message, the step they reach stall.steps; every step logs the watch's figures."""
     cfg = _config(tmp_path, "stalled", "--trainer.steps", "3", "--rollout.filter_zero_variance", "true",
                   "--checkpoint.every_steps", "0", "--eval.every_steps", "0", "--rollout.reward_weights",
-                  '{"format": 0.0}', "--rollout.stall_steps", "2")
+                  '{"format": 0.0}', "--stall.steps", "2")
     with pytest.warns(RuntimeWarning, match="no group has had reward variance for 2 steps") as caught:
         train_rl(cfg, run_dir=cfg.run_dir, progress=False)
     stalls = [str(w.message) for w in caught if "reward variance" in str(w.message)]

@@ -1,7 +1,7 @@
 """Run configuration: pydantic models, TOML files, dotted command-line overrides, --dry-run.
 
 A run is described by one `RunConfig` (`run.py`), composed of sections (`sections.py`:
-`model`, `lora`, `images`, `image_cache`, `engine`, `sampling`, `rollout`, `loss`, `trainer`,
+`model`, `lora`, `images`, `image_cache`, `engine`, `sampling`, `rollout`, `stall`, `loss`, `trainer`,
 `sft`, `env`, `eval`, `checkpoint`, `log`; `launch.py`: the `[launch]` layout) and the `[task]` union (`task.py`: one variant per
 kind of task, each with its own fields). Each section is a pydantic model with a docstring, a
 description on every field and bounds wherever a bound means something; unknown keys are
@@ -54,7 +54,8 @@ from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
     DEFAULT_TIS_CAP, PRESET_NAMES, CheckpointConfig, ConfigError, EngineConfig, EnvConfig, EvalConfig,
     ImageCacheConfig, ImagesConfig, LogConfig, LoraConfig, LossConfig, ModelConfig, RolloutConfig, SamplingConfig,
-    Section, SftConfig, TrainerConfig,
+    Section, SftConfig, StallConfig, StallRollbackConfig, StallStopConfig, StallWarnConfig, StallWatchConfig,
+    TrainerConfig,
 )
 from saccade.config.task import (
     DATASET_CONFIGS, DEFAULT_PROMPT_TEMPLATE, SCENE_QUESTION_KINDS, SHAPES_QUESTION_KINDS,
@@ -97,6 +98,11 @@ __all__ = [
     "ScenesTaskConfig",
     "Section",
     "SftConfig",
+    "StallConfig",
+    "StallRollbackConfig",
+    "StallStopConfig",
+    "StallWarnConfig",
+    "StallWatchConfig",
     "ShapesTaskConfig",
     "TaskConfig",
     "TrainerConfig",

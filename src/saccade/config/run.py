@@ -10,7 +10,8 @@ from pydantic import Field, ValidationError, model_validator
 from saccade.config.launch import LaunchConfig
 from saccade.config.sections import (
     DEFAULT_TIS_CAP, CheckpointConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig,
-    LogConfig, LoraConfig, LossConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, TrainerConfig,
+    LogConfig, LoraConfig, LossConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig,
+    StallWarnConfig, TrainerConfig,
 )
 from saccade.config.task import ShapesTaskConfig, TaskConfig
 
@@ -25,6 +26,9 @@ class RunConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="how completions are sampled")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollouts per step and advantages")
+    stall: StallConfig = Field(
+        default_factory=StallWarnConfig, description="the stall watch: when a run has stalled, and what it then does"
+    )
     loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the optimizer loop")
     sft: SftConfig = Field(default_factory=SftConfig, description="supervised fine-tuning")

@@ -13,7 +13,7 @@ import functools
 import re
 import types
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -301,39 +301,67 @@ class RolloutConfig(Section):
         description="leave answers whose final reply was cut at sampling.max_tokens out of the loss (DAPO's "
         "overlong filtering); they still count in their group's mean and std",
     )
-    # A stalled run (saccade.stall, docs/stalls.md): what GRPO's most common collapse looks like.
-    on_stall: Literal["warn", "stop", "rollback"] = Field(
-        "warn",
-        description="what a stalled run does. It has stalled when, for stall_steps steps in a row, no group had "
-        "reward variance (nothing to learn from; a step whose replies are all correct does not count) or more "
-        "than stall_truncated_frac of the answers (episodes: their final replies) were cut at "
-        "sampling.max_tokens. 'warn': say so once per stall and train on; 'stop': end with StallError, naming "
-        "the last checkpoint from before the stall and the --resume command with a lower trainer.lr (the "
-        "stalled weights are not saved); 'rollback': reload the last checkpoint from before the stall (the run "
-        "then saves its start weights as step 0), multiply the lr by stall_lr_factor and train on, the step "
-        "count going forward. docs/stalls.md",
-    )
-    stall_steps: int = Field(
+
+
+# A stalled run (saccade.stall, docs/stalls.md): what GRPO's most common collapse looks like.
+STALL_ACTION = (
+    "what a stalled run does: 'warn' says so once per stall and trains on; 'stop' ends the run, naming the last "
+    "checkpoint from before the stall and the --resume command with a lower trainer.lr; 'rollback' reloads that "
+    "checkpoint at a lower lr and trains on (docs/stalls.md)"
+)
+
+
+class StallWatchConfig(Section):
+    """The stall watch, whatever it does (`[stall]`, the fields every action has): a run has stalled
+    when, for `steps` steps in a row, no group had reward variance (nothing to learn from; a step
+    whose replies are all correct does not count), or more than `truncated_frac` of the answers
+    (episodes: their final replies) were cut at sampling.max_tokens."""
+
+    action: str = Field("warn", description=STALL_ACTION)
+    steps: int = Field(
         20, ge=1, le=100_000,
         description="steps in a row without reward variance, or with most replies cut, before the run counts as "
         "stalled",
     )
-    stall_truncated_frac: float = Field(
+    truncated_frac: float = Field(
         0.5, gt=0, le=1,
         description="a step counts towards a stall when more than this share of its answers (episodes: their "
         "final replies) was cut at sampling.max_tokens (final_truncated_frac): past half, most answers are cut "
         "before they end. 1 turns this kind of stall off (for a run whose answers are meant to be cut)",
     )
-    stall_lr_factor: float = Field(
+
+
+class StallWarnConfig(StallWatchConfig):
+    """A stalled run says so, once per stall, and trains on (where to look and what to change)."""
+
+    action: Literal["warn"] = Field("warn", description=STALL_ACTION)
+
+
+class StallStopConfig(StallWatchConfig):
+    """A stalled run ends with StallError, naming the last checkpoint from before the stall and the
+    --resume command with a lower trainer.lr; the stalled weights are not saved."""
+
+    action: Literal["stop"] = Field("stop", description=STALL_ACTION)
+
+
+class StallRollbackConfig(StallWatchConfig):
+    """A stalled run reloads its last checkpoint from before the stall (it saves its start weights
+    as step 0 for this), multiplies the lr by `lr_factor` and trains on, the step count going
+    forward; after `max_rollbacks` rollbacks, a stall stops it as 'stop' does."""
+
+    action: Literal["rollback"] = Field("rollback", description=STALL_ACTION)
+    lr_factor: float = Field(
         0.5, gt=0, lt=1,
-        description="on_stall = 'rollback': each rollback multiplies the peak lr by this (kept in the "
-        "checkpoints, so a --resume goes on at the lowered lr)",
+        description="each rollback multiplies the peak lr by this (kept in the checkpoints, so a --resume goes "
+        "on at the lowered lr)",
     )
     max_rollbacks: int = Field(
         3, ge=1, le=100,
-        description="on_stall = 'rollback': rollbacks a run may make; a stall after the last one stops the run "
-        "as on_stall = 'stop' does",
+        description="rollbacks a run may make; a stall after the last one stops the run as action 'stop' does",
     )
+
+
+StallConfig = Annotated[StallWarnConfig | StallStopConfig | StallRollbackConfig, Field(discriminator="action")]
 
 
 class LossConfig(Section):

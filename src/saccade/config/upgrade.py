@@ -62,11 +62,19 @@ class Move:
     applies: Callable[[Any], bool] = lambda value: True  # the old key's value, not the new key's (same path)
 
 
-MOVES: tuple[Move, ...] = ()
+MODES_DAY = "2026-11-28"  # issue 45: modes as unions, not flags
+_STALL = "the stall watch is a section of its own, its action a union: only 'rollback' has lr_factor and max_rollbacks"
+MOVES: tuple[Move, ...] = (
+    Move("rollout.on_stall", "stall.action", MODES_DAY, _STALL),
+    Move("rollout.stall_steps", "stall.steps", MODES_DAY, _STALL),
+    Move("rollout.stall_truncated_frac", "stall.truncated_frac", MODES_DAY, _STALL),
+    Move("rollout.stall_lr_factor", "stall.lr_factor", MODES_DAY, _STALL),
+    Move("rollout.max_rollbacks", "stall.max_rollbacks", MODES_DAY, _STALL),
+)
 MOVED = {move.old: move for move in MOVES}
 # Sections that a day split into variants: an old file carried every field of the section, and
 # the fields its variant does not have are dropped.
-SPLIT: tuple[str, ...] = ()
+SPLIT: tuple[str, ...] = ("stall",)
 
 
 def retired_key(old: str) -> str | None:
@@ -116,7 +124,7 @@ def upgrade(data: dict[str, Any], label: str) -> dict[str, Any]:
             dropped += [f"{path}.{key} = {_toml(value)}" for key, value in unread.items()
                         if key not in owners[key].model_fields or value != owners[key].model_fields[key].default]
     if dropped:
-        notes.append(f"dropped, as what they belong to is not in use: {', '.join(dropped)}")
+        notes.append(f"dropped, as nothing in use reads them: {', '.join(dropped)}")
     warnings.warn(f"{label}: keys from an earlier day, read as today's: {'; '.join(notes)}. `saccade rl {label} "
                   "--dry-run` writes the config with today's keys (docs/config.md#older-config-files)",
                   LegacyConfigWarning, stacklevel=3)
