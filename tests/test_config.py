@@ -92,7 +92,7 @@ def test_shipped_configs_load(path):
     if "qwen3vl-2b" in path.name:
         assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
         assert (cfg.model.dtype, cfg.model.attn_implementation) == ("bfloat16", "auto")
-        assert cfg.lora.enabled and cfg.engine.kind == "vllm" and len(cfg.engine.urls) == 1
+        assert cfg.lora is not None and cfg.engine.kind == "vllm" and len(cfg.engine.urls) == 1
         assert cfg.rollout.group_size == 8 and cfg.sampling.max_tokens == 2048
         assert cfg.images.max_pixels == 802816 and cfg.launch.shares_gpu()
     else:
@@ -111,7 +111,7 @@ def test_overrides_of_each_type(tmp_path):
         [
             "--trainer.lr", "1e-5",  # float, over the file's value
             "--trainer.steps=12",  # int, --a.b=c form
-            "--lora.enabled", "false",  # bool
+            "--lora.rank", "8",  # int
             "--task.blank_images=true",
             "--lora.target_modules", '["q_proj","v_proj"]',  # list as JSON
             "--model.path", "Qwen/Qwen3-VL-2B-Instruct",  # plain string
@@ -124,7 +124,7 @@ def test_overrides_of_each_type(tmp_path):
     )  # fmt: skip
     assert cfg.trainer.lr == 1e-5 and isinstance(cfg.trainer.lr, float)
     assert cfg.trainer.steps == 12 and isinstance(cfg.trainer.steps, int)
-    assert cfg.lora.enabled is False and cfg.lora.full_finetune
+    assert cfg.lora is not None and cfg.lora.rank == 8
     assert cfg.task.blank_images is True
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
@@ -154,10 +154,11 @@ def test_negative_number_is_a_value_not_an_option():
 def test_split_overrides_and_argparse_pattern():
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    argv = ["configs/demo.toml", "--trainer.lr", "1e-5", "--dry-run", "--lora.rank=4", "--sampling.top_p", "0.5"]
+    argv = ["configs/demo.toml", "--trainer.lr", "1e-5", "--dry-run", "--lora=true", "--lora.rank=4", "--sampling.top_p",
+            "0.5"]
     known, overrides = split_overrides(argv)
     assert known == ["configs/demo.toml", "--dry-run"]
-    assert overrides == ["--trainer.lr", "1e-5", "--lora.rank=4", "--sampling.top_p", "0.5"]
+    assert overrides == ["--trainer.lr", "1e-5", "--lora=true", "--lora.rank=4", "--sampling.top_p", "0.5"]
     args = parser.parse_args(known)
     assert args.config == "configs/demo.toml" and args.dry_run
     cfg = load_config(RunConfig, ROOT / args.config, overrides)
@@ -196,7 +197,7 @@ def test_out_of_bounds_names_the_override_and_path(tmp_path):
     assert msg.startswith("--trainer.lr: input should be greater than 0")
     assert "--rollout.group_size" in error(None, ["--rollout.group_size", "1"])
     assert "lora.target_modules[0]" in error(None, ["--lora.target_modules", "[1]"])
-    assert "--lora.enabled" in error(None, ["--lora.enabled", "maybe"])
+    assert error(None, ["--lora", "maybe"]).startswith("--lora: lora is a [lora] table (LoRA) or false")
     assert "--trainer.steps" in error(None, ["--trainer.steps", "1.5"])
     assert "--model.dtype" in error(None, ["--model.dtype", "float16"])
 
@@ -348,7 +349,7 @@ def test_the_kl_term_loads_with_lora_and_with_full_finetuning():
     weights is its reference, saccade.trainer.reference); the estimator is k1, k2 or k3 (k3 by
     default, as before), and another is refused with the choices."""
     for lora in ("true", "false"):
-        cfg = load_config(RunConfig, None, ["--lora.enabled", lora, "--loss.kl_coef", "0.05",
+        cfg = load_config(RunConfig, None, ["--lora", lora, "--loss.kl_coef", "0.05",
                                             "--loss.kl_estimator", "k2"])
         assert cfg.loss.kl_coef == 0.05 and cfg.loss.kl_estimator == "k2"
     assert load_config(RunConfig, None, []).loss.kl_estimator == "k3"
@@ -481,3 +482,32 @@ def test_the_stall_action_is_a_union_whose_rollback_alone_has_its_own_fields(tmp
     msg = error(None, ["--stall.action", "stop", "--stall.max_rollbacks", "2"])
     assert msg.startswith("--stall.max_rollbacks: unknown key") and "action 'rollback'" in msg
     assert "did you mean 'rollback'" in error(None, ["--stall.action", "rolback"])
+
+
+def test_full_finetuning_is_lora_false_in_a_file_and_on_the_command_line(tmp_path):
+    """LoRA or not is a mode: a [lora] table (the default, also when a config says nothing) or
+    `lora = false`, full fine-tuning. --lora true turns it back on; a LoRA field while it is
+    off is refused rather than turning it on unasked."""
+    from saccade.config import LoraConfig
+
+    assert RunConfig().lora == LoraConfig(rank=16, alpha=32.0, dropout=0.0, target_modules=None)
+    off = write(tmp_path, 'lora = false\n[trainer]\nsteps = 3\n')
+    assert load_config(RunConfig, off).lora is None
+    assert load_config(RunConfig, None, ["--lora", "false"]).lora is None
+    known, overrides = split_overrides(["rl", "x.toml", "--lora", "false", "--dry-run"])
+    assert known == ["rl", "x.toml", "--dry-run"] and overrides == ["--lora", "false"]
+    assert split_overrides(["bench", "step", "--lora", "--steps", "3"])[1] == []  # the bench's own flag
+    cfg = load_config(RunConfig, off, ["--lora", "true", "--lora.rank", "4"])
+    assert cfg.lora == LoraConfig(rank=4)
+    on = tmp_path / "lora.toml"
+    on.write_text("[lora]\nrank = 8\n")
+    assert load_config(RunConfig, on, ["--lora=true"]).lora == LoraConfig(rank=8)  # true keeps the table
+    assert load_config(RunConfig, on, ["--lora", "false"]).lora is None
+    msg = error(off, ["--lora.rank", "4"])
+    assert msg.startswith("--lora.rank: lora is false here (off)") and "--lora true" in msg
+    # --dry-run writes it back as it reads it: `lora = false`, before the first table.
+    text = describe(load_config(RunConfig, off))
+    assert "\nlora = false\n" in text and text.index("lora = false") < text.index("[model]")
+    path = tmp_path / "again.toml"
+    path.write_text(text)
+    assert load_config(RunConfig, path) == load_config(RunConfig, off)

@@ -125,7 +125,7 @@ def kl_reference(cfg: RunConfig, setup: Setup, sampling: SamplingParams, world: 
     checkpoint, so a resumed run's reference is the weights the run started from, not the
     checkpoint's."""
     banned = setup.engine.banned_token_ids
-    if cfg.lora.enabled:
+    if cfg.lora is not None:
         return adapter_free_reference(setup.model, distribution=sampling.distribution, banned_token_ids=banned)
     copy = frozen_copy(setup.model, setup.model_path, compute_dtype=getattr(torch, cfg.model.dtype), world=world)
     return frozen_reference(copy, distribution=sampling.distribution, banned_token_ids=banned)

@@ -351,7 +351,7 @@ def test_lora_merge_of_expert_adapters_equals_peft(moe_path):
     from saccade.trainer.engine_weights import _LiveWeights
 
     torch.manual_seed(0)
-    model = apply_lora(load_policy_lm(moe_path), LoraConfig(enabled=True, rank=4, alpha=8, dropout=0.0,
+    model = apply_lora(load_policy_lm(moe_path), LoraConfig(rank=4, alpha=8, dropout=0.0,
                                                             target_modules=list(moe.LORA_TARGETS)))
     with torch.no_grad():
         for n, p in model.named_parameters():

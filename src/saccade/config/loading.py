@@ -36,12 +36,25 @@ M = TypeVar("M", bound=BaseModel)
 _OVERRIDE = re.compile(r"^--([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)+)(=.*)?$", re.DOTALL)
 
 
+def _nullable_section(info: FieldInfo) -> bool:
+    """A section that may be off (`lora: LoraConfig | None`, written `lora = false`)."""
+    members = union_members(info.annotation)
+    return type(None) in members and any(isinstance(m, type) and issubclass(m, BaseModel) for m in members)
+
+
+# The sections that may be off, whose override has no dot: --lora false, --lora=true.
+_ON_OFF = re.compile(rf"^--({'|'.join(n for n, i in RunConfig.model_fields.items() if _nullable_section(i))})(=.*)?$",
+                     re.DOTALL)
+
+
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Split argv into (tokens for argparse, dotted override tokens).
 
     ``--a.b value`` and ``--a.b=value`` (any option whose name has a dot) are overrides; the
     token after ``--a.b`` is its value, even if it starts with '-' (``--trainer.lr -1``),
-    unless it is itself an option (``--x``). Everything after a bare ``--`` goes to argparse.
+    unless it is itself an option (``--x``). So are ``--lora false`` and ``--lora=false``, a
+    section that may be off, but ``--lora`` with no value after it stays an option (`saccade
+    bench step --lora`). Everything after a bare ``--`` goes to argparse.
     """
     known: list[str] = []
     overrides: list[str] = []
@@ -53,6 +66,9 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             known.extend(argv[i:])
             break
         m = _OVERRIDE.match(token)
+        if m is None and _ON_OFF.match(token) and ("=" in token or argv[i + 1:i + 2] and
+                                                   not argv[i + 1].startswith("-")):
+            m = _ON_OFF.match(token)
         if m is None:
             known.append(token)
         elif m.group(2) is not None:
@@ -176,12 +192,6 @@ def _elsewhere(info: FieldInfo, prefix: str, tag: str, key: str) -> str:
             f"{tag_key} is {tag!r}: remove it, or set {tag_key} = {owners[0]!r}")
 
 
-def _nullable_section(info: FieldInfo) -> bool:
-    """A section that may be off (`lora: LoraConfig | None`, written `lora = false`)."""
-    members = union_members(info.annotation)
-    return type(None) in members and any(isinstance(m, type) and issubclass(m, BaseModel) for m in members)
-
-
 def _unknown_tag(tag: str, discriminator: str, tags: list[str]) -> str:
     """'unknown kind 'mathvist'; did you mean 'mathvista'? Choose from ...'."""
     close = difflib.get_close_matches(tag, tags, n=1)
@@ -228,8 +238,8 @@ def _field_at(cls: type[BaseModel], path: str, source: str, data: dict) -> _Targ
         sub = _model_class(info.annotation)
         if sub is not None:
             if _nullable_section(info) and _is_off(data, parts[: i + 1]):
-                raise ConfigError(f"{source}: {here} is false here (off), so it has no {rest[0]}: turn it on "
-                                  f"first, --{here} true, then --{path} (docs/config.md)")
+                raise ConfigError(f"{source}: {here} is false here (off), so it has no key {rest[0]!r}: turn it "
+                                  f"on first with --{here} true, before --{path} (docs/config.md#unions)")
             current, where, union = sub, "", None
             continue
         if _is_dict(info.annotation) and len(rest) == 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from saccade.config.launch import LaunchConfig
 from saccade.config.sections import (
@@ -20,7 +20,11 @@ class RunConfig(Section):
     """Everything an RL or SFT run reads. The defaults are a CPU demo on the built-in tiny model."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy checkpoint")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters or full fine-tuning")
+    lora: LoraConfig | None = Field(
+        default_factory=LoraConfig,
+        description="LoRA adapters on the language model (a [lora] table; the default), or false: full fine-tuning "
+        "of the language model (`lora = false` at the top of a file, --lora false; --lora true turns LoRA back on)",
+    )
     images: ImagesConfig = Field(default_factory=ImagesConfig, description="image limits")
     image_cache: ImageCacheConfig = Field(default_factory=ImageCacheConfig, description="the image-embedding cache")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
@@ -50,6 +54,18 @@ class RunConfig(Section):
     def checkpoint_dir(self) -> Path:
         """<run_dir>/checkpoints: where `saccade rl` saves and `--resume` looks."""
         return self.run_dir / "checkpoints"
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_or_full_finetuning(cls, value: Any) -> Any:
+        # TOML has no null: a section that may be off is `false` (and `true` is on, with its defaults).
+        if value is False:
+            return None
+        if value is True:
+            return {}
+        if value is not None and not isinstance(value, dict | LoraConfig):
+            raise ValueError(f"lora is a [lora] table (LoRA) or false (full fine-tuning), got {value!r}")
+        return value
 
     @model_validator(mode="before")
     @classmethod

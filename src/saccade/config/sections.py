@@ -125,11 +125,11 @@ class ModelConfig(Section):
 
 
 class LoraConfig(Section):
-    """LoRA adapters on the language model's linears; `enabled = false` is full fine-tuning.
+    """LoRA adapters on the language model's linears, the default; `lora = false` (`--lora false`)
+    is full fine-tuning instead.
 
     The vision tower is frozen either way (its embeddings are computed once and cached)."""
 
-    enabled: bool = Field(True, description="train LoRA adapters; false: full fine-tuning of the language model")
     rank: int = Field(16, ge=1, le=4096, description="LoRA rank r")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input, in [0, 1)")
@@ -139,10 +139,6 @@ class LoraConfig(Section):
         description="names of the language model's linear layers that get adapters; unset: the model family's own "
         "(attention and MLP linears, and Qwen3.5's Gated DeltaNet projections: docs/families.md)",
     )
-
-    @property
-    def full_finetune(self) -> bool:
-        return not self.enabled
 
 
 class ImagesConfig(Section):

@@ -65,6 +65,8 @@ class Move:
 MODES_DAY = "2026-11-28"  # issue 45: modes as unions, not flags
 _STALL = "the stall watch is a section of its own, its action a union: only 'rollback' has lr_factor and max_rollbacks"
 MOVES: tuple[Move, ...] = (
+    Move("lora.enabled", "lora", MODES_DAY, "LoRA or not is a mode, not a flag beside LoRA's settings: a [lora] table "
+         "(the default) or lora = false"),
     Move("rollout.on_stall", "stall.action", MODES_DAY, _STALL),
     Move("rollout.stall_steps", "stall.steps", MODES_DAY, _STALL),
     Move("rollout.stall_truncated_frac", "stall.truncated_frac", MODES_DAY, _STALL),
@@ -108,11 +110,13 @@ def upgrade(data: dict[str, Any], label: str) -> dict[str, Any]:
     notes, dropped = [], []
     for move in found:
         value = _pop(out, move.old)
-        if _has(out, move.new) and not (value is True and isinstance(_get(out, move.new), dict)):
+        inside = move.old.startswith(move.new + ".")  # lora.enabled: the new key is the table it was in
+        if _has(out, move.new) and not inside:
             raise ValueError(f"has both {move.old} (before {move.date}) and {move.new}, its new key: remove {move.old}")
-        off = _get(out, move.new) if value is False and isinstance(_get(out, move.new), dict) else None
+        off = _get(out, move.new) if inside and value is False else None
         _put(out, move.new, value)
-        notes.append(f"{move.old} -> {move.new}" + (f" = {_toml(value)}" if move.new.count(".") == 0 else ""))
+        notes.append(f"{move.old} -> {move.new}" if not inside else
+                     f"{move.old} = false -> {move.new} = false" if value is False else f"{move.old} = true -> [{move.new}]")
         if off:  # a section turned off (lora = false): its fields were not read
             dropped += _set_fields(move.new, off, _model_at(move.new))
     for path in SPLIT:
