@@ -511,3 +511,22 @@ def test_full_finetuning_is_lora_false_in_a_file_and_on_the_command_line(tmp_pat
     path = tmp_path / "again.toml"
     path.write_text(text)
     assert load_config(RunConfig, path) == load_config(RunConfig, off)
+
+
+def test_the_lr_decay_is_a_union_and_only_a_decay_has_an_lr_to_end_at(tmp_path):
+    from saccade.config import ConstantDecayConfig, CosineDecayConfig, LinearDecayConfig
+
+    assert RunConfig().trainer.lr_decay == ConstantDecayConfig()
+    inline = write(tmp_path, '[trainer]\nlr_decay = { kind = "cosine", min_lr_ratio = 0.05 }\n')
+    assert load_config(RunConfig, inline).trainer.lr_decay == CosineDecayConfig(min_lr_ratio=0.05)
+    table = tmp_path / "table.toml"
+    table.write_text('[trainer.lr_decay]\nkind = "linear"\n')
+    assert load_config(RunConfig, table).trainer.lr_decay == LinearDecayConfig(min_lr_ratio=0.1)
+    cfg = load_config(RunConfig, None, ["--trainer.lr_decay.kind", "linear", "--trainer.lr_decay.min_lr_ratio", "0.2"])
+    assert cfg.trainer.lr_decay == LinearDecayConfig(min_lr_ratio=0.2)
+    # Switching the kind drops the file's min_lr_ratio (none of the kinds' fields is common to all).
+    assert load_config(RunConfig, inline, ["--trainer.lr_decay.kind", "linear"]).trainer.lr_decay == LinearDecayConfig()
+    msg = error(None, ["--trainer.lr_decay.min_lr_ratio", "0.2"])
+    assert msg.startswith("--trainer.lr_decay.min_lr_ratio: unknown key") and "kind 'linear' or 'cosine'" in msg
+    msg = error(write(tmp_path, '[trainer]\nlr_decay = { kind = "constant", min_lr_ratio = 0.2 }\n'), [])
+    assert "unknown key 'trainer.lr_decay.min_lr_ratio'" in msg and "set trainer.lr_decay.kind = 'linear'" in msg

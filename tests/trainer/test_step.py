@@ -25,7 +25,8 @@ from saccade.trainer.step import build_optimizer, lr_schedule, optimized_params,
     ],
 )
 def test_lr_schedule_by_hand(decay, expected):
-    schedule = lr_schedule(TrainerConfig(steps=10, warmup_steps=2, lr_decay=decay, min_lr_ratio=0.1))
+    to_min = {} if decay == "constant" else {"min_lr_ratio": 0.1}  # only a decay has an lr to end at
+    schedule = lr_schedule(TrainerConfig(steps=10, warmup_steps=2, lr_decay={"kind": decay, **to_min}))
     assert [schedule(k) for k in range(5)] == pytest.approx(expected)
 
 
@@ -49,7 +50,7 @@ def test_a_new_peak_lr_takes_over_at_the_schedules_place():
             scheduler.step()
         return lrs
 
-    schedule = lr_schedule(TrainerConfig(steps=8, warmup_steps=2, lr_decay="linear", min_lr_ratio=0.1))
+    schedule = lr_schedule(TrainerConfig(steps=8, warmup_steps=2, lr_decay={"kind": "linear", "min_lr_ratio": 0.1}))
     straight = run(8)
     assert straight == pytest.approx([0.1 * schedule(k) for k in range(8)])
     assert run(8, peak=0.1) == straight  # bit for bit

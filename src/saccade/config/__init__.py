@@ -52,8 +52,9 @@ from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
 from saccade.config.loading import add_config_arguments, load_config, parse_overrides, split_overrides
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
-    DEFAULT_TIS_CAP, PRESET_NAMES, CheckpointConfig, ConfigError, EngineConfig, EnvConfig, EvalConfig,
-    ImageCacheConfig, ImagesConfig, LogConfig, LoraConfig, LossConfig, ModelConfig, RolloutConfig, SamplingConfig,
+    DEFAULT_TIS_CAP, PRESET_NAMES, CheckpointConfig, ConfigError, ConstantDecayConfig, CosineDecayConfig, EngineConfig,
+    EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig, LossConfig,
+    LrDecayConfig, ModelConfig, RolloutConfig, SamplingConfig,
     Section, SftConfig, StallConfig, StallRollbackConfig, StallStopConfig, StallWarnConfig, StallWatchConfig,
     TrainerConfig,
 )
@@ -77,6 +78,8 @@ __all__ = [
     "CheckpointConfig",
     "ColumnsConfig",
     "ConfigError",
+    "ConstantDecayConfig",
+    "CosineDecayConfig",
     "EngineConfig",
     "EnvConfig",
     "EvalConfig",
@@ -85,10 +88,12 @@ __all__ = [
     "ImagesConfig",
     "LaunchConfig",
     "LaunchNode",
+    "LinearDecayConfig",
     "LegacyConfigWarning",
     "LogConfig",
     "LoraConfig",
     "LossConfig",
+    "LrDecayConfig",
     "ModelConfig",
     "OwnDatasetTaskConfig",
     "PluginTaskConfig",

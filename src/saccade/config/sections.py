@@ -407,6 +407,38 @@ class LossConfig(Section):
 DEFAULT_TIS_CAP = 2.0
 
 
+DECAY = "the lr after warm-up: 'constant', or 'linear' or 'cosine' decay to min_lr_ratio x the peak"
+
+
+def min_lr_ratio_field() -> Any:
+    return Field(0.1, ge=0, le=1, description="the lr at the last optimizer step / the peak lr")
+
+
+class ConstantDecayConfig(Section):
+    """No decay: the peak lr from the end of warm-up to the last step."""
+
+    kind: Literal["constant"] = Field("constant", description=DECAY)
+
+
+class LinearDecayConfig(Section):
+    """Linear decay from the peak lr at the end of warm-up to min_lr_ratio x the peak at the last
+    optimizer step (trainer.steps x num_iterations)."""
+
+    kind: Literal["linear"] = Field("linear", description=DECAY)
+    min_lr_ratio: float = min_lr_ratio_field()
+
+
+class CosineDecayConfig(Section):
+    """Cosine decay (half a period) from the peak lr at the end of warm-up to min_lr_ratio x the
+    peak at the last optimizer step (trainer.steps x num_iterations)."""
+
+    kind: Literal["cosine"] = Field("cosine", description=DECAY)
+    min_lr_ratio: float = min_lr_ratio_field()
+
+
+LrDecayConfig = Annotated[ConstantDecayConfig | LinearDecayConfig | CosineDecayConfig, Field(discriminator="kind")]
+
+
 class TrainerConfig(Section):
     """The optimizer loop (AdamW): steps, learning-rate schedule, micro-batching, seed."""
 
@@ -414,8 +446,11 @@ class TrainerConfig(Section):
     lr: float = Field(1e-3, gt=0, le=1, description="peak learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr over this many steps")
-    lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="schedule after warm-up")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for 'linear' and 'cosine' decay")
+    lr_decay: LrDecayConfig = Field(
+        default_factory=ConstantDecayConfig,
+        description="the lr schedule after warm-up: kind 'constant', 'linear' or 'cosine', the last two down to "
+        "min_lr_ratio x lr at the last optimizer step",
+    )
     grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
     max_tokens: int = Field(4096, ge=16, description="token budget of one packed micro-batch")
     num_iterations: int = Field(1, ge=1, le=64, description="optimizer steps per rollout batch (mu); > 1 is off-policy")

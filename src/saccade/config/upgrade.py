@@ -64,6 +64,7 @@ class Move:
 
 MODES_DAY = "2026-11-28"  # issue 45: modes as unions, not flags
 _STALL = "the stall watch is a section of its own, its action a union: only 'rollback' has lr_factor and max_rollbacks"
+_DECAY = "the lr decay is a union: only 'linear' and 'cosine' have min_lr_ratio"
 MOVES: tuple[Move, ...] = (
     Move("lora.enabled", "lora", MODES_DAY, "LoRA or not is a mode, not a flag beside LoRA's settings: a [lora] table "
          "(the default) or lora = false"),
@@ -72,11 +73,13 @@ MOVES: tuple[Move, ...] = (
     Move("rollout.stall_truncated_frac", "stall.truncated_frac", MODES_DAY, _STALL),
     Move("rollout.stall_lr_factor", "stall.lr_factor", MODES_DAY, _STALL),
     Move("rollout.max_rollbacks", "stall.max_rollbacks", MODES_DAY, _STALL),
+    Move("trainer.lr_decay", "trainer.lr_decay.kind", MODES_DAY, _DECAY, applies=lambda value: isinstance(value, str)),
+    Move("trainer.min_lr_ratio", "trainer.lr_decay.min_lr_ratio", MODES_DAY, _DECAY),
 )
 MOVED = {move.old: move for move in MOVES}
 # Sections that a day split into variants: an old file carried every field of the section, and
 # the fields its variant does not have are dropped.
-SPLIT: tuple[str, ...] = ("stall",)
+SPLIT: tuple[str, ...] = ("stall", "trainer.lr_decay")
 
 
 def retired_key(old: str) -> str | None:
