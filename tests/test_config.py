@@ -530,3 +530,23 @@ def test_the_lr_decay_is_a_union_and_only_a_decay_has_an_lr_to_end_at(tmp_path):
     assert msg.startswith("--trainer.lr_decay.min_lr_ratio: unknown key") and "kind 'linear' or 'cosine'" in msg
     msg = error(write(tmp_path, '[trainer]\nlr_decay = { kind = "constant", min_lr_ratio = 0.2 }\n'), [])
     assert "unknown key 'trainer.lr_decay.min_lr_ratio'" in msg and "set trainer.lr_decay.kind = 'linear'" in msg
+
+
+def test_the_loss_kind_is_a_union_and_only_the_clipped_surrogate_has_a_clip(tmp_path):
+    from saccade.config import PpoClipLossConfig, ReinforceLossConfig
+
+    assert RunConfig().loss == PpoClipLossConfig(eps_low=0.2, eps_high=0.28, normalization="token")
+    path = write(tmp_path, '[loss]\nkind = "reinforce"\nnormalization = "sequence"\nkl_coef = 0.05\n')
+    assert load_config(RunConfig, path).loss == ReinforceLossConfig(normalization="sequence", kl_coef=0.05)
+    cfg = load_config(RunConfig, None, ["--loss.eps_high", "0.3"])  # a [loss] without kind: the clipped one
+    assert cfg.loss == PpoClipLossConfig(eps_high=0.3)
+    # Switching the kind keeps what every kind has (normalisation, KL, ...), and only that.
+    cfg = load_config(RunConfig, ROOT / "configs" / "demo.toml", ["--loss.kind", "reinforce"])
+    assert cfg.loss == ReinforceLossConfig(max_completion_tokens=16, entropy_coef=0.01)
+    cfg = load_config(RunConfig, path, ["--loss.kind", "ppo_clip", "--loss.eps_low", "0.1"])
+    assert cfg.loss == PpoClipLossConfig(normalization="sequence", kl_coef=0.05, eps_low=0.1)
+    msg = error(write(tmp_path, '[loss]\nkind = "reinforce"\neps_low = 0.2\n'), [])
+    assert "unknown key 'loss.eps_low'" in msg and "is a field of kind 'ppo_clip'" in msg
+    msg = error(None, ["--loss.kind", "reinforce", "--loss.eps_high", "0.3"])
+    assert msg.startswith("--loss.eps_high: unknown key") and "set loss.kind = 'ppo_clip'" in msg
+    assert "did you mean 'reinforce'" in error(None, ["--loss.kind", "reinfroce"])

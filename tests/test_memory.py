@@ -73,7 +73,7 @@ def saved_activation_bytes(tiny_path, dtype, lora: bool, n_tokens: int, n_image_
     With `checkpointing`: (what autograd saves, the layers' inputs among it; what the
     checkpoints hold besides, in the keyword arguments of their recompute), each storage
     counted once."""
-    from saccade.config import LossConfig
+    from saccade.config import PpoClipLossConfig
     from saccade.config import LoraConfig
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
     from saccade.trainer.forward import forward_logprobs
@@ -129,7 +129,7 @@ def saved_activation_bytes(tiny_path, dtype, lora: bool, n_tokens: int, n_image_
                 loss_mask_N=mb.loss_mask, cu_seqlens=mb.cu_seqlens, inference_logprobs_N=mb.inference_logprobs,
                 entropy_N=entropy, total_loss_tokens=float(loss_mask.sum()), total_sequences=1.0,
             )
-            loss, _ = policy_loss(inputs, LossConfig(tis_cap=2.0))
+            loss, _ = policy_loss(inputs, PpoClipLossConfig(tis_cap=2.0))
             assert loss.requires_grad
     assert logprobs.requires_grad
     if checkpointing:

@@ -12,9 +12,8 @@ the other way, into replies that never end)."""
 from __future__ import annotations
 
 import pytest
-from stub_tasks import scored_task
-
 from pydantic import TypeAdapter
+from stub_tasks import scored_task
 
 from saccade.config import RunConfig, StallConfig, load_config, split_overrides
 from saccade.metrics import read_metrics

@@ -52,9 +52,9 @@ from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
 from saccade.config.loading import add_config_arguments, load_config, parse_overrides, split_overrides
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
-    DEFAULT_TIS_CAP, PRESET_NAMES, CheckpointConfig, ConfigError, ConstantDecayConfig, CosineDecayConfig, EngineConfig,
+    DEFAULT_TIS_CAP, PRESET_NAMES, BaseLossConfig, CheckpointConfig, ConfigError, ConstantDecayConfig, CosineDecayConfig, EngineConfig,
     EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig, LossConfig,
-    LrDecayConfig, ModelConfig, RolloutConfig, SamplingConfig,
+    LrDecayConfig, ModelConfig, PpoClipLossConfig, ReinforceLossConfig, RolloutConfig, SamplingConfig,
     Section, SftConfig, StallConfig, StallRollbackConfig, StallStopConfig, StallWarnConfig, StallWatchConfig,
     TrainerConfig,
 )
@@ -75,6 +75,7 @@ __all__ = [
     "SHAPES_QUESTION_KINDS",
     "TASK_CONFIGS",
     "VIEW_COLORS",
+    "BaseLossConfig",
     "CheckpointConfig",
     "ColumnsConfig",
     "ConfigError",
@@ -97,6 +98,8 @@ __all__ = [
     "ModelConfig",
     "OwnDatasetTaskConfig",
     "PluginTaskConfig",
+    "PpoClipLossConfig",
+    "ReinforceLossConfig",
     "RolloutConfig",
     "RunConfig",
     "SamplingConfig",

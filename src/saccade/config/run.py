@@ -10,8 +10,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from saccade.config.launch import LaunchConfig
 from saccade.config.sections import (
     DEFAULT_TIS_CAP, CheckpointConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig,
-    LogConfig, LoraConfig, LossConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig,
-    StallWarnConfig, TrainerConfig,
+    LogConfig, LoraConfig, LossConfig, ModelConfig, PpoClipLossConfig, RolloutConfig, SamplingConfig, Section,
+    SftConfig, StallConfig, StallWarnConfig, TrainerConfig,
 )
 from saccade.config.task import ShapesTaskConfig, TaskConfig
 
@@ -33,7 +33,10 @@ class RunConfig(Section):
     stall: StallConfig = Field(
         default_factory=StallWarnConfig, description="the stall watch: when a run has stalled, and what it then does"
     )
-    loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
+    loss: LossConfig = Field(
+        default_factory=PpoClipLossConfig,
+        description="the policy loss: its kind (with that kind's own fields), normalisation, TIS, KL, entropy",
+    )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the optimizer loop")
     sft: SftConfig = Field(default_factory=SftConfig, description="supervised fine-tuning")
     task: TaskConfig = Field(default_factory=ShapesTaskConfig, description="the task: its kind and its own fields")

@@ -360,14 +360,18 @@ class StallRollbackConfig(StallWatchConfig):
 StallConfig = Annotated[StallWarnConfig | StallStopConfig | StallRollbackConfig, Field(discriminator="action")]
 
 
-class LossConfig(Section):
-    """The policy loss (`saccade.trainer.loss.policy_loss` takes this very type)."""
+LOSS_KIND = "the policy-gradient term: 'ppo_clip' (the clipped PPO surrogate) or 'reinforce' (plain REINFORCE)"
 
-    kind: Literal["ppo_clip", "reinforce"] = Field("ppo_clip", description="clipped PPO surrogate, or plain REINFORCE")
-    eps_low: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - eps_low")
-    eps_high: float = Field(
-        0.28, ge=0, le=10, description="the ratio is clipped above at 1 + eps_high (DAPO clip-higher)"
-    )
+
+class BaseLossConfig(Section):
+    """The policy loss, whatever its kind (`[loss]`, the fields every kind has): normalisation,
+    truncated importance sampling, the KL term and the entropy bonus. `kind` picks the
+    policy-gradient term; `saccade.trainer.loss.policy_loss` takes the variant itself.
+
+    A new kind is a subclass with its own fields (kind first) and a line in `LossConfig`, and its
+    branch in `policy_loss`."""
+
+    kind: str = Field("ppo_clip", description=LOSS_KIND)
     normalization: Literal["sequence", "token", "constant"] = Field(
         "token",
         description="'sequence': mean per sequence, then over sequences (GRPO); 'token': over all tokens "
@@ -403,6 +407,25 @@ class LossConfig(Section):
     )
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
 
+
+class PpoClipLossConfig(BaseLossConfig):
+    """The clipped PPO surrogate, per loss token: -min(ratio x A, clip(ratio, 1 - eps_low,
+    1 + eps_high) x A), ratio = pi / pi_old (DAPO's clip-higher: eps_high > eps_low)."""
+
+    kind: Literal["ppo_clip"] = Field("ppo_clip", description=LOSS_KIND)
+    eps_low: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - eps_low")
+    eps_high: float = Field(
+        0.28, ge=0, le=10, description="the ratio is clipped above at 1 + eps_high (DAPO clip-higher)"
+    )
+
+
+class ReinforceLossConfig(BaseLossConfig):
+    """Plain REINFORCE, per loss token: -A x logprob; no ratio, so nothing to clip."""
+
+    kind: Literal["reinforce"] = Field("reinforce", description=LOSS_KIND)
+
+
+LossConfig = Annotated[PpoClipLossConfig | ReinforceLossConfig, Field(discriminator="kind")]
 
 DEFAULT_TIS_CAP = 2.0
 

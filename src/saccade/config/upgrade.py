@@ -79,7 +79,7 @@ MOVES: tuple[Move, ...] = (
 MOVED = {move.old: move for move in MOVES}
 # Sections that a day split into variants: an old file carried every field of the section, and
 # the fields its variant does not have are dropped.
-SPLIT: tuple[str, ...] = ("stall", "trainer.lr_decay")
+SPLIT: tuple[str, ...] = ("stall", "trainer.lr_decay", "loss")  # loss: 'reinforce' has no eps_low, eps_high
 
 
 def retired_key(old: str) -> str | None:
