@@ -550,3 +550,89 @@ def test_the_loss_kind_is_a_union_and_only_the_clipped_surrogate_has_a_clip(tmp_
     msg = error(None, ["--loss.kind", "reinforce", "--loss.eps_high", "0.3"])
     assert msg.startswith("--loss.eps_high: unknown key") and "set loss.kind = 'ppo_clip'" in msg
     assert "did you mean 'reinforce'" in error(None, ["--loss.kind", "reinfroce"])
+
+
+# --- the upgrade step: a run folder's config.toml from before the mode unions ------------------
+
+OLD = Path(__file__).parent / "old_configs"  # --dry-run's output at a404b19, as run folders hold it
+OLD_DEMO_MOVES = ["lora.enabled = false -> lora = false", "rollout.on_stall -> stall.action",
+                  "rollout.stall_lr_factor -> stall.lr_factor", "trainer.lr_decay -> trainer.lr_decay.kind"]
+
+
+def upgraded(path: Path, *overrides: str) -> tuple[RunConfig, str]:
+    with pytest.warns(LegacyConfigWarning) as caught:
+        cfg = load_config(RunConfig, path, list(overrides))
+    return cfg, " ".join(str(w.message) for w in caught)
+
+
+def test_the_defaults_resolve_as_before():
+    """Every value the old defaults wrote out maps to today's default: the default run (LoRA,
+    the stall watch warning after 20 steps, a constant lr, the clipped surrogate) is unchanged."""
+    from saccade.config import (
+        ConstantDecayConfig, LoraConfig, PpoClipLossConfig, StallRollbackConfig, StallWarnConfig,
+    )
+
+    cfg, said = upgraded(OLD / "defaults-a404b19.toml")
+    assert cfg == RunConfig()
+    assert "dropped" not in said  # nothing the old defaults set is lost
+    assert cfg.lora == LoraConfig(rank=16, alpha=32.0, dropout=0.0, target_modules=None)
+    assert cfg.stall == StallWarnConfig(steps=20, truncated_frac=0.5)
+    assert (StallRollbackConfig().lr_factor, StallRollbackConfig().max_rollbacks) == (0.5, 3)
+    assert cfg.trainer.lr_decay == ConstantDecayConfig()
+    assert cfg.loss == PpoClipLossConfig(eps_low=0.2, eps_high=0.28, normalization="token", tis="auto", kl_coef=0.0)
+
+
+def test_a_config_toml_from_before_the_mode_unions_loads_as_the_same_run(tmp_path):
+    """The demo's config.toml as a run folder holds it (every field, the old keys) is today's
+    demo.toml: full fine-tuning, a constant lr. The warning names every move and the unread
+    LoRA settings it dropped; --dry-run then writes today's keys, which load without a warning."""
+    cfg, said = upgraded(OLD / "demo-a404b19.toml")
+    assert cfg == load_config(RunConfig, ROOT / "configs" / "demo.toml")
+    assert cfg.lora is None
+    for move in OLD_DEMO_MOVES:
+        assert move in said, move
+    assert "dropped, as nothing in use reads them: lora.target_modules = [" in said  # full FT never read it
+    assert "docs/config.md#older-config-files" in said
+    path = tmp_path / "today.toml"
+    path.write_text(describe(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(RunConfig, path) == cfg
+
+
+def test_every_mode_of_an_old_config_toml_upgrades_to_its_union(tmp_path):
+    """A run with every old flag set another way: rollback with its factor and limit, a cosine
+    decay to 0.05, REINFORCE (whose file still carried the clip's eps: dropped, at their defaults
+    quietly), LoRA on. The same run as today's keys give it, in a file or on the command line."""
+    from saccade.config import CosineDecayConfig, ReinforceLossConfig, StallRollbackConfig
+
+    cfg, said = upgraded(OLD / "mix-a404b19.toml")
+    today = ["--stall.action", "rollback", "--stall.lr_factor", "0.25", "--stall.max_rollbacks", "2",
+             "--trainer.lr_decay.kind", "cosine", "--trainer.lr_decay.min_lr_ratio", "0.05",
+             "--loss.kind", "reinforce", "--log.name", "old-run"]
+    assert cfg == load_config(RunConfig, ROOT / "configs" / "qwen3vl-2b-1gpu.toml", today)
+    assert cfg.stall == StallRollbackConfig(lr_factor=0.25, max_rollbacks=2)
+    assert cfg.trainer.lr_decay == CosineDecayConfig(min_lr_ratio=0.05)
+    assert isinstance(cfg.loss, ReinforceLossConfig) and cfg.lora is not None and cfg.lora.rank == 32
+    assert "lora.enabled = true -> [lora]" in said and "dropped" not in said
+    # The old keys on the command line: read as the new ones, each named with its new key.
+    old = ["--rollout.on_stall", "rollback", "--rollout.stall_lr_factor", "0.25", "--rollout.max_rollbacks", "2",
+           "--trainer.lr_decay", "cosine", "--trainer.min_lr_ratio", "0.05", "--loss.kind", "reinforce",
+           "--log.name", "old-run", "--lora.enabled", "true"]
+    again, said = upgraded(ROOT / "configs" / "qwen3vl-2b-1gpu.toml", *old)
+    assert again == cfg
+    assert "--rollout.on_stall is now --stall.action (since 2026-11-28" in said
+    assert "--trainer.min_lr_ratio is now --trainer.lr_decay.min_lr_ratio" in said
+
+
+def test_an_old_key_the_upgrade_cannot_read_quietly_is_refused_or_named(tmp_path):
+    # A value set on a field its variant does not read was never used: dropped, and named.
+    cfg, said = upgraded(write(tmp_path, '[rollout]\non_stall = "stop"\nstall_lr_factor = 0.1\n'))
+    assert cfg.stall.action == "stop" and "dropped, as nothing in use reads them: stall.lr_factor = 0.1" in said
+    _, said = upgraded(write(tmp_path, '[loss]\nkind = "reinforce"\neps_high = 0.3\n[trainer]\nlr_decay = "constant"\n'))
+    assert "loss.eps_high = 0.3" in said
+    # The old key beside its new one: which one meant it is not for the upgrade to guess.
+    msg = error(write(tmp_path, '[rollout]\non_stall = "stop"\n[stall]\naction = "warn"\n'), [])
+    assert "has both rollout.on_stall (before 2026-11-28) and stall.action" in msg
+    # Today's wrong mix (no old key) is no upgrade: refused, naming the variant that has the field.
+    assert "is a field of kind 'ppo_clip'" in error(write(tmp_path, '[loss]\nkind = "reinforce"\neps_high = 0.3\n'), [])
