@@ -154,8 +154,8 @@ def test_negative_number_is_a_value_not_an_option():
 def test_split_overrides_and_argparse_pattern():
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    argv = ["configs/demo.toml", "--trainer.lr", "1e-5", "--dry-run", "--lora=true", "--lora.rank=4", "--sampling.top_p",
-            "0.5"]
+    argv = ["configs/demo.toml", "--trainer.lr", "1e-5", "--dry-run", "--lora=true", "--lora.rank=4",
+            "--sampling.top_p", "0.5"]
     known, overrides = split_overrides(argv)
     assert known == ["configs/demo.toml", "--dry-run"]
     assert overrides == ["--trainer.lr", "1e-5", "--lora=true", "--lora.rank=4", "--sampling.top_p", "0.5"]
@@ -629,7 +629,8 @@ def test_an_old_key_the_upgrade_cannot_read_quietly_is_refused_or_named(tmp_path
     # A value set on a field its variant does not read was never used: dropped, and named.
     cfg, said = upgraded(write(tmp_path, '[rollout]\non_stall = "stop"\nstall_lr_factor = 0.1\n'))
     assert cfg.stall.action == "stop" and "dropped, as nothing in use reads them: stall.lr_factor = 0.1" in said
-    _, said = upgraded(write(tmp_path, '[loss]\nkind = "reinforce"\neps_high = 0.3\n[trainer]\nlr_decay = "constant"\n'))
+    old = '[loss]\nkind = "reinforce"\neps_high = 0.3\n[trainer]\nlr_decay = "constant"\n'
+    _, said = upgraded(write(tmp_path, old))
     assert "loss.eps_high = 0.3" in said
     # The old key beside its new one: which one meant it is not for the upgrade to guess.
     msg = error(write(tmp_path, '[rollout]\non_stall = "stop"\n[stall]\naction = "warn"\n'), [])

@@ -312,8 +312,9 @@ def _rl_step_metrics(moe_path, processor, encoder, *, router_noise: float = 0.0)
     micro_batches = pack(samples, encoder.cache.get, max_tokens=400, image_token_id=model.image_token_id,
                          spatial_merge_size=encoder.merge)
     optimizer, scheduler = build_optimizer(model, lr=1e-4, weight_decay=0.0, schedule=lambda _: 1.0)
-    return train_step(model, optimizer, scheduler, micro_batches, loss=PpoClipLossConfig(), num_iterations=1, grad_clip=1.0,
-                      distribution=params.distribution, banned_token_ids=engine.banned_token_ids, current_version=0)
+    return train_step(model, optimizer, scheduler, micro_batches, loss=PpoClipLossConfig(), num_iterations=1,
+                      grad_clip=1.0, distribution=params.distribution, banned_token_ids=engine.banned_token_ids,
+                      current_version=0)
 
 
 @pytest.mark.slow

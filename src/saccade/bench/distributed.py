@@ -187,8 +187,8 @@ def worker(args: argparse.Namespace) -> None:
         barrier(world)
         synchronize(device)
         start = time.perf_counter()
-        train_step(model, optimizer, scheduler, micro_batches, loss=PpoClipLossConfig(), num_iterations=1, grad_clip=1.0,
-                   distribution=SampledDistribution(), banned_token_ids=[], world=world)
+        train_step(model, optimizer, scheduler, micro_batches, loss=PpoClipLossConfig(), num_iterations=1,
+                   grad_clip=1.0, distribution=SampledDistribution(), banned_token_ids=[], world=world)
         synchronize(device)
         if step:
             times.append(time.perf_counter() - start)

@@ -1,9 +1,12 @@
 """Run configuration: pydantic models, TOML files, dotted command-line overrides, --dry-run.
 
 A run is described by one `RunConfig` (`run.py`), composed of sections (`sections.py`:
-`model`, `lora`, `images`, `image_cache`, `engine`, `sampling`, `rollout`, `stall`, `loss`, `trainer`,
-`sft`, `env`, `eval`, `checkpoint`, `log`; `launch.py`: the `[launch]` layout) and the `[task]` union (`task.py`: one variant per
-kind of task, each with its own fields). Each section is a pydantic model with a docstring, a
+`model`, `lora`, `images`, `image_cache`, `engine`, `sampling`, `rollout`, `stall`, `loss`,
+`trainer`, `sft`, `env`, `eval`, `checkpoint`, `log`; `launch.py`: the `[launch]` layout) and
+the `[task]` union (`task.py`: one variant per kind of task, each with its own fields). A mode
+is a union too, not a flag: `[stall]` by its `action`, `[loss]` by its `kind`,
+`[trainer.lr_decay]` by its `kind`, and `lora` is a `[lora]` table or `false` (full
+fine-tuning). Each section is a pydantic model with a docstring, a
 description on every field and bounds wherever a bound means something; unknown keys are
 refused everywhere (`extra="forbid"`), and assignment is validated too (`cfg.trainer.lr = -1`
 raises).
@@ -15,7 +18,8 @@ Where the values come from, later wins (`loading.py`):
      before the [task] section (2026-11-24) refused with each old key's new name (docs/config.md),
   3. dotted overrides from the command line: ``--trainer.lr 1e-5``, ``--trainer.lr=1e-5``,
      ``--lora.target_modules '["q_proj","v_proj"]'``, ``--rollout.reward_weights.format 0.1``
-     (one key of a dict field), ``--task.kind scenes --task.max_turns 4``. A value is read as
+     (one key of a dict field), ``--task.kind scenes --task.max_turns 4``, ``--lora false``
+     (full fine-tuning). A value is read as
      JSON when it parses (numbers, ``true``, ``false``, ``null``, lists, objects), else kept
      as a string; pydantic then validates and coerces it against the field's type. A string
      field keeps the raw text (``--log.name 123`` gives the string "123").
@@ -52,11 +56,11 @@ from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
 from saccade.config.loading import add_config_arguments, load_config, parse_overrides, split_overrides
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
-    DEFAULT_TIS_CAP, PRESET_NAMES, BaseLossConfig, CheckpointConfig, ConfigError, ConstantDecayConfig, CosineDecayConfig, EngineConfig,
-    EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig, LossConfig,
-    LrDecayConfig, ModelConfig, PpoClipLossConfig, ReinforceLossConfig, RolloutConfig, SamplingConfig,
-    Section, SftConfig, StallConfig, StallRollbackConfig, StallStopConfig, StallWarnConfig, StallWatchConfig,
-    TrainerConfig,
+    DEFAULT_TIS_CAP, PRESET_NAMES, BaseLossConfig, CheckpointConfig, ConfigError, ConstantDecayConfig,
+    CosineDecayConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig,
+    LogConfig, LoraConfig, LossConfig, LrDecayConfig, ModelConfig, PpoClipLossConfig, ReinforceLossConfig,
+    RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallRollbackConfig, StallStopConfig,
+    StallWarnConfig, StallWatchConfig, TrainerConfig,
 )
 from saccade.config.task import (
     DATASET_CONFIGS, DEFAULT_PROMPT_TEMPLATE, SCENE_QUESTION_KINDS, SHAPES_QUESTION_KINDS,

@@ -1,11 +1,12 @@
 """Loading a config: a TOML file, then dotted command-line overrides, validated, every mistake a
 `ConfigError` that names where the bad value came from (see `saccade.config` for the rules).
 
-A union of sections picked by a tag (`[task]` by its `kind`) is walked through the variant its
-tag names: the file's or an earlier override's, else the default's. An override that changes
-the tag keeps, of the table so far, only the fields every variant has (the others were the old
-variant's; `[task]`'s variants share none): give the new variant's fields as overrides after
-it. A key of another variant is refused, naming the variant that has it.
+A union of sections picked by a tag (`[task]`, `[loss]` and `[trainer.lr_decay]` by their
+`kind`, `[stall]` by its `action`) is walked through the variant its tag names: the file's or
+an earlier override's, else the default's. An override that changes the tag keeps, of the
+table so far, only the fields every variant has (the others were the old variant's; `[stall]`
+keeps `steps`, `[task]`'s variants share none): give the new variant's fields as overrides
+after it. A key of another variant is refused, naming the variant that has it.
 
 A section that may be off (`lora: LoraConfig | None`) is turned off with `--lora false` and on
 with `--lora true` (keeping its table so far); a field of it while it is off is refused.

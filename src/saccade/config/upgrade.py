@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from saccade.config.run import RunConfig
 from saccade.config.sections import union_members, union_variants
@@ -118,18 +119,19 @@ def upgrade(data: dict[str, Any], label: str) -> dict[str, Any]:
             raise ValueError(f"has both {move.old} (before {move.date}) and {move.new}, its new key: remove {move.old}")
         off = _get(out, move.new) if inside and value is False else None
         _put(out, move.new, value)
-        notes.append(f"{move.old} -> {move.new}" if not inside else
-                     f"{move.old} = false -> {move.new} = false" if value is False else f"{move.old} = true -> [{move.new}]")
+        notes.append(f"{move.old} -> {move.new}" if not inside else f"{move.old} = false -> {move.new} = false"
+                     if value is False else f"{move.old} = true -> [{move.new}]")
         if off:  # a section turned off (lora = false): its fields were not read
             dropped += _set_fields(move.new, off, _model_at(move.new))
     for path in SPLIT:
         table = _get(out, path)
         if isinstance(table, dict):
             variant, variants = _variant_at(path, table)
-            unread = {key: table.pop(key) for key in list(table) if key not in variant.model_fields}
-            owners = {key: next((v for v in variants if key in v.model_fields), variant) for key in unread}
+            # Another variant's fields; a key no variant has is left for validation to refuse.
+            owners = {key: next((v for v in variants if key in v.model_fields), None) for key in table}
+            unread = {key: table.pop(key) for key, owner in owners.items() if owner and key not in variant.model_fields}
             dropped += [f"{path}.{key} = {_toml(value)}" for key, value in unread.items()
-                        if key not in owners[key].model_fields or value != owners[key].model_fields[key].default]
+                        if value != owners[key].model_fields[key].default]
     if dropped:
         notes.append(f"dropped, as nothing in use reads them: {', '.join(dropped)}")
     warnings.warn(f"{label}: keys from an earlier day, read as today's: {'; '.join(notes)}. `saccade rl {label} "
@@ -144,7 +146,7 @@ def moved(dotted: str, value: Any) -> Move | None:
     return move if move is not None and move.applies(value) else None
 
 
-def _field_info(dotted: str):
+def _field_info(dotted: str) -> FieldInfo:
     model: type[BaseModel] = RunConfig
     *parents, key = dotted.split(".")
     for part in parents:
