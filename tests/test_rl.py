@@ -19,7 +19,6 @@ FAST = [
     "--rollout.filter_zero_variance", "false",
     "--sampling.max_tokens", "4",
     "--loss.max_completion_tokens", "4",
-    "--lora.rank", "4",
     "--eval.prompts", "4",
     "--eval.every_steps", "2",
     "--checkpoint.every_steps", "2",
@@ -283,7 +282,7 @@ def test_truncated_sampling_trains_on_policy(tmp_path):
     """sampling.top_k, top_p and min_p reach the engine, the trainer and the KL reference: the
     logged engine/trainer mismatch stays float noise, as without truncation."""
     cfg = _config(tmp_path, "truncated", "--sampling.top_k", "6", "--sampling.top_p", "0.9", "--sampling.min_p", "0.05",
-                  "--sampling.temperature", "0.8", "--lora", "true", "--loss.kl_coef", "0.01",
+                  "--sampling.temperature", "0.8", "--lora", "true", "--lora.rank", "4", "--loss.kl_coef", "0.01",
                   "--trainer.steps", "2", "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
     train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
