@@ -68,34 +68,54 @@ def _default(info) -> str:
 
 
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    from saccade.config.sections import union_variants
+
     rows = []
     for name, info in model.model_fields.items():
         subs = _models(info.annotation)
-        if subs and len(subs) == 1 and name != "task":
+        variants = union_variants(info)
+        if variants is not None:  # a union inside a section: each variant's fields, said whose
             rows.append(f"| `{prefix}{name}` | | {_cell(info.description or '')} |")
+            seen: dict[str, list[str]] = {}
+            for tag, variant in variants.items():
+                for field in variant.model_fields:
+                    seen.setdefault(field, []).append(tag)
+            default = getattr(info.get_default(call_default_factory=True), str(info.discriminator))
+            for field, tags in seen.items():
+                owner = variants[tags[0]]
+                whose = "" if len(tags) == len(variants) else f"{info.discriminator} {', '.join(tags)}: "
+                shown = f'`"{default}"`' if field == info.discriminator else _default(owner.model_fields[field])
+                rows.append(f"| `{prefix}{name}.{field}` | {shown} | "
+                            f"{_cell(whose + (owner.model_fields[field].description or ''))} |")
+        elif subs and len(subs) == 1:
+            rows.append(f"| `{prefix}{name}` | {'`false`: off; ' if _nullable(info) else ''}| "
+                        f"{_cell(info.description or '')} |")
             rows += _rows(subs[0], f"{prefix}{name}.")
         else:
             rows.append(f"| `{prefix}{name}` | {_default(info)} | {_cell(info.description or '')} |")
     return rows
 
 
-def _kinds(model: type[BaseModel]) -> list[str]:
-    return list(typing.get_args(model.model_fields["kind"].annotation))
+def _nullable(info) -> bool:
+    return type(None) in (typing.get_args(info.annotation) or ())
 
 
 def reference() -> str:
     from saccade.config import RunConfig
-    from saccade.config.task import TASK_CONFIGS
+    from saccade.config.sections import union_variants
 
     lines = [HEAD]
     for name, info in RunConfig.model_fields.items():
-        if name == "task":
-            lines += [f"## `[task]`", "", _cell(info.description or ""), "",
-                      "`kind` picks a variant; each holds its own fields ([The config](config.md#the-task)).", ""]
-            for variant in TASK_CONFIGS:
-                kinds = ", ".join(f"`{k}`" for k in _kinds(variant))
-                lines += [f"### `kind` = {kinds}", "", "| key | default | what |", "|---|---|---|"]
-                lines += _rows(variant, "task.")
+        variants = union_variants(info)
+        if variants is not None:
+            tag = str(info.discriminator)
+            lines += [f"## `[{name}]`", "", _cell(info.description or ""), "",
+                      f"`{tag}` picks a variant; each holds its own fields ([The config](config.md#unions)).", ""]
+            for variant in dict.fromkeys(variants.values()):
+                tags = ", ".join(f"`{t}`" for t in _tags(variant, tag))
+                lines += [f"### `{tag}` = {tags}", "", _cell((variant.__doc__ or "").strip().split("\n\n")[0]), "",
+                          "| key | default | what |", "|---|---|---|"]
+                lines += _rows(variant, f"{name}.")
                 lines.append("")
             continue
         section = _models(info.annotation)[0]
@@ -103,6 +123,10 @@ def reference() -> str:
         lines += _rows(section, f"{name}.")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _tags(model: type[BaseModel], tag: str) -> list[str]:
+    return list(typing.get_args(model.model_fields[tag].annotation))
 
 
 def main(argv: list[str]) -> int:

@@ -24,8 +24,8 @@ FAST = [
     "--eval.every_steps", "0",
     "--checkpoint.every_steps", "0",
 ]
-LORA = ["--trainer.steps", "2", "--lora.enabled", "true", "--lora.rank", "4"]
-FULL = ["--trainer.steps", "1", "--lora.enabled", "false"]
+LORA = ["--trainer.steps", "2", "--lora", "true", "--lora.rank", "4"]
+FULL = ["--trainer.steps", "1", "--lora", "false"]
 
 
 def train_run(run_dir: Path, base: Path, extra: list[str]):

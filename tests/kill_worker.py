@@ -29,7 +29,6 @@ CONFIG = [
     "--rollout.filter_zero_variance", "false",
     "--sampling.max_tokens", "4",
     "--loss.max_completion_tokens", "4",
-    "--lora.rank", "4",
     "--eval.every_steps", "0",
     "--checkpoint.every_steps", "2",
     "--checkpoint.keep_last", "3",

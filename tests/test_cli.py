@@ -26,8 +26,8 @@ def test_help_explains_the_commands():
     bench = run_cli("bench", "parity", "--help")
     assert "--model" in bench.stdout and "--json" in bench.stdout
     rl = " ".join(run_cli("rl", "--help").stdout.split())  # argparse wraps the description
-    for field in ("on_stall", "stall_steps", "stall_truncated_frac", "stall_lr_factor", "max_rollbacks"):
-        assert f"rollout.{field}" in rl, field
+    for field in ("action", "steps", "truncated_frac", "lr_factor", "max_rollbacks"):
+        assert f"stall.{field}" in rl, field
 
 
 def test_unknown_command_is_a_clear_error():

@@ -92,7 +92,7 @@ def test_shipped_configs_load(path):
     if "qwen3vl-2b" in path.name:
         assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
         assert (cfg.model.dtype, cfg.model.attn_implementation) == ("bfloat16", "auto")
-        assert cfg.lora.enabled and cfg.engine.kind == "vllm" and len(cfg.engine.urls) == 1
+        assert cfg.lora is not None and cfg.engine.kind == "vllm" and len(cfg.engine.urls) == 1
         assert cfg.rollout.group_size == 8 and cfg.sampling.max_tokens == 2048
         assert cfg.images.max_pixels == 802816 and cfg.launch.shares_gpu()
     else:
@@ -111,7 +111,7 @@ def test_overrides_of_each_type(tmp_path):
         [
             "--trainer.lr", "1e-5",  # float, over the file's value
             "--trainer.steps=12",  # int, --a.b=c form
-            "--lora.enabled", "false",  # bool
+            "--lora.rank", "8",  # int
             "--task.blank_images=true",
             "--lora.target_modules", '["q_proj","v_proj"]',  # list as JSON
             "--model.path", "Qwen/Qwen3-VL-2B-Instruct",  # plain string
@@ -124,7 +124,7 @@ def test_overrides_of_each_type(tmp_path):
     )  # fmt: skip
     assert cfg.trainer.lr == 1e-5 and isinstance(cfg.trainer.lr, float)
     assert cfg.trainer.steps == 12 and isinstance(cfg.trainer.steps, int)
-    assert cfg.lora.enabled is False and cfg.lora.full_finetune
+    assert cfg.lora is not None and cfg.lora.rank == 8
     assert cfg.task.blank_images is True
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.model.path == "Qwen/Qwen3-VL-2B-Instruct"
@@ -154,10 +154,11 @@ def test_negative_number_is_a_value_not_an_option():
 def test_split_overrides_and_argparse_pattern():
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    argv = ["configs/demo.toml", "--trainer.lr", "1e-5", "--dry-run", "--lora.rank=4", "--sampling.top_p", "0.5"]
+    argv = ["configs/demo.toml", "--trainer.lr", "1e-5", "--dry-run", "--lora=true", "--lora.rank=4",
+            "--sampling.top_p", "0.5"]
     known, overrides = split_overrides(argv)
     assert known == ["configs/demo.toml", "--dry-run"]
-    assert overrides == ["--trainer.lr", "1e-5", "--lora.rank=4", "--sampling.top_p", "0.5"]
+    assert overrides == ["--trainer.lr", "1e-5", "--lora=true", "--lora.rank=4", "--sampling.top_p", "0.5"]
     args = parser.parse_args(known)
     assert args.config == "configs/demo.toml" and args.dry_run
     cfg = load_config(RunConfig, ROOT / args.config, overrides)
@@ -196,7 +197,7 @@ def test_out_of_bounds_names_the_override_and_path(tmp_path):
     assert msg.startswith("--trainer.lr: input should be greater than 0")
     assert "--rollout.group_size" in error(None, ["--rollout.group_size", "1"])
     assert "lora.target_modules[0]" in error(None, ["--lora.target_modules", "[1]"])
-    assert "--lora.enabled" in error(None, ["--lora.enabled", "maybe"])
+    assert error(None, ["--lora", "maybe"]).startswith("--lora: lora is a [lora] table (LoRA) or false")
     assert "--trainer.steps" in error(None, ["--trainer.steps", "1.5"])
     assert "--model.dtype" in error(None, ["--model.dtype", "float16"])
 
@@ -348,7 +349,7 @@ def test_the_kl_term_loads_with_lora_and_with_full_finetuning():
     weights is its reference, saccade.trainer.reference); the estimator is k1, k2 or k3 (k3 by
     default, as before), and another is refused with the choices."""
     for lora in ("true", "false"):
-        cfg = load_config(RunConfig, None, ["--lora.enabled", lora, "--loss.kl_coef", "0.05",
+        cfg = load_config(RunConfig, None, ["--lora", lora, "--loss.kl_coef", "0.05",
                                             "--loss.kl_estimator", "k2"])
         assert cfg.loss.kl_coef == 0.05 and cfg.loss.kl_estimator == "k2"
     assert load_config(RunConfig, None, []).loss.kl_estimator == "k3"
@@ -403,7 +404,7 @@ def test_the_cache_budget_and_sampling_have_their_own_sections():
 @pytest.mark.parametrize(("old", "new"), [
     ("--data.task", "task.kind"), ("--data.num_choices", "task.num_choices"), ("--env.max_turns", "task.max_turns"),
     ("--engine.temperature", "sampling.temperature"), ("--images.cache_bytes", "image_cache.budget_bytes"),
-    ("--data.eval_size", "eval.prompts"),
+    ("--data.eval_size", "eval.prompts"), ("--data.columns.images", "task.columns.images"),
 ])
 def test_an_old_key_on_the_command_line_is_refused_with_its_new_name(old, new):
     assert error(None, [old, "1"]).startswith(f"{old}: {old[2:]} is now {new}")
@@ -421,46 +422,25 @@ cache_bytes = 2000000
 
 [data]
 task = "views"
-eval_size = 12
 num_choices = 3
-image_size = 64          # the shapes' image: views do not read it, and it is the old default
-blank_images = false
 
 [env]
 max_turns = 2
-places = ["left", "right"]
-colors = ["red", "green", "blue"]
-image_size = 48          # the views' render
 loss_on = "assistant"
 """
 
 
-def test_an_old_file_loads_with_its_keys_mapped_and_says_so(tmp_path):
-    path = write(tmp_path, OLD_VIEWS)
-    with pytest.warns(LegacyConfigWarning, match="data.task -> task.kind = 'views'.*--dry-run"):
-        cfg = load_config(RunConfig, path, ["--task.max_turns", "3"])  # a new-key override still wins
-    assert (cfg.sampling.temperature, cfg.sampling.max_tokens, cfg.image_cache.budget_bytes) == (0.9, 8, 2000000)
-    assert cfg.eval.prompts == 12 and cfg.env.loss_on == "assistant"
-    assert cfg.task.kind == "views" and cfg.task.image_size == 48 and cfg.task.places == ["left", "right"]
-    assert (cfg.task.num_choices, cfg.task.max_turns) == (3, 3)
-    written = tmp_path / "new.toml"
-    written.write_text(describe(cfg))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert load_config(RunConfig, written, ["--task.max_turns", "3"]) == cfg  # --dry-run writes the new keys
-
-
-def test_an_old_file_names_what_its_task_does_not_read(tmp_path):
-    path = write(tmp_path, '[data]\ntask = "shapes"\n[env]\nplaces = ["left"]\nmax_turns = 3\n')
-    with pytest.warns(LegacyConfigWarning, match="dropped, as task kind 'shapes' does not read them: env.places"):
-        assert load_config(RunConfig, path).task.kind == "shapes"  # env.max_turns: the old default, dropped quietly
-    path = write(tmp_path, '[data]\ntask = "verifiers:my-env"\ntask_args = { n = 2 }\n[env]\ncorrect_metric = "ok"\n')
-    with pytest.warns(LegacyConfigWarning):
-        task = load_config(RunConfig, path).task
-    assert (task.kind, task.env_id, task.env_args, task.correct_metric) == ("verifiers", "my-env", {"n": 2}, "ok")
-    path = write(tmp_path, '[data]\ntask = "shapes"\ntask_args = { n = 2 }\n')
-    with pytest.raises(ConfigError, match="data.task_args: task kind 'shapes' reads no arguments"):
-        load_config(RunConfig, path)
+def test_a_file_from_before_the_task_section_is_refused_naming_each_new_key(tmp_path):
+    """The format before the [task] union (2026-11-24) is no longer read (config/legacy.py is
+    retired): the message names every old key with its new one, and the date."""
+    msg = error(write(tmp_path, OLD_VIEWS), [])
+    assert "before the [task] section (2026-11-24)" in msg
+    for old, new in [("engine.temperature", "sampling.temperature"), ("engine.max_tokens", "sampling.max_tokens"),
+                     ("images.cache_bytes", "image_cache.budget_bytes"), ("data.task", "task.kind"),
+                     ("data.num_choices", "task.num_choices"), ("env.max_turns", "task.max_turns")]:
+        assert f"{old} is now {new}" in msg, old
+    assert "env.loss_on" not in msg and "images.max_pixels" not in msg  # today's keys
+    assert "[data] is now [task]" in error(write(tmp_path, "[data]\nwhatever = 1\n"), [])
 
 
 def test_shipped_configs_use_todays_keys():
@@ -477,3 +457,183 @@ def test_the_data_set_kinds_agree_with_the_row_code():
     kinds = [k for cls in DATASET_CONFIGS for k in typing.get_args(cls.model_fields["kind"].annotation)]
     assert sorted(kinds) == sorted(DATASET_TASKS)
 
+
+
+# --- modes as unions (issue 45) --------------------------------------------------------------
+
+
+def test_the_stall_action_is_a_union_whose_rollback_alone_has_its_own_fields(tmp_path):
+    from saccade.config import StallRollbackConfig, StallStopConfig, StallWarnConfig
+
+    assert RunConfig().stall == StallWarnConfig(steps=20, truncated_frac=0.5)
+    path = write(tmp_path, '[stall]\naction = "rollback"\nsteps = 5\nlr_factor = 0.3\n')
+    cfg = load_config(RunConfig, path)
+    assert cfg.stall == StallRollbackConfig(steps=5, lr_factor=0.3, max_rollbacks=3)
+    cfg = load_config(RunConfig, None, ["--stall.action", "rollback", "--stall.max_rollbacks", "1"])
+    assert isinstance(cfg.stall, StallRollbackConfig) and cfg.stall.max_rollbacks == 1
+    # The tag switched on the command line keeps the fields every action has, not the others.
+    cfg = load_config(RunConfig, path, ["--stall.action", "stop"])
+    assert cfg.stall == StallStopConfig(steps=5)
+    assert load_config(RunConfig, None, ["--stall.steps", "7"]).stall == StallWarnConfig(steps=7)
+    # A wrong mix, in a file and on the command line, names the action that has the field.
+    msg = error(write(tmp_path, '[stall]\naction = "warn"\nlr_factor = 0.3\n'), [])
+    assert "unknown key 'stall.lr_factor'" in msg and "is a field of action 'rollback'" in msg
+    assert "set stall.action = 'rollback'" in msg
+    msg = error(None, ["--stall.action", "stop", "--stall.max_rollbacks", "2"])
+    assert msg.startswith("--stall.max_rollbacks: unknown key") and "action 'rollback'" in msg
+    assert "did you mean 'rollback'" in error(None, ["--stall.action", "rolback"])
+
+
+def test_full_finetuning_is_lora_false_in_a_file_and_on_the_command_line(tmp_path):
+    """LoRA or not is a mode: a [lora] table (the default, also when a config says nothing) or
+    `lora = false`, full fine-tuning. --lora true turns it back on; a LoRA field while it is
+    off is refused rather than turning it on unasked."""
+    from saccade.config import LoraConfig
+
+    assert RunConfig().lora == LoraConfig(rank=16, alpha=32.0, dropout=0.0, target_modules=None)
+    off = write(tmp_path, 'lora = false\n[trainer]\nsteps = 3\n')
+    assert load_config(RunConfig, off).lora is None
+    assert load_config(RunConfig, None, ["--lora", "false"]).lora is None
+    known, overrides = split_overrides(["rl", "x.toml", "--lora", "false", "--dry-run"])
+    assert known == ["rl", "x.toml", "--dry-run"] and overrides == ["--lora", "false"]
+    assert split_overrides(["bench", "step", "--lora", "--steps", "3"])[1] == []  # the bench's own flag
+    cfg = load_config(RunConfig, off, ["--lora", "true", "--lora.rank", "4"])
+    assert cfg.lora == LoraConfig(rank=4)
+    on = tmp_path / "lora.toml"
+    on.write_text("[lora]\nrank = 8\n")
+    assert load_config(RunConfig, on, ["--lora=true"]).lora == LoraConfig(rank=8)  # true keeps the table
+    assert load_config(RunConfig, on, ["--lora", "false"]).lora is None
+    msg = error(off, ["--lora.rank", "4"])
+    assert msg.startswith("--lora.rank: lora is false here (off)") and "--lora true" in msg
+    # --dry-run writes it back as it reads it: `lora = false`, before the first table.
+    text = describe(load_config(RunConfig, off))
+    assert "\nlora = false\n" in text and text.index("lora = false") < text.index("[model]")
+    path = tmp_path / "again.toml"
+    path.write_text(text)
+    assert load_config(RunConfig, path) == load_config(RunConfig, off)
+
+
+def test_the_lr_decay_is_a_union_and_only_a_decay_has_an_lr_to_end_at(tmp_path):
+    from saccade.config import ConstantDecayConfig, CosineDecayConfig, LinearDecayConfig
+
+    assert RunConfig().trainer.lr_decay == ConstantDecayConfig()
+    inline = write(tmp_path, '[trainer]\nlr_decay = { kind = "cosine", min_lr_ratio = 0.05 }\n')
+    assert load_config(RunConfig, inline).trainer.lr_decay == CosineDecayConfig(min_lr_ratio=0.05)
+    table = tmp_path / "table.toml"
+    table.write_text('[trainer.lr_decay]\nkind = "linear"\n')
+    assert load_config(RunConfig, table).trainer.lr_decay == LinearDecayConfig(min_lr_ratio=0.1)
+    cfg = load_config(RunConfig, None, ["--trainer.lr_decay.kind", "linear", "--trainer.lr_decay.min_lr_ratio", "0.2"])
+    assert cfg.trainer.lr_decay == LinearDecayConfig(min_lr_ratio=0.2)
+    # Switching the kind drops the file's min_lr_ratio (none of the kinds' fields is common to all).
+    assert load_config(RunConfig, inline, ["--trainer.lr_decay.kind", "linear"]).trainer.lr_decay == LinearDecayConfig()
+    msg = error(None, ["--trainer.lr_decay.min_lr_ratio", "0.2"])
+    assert msg.startswith("--trainer.lr_decay.min_lr_ratio: unknown key") and "kind 'linear' or 'cosine'" in msg
+    msg = error(write(tmp_path, '[trainer]\nlr_decay = { kind = "constant", min_lr_ratio = 0.2 }\n'), [])
+    assert "unknown key 'trainer.lr_decay.min_lr_ratio'" in msg and "set trainer.lr_decay.kind = 'linear'" in msg
+
+
+def test_the_loss_kind_is_a_union_and_only_the_clipped_surrogate_has_a_clip(tmp_path):
+    from saccade.config import PpoClipLossConfig, ReinforceLossConfig
+
+    assert RunConfig().loss == PpoClipLossConfig(eps_low=0.2, eps_high=0.28, normalization="token")
+    path = write(tmp_path, '[loss]\nkind = "reinforce"\nnormalization = "sequence"\nkl_coef = 0.05\n')
+    assert load_config(RunConfig, path).loss == ReinforceLossConfig(normalization="sequence", kl_coef=0.05)
+    cfg = load_config(RunConfig, None, ["--loss.eps_high", "0.3"])  # a [loss] without kind: the clipped one
+    assert cfg.loss == PpoClipLossConfig(eps_high=0.3)
+    # Switching the kind keeps what every kind has (normalisation, KL, ...), and only that.
+    cfg = load_config(RunConfig, ROOT / "configs" / "demo.toml", ["--loss.kind", "reinforce"])
+    assert cfg.loss == ReinforceLossConfig(max_completion_tokens=16, entropy_coef=0.01)
+    cfg = load_config(RunConfig, path, ["--loss.kind", "ppo_clip", "--loss.eps_low", "0.1"])
+    assert cfg.loss == PpoClipLossConfig(normalization="sequence", kl_coef=0.05, eps_low=0.1)
+    msg = error(write(tmp_path, '[loss]\nkind = "reinforce"\neps_low = 0.2\n'), [])
+    assert "unknown key 'loss.eps_low'" in msg and "is a field of kind 'ppo_clip'" in msg
+    msg = error(None, ["--loss.kind", "reinforce", "--loss.eps_high", "0.3"])
+    assert msg.startswith("--loss.eps_high: unknown key") and "set loss.kind = 'ppo_clip'" in msg
+    assert "did you mean 'reinforce'" in error(None, ["--loss.kind", "reinfroce"])
+
+
+# --- the upgrade step: a run folder's config.toml from before the mode unions ------------------
+
+OLD = Path(__file__).parent / "old_configs"  # --dry-run's output at a404b19, as run folders hold it
+OLD_DEMO_MOVES = ["lora.enabled = false -> lora = false", "rollout.on_stall -> stall.action",
+                  "rollout.stall_lr_factor -> stall.lr_factor", "trainer.lr_decay -> trainer.lr_decay.kind"]
+
+
+def upgraded(path: Path, *overrides: str) -> tuple[RunConfig, str]:
+    with pytest.warns(LegacyConfigWarning) as caught:
+        cfg = load_config(RunConfig, path, list(overrides))
+    return cfg, " ".join(str(w.message) for w in caught)
+
+
+def test_the_defaults_resolve_as_before():
+    """Every value the old defaults wrote out maps to today's default: the default run (LoRA,
+    the stall watch warning after 20 steps, a constant lr, the clipped surrogate) is unchanged."""
+    from saccade.config import (
+        ConstantDecayConfig, LoraConfig, PpoClipLossConfig, StallRollbackConfig, StallWarnConfig,
+    )
+
+    cfg, said = upgraded(OLD / "defaults-a404b19.toml")
+    assert cfg == RunConfig()
+    assert "dropped" not in said  # nothing the old defaults set is lost
+    assert cfg.lora == LoraConfig(rank=16, alpha=32.0, dropout=0.0, target_modules=None)
+    assert cfg.stall == StallWarnConfig(steps=20, truncated_frac=0.5)
+    assert (StallRollbackConfig().lr_factor, StallRollbackConfig().max_rollbacks) == (0.5, 3)
+    assert cfg.trainer.lr_decay == ConstantDecayConfig()
+    assert cfg.loss == PpoClipLossConfig(eps_low=0.2, eps_high=0.28, normalization="token", tis="auto", kl_coef=0.0)
+
+
+def test_a_config_toml_from_before_the_mode_unions_loads_as_the_same_run(tmp_path):
+    """The demo's config.toml as a run folder holds it (every field, the old keys) is today's
+    demo.toml: full fine-tuning, a constant lr. The warning names every move and the unread
+    LoRA settings it dropped; --dry-run then writes today's keys, which load without a warning."""
+    cfg, said = upgraded(OLD / "demo-a404b19.toml")
+    assert cfg == load_config(RunConfig, ROOT / "configs" / "demo.toml")
+    assert cfg.lora is None
+    for move in OLD_DEMO_MOVES:
+        assert move in said, move
+    assert "dropped, as nothing in use reads them: lora.target_modules = [" in said  # full FT never read it
+    assert "docs/config.md#older-config-files" in said
+    path = tmp_path / "today.toml"
+    path.write_text(describe(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(RunConfig, path) == cfg
+
+
+def test_every_mode_of_an_old_config_toml_upgrades_to_its_union(tmp_path):
+    """A run with every old flag set another way: rollback with its factor and limit, a cosine
+    decay to 0.05, REINFORCE (whose file still carried the clip's eps: dropped, at their defaults
+    quietly), LoRA on. The same run as today's keys give it, in a file or on the command line."""
+    from saccade.config import CosineDecayConfig, ReinforceLossConfig, StallRollbackConfig
+
+    cfg, said = upgraded(OLD / "mix-a404b19.toml")
+    today = ["--stall.action", "rollback", "--stall.lr_factor", "0.25", "--stall.max_rollbacks", "2",
+             "--trainer.lr_decay.kind", "cosine", "--trainer.lr_decay.min_lr_ratio", "0.05",
+             "--loss.kind", "reinforce", "--log.name", "old-run"]
+    assert cfg == load_config(RunConfig, ROOT / "configs" / "qwen3vl-2b-1gpu.toml", today)
+    assert cfg.stall == StallRollbackConfig(lr_factor=0.25, max_rollbacks=2)
+    assert cfg.trainer.lr_decay == CosineDecayConfig(min_lr_ratio=0.05)
+    assert isinstance(cfg.loss, ReinforceLossConfig) and cfg.lora is not None and cfg.lora.rank == 32
+    assert "lora.enabled = true -> [lora]" in said and "dropped" not in said
+    # The old keys on the command line: read as the new ones, each named with its new key.
+    old = ["--rollout.on_stall", "rollback", "--rollout.stall_lr_factor", "0.25", "--rollout.max_rollbacks", "2",
+           "--trainer.lr_decay", "cosine", "--trainer.min_lr_ratio", "0.05", "--loss.kind", "reinforce",
+           "--log.name", "old-run", "--lora.enabled", "true"]
+    again, said = upgraded(ROOT / "configs" / "qwen3vl-2b-1gpu.toml", *old)
+    assert again == cfg
+    assert "--rollout.on_stall is now --stall.action (since 2026-11-28" in said
+    assert "--trainer.min_lr_ratio is now --trainer.lr_decay.min_lr_ratio" in said
+
+
+def test_an_old_key_the_upgrade_cannot_read_quietly_is_refused_or_named(tmp_path):
+    # A value set on a field its variant does not read was never used: dropped, and named.
+    cfg, said = upgraded(write(tmp_path, '[rollout]\non_stall = "stop"\nstall_lr_factor = 0.1\n'))
+    assert cfg.stall.action == "stop" and "dropped, as nothing in use reads them: stall.lr_factor = 0.1" in said
+    old = '[loss]\nkind = "reinforce"\neps_high = 0.3\n[trainer]\nlr_decay = "constant"\n'
+    _, said = upgraded(write(tmp_path, old))
+    assert "loss.eps_high = 0.3" in said
+    # The old key beside its new one: which one meant it is not for the upgrade to guess.
+    msg = error(write(tmp_path, '[rollout]\non_stall = "stop"\n[stall]\naction = "warn"\n'), [])
+    assert "has both rollout.on_stall (before 2026-11-28) and stall.action" in msg
+    # Today's wrong mix (no old key) is no upgrade: refused, naming the variant that has the field.
+    assert "is a field of kind 'ppo_clip'" in error(write(tmp_path, '[loss]\nkind = "reinforce"\neps_high = 0.3\n'), [])

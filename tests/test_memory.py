@@ -73,7 +73,7 @@ def saved_activation_bytes(tiny_path, dtype, lora: bool, n_tokens: int, n_image_
     With `checkpointing`: (what autograd saves, the layers' inputs among it; what the
     checkpoints hold besides, in the keyword arguments of their recompute), each storage
     counted once."""
-    from saccade.config import LossConfig
+    from saccade.config import PpoClipLossConfig
     from saccade.config import LoraConfig
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
     from saccade.trainer.forward import forward_logprobs
@@ -129,7 +129,7 @@ def saved_activation_bytes(tiny_path, dtype, lora: bool, n_tokens: int, n_image_
                 loss_mask_N=mb.loss_mask, cu_seqlens=mb.cu_seqlens, inference_logprobs_N=mb.inference_logprobs,
                 entropy_N=entropy, total_loss_tokens=float(loss_mask.sum()), total_sequences=1.0,
             )
-            loss, _ = policy_loss(inputs, LossConfig(tis_cap=2.0))
+            loss, _ = policy_loss(inputs, PpoClipLossConfig(tis_cap=2.0))
             assert loss.requires_grad
     assert logprobs.requires_grad
     if checkpointing:
@@ -407,7 +407,7 @@ def test_the_memory_command_counts_the_kl_reference_for_full_finetuning(capsys):
     from saccade.cli import main
 
     path = str(_configs() / "qwen3vl-8b-8gpu.toml")
-    full = ["--world-size", "4", "--lora.enabled", "false", "--engine.sync_lora_adapter", "false"]
+    full = ["--world-size", "4", "--lora", "false", "--engine.sync_lora_adapter", "false"]
     without = _estimate(f"saccade memory configs/qwen3vl-8b-8gpu.toml {' '.join(full)}")
     with_kl = _estimate(f"saccade memory configs/qwen3vl-8b-8gpu.toml {' '.join(full)} --loss.kl_coef 0.05")
     reference = QWEN3_VL["Qwen/Qwen3-VL-8B-Instruct"].text.params * 2 / 4 / GiB  # bf16 shards over 4
@@ -461,7 +461,7 @@ def test_the_server_does_not_depend_on_the_trainers_world_size():
 def test_header_lines_state_the_world_size():
     from saccade.memory import header_lines
 
-    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora.enabled false --engine.sync_lora_adapter false"
+    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora false --engine.sync_lora_adapter false"
     one, four = header_lines(_estimate(base)), header_lines(_estimate(base + " --world-size 4"))
     assert one[0].startswith("#   trainer GPU: ") and one[-1].startswith("#   trainer alone on a 79 GiB GPU: ")
     assert one[-1].endswith("DOES NOT FIT")  # 8B full fine-tuning on one GPU
@@ -477,7 +477,7 @@ def test_memory_command_world_size(capsys):
     from saccade.memory import header_lines
 
     path = str(_configs() / "qwen3vl-8b-8gpu.toml")
-    full = ["--lora.enabled", "false", "--engine.sync_lora_adapter", "false"]
+    full = ["--lora", "false", "--engine.sync_lora_adapter", "false"]
     assert main(["memory", path, "--world-size", "4", "--header", *full]) == 0
     printed = capsys.readouterr().out.splitlines()
     command = f"saccade memory configs/qwen3vl-8b-8gpu.toml --world-size 4 {' '.join(full)}"
@@ -564,7 +564,7 @@ def test_eight_gpu_headers_say_how_they_shard(name):
 def test_eight_b_full_finetuning_needs_sharding():
     """The README's case: Qwen3-VL-8B full fine-tuning does not fit one 80 GB GPU, and fits
     sharded over four (each rank next to nothing: the servers have the other four GPUs)."""
-    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora.enabled false --engine.sync_lora_adapter false"
+    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora false --engine.sync_lora_adapter false"
     fits = {n: _estimate(f"{base} --world-size {n}").fits for n in (1, 2, 4, 8)}
     assert fits == {1: False, 2: False, 4: True, 8: True}
 
@@ -579,5 +579,5 @@ def test_documented_world_size_table_equals_the_estimator():
     for row in rows:
         size = re.match(r"\| full FT, (\d+B), ", row).group(1).lower()
         figures = re.findall(r"\b\d+\.\d\b", row)
-        base = f"saccade memory configs/qwen3vl-{size}-8gpu.toml --lora.enabled false --engine.sync_lora_adapter false"
+        base = f"saccade memory configs/qwen3vl-{size}-8gpu.toml --lora false --engine.sync_lora_adapter false"
         assert figures == [f"{_estimate(f'{base} --world-size {n}').trainer.total:.1f}" for n in (1, 2, 4, 8)], row

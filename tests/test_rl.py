@@ -19,7 +19,6 @@ FAST = [
     "--rollout.filter_zero_variance", "false",
     "--sampling.max_tokens", "4",
     "--loss.max_completion_tokens", "4",
-    "--lora.rank", "4",
     "--eval.prompts", "4",
     "--eval.every_steps", "2",
     "--checkpoint.every_steps", "2",
@@ -156,10 +155,10 @@ def test_sft_skips_a_step_with_a_nan_gradient(tmp_path):
 def test_a_run_with_no_signal_left_says_so(tmp_path):
     """Weight 0: every answer scores 0, so no group ever has reward variance; and a random
     model's replies never end within 4 tokens: both kinds of stall, warned about once, in one
-    message, the step they reach rollout.stall_steps; every step logs the watch's figures."""
+    message, the step they reach stall.steps; every step logs the watch's figures."""
     cfg = _config(tmp_path, "stalled", "--trainer.steps", "3", "--rollout.filter_zero_variance", "true",
                   "--checkpoint.every_steps", "0", "--eval.every_steps", "0", "--rollout.reward_weights",
-                  '{"format": 0.0}', "--rollout.stall_steps", "2")
+                  '{"format": 0.0}', "--stall.steps", "2")
     with pytest.warns(RuntimeWarning, match="no group has had reward variance for 2 steps") as caught:
         train_rl(cfg, run_dir=cfg.run_dir, progress=False)
     stalls = [str(w.message) for w in caught if "reward variance" in str(w.message)]
@@ -283,7 +282,7 @@ def test_truncated_sampling_trains_on_policy(tmp_path):
     """sampling.top_k, top_p and min_p reach the engine, the trainer and the KL reference: the
     logged engine/trainer mismatch stays float noise, as without truncation."""
     cfg = _config(tmp_path, "truncated", "--sampling.top_k", "6", "--sampling.top_p", "0.9", "--sampling.min_p", "0.05",
-                  "--sampling.temperature", "0.8", "--lora.enabled", "true", "--loss.kl_coef", "0.01",
+                  "--sampling.temperature", "0.8", "--lora", "true", "--lora.rank", "4", "--loss.kl_coef", "0.01",
                   "--trainer.steps", "2", "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
     train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]

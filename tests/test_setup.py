@@ -23,7 +23,7 @@ def test_the_config_refuses_an_unknown_device():
 
 
 def test_a_cpu_setup_in_bf16_keeps_everything_where_and_as_asked(tmp_path):
-    cfg = load_config(RunConfig, "configs/demo.toml", ["--model.dtype", "bfloat16", "--lora.enabled", "true",
+    cfg = load_config(RunConfig, "configs/demo.toml", ["--model.dtype", "bfloat16", "--lora", "true",
                                                         "--image_cache.budget_bytes", "123456"])
     setup = build_setup(cfg, tmp_path)
     assert setup.device == torch.device("cpu") and setup.engine.device == torch.device("cpu")

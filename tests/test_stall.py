@@ -12,9 +12,10 @@ the other way, into replies that never end)."""
 from __future__ import annotations
 
 import pytest
+from pydantic import TypeAdapter
 from stub_tasks import scored_task
 
-from saccade.config import RolloutConfig, RunConfig, load_config, split_overrides
+from saccade.config import RunConfig, StallConfig, load_config, split_overrides
 from saccade.metrics import read_metrics
 from saccade.stall import (
     StallState,
@@ -33,10 +34,15 @@ COLLAPSED = dict(groups_with_signal_frac=0.0, final_truncated_frac=1.0, accuracy
 SOLVED = dict(groups_with_signal_frac=0.0, final_truncated_frac=0.0, accuracy=1.0)  # every reply right
 
 
-def watch(kinds: list[dict], **rollout) -> tuple[list[str], StallState]:
+def stall_config(**fields) -> StallConfig:
+    """A [stall] section as a config file gives it (`action` picks the variant; 'warn' unless told)."""
+    return TypeAdapter(StallConfig).validate_python({"action": "warn", **fields})
+
+
+def watch(kinds: list[dict], **stall) -> tuple[list[str], StallState]:
     """The action after each step of `kinds` (step k sampled from version k), and the last state;
     a "rollback" is carried out as train_rl does (the next step samples the restored weights)."""
-    cfg = RolloutConfig(stall_steps=3, **rollout)
+    cfg = stall_config(steps=3, **stall)
     state, actions = StallState(), []
     for version, kind in enumerate(kinds):
         state = observe(state, StepSignal(**kind, sampled_version=version), cfg)
@@ -48,7 +54,7 @@ def watch(kinds: list[dict], **rollout) -> tuple[list[str], StallState]:
 
 
 @pytest.mark.parametrize("kind", [NO_SIGNAL, CUT, COLLAPSED])
-def test_either_kind_warns_once_when_its_streak_reaches_stall_steps(kind):
+def test_either_kind_warns_once_when_its_streak_reaches_its_steps(kind):
     actions, state = watch([HEALTHY, kind, kind, kind, kind, kind])
     assert actions == ["go_on", "go_on", "go_on", "warn", "go_on", "go_on"]
     assert state.stalled(3) and state.since(3) == 1  # the first stalled step sampled version 1
@@ -70,19 +76,19 @@ def test_a_solved_run_or_a_cut_share_at_the_threshold_is_no_stall():
     assert watch([SOLVED] * 5)[0] == ["go_on"] * 5
     half = dict(HEALTHY, final_truncated_frac=0.5)
     assert watch([half] * 5)[0] == ["go_on"] * 5  # "more than" the threshold
-    assert watch([dict(COLLAPSED, groups_with_signal_frac=0.1)] * 4, stall_truncated_frac=1.0)[0] == ["go_on"] * 4
+    assert watch([dict(COLLAPSED, groups_with_signal_frac=0.1)] * 4, truncated_frac=1.0)[0] == ["go_on"] * 4
 
 
 @pytest.mark.parametrize("kind", [NO_SIGNAL, CUT])
 def test_stop_acts_on_the_step_the_stall_is_seen(kind):
-    actions, state = watch([HEALTHY, HEALTHY, kind, kind, kind], on_stall="stop")
+    actions, state = watch([HEALTHY, HEALTHY, kind, kind, kind], action="stop")
     assert actions == ["go_on"] * 4 + ["stop"]
     assert state.since(3) == 2
 
 
 @pytest.mark.parametrize("kind", [NO_SIGNAL, CUT])
 def test_rollback_restarts_the_streaks_and_counts(kind):
-    actions, state = watch([HEALTHY, kind, kind, kind, HEALTHY, kind], on_stall="rollback")
+    actions, state = watch([HEALTHY, kind, kind, kind, HEALTHY, kind], action="rollback")
     assert actions == ["go_on", "go_on", "go_on", "rollback", "go_on", "go_on"]
     assert state.rollbacks == 1 and state.counts_from == 4
     assert state.metrics(3) == {"no_signal_steps": float(kind is NO_SIGNAL), "truncated_steps": float(kind is CUT),
@@ -90,7 +96,7 @@ def test_rollback_restarts_the_streaks_and_counts(kind):
 
 
 def test_rollbacks_stop_at_max_rollbacks_then_the_run_stops():
-    actions, state = watch([COLLAPSED] * 9, on_stall="rollback", max_rollbacks=2)
+    actions, state = watch([COLLAPSED] * 9, action="rollback", max_rollbacks=2)
     assert actions == ["go_on", "go_on", "rollback", "go_on", "go_on", "rollback", "go_on", "go_on", "stop"]
     assert state.rollbacks == 2
 
@@ -98,7 +104,7 @@ def test_rollbacks_stop_at_max_rollbacks_then_the_run_stops():
 def test_rollouts_sampled_before_a_rollback_do_not_count():
     """Sampled ahead (rollout.max_async_level 2): the two steps after the rollback still come
     from the weights it undid; they neither extend nor break a streak."""
-    cfg = RolloutConfig(stall_steps=2, on_stall="rollback")
+    cfg = stall_config(steps=2, action="rollback")
     state = StallState()
     for version in (0, 1):
         state = observe(state, StepSignal(**NO_SIGNAL, sampled_version=version), cfg)
@@ -114,14 +120,14 @@ def test_rollouts_sampled_before_a_rollback_do_not_count():
 def test_the_state_goes_into_a_checkpoint_and_back():
     import json
 
-    _, state = watch([COLLAPSED] * 4, on_stall="rollback", max_rollbacks=1)
+    _, state = watch([COLLAPSED] * 4, action="rollback", max_rollbacks=1)
     assert state != StallState()
     assert StallState.restored(json.loads(json.dumps(state.saved()))) == state
     assert StallState.restored(None) == StallState()  # a checkpoint from before the watch
 
 
 def test_the_description_names_each_kind_and_the_figures():
-    cfg = RolloutConfig(stall_steps=3)
+    cfg = stall_config(steps=3)
     _, state = watch([COLLAPSED] * 3)
     figures = {"reward_mean": 0.0, "final_truncated_frac": 1.0, "completion_len_mean": 128.0}
     text = describe_stall(state, figures, cfg)
@@ -145,7 +151,7 @@ def collapsing_run(tmp_path, name: str, *extra: str) -> RunConfig:
         "--model.path", "tiny-warm", "--trainer.seed", "0", "--trainer.lr", "1e-2",
         "--rollout.prompts_per_step", "8", "--rollout.group_size", "8",
         "--sampling.max_tokens", "4", "--loss.max_completion_tokens", "4",
-        "--eval.every_steps", "0", "--rollout.stall_steps", "3", "--log.dir", str(tmp_path / name), *extra]))
+        "--eval.every_steps", "0", "--stall.steps", "3", "--log.dir", str(tmp_path / name), *extra]))
 
 
 def _train(cfg: RunConfig, **kwargs):
@@ -160,12 +166,12 @@ def _train_records(run_dir) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_collapsed_run_stops_and_the_command_it_prints_goes_on_from_before_the_stall(tmp_path):
-    """on_stall = "stop": steps 3-5 sampled the collapsed weights of steps 2-4, so the run stops
+    """stall.action = "stop": steps 3-5 sampled the collapsed weights of steps 2-4, so the run stops
     after step 5, saves nothing, sets aside the checkpoints of steps 2-4 and names step 1. The
     printed command, run as it is, goes on from step 1 at half the lr."""
     from saccade.stall import StallError
 
-    cfg = collapsing_run(tmp_path, "stop", "--trainer.steps", "10", "--rollout.on_stall", "stop",
+    cfg = collapsing_run(tmp_path, "stop", "--trainer.steps", "10", "--stall.action", "stop",
                          "--checkpoint.every_steps", "1", "--checkpoint.keep_last", "10")
     with pytest.raises(StallError, match="no group has had reward variance for 3 steps") as stopped:
         _train(cfg)
@@ -192,15 +198,15 @@ def test_a_collapsed_run_stops_and_the_command_it_prints_goes_on_from_before_the
 
 @pytest.mark.slow
 def test_a_collapsed_run_rolls_back_to_its_start_at_a_lower_lr_and_learns(tmp_path):
-    """on_stall = "rollback", a checkpoint every 4 steps: the run saves its start weights as step 0,
+    """stall.action = "rollback", a checkpoint every 4 steps: the run saves its start weights as step 0,
     collapses (steps 3-5 sampled the weights of steps 2-4), and after step 5 rolls back past the
     stalled checkpoint of step 4 (set aside) to step 0, at lr 1e-2 x 0.07 = 7e-4, saving the
     reloaded weights at once as step 5. It learns from there: the last steps' reward is far above
     the stalled level (0). The step count goes on forward: one metrics line per step, 1 to 22."""
     from safetensors.torch import load_file
 
-    cfg = collapsing_run(tmp_path, "rollback", "--trainer.steps", "22", "--rollout.on_stall", "rollback",
-                         "--rollout.stall_lr_factor", "0.07", "--checkpoint.every_steps", "4",
+    cfg = collapsing_run(tmp_path, "rollback", "--trainer.steps", "22", "--stall.action", "rollback",
+                         "--stall.lr_factor", "0.07", "--checkpoint.every_steps", "4",
                          "--checkpoint.keep_last", "10")
     _train(cfg)
     records = _train_records(cfg.run_dir)

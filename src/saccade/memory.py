@@ -622,10 +622,11 @@ def estimate_run(cfg, *, gpu_memory_utilization: float | None = None, gpu_gib: f
     shared_gpu = layout[1] if shared_gpu is None else shared_gpu
     world_size = layout[2] if world_size is None else world_size
     dims = dims or model_dims(cfg.model.path)
-    lora_rank = cfg.lora.rank if cfg.lora.enabled else None
+    lora = cfg.lora  # None: full fine-tuning
     embedded = cfg.engine.kind == "embedded"
     trainer = trainer_memory(
-        dims, dtype=cfg.model.dtype, lora_rank=lora_rank, lora_targets=tuple(cfg.lora.target_modules or ()),
+        dims, dtype=cfg.model.dtype, lora_rank=lora.rank if lora else None,
+        lora_targets=tuple(lora.target_modules or ()) if lora else (),
         max_tokens=cfg.trainer.max_tokens, holds_vision_tower=embedded,
         activation_checkpointing=cfg.trainer.activation_checkpointing, world_size=world_size,
         kl_reference=cfg.loss.kl_coef > 0,
@@ -634,7 +635,7 @@ def estimate_run(cfg, *, gpu_memory_utilization: float | None = None, gpu_gib: f
     if not embedded:
         server = server_memory(
             dims, gpu_memory_utilization=gpu_memory_utilization, gpu_gib=gpu_gib, dtype=cfg.model.dtype,
-            max_lora_rank=cfg.lora.rank if cfg.engine.sync_lora_adapter else None,
+            max_lora_rank=lora.rank if lora and cfg.engine.sync_lora_adapter else None,
         )
     return RunEstimate(dims, trainer, server, gpu_gib, shared_gpu and not embedded, world_size)
 

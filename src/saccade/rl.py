@@ -31,8 +31,8 @@ completions to samples.jsonl (`saccade.sample_log`), for a person to read, each 
 logprob with and without its images beside it (`saccade.visual`; one process only).
 
 Every step the stall watch (`saccade.stall`, docs/stalls.md) reads the rollouts' figures: no
-group with reward variance, or most replies cut at max_tokens, for `rollout.stall_steps` steps
-in a row is a stalled (often collapsed) run. `rollout.on_stall` then warns, stops it naming the
+group with reward variance, or most replies cut at max_tokens, for `stall.steps` steps in a
+row is a stalled (often collapsed) run. `stall.action` then warns, stops it naming the
 command to go on with, or rolls it back to the last checkpoint from before the stall at a lower
 lr (`RLStep.roll_back`) and trains on, the step count going forward.
 
@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from saccade.config import LossConfig, RunConfig, describe, effective_loss
+from saccade.config import LossConfig, RunConfig, StallRollbackConfig, describe, effective_loss
 from saccade.data.rows import (
     PromptStream,
     StepRows,
@@ -126,7 +126,7 @@ def kl_reference(cfg: RunConfig, setup: Setup, sampling: SamplingParams, world: 
     checkpoint, so a resumed run's reference is the weights the run started from, not the
     checkpoint's."""
     banned = setup.engine.banned_token_ids
-    if cfg.lora.enabled:
+    if cfg.lora is not None:
         return adapter_free_reference(setup.model, distribution=sampling.distribution, banned_token_ids=banned)
     copy = frozen_copy(setup.model, setup.model_path, compute_dtype=getattr(torch, cfg.model.dtype), world=world)
     return frozen_reference(copy, distribution=sampling.distribution, banned_token_ids=banned)
@@ -249,7 +249,7 @@ class RLStep:
     def roll_back(self, run_dir: Path, state: TrainState, *, since: int) -> dict[str, float]:
         """A stalled run back to the newest checkpoint saved before policy version `since` (the
         weights the stall's first step sampled): its weights, optimizer state and place in the lr
-        schedule reloaded, the peak lr multiplied by rollout.stall_lr_factor (kept in
+        schedule reloaded, the peak lr multiplied by stall.lr_factor (kept in
         `state.extra`, so a resume keeps it), the checkpoints from the stall on set aside. The
         checkpoint's own TrainState is not used: the step count, the data position and the
         policy versions go on forward, so metrics.jsonl stays append-only. Every rank takes part.
@@ -260,7 +260,8 @@ class RLStep:
             return {}
         step, path = found
         load_checkpoint(path, model=self.setup.model, optimizer=self.optimizer, scheduler=self.scheduler)
-        state.extra[LR_SCALE] = state.extra.get(LR_SCALE, 1.0) * self.cfg.rollout.stall_lr_factor
+        assert isinstance(self.cfg.stall, StallRollbackConfig), self.cfg.stall.action
+        state.extra[LR_SCALE] = state.extra.get(LR_SCALE, 1.0) * self.cfg.stall.lr_factor
         lr = set_peak_lr(self.optimizer, self.scheduler, self.cfg.trainer.lr * state.extra[LR_SCALE])
         if self.world.is_main:  # the stalled weights: never the latest checkpoint a resume would load
             set_aside_checkpoints(run_dir, since)
@@ -304,7 +305,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     # server may still hold the base model, or another run's (the embedded engine shares them).
     engine.update_weights(version=state.policy_version)
     barrier(world)
-    if cfg.rollout.on_stall == "rollback" and not resume:  # a stall before the first checkpoint goes back here
+    if cfg.stall.action == "rollback" and not resume:  # a stall before the first checkpoint goes back here
         with stop_if_unwritable(run_dir, state.step):
             run.save(run_dir, state)
     stall = StallState.restored(state.extra.get(STALL))
@@ -339,18 +340,18 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 train_s = time.perf_counter() - start - rollout_s
 
                 # 3. The stall watch: no group with reward variance, or most replies cut at max_tokens,
-                # for rollout.stall_steps steps in a row. Every rank holds the same figures, so all
+                # for stall.steps steps in a row. Every rank holds the same figures, so all
                 # decide alike: warn (rank 0 says it), stop (below, once the step is logged), or roll
                 # back now, before the weights go to the engine.
-                stall = observe(stall, StepSignal.of(rollouts.batch.metrics), cfg.rollout)
-                action = stall_action(stall, cfg.rollout)
-                stall_figures = stall.metrics(cfg.rollout.stall_steps)  # before a rollback restarts the streaks
+                stall = observe(stall, StepSignal.of(rollouts.batch.metrics), cfg.stall)
+                action = stall_action(stall, cfg.stall)
+                stall_figures = stall.metrics(cfg.stall.steps)  # before a rollback restarts the streaks
                 if action == "warn" and world.is_main:
-                    warnings.warn(stall_warning(stall, rollouts.batch.metrics, cfg.rollout, run_dir / METRICS_FILE),
+                    warnings.warn(stall_warning(stall, rollouts.batch.metrics, cfg.stall, run_dir / METRICS_FILE),
                                   RuntimeWarning, stacklevel=2)
                 rolled_back: dict[str, float] = {}
                 if action == "rollback":
-                    rolled_back = run.roll_back(run_dir, state, since=stall.since(cfg.rollout.stall_steps))
+                    rolled_back = run.roll_back(run_dir, state, since=stall.since(cfg.stall.steps))
                     if rolled_back:  # rollouts from here on sample the restored weights, version step + 1
                         stall = after_rollback(stall, version=step + 1)
                         rolled_back["rollbacks"] = float(stall.rollbacks)
@@ -442,13 +443,13 @@ def rl_command(run_dir: Path, world: World) -> str:
 
 def stalled_stop(cfg: RunConfig, run_dir: Path, step: int, stall: StallState, metrics: dict[str, float],
                  world: World) -> StallError:
-    """The error that ends a stalled run (on_stall "stop", or "rollback" with no rollback left):
+    """The error that ends a stalled run (stall.action "stop", or "rollback" with no rollback left):
     the checkpoints from the stall on set aside, so that `--resume` loads the last one from
     before it, and the command to go on with at a lower lr. A collapsed policy's weights are not
     worth a checkpoint. `--resume` cuts metrics.jsonl back to the checkpoint's step, so the
     stalled run's metrics are kept aside too."""
-    n, rollout = cfg.rollout.stall_steps, cfg.rollout
-    since = stall.since(n)  # the stall's first step sampled these weights: they and later ones stalled
+    watch = cfg.stall
+    since = stall.since(watch.steps)  # the stall's first step sampled these weights: they and later ones stalled
     found = checkpoint_before(run_dir, since)
     aside, moved = run_dir / STALLED_DIR, []
     if world.is_main:
@@ -457,13 +458,15 @@ def stalled_stop(cfg: RunConfig, run_dir: Path, step: int, stall: StallState, me
             aside.mkdir(exist_ok=True)
             shutil.copyfile(run_dir / METRICS_FILE, aside / f"metrics-to-step_{step:06d}.jsonl")
     barrier(world)
-    text = f"the run stalled: {describe_stall(stall, metrics, rollout)}. It stopped after step {step}"
-    if rollout.on_stall == "rollback" and stall.rollbacks >= rollout.max_rollbacks:
-        text += f", its rollout.max_rollbacks ({rollout.max_rollbacks}) rollbacks spent,"
+    text = f"the run stalled: {describe_stall(stall, metrics, watch)}. It stopped after step {step}"
+    if isinstance(watch, StallRollbackConfig) and stall.rollbacks >= watch.max_rollbacks:
+        text += f", its stall.max_rollbacks ({watch.max_rollbacks}) rollbacks spent,"
     text += " without saving its weights (a stalled policy is not worth a checkpoint)"
     if moved:
         text += f"; the checkpoints written since the stall began are set aside in {aside}"
-    command, lower = rl_command(run_dir, world), f"{cfg.trainer.lr * rollout.stall_lr_factor:g}"
+    # The lower lr to go on at: the rollback's factor (its default, half, for 'stop').
+    factor = (watch if isinstance(watch, StallRollbackConfig) else StallRollbackConfig()).lr_factor
+    command, lower = rl_command(run_dir, world), f"{cfg.trainer.lr * factor:g}"
     if found is not None:
         return StallError(
             f"{text}. Go on from step {found[0]}, the last checkpoint from before the stall, at a lower learning "

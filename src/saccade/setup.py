@@ -99,11 +99,11 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
         barrier(world)
     dtype = getattr(torch, cfg.model.dtype)
     processor = load_processor(model_path)
-    policy = load_policy_lm(model_path, dtype=weights_dtype(dtype, sharded=world.sharded, lora=cfg.lora.enabled),
+    policy = load_policy_lm(model_path, dtype=weights_dtype(dtype, sharded=world.sharded, lora=cfg.lora is not None),
                             attn_implementation=cfg.model.attn_implementation, device=device)
     if cfg.trainer.activation_checkpointing:
         policy.enable_activation_checkpointing()
-    model = apply_lora(policy, cfg.lora) if cfg.lora.enabled else set_full_finetune(policy)
+    model = apply_lora(policy, cfg.lora) if cfg.lora is not None else set_full_finetune(policy)
     if world.sharded:
         shard_model(model, world, device=device, compute_dtype=dtype)
     cache = EmbeddingCache(cfg.image_cache.budget_bytes, cfg.image_cache.dir, dtype=dtype)
@@ -134,8 +134,9 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
     from saccade.models.loading import load_layout
 
     lora = cfg.engine.sync_lora_adapter
-    if lora and not cfg.lora.enabled:
-        raise ValueError("engine.sync_lora_adapter needs lora.enabled = true (full fine-tuning pushes full weights)")
+    if lora and cfg.lora is None:
+        raise ValueError("engine.sync_lora_adapter needs LoRA, and lora = false is full fine-tuning (which pushes full "
+                         "weights): set engine.sync_lora_adapter = false")
     weights_dir = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else run_dir / "engine-weights"
     return VLLMEngine.for_servers(
         cfg.engine.urls, processor, limits=cfg.images, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),

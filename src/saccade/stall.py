@@ -7,16 +7,16 @@ weights never move again. Two kinds of step count towards a stall, each in its o
 - no signal: no group had reward variance (`groups_with_signal_frac` 0), and not every
   reply was correct (a policy that answers everything right has nothing left to learn; that
   is no collapse, and going back from it would undo the run);
-- truncated: more than `rollout.stall_truncated_frac` of the answers or episodes ended on a
+- truncated: more than `stall.truncated_frac` of the answers or episodes ended on a
   reply cut at sampling.max_tokens (`final_truncated_frac`; single-turn: the share of replies
   cut). Past half, most answers are cut before they end, and such a run can still have a
   little variance left (a reward for the format, a lucky short reply), so this kind sees the
   collapse that the first would only see once it is complete. Final replies, not all of them:
   a multi-turn run whose groups still vary can have half its replies cut (the views demo's
   look turns: 0.44 of all its replies over 300 steps, 0.06 of its final ones).
-A run has stalled when either streak reaches `rollout.stall_steps` steps. Then
-`rollout.on_stall` says what happens: "warn" (once per streak), "stop", or "rollback" (at
-most `rollout.max_rollbacks` times; a stall after the last stops the run).
+A run has stalled when either streak reaches `stall.steps` steps. Then `stall.action` says
+what happens: "warn" (once per streak), "stop", or "rollback" (at most `stall.max_rollbacks`
+times; a stall after the last stops the run).
 
 `observe` (the state updated with a step's figures) and `stall_action` (state in, action out)
 are the whole rule, pure functions tested on crafted sequences (tests/test_stall.py); `train_rl`
@@ -32,13 +32,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-from saccade.config import RolloutConfig
+from saccade.config import StallConfig, StallRollbackConfig
 
 Action = Literal["go_on", "warn", "stop", "rollback"]
 
 
 class StallError(RuntimeError):
-    """A stalled run stopped (`rollout.on_stall` "stop", or "rollback" with nothing left to go
+    """A stalled run stopped (`stall.action` "stop", or "rollback" with nothing left to go
     back to); the message names what to run next. `saccade rl` prints it and exits with 3."""
 
 
@@ -114,24 +114,24 @@ class StallState:
                 "stalled": float(self.stalled(stall_steps)), "rollbacks": float(self.rollbacks)}
 
 
-def observe(state: StallState, seen: StepSignal, rollout: RolloutConfig) -> StallState:
+def observe(state: StallState, seen: StepSignal, watch: StallConfig) -> StallState:
     """The state after a step whose rollouts showed `seen`."""
     if seen.sampled_version < state.counts_from:  # sampled before a rollback, from the weights it undid
         return state
     no_signal = seen.groups_with_signal_frac == 0 and seen.accuracy < 1.0
-    truncated = seen.final_truncated_frac > rollout.stall_truncated_frac
+    truncated = seen.final_truncated_frac > watch.truncated_frac
     return replace(state, no_signal=state.no_signal.extend(no_signal, seen.sampled_version),
                    truncated=state.truncated.extend(truncated, seen.sampled_version))
 
 
-def stall_action(state: StallState, rollout: RolloutConfig) -> Action:
+def stall_action(state: StallState, watch: StallConfig) -> Action:
     """What the run does after the step `state` has observed: it acts the step a streak reaches
-    rollout.stall_steps, so "warn" says it once per streak, however long the stall lasts."""
-    if not state.reached(rollout.stall_steps):
+    stall.steps, so "warn" says it once per streak, however long the stall lasts."""
+    if not state.reached(watch.steps):
         return "go_on"
-    if rollout.on_stall == "warn":
+    if watch.action == "warn":
         return "warn"
-    if rollout.on_stall == "rollback" and state.rollbacks < rollout.max_rollbacks:
+    if isinstance(watch, StallRollbackConfig) and state.rollbacks < watch.max_rollbacks:
         return "rollback"
     return "stop"
 
@@ -142,24 +142,24 @@ def after_rollback(state: StallState, version: int) -> StallState:
     return StallState(rollbacks=state.rollbacks + 1, counts_from=version)
 
 
-def describe_stall(state: StallState, metrics: Mapping[str, float], rollout: RolloutConfig) -> str:
+def describe_stall(state: StallState, metrics: Mapping[str, float], watch: StallConfig) -> str:
     """What has stalled, in words, with the step's figures that show it."""
-    n = rollout.stall_steps
+    n = watch.steps
     parts = []
     if state.no_signal.steps >= n:
         parts.append(f"no group has had reward variance for {state.no_signal.steps} steps (every episode of a prompt "
                      f"scores the same, so the weights have not changed since)")
     if state.truncated.steps >= n:
-        parts.append(f"more than {rollout.stall_truncated_frac:.0%} of the final replies have been cut at "
+        parts.append(f"more than {watch.truncated_frac:.0%} of the final replies have been cut at "
                      f"sampling.max_tokens for {state.truncated.steps} steps (they no longer end)")
     figures = ", ".join(f"{k} {metrics[k]:.3g}" for k in ("reward_mean", "final_truncated_frac", "completion_len_mean")
                         if k in metrics)
     return " and ".join(parts) + f"; {figures}"
 
 
-def stall_warning(state: StallState, metrics: Mapping[str, float], rollout: RolloutConfig, metrics_path) -> str:
-    """on_stall = "warn": the stall, where to look, and what to change."""
-    return (f"{describe_stall(state, metrics, rollout)}. See {metrics_path}; if the policy collapsed, resume from "
-            "an earlier checkpoint with a lower trainer.lr (or set rollout.on_stall = 'rollback' to have the run "
+def stall_warning(state: StallState, metrics: Mapping[str, float], watch: StallConfig, metrics_path) -> str:
+    """stall.action = "warn": the stall, where to look, and what to change."""
+    return (f"{describe_stall(state, metrics, watch)}. See {metrics_path}; if the policy collapsed, resume from "
+            "an earlier checkpoint with a lower trainer.lr (or set stall.action = 'rollback' to have the run "
             "do it), or raise rollout.group_size or sampling.temperature; if the replies are cut from the first "
             "step on, raise sampling.max_tokens")

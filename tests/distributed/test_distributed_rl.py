@@ -243,7 +243,7 @@ def test_two_nodes_over_loopback_train(tmp_path):
              "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-id", "saccade-test", "-m", "saccade", "rl", "configs/demo.toml", "--model.path", "tiny-warm",
              "--trainer.steps", "2", "--trainer.torch_threads", "1", "--trainer.max_tokens", "256",
-             "--eval.every_steps", "0", "--lora.enabled", "true", "--trainer.activation_checkpointing", "true",
+             "--eval.every_steps", "0", "--lora", "true", "--trainer.activation_checkpointing", "true",
              "--loss.kl_coef", "0.05", "--log.dir", str(run_dir)],
             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in (0, 1)

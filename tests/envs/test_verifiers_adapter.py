@@ -350,7 +350,7 @@ def test_rl_sample_step_runs_verifiers_episodes(look, tmp_path):
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--log.dir", str(tmp_path), "--rollout.group_size", "2", "--rollout.filter_zero_variance", "false",
-        "--sampling.max_tokens", "4", "--lora.rank", "4"])
+        "--sampling.max_tokens", "4"])
     setup = build_setup(cfg, tmp_path)
     assert look.max_turns > 1  # the episodic path
     rows = StepRows([look.train_sample(0, seed=0), look.train_sample(1, seed=0)], positions=[0, 1], end=2, skipped=[])

@@ -119,7 +119,7 @@ def test_lora_wraps_attention_deltanet_shared_expert_and_experts_and_merges_as_p
 
     rank = 4
     torch.manual_seed(0)
-    model = apply_lora(load_policy_lm(path), LoraConfig(enabled=True, rank=rank, alpha=8, dropout=0.0,
+    model = apply_lora(load_policy_lm(path), LoraConfig(rank=rank, alpha=8, dropout=0.0,
                                                         target_modules=list(FAMILY.lora_target_modules)))
     suffix = ".lora_A.default.weight"
     wrapped = {n.removesuffix(suffix) for n, _ in model.named_parameters() if n.endswith(suffix)}

@@ -296,7 +296,7 @@ def _rl_step_metrics(moe_path, processor, encoder, *, router_noise: float = 0.0)
     """One RL train step of a fresh tiny MoE (fp32) on its own embedded engine's samples; with
     `router_noise`, the trainer's routers are perturbed by that fraction of their weights' std
     after sampling (the engine sampled with the old ones), so some tokens route differently."""
-    from saccade.config import LossConfig
+    from saccade.config import PpoClipLossConfig
     from saccade.models.lm import load_policy_lm
     from saccade.trainer.packing import pack
     from saccade.trainer.step import build_optimizer, train_step
@@ -312,8 +312,9 @@ def _rl_step_metrics(moe_path, processor, encoder, *, router_noise: float = 0.0)
     micro_batches = pack(samples, encoder.cache.get, max_tokens=400, image_token_id=model.image_token_id,
                          spatial_merge_size=encoder.merge)
     optimizer, scheduler = build_optimizer(model, lr=1e-4, weight_decay=0.0, schedule=lambda _: 1.0)
-    return train_step(model, optimizer, scheduler, micro_batches, loss=LossConfig(), num_iterations=1, grad_clip=1.0,
-                      distribution=params.distribution, banned_token_ids=engine.banned_token_ids, current_version=0)
+    return train_step(model, optimizer, scheduler, micro_batches, loss=PpoClipLossConfig(), num_iterations=1,
+                      grad_clip=1.0, distribution=params.distribution, banned_token_ids=engine.banned_token_ids,
+                      current_version=0)
 
 
 @pytest.mark.slow
@@ -351,7 +352,7 @@ def test_lora_merge_of_expert_adapters_equals_peft(moe_path):
     from saccade.trainer.engine_weights import _LiveWeights
 
     torch.manual_seed(0)
-    model = apply_lora(load_policy_lm(moe_path), LoraConfig(enabled=True, rank=4, alpha=8, dropout=0.0,
+    model = apply_lora(load_policy_lm(moe_path), LoraConfig(rank=4, alpha=8, dropout=0.0,
                                                             target_modules=list(moe.LORA_TARGETS)))
     with torch.no_grad():
         for n, p in model.named_parameters():

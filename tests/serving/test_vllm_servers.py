@@ -258,7 +258,7 @@ def test_at_world_2_with_every_server_killed_every_rank_checkpoints_once_and_res
                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(root / "tests" / "distributed" / "worker.py"),
                str(run_dir), "--scored", *FAST, "--engine.kind", "vllm", "--engine.urls", json.dumps(urls),
                "--trainer.steps", "5", "--rollout.max_async_level", "1", "--engine.no_server_wait_s", "3",
-               "--checkpoint.every_steps", "0", "--rollout.on_stall", "warn", *args]
+               "--checkpoint.every_steps", "0", "--stall.action", "warn", *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
         return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

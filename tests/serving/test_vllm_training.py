@@ -90,7 +90,7 @@ def test_rl_on_vllm_with_sync_every_2_steps_records_the_lag(tmp_path, server):
 
 
 def test_lora_runs_push_only_the_adapter_and_vllm_samples_with_it(tmp_path, server):
-    cfg = vllm_config(tmp_path, server, "--lora.enabled", "true", "--lora.rank", "8",
+    cfg = vllm_config(tmp_path, server, "--lora", "true", "--lora.rank", "8",
                       "--engine.sync_lora_adapter", "true", "--trainer.lr", "1e-2")
     setup = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)["setup"]
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
@@ -108,7 +108,7 @@ def test_lora_runs_push_only_the_adapter_and_vllm_samples_with_it(tmp_path, serv
 
 def test_adapter_sync_is_refused_for_full_finetuning(tmp_path, server):
     cfg = vllm_config(tmp_path, server, "--engine.sync_lora_adapter", "true")
-    with pytest.raises(ValueError, match="needs lora.enabled"):
+    with pytest.raises(ValueError, match="sync_lora_adapter needs LoRA"):
         build_setup(cfg, tmp_path)
 
 

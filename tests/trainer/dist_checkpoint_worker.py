@@ -45,7 +45,7 @@ def setup(kind: str, base: str, world, seed: int = 0):
 
     torch.manual_seed(seed)  # the same on every rank: every rank shards the same full model
     policy = load_policy_lm(base)
-    model = apply_lora(policy, LoraConfig(enabled=True, rank=4, alpha=8.0)) if kind == "lora" \
+    model = apply_lora(policy, LoraConfig(rank=4, alpha=8.0)) if kind == "lora" \
         else set_full_finetune(policy)
     if world.sharded:
         shard_model(model, world, device=torch.device("cpu"), compute_dtype=torch.float32)

@@ -19,8 +19,9 @@ import math
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 
-from saccade.config import LossConfig
+from saccade.config import LossConfig, PpoClipLossConfig, ReinforceLossConfig
 from saccade.trainer.loss import LossInputs, masked_mean, per_sequence_mean, policy_loss
 
 MASK = [False, True, True, True, False, True, True]
@@ -29,6 +30,11 @@ RATIOS = [1.0, 1.0, 1.5, 0.5, 1.0, 0.5, 1.5]  # masked entries are irrelevant
 ADV = [1.0, 1.0, 1.0, 1.0, -2.0, -2.0, -2.0]
 OLD = [-1.0, -0.7, -1.2, -0.3, -2.0, -0.9, -1.1]
 LOSS_IDX = [1, 2, 3, 5, 6]
+
+
+def loss_config(**fields) -> LossConfig:
+    """The [loss] variant its `kind` names (ppo_clip unless told), as a config file gives it."""
+    return TypeAdapter(LossConfig).validate_python({"kind": "ppo_clip", **fields})
 
 
 def t(xs, dtype=torch.float64):
@@ -57,7 +63,7 @@ def grad_of(loss, inp):
 
 def test_ppo_clip_token_normalization_value_and_grads():
     inp = make_inputs()
-    loss, m = policy_loss(inp, LossConfig(kind="ppo_clip", normalization="token"))
+    loss, m = policy_loss(inp, PpoClipLossConfig(normalization="token"))
     assert loss.item() == pytest.approx(1.82 / 5)
     # d(-r*A)/d lp = -r*A per unclipped token, / 5 loss tokens; clipped tokens and masked ones: 0
     expected = [0.0, -1.0 * 1 / 5, 0.0, -0.5 * 1 / 5, 0.0, 0.0, -1.5 * -2 / 5]
@@ -73,7 +79,7 @@ def test_ppo_clip_token_normalization_value_and_grads():
 def test_the_three_normalizations_differ_on_the_same_data():
     values = {}
     for norm in ("token", "sequence", "constant"):
-        loss, _ = policy_loss(make_inputs(), LossConfig(normalization=norm, max_completion_tokens=4))
+        loss, _ = policy_loss(make_inputs(), PpoClipLossConfig(normalization=norm, max_completion_tokens=4))
         values[norm] = loss.item()
     assert values["token"] == pytest.approx(1.82 / 5)  # 0.364
     seq_a = (-1 - 1.28 - 0.5) / 3
@@ -86,11 +92,11 @@ def test_the_three_normalizations_differ_on_the_same_data():
 def test_clip_high_boundary_uses_eps_high_not_eps_low():
     # ratio 1.25 with A>0: clipped under symmetric eps 0.2, not under clip-higher eps_high 0.28
     inp = make_inputs(ratios=[1.25] * 7, adv=[1.0] * 7)
-    loss, m = policy_loss(inp, LossConfig(eps_low=0.2, eps_high=0.28))
+    loss, m = policy_loss(inp, PpoClipLossConfig(eps_low=0.2, eps_high=0.28))
     assert loss.item() == pytest.approx(-1.25)
     assert m["clip_frac_high"].item() == 0.0
     inp = make_inputs(ratios=[1.25] * 7, adv=[1.0] * 7)
-    loss, m = policy_loss(inp, LossConfig(eps_low=0.2, eps_high=0.2))
+    loss, m = policy_loss(inp, PpoClipLossConfig(eps_low=0.2, eps_high=0.2))
     assert loss.item() == pytest.approx(-1.2)
     assert m["clip_frac_high"].item() == 1.0
     assert grad_of(loss, inp) == pytest.approx([0.0] * 7)
@@ -108,7 +114,7 @@ def test_clip_high_boundary_uses_eps_high_not_eps_low():
 def test_ppo_grad_at_ratio_one_is_minus_advantage_over_denominator(norm, denoms):
     adv = [0.0, 0.5, -1.0, 2.0, 0.0, -3.0, 1.5]
     inp = make_inputs(ratios=[1.0] * 7, adv=adv)
-    loss, _ = policy_loss(inp, LossConfig(normalization=norm, max_completion_tokens=10))
+    loss, _ = policy_loss(inp, PpoClipLossConfig(normalization=norm, max_completion_tokens=10))
     expected = [0.0] * 7
     for i, d in zip(LOSS_IDX, denoms):
         expected[i] = -adv[i] / d
@@ -120,7 +126,7 @@ def test_ppo_grad_at_ratio_one_is_minus_advantage_over_denominator(norm, denoms)
 
 def test_reinforce_value_and_grads():
     inp = make_inputs()
-    loss, m = policy_loss(inp, LossConfig(kind="reinforce", normalization="token"))
+    loss, m = policy_loss(inp, ReinforceLossConfig(normalization="token"))
     lp = [OLD[i] + math.log(RATIOS[i]) for i in range(7)]
     expected_loss = sum(-ADV[i] * lp[i] for i in LOSS_IDX) / 5
     assert loss.item() == pytest.approx(expected_loss)
@@ -148,7 +154,7 @@ def tis_inputs():
 @pytest.mark.parametrize("kind", ["ppo_clip", "reinforce"])
 def test_tis_weights_are_capped_and_scale_the_policy_gradient(kind):
     inp = tis_inputs()
-    loss, m = policy_loss(inp, LossConfig(kind=kind, tis_cap=2.0))
+    loss, m = policy_loss(inp, loss_config(kind=kind, tis_cap=2.0))
     # per-token gradient of both kinds at ratio 1 is -A * w / 5
     expected_grad = [0.0] * 7
     for i in LOSS_IDX:
@@ -165,15 +171,15 @@ def test_tis_weights_are_capped_and_scale_the_policy_gradient(kind):
 
 
 def test_inference_logprobs_without_cap_only_adds_metrics():
-    plain, _ = policy_loss(make_inputs(ratios=[1.0] * 7), LossConfig())
-    with_inf, m = policy_loss(tis_inputs(), LossConfig())
+    plain, _ = policy_loss(make_inputs(ratios=[1.0] * 7), PpoClipLossConfig())
+    with_inf, m = policy_loss(tis_inputs(), PpoClipLossConfig())
     assert with_inf.item() == pytest.approx(plain.item())
     assert "mismatch_abs" in m and "tis_weight_mean" not in m
 
 
 def test_tis_cap_without_inference_logprobs_is_a_user_error():
     with pytest.raises(ValueError, match="inference_logprobs_N"):
-        policy_loss(make_inputs(), LossConfig(tis_cap=2.0))
+        policy_loss(make_inputs(), PpoClipLossConfig(tis_cap=2.0))
 
 
 # ------------------------------------------------------------------ KL and entropy
@@ -186,7 +192,7 @@ def test_kl_k3_value_and_gradient_sign():
     for i, di in d.items():
         ref[i] = OLD[i] + di
     inp = make_inputs(ratios=[1.0] * 7, adv=[0.0] * 7, ref_logprobs_N=t(ref))
-    loss, m = policy_loss(inp, LossConfig(kl_coef=0.1))
+    loss, m = policy_loss(inp, PpoClipLossConfig(kl_coef=0.1))
     # k3 = e^d - d - 1: d=ln2 -> 2 - ln2 - 1 = 0.30685; d=-ln2 -> 0.5 + ln2 - 1 = 0.19315
     k3 = {i: math.exp(di) - di - 1 for i, di in d.items()}
     assert k3[1] == pytest.approx(0.306853, abs=1e-6) and k3[2] == pytest.approx(0.193147, abs=1e-6)
@@ -222,7 +228,7 @@ def test_each_kl_estimator_by_hand(estimator):
     for i, di in KL_D.items():
         ref[i] = OLD[i] + di
     inp = make_inputs(ratios=[1.0] * 7, adv=[0.0] * 7, ref_logprobs_N=t(ref))
-    loss, m = policy_loss(inp, LossConfig(kl_coef=0.1, kl_estimator=estimator))
+    loss, m = policy_loss(inp, PpoClipLossConfig(kl_coef=0.1, kl_estimator=estimator))
     assert m["kl"].item() == pytest.approx(sum(values) / 5, abs=1e-9)  # the metric: the estimator's mean
     assert loss.item() == pytest.approx(0.1 * sum(values) / 5, abs=1e-9)  # token normalization: / 5
     g = grad_of(loss, inp)
@@ -261,8 +267,8 @@ def test_kl_estimators_on_average_over_a_vocabulary():
 
 def test_kl_metric_without_coef_does_not_change_the_loss():
     ref = [o + math.log(r) + 0.3 for o, r in zip(OLD, RATIOS)]  # ref - lp = 0.3 everywhere
-    base, _ = policy_loss(make_inputs(), LossConfig())
-    loss, m = policy_loss(make_inputs(ref_logprobs_N=t(ref)), LossConfig(kl_coef=0.0))
+    base, _ = policy_loss(make_inputs(), PpoClipLossConfig())
+    loss, m = policy_loss(make_inputs(ref_logprobs_N=t(ref)), PpoClipLossConfig(kl_coef=0.0))
     assert loss.item() == pytest.approx(base.item())
     assert m["kl"].item() == pytest.approx(math.exp(0.3) - 0.3 - 1)
 
@@ -270,7 +276,7 @@ def test_kl_metric_without_coef_does_not_change_the_loss():
 def test_entropy_bonus_is_subtracted():
     ent = t([9.0, 1.0, 2.0, 3.0, 9.0, 0.5, 1.5]).requires_grad_(True)
     inp = make_inputs(ratios=[1.0] * 7, adv=[0.0] * 7, entropy_N=ent)
-    loss, m = policy_loss(inp, LossConfig(entropy_coef=0.01))
+    loss, m = policy_loss(inp, PpoClipLossConfig(entropy_coef=0.01))
     mean_ent = (1.0 + 2.0 + 3.0 + 0.5 + 1.5) / 5  # masked 9.0s excluded
     assert m["entropy"].item() == pytest.approx(mean_ent)
     assert loss.item() == pytest.approx(-0.01 * mean_ent)
@@ -280,9 +286,9 @@ def test_entropy_bonus_is_subtracted():
 
 def test_missing_ref_or_entropy_for_nonzero_coef_is_a_user_error():
     with pytest.raises(ValueError, match="ref_logprobs_N"):
-        policy_loss(make_inputs(), LossConfig(kl_coef=0.1))
+        policy_loss(make_inputs(), PpoClipLossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="entropy_N"):
-        policy_loss(make_inputs(), LossConfig(entropy_coef=0.1))
+        policy_loss(make_inputs(), PpoClipLossConfig(entropy_coef=0.1))
 
 
 # ------------------------------------------------------------------ masking
@@ -291,7 +297,7 @@ def test_missing_ref_or_entropy_for_nonzero_coef_is_a_user_error():
 @pytest.mark.parametrize("kind", ["ppo_clip", "reinforce"])
 @pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
 def test_masked_tokens_with_garbage_contribute_zero_and_finite_grads(kind, norm):
-    cfg = LossConfig(kind=kind, normalization=norm, tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01)
+    cfg = loss_config(kind=kind, normalization=norm, tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01)
     inference = [o - 0.1 for o in OLD]
     ref = [o + 0.2 for o in OLD]
     clean = make_inputs(entropy_N=t([1.0] * 7), inference_logprobs_N=t(inference), ref_logprobs_N=t(ref))
@@ -325,7 +331,7 @@ def test_masked_tokens_with_garbage_contribute_zero_and_finite_grads(kind, norm)
 def test_no_loss_tokens_gives_zero_loss_not_nan():
     inp = make_inputs(mask=[False] * 7)
     for norm in ("token", "sequence", "constant"):
-        loss, m = policy_loss(inp, LossConfig(normalization=norm))
+        loss, m = policy_loss(inp, PpoClipLossConfig(normalization=norm))
         assert loss.item() == 0.0
         assert grad_of(loss, inp) == [0.0] * 7
         assert all(math.isfinite(v.item()) for v in m.values())
@@ -351,7 +357,7 @@ def _three_sequence_batch():
 @pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
 def test_grad_accumulation_with_totals_equals_the_whole_batch(kind, norm):
     mask, cu, old, lp, adv, inference, ref, ent = _three_sequence_batch()
-    cfg = LossConfig(
+    cfg = loss_config(
         kind=kind, normalization=norm, max_completion_tokens=8, tis_cap=1.05, kl_coef=0.1, entropy_coef=0.01
     )
 
@@ -402,7 +408,7 @@ def test_helpers_by_hand():
 def test_float32_inputs_stay_float32():
     inp = make_inputs()
     inp.logprobs_N = inp.logprobs_N.detach().float().requires_grad_(True)
-    loss, _ = policy_loss(inp, LossConfig())
+    loss, _ = policy_loss(inp, PpoClipLossConfig())
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(1.82 / 5, rel=1e-5)
 
@@ -420,14 +426,14 @@ def test_float32_inputs_stay_float32():
 )
 def test_bad_inputs_are_value_errors(kw, match):
     with pytest.raises(ValueError, match=match):
-        policy_loss(make_inputs(**kw), LossConfig())
+        policy_loss(make_inputs(**kw), PpoClipLossConfig())
 
 
 def test_non_bool_mask_is_a_value_error():
     inp = make_inputs()
     inp.loss_mask_N = inp.loss_mask_N.float()
     with pytest.raises(ValueError, match="bool"):
-        policy_loss(inp, LossConfig())
+        policy_loss(inp, PpoClipLossConfig())
 
 
 @pytest.mark.parametrize(
@@ -446,4 +452,4 @@ def test_non_bool_mask_is_a_value_error():
 )
 def test_bad_config_is_a_value_error(kw):
     with pytest.raises(ValueError):
-        LossConfig(**kw)
+        loss_config(**kw)

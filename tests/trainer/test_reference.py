@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saccade.config import LoraConfig, LossConfig
+from saccade.config import LoraConfig, PpoClipLossConfig, ReinforceLossConfig
 from saccade.models.lm import apply_lora, ban_bias, load_policy_lm, set_full_finetune, unwrap_policy
 from saccade.models.sampling import SampledDistribution
 from saccade.trainer.forward import forward_logprobs
@@ -98,7 +98,7 @@ def test_full_finetuning_kl_is_0_at_step_1_then_rises_and_the_reference_never_mo
     copy = frozen_copy(model, str(tiny_path), compute_dtype=dtype)
     start = {n: p.detach().clone() for n, p in copy.named_parameters()}
     reference = frozen_reference(copy, distribution=DISTRIBUTION, banned_token_ids=BANNED)
-    loss = LossConfig(kind="reinforce", kl_coef=0.05)
+    loss = ReinforceLossConfig(kl_coef=0.05)
     kls = []
     for _ in range(4):
         metrics = train_step(model, optimizer, scheduler, micro_batches, loss=loss, num_iterations=1, grad_clip=1.0,
@@ -128,5 +128,5 @@ def test_each_model_kind_gets_its_own_reference(tiny_path):
         adapter_free_reference(full, distribution=DISTRIBUTION, banned_token_ids=BANNED)
     optimizer, scheduler = build_optimizer(full, lr=1e-3, weight_decay=0.0, schedule=lambda s: 1.0)
     with pytest.raises(ValueError, match="needs a reference policy"):
-        train_step(full, optimizer, scheduler, [], loss=LossConfig(kl_coef=0.1), num_iterations=1, grad_clip=1.0,
+        train_step(full, optimizer, scheduler, [], loss=PpoClipLossConfig(kl_coef=0.1), num_iterations=1, grad_clip=1.0,
                    distribution=DISTRIBUTION, banned_token_ids=[])

@@ -25,7 +25,8 @@ from saccade.trainer.step import build_optimizer, lr_schedule, optimized_params,
     ],
 )
 def test_lr_schedule_by_hand(decay, expected):
-    schedule = lr_schedule(TrainerConfig(steps=10, warmup_steps=2, lr_decay=decay, min_lr_ratio=0.1))
+    to_min = {} if decay == "constant" else {"min_lr_ratio": 0.1}  # only a decay has an lr to end at
+    schedule = lr_schedule(TrainerConfig(steps=10, warmup_steps=2, lr_decay={"kind": decay, **to_min}))
     assert [schedule(k) for k in range(5)] == pytest.approx(expected)
 
 
@@ -49,7 +50,7 @@ def test_a_new_peak_lr_takes_over_at_the_schedules_place():
             scheduler.step()
         return lrs
 
-    schedule = lr_schedule(TrainerConfig(steps=8, warmup_steps=2, lr_decay="linear", min_lr_ratio=0.1))
+    schedule = lr_schedule(TrainerConfig(steps=8, warmup_steps=2, lr_decay={"kind": "linear", "min_lr_ratio": 0.1}))
     straight = run(8)
     assert straight == pytest.approx([0.1 * schedule(k) for k in range(8)])
     assert run(8, peak=0.1) == straight  # bit for bit
@@ -201,7 +202,7 @@ def test_a_padding_micro_batch_changes_nothing_but_runs_a_full_forward_and_backw
     """What a rank with fewer micro-batches runs (FSDP needs the same number of calls on every
     rank): the same metrics and weights as without it, and a gradient (of zeros) for every
     parameter, so every layer's backward, hence its gradient reduction, takes place."""
-    from saccade.config import LossConfig
+    from saccade.config import PpoClipLossConfig
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.packing import padding_micro_batch
     from saccade.trainer.step import train_step
@@ -210,7 +211,7 @@ def test_a_padding_micro_batch_changes_nothing_but_runs_a_full_forward_and_backw
         torch.manual_seed(0)
         model = set_full_finetune(load_policy_lm(tiny_path))
         optimizer, scheduler = build_optimizer(model, lr=1e-3, weight_decay=0.0, schedule=lambda s: 1.0)
-        metrics = train_step(model, optimizer, scheduler, micro_batches, loss=LossConfig(), num_iterations=1,
+        metrics = train_step(model, optimizer, scheduler, micro_batches, loss=PpoClipLossConfig(), num_iterations=1,
                              grad_clip=1.0, distribution=SampledDistribution(), banned_token_ids=[])
         return metrics, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -236,7 +237,7 @@ def test_at_most_two_micro_batches_are_on_the_device_at_once(tiny_path, monkeypa
     old way (the whole step's moved up front) counts all five, and the check says so."""
     import weakref
 
-    from saccade.config import LossConfig
+    from saccade.config import PpoClipLossConfig
     from saccade.trainer import step as step_module
     from saccade.trainer.samples import MicroBatch
     from saccade.trainer.step import train_step
@@ -263,7 +264,7 @@ def test_at_most_two_micro_batches_are_on_the_device_at_once(tiny_path, monkeypa
         seen.clear()
         model = set_full_finetune(load_policy_lm(tiny_path))
         optimizer, scheduler = build_optimizer(model, lr=1e-3, weight_decay=0.0, schedule=lambda s: 1.0)
-        return train_step(model, optimizer, scheduler, batches, loss=LossConfig(tis_cap=2.0), num_iterations=2,
+        return train_step(model, optimizer, scheduler, batches, loss=PpoClipLossConfig(tis_cap=2.0), num_iterations=2,
                           grad_clip=1.0, distribution=SampledDistribution(), banned_token_ids=[5, 6])
 
     made.clear()

@@ -156,7 +156,7 @@ def _reset_peak_rss() -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from saccade.config import LossConfig, LoraConfig, TrainerConfig
+    from saccade.config import LoraConfig, PpoClipLossConfig, TrainerConfig
     from saccade.distributed import all_gather, barrier, close_world, exit_rank, init_world, unsharded
     from saccade.trainer.sharding import shard_model
     from saccade.process_stats import proc_status_kb
@@ -187,8 +187,8 @@ def worker(args: argparse.Namespace) -> None:
         barrier(world)
         synchronize(device)
         start = time.perf_counter()
-        train_step(model, optimizer, scheduler, micro_batches, loss=LossConfig(), num_iterations=1, grad_clip=1.0,
-                   distribution=SampledDistribution(), banned_token_ids=[], world=world)
+        train_step(model, optimizer, scheduler, micro_batches, loss=PpoClipLossConfig(), num_iterations=1,
+                   grad_clip=1.0, distribution=SampledDistribution(), banned_token_ids=[], world=world)
         synchronize(device)
         if step:
             times.append(time.perf_counter() - start)

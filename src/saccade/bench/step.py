@@ -62,7 +62,8 @@ def bench_config(preset: str, image_size: int, lora: bool, device: str, run_dir:
         "--rollout.filter_zero_variance", "false", "--sampling.max_tokens", str(NEW_TOKENS),
         "--loss.max_completion_tokens", str(NEW_TOKENS), "--task.image_size", str(image_size),
         "--images.max_pixels", str(max_pixels), "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
-        "--lora.enabled", str(lora).lower(), "--lora.rank", str(LORA_RANK), "--lora.alpha", str(2 * LORA_RANK),
+        "--lora", str(lora).lower(),
+        *(["--lora.rank", str(LORA_RANK), "--lora.alpha", str(2 * LORA_RANK)] if lora else []),
         "--log.dir", str(run_dir),
         *(["--trainer.max_tokens", str(max_tokens)] if max_tokens else []),
     ])

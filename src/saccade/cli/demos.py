@@ -201,7 +201,7 @@ def add_demo_parser(sub) -> None:
         "--task.columns '{\"images\": ..., \"prompt\": ..., \"answer\": ..., \"choices\": ...}' (the warm start "
         "answers a random option of each row, the control blanks every image, chance is 1 / options): is the "
         "data set visually grounded, and does the path learn it? Four options need more than the shapes' three: "
-        "--trainer.steps 200 --sampling.temperature 1.3 --trainer.lr_decay linear. "
+        "--trainer.steps 200 --sampling.temperature 1.3 --trainer.lr_decay.kind linear. "
         "python -m saccade.data.choices_example FOLDER writes one to try (docs/demo.md).",
     )
     demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views", "scenes"],

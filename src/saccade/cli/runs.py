@@ -141,9 +141,9 @@ def add_rl_parser(sub) -> None:
         "machines, start it with torchrun (`torchrun --nproc-per-node N -m saccade rl CONFIG`): the trainer is then "
         "sharded with FSDP2 over the N processes and each samples its share of the prompts (docs/distributed.md). "
         "A run that stalls (no group with reward variance, or most replies cut at sampling.max_tokens, for "
-        "rollout.stall_steps steps; rollout.stall_truncated_frac) warns, stops (exit status 3, naming the --resume "
-        "command) or rolls back to its last checkpoint from before the stall at rollout.stall_lr_factor times the "
-        "lr (at most rollout.max_rollbacks times), as rollout.on_stall says (docs/stalls.md). Ctrl-C or SIGTERM (or a "
+        "stall.steps steps; stall.truncated_frac) warns, stops (exit status 3, naming the --resume command) or "
+        "rolls back to its last checkpoint from before the stall at stall.lr_factor times the lr (at most "
+        "stall.max_rollbacks times), as stall.action says (docs/stalls.md). Ctrl-C or SIGTERM (or a "
         "file named STOP in the run folder) stops it after the step under way, with a checkpoint: exit status 130, "
         "naming the --resume command.",
     )

@@ -1,20 +1,25 @@
 """Run configuration: pydantic models, TOML files, dotted command-line overrides, --dry-run.
 
 A run is described by one `RunConfig` (`run.py`), composed of sections (`sections.py`:
-`model`, `lora`, `images`, `image_cache`, `engine`, `sampling`, `rollout`, `loss`, `trainer`,
-`sft`, `env`, `eval`, `checkpoint`, `log`; `launch.py`: the `[launch]` layout) and the `[task]` union (`task.py`: one variant per
-kind of task, each with its own fields). Each section is a pydantic model with a docstring, a
+`model`, `lora`, `images`, `image_cache`, `engine`, `sampling`, `rollout`, `stall`, `loss`,
+`trainer`, `sft`, `env`, `eval`, `checkpoint`, `log`; `launch.py`: the `[launch]` layout) and
+the `[task]` union (`task.py`: one variant per kind of task, each with its own fields). A mode
+is a union too, not a flag: `[stall]` by its `action`, `[loss]` by its `kind`,
+`[trainer.lr_decay]` by its `kind`, and `lora` is a `[lora]` table or `false` (full
+fine-tuning). Each section is a pydantic model with a docstring, a
 description on every field and bounds wherever a bound means something; unknown keys are
 refused everywhere (`extra="forbid"`), and assignment is validated too (`cfg.trainer.lr = -1`
 raises).
 
 Where the values come from, later wins (`loading.py`):
   1. the defaults (a CPU demo on the built-in tiny model),
-  2. a TOML file (tables map to sections: ``[trainer]`` ``lr = 1e-5``); a file from before
-     the [task] section is read with its keys mapped to today's (`legacy.py`, docs/config.md),
+  2. a TOML file (tables map to sections: ``[trainer]`` ``lr = 1e-5``); a file with an earlier
+     day's keys is read as today's (`upgrade.py`: one table of moves, each dated), one from
+     before the [task] section (2026-11-24) refused with each old key's new name (docs/config.md),
   3. dotted overrides from the command line: ``--trainer.lr 1e-5``, ``--trainer.lr=1e-5``,
      ``--lora.target_modules '["q_proj","v_proj"]'``, ``--rollout.reward_weights.format 0.1``
-     (one key of a dict field), ``--task.kind scenes --task.max_turns 4``. A value is read as
+     (one key of a dict field), ``--task.kind scenes --task.max_turns 4``, ``--lora false``
+     (full fine-tuning). A value is read as
      JSON when it parses (numbers, ``true``, ``false``, ``null``, lists, objects), else kept
      as a string; pydantic then validates and coerces it against the field's type. A string
      field keeps the raw text (``--log.name 123`` gives the string "123").
@@ -48,13 +53,14 @@ the value of ``--trainer.lr 1e-5`` to the optional CONFIG positional.
 """
 
 from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
-from saccade.config.legacy import LegacyConfigWarning
 from saccade.config.loading import add_config_arguments, load_config, parse_overrides, split_overrides
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
-    DEFAULT_TIS_CAP, PRESET_NAMES, CheckpointConfig, ConfigError, EngineConfig, EnvConfig, EvalConfig,
-    ImageCacheConfig, ImagesConfig, LogConfig, LoraConfig, LossConfig, ModelConfig, RolloutConfig, SamplingConfig,
-    Section, SftConfig, TrainerConfig,
+    DEFAULT_TIS_CAP, PRESET_NAMES, BaseLossConfig, CheckpointConfig, ConfigError, ConstantDecayConfig,
+    CosineDecayConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig,
+    LogConfig, LoraConfig, LossConfig, LrDecayConfig, ModelConfig, PpoClipLossConfig, ReinforceLossConfig,
+    RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallRollbackConfig, StallStopConfig,
+    StallWarnConfig, StallWatchConfig, TrainerConfig,
 )
 from saccade.config.task import (
     DATASET_CONFIGS, DEFAULT_PROMPT_TEMPLATE, SCENE_QUESTION_KINDS, SHAPES_QUESTION_KINDS,
@@ -62,6 +68,7 @@ from saccade.config.task import (
     ScenesTaskConfig, ShapesTaskConfig, TaskConfig, VerifiersTaskConfig, ViewsTaskConfig,
 )
 from saccade.config.toml import config_to_toml, describe
+from saccade.config.upgrade import LegacyConfigWarning
 
 __all__ = [
     "DATASET_CONFIGS",
@@ -72,9 +79,12 @@ __all__ = [
     "SHAPES_QUESTION_KINDS",
     "TASK_CONFIGS",
     "VIEW_COLORS",
+    "BaseLossConfig",
     "CheckpointConfig",
     "ColumnsConfig",
     "ConfigError",
+    "ConstantDecayConfig",
+    "CosineDecayConfig",
     "EngineConfig",
     "EnvConfig",
     "EvalConfig",
@@ -83,19 +93,28 @@ __all__ = [
     "ImagesConfig",
     "LaunchConfig",
     "LaunchNode",
+    "LinearDecayConfig",
     "LegacyConfigWarning",
     "LogConfig",
     "LoraConfig",
     "LossConfig",
+    "LrDecayConfig",
     "ModelConfig",
     "OwnDatasetTaskConfig",
     "PluginTaskConfig",
+    "PpoClipLossConfig",
+    "ReinforceLossConfig",
     "RolloutConfig",
     "RunConfig",
     "SamplingConfig",
     "ScenesTaskConfig",
     "Section",
     "SftConfig",
+    "StallConfig",
+    "StallRollbackConfig",
+    "StallStopConfig",
+    "StallWarnConfig",
+    "StallWatchConfig",
     "ShapesTaskConfig",
     "TaskConfig",
     "TrainerConfig",

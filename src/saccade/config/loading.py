@@ -1,10 +1,15 @@
 """Loading a config: a TOML file, then dotted command-line overrides, validated, every mistake a
 `ConfigError` that names where the bad value came from (see `saccade.config` for the rules).
 
-A discriminated union (`[task]`, picked by `kind`) is walked through the variant its `kind`
-names: the file's or an earlier override's, else the default's. An override that changes the
-kind starts a fresh table (the file's fields were the other kind's); give the new kind's
-fields as overrides after it.
+A union of sections picked by a tag (`[task]`, `[loss]` and `[trainer.lr_decay]` by their
+`kind`, `[stall]` by its `action`) is walked through the variant its tag names: the file's or
+an earlier override's, else the default's. An override that changes the tag keeps, of the
+table so far, only the fields every variant has (the others were the old variant's; `[stall]`
+keeps `steps`, `[task]`'s variants share none): give the new variant's fields as overrides
+after it. A key of another variant is refused, naming the variant that has it.
+
+A section that may be off (`lora: LoraConfig | None`) is turned off with `--lora false` and on
+with `--lora true` (keeping its table so far); a field of it while it is off is refused.
 """
 
 from __future__ import annotations
@@ -14,22 +19,33 @@ import difflib
 import json
 import re
 import tomllib
-import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from saccade.config.legacy import migrate, new_key
 from saccade.config.run import RunConfig
-from saccade.config.sections import ConfigError
+from saccade.config.sections import ConfigError, union_members, union_variants
+from saccade.config.upgrade import LegacyConfigWarning, moved, refuse_retired, retired_key, upgrade
 
 M = TypeVar("M", bound=BaseModel)
 
 _OVERRIDE = re.compile(r"^--([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)+)(=.*)?$", re.DOTALL)
+
+
+def _nullable_section(info: FieldInfo) -> bool:
+    """A section that may be off (`lora: LoraConfig | None`, written `lora = false`)."""
+    members = union_members(info.annotation)
+    return type(None) in members and any(isinstance(m, type) and issubclass(m, BaseModel) for m in members)
+
+
+# The sections that may be off, whose override has no dot: --lora false, --lora=true.
+_ON_OFF = re.compile(rf"^--({'|'.join(n for n, i in RunConfig.model_fields.items() if _nullable_section(i))})(=.*)?$",
+                     re.DOTALL)
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -37,7 +53,9 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
     ``--a.b value`` and ``--a.b=value`` (any option whose name has a dot) are overrides; the
     token after ``--a.b`` is its value, even if it starts with '-' (``--trainer.lr -1``),
-    unless it is itself an option (``--x``). Everything after a bare ``--`` goes to argparse.
+    unless it is itself an option (``--x``). So are ``--lora false`` and ``--lora=false``, a
+    section that may be off, but ``--lora`` with no value after it stays an option (`saccade
+    bench step --lora`). Everything after a bare ``--`` goes to argparse.
     """
     known: list[str] = []
     overrides: list[str] = []
@@ -49,6 +67,9 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             known.extend(argv[i:])
             break
         m = _OVERRIDE.match(token)
+        if m is None and _ON_OFF.match(token) and ("=" in token or argv[i + 1:i + 2] and
+                                                   not argv[i + 1].startswith("-")):
+            m = _ON_OFF.match(token)
         if m is None:
             known.append(token)
         elif m.group(2) is not None:
@@ -109,28 +130,20 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 
-def _unwrap(annotation: Any) -> list[Any]:
-    """The members of a union annotation (or the annotation itself)."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union or origin is types.UnionType:
-        return list(typing.get_args(annotation))
-    return [annotation]
-
-
 def _model_class(annotation: Any) -> type[BaseModel] | None:
-    for member in _unwrap(annotation):
+    for member in union_members(annotation):
         if isinstance(member, type) and issubclass(member, BaseModel):
             return member
     return None
 
 
 def _is_dict(annotation: Any) -> bool:
-    return any(typing.get_origin(m) in (dict, Mapping) or m is dict for m in _unwrap(annotation))
+    return any(typing.get_origin(m) in (dict, Mapping) or m is dict for m in union_members(annotation))
 
 
 def _admits(annotation: Any, kind: type) -> bool:
     """Does the annotation accept a plain `kind` (str or NoneType), directly or in a union?"""
-    for member in _unwrap(annotation):
+    for member in union_members(annotation):
         if member is kind or member is Any:
             return True
         if kind is str and typing.get_origin(member) is Literal:
@@ -151,26 +164,33 @@ def _unknown_key(cls: type[BaseModel], prefix: str, key: str) -> str:
     return msg + f" Valid keys {where}: {', '.join(valid)}"
 
 
-def _variants(info: FieldInfo) -> dict[str, type[BaseModel]] | None:
-    """{kind: variant} of a discriminated union field; None for any other field."""
-    if not isinstance(info.discriminator, str):
-        return None
-    out = {}
-    for member in _unwrap(info.annotation):
-        for kind in typing.get_args(member.model_fields[info.discriminator].annotation):
-            out[kind] = member
-    return out
-
-
 def _variant(info: FieldInfo, value: Any) -> tuple[type[BaseModel], str]:
     """The variant of a union field whose value (a dict, from the file and the overrides so far)
-    names it, else the default's; and its kind."""
-    variants = _variants(info)
+    names it, else the default's; and its tag."""
+    variants = union_variants(info)
     assert variants is not None
-    kind = value.get(info.discriminator) if isinstance(value, dict) else None
-    if kind not in variants:
-        kind = getattr(info.get_default(call_default_factory=True), info.discriminator)
-    return variants[kind], kind
+    tag = value.get(info.discriminator) if isinstance(value, dict) else None
+    if tag not in variants:
+        tag = getattr(info.get_default(call_default_factory=True), str(info.discriminator))
+    return variants[tag], tag
+
+
+def _common_fields(info: FieldInfo) -> set[str]:
+    """The fields every variant of a union has, its tag aside: they mean the same in each."""
+    variants = list((union_variants(info) or {}).values())
+    common = set.intersection(*(set(v.model_fields) for v in variants)) if variants else set()
+    return common - {str(info.discriminator)}
+
+
+def _elsewhere(info: FieldInfo, prefix: str, tag: str, key: str) -> str:
+    """'. stall.lr_factor is a field of action 'rollback', and stall.action is 'warn': ...' when
+    another variant of the union has `key`, else ''."""
+    owners = [t for t, v in (union_variants(info) or {}).items() if key in v.model_fields and t != tag]
+    if not owners:
+        return ""
+    tag_key = f"{prefix}.{info.discriminator}"
+    return (f". {prefix}.{key} is a field of {info.discriminator} {' or '.join(repr(t) for t in owners)}, and "
+            f"{tag_key} is {tag!r}: remove it, or set {tag_key} = {owners[0]!r}")
 
 
 def _unknown_tag(tag: str, discriminator: str, tags: list[str]) -> str:
@@ -180,42 +200,63 @@ def _unknown_tag(tag: str, discriminator: str, tags: list[str]) -> str:
     return f"unknown {discriminator} {tag!r}{hint} Choose from {', '.join(tags)}"
 
 
-def _field_at(cls: type[BaseModel], path: str, source: str, data: dict) -> tuple[Any, FieldInfo | None, bool]:
-    """(annotation of the value at `path`, the dict field's FieldInfo if `path` is one key of a
-    dict field else None, whether `path` is a union's discriminator). ConfigError for an
-    unknown key, with the valid keys at that level."""
+class _Target(NamedTuple):
+    """What a dotted override names."""
+
+    annotation: Any  # of the value at the path
+    dict_field: FieldInfo | None  # the dict field, when the path is one key of it
+    union: FieldInfo | None  # the union field, when the path is its tag
+    section: FieldInfo | None  # the field, when the path is a section that may be off (lora)
+
+
+def _field_at(cls: type[BaseModel], path: str, source: str, data: dict) -> _Target:
+    """What the override at `path` sets. ConfigError for an unknown key, with the valid keys at
+    that level (and, in a union's variant, which other variant has it), or for a field of a
+    section that is off."""
     parts = path.split(".")
     current: type[BaseModel] = cls
-    where = ""
+    where, union = "", None
     for i, part in enumerate(parts):
+        prefix = ".".join(parts[:i])
         if part not in current.model_fields:
-            hint = new_key(path) if i == 0 or parts[0] in ("data", "env", "engine", "images") else None
+            hint = retired_key(path)
             if hint:
                 raise ConfigError(f"{source}: {path} is now {hint} (docs/config.md)")
-            raise ConfigError(f"{source}: {_unknown_key(current, '.'.join(parts[:i]), part)}{where}")
+            elsewhere = _elsewhere(union[0], prefix, union[1], part) if union else ""
+            raise ConfigError(f"{source}: {_unknown_key(current, prefix, part)}{where}{elsewhere}")
         info = current.model_fields[part]
         rest = parts[i + 1 :]
-        variants = _variants(info)
+        here = ".".join(parts[: i + 1])
+        variants = union_variants(info)
         if variants is not None and rest:
             if rest == [info.discriminator]:
-                return Literal[tuple(variants)], None, True
-            current, kind = _variant(info, _get_path(data, parts[: i + 1]))
-            where = f" (task kind {kind!r}; set {'.'.join(parts[: i + 1])}.{info.discriminator} first)"
+                return _Target(Literal[tuple(variants)], None, info, None)
+            current, tag = _variant(info, _get_path(data, parts[: i + 1]))
+            where, union = f" ({here} {info.discriminator} {tag!r}; set {here}.{info.discriminator} first)", (info, tag)
             continue
         if not rest:
-            return info.annotation, None, False
+            return _Target(info.annotation, None, None, info if _nullable_section(info) else None)
         sub = _model_class(info.annotation)
         if sub is not None:
-            current, where = sub, ""
+            if _nullable_section(info) and _is_off(data, parts[: i + 1]):
+                raise ConfigError(f"{source}: {here} is false here (off), so it has no key {rest[0]!r}: turn it "
+                                  f"on first with --{here} true, before --{path} (docs/config.md#unions)")
+            current, where, union = sub, "", None
             continue
         if _is_dict(info.annotation) and len(rest) == 1:
-            for member in _unwrap(info.annotation):
+            for member in union_members(info.annotation):
                 args = typing.get_args(member)
                 if len(args) == 2:
-                    return args[1], info, False
-            return Any, info, False
-        raise ConfigError(f"{source}: {'.'.join(parts[: i + 1])} is a value, not a section; it has no key {rest[0]!r}")
+                    return _Target(args[1], info, None, None)
+            return _Target(Any, info, None, None)
+        raise ConfigError(f"{source}: {here} is a value, not a section; it has no key {rest[0]!r}")
     raise AssertionError("unreachable")
+
+
+def _is_off(data: dict, parts: list[str]) -> bool:
+    """Did the file or an override turn the section at `parts` off (`lora = false`)?"""
+    table = _get_path(data, parts[:-1])
+    return isinstance(table, dict) and parts[-1] in table and table[parts[-1]] in (False, None)
 
 
 def _parse_value(raw: str, annotation: Any) -> Any:
@@ -258,11 +299,20 @@ def _deep_merge(base: Any, update: dict) -> dict:
     return merged
 
 
-def _walk_loc(cls: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseModel] | None]:
-    """(`loc` without the tags pydantic puts after a union field, the model that holds its last
-    item, or None where the schema does not say)."""
+class _Where(NamedTuple):
+    """Where an error's loc points: the loc without the tags pydantic puts after a union field,
+    the model that holds its last item (None where the schema does not say), and the union and
+    tag when that model is one variant of a union."""
+
+    loc: tuple
+    model: type[BaseModel] | None
+    union: tuple[FieldInfo, str] | None
+
+
+def _walk_loc(cls: type[BaseModel], loc: tuple) -> _Where:
     clean: list = []
     current: type[BaseModel] | None = cls
+    union: tuple[FieldInfo, str] | None = None
     items = list(loc)
     while items:
         item = items.pop(0)
@@ -270,16 +320,17 @@ def _walk_loc(cls: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseModel] 
         if not items:
             break
         if current is None or not isinstance(item, str) or item not in current.model_fields:
-            current = None
+            current, union = None, None
             continue
         info = current.model_fields[item]
-        variants = _variants(info)
+        variants = union_variants(info)
         if variants is not None:
             tag = items.pop(0) if items and items[0] in variants else None
             current = variants.get(tag) if tag is not None else None
+            union = (info, tag) if tag is not None else None
         else:
-            current = _model_class(info.annotation)
-    return tuple(clean), current
+            current, union = _model_class(info.annotation), None
+    return _Where(tuple(clean), current, union)
 
 
 def _loc_to_path(loc: tuple) -> str:
@@ -292,22 +343,26 @@ def _loc_to_path(loc: tuple) -> str:
     return out
 
 
-def _touches(override_path: str, error_path: str) -> bool:
-    """Could the override at `override_path` be the cause of an error at `error_path`? (A
-    union's kind, `task.kind`, picks every field of its table.)"""
-    o, e = override_path, error_path
-    table, _, key = o.rpartition(".")
+def _touches(override: tuple[str, str, bool], error_path: str) -> bool:
+    """Could the override be the cause of an error at `error_path`? (A union's tag, `task.kind`,
+    picks every field of its table.)"""
+    _, o, is_tag = override
+    e = error_path
+    table = o.rpartition(".")[0]
     return not e or e == o or e.startswith((o + ".", o + "[")) or o.startswith(e + ".") or \
-        (key == "kind" and e.startswith(table + "."))
+        (is_tag and e.startswith(table + "."))
 
 
-def _format_error(cls: type[BaseModel], err: dict, file_label: str | None, overrides: list[tuple[str, str]]) -> str:
-    loc, current = _walk_loc(cls, tuple(err["loc"]))
+def _format_error(cls: type[BaseModel], err: dict, file_label: str | None,
+                  overrides: list[tuple[str, str, bool]]) -> str:
+    loc, current, union = _walk_loc(cls, tuple(err["loc"]))
     path = _loc_to_path(loc)
     if err["type"] == "extra_forbidden" and loc:
         key = str(loc[-1])
         prefix = _loc_to_path(loc[:-1])
         what = _unknown_key(current, prefix, key) if current is not None else f"unknown key {path!r}"
+        if union is not None:
+            what += f" ({prefix} {union[0].discriminator} {union[1]!r}){_elsewhere(union[0], prefix, union[1], key)}"
     elif err["type"] == "union_tag_invalid":
         what = _unknown_tag(err["ctx"]["tag"], err["ctx"]["discriminator"].strip("'"),
                             [t.strip(" '") for t in err["ctx"]["expected_tags"].split(",")])
@@ -323,9 +378,9 @@ def _format_error(cls: type[BaseModel], err: dict, file_label: str | None, overr
         what = msg
     # Name the source: the last override touching this path, else the file, else the defaults.
     source = None
-    for label, opath in reversed(overrides):
-        if _touches(opath, path):
-            source = label
+    for override in reversed(overrides):
+        if _touches(override, path):
+            source = override[0]
             break
     if source is None:
         source = file_label or "config"
@@ -340,9 +395,9 @@ def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequenc
     """Defaults of `cls`, then the TOML file at `path` (if any), then the override tokens.
 
     `overrides` are argv-style tokens (``["--trainer.lr", "1e-5", "--lora.rank=8"]``), e.g.
-    the second value of `split_overrides`. A `RunConfig` file from before the [task] section
-    is read with its keys mapped to today's (`saccade.config.legacy`). Raises ConfigError for
-    any mistake.
+    the second value of `split_overrides`. A `RunConfig` file or override with an earlier
+    day's keys is read as today's, and one from before the [task] section refused, naming the
+    new keys (`saccade.config.upgrade`). Raises ConfigError for any mistake.
     """
     data: dict[str, Any] = {}
     file_label = None
@@ -359,25 +414,36 @@ def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequenc
             raise ConfigError(f"{file_label}: not UTF-8 text: {e}") from None
         if issubclass(cls, RunConfig):
             try:
-                data = migrate(data, file_label)
+                refuse_retired(data)
+                data = upgrade(data, file_label)
             except ValueError as e:
                 raise ConfigError(f"{file_label}: {e}") from None
 
-    applied: list[tuple[str, str]] = []
+    applied: list[tuple[str, str, bool]] = []  # (source, dotted path, whether it is a union's tag)
     for source, dotted, raw in parse_overrides(overrides):
-        annotation, dict_field, discriminator = _field_at(cls, dotted, source, data)
-        value = _parse_value(raw, annotation)
+        move = moved(dotted, _parse_value(raw, Any)) if issubclass(cls, RunConfig) else None
+        if move is not None:
+            warnings.warn(f"{source} is now --{move.new} (since {move.date}: {move.why}); read as it",
+                          LegacyConfigWarning, stacklevel=2)
+            dotted = move.new
+        target = _field_at(cls, dotted, source, data)
+        value = _parse_value(raw, target.annotation)
         parts = dotted.split(".")
-        if discriminator and _get_path(data, parts) not in (None, value):
-            _set_path(data, parts[:-1], {})  # another kind: the file's fields were the old kind's
-        if dict_field is not None and not isinstance(_get_path(data, parts[:-1]), dict):
+        table = _get_path(data, parts[:-1])
+        if target.union is not None and _get_path(data, parts) not in (None, value):
+            # Another kind than the table's: of its fields, only those every kind has stay.
+            common = _common_fields(target.union)
+            _set_path(data, parts[:-1], {k: v for k, v in table.items() if k in common})
+        if target.section is not None and value is True:
+            value = _get_path(data, parts) if isinstance(_get_path(data, parts), dict) else {}  # on, as it was
+        if target.dict_field is not None and not isinstance(table, dict):
             # One key of a dict field: the other keys keep their default values.
-            default = dict_field.get_default(call_default_factory=True)
+            default = target.dict_field.get_default(call_default_factory=True)
             _set_path(data, parts[:-1], dict(default) if isinstance(default, dict) else {})
-        if _model_class(annotation) is not None and isinstance(value, dict):
+        if _model_class(target.annotation) is not None and isinstance(value, dict):
             value = _deep_merge(_get_path(data, parts), value)  # a section as JSON merges into the file's
         _set_path(data, parts, value)
-        applied.append((source, dotted))
+        applied.append((source, dotted, target.union is not None))
 
     try:
         return cls.model_validate(data)

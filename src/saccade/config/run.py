@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from saccade.config.launch import LaunchConfig
 from saccade.config.sections import (
     DEFAULT_TIS_CAP, CheckpointConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig,
-    LogConfig, LoraConfig, LossConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, TrainerConfig,
+    LogConfig, LoraConfig, LossConfig, ModelConfig, PpoClipLossConfig, RolloutConfig, SamplingConfig, Section,
+    SftConfig, StallConfig, StallWarnConfig, TrainerConfig,
 )
 from saccade.config.task import ShapesTaskConfig, TaskConfig
 
@@ -19,13 +20,23 @@ class RunConfig(Section):
     """Everything an RL or SFT run reads. The defaults are a CPU demo on the built-in tiny model."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy checkpoint")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters or full fine-tuning")
+    lora: LoraConfig | None = Field(
+        default_factory=LoraConfig,
+        description="LoRA adapters on the language model (a [lora] table; the default), or false: full fine-tuning "
+        "of the language model (`lora = false` at the top of a file, --lora false; --lora true turns LoRA back on)",
+    )
     images: ImagesConfig = Field(default_factory=ImagesConfig, description="image limits")
     image_cache: ImageCacheConfig = Field(default_factory=ImageCacheConfig, description="the image-embedding cache")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="how completions are sampled")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollouts per step and advantages")
-    loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
+    stall: StallConfig = Field(
+        default_factory=StallWarnConfig, description="the stall watch: when a run has stalled, and what it then does"
+    )
+    loss: LossConfig = Field(
+        default_factory=PpoClipLossConfig,
+        description="the policy loss: its kind (with that kind's own fields), normalisation, TIS, KL, entropy",
+    )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the optimizer loop")
     sft: SftConfig = Field(default_factory=SftConfig, description="supervised fine-tuning")
     task: TaskConfig = Field(default_factory=ShapesTaskConfig, description="the task: its kind and its own fields")
@@ -47,13 +58,17 @@ class RunConfig(Section):
         """<run_dir>/checkpoints: where `saccade rl` saves and `--resume` looks."""
         return self.run_dir / "checkpoints"
 
-    @model_validator(mode="before")
+    @field_validator("lora", mode="before")
     @classmethod
-    def _shapes_unless_told(cls, data: Any) -> Any:
-        # A [task] table without a kind is the default task's: `--task.num_choices 3` alone works.
-        if isinstance(data, dict) and isinstance(data.get("task"), dict) and "kind" not in data["task"]:
-            return {**data, "task": {"kind": ShapesTaskConfig().kind, **data["task"]}}
-        return data
+    def _lora_or_full_finetuning(cls, value: Any) -> Any:
+        # TOML has no null: a section that may be off is `false` (and `true` is on, with its defaults).
+        if value is False:
+            return None
+        if value is True:
+            return {}
+        if value is not None and not isinstance(value, dict | LoraConfig):
+            raise ValueError(f"lora is a [lora] table (LoRA) or false (full fine-tuning), got {value!r}")
+        return value
 
     @model_validator(mode="before")
     @classmethod

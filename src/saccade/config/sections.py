@@ -9,19 +9,67 @@ This module imports no other part of saccade (but `saccade.installed`, which imp
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Literal
+import types
+import typing
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
 
 class ConfigError(ValueError):
     """A user error in a config file or a command-line override; the message says where."""
 
 
 class Section(BaseModel):
-    """Base of every config model: unknown keys refused, assignment validated, no inf/nan."""
+    """Base of every config model: unknown keys refused, assignment validated, no inf/nan.
+
+    A field that is a union of sections picked by a tag (`[task]` by `kind`) reads a table
+    without its tag as the default's variant: `--task.num_choices 3` alone works."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tags(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, tag, default in _tagged_unions(cls):
+                table = data.get(name)
+                if isinstance(table, dict) and tag not in table:
+                    data = {**data, name: {tag: default, **table}}
+        return data
+
+
+def union_members(annotation: Any) -> list[Any]:
+    """The members of a union annotation (or the annotation itself)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return list(typing.get_args(annotation))
+    return [annotation]
+
+
+def union_variants(info: FieldInfo) -> dict[str, type[BaseModel]] | None:
+    """{tag: variant} of a field that is a union of sections picked by a tag; None for any other."""
+    if not isinstance(info.discriminator, str):
+        return None
+    out = {}
+    for member in union_members(info.annotation):
+        for tag in typing.get_args(member.model_fields[info.discriminator].annotation):
+            out[tag] = member
+    return out
+
+
+@functools.cache
+def _tagged_unions(cls: type[BaseModel]) -> tuple[tuple[str, str, str], ...]:
+    """(field, its tag's key, the default's tag) of each tagged union field of `cls`."""
+    out = []
+    for name, info in cls.model_fields.items():
+        if union_variants(info) is not None:
+            key = str(info.discriminator)
+            out.append((name, key, getattr(info.get_default(call_default_factory=True), key)))
+    return tuple(out)
 
 
 # The built-in random models: every family's `tiny_presets`, in FAMILIES' order
@@ -77,11 +125,11 @@ class ModelConfig(Section):
 
 
 class LoraConfig(Section):
-    """LoRA adapters on the language model's linears; `enabled = false` is full fine-tuning.
+    """LoRA adapters on the language model's linears, the default; `lora = false` (`--lora false`)
+    is full fine-tuning instead.
 
     The vision tower is frozen either way (its embeddings are computed once and cached)."""
 
-    enabled: bool = Field(True, description="train LoRA adapters; false: full fine-tuning of the language model")
     rank: int = Field(16, ge=1, le=4096, description="LoRA rank r")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input, in [0, 1)")
@@ -91,10 +139,6 @@ class LoraConfig(Section):
         description="names of the language model's linear layers that get adapters; unset: the model family's own "
         "(attention and MLP linears, and Qwen3.5's Gated DeltaNet projections: docs/families.md)",
     )
-
-    @property
-    def full_finetune(self) -> bool:
-        return not self.enabled
 
 
 class ImagesConfig(Section):
@@ -259,49 +303,81 @@ class RolloutConfig(Section):
         description="leave answers whose final reply was cut at sampling.max_tokens out of the loss (DAPO's "
         "overlong filtering); they still count in their group's mean and std",
     )
-    # A stalled run (saccade.stall, docs/stalls.md): what GRPO's most common collapse looks like.
-    on_stall: Literal["warn", "stop", "rollback"] = Field(
-        "warn",
-        description="what a stalled run does. It has stalled when, for stall_steps steps in a row, no group had "
-        "reward variance (nothing to learn from; a step whose replies are all correct does not count) or more "
-        "than stall_truncated_frac of the answers (episodes: their final replies) were cut at "
-        "sampling.max_tokens. 'warn': say so once per stall and train on; 'stop': end with StallError, naming "
-        "the last checkpoint from before the stall and the --resume command with a lower trainer.lr (the "
-        "stalled weights are not saved); 'rollback': reload the last checkpoint from before the stall (the run "
-        "then saves its start weights as step 0), multiply the lr by stall_lr_factor and train on, the step "
-        "count going forward. docs/stalls.md",
-    )
-    stall_steps: int = Field(
+
+
+# A stalled run (saccade.stall, docs/stalls.md): what GRPO's most common collapse looks like.
+STALL_ACTION = (
+    "what a stalled run does: 'warn' says so once per stall and trains on; 'stop' ends the run, naming the last "
+    "checkpoint from before the stall and the --resume command with a lower trainer.lr; 'rollback' reloads that "
+    "checkpoint at a lower lr and trains on (docs/stalls.md)"
+)
+
+
+class StallWatchConfig(Section):
+    """The stall watch, whatever it does (`[stall]`, the fields every action has): a run has stalled
+    when, for `steps` steps in a row, no group had reward variance (nothing to learn from; a step
+    whose replies are all correct does not count), or more than `truncated_frac` of the answers
+    (episodes: their final replies) were cut at sampling.max_tokens."""
+
+    action: str = Field("warn", description=STALL_ACTION)
+    steps: int = Field(
         20, ge=1, le=100_000,
         description="steps in a row without reward variance, or with most replies cut, before the run counts as "
         "stalled",
     )
-    stall_truncated_frac: float = Field(
+    truncated_frac: float = Field(
         0.5, gt=0, le=1,
         description="a step counts towards a stall when more than this share of its answers (episodes: their "
         "final replies) was cut at sampling.max_tokens (final_truncated_frac): past half, most answers are cut "
         "before they end. 1 turns this kind of stall off (for a run whose answers are meant to be cut)",
     )
-    stall_lr_factor: float = Field(
+
+
+class StallWarnConfig(StallWatchConfig):
+    """A stalled run says so, once per stall, and trains on (where to look and what to change)."""
+
+    action: Literal["warn"] = Field("warn", description=STALL_ACTION)
+
+
+class StallStopConfig(StallWatchConfig):
+    """A stalled run ends with StallError, naming the last checkpoint from before the stall and the
+    --resume command with a lower trainer.lr; the stalled weights are not saved."""
+
+    action: Literal["stop"] = Field("stop", description=STALL_ACTION)
+
+
+class StallRollbackConfig(StallWatchConfig):
+    """A stalled run reloads its last checkpoint from before the stall (it saves its start weights
+    as step 0 for this), multiplies the lr by `lr_factor` and trains on, the step count going
+    forward; after `max_rollbacks` rollbacks, a stall stops it as 'stop' does."""
+
+    action: Literal["rollback"] = Field("rollback", description=STALL_ACTION)
+    lr_factor: float = Field(
         0.5, gt=0, lt=1,
-        description="on_stall = 'rollback': each rollback multiplies the peak lr by this (kept in the "
-        "checkpoints, so a --resume goes on at the lowered lr)",
+        description="each rollback multiplies the peak lr by this (kept in the checkpoints, so a --resume goes "
+        "on at the lowered lr)",
     )
     max_rollbacks: int = Field(
         3, ge=1, le=100,
-        description="on_stall = 'rollback': rollbacks a run may make; a stall after the last one stops the run "
-        "as on_stall = 'stop' does",
+        description="rollbacks a run may make; a stall after the last one stops the run as action 'stop' does",
     )
 
 
-class LossConfig(Section):
-    """The policy loss (`saccade.trainer.loss.policy_loss` takes this very type)."""
+StallConfig = Annotated[StallWarnConfig | StallStopConfig | StallRollbackConfig, Field(discriminator="action")]
 
-    kind: Literal["ppo_clip", "reinforce"] = Field("ppo_clip", description="clipped PPO surrogate, or plain REINFORCE")
-    eps_low: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - eps_low")
-    eps_high: float = Field(
-        0.28, ge=0, le=10, description="the ratio is clipped above at 1 + eps_high (DAPO clip-higher)"
-    )
+
+LOSS_KIND = "the policy-gradient term: 'ppo_clip' (the clipped PPO surrogate) or 'reinforce' (plain REINFORCE)"
+
+
+class BaseLossConfig(Section):
+    """The policy loss, whatever its kind (`[loss]`, the fields every kind has): normalisation,
+    truncated importance sampling, the KL term and the entropy bonus. `kind` picks the
+    policy-gradient term; `saccade.trainer.loss.policy_loss` takes the variant itself.
+
+    A new kind is a subclass with its own fields (kind first) and a line in `LossConfig`, and its
+    branch in `policy_loss`."""
+
+    kind: str = Field("ppo_clip", description=LOSS_KIND)
     normalization: Literal["sequence", "token", "constant"] = Field(
         "token",
         description="'sequence': mean per sequence, then over sequences (GRPO); 'token': over all tokens "
@@ -338,7 +414,58 @@ class LossConfig(Section):
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
 
 
+class PpoClipLossConfig(BaseLossConfig):
+    """The clipped PPO surrogate, per loss token: -min(ratio x A, clip(ratio, 1 - eps_low,
+    1 + eps_high) x A), ratio = pi / pi_old (DAPO's clip-higher: eps_high > eps_low)."""
+
+    kind: Literal["ppo_clip"] = Field("ppo_clip", description=LOSS_KIND)
+    eps_low: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - eps_low")
+    eps_high: float = Field(
+        0.28, ge=0, le=10, description="the ratio is clipped above at 1 + eps_high (DAPO clip-higher)"
+    )
+
+
+class ReinforceLossConfig(BaseLossConfig):
+    """Plain REINFORCE, per loss token: -A x logprob; no ratio, so nothing to clip."""
+
+    kind: Literal["reinforce"] = Field("reinforce", description=LOSS_KIND)
+
+
+LossConfig = Annotated[PpoClipLossConfig | ReinforceLossConfig, Field(discriminator="kind")]
+
 DEFAULT_TIS_CAP = 2.0
+
+
+DECAY = "the lr after warm-up: 'constant', or 'linear' or 'cosine' decay to min_lr_ratio x the peak"
+
+
+def min_lr_ratio_field() -> Any:
+    return Field(0.1, ge=0, le=1, description="the lr at the last optimizer step / the peak lr")
+
+
+class ConstantDecayConfig(Section):
+    """No decay: the peak lr from the end of warm-up to the last step."""
+
+    kind: Literal["constant"] = Field("constant", description=DECAY)
+
+
+class LinearDecayConfig(Section):
+    """Linear decay from the peak lr at the end of warm-up to min_lr_ratio x the peak at the last
+    optimizer step (trainer.steps x num_iterations)."""
+
+    kind: Literal["linear"] = Field("linear", description=DECAY)
+    min_lr_ratio: float = min_lr_ratio_field()
+
+
+class CosineDecayConfig(Section):
+    """Cosine decay (half a period) from the peak lr at the end of warm-up to min_lr_ratio x the
+    peak at the last optimizer step (trainer.steps x num_iterations)."""
+
+    kind: Literal["cosine"] = Field("cosine", description=DECAY)
+    min_lr_ratio: float = min_lr_ratio_field()
+
+
+LrDecayConfig = Annotated[ConstantDecayConfig | LinearDecayConfig | CosineDecayConfig, Field(discriminator="kind")]
 
 
 class TrainerConfig(Section):
@@ -348,8 +475,11 @@ class TrainerConfig(Section):
     lr: float = Field(1e-3, gt=0, le=1, description="peak learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr over this many steps")
-    lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="schedule after warm-up")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for 'linear' and 'cosine' decay")
+    lr_decay: LrDecayConfig = Field(
+        default_factory=ConstantDecayConfig,
+        description="the lr schedule after warm-up: kind 'constant', 'linear' or 'cosine', the last two down to "
+        "min_lr_ratio x lr at the last optimizer step",
+    )
     grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
     max_tokens: int = Field(4096, ge=16, description="token budget of one packed micro-batch")
     num_iterations: int = Field(1, ge=1, le=64, description="optimizer steps per rollout batch (mu); > 1 is off-policy")

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import typing
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -60,6 +62,11 @@ def _write_model(model: BaseModel, prefix: str, comments: bool, out: list[str]) 
         if isinstance(value, BaseModel):
             tables.append((name, value))
             continue
+        if value is None and _may_be_off(info):  # a section that is off: `lora = false`
+            if comments:
+                out.extend(_comment(info.description))
+            out.append(f"{_toml_key(name)} = false")
+            continue
         if value is None:
             if info.default is not None:
                 raise ValueError(
@@ -83,10 +90,18 @@ def _write_model(model: BaseModel, prefix: str, comments: bool, out: list[str]) 
         _write_model(sub, table, comments, out)
 
 
+def _may_be_off(info: FieldInfo) -> bool:
+    """A section field that is on by default and may be off (`lora: LoraConfig | None`)."""
+    members = typing.get_args(info.annotation)
+    return info.default_factory is not None and type(None) in members and \
+        any(isinstance(m, type) and issubclass(m, BaseModel) for m in members)
+
+
 def config_to_toml(model: BaseModel, *, comments: bool = False) -> str:
     """The model as TOML text that `load_config(type(model), ...)` reads back to an equal model.
 
-    Nested models become tables; None values are left out (they must be the defaults). With
+    Nested models become tables; None values are left out (they must be the defaults), but a
+    section that is off is `false` (`lora = false`: TOML has no null). With
     `comments`, each table and key is preceded by its docstring / description.
     """
     out: list[str] = []

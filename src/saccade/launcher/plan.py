@@ -76,7 +76,7 @@ def server_processes(cfg: RunConfig, node_rank: int, *, model: str | None = None
         "--limit-mm-per-prompt", json.dumps({"image": launch.images_per_prompt, "video": 0}),
         "--mm-processor-kwargs", json.dumps({"size": processor_size(cfg.images)}),
     ]
-    if cfg.lora.enabled and cfg.engine.sync_lora_adapter:
+    if cfg.lora is not None and cfg.engine.sync_lora_adapter:
         common += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank)]
     if not is_loopback(node.host):
         common += ["--host", node.host]  # then `saccade serve` requires VLLM_API_KEY

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from saccade.config import LossConfig
+from saccade.config import LossConfig, PpoClipLossConfig, ReinforceLossConfig
 
 
 @dataclass
@@ -223,7 +223,7 @@ def policy_loss(inp: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Ten
     ratio_N = torch.exp(lp_N - old_N)
     metrics["ratio_mean"] = masked_mean(ratio_N.detach(), mask_N)
 
-    if cfg.kind == "ppo_clip":
+    if isinstance(cfg, PpoClipLossConfig):
         clipped_N = ratio_N.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
         pg_N = -torch.minimum(ratio_N * adv_N, clipped_N * adv_N)
         r_N = ratio_N.detach()
@@ -233,7 +233,7 @@ def policy_loss(inp: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Ten
         metrics["clip_frac_high"] = masked_mean(high_N.to(dtype), mask_N)
         metrics["clip_frac"] = masked_mean((low_N | high_N).to(dtype), mask_N)
     else:
-        assert cfg.kind == "reinforce", cfg.kind
+        assert isinstance(cfg, ReinforceLossConfig), cfg.kind
         pg_N = -adv_N * lp_N
 
     if inf_N is not None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from saccade.config import LossConfig, TrainerConfig
+from saccade.config import ConstantDecayConfig, CosineDecayConfig, LinearDecayConfig, LossConfig, TrainerConfig
 from saccade.distributed import SINGLE, World, all_reduce_sum
 from saccade.models.families.interface import Routing
 from saccade.models.lm import ban_bias, to_device, unwrap_policy
@@ -57,20 +57,23 @@ log = logging.getLogger(__name__)
 
 
 def lr_schedule(trainer: TrainerConfig) -> Callable[[int], float]:
-    """Linear warm-up, then constant, linear or cosine decay to min_lr_ratio, per optimizer step."""
+    """Linear warm-up, then `trainer.lr_decay`: constant, or linear or cosine decay to its
+    min_lr_ratio, per optimizer step."""
     total = max(1, trainer.steps * trainer.num_iterations)
 
     def factor(opt_step: int) -> float:
         if trainer.warmup_steps and opt_step < trainer.warmup_steps:
             return (opt_step + 1) / trainer.warmup_steps
-        if trainer.lr_decay == "constant":
+        decay = trainer.lr_decay
+        if isinstance(decay, ConstantDecayConfig):
             return 1.0
         progress = min(1.0, (opt_step - trainer.warmup_steps) / max(1, total - trainer.warmup_steps))
-        if trainer.lr_decay == "linear":
+        if isinstance(decay, LinearDecayConfig):
             shape = 1.0 - progress
         else:
+            assert isinstance(decay, CosineDecayConfig), decay
             shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return trainer.min_lr_ratio + (1.0 - trainer.min_lr_ratio) * shape
+        return decay.min_lr_ratio + (1.0 - decay.min_lr_ratio) * shape
 
     return factor
 
