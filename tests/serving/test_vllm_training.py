@@ -215,7 +215,7 @@ def test_a_trainer_holding_another_head_stops_at_the_first_step(tmp_path, server
     from saccade.model_match import ModelMismatchError
     from saccade.models.lm import unwrap_policy
 
-    cfg = vllm_config(tmp_path, server, "--lora.enabled", "true", "--lora.rank", "8",
+    cfg = vllm_config(tmp_path, server, "--lora", "true", "--lora.rank", "8",
                       "--engine.sync_lora_adapter", "true")
     setup = build_setup(cfg, cfg.run_dir)
     policy = unwrap_policy(setup.model)
