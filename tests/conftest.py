@@ -142,7 +142,7 @@ def short_rl_run(tmp_path_factory):
     from stub_tasks import scored_task
 
     from saccade.config import RunConfig, load_config
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
 
     run_dir = tmp_path_factory.mktemp("short-rl") / "run"
     cfg = load_config(RunConfig, "configs/demo.toml", [*SHORT_RUN, "--log.dir", str(run_dir)])

@@ -9,7 +9,7 @@ from pathlib import Path
 from stub_tasks import scored_task
 
 from saccade.config import RunConfig, load_config
-from saccade.rl import train_rl
+from saccade.loops.rl import train_rl
 
 # Two RL steps with rewards that vary, a large learning rate so the weights really move.
 FAST = [

@@ -106,7 +106,7 @@ def main(argv: list[str]) -> None:
     if what == "rl":
         from stub_tasks import scored_task
 
-        from saccade.rl import train_rl
+        from saccade.loops.rl import train_rl
 
         train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), resume="--resume" in argv, progress=False)
     elif what == "export":

@@ -28,7 +28,7 @@ def test_scenes_verdict():
 
 @pytest.mark.slow
 def test_two_rl_steps_on_scenes_run_on_the_embedded_engine(tmp_path):
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
 
     cfg = load_scenes_config([*FAST, "--log.dir", str(tmp_path / "run"), "--env.check_consistency", "always"])
     train_rl(cfg, run_dir=cfg.run_dir, progress=False)

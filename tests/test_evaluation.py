@@ -62,7 +62,7 @@ def test_eval_of_the_saved_checkpoint_equals_the_trained_model(tmp_path):
     from stub_tasks import scored_task
 
     from saccade.evaluation import evaluate, run_eval
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.tasks import task_from_config
 
     cfg = load_config(RunConfig, "configs/demo.toml", [*FAST, "--log.dir", str(tmp_path / "run")])

@@ -39,7 +39,7 @@ from stub_tasks import HashEpisodesTask, scored_task
 
 from saccade.config import RunConfig, load_config
 from saccade.metrics import read_metrics
-from saccade.rl import train_rl
+from saccade.loops.rl import train_rl
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.json"
 # Wall-clock figures, the logger's own fields and the process's memory, descriptors and threads

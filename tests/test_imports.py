@@ -104,7 +104,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("saccade.__main__", "saccade.cli"),
     ("saccade.bench", "saccade.launcher", "saccade.demo", "saccade.demo_scenes", "saccade.demo_views", "saccade.doctor",
      "saccade.parity", "saccade.memory", "saccade.export"),
-    ("saccade.rl", "saccade.sft", "saccade.stall"),
+    ("saccade.loops", "saccade.sft", "saccade.stall"),
     ("saccade.orchestrator", "saccade.evaluation", "saccade.sample_log", "saccade.visual"),
     ("saccade.setup", "saccade.tasks"),
     ("saccade.envs",),
@@ -135,9 +135,9 @@ def test_imports_only_go_down_the_layers():
 
 
 def test_an_upward_import_is_found():
-    graph = {"saccade.models.lm": {"saccade.rl"}, "saccade.rl": {"saccade.models.lm"}, "saccade.timing": set()}
-    assert upward_imports(graph) == ["saccade.models.lm -> saccade.rl"]
-    assert upward_imports({"saccade.rl": {"saccade.models.lm", "saccade.timing"}}) == []
+    graph = {"saccade.models.lm": {"saccade.loops.rl"}, "saccade.loops.rl": {"saccade.models.lm"}, "saccade.timing": set()}
+    assert upward_imports(graph) == ["saccade.models.lm -> saccade.loops.rl"]
+    assert upward_imports({"saccade.loops.rl": {"saccade.models.lm", "saccade.timing"}}) == []
 
 
 def write(root: Path, files: dict[str, str]) -> None:

@@ -165,7 +165,7 @@ import resource, signal, sys
 sys.path.insert(0, {str(WORKER.parent)!r})
 import kill_worker
 import saccade.trainer.checkpoint as ckpt
-from saccade.rl import CheckpointWriteError
+from saccade.loops.checkpointer import CheckpointWriteError
 saves = {{"n": 0}}
 save = ckpt.save_checkpoint
 def limited(*args, **kwargs):
@@ -174,15 +174,15 @@ def limited(*args, **kwargs):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
     return save(*args, **kwargs)
-import saccade.rl
-saccade.rl.save_checkpoint = limited
+import saccade.loops.checkpointer
+saccade.loops.checkpointer.save_checkpoint = limited
 try:
     kill_worker.main(["rl", {str(run_dir)!r}])
 except CheckpointWriteError as e:
     print("STOPPED:", e)
     sys.exit(3)
 """
-    # saccade.rl imports save_checkpoint at its top: the patch replaces the name the loop calls.
+    # saccade.loops.checkpointer imports save_checkpoint at its top: the patch replaces the name the loop calls.
     proc = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 3, proc.stderr[-3000:]
     return run_dir, proc.stdout.split("STOPPED:", 1)[1]

@@ -18,7 +18,7 @@ from stub_tasks import scored_task
 from saccade.config import RunConfig, load_config
 from saccade.demo import resolve_warm_start
 from saccade.metrics import read_metrics
-from saccade.rl import train_rl
+from saccade.loops.rl import train_rl
 
 STEPS = 20
 

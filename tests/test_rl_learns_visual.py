@@ -14,7 +14,7 @@ import pytest
 from saccade.config import RunConfig, load_config
 from saccade.demo import resolve_warm_start
 from saccade.metrics import read_metrics
-from saccade.rl import train_rl
+from saccade.loops.rl import train_rl
 
 STEPS = 30
 

@@ -19,7 +19,7 @@ from saccade.data.rows import StepRows
 from saccade.inference.engine import SamplingParams
 from saccade.metrics import SAMPLES_FILE, read_metrics
 from saccade.orchestrator.rollout import sample_step
-from saccade.rl import train_rl
+from saccade.loops.rl import train_rl
 from saccade.sample_log import SAMPLES_DIR, sample_line, step_samples
 
 

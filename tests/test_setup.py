@@ -47,7 +47,7 @@ def test_rl_steps_on_cuda_with_the_embedded_engine(tmp_path):
     from stub_tasks import scored_task
 
     from saccade.metrics import read_metrics
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--trainer.device", "cuda", "--model.dtype", "bfloat16", "--trainer.steps", "3", "--eval.every_steps", "0",

@@ -155,7 +155,7 @@ def collapsing_run(tmp_path, name: str, *extra: str) -> RunConfig:
 
 
 def _train(cfg: RunConfig, **kwargs):
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
 
     return train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg, first_choice), progress=False, **kwargs)
 
@@ -230,14 +230,14 @@ def test_a_collapsed_run_rolls_back_to_its_start_at_a_lower_lr_and_learns(tmp_pa
 
 def test_the_cli_reports_a_stall_without_a_traceback(tmp_path, monkeypatch, capsys):
     """`saccade rl` prints a StallError's message (the command to go on with) and exits 3."""
-    import saccade.rl
+    import saccade.loops.rl
     from saccade.cli import main
     from saccade.stall import StallError
 
     def stalls(cfg, **kwargs):
         raise StallError("the run stalled: ...\n  saccade rl run/config.toml --resume --trainer.lr 0.005")
 
-    monkeypatch.setattr(saccade.rl, "train_rl", stalls)
+    monkeypatch.setattr(saccade.loops.rl, "train_rl", stalls)
     assert main(["rl", "--log.dir", str(tmp_path), "--trainer.device", "cpu"]) == 3
     err = capsys.readouterr().err
     assert err.startswith("saccade: stopped: the run stalled") and "Traceback" not in err

@@ -15,7 +15,7 @@ from stub_tasks import scored_task
 
 from saccade.config import RunConfig, load_config
 from saccade.metrics import read_metrics
-from saccade.rl import train_rl
+from saccade.loops.rl import train_rl
 from saccade.stopping import REPEAT_WINDOW_S, STOP_FILE, STOPPED_FILE, RunStopped, StopRequest, stopped_since
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -285,7 +285,7 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     under cfg.run_dir, replacing a previous demo's; returns the figures."""
     from saccade.evaluation import evaluate
     from saccade.plot import plot_run
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.setup import build_setup
     from saccade.sft import train_sft
     from saccade.tasks import task_from_config

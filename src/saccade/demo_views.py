@@ -84,7 +84,7 @@ def run_episode_demo(cfg: RunConfig, task_name: str, warm_start, *, progress: bo
     Returns (task, held-out samples, success before, success after, start time)."""
     from saccade.evaluation import evaluate
     from saccade.plot import plot_run
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.setup import build_setup
     from saccade.tasks import task_from_config
 

@@ -7,7 +7,7 @@ plain Python objects with `all_gather_object`. A run that torchrun did not start
 `World()`: rank 0 of 1, no process group, and every function here is then a no-op, so the
 single-process path is exactly what it was.
 
-How the loop uses a World (saccade.rl):
+How the loop uses a World (saccade.loops.rl):
 - each rank samples its share of the step's prompts (`share`), contiguous, in prompt order;
 - the scored groups are gathered (`all_gather`), so every rank holds the whole step's batch
   and computes the same advantages, metrics and packing plan as a single process would;

@@ -48,6 +48,11 @@ class ModelMatchGuard:
     engine: str
     checked: bool = False
 
+    @classmethod
+    def of(cls, cfg) -> ModelMatchGuard:
+        """The guard of a run config: its limit, model and engine."""
+        return cls(cfg.engine.model_mismatch_limit, cfg.model.path, cfg.engine.kind)
+
     def after_train(self, step: int, metrics: dict[str, float]) -> None:
         if self.checked or self.limit is None or "mismatch_abs_lag0" not in metrics:
             return

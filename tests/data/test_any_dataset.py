@@ -210,7 +210,7 @@ def test_rl_on_own_data_then_saccade_eval_recounts(own, tmp_path, capsys):
     checkpoint, whose figures a hand recount of its samples file must equal."""
     from saccade.cli import main
     from saccade.metrics import read_metrics
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.setup import build_setup
     from saccade.sft import train_sft
 

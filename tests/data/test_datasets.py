@@ -320,7 +320,7 @@ def test_config_refuses_bad_data_settings(override, message):
 @pytest.mark.slow
 def test_rl_trains_on_a_data_set_stream(paths, tmp_path):
     from saccade.metrics import read_metrics
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--task.kind", "geometry3k", "--task.dataset", paths["geometry3k"], "--trainer.steps", "3",

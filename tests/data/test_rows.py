@@ -238,7 +238,7 @@ def _config(dataset: Path, run_dir: Path, *extra: str) -> RunConfig:
 @pytest.mark.slow
 def test_rl_skips_each_broken_row_once_and_resumes_without_listing_one_twice(broken, tmp_path):
     from saccade.metrics import read_metrics
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.trainer.checkpoint_folder import latest_checkpoint
 
     cfg = _config(broken, tmp_path / "straight")
@@ -273,7 +273,7 @@ def test_rl_skips_each_broken_row_once_and_resumes_without_listing_one_twice(bro
 
 @pytest.mark.slow
 def test_rl_stops_when_half_the_rows_are_broken(tmp_path):
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
 
     kinds = ["good"] * 4 + ["bad_image"] * 3 + ["no_answer"]
     dataset = write_broken_geometry3k(tmp_path / "half", kinds, splits=("train",))

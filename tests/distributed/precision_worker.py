@@ -7,7 +7,7 @@ under torchrun, for tests/distributed/test_mixed_precision.py.
 The model is loaded and sharded as `saccade.setup.build_setup` does (`weights_dtype`, then
 `shard_model` under torchrun), with LoRA rank 8 whose B matrices are drawn at random (peft
 starts them at 0, and an adapter that adds 0 computes the same in any dtype). Six text samples
-are packed into micro-batches of 64 tokens and spread over the ranks as `saccade.rl` spreads
+are packed into micro-batches of 64 tokens and spread over the ranks as `saccade.loops.rl` spreads
 them (`balance`, padding micro-batches). Each rank runs its micro-batches through the trainer's
 forward (`forward_logprobs`) and backward of a policy-gradient surrogate over the step-global
 loss-token count, so the sharded gradient is the single process's up to reduction order.

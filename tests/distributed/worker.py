@@ -36,7 +36,7 @@ def main() -> None:
     from saccade.config import RunConfig, load_config
     from saccade.demo import resolve_warm_start
     from saccade.distributed import close_world, exit_rank, init_world
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
 
     torch.set_num_threads(1)  # two ranks share this machine's two cores
     cfg = load_config(RunConfig, "configs/demo.toml", [

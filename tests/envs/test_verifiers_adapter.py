@@ -468,7 +468,7 @@ def test_a_verifiers_env_named_in_the_config_trains(env_dir, tmp_path):
     ('-' as '_'), task.env_args is the taskset's config; a real `saccade rl` step trains on it."""
     from saccade.config import RunConfig, load_config
     from saccade.metrics import read_metrics
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.tasks import check_user_code, task_from_config
 
     cfg = load_config(RunConfig, "configs/demo.toml", [

@@ -27,7 +27,7 @@ from saccade.bench.engine import MEAN_BAR  # noqa: E402
 from saccade.config import RunConfig, load_config  # noqa: E402
 from saccade.inference.servers import NoServerError  # noqa: E402
 from saccade.metrics import read_metrics  # noqa: E402
-from saccade.rl import train_rl  # noqa: E402
+from saccade.loops.rl import train_rl  # noqa: E402
 from saccade.setup import build_setup  # noqa: E402
 
 FAST = [

@@ -19,7 +19,7 @@ from saccade.models.sampling import SampledDistribution  # noqa: E402
 from saccade.bench.engine import MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
 from saccade.config import RunConfig, load_config  # noqa: E402
 from saccade.metrics import read_metrics  # noqa: E402
-from saccade.rl import train_rl  # noqa: E402
+from saccade.loops.rl import train_rl  # noqa: E402
 from saccade.setup import build_setup  # noqa: E402
 
 FAST = [

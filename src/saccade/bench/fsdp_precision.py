@@ -88,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.demo import demo_config_path
     from saccade.distributed import close_world, exit_rank, init_world
     from saccade.metrics import read_metrics
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.devices import resolve_device
 
     configs = {dtype: load_config(RunConfig, demo_config_path(), [

@@ -210,7 +210,7 @@ def rl(plan: Plan) -> dict[str, Any]:
     from saccade.demo import demo_config_path, resolve_model_name
     from saccade.evaluation import evaluate
     from saccade.metrics import read_metrics
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.setup import build_setup
     from saccade.tasks import task_from_config
 

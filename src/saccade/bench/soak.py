@@ -149,7 +149,7 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     from saccade.metrics import read_metrics
     from saccade.process_stats import process_metrics
     from saccade.plot import plot_run
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
 
     if steps < warmup + 4:
         raise ValueError(f"--steps {steps} leaves fewer than 4 steps after the warm-up of {warmup}: "

@@ -2,7 +2,7 @@
 
 `saccade bench step` runs the demo config's GRPO step (8 prompts x G=8, at most 8 new tokens,
 one shapes image per prompt) as `saccade rl` runs it, by construction: the loop's own
-`saccade.rl.RLStep`, built by the same call (rollouts scored by `sample_step` on the embedded
+`saccade.loops.rl_step.RLStep`, built by the same call (rollouts scored by `sample_step` on the embedded
 engine, `rank_micro_batches`, `train_step`), then the weight sync. Every part is timed where it
 runs (`saccade.timing`), so the breakdown adds up to the step:
 
@@ -76,7 +76,7 @@ class SaccadeStep:
     stream (`rows`), as a data loader would, so the reference gets the same ones."""
 
     def __init__(self, cfg, run_dir: Path):
-        from saccade.rl import RLStep
+        from saccade.loops.rl_step import RLStep
         from saccade.setup import build_setup
         from saccade.tasks import task_from_config
 

@@ -46,7 +46,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     from saccade.demo import resolve_warm_start
     from saccade.devices import resolve_device
     from saccade.distributed import close_world, exit_rank, init_world
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.stall import StallError
     from saccade.stopping import RunStopped, StopRequest
 

@@ -281,7 +281,7 @@ def load_verifiers_env(env_id: str, args: dict[str, Any] | None = None, *, max_t
 
 
 class VerifiersTask:
-    """A verifiers environment as an RL task (the interface `saccade.rl` reads: train_sample,
+    """A verifiers environment as an RL task (the interface `saccade.loops.rl` reads: train_sample,
     eval_samples, make_env, max_turns). Tasks come from the env's taskset, in its order; the
     held-out ones are its first tasks (verifiers has no eval split: its evals take the first
     tasks too). `correct_metric` names the reward or metric whose value saccade counts as

@@ -173,7 +173,7 @@ class Engine(Protocol):
 
     def stats(self) -> dict[str, float]:
         """Counters since the engine was made (the loop logs a step's differences of
-        `saccade.rl.STEP_COUNTERS`, and `servers_alive` as it is); {} where there are none."""
+        `saccade.loops.step_log.STEP_COUNTERS`, and `servers_alive` as it is); {} where there are none."""
         ...
 
 

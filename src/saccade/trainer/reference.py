@@ -1,7 +1,7 @@
 """The KL term's reference policy: a packed micro-batch in, the reference's logprob of each of
 its loss tokens out (`Reference`), which `train_step` hands to the loss as `ref_logprobs_N`.
 
-Two kinds; `saccade.rl.RLStep.build` picks by the run's training mode:
+Two kinds; `saccade.loops.rl_step.RLStep.build` picks by the run's training mode:
 - LoRA: the base model with the adapters switched off (`adapter_free_reference`). No second
   copy: the base is frozen, so it is the start weights for the whole run.
 - Full fine-tuning: a frozen copy of the language model and lm_head (`frozen_copy`), scored

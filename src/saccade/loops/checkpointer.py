@@ -1,0 +1,114 @@
+"""A run's checkpoints: when to save, resuming, rolling back, and the unwritable disk.
+
+The loop asks `after_step` once per step and the checkpointer decides: every
+`checkpoint.every_steps` steps, after a rollback (a resume must not go back to the stalled
+weights), and always at the run's last step. `resume` loads the latest complete checkpoint;
+`roll_back` a stalled run's newest one from before the stall, at a lower peak lr. Every rank
+takes part in each (the weights are gathered or sharded collectively).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from saccade.config import RunConfig, StallRollbackConfig
+from saccade.distributed import World, barrier
+from saccade.loops.rl_step import RLStep
+from saccade.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from saccade.trainer.checkpoint_folder import checkpoint_before, latest_checkpoint, set_aside_checkpoints
+from saccade.trainer.step import set_peak_lr
+
+# TrainState.extra's key for the product of the stall rollbacks' lr factors (1.0: none): the
+# peak lr is trainer.lr times it, after a resume too.
+LR_SCALE = "lr_scale"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, folder unwritable): the run stops."""
+
+
+class Checkpointer:
+    """Saves, resumes and rolls back the run of `rl` (its model, optimizer, schedule and the
+    engine's sampling RNG) under `run_dir`."""
+
+    def __init__(self, cfg: RunConfig, rl: RLStep, run_dir: Path, world: World):
+        self.cfg, self.rl, self.run_dir, self.world = cfg, rl, run_dir, world
+
+    def start(self, resume: bool) -> TrainState:
+        """The state to go on from: the run's latest checkpoint with --resume, else a fresh one."""
+        return self.resume() if resume else TrainState(step=0, data_position=0, policy_version=0, extra={})
+
+    def resume(self) -> TrainState:
+        """The run's latest complete checkpoint loaded into the model and optimizer, the engine's
+        sampling RNG restored. The peak lr is this config's trainer.lr (times the factors of the
+        run's stall rollbacks, if any), not the one saved with the optimizer: going on at a lower
+        lr is what a resume from a stall is for."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint under {self.run_dir}; start without --resume")
+        state = load_checkpoint(path, model=self.rl.setup.model, optimizer=self.rl.optimizer, scheduler=self.rl.scheduler)
+        set_peak_lr(self.rl.optimizer, self.rl.scheduler, self.cfg.trainer.lr * state.extra.get(LR_SCALE, 1.0))
+        self.rl.setup.engine.set_rng_state(state.extra.get("engine_rng"))
+        return state
+
+    def due(self, step: int, *, rolled_back: bool) -> bool:
+        """Whether the state after `step` steps is saved, the run's last step aside (`after_step`)."""
+        every = self.cfg.checkpoint.every_steps
+        return rolled_back or (bool(every) and step % every == 0)
+
+    def after_step(self, state: TrainState, *, rolled_back: bool) -> Path | None:
+        """A checkpoint of `state` when one is due, and always after the run's last step."""
+        if self.due(state.step, rolled_back=rolled_back) or state.step == self.cfg.trainer.steps:
+            return self.save(state)
+        return None
+
+    def save(self, state: TrainState, *, guarded: bool = True) -> Path:
+        """A checkpoint of the run as it stands (every rank takes part), the engine's sampling RNG
+        with it. `guarded`: a failed write stops the run saying what to do (`stop_if_unwritable`)."""
+        with stop_if_unwritable(self.run_dir, state.step) if guarded else contextlib.nullcontext():
+            state.extra["engine_rng"] = self.rl.setup.engine.rng_state()
+            return save_checkpoint(self.run_dir, model=self.rl.setup.model, optimizer=self.rl.optimizer,
+                                   scheduler=self.rl.scheduler, state=state, keep_last=self.cfg.checkpoint.keep_last,
+                                   base_model_path=self.rl.setup.model_path)
+
+    def roll_back(self, state: TrainState, *, since: int) -> dict[str, float]:
+        """A stalled run back to the newest checkpoint saved before policy version `since` (the
+        weights the stall's first step sampled): its weights, optimizer state and place in the lr
+        schedule reloaded, the peak lr multiplied by stall.lr_factor (kept in `state.extra`, so a
+        resume keeps it), the checkpoints from the stall on set aside. The checkpoint's own
+        TrainState is not used: the step count, the data position and the policy versions go on
+        forward, so metrics.jsonl stays append-only. Returns the figures the step logs, or {}
+        when no checkpoint from before the stall is left (the run then stops)."""
+        found = checkpoint_before(self.run_dir, since)
+        if found is None:
+            return {}
+        assert isinstance(self.cfg.stall, StallRollbackConfig)
+        step, path = found
+        rl = self.rl
+        load_checkpoint(path, model=rl.setup.model, optimizer=rl.optimizer, scheduler=rl.scheduler)
+        state.extra[LR_SCALE] = state.extra.get(LR_SCALE, 1.0) * self.cfg.stall.lr_factor
+        lr = set_peak_lr(rl.optimizer, rl.scheduler, self.cfg.trainer.lr * state.extra[LR_SCALE])
+        if self.world.is_main:  # the stalled weights: never the latest checkpoint a resume would load
+            set_aside_checkpoints(self.run_dir, since)
+        barrier(self.world)
+        return {"rollback_to_step": float(step), "rollback_lr": lr}
+
+
+@contextlib.contextmanager
+def stop_if_unwritable(run_dir: Path, step: int):
+    """Turn a failed checkpoint write into an error that says what is safe and what to do. The
+    run stops rather than train on without checkpoints: days of steps that no checkpoint
+    holds would be lost to the next crash. The save itself is atomic, so the previous
+    checkpoint is intact (a half-written one is only ever a `.tmp-*` folder)."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - a full disk fails as OSError, torch.save's writer as RuntimeError
+        previous = latest_checkpoint(run_dir)
+        kept = f"the previous one, {previous}, is intact" if previous else "there is no earlier checkpoint"
+        raise CheckpointWriteError(
+            f"the checkpoint of step {step} could not be written under {run_dir / 'checkpoints'} "
+            f"({type(err).__name__}: {err}); {kept}. The run stopped rather than train on without checkpoints. "
+            f"Fix the cause (a full disk: free space; an unwritable folder: its permissions), then go on "
+            f"with: saccade rl {run_dir / 'config.toml'} --resume"
+        ) from err
