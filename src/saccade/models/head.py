@@ -24,6 +24,8 @@ vLLM's float32 runs do not.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -73,12 +75,29 @@ def accumulate_project_(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Te
     lm_head's weight gradient over chunks). On CUDA the bf16 matmul adds into it directly (no
     (vocab x hidden) temporary); elsewhere one float32 addmm, the weight gradient autograd
     itself would compute (bit for bit what the trainer computed before issue 28)."""
-    if dtype in LOW_PRECISION and acc_MN.is_cuda and b_KN.dtype == dtype and acc_MN.dtype == torch.float32:
-        try:
-            torch.addmm(acc_MN, a_MK.to(dtype), b_KN, out_dtype=torch.float32, out=acc_MN)
-            return
-        except (RuntimeError, TypeError):  # an older torch without addmm's out_dtype: the general form
-            pass
+    if (dtype in LOW_PRECISION and acc_MN.is_cuda and b_KN.dtype == dtype and acc_MN.dtype == torch.float32
+            and addmm_takes_out_dtype(acc_MN.device, dtype)):
+        torch.addmm(acc_MN, a_MK.to(dtype), b_KN, out_dtype=torch.float32, out=acc_MN)
+        return
     # One fused addmm, as autograd's own weight gradient: a product added separately rounds twice.
     out_dtype = acc_MN.dtype
     acc_MN.addmm_(a_MK.to(dtype).to(out_dtype), b_KN.to(out_dtype))
+
+
+@functools.cache
+def addmm_takes_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch's `addmm` takes `out_dtype` for `dtype` operands on `device`: asked once,
+    on 1 x 1 tensors, so that the hot path never catches an error. A failure there would have been
+    taken for "not supported" and so hidden a CUDA out-of-memory or a device error (the fallback
+    used to wrap every call)."""
+    acc = torch.zeros(1, 1, device=device, dtype=torch.float32)
+    one = torch.ones(1, 1, device=device, dtype=dtype)
+    try:
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (TypeError, NotImplementedError):
+        return False
+    except RuntimeError as err:  # "out_dtype is not supported for ..." and the like
+        if "out_dtype" in str(err) or "not implemented" in str(err).lower():
+            return False
+        raise
+    return float(acc) == 1.0
