@@ -98,7 +98,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(format_eval(result))
     rows = result.pop("rows")
     if args.samples:
-        print(f"per-question completions: {write_samples(rows, args.samples)}")
+        print(f"per-prompt rows (completions, episodes' replies): {write_samples(rows, args.samples)}")
     write_json(args.json, result)
     return 0
 
@@ -194,8 +194,9 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--checkpoint", metavar="DIR", help="with a config file: a step_* folder to evaluate instead of "
                     "the latest")
     ev.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    ev.add_argument("--samples", metavar="PATH", help="write one JSON line per question: id, question, answer, "
-                    "completion, extracted answer, correct, metadata (and the pass@k samples)")
+    ev.add_argument("--samples", metavar="PATH", help="write one JSON line per prompt: id, question, answer, "
+                    "completion, extracted answer (an episode: every reply, its turns, its environment's last "
+                    "report), correct, metadata (and the pass@k samples)")
     ev.set_defaults(func=cmd_eval)
 
 
