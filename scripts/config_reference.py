@@ -27,7 +27,8 @@ HEAD = """\
      Regenerate: uv run python scripts/config_reference.py -->
 
 Every key of a run config (`saccade rl`, `sft`, `eval`, `demo`), with its default and what it
-does, as the models define them today. In a TOML file a key is `key = value` under its
+does, as the models define them today, and each benchmark's options
+([below](#benchmarks-saccade-bench)). In a TOML file a key is `key = value` under its
 `[section]`; on the command line it is `--section.key VALUE`. `saccade rl CONFIG --dry-run`
 prints a config's every value with these descriptions. How the sections fit together, and the
 keys of old files: [The config](config.md).
@@ -122,7 +123,32 @@ def reference() -> str:
         lines += [f"## `[{name}]`", "", _cell(info.description or ""), "", "| key | default | what |", "|---|---|---|"]
         lines += _rows(section, f"{name}.")
         lines.append("")
+    lines += _bench_sections()
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _bench_sections() -> list[str]:
+    """Each `saccade bench` subcommand's options (saccade.config.bench), key by key."""
+    from saccade.cli.benches import BENCHES
+    from saccade.config.bench import RunBenchConfig
+    from saccade.config.options import option_name
+
+    lines = ["## Benchmarks (`saccade bench`)", "",
+             _cell("Each bench's options: a key of its TOML file (the optional CONFIG) and its command-line option "
+                   "([The config](config.md#the-benchmarks-options)). `async`, `kill` and `soak` take the run config "
+                   "as CONFIG (`config`) and the dotted overrides for its runs (`overrides`)."), ""]
+    for bench in BENCHES:
+        lines += [f"### `saccade bench {bench.name}` (`{bench.config.__name__}`)", "",
+                  "| key | option | default | what |", "|---|---|---|---|"]
+        for name, info in bench.config.model_fields.items():
+            if issubclass(bench.config, RunBenchConfig) and name in ("config", "overrides"):
+                option = "CONFIG" if name == "config" else "`--section.key VALUE`"
+            else:
+                option = f"`{option_name(name, info)}`"
+            option = option if option.startswith("`") else f"`{option}`"
+            lines.append(f"| `{name}` | {option} | {_default(info)} | {_cell(info.description or '')} |")
+        lines.append("")
+    return lines
 
 
 def _tags(model: type[BaseModel], tag: str) -> list[str]:

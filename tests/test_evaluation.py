@@ -4,6 +4,7 @@ equals the trained model evaluated in memory."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -195,12 +196,93 @@ def test_by_category_counts_a_list_value_in_each_entry():
     }
 
 
-def test_eval_refuses_multi_turn_tasks_with_a_clear_error():
-    from saccade.demo_views import load_views_config
-    from saccade.evaluation import run_eval
+# ------------------------------------------------------------------------ episodes
 
-    with pytest.raises(ValueError, match="multi-turn episodes.*saccade rl"):
-        run_eval(load_views_config())
+# The views task (2 turns an episode) from a short warm start (random valid looks, then a random
+# answer: episodes that look and answer), then two GRPO steps with a checkpoint after each.
+VIEWS_FAST = [
+    "--sft.steps", "30", "--sft.batch_size", "16", "--sft.lr", "3e-3",
+    "--trainer.steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
+    "--rollout.filter_zero_variance", "false", "--trainer.lr", "3e-3", "--loss.kl_coef", "0",
+    "--eval.prompts", "6", "--eval.every_steps", "1", "--checkpoint.every_steps", "1",
+    "--checkpoint.keep_last", "2",
+]
+
+
+@pytest.mark.slow
+def test_saccade_eval_of_step_k_equals_the_loops_eval_at_step_k_on_episodes(tmp_path):
+    """One evaluation core: `saccade eval CHECKPOINT` of a views run's checkpoint at step k prints
+    and writes the figures the loop logged at step k (greedy success, turns, what the
+    environment reported, the blank-image pass), episode by episode. The negative control:
+    the two steps' episodes differ, so each eval scored its own step's weights."""
+    import torch
+
+    from saccade.demo_views import load_views_config, warm_start
+    from saccade.evaluation import run_eval
+    from saccade.metrics import RESERVED_KEYS, read_metrics
+    from saccade.rl import train_rl
+    from saccade.setup import build_setup
+    from saccade.tasks import task_from_config
+
+    cfg = load_views_config([*VIEWS_FAST, "--log.dir", str(tmp_path / "run")])
+    setup, task = build_setup(cfg, cfg.run_dir), task_from_config(cfg)
+    warm_start(cfg, setup, task, run_dir=tmp_path / "warm-start", progress=False)
+    train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=task, progress=False)
+    logged = {r["step"]: r for r in read_metrics(cfg.run_dir, phase="eval")}
+    assert sorted(logged) == [1, 2]
+
+    replies = {}
+    for step in (1, 2):
+        checkpoint = cfg.run_dir / "checkpoints" / f"step_{step:06d}"
+        if step == 1:  # in this process, on a fresh setup (the base weights, then the checkpoint's)
+            result = run_eval(load_views_config([*VIEWS_FAST, "--log.dir", str(tmp_path / "run")]),
+                              checkpoint=str(checkpoint))
+            rows = result.pop("rows")
+        else:  # the command, given the checkpoint alone: its run's config.toml comes with it
+            out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
+            proc = subprocess.run(
+                [sys.executable, "-m", "saccade.cli", "eval", str(checkpoint), "--json", str(out),
+                 "--samples", str(samples)],
+                capture_output=True, text=True, timeout=600,
+                env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},  # the loop's float order
+            )
+            assert proc.returncode == 0, proc.stderr
+            assert "held-out evaluation on views: 6 episodes" in proc.stdout, proc.stdout
+            assert f"weights: {checkpoint}" in proc.stdout
+            result = json.loads(out.read_text())
+            rows = [json.loads(line) for line in samples.read_text().splitlines()]
+        assert result["weights"] == str(checkpoint)
+        figures = {k: v for k, v in logged[step].items() if k not in (*RESERVED_KEYS, "n")}
+        assert {"accuracy", "turns", "env_seen", "env_answered", "accuracy_blank", "visual_gain"} <= set(figures)
+        assert {k: result[k] for k in figures} == figures, step
+        assert len(rows) == result["n"] == 6
+        # Recounted from the rows: each episode's replies, turns and last report.
+        assert result["accuracy"] == sum(r["correct"] for r in rows) / 6
+        assert result["turns"] == sum(r["turns"] for r in rows) / 6 == sum(len(r["replies"]) for r in rows) / 6
+        assert result["env_seen"] == sum(r["info"]["seen"] for r in rows) / 6
+        assert set(result["by_category"]["place"]) <= {"left", "right"}
+        replies[step] = [r["replies"] for r in rows]
+    assert replies[1] != replies[2], "both evals scored the same weights"
+
+
+def test_eval_target_reads_a_checkpoint_with_its_runs_config(tmp_path):
+    from saccade.evaluation import EvalTarget, eval_target
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000003"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    assert eval_target("configs/demo.toml", "x") == EvalTarget("configs/demo.toml", [], "x")
+    with pytest.raises(ValueError, match="no config.toml of the run"):
+        eval_target(str(step))
+    (run / "config.toml").write_text("")
+    expected = EvalTarget(str(run / "config.toml"), ["--log.dir", str(run)], str(step))
+    assert eval_target(str(step)) == expected
+    assert eval_target(str(run)) == expected  # a run folder: its latest complete checkpoint
+    with pytest.raises(ValueError, match="--checkpoint"):
+        eval_target(str(step), str(step))
+    with pytest.raises(ValueError, match="neither a config file"):
+        eval_target(str(tmp_path))
 
 
 # ------------------------------------------------------------------------ visual reliance

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from saccade.config import ImagesConfig
+from saccade.config.bench import ParityBenchConfig
 from saccade.data.messages import ModelInputs, messages_to_inputs
 from saccade.data.synthetic import synthetic_image
 from saccade.models.vision import VisionEncoder
@@ -159,6 +160,20 @@ def max_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def mean_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     """Mean |Δ| over every token of every case (the first token of each, never predicted, left out)."""
     return float(torch.cat([(x[1:] - y[1:]).abs() for x, y in zip(a, b, strict=True)]).mean())
+
+
+def run_parity_bench(cfg: ParityBenchConfig) -> dict:
+    """`saccade bench parity`: `run_parity` on the config's model (a preset or `<preset>-warm`
+    resolved to its folder), dtype and device, with the minutes it took."""
+    import time
+
+    from saccade.demo import resolve_model_name
+    from saccade.devices import resolve_device
+
+    start = time.perf_counter()
+    result = run_parity(resolve_model_name(cfg.model), dtype=getattr(torch, cfg.dtype), device=resolve_device(cfg.device))
+    result["minutes"] = (time.perf_counter() - start) / 60
+    return result
 
 
 def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.dtype = torch.float32,

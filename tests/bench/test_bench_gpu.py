@@ -10,6 +10,7 @@ import pytest
 from saccade.bench import gpu
 from saccade.bench import linear_attention as la_bench
 from saccade.cli import main
+from saccade.config.bench import GpuBenchConfig
 from saccade.models.linear_attention import TORCH_VARLEN
 
 
@@ -97,7 +98,7 @@ def test_the_budget_leaves_stages_for_the_next_run(tmp_path, capsys):
     assert json.loads((tmp_path / gpu.JSON_NAME).read_text())["stages"] == {}
     # A folder holds one kind of run: quick results never mix with real ones.
     with pytest.raises(ValueError, match="give another --out"):
-        gpu.run_gpu_bench(device="cpu", quick=True, out=tmp_path)
+        gpu.run_gpu_bench(GpuBenchConfig(device="cpu", quick=True, out=str(tmp_path)))
 
 
 def test_the_stage_list_adds_up_to_the_gpu_budget():

@@ -2,10 +2,11 @@ import json
 
 from saccade.bench.render import format_render_report, run_render_bench
 from saccade.cli import main
+from saccade.config.bench import RenderBenchConfig
 
 
 def test_render_bench_measures_cold_and_cached():
-    result = run_render_bench(size=32, renders=4, rooms=2, device="cpu")
+    result = run_render_bench(RenderBenchConfig(size=32, renders=4, rooms=2, device="cpu"))
     assert result["cold_renders_per_s"] > 0 and result["cached_renders_per_s"] > 0
     assert (result["cache_hits"], result["cache_misses"]) == (4, 4)
     assert "renders/s" in format_render_report(result)

@@ -7,11 +7,12 @@ import json
 import pytest
 
 from saccade.bench.step import OVERHEAD_PARTS, ROLLOUT_PARTS, TRAIN_PARTS, run_step_bench
+from saccade.config.bench import RolloutBenchConfig, StepBenchConfig
 
 
 @pytest.mark.slow
 def test_step_bench_breaks_the_step_down_and_runs_the_reference(tmp_path):
-    r = run_step_bench("tiny", steps=1, trace_dir=str(tmp_path / "trace"), log=lambda *_: None)
+    r = run_step_bench(StepBenchConfig(steps=1, trace=str(tmp_path / "trace")), log=lambda *_: None)
     parts = r["saccade_parts_s"]
     # Every part of the step was timed where it runs, and together they are the step.
     for part in ("templating", "image_prep", "encode", "prefill", "decode", "rewards", "samples", "pack",
@@ -34,7 +35,7 @@ def test_step_bench_breaks_the_step_down_and_runs_the_reference(tmp_path):
 def test_rollout_bench_compares_the_embedded_engine_with_hf_generate():
     from saccade.bench.engine import format_rollout, run_rollout_bench
 
-    r = run_rollout_bench("tiny", prompts=3, n=4, max_tokens=4, repeats=1, vllm=False)
+    r = run_rollout_bench(RolloutBenchConfig(prompts=3, samples=4, max_tokens=4, repeats=1, vllm=False))
     # Both engines sampled every completion of the same 3 prompts x 4: 1 to 4 tokens each.
     assert set(r["completion_tokens"]) == {"embedded", "hf_generate"}
     assert all(3 * 4 <= t <= 3 * 4 * 4 for t in r["completion_tokens"].values()), r["completion_tokens"]

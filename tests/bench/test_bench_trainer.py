@@ -35,8 +35,10 @@ FIGURES = (
 @pytest.mark.slow
 def test_trainer_bench_on_tiny_preset():
     from saccade.bench.trainer import format_report, run_trainer_bench
+    from saccade.config.bench import TrainerBenchConfig
 
-    result = run_trainer_bench(preset="tiny", steps=1, batch=3, max_side=128, padded_rows=2, progress=False)
+    result = run_trainer_bench(TrainerBenchConfig(preset="tiny", steps=1, batch=3, max_side=128, padded_rows=2),
+                               progress=False)
 
     for key in FIGURES:
         assert key in result, key
@@ -93,9 +95,10 @@ def test_lm_step_flops_count_a_moe_layers_router_and_the_experts_a_token_runs():
 @pytest.mark.slow
 def test_trainer_bench_full_finetuning_on_tiny_preset():
     from saccade.bench.trainer import run_trainer_bench
+    from saccade.config.bench import TrainerBenchConfig
 
-    result = run_trainer_bench(preset="tiny", steps=1, batch=2, max_side=96, padded_rows=2, progress=False,
-                               full_finetune=True, measure_memory=False)
+    result = run_trainer_bench(TrainerBenchConfig(preset="tiny", steps=1, batch=2, max_side=96, padded_rows=2,
+                                                  full_finetune=True, measure_memory=False), progress=False)
     # Every variant trains every LM weight from the same start: the same warm-up loss.
     assert result["config"]["full_finetune"] and result["max_warmup_loss_diff"] < 1e-4, result["warmup_loss"]
     assert result["cached_tflops"] > 0

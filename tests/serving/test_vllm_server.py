@@ -152,9 +152,10 @@ def test_a_body_over_the_limit_is_refused_with_413(server, body_limit_mb):
 
 def test_bench_engine_parity_meets_the_bars_and_leaves_the_server_as_found(server, engine, policy):
     from saccade.bench.engine import run_engine_parity
+    from saccade.config.bench import EngineParityBenchConfig
     from saccade.inference.engine import SamplingParams
 
-    result = run_engine_parity("tiny", url=server, prompts=4, n=2, max_tokens=8)
+    result = run_engine_parity(EngineParityBenchConfig(url=server, prompts=4, samples=2, max_tokens=8))
     assert result["mean_abs"] <= MEAN_BAR and result["max_abs"] <= MAX_BAR
     assert result["encode_max_abs"] <= ENCODE_BAR and result["images_encoded"] >= 4
     assert result["after_update_mean_abs"] <= MEAN_BAR
@@ -166,8 +167,9 @@ def test_bench_engine_parity_meets_the_bars_and_leaves_the_server_as_found(serve
 
 def test_bench_rollout_measures_both_engines_on_the_same_prompts(server):
     from saccade.bench.engine import run_rollout_bench
+    from saccade.config.bench import RolloutBenchConfig
 
-    result = run_rollout_bench("tiny", url=server, prompts=4, n=2, max_tokens=4, repeats=1)
+    result = run_rollout_bench(RolloutBenchConfig(url=server, prompts=4, samples=2, max_tokens=4, repeats=1))
     # Every engine sampled every completion of the same 4 prompts x 2: 1 to 4 tokens each.
     assert set(result["completion_tokens"]) == {"embedded", "hf_generate", "vllm"}
     assert all(4 * 2 <= t <= 4 * 2 * 4 for t in result["completion_tokens"].values()), result["completion_tokens"]

@@ -1,0 +1,31 @@
+"""The benchmarks behind `saccade bench ...` (their options: `saccade.config.bench`).
+
+A bench that starts worker processes (torchrun ranks, a stage of `bench gpu` in a fresh
+interpreter) hands each its job as one JSON file (`write_job`): a pydantic model holding the
+bench's typed config, which the worker validates back (`read_job`), never a command line it
+parses again.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+J = TypeVar("J", bound=BaseModel)
+
+
+def write_job(job: BaseModel, path: Path) -> Path:
+    """The job as JSON at `path`, for a worker's `read_job`."""
+    path.write_text(job.model_dump_json())
+    return path
+
+
+def read_job(model: type[J], argv: list[str] | None = None) -> J:
+    """A worker's job: its one argument, the JSON file its bench wrote (`write_job`), validated."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit(f"usage: python -m {model.__module__} JOB.json (a worker: its bench starts it)")
+    return model.model_validate_json(Path(argv[0]).read_text())

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from saccade.config import RunConfig, load_config
+from saccade.config.bench import AsyncBenchConfig
 from saccade.timing import split_cores
 
 
@@ -62,17 +63,18 @@ def run_figures(run_dir: Path, level: int, world: int) -> dict[str, Any]:
     }
 
 
-def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | None = None, *, levels=(0, 1),
-                    world_sizes=(1,), url: str | None = None, out_dir: str | None = None,
-                    progress: bool = True) -> dict[str, Any]:
+def run_async_bench(cfg: AsyncBenchConfig, *, levels=(0, 1), progress: bool = True) -> dict[str, Any]:
+    """Every (world size, async level) run of `cfg.config` on one server (`cfg.url`, else one
+    started here); each run's figures and the level-1 over level-0 ratios."""
     from saccade.config import describe
     from saccade.demo import resolve_model_name
     from saccade.serving.launch import cpu_args, served
 
-    out = Path(out_dir or tempfile.mkdtemp(prefix="saccade-bench-async-"))
+    config, overrides, world_sizes, url = cfg.config, cfg.overrides, cfg.world_sizes, cfg.url
+    out = Path(cfg.out or tempfile.mkdtemp(prefix="saccade-bench-async-"))
     out.mkdir(parents=True, exist_ok=True)
     model = resolve_model_name("tiny-warm")  # a folder from here down
-    base = load_config(RunConfig, config, ["--model.path", model, "--checkpoint.every_steps", "0", *(overrides or [])])
+    base = load_config(RunConfig, config, ["--model.path", model, "--checkpoint.every_steps", "0", *overrides])
     # One evaluation, after the last step: the accuracy each run reached, outside the timed steps.
     base = base.model_copy(update={"eval": base.eval.model_copy(update={"every_steps": base.trainer.steps})})
     server_cores, trainer_cores = split_cores(sorted(os.sched_getaffinity(0)))
@@ -81,15 +83,15 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
     def run_one(url: str, world: int, level: int) -> dict[str, Any]:
         name = f"world{world}-level{level}"
         threads = max(1, len(trainer_cores) // world)
-        cfg = base.model_copy(update={
+        run = base.model_copy(update={
             "engine": base.engine.model_copy(update={"kind": "vllm", "urls": [url]}),
             "rollout": base.rollout.model_copy(update={"max_async_level": level}),
             "trainer": base.trainer.model_copy(update={"torch_threads": threads}),
             "log": base.log.model_copy(update={"dir": str(out / name)}),
         })
-        RunConfig.model_validate(cfg.model_dump())  # the validators, on the combination
+        RunConfig.model_validate(run.model_dump())  # the validators, on the combination
         config_file = out / f"{name}.toml"
-        config_file.write_text(describe(cfg))
+        config_file.write_text(describe(run))
         if progress:
             print(f"{name}: {' '.join(rl_command(config_file, world)[1:])}", flush=True)
         run_env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TRANSFORMERS_VERBOSITY": "error"}
@@ -98,7 +100,7 @@ def run_async_bench(config: str = "configs/demo.toml", overrides: list[str] | No
                                   preexec_fn=lambda: os.sched_setaffinity(0, trainer_cores))
         if done.returncode != 0:
             raise RuntimeError(f"{name} exited with {done.returncode}:\n{(out / f'{name}.log').read_text()[-4000:]}")
-        return run_figures(cfg.run_dir, level, world)
+        return run_figures(run.run_dir, level, world)
 
     def run_all(url: str) -> list[dict[str, Any]]:
         return [run_one(url, world, level) for world in world_sizes for level in levels]

@@ -1,13 +1,14 @@
 """`saccade bench distributed`: the sharded trainer at world 1 against world N, side by side.
 
-Two torchrun launches of the same worker (this module, `python -m saccade.bench.distributed`),
-first `--nproc-per-node 1` (the FSDP path on one rank), then `--nproc-per-node N`, on the same
-model and the same global batch. Each reports, per rank:
+Two torchrun launches of the same worker (this module, `python -m saccade.bench.distributed
+JOB.json`: the bench's `DistributedBenchConfig`, serialized), first `--nproc-per-node 1` (the
+FSDP path on one rank), then `--nproc-per-node N`, on the same model and the same global batch.
+Each reports, per rank:
 
 - `state_bytes`: the parameters, gradients and AdamW moments this rank holds (its shards);
   world N against world 1 should be about 1/N;
 - `step_s`: the median wall time of a `train_step` over the whole global batch (16 samples of
-  `--seq-len` tokens, packed into micro-batches of `--max-tokens`, spread by `balance`);
+  `seq_len` tokens, packed into micro-batches of `max_tokens`, spread by `balance`);
 - `export_s` and `export_peak_mb`: the engine-weights export (`merge_full_weights_for_engine`,
   gathered one tensor at a time, rank 0 writing) and the rise of this process's peak resident
   memory over it (Linux VmHWM, reset before the export);
@@ -23,7 +24,6 @@ what sharding costs here, not what N GPUs gain; the byte ratio holds anywhere.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,28 +35,39 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 
+from saccade.bench import read_job, write_job
+from saccade.config.bench import DistributedBenchConfig
 from saccade.serving.launch import free_port
 
 SAMPLES = 16
 LOSS_TOKENS = 32
 
 
-def run_distributed_bench(*, nproc: int = 2, preset: str = "small", lora: bool = False, steps: int = 3,
-                          seq_len: int = 256, max_tokens: int = 1024, device: str = "cpu") -> dict[str, Any]:
-    """World 1 then world `nproc`, each a torchrun launch; the figures and their ratios."""
+class DistributedJob(BaseModel):
+    """One torchrun launch's work: the bench's config, and where rank 0 writes."""
+
+    bench: DistributedBenchConfig
+    out: str  # the result file (JSON)
+    export_dir: str  # where the engine-weights export goes
+
+
+def run_distributed_bench(cfg: DistributedBenchConfig) -> dict[str, Any]:
+    """World 1 then world `cfg.nproc`, each a torchrun launch; the figures and their ratios."""
     from saccade.models.families import resolve_model
 
+    nproc, preset, lora, device = cfg.nproc, cfg.preset, cfg.lora, cfg.device
     resolve_model(preset)  # built once here, not by every rank
     runs = {}
     for world in sorted({1, nproc}):  # --nproc 1: the FSDP path at world 1 alone, launched once
         with tempfile.TemporaryDirectory(prefix="saccade-bench-dist-") as tmp:
             out = Path(tmp) / "result.json"
+            job = write_job(DistributedJob(bench=cfg, out=str(out), export_dir=str(Path(tmp) / "export")),
+                            Path(tmp) / "job.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                   "-m", "saccade.bench.distributed", "--out", str(out), "--preset", preset, "--steps", str(steps),
-                   "--seq-len", str(seq_len), "--max-tokens", str(max_tokens), "--device", device,
-                   "--export-dir", str(Path(tmp) / "export")] + (["--lora"] if lora else [])
+                   "-m", "saccade.bench.distributed", str(job)]
             threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else 1
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -65,8 +76,8 @@ def run_distributed_bench(*, nproc: int = 2, preset: str = "small", lora: bool =
             runs[world] = json.loads(out.read_text())
     one, many = runs[1], runs[nproc]
     result = {
-        "preset": preset, "lora": lora, "nproc": nproc, "device": device, "seq_len": seq_len,
-        "max_tokens": max_tokens, "samples": SAMPLES,
+        "preset": preset, "lora": lora, "nproc": nproc, "device": device, "seq_len": cfg.seq_len,
+        "max_tokens": cfg.max_tokens, "samples": SAMPLES,
         "world1": one, f"world{nproc}": many,
     }
     if nproc == 1:
@@ -155,7 +166,7 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(job: DistributedJob) -> None:
     from saccade.config import LoraConfig, PpoClipLossConfig, TrainerConfig
     from saccade.distributed import all_gather, barrier, close_world, exit_rank, init_world, unsharded
     from saccade.trainer.sharding import shard_model
@@ -168,11 +179,12 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.timing import synchronize
     from saccade.trainer.step import build_optimizer, staged, train_step
 
-    device = resolve_device(args.device)
+    cfg = job.bench
+    device = resolve_device(cfg.device)
     world = init_world(device, timeout_s=TrainerConfig().dist_timeout_s)  # on CUDA: sets the device first
-    path = resolve_model(args.preset)
+    path = resolve_model(cfg.preset)
     policy = load_policy_lm(path, device=device)
-    model = apply_lora(policy, LoraConfig(rank=16)) if args.lora else set_full_finetune(policy)
+    model = apply_lora(policy, LoraConfig(rank=16)) if cfg.lora else set_full_finetune(policy)
     shard_model(model, world, device=device, compute_dtype=torch.float32)
     optimizer, scheduler = build_optimizer(model, lr=1e-5, weight_decay=0.0, schedule=lambda s: 1.0)
     # Token ids below the vision tokens (Qwen's special tokens sit at the top of the vocabulary).
@@ -180,10 +192,10 @@ def worker(args: argparse.Namespace) -> None:
     vision_ids = [getattr(config, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                      "vision_end_token_id")]
     below = min([i for i in vision_ids if i is not None] + [config.text_config.vocab_size])
-    micro_batches = staged(_synthetic_micro_batches(below, args.seq_len, args.max_tokens, world), device)
+    micro_batches = staged(_synthetic_micro_batches(below, cfg.seq_len, cfg.max_tokens, world), device)
 
     times = []
-    for step in range(args.steps + 1):  # the first is a warm-up
+    for step in range(cfg.steps + 1):  # the first is a warm-up
         barrier(world)
         synchronize(device)
         start = time.perf_counter()
@@ -198,10 +210,10 @@ def worker(args: argparse.Namespace) -> None:
     _reset_peak_rss()
     before = proc_status_kb("VmRSS") or 0
     start = time.perf_counter()
-    if args.lora:
-        save_adapter_for_engine(model, path, Path(args.export_dir))
+    if cfg.lora:
+        save_adapter_for_engine(model, path, Path(job.export_dir))
     else:
-        merge_full_weights_for_engine(model, path, Path(args.export_dir))
+        merge_full_weights_for_engine(model, path, Path(job.export_dir))
     export_s = time.perf_counter() - start
     peak_mb = ((proc_status_kb("VmHWM") or 0) - before) / 1024
 
@@ -233,7 +245,7 @@ def worker(args: argparse.Namespace) -> None:
             "cuda_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
     gathered = all_gather(mine, world)
     if world.is_main:
-        Path(args.out).write_text(json.dumps({
+        Path(job.out).write_text(json.dumps({
             "world_size": world.size,
             "state_bytes": [g["state_bytes"] for g in gathered],
             "export_peak_mb": [g["export_peak_mb"] for g in gathered],
@@ -249,18 +261,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="a worker of `saccade bench distributed` (run under torchrun)")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=1024)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--export-dir", required=True)
-    args = parser.parse_args(argv)
+    """`python -m saccade.bench.distributed JOB.json` under torchrun: one rank of a launch."""
+    job = read_job(DistributedJob, argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    worker(args)
+    worker(job)
 
 
 if __name__ == "__main__":

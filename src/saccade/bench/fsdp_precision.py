@@ -1,7 +1,7 @@
 """FSDP2 mixed precision against fp32: the same RL steps, sharded, in bfloat16 and in float32.
 
-`run_precision_bench` starts one torchrun launch (`python -m saccade.bench.fsdp_precision`,
-NCCL on CUDA, gloo on the CPU) whose ranks run `saccade rl`'s loop (`train_rl`) twice from
+`run_precision_bench` starts one torchrun launch (`python -m saccade.bench.fsdp_precision
+JOB.json`: its `PrecisionBenchConfig`, serialized; NCCL on CUDA, gloo on the CPU) whose ranks run `saccade rl`'s loop (`train_rl`) twice from
 the demo's warm start (`tiny-warm`, where groups carry reward variance): with
 `model.dtype = bfloat16` (FSDP2's mixed precision: bf16 compute, fp32 shards and gradient
 reduction) and with float32, same seed, same prompts. Rank 0 reads both runs' metrics.
@@ -15,7 +15,6 @@ are not expected to agree token for token: the comparison is of trends and magni
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -24,32 +23,46 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+from saccade.bench import read_job, write_job
+from saccade.config.bench import PrecisionBenchConfig
+
 DTYPES = ("bfloat16", "float32")
 # Per-step figures read back from each run's metrics.jsonl.
 FIGURES = ("reward_mean", "groups_kept_frac", "loss", "mismatch_abs", "step_s", "grad_norm")
 
 
-def run_precision_bench(*, device: str = "cpu", nproc: int = 1, steps: int = 5, prompts: int = 32,
-                        model: str = "tiny-warm", timeout_s: float | None = None) -> dict[str, Any]:
-    """One torchrun launch at `nproc` ranks; per dtype the per-step figures and their means."""
+class PrecisionJob(BaseModel):
+    """The torchrun launch's work: the bench's config, the model's folder, where it writes."""
+
+    bench: PrecisionBenchConfig
+    model_path: str  # cfg.model resolved to a folder, once, before the ranks start
+    out: str  # the result file rank 0 writes (JSON)
+    run_dir: str  # the two runs' folders go under it
+
+
+def run_precision_bench(cfg: PrecisionBenchConfig) -> dict[str, Any]:
+    """One torchrun launch at `cfg.nproc` ranks; per dtype the per-step figures and their means."""
     from saccade.serving.launch import free_port
     from saccade.demo import resolve_model_name
 
-    path = resolve_model_name(model)  # built once here, not by every rank
+    path = resolve_model_name(cfg.model)  # built once here, not by every rank
     with tempfile.TemporaryDirectory(prefix="saccade-bench-precision-") as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        job = write_job(PrecisionJob(bench=cfg, model_path=path, out=str(out), run_dir=str(Path(tmp) / "runs")),
+                        Path(tmp) / "job.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-               "-m", "saccade.bench.fsdp_precision", "--out", str(out), "--device", device, "--steps", str(steps),
-               "--prompts", str(prompts), "--model", path, "--run-dir", str(Path(tmp) / "runs")]
-        threads = max(1, (os.cpu_count() or 1) // nproc) if device == "cpu" else 1
+               "-m", "saccade.bench.fsdp_precision", str(job)]
+        threads = max(1, (os.cpu_count() or 1) // cfg.nproc) if cfg.device == "cpu" else 1
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cfg.timeout_s)
         if done.returncode != 0:
             raise RuntimeError(f"torchrun failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         runs = json.loads(out.read_text())
     summary = {d: _summary(runs[d]) for d in DTYPES}
-    return {"device": device, "nproc": nproc, "steps": steps, "prompts": prompts, "model": model,
+    return {"device": cfg.device, "nproc": cfg.nproc, "steps": cfg.steps, "prompts": cfg.prompts, "model": cfg.model,
             "runs": runs, **{f"{d}_{k}": v for d in DTYPES for k, v in summary[d].items()}}
 
 
@@ -83,7 +96,7 @@ def format_precision_report(r: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------- the worker
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(job: PrecisionJob) -> None:
     from saccade.config import RunConfig, load_config
     from saccade.demo import demo_config_path
     from saccade.distributed import close_world, exit_rank, init_world
@@ -91,10 +104,11 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.loops.rl import train_rl
     from saccade.devices import resolve_device
 
+    cfg = job.bench
     configs = {dtype: load_config(RunConfig, demo_config_path(), [
-        "--model.path", args.model, "--model.dtype", dtype, "--trainer.device", args.device,
-        "--trainer.steps", str(args.steps), "--rollout.prompts_per_step", str(args.prompts),
-        "--eval.every_steps", "0", "--checkpoint.every_steps", "0", "--log.dir", str(Path(args.run_dir) / dtype)])
+        "--model.path", job.model_path, "--model.dtype", dtype, "--trainer.device", cfg.device,
+        "--trainer.steps", str(cfg.steps), "--rollout.prompts_per_step", str(cfg.prompts),
+        "--eval.every_steps", "0", "--checkpoint.every_steps", "0", "--log.dir", str(Path(job.run_dir) / dtype)])
         for dtype in DTYPES}
     t = configs[DTYPES[0]].trainer
     world = init_world(resolve_device(t.device), timeout_s=t.dist_timeout_s)  # as `saccade rl` joins it
@@ -105,24 +119,18 @@ def worker(args: argparse.Namespace) -> None:
             rows = read_metrics(cfg.run_dir, phase="train")
             runs[dtype] = [{k: r.get(k) for k in ("step", *FIGURES)} for r in rows]
     if world.is_main:
-        Path(args.out).write_text(json.dumps(runs))
+        Path(job.out).write_text(json.dumps(runs))
     close_world(world)
     exit_rank(0)  # see saccade.distributed.exit_rank
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m saccade.bench.fsdp_precision JOB.json` under torchrun: one rank of the launch."""
     import torch
 
-    parser = argparse.ArgumentParser(description="a worker of `saccade bench gpu`'s FSDP precision stage (torchrun)")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--model", default="tiny-warm")
-    parser.add_argument("--run-dir", required=True)
-    args = parser.parse_args(argv)
+    job = read_job(PrecisionJob, argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    worker(args)
+    worker(job)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """`saccade bench gpu`: every GPU check that needs no vLLM, in one command, in stages that resume.
 
-The stages (saccade.bench.gpu_stages) run in order, each in a fresh Python process (a crash,
-an out-of-memory or a CUDA error in one leaves the next a clean device; `--in-process` runs
-them in this one). Each stage's record (status, seconds, the device, its figures or its
+The stages (saccade.bench.gpu_stages) run in order, each in a fresh Python process (`python -m
+saccade.bench.gpu JOB.json`: the bench's `GpuBenchConfig` with that one stage, serialized; a
+crash, an out-of-memory or a CUDA error in one leaves the next a clean device; `--in-process`
+runs them in this one). Each stage's record (status, seconds, the device, its figures or its
 error) goes into one JSON in the `--out` folder as soon as it ends, and a markdown table the
 README pastes is rewritten beside it (`bench-gpu.json`, `bench-gpu.md`; the output of the
 stages' processes is appended to `bench-gpu.log`). Run again, the command skips what finished:
@@ -45,7 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from pydantic import BaseModel
+
 from saccade.bench import gpu_stages as S
+from saccade.bench import read_job, write_job
+from saccade.config.bench import GpuBenchConfig
 
 JSON_NAME, MD_NAME, LOG_NAME = "bench-gpu.json", "bench-gpu.md", "bench-gpu.log"
 EXIT_OK, EXIT_FAILED, EXIT_PENDING = 0, 1, 3
@@ -246,13 +251,23 @@ def run_stage_here(stage: Stage, plan: S.Plan) -> dict[str, Any]:
     return record
 
 
+class StageJob(BaseModel):
+    """One stage in a fresh interpreter: the bench's config (its device resolved, the one stage
+    named), and the file its record goes to."""
+
+    bench: GpuBenchConfig
+    record: str
+
+
 def run_stage_child(stage: Stage, plan: S.Plan, timeout_s: float | None) -> dict[str, Any]:
-    """Run one stage in a fresh interpreter (`--record FILE`), its output streamed here and into
-    the log; a crash or a timeout becomes a failed record with the output's last lines."""
+    """Run one stage in a fresh interpreter (`python -m saccade.bench.gpu JOB.json`), its output
+    streamed here and into the log; a crash or a timeout becomes a failed record with the
+    output's last lines."""
     record_file = plan.out / f".{stage.name}.record.json"
     record_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "saccade", "bench", "gpu", "--stage", stage.name, "--device", plan.device,
-           "--out", str(plan.out), "--record", str(record_file)] + (["--quick"] if plan.quick else [])
+    bench = GpuBenchConfig(device=plan.device, quick=plan.quick, out=str(plan.out), stage=[stage.name])
+    job = write_job(StageJob(bench=bench, record=str(record_file)), plan.out / f".{stage.name}.job.json")
+    cmd = [sys.executable, "-m", "saccade.bench.gpu", str(job)]
     tail: collections.deque[str] = collections.deque(maxlen=40)
     start = time.perf_counter()
     started = _now()
@@ -277,6 +292,7 @@ def run_stage_child(stage: Stage, plan: S.Plan, timeout_s: float | None) -> dict
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     reader.join(timeout=10)
+    job.unlink(missing_ok=True)
     if record_file.exists() and not timed_out:
         record = json.loads(record_file.read_text())
         record_file.unlink()
@@ -335,16 +351,14 @@ def should_run(stage: Stage, record: dict | None, *, named: bool, force: bool) -
     return True, ""  # unavailable before, or stopped by the budget: again
 
 
-def run_gpu_bench(*, device: str = "auto", quick: bool = False, out: str | Path = "runs/bench-gpu",
-                  stages: list[str] | None = None, force: bool = False, budget_s: float | None = None,
-                  in_process: bool = False, log=print) -> int:
-    """Run the selected stages (all by default); the exit code (module docstring)."""
+def run_gpu_bench(cfg: GpuBenchConfig, *, log=print) -> int:
+    """Run the selected stages (`cfg.stage`; all by default); the exit code (module docstring)."""
     from saccade.devices import resolve_device
 
-    if device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"bench gpu: --device is auto, cuda or cpu, not {device!r}")
-    device = resolve_device(device, setting="bench gpu --device").type  # the stages are told "cuda" or "cpu"
-    out = Path(out)
+    quick, force, budget_s, in_process = cfg.quick, cfg.force, cfg.budget, cfg.in_process
+    stages = cfg.stage or None
+    device = resolve_device(cfg.device, setting="bench gpu --device").type  # the stages are told "cuda" or "cpu"
+    out = Path(cfg.out)
     data = load_results(out, device=device, quick=quick)
     out.mkdir(parents=True, exist_ok=True)
     plan = S.Plan(device=device, quick=quick, out=out, log=log)
@@ -408,11 +422,12 @@ def run_gpu_bench(*, device: str = "auto", quick: bool = False, out: str | Path 
     return EXIT_OK
 
 
-def run_recorded_stage(name: str, *, device: str, quick: bool, out: str | Path, record: str) -> int:
-    """The child's side of `run_stage_child`: one stage here, its record to `record`."""
-    plan = S.Plan(device=device, quick=quick, out=Path(out))
+def run_recorded_stage(job: StageJob) -> int:
+    """The child's side of `run_stage_child`: the job's one stage here, its record to `job.record`."""
+    plan = S.Plan(device=job.bench.device, quick=job.bench.quick, out=Path(job.bench.out))
+    (name,) = job.bench.stage
     result = run_stage_here(BY_NAME[name], plan)
-    Path(record).write_text(json.dumps(result, default=str))
+    Path(job.record).write_text(json.dumps(result, default=str))
     return 0
 
 
@@ -440,3 +455,15 @@ def list_stages() -> str:
         lines += [f"  {s.name:<{width - 2}}{seconds[s.name]:>8}  {s.what}" for s in stages]
     lines.append(f"{'all':<{width}}{sum(seconds.values()):>8}  (estimates; one process start each included)")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m saccade.bench.gpu JOB.json`: one stage, in the fresh process `run_stage_child` started."""
+    from saccade.logs import configure
+
+    configure()  # what the library says goes to stderr, as under `saccade bench gpu` itself
+    return run_recorded_stage(read_job(StageJob, argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

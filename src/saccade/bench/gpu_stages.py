@@ -154,11 +154,12 @@ def trainer(plan: Plan, size: str, *, full_finetune: bool) -> dict[str, Any]:
     """`bench trainer` at a real shape (`BIG[size]`): tokens/s, MFU, peak memory against saccade
     memory's estimate."""
     from saccade.bench.trainer import format_report, run_trainer_bench
+    from saccade.config.bench import TrainerBenchConfig
 
-    kwargs: dict[str, Any] = dict(preset=plan.preset(size), device=plan.device, full_finetune=full_finetune)
-    if plan.quick:  # the memory processes (three fresh interpreters) are left out: seconds here, not figures
-        kwargs.update(steps=1, batch=2, max_side=64, measure_memory=False)
-    result = run_trainer_bench(**kwargs)
+    # --quick: the memory processes (three fresh interpreters) are left out: seconds here, not figures.
+    quick = dict(steps=1, batch=2, max_side=64, measure_memory=False) if plan.quick else {}
+    result = run_trainer_bench(TrainerBenchConfig(preset=plan.preset(size), device=plan.device,
+                                                  full_finetune=full_finetune, **quick))
     plan.log(format_report(result))
     return result
 
@@ -181,12 +182,14 @@ def trainer_summary(r: dict) -> str:
 def step(plan: Plan) -> dict[str, Any]:
     """`bench step` on the device: one RL step part by part against HF's own path."""
     from saccade.bench.step import format_step_report, run_step_bench
+    from saccade.config.bench import StepBenchConfig
 
     if plan.quick:
-        result = run_step_bench("tiny", steps=1, device=plan.device, dtype=plan.dtype, prompts=2, log=plan.log)
+        cfg = StepBenchConfig(preset="tiny", steps=1, device=plan.device, dtype=plan.dtype, prompts=2)
     else:
-        result = run_step_bench(BIG["2b"].preset, image_size=448, lora=True, steps=3, device=plan.device,
-                                dtype=plan.dtype, log=plan.log)
+        cfg = StepBenchConfig(preset=BIG["2b"].preset, image_size=448, lora=True, steps=3, device=plan.device,
+                              dtype=plan.dtype)
+    result = run_step_bench(cfg, log=plan.log)
     plan.log(format_step_report(result))
     return result
 
@@ -265,6 +268,7 @@ def fsdp(plan: Plan) -> dict[str, Any]:
     """`bench distributed --nproc 1` (torchrun, NCCL on CUDA, gloo on the CPU) at 2B shapes, LoRA
     and full fine-tuning: per-rank state, step time, export, peak against saccade memory."""
     from saccade.bench.distributed import LOSS_TOKENS, SAMPLES, format_distributed_report, run_distributed_bench
+    from saccade.config.bench import DistributedBenchConfig
     from saccade.memory import model_dims, trainer_memory
     from saccade.models.families import resolve_model
 
@@ -273,8 +277,8 @@ def fsdp(plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {"preset": preset, "backend": "nccl" if plan.device == "cuda" else "gloo"}
     # --quick: LoRA only (each is a torchrun launch, most of the stage's time on a CPU).
     for name, lora in (("lora", True),) if plan.quick else (("lora", True), ("full", False)):
-        r = run_distributed_bench(nproc=1, preset=preset, lora=lora, steps=1 if plan.quick else 3, seq_len=seq_len,
-                                  max_tokens=max_tokens, device=plan.device)
+        r = run_distributed_bench(DistributedBenchConfig(nproc=1, preset=preset, lora=lora, steps=1 if plan.quick else 3,
+                                                         seq_len=seq_len, max_tokens=max_tokens, device=plan.device))
         plan.log(format_distributed_report(r))
         w = r["world1"]
         # What `saccade memory --world-size 1` says of this shape: the bench trains in float32.
@@ -303,9 +307,10 @@ def fsdp_bf16(plan: Plan) -> dict[str, Any]:
     """FSDP2 mixed precision (bf16 compute, fp32 shards and reduction) against fp32: RL steps
     from the warm start under torchrun at world 1."""
     from saccade.bench.fsdp_precision import format_precision_report, run_precision_bench
+    from saccade.config.bench import PrecisionBenchConfig
 
-    result = run_precision_bench(device=plan.device, nproc=1, steps=2 if plan.quick else 5,
-                                 prompts=4 if plan.quick else 32)
+    result = run_precision_bench(PrecisionBenchConfig(device=plan.device, nproc=1, steps=2 if plan.quick else 5,
+                                                      prompts=4 if plan.quick else 32))
     plan.log(format_precision_report(result))
     return result
 
@@ -325,11 +330,12 @@ def fsdp_bf16_summary(r: dict) -> str:
 def render(plan: Plan) -> dict[str, Any]:
     """`bench render` on the device (and on this machine's CPU beside it, on a GPU)."""
     from saccade.bench.render import format_render_report, run_render_bench
+    from saccade.config.bench import RenderBenchConfig
 
     kwargs = dict(size=32, renders=4, rooms=2) if plan.quick else dict(size=256, renders=64, rooms=8)
-    out = {"device": run_render_bench(device=plan.device, **kwargs)}
+    out = {"device": run_render_bench(RenderBenchConfig(device=plan.device, **kwargs))}
     if plan.device == "cuda":
-        out["cpu"] = run_render_bench(device="cpu", **kwargs)
+        out["cpu"] = run_render_bench(RenderBenchConfig(device="cpu", **kwargs))
     for r in out.values():
         plan.log(format_render_report(r))
     return out

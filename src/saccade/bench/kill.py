@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from saccade.config.bench import KillBenchConfig
+
 # The run both arms make: the demo's warm start, the embedded engine (seeded: bit-reproducible),
 # a checkpoint every step (a resume loses at most the step in flight), no evaluation.
 RUN_DEFAULTS = ["--model.path", "tiny-warm", "--engine.kind", "embedded", "--eval.every_steps", "0",
@@ -202,11 +204,12 @@ def straight_run(cmd: list[str], run_dir: Path, log_path: Path) -> dict[str, flo
     return {"wall_s": wall, "startup_s": startup if startup is not None else wall}
 
 
-def run_kill_bench(config: str = "configs/demo.toml", overrides: list[str] | None = None, *, kills: int = 20,
-                   steps: int = 60, seed: int = 0, out_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
-    out = Path(out_dir or tempfile.mkdtemp(prefix="saccade-bench-kill-"))
+def run_kill_bench(cfg: KillBenchConfig, *, progress: bool = True) -> dict[str, Any]:
+    """The straight run, then the killed one (`cfg.kills` SIGKILLs, each life resumed), compared."""
+    config, kills, steps, seed = cfg.config, cfg.kills, cfg.steps, cfg.seed
+    out = Path(cfg.out or tempfile.mkdtemp(prefix="saccade-bench-kill-"))
     out.mkdir(parents=True, exist_ok=True)
-    overrides = ["--trainer.steps", str(steps), *(overrides or [])]
+    overrides = ["--trainer.steps", str(steps), *cfg.overrides]
     straight_dir, killed_dir = out / "straight", out / "killed"
 
     def say(text: str) -> None:

@@ -14,18 +14,19 @@ from typing import Any
 
 import numpy as np
 
+from saccade.config.bench import RenderBenchConfig
 
-def run_render_bench(*, size: int = 256, renders: int = 64, rooms: int = 8, seed: int = 0,
-                     device: str = "auto", threads: int | None = None) -> dict[str, Any]:
+
+def run_render_bench(cfg: RenderBenchConfig) -> dict[str, Any]:
+    """Cold and cached renders/s at `cfg.size` on `cfg.device` (`RenderBenchConfig`)."""
     import torch
 
     from saccade.scenes.generate import generate_room, start_pose
     from saccade.scenes.render import CachedRenderer, MeshRenderer
 
-    if renders < 1 or rooms < 1:
-        raise ValueError(f"bench render: renders and rooms must be positive, got {renders} and {rooms}")
-    if threads is not None:
-        torch.set_num_threads(threads)
+    size, renders, rooms, seed, device = cfg.size, cfg.renders, cfg.rooms, cfg.seed, cfg.device
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(seed)
     scenes = [generate_room(i, seed=seed) for i in range(rooms)]
     jobs = [(scenes[i % rooms], start_pose(scenes[i % rooms], rng)) for i in range(renders)]

@@ -40,7 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-WARMUP_STEPS = 50
+from saccade.config.bench import SoakBenchConfig
+
+WARMUP_STEPS = SoakBenchConfig.model_fields["warmup"].default
 RSS_GROWTH_BAR_MB = 10.0  # over the judged steps; a flat run's noise reads as up to about 5 MB
 MAX_FITTED_POINTS = 1000  # Theil-Sen looks at every pair: thin a long run's judged steps to this many
 SOAK_CACHE_BYTES = 8 << 20  # about 32 demo steps of images: full within the warm-up
@@ -140,10 +142,10 @@ def python_thread_names() -> list[str]:
     return sorted(t.name for t in threading.enumerate())
 
 
-def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | None = None, *, steps: int = 500,
-                   warmup: int = WARMUP_STEPS, out_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run `steps` RL steps of `config` from tiny-warm in this process and return `soak_figures`,
-    with the process's descriptors and threads before the run and after it, and the plot."""
+def run_soak_bench(cfg: SoakBenchConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Run `cfg.steps` RL steps of `cfg.config` (with `cfg.overrides`) from tiny-warm in this
+    process and return `soak_figures`, with the process's descriptors and threads before the run
+    and after it, and the plot."""
     from saccade.config import RunConfig, load_config
     from saccade.demo import resolve_model_name
     from saccade.metrics import read_metrics
@@ -151,11 +153,12 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     from saccade.plot import plot_run
     from saccade.loops.rl import train_rl
 
+    config, steps, warmup, out_dir = cfg.config, cfg.steps, cfg.warmup, cfg.out
     if steps < warmup + 4:
         raise ValueError(f"--steps {steps} leaves fewer than 4 steps after the warm-up of {warmup}: "
                          f"use --steps {warmup + 4} or more, or a shorter --warmup")
     out = Path(out_dir or tempfile.mkdtemp(prefix="saccade-bench-soak-"))
-    overrides = list(overrides or [])
+    overrides = list(cfg.overrides)
     defaults = ["--model.path", resolve_model_name("tiny-warm"), "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
                 "--trainer.steps", str(steps), "--log.dir", str(out / "run")]
     if not any(o.startswith("--image_cache.budget_bytes") for o in overrides):
@@ -164,22 +167,22 @@ def run_soak_bench(config: str = "configs/demo.toml", overrides: list[str] | Non
     # on: with it off, every step runs the whole path (zero advantages still forward and backward).
     if not any(o.startswith("--rollout.filter_zero_variance") for o in overrides):
         defaults += ["--rollout.filter_zero_variance", "false"]
-    cfg = load_config(RunConfig, config, [*defaults, *overrides])
+    run = load_config(RunConfig, config, [*defaults, *overrides])
     before = {**process_metrics(), "python_thread_names": python_thread_names()}
     start = time.perf_counter()
-    result = train_rl(cfg, run_dir=cfg.run_dir, progress=progress)
+    result = train_rl(run, run_dir=run.run_dir, progress=progress)
     wall = time.perf_counter() - start
     close = getattr(result["setup"].engine, "close", None)  # a vLLM engine's client; the embedded one has none
     if close is not None:
         close()
     del result
     after = {**process_metrics(), "python_thread_names": python_thread_names()}
-    rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    rows = [r for r in read_metrics(run.run_dir) if r["phase"] == "train"]
     figures = soak_figures(rows, warmup)
-    plots = plot_run(cfg.run_dir)
+    plots = plot_run(run.run_dir)
     figures.update(
-        config=config, overrides=overrides, cache_budget_mb=cfg.image_cache.budget_bytes / 2**20, wall_s=wall,
-        process_before=before, process_after=after, run_dir=str(cfg.run_dir),
+        config=config, overrides=overrides, cache_budget_mb=run.image_cache.budget_bytes / 2**20, wall_s=wall,
+        process_before=before, process_after=after, run_dir=str(run.run_dir),
         plot=str(next((p for p in plots if p.name == "memory.png"), plots[-1])),
     )
     return figures

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from saccade.bench.reference import GROUP, LORA_RANK, NEW_TOKENS
+from saccade.config.bench import StepBenchConfig
 
-PROMPTS = 8
 # Speed-ups asked of saccade's step over the reference (issue 15), by shape.
 GOALS = {("tiny", 64, False): 2.0, ("small", 64, False): 1.5, ("small", 448, True): 3.0}
 ROLLOUT_PARTS = ("env", "templating", "image_prep", "encode", "prefill", "decode", "rewards", "samples")
@@ -49,23 +49,23 @@ TRAIN_PARTS = ("pack", "forward", "logprobs", "loss", "backward", "optimizer")
 OVERHEAD_PARTS = ("env", "templating", "image_prep", "rewards", "samples", "pack", "loss", "other")
 
 
-def bench_config(preset: str, image_size: int, lora: bool, device: str, run_dir: Path,
-                 max_tokens: int | None = None, dtype: str = "float32", prompts: int = PROMPTS):
-    """The demo config at the bench's shape (`max_tokens`: another micro-batch budget)."""
+def bench_config(bench: StepBenchConfig, run_dir: Path):
+    """The demo config at the bench's shape (its preset, image size, LoRA or not, device, dtype,
+    prompts; `max_tokens`: another micro-batch budget)."""
     from saccade.config import ImagesConfig, RunConfig, load_config
     from saccade.demo import demo_config_path
 
-    max_pixels = max(ImagesConfig().max_pixels, image_size * image_size)
+    max_pixels = max(ImagesConfig().max_pixels, bench.image_size * bench.image_size)
     return load_config(RunConfig, demo_config_path(), [
-        "--model.path", preset, "--trainer.device", device, "--model.dtype", dtype,
-        "--rollout.prompts_per_step", str(prompts), "--rollout.group_size", str(GROUP),
+        "--model.path", bench.preset, "--trainer.device", bench.device, "--model.dtype", bench.dtype,
+        "--rollout.prompts_per_step", str(bench.prompts), "--rollout.group_size", str(GROUP),
         "--rollout.filter_zero_variance", "false", "--sampling.max_tokens", str(NEW_TOKENS),
-        "--loss.max_completion_tokens", str(NEW_TOKENS), "--task.image_size", str(image_size),
+        "--loss.max_completion_tokens", str(NEW_TOKENS), "--task.image_size", str(bench.image_size),
         "--images.max_pixels", str(max_pixels), "--eval.every_steps", "0", "--checkpoint.every_steps", "0",
-        "--lora", str(lora).lower(),
-        *(["--lora.rank", str(LORA_RANK), "--lora.alpha", str(2 * LORA_RANK)] if lora else []),
+        "--lora", str(bench.lora).lower(),
+        *(["--lora.rank", str(LORA_RANK), "--lora.alpha", str(2 * LORA_RANK)] if bench.lora else []),
         "--log.dir", str(run_dir),
-        *(["--trainer.max_tokens", str(max_tokens)] if max_tokens else []),
+        *(["--trainer.max_tokens", str(bench.max_tokens)] if bench.max_tokens else []),
     ])
 
 
@@ -137,16 +137,15 @@ def _trace(step, inputs, path: Path) -> None:
     path.with_suffix(".txt").write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
 
 
-def run_step_bench(preset: str = "tiny", *, image_size: int = 64, lora: bool = False, steps: int = 3,
-                   device: str = "auto", trace_dir: str | None = None, max_tokens: int | None = None,
-                   dtype: str = "float32", prompts: int = PROMPTS, log=print) -> dict[str, Any]:
-    """Median step times of saccade and of the reference, the ratio, and saccade's breakdown.
-    `prompts`: prompts per step (default PROMPTS; fewer only to run it quickly)."""
+def run_step_bench(bench: StepBenchConfig, *, log=print) -> dict[str, Any]:
+    """Median step times of saccade and of the reference, the ratio, and saccade's breakdown
+    (`StepBenchConfig`: the shape, the steps, the device; `trace`: a profiler trace of each side)."""
     from saccade.bench.reference import ReferenceStep
     from saccade.models.loading import load_processor
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = bench_config(preset, image_size, lora, device, Path(tmp), max_tokens, dtype, prompts)
+        cfg = bench_config(bench, Path(tmp))
+        preset, image_size, lora, trace_dir = bench.preset, bench.image_size, bench.lora, bench.trace
         log(f"building saccade's step and the reference on preset {preset!r}, {image_size}px images, "
             f"{'LoRA r%d' % LORA_RANK if lora else 'full fine-tuning'}")
         ours = SaccadeStep(cfg, Path(tmp))
@@ -154,7 +153,7 @@ def run_step_bench(preset: str = "tiny", *, image_size: int = 64, lora: bool = F
         reference = ReferenceStep(ours.setup.model_path, load_processor(ours.setup.model_path), cfg.images,
                                   lora=lora, dtype=getattr(torch, cfg.model.dtype), device=dev, seed=cfg.trainer.seed)
         results: dict[str, list] = {"saccade": [], "reference": []}
-        for k in range(steps + 1):  # step 0 warms up both
+        for k in range(bench.steps + 1):  # step 0 warms up both
             rows = ours.rows(k)
             order = [("saccade", ours), ("reference", reference)]
             inputs = {"saccade": rows, "reference": ours.messages(rows.prompts)}
@@ -168,11 +167,11 @@ def run_step_bench(preset: str = "tiny", *, image_size: int = 64, lora: bool = F
         if trace_dir:
             out = Path(trace_dir)
             out.mkdir(parents=True, exist_ok=True)
-            rows = ours.rows(steps + 1)
+            rows = ours.rows(bench.steps + 1)
             _trace(ours, rows, out / "saccade_step.json")
             _trace(reference, ours.messages(rows.prompts), out / "reference_step.json")
             log(f"traces in {out}: saccade_step.json, reference_step.json (chrome://tracing, Perfetto)")
-    return summarize(results, preset=preset, image_size=image_size, lora=lora, device=str(dev), prompts=prompts,
+    return summarize(results, preset=preset, image_size=image_size, lora=lora, device=str(dev), prompts=bench.prompts,
                      max_tokens=cfg.trainer.max_tokens, micro_batches=results["saccade"][0][2]["micro_batches"],
                      dtype=cfg.model.dtype, image_tokens=_image_tokens(ours, rows.prompts), trace_dir=trace_dir)
 

@@ -94,6 +94,7 @@ from saccade.bench.trainer_variants import (
     set_lr,
 )
 from saccade.config import ImagesConfig
+from saccade.config.bench import TrainerBenchConfig
 from saccade.devices import resolve_device
 from saccade.memory import LINEARS, ModelDims, TextDims, model_dims, trainer_memory
 from saccade.models.lm import unwrap_policy
@@ -114,44 +115,17 @@ def _load_avg() -> float | None:
         return None
 
 
-def run_trainer_bench(
-    *,
-    preset: str = "small",
-    steps: int = 3,
-    batch: int = 8,
-    seed: int = 0,
-    device: str = "auto",
-    threads: int = 2,
-    max_tokens: int | None = None,
-    padded_rows: int = 4,
-    max_side: int | None = None,
-    max_images: int = 3,
-    full_layout: str = "packed",
-    measure_memory: bool = True,
-    progress: bool = True,
-    full_finetune: bool = False,
-    peak_tflops: float | None = None,
-    attention: str = "auto",
-) -> dict:
-    """Measure cached vs full-VLM and packed vs padded training steps; see the module docstring.
-
-    steps: measured steps per variant, after one warm-up step each. batch: samples per step.
-    max_tokens: packed micro-batch budget (default DEFAULT_MAX_TOKENS, raised to the longest sample).
-    padded_rows: samples per padded micro-batch. max_side: largest image side drawn (default:
-    the preset's max_pixels side). full_layout: "packed" (same micro-batches as cached) or
-    "per_sample" (one sample per forward). device: "auto" (cuda if available), "cpu", "cuda".
-    full_finetune: train every language-model weight instead of LoRA. peak_tflops: the
-    device's dense bf16 peak for the MFU (default: known GPUs' spec sheet; none on a CPU).
-    """
+def run_trainer_bench(cfg: TrainerBenchConfig, *, progress: bool = True) -> dict:
+    """Measure cached vs full-VLM and packed vs padded training steps; see the module docstring
+    and `TrainerBenchConfig` (saccade.config.bench) for each option. max_tokens unset:
+    DEFAULT_MAX_TOKENS, raised to the longest sample either way. full_layout: "packed" (the full
+    VLM on the cached path's micro-batches) or "per_sample" (one sample per forward)."""
+    preset, steps, batch, seed, threads = cfg.preset, cfg.steps, cfg.batch, cfg.seed, cfg.threads
+    max_tokens, padded_rows, max_side, max_images = cfg.max_tokens, cfg.padded_rows, cfg.max_side, cfg.max_images
+    full_layout, full_finetune, peak_tflops, attention = cfg.full_layout, cfg.full_finetune, cfg.peak_tflops, cfg.attn
     family = preset_family(preset)
-    if family is None:
-        from saccade.config import PRESET_NAMES
+    assert family is not None, preset  # TrainerBenchConfig.preset is a preset's name
 
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESET_NAMES)}")
-    if min(steps, batch, padded_rows, max_images) < 1:
-        raise ValueError("steps, batch, padded_rows and max_images must be >= 1")
-    if full_layout not in ("packed", "per_sample"):
-        raise ValueError(f"full_layout must be 'packed' or 'per_sample', not {full_layout!r}")
     from rich.console import Console
 
     console = Console(stderr=True, quiet=not progress)
@@ -161,7 +135,7 @@ def run_trainer_bench(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        dev = resolve_device(device, setting="--device")
+        dev = resolve_device(cfg.device, setting="--device")
         # fp32 on CPU (bf16 matmuls there are an emulation, not the production setting).
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         dtype_name = str(dtype).removeprefix("torch.")
@@ -192,7 +166,7 @@ def run_trainer_bench(
 
         # (a) peak memory: one fresh process per path, one after the other (this one waits).
         memory: dict[str, dict] = {}
-        if measure_memory:
+        if cfg.measure_memory:
             console.log("peak memory of the cached and the full path, each in a fresh process")
             memory = measure_memory_in_fresh_processes(data, model_path, dev, dtype_name, threads, seed,
                                                        full_finetune=full_finetune, attention=attention)

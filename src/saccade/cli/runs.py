@@ -28,11 +28,11 @@ STALLED_EXIT = 3
 STOPPED_EXIT = 130
 
 
-def _load_run_config(args: argparse.Namespace):
+def _load_run_config(args: argparse.Namespace, overrides: list[str] | None = None):
     from saccade.config import RunConfig, describe, load_config
     from saccade.tasks import check_user_code
 
-    cfg = load_config(RunConfig, args.config, args.overrides)
+    cfg = load_config(RunConfig, args.config, args.overrides if overrides is None else overrides)
     check_user_code(cfg)  # a bad reward function or task name fails now, before anything is built
     if args.dry_run:
         print(describe(cfg))
@@ -83,17 +83,22 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    cfg = _load_run_config(args)
+    from saccade.evaluation import eval_target
+
+    # CHECKPOINT_OR_CONFIG: a checkpoint or run folder brings its run's config.toml.
+    target = eval_target(args.config, args.checkpoint)
+    args.config = target.config
+    cfg = _load_run_config(args, [*target.overrides, *args.overrides])
     if args.dry_run:
         return 0
     from saccade.demo import resolve_warm_start
     from saccade.evaluation import format_eval, run_eval, write_samples
 
-    result = run_eval(resolve_warm_start(cfg), checkpoint=args.checkpoint)
+    result = run_eval(resolve_warm_start(cfg), checkpoint=target.checkpoint)
     print(format_eval(result))
     rows = result.pop("rows")
     if args.samples:
-        print(f"per-question completions: {write_samples(rows, args.samples)}")
+        print(f"per-prompt rows (completions, episodes' replies): {write_samples(rows, args.samples)}")
     write_json(args.json, result)
     return 0
 
@@ -164,22 +169,34 @@ def add_sft_parser(sub) -> None:
 
 
 def add_eval_parser(sub) -> None:
-    """`saccade eval CONFIG`."""
+    """`saccade eval CHECKPOINT_OR_CONFIG`."""
     ev = sub.add_parser(
         "eval",
-        help="held-out accuracy of a run's latest checkpoint (greedy, pass@k, by category)",
-        description="Evaluates the latest checkpoint under the config's run folder (or --checkpoint, or the "
-        "base model when there is none) on the held-out split (shapes: the evaluation seed; a data set, "
-        "task.kind = mathvista, openmmreasoner, geometry3k or dataset: the first eval.prompts rows of its eval "
-        "split): greedy accuracy, pass@k from eval.samples_k samples per question at sampling.temperature, and "
-        "accuracy per category (shapes: kind; MathVista: task, skills, grade; OpenMMReasoner: subset; dataset: "
-        "the task.columns.category column). Prints a table.",
+        help="held-out accuracy of a checkpoint, answers or episodes (greedy, pass@k, by category)",
+        description="Runs the RL loop's own evaluation (the figures `saccade rl` logs every eval.every_steps) on a "
+        "checkpoint's weights: a checkpoint folder (<run_dir>/checkpoints/step_000012) with the config its run ran "
+        "with (<run_dir>/config.toml), a run folder's latest checkpoint, or, given a config file, the latest "
+        "checkpoint under its run folder (or --checkpoint, or the base model when there is none). On the held-out "
+        "prompts (shapes, views, scenes: the evaluation seed; a data set, task.kind = mathvista, openmmreasoner, "
+        "geometry3k or dataset: the first eval.prompts rows of its eval split; a verifiers env: its first tasks), "
+        "single answers or whole episodes (views, scenes, verifiers: turn by turn, as in training): greedy "
+        "accuracy, with eval.visual_gain the same with every image blank, an episode's turns and what its "
+        "environment reported, pass@k from eval.samples_k samples per prompt at sampling.temperature, and accuracy "
+        "per category (shapes: kind; views: place; scenes: kind, side; MathVista: task, skills, grade; "
+        "OpenMMReasoner: subset; dataset: the task.columns.category column). Prints a table.",
     )
-    add_config_arguments(ev)
-    ev.add_argument("--checkpoint", metavar="DIR", help="a step_* folder to evaluate instead of the latest")
+    ev.add_argument(
+        "config", nargs="?", default=None, metavar="CHECKPOINT_OR_CONFIG",
+        help="a checkpoint folder, a run folder (its latest checkpoint), or a TOML config file (default: the "
+        "built-in defaults); then any number of dotted overrides such as --eval.prompts 32")
+    ev.add_argument("--dry-run", action="store_true", help="print the resolved config as TOML and exit without "
+                    "running")
+    ev.add_argument("--checkpoint", metavar="DIR", help="with a config file: a step_* folder to evaluate instead of "
+                    "the latest")
     ev.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    ev.add_argument("--samples", metavar="PATH", help="write one JSON line per question: id, question, answer, "
-                    "completion, extracted answer, correct, metadata (and the pass@k samples)")
+    ev.add_argument("--samples", metavar="PATH", help="write one JSON line per prompt: id, question, answer, "
+                    "completion, extracted answer (an episode: every reply, its turns, its environment's last "
+                    "report), correct, metadata (and the pass@k samples)")
     ev.set_defaults(func=cmd_eval)
 
 

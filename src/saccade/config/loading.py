@@ -384,20 +384,25 @@ def _format_error(cls: type[BaseModel], err: dict, file_label: str | None,
             break
     if source is None:
         source = file_label or "config"
-    if source.startswith("--") and source[2:] == path:
+    if source.startswith("--") and source[2:].replace("-", "_") == path:  # --max-tokens names max_tokens
         return f"{source}: {what}"
     if err["type"] == "extra_forbidden":
         return f"{source}: {what}"
     return f"{source}: {path or '(top level)'}: {what}"
 
 
-def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
-    """Defaults of `cls`, then the TOML file at `path` (if any), then the override tokens.
+def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                options: Sequence[tuple[str, str, str]] = ()) -> M:
+    """Defaults of `cls`, then the TOML file at `path` (if any), then `options`, then the
+    override tokens.
 
     `overrides` are argv-style tokens (``["--trainer.lr", "1e-5", "--lora.rank=8"]``), e.g.
-    the second value of `split_overrides`. A `RunConfig` file or override with an earlier
-    day's keys is read as today's, and one from before the [task] section refused, naming the
-    new keys (`saccade.config.upgrade`). Raises ConfigError for any mistake.
+    the second value of `split_overrides`. `options` are values a parser already split off, as
+    (source, dotted path, raw value) triples: the options `saccade.config.options` makes of a
+    flat config's fields (``("--max-tokens", "max_tokens", "512")``), each read like an override
+    and named by its source in errors. A `RunConfig` file or override with an earlier day's keys
+    is read as today's, and one from before the [task] section refused, naming the new keys
+    (`saccade.config.upgrade`). Raises ConfigError for any mistake.
     """
     data: dict[str, Any] = {}
     file_label = None
@@ -420,7 +425,7 @@ def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequenc
                 raise ConfigError(f"{file_label}: {e}") from None
 
     applied: list[tuple[str, str, bool]] = []  # (source, dotted path, whether it is a union's tag)
-    for source, dotted, raw in parse_overrides(overrides):
+    for source, dotted, raw in [*options, *parse_overrides(overrides)]:
         move = moved(dotted, _parse_value(raw, Any)) if issubclass(cls, RunConfig) else None
         if move is not None:
             warnings.warn(f"{source} is now --{move.new} (since {move.date}: {move.why}); read as it",
