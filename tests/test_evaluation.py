@@ -220,7 +220,7 @@ def test_saccade_eval_of_step_k_equals_the_loops_eval_at_step_k_on_episodes(tmp_
     from saccade.demo_views import load_views_config, warm_start
     from saccade.evaluation import run_eval
     from saccade.metrics import RESERVED_KEYS, read_metrics
-    from saccade.rl import train_rl
+    from saccade.loops.rl import train_rl
     from saccade.setup import build_setup
     from saccade.tasks import task_from_config
 
