@@ -101,7 +101,7 @@ def test_every_familys_tiny_preset_has_a_warm_start_resolved_only_where_a_run_st
 def test_qwen3_vl_members_are_the_canonical_layout():
     f = qwen3_vl.FAMILY
     t = torch.randn(3, 4)
-    assert [(n, x) for n, x in f.engine_tensors("lm_head.weight", t)] == [("lm_head.weight", t)]
+    assert f.checkpoint.to_hub("lm_head.weight", t) is t
     assert f.lora_target_modules == LINEARS and f.lora_target_parameters == ()
     assert f.language_model_kwargs(None, None) == {}
     main, levels = f.split_served_features(torch.arange(24.0).view(2, 12), 2)
@@ -231,9 +231,10 @@ def test_shared_prompts_give_each_familys_packed_logprobs_and_gradients(request,
         assert (shared_grads[name] - grad).abs().max() <= TOLERANCE * max(float(grad.abs().max()), GRAD_FLOOR), name
 
 
-def test_engine_tensors_give_back_the_bytes_the_tiny_folder_holds(family_model_path):
+def test_to_hub_gives_back_the_bytes_the_tiny_folder_holds(family_model_path):
     """Loading goes through transformers' loader into the modules' layout; writing goes back
-    through `engine_tensors`, one tensor for one, to the bytes the (hub-layout) files hold."""
+    through the family's `checkpoint.to_hub`, one tensor for one, to the bytes the (hub-layout)
+    files hold."""
     from safetensors import safe_open
 
     from saccade.models.lm import load_policy_lm
@@ -249,5 +250,4 @@ def test_engine_tensors_give_back_the_bytes_the_tiny_folder_holds(family_model_p
                 if name not in held:
                     continue
                 stored = f.get_tensor(key)
-                (back_name, back), = family.engine_tensors(name, held[name].to(stored.dtype))
-                assert back_name == name and torch.equal(back, stored), name
+                assert torch.equal(family.checkpoint.to_hub(name, held[name].to(stored.dtype)), stored), name

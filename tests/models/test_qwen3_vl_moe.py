@@ -68,34 +68,20 @@ def _expert_state(E=3, H=8, I=5):
     }
 
 
-def test_engine_tensors_writes_the_hub_layout():
-    from types import SimpleNamespace
-
+def test_to_hub_writes_the_hub_layout():
     state = _expert_state()
-    text_config = SimpleNamespace(num_experts=3, hidden_size=8, moe_intermediate_size=5)
-    written = dict(kv for k, t in state.items() for kv in moe.engine_tensors(k, t))
-    assert set(written) == set(state)
+    written = {k: moe.FAMILY.checkpoint.to_hub(k, t) for k, t in state.items()}
     assert written["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 8, 10)  # (E, H, 2I)
     assert written["model.language_model.layers.0.mlp.experts.down_proj"].shape == (3, 5, 8)  # (E, I, H)
+    experts = [k for k in state if k.endswith(moe.EXPERT_PARAMS)]
     for k, t in written.items():
-        moe.check_hub_layout(k, t.shape, text_config)
-        if not moe.is_expert_param(k):
+        if k not in experts:
             assert t is state[k]  # identity, not a copy
-    back = {k: t.transpose(1, 2) if moe.is_expert_param(k) else t for k, t in written.items()}
+    back = {k: t.transpose(1, 2) if k in experts else t for k, t in written.items()}
     assert all(torch.equal(back[k], state[k]) for k in state)
     # Expert e's gate rows are still expert e's, and gate before up (vLLM chunks dim 1 of the transpose).
     gu = written["model.language_model.layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(gu.transpose(1, 2).chunk(2, dim=1)[0][2], state["model.language_model.layers.0.mlp.experts.gate_up_proj"][2, :5])
-
-
-def test_the_memory_layout_written_as_is_is_refused():
-    from types import SimpleNamespace
-
-    state = _expert_state()
-    text_config = SimpleNamespace(num_experts=3, hidden_size=8, moe_intermediate_size=5)
-    for key in ("model.language_model.layers.0.mlp.experts.gate_up_proj", "model.language_model.layers.0.mlp.experts.down_proj"):
-        with pytest.raises(ValueError, match="not the hub layout"):
-            moe.check_hub_layout(key, state[key].shape, text_config)  # what save_pretrained writes
 
 
 # ---------------------------------------------------------------- the tiny builder
@@ -429,7 +415,7 @@ def test_vllm_serves_the_tiny_moe_as_the_trainer_scores_it(moe_server, moe_proce
 @pytest.mark.long  # a second family's vLLM server: `pytest -m long` (docs/getting-started.md, Tests)
 def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_path):
     """A weights folder in transformers' memory layout (what save_pretrained writes) is refused by
-    saccade's shape check before vLLM sees it; the same tensors through engine_tensors pass it."""
+    saccade's shape check before vLLM sees it; the same tensors through `checkpoint.to_hub` pass it."""
     httpx = pytest.importorskip("httpx")
     from safetensors.torch import save_file
 
@@ -449,8 +435,7 @@ def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_
 
     served_shapes = reference_shapes(load_layout(moe_path))
     for key, v in state.items():
-        for k, t in moe.engine_tensors(key, v):
-            assert list(t.shape) == served_shapes[k], k
+        assert list(moe.FAMILY.checkpoint.to_hub(key, v).shape) == served_shapes[key], key
 
 
 @pytest.mark.vllm

@@ -109,7 +109,7 @@ def save_hub_layout(model, family: ModelFamily, out: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    state = dict(kv for k, t in state.items() for kv in family.engine_tensors(k, t))
+    state = {k: family.checkpoint.to_hub(k, t) for k, t in state.items()}
     config = json.loads((out / "config.json").read_text())
     if family.name == "Qwen3-VL-MoE":
         # The published config: `num_experts` (transformers writes num_local_experts), no tie key

