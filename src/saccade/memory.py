@@ -282,32 +282,33 @@ def dims_from_hf_config(config: dict, name: str = "model") -> ModelDims:
 
 
 def model_dims(model: str | os.PathLike) -> ModelDims:
-    """The dimensions of `model`: a Qwen3-VL hub id above, a published checkpoint a family knows
-    (`ModelFamily.published_configs`) or a preset built at real shapes (`preset_configs`), a local folder's
-    config.json, or the built-in 'tiny'/'small' presets (built offline on first use; that imports
-    torch) and the warm starts ('tiny-warm', 'qwen2.5vl-tiny-warm')."""
-    from saccade.models.families import FAMILIES, preset_family, warm_start_base
+    """The dimensions of `model`: a Qwen3-VL hub id above, a published checkpoint saccade holds the
+    config.json of (`saccade.models.presets.published_config`) or a preset at published shapes (its
+    `preset_config`), a local folder's config.json, or a tiny preset (built offline on first use;
+    that imports torch) and the warm starts ('tiny-warm', 'qwen2.5vl-tiny-warm')."""
+    from saccade.models.presets import PRESETS, preset_config, preset_path, published_config, published_ids
+    from saccade.models.presets import warm_start_base
 
     name = str(model)
     if name in QWEN3_VL:
         return QWEN3_VL[name]
-    for family in FAMILIES:
-        config = family.preset_configs.get(name) or family.published_configs.get(name)
-        if config is not None:
-            return dims_from_hf_config(config, name)
     if name == "qwen3vl-2b":  # the random preset at Qwen3-VL-2B's shapes (tests/test_memory.py checks)
         return QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
     if name == "qwen3vl-4b":  # and at 4B's (tests/models/test_tiny.py checks)
         return QWEN3_VL["Qwen/Qwen3-VL-4B-Instruct"]
+    if name in PRESETS and not PRESETS[name].tokenizer_vocab:  # its config is known without a build
+        return dims_from_hf_config(preset_config(name), name)
+    config = published_config(name)
+    if config is not None:
+        return dims_from_hf_config(config, name)
     preset = warm_start_base(name) or name  # a warm start is its preset after SFT: the preset's shapes
-    family = preset_family(preset)
-    if family is not None:
-        return dims_from_hf_config(json.loads((family.tiny_model_path(preset, 0) / "config.json").read_text()), name)
+    if preset in PRESETS:
+        return dims_from_hf_config(json.loads((preset_path(preset) / "config.json").read_text()), name)
     path = Path(model) / "config.json"
     if path.is_file():
         return dims_from_hf_config(json.loads(path.read_text()), name)
-    known = ", ".join([*QWEN3_VL, *(k for f in FAMILIES for k in f.published_configs)])
-    raise ValueError(f"no dimensions for model {name!r}: give a local folder with a config.json, or one of {known}")
+    raise ValueError(f"no dimensions for model {name!r}: give a local folder with a config.json, or one of "
+                     f"{', '.join(published_ids())}")
 
 
 # ---------------------------------------------------------------------------------------------

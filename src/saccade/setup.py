@@ -83,7 +83,7 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
     LoRA base is frozen: its shards stay in `model.dtype`, beside the float32 adapters."""
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
     from saccade.models.loading import load_processor
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
 
     if cfg.trainer.torch_threads:
         torch.set_num_threads(cfg.trainer.torch_threads)

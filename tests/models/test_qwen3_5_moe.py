@@ -16,13 +16,14 @@ import torch
 
 from saccade.models.families import LM_PREFIX, family_of
 from saccade.models.families import qwen3_5_moe as moe
+from saccade.models.presets import build_config, build_tokenizer, preset_path, published_config, tiny_preset
 
 FAMILY = moe.FAMILY
 
 
 @pytest.fixture(scope="module")
 def path():
-    return FAMILY.tiny_model_path(FAMILY.tiny_presets[0], 0)
+    return preset_path(tiny_preset(FAMILY))
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +77,12 @@ def test_memory_counts_routed_and_shared_experts_exactly(path, full):
     from transformers import Qwen3_5MoeConfig
 
     from saccade.memory import activation_bytes_per_token, model_dims
-    from saccade.models.tiny import build_tokenizer
 
     hub_id = "Qwen/Qwen3.5-35B-A3B"
     dims = model_dims(hub_id)
     assert (dims.text, dims.vision) == (model_dims("qwen3.5-35b-a3b").text, model_dims("qwen3.5-35b-a3b").vision)
-    hub = Qwen3_5MoeConfig(**{k: v for k, v in FAMILY.published_configs[hub_id].items() if k != "architectures"})
-    preset = moe.build_config(build_tokenizer(1024), moe.PRESETS["qwen3.5-35b-a3b"])
+    hub = Qwen3_5MoeConfig(**{k: v for k, v in published_config(hub_id).items() if k != "architectures"})
+    preset = build_config("qwen3.5-35b-a3b", build_tokenizer(1024))
     for config in (hub, preset):
         with torch.device("meta"):
             model = FAMILY.full_model_class()(config)

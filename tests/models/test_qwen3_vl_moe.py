@@ -18,11 +18,12 @@ import torch
 
 from saccade.models.families import LM_PREFIX, family_of
 from saccade.models.families import qwen3_vl_moe as moe
+from saccade.models.presets import PRESETS, build_config, build_tokenizer, preset_path
 
 
 @pytest.fixture(scope="module")
 def moe_path():
-    return moe.tiny_model_path("moe-tiny", seed=0)
+    return preset_path("moe-tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +103,9 @@ def test_tiny_folder_is_in_the_hub_layout_and_transformers_loads_it_exactly(moe_
         assert shapes[f"model.language_model.layers.{layer}.mlp.experts.gate_up_proj"] == (E, H, 2 * I)
         assert shapes[f"model.language_model.layers.{layer}.mlp.experts.down_proj"] == (E, I, H)
     # transformers' load turns them back: the loaded model equals the one built in memory, bit for bit.
-    from saccade.models.tiny import build_tokenizer
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        built = moe.full_model_class()(moe.build_config(build_tokenizer(1024, seed=0), moe.PRESETS["moe-tiny"]))
+        built = moe.full_model_class()(build_config("moe-tiny", build_tokenizer(1024, seed=0)))
     loaded = moe_full.state_dict()
     assert all(torch.equal(t, loaded[k]) for k, t in built.state_dict().items())
     assert moe_full.model.language_model.layers[0].mlp.experts.down_proj.shape == (E, H, I)
@@ -140,10 +139,9 @@ def test_the_cut_30b_a3b_preset_has_the_published_widths_and_six_layers():
     """qwen3vl-30b-a3b-l6 builds (on the meta device) Qwen3-VL-30B-A3B with 6 decoder layers: every
     width the hub config's, the parameters `saccade memory` counts for it without building it."""
     from saccade.memory import model_dims
-    from saccade.models.tiny import build_tokenizer
 
     preset, hub = "qwen3vl-30b-a3b-l6", "Qwen/Qwen3-VL-30B-A3B-Instruct"
-    config = moe.build_config(build_tokenizer(1024), moe.PRESETS[preset])
+    config = build_config(preset, build_tokenizer(1024))
     with torch.device("meta"):
         model = moe.full_model_class()(config)
     dims, real = model_dims(preset), model_dims(hub)
@@ -156,7 +154,7 @@ def test_the_cut_30b_a3b_preset_has_the_published_widths_and_six_layers():
     assert dims.text.layer_params == real.text.layer_params
     assert config.text_config.moe_intermediate_size != config.text_config.hidden_size
     assert (config.text_config.num_experts, config.text_config.num_experts_per_tok) == (128, 8)
-    assert round(dims.params / 1e9, 2) == 4.90 and moe.PRESETS[preset].base.weights_dtype == "bfloat16"
+    assert round(dims.params / 1e9, 2) == 4.90 and PRESETS[preset].dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------- LM-only parity

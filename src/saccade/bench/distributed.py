@@ -45,7 +45,7 @@ LOSS_TOKENS = 32
 def run_distributed_bench(*, nproc: int = 2, preset: str = "small", lora: bool = False, steps: int = 3,
                           seq_len: int = 256, max_tokens: int = 1024, device: str = "cpu") -> dict[str, Any]:
     """World 1 then world `nproc`, each a torchrun launch; the figures and their ratios."""
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
 
     resolve_model(preset)  # built once here, not by every rank
     runs = {}
@@ -162,7 +162,7 @@ def worker(args: argparse.Namespace) -> None:
     from saccade.process_stats import proc_status_kb
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
     from saccade.models.sampling import SampledDistribution
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
     from saccade.devices import resolve_device
     from saccade.trainer.engine_weights import merge_full_weights_for_engine, save_adapter_for_engine
     from saccade.timing import synchronize

@@ -169,7 +169,7 @@ def resize_bounds(limits: ImagesConfig) -> dict[str, int]:
 class ModelFamily:
     """One architecture family as saccade sees it. Members are data or functions of their
     arguments alone; docs/families.md describes each one. A family is a singleton: compared and
-    hashed by identity (`published_configs` holds dicts)."""
+    hashed by identity."""
 
     name: str  # what errors and docs call it, e.g. "Qwen3-VL"
     model_types: tuple[str, ...]  # config.json's model_type values it serves
@@ -181,10 +181,6 @@ class ModelFamily:
     run_tower: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
     mrope_positions: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # -> (3, L)
     memory_dims: Callable[[dict], tuple[dict, dict]]  # config.json -> (text dims, vision dims) fields
-    tiny_presets: tuple[str, ...]  # the random builds `build_tiny` makes, the test one first
-    build_tiny: Callable[[Path, str, int], Path]  # (out_dir, preset, seed) -> out_dir, written
-    tiny_model_path: Callable[[str, int], Path]  # (preset, seed) -> its folder, built once, cached
-    preset_folder: Callable[[str, int], Path]  # (preset, seed) -> where tiny_model_path keeps it, built or not
     lora_target_modules: tuple[str, ...]  # the language model's linears LoRA wraps by default
     lora_target_parameters: tuple[str, ...] = ()  # parameters (not modules) LoRA wraps: MoE experts
     prepare_language_model: Callable[[nn.Module], None] = no_hooks  # once, after it is built
@@ -203,11 +199,6 @@ class ModelFamily:
     split_served_features: Callable[[torch.Tensor, int], tuple[torch.Tensor, list[torch.Tensor]]] = (
         split_concatenated)
     processor_size: Callable[[ImagesConfig], dict] = resize_bounds
-    # Published checkpoints' config.json (hub id -> dict), and the config.json of the presets built
-    # at real shapes (preset -> dict, the fields memory_dims reads): `saccade memory` answers for
-    # either without a download or a build.
-    published_configs: Mapping[str, dict] = field(default_factory=dict)
-    preset_configs: Mapping[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
-        assert self.model_types and self.tiny_presets, self.name
+        assert self.model_types, self.name

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import types
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -92,24 +91,6 @@ def memory_dims(config: dict) -> tuple[dict, dict]:
     return text, vision
 
 
-def build_tiny(out_dir: Path, preset: str, seed: int) -> Path:
-    from saccade.models.tiny import build_tiny_qwen3vl
-
-    return build_tiny_qwen3vl(out_dir, preset=preset, seed=seed)
-
-
-def tiny_model_path(preset: str, seed: int) -> Path:
-    from saccade.models.tiny import tiny_model_path as built
-
-    return built(preset, seed)
-
-
-def preset_folder(preset: str, seed: int) -> Path:
-    from saccade.models.tiny import preset_folder as folder
-
-    return folder(preset, seed)
-
-
 FAMILY = ModelFamily(
     name="Qwen3-VL",
     model_types=("qwen3_vl",),
@@ -121,10 +102,6 @@ FAMILY = ModelFamily(
     run_tower=run_tower,
     mrope_positions=mrope_positions,
     memory_dims=memory_dims,
-    tiny_presets=("tiny", "small", "qwen3vl-2b", "qwen3vl-4b"),
-    build_tiny=build_tiny,
-    tiny_model_path=tiny_model_path,
-    preset_folder=preset_folder,
     lora_target_modules=LORA_TARGETS,
     prepare_language_model=prepare_language_model,
     language_model_kwargs=language_model_kwargs,
