@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from saccade.memory import LINEARS
+from saccade.memory_dims import LINEARS
 from saccade.models.families import FAMILIES, LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, family_of
 from saccade.models.families import qwen3_vl
 from saccade.models.presets import preset_path, tiny_preset
@@ -75,14 +75,15 @@ def test_qwen3_vl_members_are_the_canonical_layout():
 
 def test_the_families_classes_build_their_configs(family_model_path):
     family, path = family_model_path
+    from saccade.memory_dims import dims_from_hf_config
     from saccade.models.loading import load_config
 
     config = load_config(path)
     assert family_of(config) is family
     assert family.full_model_class().__name__ == family.full_model_name
     assert family.deepstack_levels(config) == family.deepstack_levels(config.vision_config) >= 0
-    text, vision = family.memory_dims(json.loads((path / "config.json").read_text()))
-    assert text["hidden_size"] == config.text_config.hidden_size
+    dims = dims_from_hf_config(json.loads((path / "config.json").read_text()))
+    assert dims.text.hidden_size == config.text_config.hidden_size and dims.lora_targets == family.lora_target_modules
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,7 @@ def test_lora_wraps_the_linear_attention_projections_and_a_step_changes_them(pat
     layers x 5 + 1 attention layer x 4 + 4 MLPs x 3), and one optimizer step on a logprob loss moves each adapter's B (0 at init),
     so every wrapped linear's effective weight changes; `saccade.memory` counts the same adapters."""
     from saccade.config import LoraConfig
-    from saccade.memory import model_dims
+    from saccade.memory_dims import model_dims
     from saccade.models.lm import apply_lora, load_policy_lm
 
     rank = 4
@@ -165,7 +165,7 @@ def test_memory_counts_the_hybrid_exactly():
     the 8 full-attention layers' alone."""
     from transformers import Qwen3_5Config
 
-    from saccade.memory import model_dims
+    from saccade.memory_dims import model_dims
 
     dims = model_dims("Qwen/Qwen3.5-9B")
     assert (dims.text, dims.vision) == (model_dims("qwen3.5-9b").text, model_dims("qwen3.5-9b").vision)

@@ -76,7 +76,8 @@ def test_memory_counts_routed_and_shared_experts_exactly(path, full):
     parameters, and active ones (routed top-k plus the shared expert, by hand)."""
     from transformers import Qwen3_5MoeConfig
 
-    from saccade.memory import activation_bytes_per_token, model_dims
+    from saccade.memory import activation_bytes_per_token
+    from saccade.memory_dims import model_dims
 
     hub_id = "Qwen/Qwen3.5-35B-A3B"
     dims = model_dims(hub_id)
@@ -113,7 +114,7 @@ def test_lora_wraps_attention_deltanet_shared_expert_and_experts_and_merges_as_p
     same trainable parameters; `_LiveWeights` (what the engines and exports get) merges every kind
     as peft's `merge_and_unload` does."""
     from saccade.config import LoraConfig
-    from saccade.memory import model_dims
+    from saccade.memory_dims import model_dims
     from saccade.models.lm import apply_lora, load_policy_lm
     from saccade.trainer.engine_weights import _LiveWeights
 

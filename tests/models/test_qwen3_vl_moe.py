@@ -112,7 +112,7 @@ def test_tiny_folder_is_in_the_hub_layout_and_transformers_loads_it_exactly(moe_
 
 
 def test_memory_dims_count_total_and_active_parameters(moe_path, moe_full):
-    from saccade.memory import model_dims
+    from saccade.memory_dims import model_dims
 
     text = model_dims(str(moe_path)).text
     lm = moe_full.model.language_model
@@ -125,7 +125,8 @@ def test_memory_dims_count_total_and_active_parameters(moe_path, moe_full):
 
 
 def test_the_30b_a3b_preset_has_the_published_sizes():
-    from saccade.memory import model_dims, trainer_memory
+    from saccade.memory import trainer_memory
+    from saccade.memory_dims import model_dims
 
     dims = model_dims("Qwen/Qwen3-VL-30B-A3B-Instruct")
     assert round(dims.params / 1e9, 1) == 31.1 and round(dims.text.active_params / 1e9, 1) == 3.4
@@ -138,7 +139,7 @@ def test_the_30b_a3b_preset_has_the_published_sizes():
 def test_the_cut_30b_a3b_preset_has_the_published_widths_and_six_layers():
     """qwen3vl-30b-a3b-l6 builds (on the meta device) Qwen3-VL-30B-A3B with 6 decoder layers: every
     width the hub config's, the parameters `saccade memory` counts for it without building it."""
-    from saccade.memory import model_dims
+    from saccade.memory_dims import model_dims
 
     preset, hub = "qwen3vl-30b-a3b-l6", "Qwen/Qwen3-VL-30B-A3B-Instruct"
     config = build_config(preset, build_tokenizer(1024))

@@ -265,7 +265,8 @@ def fsdp(plan: Plan) -> dict[str, Any]:
     """`bench distributed --nproc 1` (torchrun, NCCL on CUDA, gloo on the CPU) at 2B shapes, LoRA
     and full fine-tuning: per-rank state, step time, export, peak against saccade memory."""
     from saccade.bench.distributed import LOSS_TOKENS, SAMPLES, format_distributed_report, run_distributed_bench
-    from saccade.memory import model_dims, trainer_memory
+    from saccade.memory import trainer_memory
+    from saccade.memory_dims import model_dims
     from saccade.models.presets import resolve_model
 
     preset = plan.preset("2b")

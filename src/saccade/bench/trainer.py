@@ -95,7 +95,8 @@ from saccade.bench.trainer_variants import (
 )
 from saccade.config import ImagesConfig
 from saccade.devices import resolve_device
-from saccade.memory import LINEARS, ModelDims, TextDims, model_dims, trainer_memory
+from saccade.memory import trainer_memory
+from saccade.memory_dims import LINEARS, ModelDims, TextDims, model_dims
 from saccade.models.lm import unwrap_policy
 from saccade.models.loading import load_processor, load_vision_tower
 from saccade.models.presets import preset_family, preset_path
@@ -405,7 +406,7 @@ def estimated_peak_mb(dims: ModelDims, data: BenchBatch, dtype_name: str, full_f
                       checkpointing: bool) -> float:
     """`saccade memory`'s estimate of the cached path's peak for this batch (the assumed CUDA
     context left out: the measured peak is what the allocator handed out)."""
-    from saccade.memory import VisionDims
+    from saccade.memory_dims import VisionDims
 
     # The vision dims only size the micro-batch's image embeddings (main + DeepStack levels).
     levels = len(next(iter(data.embeddings.values())).deepstack) if data.embeddings else 0

@@ -180,7 +180,6 @@ class ModelFamily:
     deepstack_levels: Callable[[Any], int]  # the config's DeepStack levels (0: none)
     run_tower: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
     mrope_positions: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # -> (3, L)
-    memory_dims: Callable[[dict], tuple[dict, dict]]  # config.json -> (text dims, vision dims) fields
     lora_target_modules: tuple[str, ...]  # the language model's linears LoRA wraps by default
     lora_target_parameters: tuple[str, ...] = ()  # parameters (not modules) LoRA wraps: MoE experts
     prepare_language_model: Callable[[nn.Module], None] = no_hooks  # once, after it is built

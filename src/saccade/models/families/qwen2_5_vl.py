@@ -20,11 +20,10 @@ How it differs from Qwen3-VL (checked against transformers 5.19's `models/qwen2_
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
-from saccade.models.families.interface import ModelFamily, ties_embeddings, transformers_class
+from saccade.models.families.interface import ModelFamily, transformers_class
 from saccade.models.positions import mrope_positions as _shared_mrope_positions
 
 # The language model's linears, as in Qwen3-VL (dense: no fused expert parameters).
@@ -68,33 +67,6 @@ def mrope_positions(mm_token_type_ids_L: torch.Tensor, grid_thw_N3: torch.Tensor
     return _shared_mrope_positions(mm_token_type_ids_L, grid_thw_N3, spatial_merge_size=merge)
 
 
-# ---------------------------------------------------------------------- memory dimensions
-
-
-def memory_dims(config: dict) -> tuple[dict, dict]:
-    """config.json -> the fields of `saccade.memory.TextDims` and `VisionDims`. The text fields are
-    nested (`text_config`, as transformers 5 saves) or flat at the top level (the hub's configs).
-    q/k/v carry biases and there is no q/k norm; the tower has no learned position grid, no
-    DeepStack, RMSNorms (no bias) and gated MLPs with biases."""
-    t, v = config.get("text_config") or config, config["vision_config"]
-    heads = t["num_attention_heads"]
-    text = dict(
-        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
-        head_dim=t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-        tie_word_embeddings=ties_embeddings(config),
-        qkv_bias=True, qk_norm=False,
-    )
-    vision = dict(
-        hidden_size=v["hidden_size"], depth=v["depth"], intermediate_size=v["intermediate_size"],
-        out_hidden_size=v.get("out_hidden_size", t["hidden_size"]), num_position_embeddings=0, deepstack_levels=0,
-        patch_size=v.get("patch_size", 14), temporal_patch_size=v.get("temporal_patch_size", 2),
-        in_channels=v.get("in_chans", v.get("in_channels", 3)), spatial_merge_size=v.get("spatial_merge_size", 2),
-        gated_mlp=True, rms_norm=True, patch_bias=False,
-    )
-    return text, vision
-
-
 FAMILY = ModelFamily(
     name="Qwen2.5-VL",
     model_types=("qwen2_5_vl",),
@@ -105,6 +77,5 @@ FAMILY = ModelFamily(
     deepstack_levels=deepstack_levels,
     run_tower=run_tower,
     mrope_positions=mrope_positions,
-    memory_dims=memory_dims,
     lora_target_modules=LORA_TARGETS,
 )

@@ -23,10 +23,6 @@ and qwen3_vl_moe's expert pieces. What differs from Qwen3-VL-MoE's MoE block:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-
 from saccade.models.families import qwen3_5, qwen3_vl_moe
 from saccade.models.families.interface import HubCheckpoint, ModelFamily, transformers_class
 
@@ -59,51 +55,6 @@ CPU_RELOAD_FAILS = (
     "kernel (punica_base add_lora_fused_moe: NotImplementedError)")
 
 
-# ---------------------------------------------------------------- memory dims
-
-
-@dataclass(frozen=True)
-class SharedExpertDims(qwen3_vl_moe.ExpertDims):
-    """Qwen3-VL-MoE's routed experts plus the shared expert every token runs: three (hidden x
-    `shared_intermediate_size`) linears and its gate (hidden -> 1)."""
-
-    shared_intermediate_size: int = 0
-
-    def shared_shapes(self, hidden: int) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of the shared expert's linears."""
-        s = self.shared_intermediate_size
-        return {"gate_proj": (hidden, s), "up_proj": (hidden, s), "down_proj": (s, hidden)}
-
-    def mlp_params(self, hidden: int, active: bool = False) -> int:
-        """Router, routed experts (all or the `per_token` ones) and the shared expert with its gate,
-        which every token runs."""
-        shared = sum(i * o for i, o in self.shared_shapes(hidden).values()) + hidden
-        return super().mlp_params(hidden, active) + shared
-
-    def lora_params(self, rank: int, hidden: int, targets: Sequence[str] = ()) -> int:
-        """The routed experts' adapters (always) and the shared expert's targeted linears."""
-        shared = sum(rank * (i + o) for n, (i, o) in self.shared_shapes(hidden).items() if n in targets)
-        return super().lora_params(rank, hidden) + shared
-
-    def activation_bytes(self, dtype_bytes: int, hidden: int) -> int:
-        """The routed experts' estimate plus the shared expert's (not checked against autograd): its
-        gate and up outputs and their silu product (3b x S), its output before gating (b x hidden)
-        and the gate's logit."""
-        b = dtype_bytes
-        return super().activation_bytes(b, hidden) + 3 * b * self.shared_intermediate_size + b * hidden + b
-
-
-def memory_dims(config: dict) -> tuple[dict, dict]:
-    """Dense Qwen3.5's fields (gated attention, the Gated DeltaNet layers, the tower without
-    DeepStack) with no dense MLP (intermediate_size 0) and every layer sparse (`SharedExpertDims`)."""
-    t = config["text_config"]
-    text, vision = qwen3_5.memory_dims({**config, "text_config": {**t, "intermediate_size": 0}})
-    text["experts"] = SharedExpertDims(
-        num_experts=t["num_experts"], per_token=t["num_experts_per_tok"], intermediate_size=t["moe_intermediate_size"],
-        layers=t["num_hidden_layers"], shared_intermediate_size=t["shared_expert_intermediate_size"])
-    return text, vision
-
-
 FAMILY = ModelFamily(
     name="Qwen3.5-MoE",
     model_types=("qwen3_5_moe",),
@@ -114,7 +65,6 @@ FAMILY = ModelFamily(
     deepstack_levels=qwen3_5.deepstack_levels,
     run_tower=qwen3_5.run_tower,
     mrope_positions=qwen3_5.mrope_positions,
-    memory_dims=memory_dims,
     lora_target_modules=LORA_TARGETS,
     lora_target_parameters=EXPERT_PARAMS,
     prepare_language_model=qwen3_5.prepare_language_model,

@@ -17,7 +17,7 @@ import types
 import torch
 from torch import nn
 
-from saccade.models.families.interface import ModelFamily, ties_embeddings, transformers_class
+from saccade.models.families.interface import ModelFamily, transformers_class
 from saccade.models.positions import mrope_positions as _mrope_positions
 
 # The dense language model's linears: attention and MLP of every decoder layer.
@@ -71,26 +71,6 @@ def mrope_positions(mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.
     return _mrope_positions(mm_token_type_ids_L, image_grid_thw_N3, spatial_merge_size=merge)
 
 
-def memory_dims(config: dict) -> tuple[dict, dict]:
-    """config.json -> the fields of `saccade.memory.TextDims` and `VisionDims`."""
-    t, v = config["text_config"], config["vision_config"]
-    heads = t["num_attention_heads"]
-    text = dict(
-        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
-        head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-        tie_word_embeddings=ties_embeddings(config),
-    )
-    vision = dict(
-        hidden_size=v["hidden_size"], depth=v["depth"], intermediate_size=v["intermediate_size"],
-        out_hidden_size=v["out_hidden_size"], num_position_embeddings=v["num_position_embeddings"],
-        deepstack_levels=len(v.get("deepstack_visual_indexes", [])), patch_size=v.get("patch_size", 16),
-        temporal_patch_size=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", 3),
-        spatial_merge_size=v.get("spatial_merge_size", 2),
-    )
-    return text, vision
-
-
 FAMILY = ModelFamily(
     name="Qwen3-VL",
     model_types=("qwen3_vl",),
@@ -101,7 +81,6 @@ FAMILY = ModelFamily(
     deepstack_levels=deepstack_levels,
     run_tower=run_tower,
     mrope_positions=mrope_positions,
-    memory_dims=memory_dims,
     lora_target_modules=LORA_TARGETS,
     prepare_language_model=prepare_language_model,
     language_model_kwargs=language_model_kwargs,

@@ -21,15 +21,14 @@ saccade reads through transformers' own loader (`models/checkpoint_layout.py`), 
 by shape, and refuses the square shapes neither can tell apart.
 
 The hub's text config also carries `norm_topk_prob: true`, which transformers' config class
-lacks (its router always renormalises the top-k weights) and vLLM reads (`renormalize=`):
-`build_config` sets it.
+lacks (its router always renormalises the top-k weights) and vLLM reads (`renormalize=`): the
+published config saccade holds says so, and its random builds keep it (`saccade.models.presets`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
@@ -97,63 +96,6 @@ CPU_RELOAD_FAILS = (
     "kernel (punica_base add_lora_fused_moe: NotImplementedError)")
 
 
-# ---------------------------------------------------------------- memory dims
-
-
-def moe_layers(text: dict) -> int:
-    """How many decoder layers are sparse (transformers' rule: not in mlp_only_layers, and every
-    decoder_sparse_step-th)."""
-    step, dense = text.get("decoder_sparse_step", 1), set(text.get("mlp_only_layers") or [])
-    return sum(1 for i in range(text["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
-
-
-@dataclass(frozen=True)
-class ExpertDims:
-    """The sparse layers as `saccade.memory.TextDims.experts` counts them: `layers` of the decoder
-    layers replace the dense MLP with a router (E x hidden) and E experts of three (hidden x
-    moe_intermediate) matrices, of which each token runs `per_token`."""
-
-    num_experts: int
-    per_token: int
-    intermediate_size: int
-    layers: int
-
-    def mlp_params(self, hidden: int, active: bool = False) -> int:
-        """One MoE layer's router and experts (all of them, or the `per_token` one token runs)."""
-        experts = self.per_token if active else self.num_experts
-        return experts * 3 * hidden * self.intermediate_size + self.num_experts * hidden
-
-    def lora_params(self, rank: int, hidden: int, targets: Sequence[str] = ()) -> int:
-        """One MoE layer's peft expert adapters (`target_parameters`, which the family always sets,
-        whatever the `targets` modules): per fused parameter, A (rank*E x in) and B (out x rank*E);
-        gate_up H -> 2I, down I -> H."""
-        h, i = hidden, self.intermediate_size
-        return rank * self.num_experts * ((h + 2 * i) + (i + h))
-
-    def activation_bytes(self, dtype_bytes: int, hidden: int) -> int:
-        """Per token, one MoE layer's MLP (an estimate, not checked against autograd): transformers'
-        expert loop keeps, per chosen expert, the gathered input and the down projection's output
-        (b*h each), the gate_up output, silu(gate) and its product with up (b*4I); the router its
-        float32 softmax (4E)."""
-        b = dtype_bytes
-        return self.per_token * (2 * b * hidden + 4 * b * self.intermediate_size) + 4 * self.num_experts
-
-    def merged_bytes(self, hidden: int, dtype_bytes: int) -> int:
-        """LoRA: peft's expert adapters (ParamWrapper) run each MoE layer on W + delta, a whole
-        (E x 3HI) tensor in the compute dtype that backward keeps (peft 0.21's _activate_lora)."""
-        return self.num_experts * 3 * hidden * self.intermediate_size * dtype_bytes
-
-
-def memory_dims(config: dict) -> tuple[dict, dict]:
-    """Qwen3-VL's fields, plus the experts (`ExpertDims`: `saccade.memory` counts total and active)."""
-    text, vision = qwen3_vl.memory_dims(config)
-    t = config["text_config"]
-    text["experts"] = ExpertDims(num_experts=t.get("num_experts", t.get("num_local_experts")),
-                                 per_token=t["num_experts_per_tok"], intermediate_size=t["moe_intermediate_size"],
-                                 layers=moe_layers(t))
-    return text, vision
-
-
 FAMILY = ModelFamily(
     name="Qwen3-VL-MoE",
     model_types=("qwen3_vl_moe",),
@@ -164,7 +106,6 @@ FAMILY = ModelFamily(
     deepstack_levels=qwen3_vl.deepstack_levels,
     run_tower=qwen3_vl.run_tower,
     mrope_positions=qwen3_vl.mrope_positions,
-    memory_dims=memory_dims,
     lora_target_modules=LORA_TARGETS,
     lora_target_parameters=EXPERT_PARAMS,
     prepare_language_model=qwen3_vl.prepare_language_model,
