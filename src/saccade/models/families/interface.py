@@ -173,10 +173,9 @@ class ModelFamily:
 
     name: str  # what errors and docs call it, e.g. "Qwen3-VL"
     model_types: tuple[str, ...]  # config.json's model_type values it serves
-    full_model_name: str  # the transformers class of the whole model, for usage lines
     text_model_class: Callable[[], type]  # the language model alone (imported when called)
     vision_model_class: Callable[[], type]  # the vision tower alone
-    full_model_class: Callable[[], type]  # the whole model: the parity reference
+    full_model_class: Callable[[], type]  # the whole model: the parity reference; its __name__ the class's
     deepstack_levels: Callable[[Any], int]  # the config's DeepStack levels (0: none)
     run_tower: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
     mrope_positions: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # -> (3, L)

@@ -70,7 +70,6 @@ def mrope_positions(mm_token_type_ids_L: torch.Tensor, grid_thw_N3: torch.Tensor
 FAMILY = ModelFamily(
     name="Qwen2.5-VL",
     model_types=("qwen2_5_vl",),
-    full_model_name="Qwen2_5_VLForConditionalGeneration",
     text_model_class=text_model_class,
     vision_model_class=vision_model_class,
     full_model_class=full_model_class,

@@ -81,7 +81,6 @@ CPU_DTYPE = ("bfloat16", "its CPU Gated DeltaNet kernel asserts it: vllm/model_e
 FAMILY = ModelFamily(
     name="Qwen3.5",
     model_types=("qwen3_5",),
-    full_model_name="Qwen3_5ForConditionalGeneration",
     text_model_class=text_model_class,
     vision_model_class=vision_model_class,
     full_model_class=full_model_class,

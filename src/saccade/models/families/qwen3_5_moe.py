@@ -58,7 +58,6 @@ CPU_RELOAD_FAILS = (
 FAMILY = ModelFamily(
     name="Qwen3.5-MoE",
     model_types=("qwen3_5_moe",),
-    full_model_name="Qwen3_5MoeForConditionalGeneration",
     text_model_class=text_model_class,
     vision_model_class=vision_model_class,
     full_model_class=full_model_class,

@@ -74,7 +74,6 @@ def mrope_positions(mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.
 FAMILY = ModelFamily(
     name="Qwen3-VL",
     model_types=("qwen3_vl",),
-    full_model_name="Qwen3VLForConditionalGeneration",
     text_model_class=text_model_class,
     vision_model_class=vision_model_class,
     full_model_class=full_model_class,

@@ -99,7 +99,6 @@ CPU_RELOAD_FAILS = (
 FAMILY = ModelFamily(
     name="Qwen3-VL-MoE",
     model_types=("qwen3_vl_moe",),
-    full_model_name="Qwen3VLMoeForConditionalGeneration",
     text_model_class=text_model_class,
     vision_model_class=vision_model_class,
     full_model_class=full_model_class,
