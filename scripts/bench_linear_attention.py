@@ -115,11 +115,11 @@ def grpo(args) -> None:
     The group and the step are saccade.bench.linear_attention's (`saccade bench gpu`'s linear-attention
     stage times them on a GPU)."""
     from saccade.bench.linear_attention import grpo_rows, grpo_step
-    from saccade.models.families.qwen3_5 import tiny_model_path
+    from saccade.models.presets import preset_path
     from saccade.models.linear_attention import TORCH_VARLEN
     from saccade.models.lm import load_policy_lm
 
-    policy = load_policy_lm(tiny_model_path("qwen3.5-small"))
+    policy = load_policy_lm(preset_path("qwen3.5-small"))
     linear = policy.config.text_config.layer_types.count("linear_attention")
     P, G = args.prompt, args.group
     # The prompt: 20 tokens, one image of 256 x 256 px (64 tokens: 32 x 32 px each), then text.

@@ -75,9 +75,9 @@ def torch_threads_restored():
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    from saccade.models.tiny import tiny_model_path
+    from saccade.models.presets import preset_path
 
-    return tiny_model_path("tiny", seed=0)
+    return preset_path("tiny", seed=0)
 
 
 @pytest.fixture(scope="session")

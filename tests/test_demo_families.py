@@ -38,16 +38,18 @@ def test_every_familys_warm_start_is_cached_under_its_preset(monkeypatch):
     reused)."""
     import hashlib
 
-    import saccade.models.tiny as tiny
+    import saccade.models.presets as presets
+    import saccade.models.presets.builder as builder
 
-    monkeypatch.setattr(tiny, "build_once", lambda target, build: target)  # name the folders, build nothing
+    for module in (presets, builder):  # name the folders, build nothing
+        monkeypatch.setattr(module, "build_once", lambda target, build: target)
     config = demo.demo_config_path().read_text()
     folders = {}
     for family in FAMILIES:
-        preset = family.tiny_presets[0]
+        preset = presets.tiny_preset(family)
         folders[preset] = demo.warm_model_path(preset)
-        key = hashlib.sha256((config + str(family.tiny_model_path(preset, 0))).encode()).hexdigest()[:10]
-        assert folders[preset] == tiny.cache_dir() / f"{preset}-warm-{key}", preset
+        key = hashlib.sha256((config + str(presets.preset_path(preset))).encode()).hexdigest()[:10]
+        assert folders[preset] == presets.cache_dir() / f"{preset}-warm-{key}", preset
     assert demo.warm_model_path() == folders["tiny"]
     assert len(set(folders.values())) == len(FAMILIES)
 

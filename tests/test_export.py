@@ -17,6 +17,7 @@ from export_runs import FULL, LORA, train_run
 
 from saccade.export import HubUploadError, export_adapter, export_merged, push_to_hub
 from saccade.models.families import FAMILIES
+from saccade.models.presets import preset_path, tiny_preset
 
 # Max |Δ logprob| between two fp32 paths that compute the same function (parity.TOLERANCE).
 FP32_BAR = 1e-5
@@ -202,7 +203,7 @@ def test_every_family_trains_and_exports_in_its_base_layout(family, kind, tmp_pa
     from saccade.models.vision import VisionEncoder
     from saccade.parity import max_abs, prepare
 
-    base = family.tiny_model_path(family.tiny_presets[0], 0)
+    base = preset_path(tiny_preset(family))
     # The config leaves the targets unset: the family's own, Qwen3.5's Gated DeltaNet projections
     # included, are trained, merged and exported.
     run_dir, policy = train_run(tmp_path / "run", base, LORA if kind == "lora" else FULL)

@@ -103,7 +103,7 @@ def test_saccade_has_no_import_cycle():
 LAYERS: list[tuple[str, ...]] = [
     ("saccade.__main__", "saccade.cli"),
     ("saccade.bench", "saccade.launcher", "saccade.demo", "saccade.demo_scenes", "saccade.demo_views", "saccade.doctor",
-     "saccade.parity", "saccade.memory", "saccade.export"),
+     "saccade.parity", "saccade.memory", "saccade.memory_dims", "saccade.export"),
     ("saccade.loops", "saccade.sft", "saccade.stall"),
     ("saccade.orchestrator", "saccade.evaluation", "saccade.sample_log", "saccade.visual"),
     ("saccade.setup", "saccade.tasks"),

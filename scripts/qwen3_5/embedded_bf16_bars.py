@@ -37,7 +37,7 @@ def main() -> None:
     from saccade.config import ImagesConfig
     from saccade.inference.engine import SamplingParams
     from saccade.inference.local import LocalEngine
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
     from saccade.models.lm import load_policy_lm, unwrap_policy
     from saccade.models.loading import load_processor, load_vision_tower
     from saccade.models.vision import EmbeddingCache, VisionEncoder

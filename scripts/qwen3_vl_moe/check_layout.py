@@ -2,15 +2,15 @@
 import torch, json, sys
 torch.set_num_threads(2)
 from saccade.models.families import qwen3_vl_moe as m
-from saccade.models.tiny import build_tokenizer
-p = m.tiny_model_path('moe-tiny', 0)
+from saccade.models.presets import build_config, build_tokenizer, preset_path
+p = preset_path('moe-tiny')
 print(p, json.load(open(p/'config.json'))['text_config'].get('num_experts'))
 from transformers import AutoModelForImageTextToText, AutoConfig, AutoProcessor
 # the in-memory model, rebuilt from the same seed
 cfg = AutoConfig.from_pretrained(p)
 with torch.random.fork_rng(devices=[]):
     torch.manual_seed(0)
-    mem = m.full_model_class()(m.build_config(build_tokenizer(1024, seed=0), m.PRESETS['moe-tiny'])).eval()
+    mem = m.full_model_class()(build_config('moe-tiny', build_tokenizer(1024, seed=0))).eval()
 loaded = AutoModelForImageTextToText.from_pretrained(p, dtype=torch.float32).eval()
 print(type(loaded).__name__)
 sd1, sd2 = mem.state_dict(), loaded.state_dict()

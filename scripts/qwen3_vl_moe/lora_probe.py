@@ -5,7 +5,8 @@ torch.set_num_threads(2)
 from saccade.models.lm import load_policy_lm as load_language_model
 from saccade.models.families import qwen3_vl_moe as moe
 print("peft", peft.__version__)
-path = moe.tiny_model_path("moe-tiny")
+from saccade.models.presets import preset_path
+path = preset_path("moe-tiny")
 policy = load_language_model(path)
 cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r"model\.language_model\..*\.(q_proj|k_proj|v_proj|o_proj)",
                       target_parameters=list(moe.EXPERT_PARAMS), bias="none")

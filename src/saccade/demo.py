@@ -69,7 +69,7 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor]) ->
 
 
 # The demo's warm start of Qwen3-VL's tiny model; every family's tiny preset has one, named
-# "<preset>-warm" (saccade.models.families.warm_start_names).
+# "<preset>-warm" (saccade.models.presets.warm_start_names).
 WARM_PRESET = "tiny-warm"
 
 
@@ -84,8 +84,7 @@ def warm_model_path(preset: str = "tiny") -> Path:
     folder."""
     import hashlib
 
-    from saccade.models.families import resolve_model
-    from saccade.models.tiny import build_once, cache_dir
+    from saccade.models.presets import build_once, cache_dir, resolve_model
 
     cfg = load_demo_config(["--model.path", preset])
     key = hashlib.sha256((demo_config_path().read_text() + resolve_model(preset)).encode()).hexdigest()[:10]
@@ -103,7 +102,7 @@ def resolve_warm_start(cfg: RunConfig, world: World = SINGLE) -> RunConfig:
     below never trains to find a model (`saccade serve tiny-warm` would otherwise train inside
     the vLLM server). Under torchrun rank 0 builds it while the others wait, then they read it
     from the cache."""
-    from saccade.models.families import warm_start_base
+    from saccade.models.presets import warm_start_base
 
     base = warm_start_base(cfg.model.path)
     if base is None:
@@ -120,7 +119,7 @@ def resolve_model_name(name: str) -> str:
     """A model name as `saccade serve` and the benches take it: a warm start's name ("tiny-warm",
     "qwen2.5vl-tiny-warm") is its folder (`resolve_warm_start`), a preset its built folder,
     anything else as it is."""
-    from saccade.models.families import resolve_model, warm_start_base
+    from saccade.models.presets import resolve_model, warm_start_base
 
     base = warm_start_base(name)
     return str(_warm_folder(base)) if base else resolve_model(name)
@@ -130,7 +129,7 @@ def demo_start(cfg: RunConfig) -> RunConfig:
     """The demo trains its warm start itself (step 1), from the preset: a warm start's name
     ("qwen2.5vl-tiny-warm") runs the same demo as its preset's ("qwen2.5vl-tiny"), so either
     names the family to show."""
-    from saccade.models.families import warm_start_base
+    from saccade.models.presets import warm_start_base
 
     base = warm_start_base(cfg.model.path)
     if base is None:
@@ -179,7 +178,7 @@ def demo_engine(cfg: RunConfig, engine: str):
         yield cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "vllm"})}), 0.0
         return
     from saccade.timing import split_cores
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
     from saccade.serving.launch import cpu_args, served
 
     start = time.perf_counter()

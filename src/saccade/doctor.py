@@ -285,7 +285,7 @@ def device_reason(cfg, machine: Machine) -> str | None:
 
 def _model_size(model: str) -> str:
     """'2.13B parameters' where `saccade memory` knows the model without loading it, else ''."""
-    from saccade.memory import model_dims
+    from saccade.memory_dims import model_dims
 
     try:
         return f"{model_dims(model).params / 1e9:.1f}B parameters"

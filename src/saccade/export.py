@@ -8,7 +8,7 @@
   memory at a time, from either checkpoint layout (plain, or DCP from torchrun).
 - adapter: a LoRA checkpoint's PEFT folder (adapter_config.json + adapter_model.safetensors),
   keys under the full model's names, so it loads onto the family's full model class
-  (`ModelFamily.full_model_name`) with peft and into vLLM with `--enable-lora --lora-modules NAME=OUT`. A full fine-tuning
+  (the family's `full_model_class`) with peft and into vLLM with `--enable-lora --lora-modules NAME=OUT`. A full fine-tuning
   checkpoint has no adapter: it exports merged only.
 
 Both are written atomically like the checkpoints (a `.tmp-<name>-<pid>` folder beside OUT,
@@ -155,7 +155,7 @@ def full_model_name(model: Path | str) -> str:
     from saccade.models.families import family_of
 
     try:
-        return family_of(model).full_model_name
+        return family_of(model).full_model_class.__name__
     except ValueError:
         return "AutoModelForImageTextToText"
 

@@ -1,6 +1,7 @@
 """GPU memory estimates for a run: the trainer (LM only, LoRA or full) and a vLLM server.
 
-Pure arithmetic over the model's dimensions: no torch, nothing loaded. `saccade memory CONFIG`
+Pure arithmetic over the model's dimensions (`saccade.memory_dims`, from its config.json): no
+torch, nothing loaded. `saccade memory CONFIG`
 prints it; the Qwen3-VL configs in `saccade/configs/` carry its numbers in their headers (a
 test keeps them equal). These are estimates, not measurements: no GPU was at hand when they
 were written. What was checked, on CPU with the tiny model: the parameter counts equal the
@@ -72,11 +73,9 @@ does not change it.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+
+from saccade.memory_dims import LINEARS, ModelDims, TextDims, model_dims
 
 GiB = 1024**3
 GPU_GIB = 79.0  # what CUDA shows of an 80 GB H100 / A100 (nvidia-smi: 81,559 MiB), rounded down
@@ -88,226 +87,6 @@ LOGPROB_CHUNK = 1024  # saccade.trainer.forward.forward_logprobs' default chunk_
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 UNSHARDED_LAYERS = 2  # FSDP2: decoder layers held whole at once, the one computing and the one prefetched
 FSDP_PARAM_BYTES = 4  # sharded full fine-tuning: float32 shards (FSDP mixed precision computes in bf16)
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class TextDims:
-    """The language model, field for field the family's text config (`ModelFamily.memory_dims`)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False  # q/k/v with biases (Qwen2.5-VL); Qwen3-VL's have none
-    qk_norm: bool = True  # RMSNorms over head_dim on q and k (Qwen3-VL); Qwen2.5-VL has none
-    experts: Any = None  # a MoE's sparse layers, counted by its family (qwen3_vl_moe.ExpertDims); None: dense
-    attention_output_gate: bool = False  # q_proj twice as wide: the query and a sigmoid gate (Qwen3.5)
-    # A hybrid's linear-attention layers, whose mixer replaces attention, counted by its family
-    # (qwen3_5.LinearAttentionDims: params, LoRA, activations, decode state); None: attention everywhere.
-    linear_attention: Any = None
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear of one dense decoder layer."""
-        h, q, kv, inter = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
-        return {
-            "q_proj": (h, 2 * q if self.attention_output_gate else q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
-        }
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
-    @property
-    def moe_layers(self) -> int:
-        return self.experts.layers if self.experts else 0
-
-    @property
-    def linear_layers(self) -> int:
-        return self.linear_attention.layers if self.linear_attention else 0
-
-    @property
-    def attention_layers(self) -> int:
-        """Layers with (full) attention: all but a hybrid's linear-attention ones."""
-        return self.num_hidden_layers - self.linear_layers
-
-    def _layer(self, experts: str | None = None) -> int:
-        """One decoder layer: attention (q/k/v biases, q_norm and k_norm where the family has them),
-        two RMSNorms over hidden, and the dense MLP, or a MoE layer's router and its experts
-        (`experts` "all", or "active": those one token runs through)."""
-        shapes = self.linear_shapes()
-        mlp = sum(i * o for i, o in (shapes[n] for n in LINEARS[4:])) if experts is None else 0
-        moe = self.experts.mlp_params(self.hidden_size, active=experts == "active") if experts else 0
-        return self._attention_params + mlp + moe + 2 * self.hidden_size
-
-    @property
-    def layer_params(self) -> int:
-        """The largest decoder layer (a MoE one where there are any): what FSDP gathers at once."""
-        return self._layer("all" if self.moe_layers else None)
-
-    def decoder_params(self, experts: str = "all") -> int:
-        """All decoder layers, with every expert (what the trainer holds) or the active ones. A
-        hybrid's linear-attention layers swap attention (and its norms) for their mixer."""
-        moe = self.moe_layers * self._layer(experts) if self.moe_layers else 0
-        swap = self.linear_layers * (self.linear_attention.mixer_params(self.hidden_size) - self._attention_params) \
-            if self.linear_layers else 0
-        return (self.num_hidden_layers - self.moe_layers) * self._layer() + moe + swap
-
-    @property
-    def _attention_params(self) -> int:
-        """One layer's attention: q/k/v/o, their biases and q/k norms where the family has them."""
-        shapes = self.linear_shapes()
-        biases = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
-        return sum(i * o for i, o in (shapes[n] for n in LINEARS[:4])) + biases + (2 * self.head_dim if self.qk_norm else 0)
-
-    @property
-    def params(self) -> int:
-        """Language model + lm_head (counted once when tied), as `load_policy_lm` holds them."""
-        embed = self.vocab_size * self.hidden_size
-        return embed + self.decoder_params() + self.hidden_size + (0 if self.tie_word_embeddings else embed)
-
-    @property
-    def active_params(self) -> int:
-        """What one token runs through: `params` with only its experts in each MoE layer."""
-        return self.params - self.decoder_params() + self.decoder_params("active")
-
-    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
-        """A (rank x in) + B (out x rank) for each targeted linear of every layer (the MLP's only
-        in dense layers); MoE layers add the family's expert adapters (`experts.lora_params`)."""
-        shapes = self.linear_shapes()
-        attention = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[:4])
-        dense_mlp = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in LINEARS[4:])
-        experts = self.moe_layers * self.experts.lora_params(rank, self.hidden_size, targets) if self.moe_layers else 0
-        mixer = self.linear_layers * self.linear_attention.lora_params(rank, self.hidden_size, targets) \
-            if self.linear_layers else 0
-        return self.attention_layers * attention + (self.num_hidden_layers - self.moe_layers) * dense_mlp + experts \
-            + mixer
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V of the attention layers (a hybrid's linear-attention layers hold a state per
-        sequence instead, whatever its length: `linear_attention.state_bytes`, not counted here)."""
-        return 2 * self.attention_layers * self.kv_dim * dtype_bytes
-
-
-@dataclass(frozen=True)
-class VisionDims:
-    """The vision tower, field for field the family's vision config (`ModelFamily.memory_dims`)."""
-
-    hidden_size: int
-    depth: int
-    intermediate_size: int
-    out_hidden_size: int
-    num_position_embeddings: int
-    deepstack_levels: int
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    in_channels: int = 3
-    spatial_merge_size: int = 2
-    gated_mlp: bool = False  # the blocks' MLP: gate, up and down (Qwen2.5-VL) or fc1, fc2 (Qwen3-VL)
-    rms_norm: bool = False  # RMSNorms (a weight) instead of LayerNorms (weight and bias)
-    patch_bias: bool = True  # the patch embedding's Conv3d has a bias
-
-    @property
-    def params(self) -> int:
-        """Patch embedding (Conv3d), learned positions, ViT blocks (norms and linears with
-        biases), the patch merger and one merger per DeepStack level (the DeepStack ones
-        normalise after the 2x2 shuffle, over hidden * 4)."""
-        h, inter = self.hidden_size, self.intermediate_size
-        norm = h if self.rms_norm else 2 * h
-        patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h + (h if self.patch_bias else 0)
-        mlp_in = (2 if self.gated_mlp else 1) * (h * inter + inter)
-        block = 2 * norm + (3 * h * h + 3 * h) + (h * h + h) + mlp_in + (inter * h + h)
-        merged = h * self.spatial_merge_size**2
-        mlp = (merged * merged + merged) + (merged * self.out_hidden_size + self.out_hidden_size)
-        merger = norm + mlp
-        deepstack = 2 * merged + mlp
-        return patch + self.num_position_embeddings * h + self.depth * block + merger + self.deepstack_levels * deepstack
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    name: str
-    text: TextDims
-    vision: VisionDims
-    lora_targets: tuple[str, ...] = LINEARS  # the family's `lora_target_modules`: what LoRA wraps when unset
-
-    @property
-    def params(self) -> int:
-        return self.text.params + self.vision.params
-
-
-# The published configs (config.json of each hub repo; transformers 4.57 field names). Not read
-# from the hub (no machine here reaches it): vendored copies of those files agree, e.g.
-#   8B: NVIDIA/TensorRT-LLM tests/unittest/_torch/modeling/test_modeling_qwen3vl.py
-#       (QWEN3_VL_8B_CONFIG, "36 layers for full model"); 2B and 4B: copies of the configs in
-#       third-party loaders and tests found with the search tool (docs/qwen3vl.md lists them).
-# Shared by all three: vocab 151,936, head_dim 128, 8 KV heads, vision patch 16, merge 2,
-# 2,304 learned positions (48 x 48), 3 DeepStack levels.
-# The totals match the published sizes: 2B 2.13B, 4B 4.44B, 8B 8.77B parameters.
-QWEN3_VL = {
-    "Qwen/Qwen3-VL-2B-Instruct": ModelDims(
-        "Qwen/Qwen3-VL-2B-Instruct",
-        TextDims(151936, 2048, 28, 16, 8, 128, 6144, tie_word_embeddings=True),
-        VisionDims(1024, 24, 4096, 2048, 2304, deepstack_levels=3),  # DeepStack from ViT blocks 5, 11, 17
-    ),
-    "Qwen/Qwen3-VL-4B-Instruct": ModelDims(
-        "Qwen/Qwen3-VL-4B-Instruct",
-        TextDims(151936, 2560, 36, 32, 8, 128, 9728, tie_word_embeddings=True),
-        VisionDims(1024, 24, 4096, 2560, 2304, deepstack_levels=3),  # blocks 5, 11, 17
-    ),
-    "Qwen/Qwen3-VL-8B-Instruct": ModelDims(
-        "Qwen/Qwen3-VL-8B-Instruct",
-        TextDims(151936, 4096, 36, 32, 8, 128, 12288, tie_word_embeddings=False),
-        VisionDims(1152, 27, 4304, 4096, 2304, deepstack_levels=3),  # blocks 8, 16, 24
-    ),
-}
-
-
-def dims_from_hf_config(config: dict, name: str = "model") -> ModelDims:
-    """ModelDims from a config.json dict; its family reads the fields (`memory_dims`)."""
-    from saccade.models.families import family_of
-
-    family = family_of(config)
-    text, vision = family.memory_dims(config)
-    return ModelDims(name, TextDims(**text), VisionDims(**vision), lora_targets=family.lora_target_modules)
-
-
-def model_dims(model: str | os.PathLike) -> ModelDims:
-    """The dimensions of `model`: a Qwen3-VL hub id above, a published checkpoint a family knows
-    (`ModelFamily.published_configs`) or a preset built at real shapes (`preset_configs`), a local folder's
-    config.json, or the built-in 'tiny'/'small' presets (built offline on first use; that imports
-    torch) and the warm starts ('tiny-warm', 'qwen2.5vl-tiny-warm')."""
-    from saccade.models.families import FAMILIES, preset_family, warm_start_base
-
-    name = str(model)
-    if name in QWEN3_VL:
-        return QWEN3_VL[name]
-    for family in FAMILIES:
-        config = family.preset_configs.get(name) or family.published_configs.get(name)
-        if config is not None:
-            return dims_from_hf_config(config, name)
-    if name == "qwen3vl-2b":  # the random preset at Qwen3-VL-2B's shapes (tests/test_memory.py checks)
-        return QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
-    if name == "qwen3vl-4b":  # and at 4B's (tests/models/test_tiny.py checks)
-        return QWEN3_VL["Qwen/Qwen3-VL-4B-Instruct"]
-    preset = warm_start_base(name) or name  # a warm start is its preset after SFT: the preset's shapes
-    family = preset_family(preset)
-    if family is not None:
-        return dims_from_hf_config(json.loads((family.tiny_model_path(preset, 0) / "config.json").read_text()), name)
-    path = Path(model) / "config.json"
-    if path.is_file():
-        return dims_from_hf_config(json.loads(path.read_text()), name)
-    known = ", ".join([*QWEN3_VL, *(k for f in FAMILIES for k in f.published_configs)])
-    raise ValueError(f"no dimensions for model {name!r}: give a local folder with a config.json, or one of {known}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,8 +175,8 @@ def activation_bytes_per_token(
         + inputs(("down_proj",), inter)
         + 4 * (lora_rank or 0) * len(targets & set(LINEARS[4:]))
     )
-    moe = attention + text.experts.activation_bytes(b, h) if text.moe_layers else 0  # the family's estimate
-    linear = 0  # a hybrid's linear-attention layer: its mixer instead of attention (the family's estimate)
+    moe = attention + text.experts.activation_bytes(b, h) if text.moe_layers else 0  # memory_dims.ExpertDims'
+    linear = 0  # a hybrid's linear-attention layer: its mixer instead of attention (LinearAttentionDims')
     if text.linear_layers:
         mixer = text.linear_attention
         adapted = sum(n in targets for n in mixer.linear_shapes(h))

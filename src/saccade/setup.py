@@ -83,7 +83,7 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
     LoRA base is frozen: its shards stay in `model.dtype`, beside the float32 adapters."""
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
     from saccade.models.loading import load_processor
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
 
     if cfg.trainer.torch_threads:
         torch.set_num_threads(cfg.trainer.torch_threads)
@@ -131,7 +131,7 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
                       run_dir: Path, world: World = SINGLE) -> Engine:
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.checkpoint_layout import fingerprint
-    from saccade.models.loading import load_layout
+    from saccade.models.loading import load_family, load_layout
 
     lora = cfg.engine.sync_lora_adapter
     if lora and cfg.lora is None:
@@ -140,7 +140,7 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
     weights_dir = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else run_dir / "engine-weights"
     return VLLMEngine.for_servers(
         cfg.engine.urls, processor, limits=cfg.images, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
-        model=(cfg.model.path, fingerprint(load_layout(model_path))),
+        model=(cfg.model.path, fingerprint(load_layout(model_path))), family=load_family(model_path),
         max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
         exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora, world=world), lora=lora,
         pushes_weights=world.is_main,

@@ -121,7 +121,7 @@ def test_the_stage_list_adds_up_to_the_gpu_budget():
 
 
 def test_each_family_stage_runs_its_familys_code_at_real_shapes_and_its_tiny_preset_quick():
-    from saccade.models.families import preset_family
+    from saccade.models.presets import preset_family
 
     plan = lambda quick: gpu.S.Plan(device="cpu", quick=quick, out=None)  # noqa: E731
     for stage in gpu.STAGES:

@@ -61,7 +61,7 @@ def test_trainer_bench_on_tiny_preset():
 
 def test_lm_step_flops_by_hand():
     from saccade.bench.trainer import lm_step_flops
-    from saccade.memory import TextDims
+    from saccade.memory_dims import TextDims
 
     text = TextDims(vocab_size=10, hidden_size=4, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                     head_dim=2, intermediate_size=8, tie_word_embeddings=True)
@@ -78,8 +78,7 @@ def test_lm_step_flops_count_a_moe_layers_router_and_the_experts_a_token_runs():
     from dataclasses import replace
 
     from saccade.bench.trainer import lm_step_flops
-    from saccade.memory import TextDims
-    from saccade.models.families.qwen3_vl_moe import ExpertDims
+    from saccade.memory_dims import ExpertDims, TextDims
 
     dense = TextDims(vocab_size=10, hidden_size=4, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                      head_dim=2, intermediate_size=8, tie_word_embeddings=True)

@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cast-adapters", action="store_true", help="the pre-fix layout (negative control)")
-    parser.add_argument("--preset", default="tiny", help="saccade.models.tiny preset")
+    parser.add_argument("--preset", default="tiny", help="saccade.models.presets preset")
     parser.add_argument("--repeat", type=int, default=1, help="timed forward+backward runs (after a warm-up if > 1)")
     args = parser.parse_args()
 
@@ -130,7 +130,7 @@ def main() -> None:
         all_gather, all_reduce_sum, barrier, close_world, exit_rank, init_world,
     )
     from saccade.models.lm import apply_lora, load_policy_lm
-    from saccade.models.tiny import tiny_model_path
+    from saccade.models.presets import preset_path
     from saccade.setup import weights_dtype
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.sharding import shard_model
@@ -138,7 +138,7 @@ def main() -> None:
     torch.set_num_threads(1)
     # Built (on first use) before the process group exists: transformers' save_pretrained writes
     # only on rank 0 of an initialised group, so a rank > 0 would publish a folder without weights.
-    path = tiny_model_path(args.preset, seed=0)
+    path = preset_path(args.preset, seed=0)
     world = init_world("cpu", timeout_s=300)
     dtype = getattr(torch, args.dtype)
     load = weights_dtype(dtype, sharded=world.sharded, lora=True)

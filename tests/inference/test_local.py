@@ -11,6 +11,7 @@ from saccade.inference.engine import ChatRequest, SamplingParams
 from saccade.inference.local import LocalEngine
 from saccade.config import LoraConfig
 from saccade.models.families import FAMILIES
+from saccade.models.presets import preset_path, tiny_preset
 from saccade.models.families.interface import no_routing
 from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.orchestrator.samples import completion_to_sample
@@ -59,7 +60,7 @@ def family_parts(request):
     from saccade.models.loading import load_processor, load_vision_tower
 
     family = request.param
-    path = family.tiny_model_path(family.tiny_presets[0], 0)
+    path = preset_path(tiny_preset(family))
     return family, path, load_processor(path), load_vision_tower(path)
 
 

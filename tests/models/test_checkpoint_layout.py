@@ -19,6 +19,7 @@ import torch
 from saccade.bench.checkpoint_variants import VARIANTS, build_variants, family_named, random_model, save_variant
 from saccade.models.families import FAMILIES, LM_HEAD_KEY, LM_PREFIX
 from saccade.models.loading import load_layout
+from saccade.models.presets import tiny_preset
 
 # LM-only vs the full model on the parity cases, fp32: transformers' own bar (tests/models/test_families.py).
 PARITY_FP32 = 1e-5
@@ -27,7 +28,7 @@ PARITY_FP32 = 1e-5
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
-    return {f.name: build_variants(root / f.tiny_presets[0], f) for f in FAMILIES}
+    return {f.name: build_variants(root / tiny_preset(f), f) for f in FAMILIES}
 
 
 def saccade_state(path) -> dict[str, torch.Tensor]:

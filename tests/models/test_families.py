@@ -1,7 +1,7 @@
 """The model-family registry, and every family's parity on its own tiny model.
 
-A new family joins the parametrised tests by being in `FAMILIES` with a tiny builder: the
-`family_model_path` fixture builds (once, cached) the first of its `tiny_presets`.
+A new family joins the parametrised tests by being in `FAMILIES` with a tiny preset
+(`saccade.models.presets`): the `family_model_path` fixture builds it (once, cached).
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import json
 import pytest
 import torch
 
-from saccade.memory import LINEARS
+from saccade.memory_dims import LINEARS
 from saccade.models.families import FAMILIES, LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, family_of
 from saccade.models.families import qwen3_vl
+from saccade.models.presets import preset_path, tiny_preset
 from saccade.parity import parity_conversations, run_parity
 
 TOLERANCE = 1e-5  # fp32, per-token logprob, max |Δ| (tests/models/test_lm.py's bar)
@@ -28,7 +29,7 @@ GRAD_FLOOR = 1.0
 def family_model_path(request):
     """(family, the folder of its first tiny preset), for every registered family."""
     family: ModelFamily = request.param
-    return family, family.tiny_model_path(family.tiny_presets[0], 0)
+    return family, preset_path(tiny_preset(family))
 
 
 def test_an_unknown_model_type_is_refused_naming_the_known_ones(tmp_path):
@@ -61,47 +62,10 @@ def test_family_of_finds_qwen3_vl_from_the_tiny_folder_and_its_configs(tiny_path
     assert family_of(json.loads((tiny_path / "config.json").read_text())) is qwen3_vl.FAMILY
 
 
-def test_every_family_is_named_once():
-    from saccade.config import PRESET_NAMES
-    from saccade.models.families import preset_family
-
-    types = [t for f in FAMILIES for t in f.model_types]
-    assert len(types) == len(set(types))
-    presets = [p for f in FAMILIES for p in f.tiny_presets]
-    assert len(presets) == len(set(presets)), "a preset name must say which family builds it"
-    assert tuple(presets) == PRESET_NAMES  # the config's list (it sits below the models and cannot ask)
-    assert all(preset_family(p).tiny_presets.count(p) == 1 for p in presets) and preset_family("x") is None
-
-
-def test_a_preset_of_any_family_resolves_to_its_folder():
-    from saccade.models.families import resolve_model
-
-    for family in FAMILIES:
-        preset = family.tiny_presets[0]
-        assert resolve_model(preset) == str(family.tiny_model_path(preset, 0))
-    assert resolve_model("Org/Model") == "Org/Model"
-
-
-def test_every_familys_tiny_preset_has_a_warm_start_resolved_only_where_a_run_starts():
-    """"<tiny preset>-warm" names the demo's warm start of that preset (built by training, so never
-    resolved down here); another preset's "-warm" is refused naming the ones that exist."""
-    from saccade.models.families import resolve_model, warm_start_base, warm_start_names
-
-    assert warm_start_names()[:2] == ("tiny-warm", "qwen2.5vl-tiny-warm")
-    for family in FAMILIES:
-        name = family.tiny_presets[0] + "-warm"
-        assert warm_start_base(name) == family.tiny_presets[0]
-        with pytest.raises(ValueError, match="resolve_warm_start"):
-            resolve_model(name)
-    with pytest.raises(ValueError, match="qwen2.5vl-tiny-warm"):
-        warm_start_base("small-warm")
-    assert warm_start_base("tiny") is None and warm_start_base("runs/sft-warm") is None
-
-
 def test_qwen3_vl_members_are_the_canonical_layout():
     f = qwen3_vl.FAMILY
     t = torch.randn(3, 4)
-    assert [(n, x) for n, x in f.engine_tensors("lm_head.weight", t)] == [("lm_head.weight", t)]
+    assert f.checkpoint.to_hub("lm_head.weight", t) is t
     assert f.lora_target_modules == LINEARS and f.lora_target_parameters == ()
     assert f.language_model_kwargs(None, None) == {}
     main, levels = f.split_served_features(torch.arange(24.0).view(2, 12), 2)
@@ -111,14 +75,15 @@ def test_qwen3_vl_members_are_the_canonical_layout():
 
 def test_the_families_classes_build_their_configs(family_model_path):
     family, path = family_model_path
+    from saccade.memory_dims import dims_from_hf_config
     from saccade.models.loading import load_config
 
     config = load_config(path)
     assert family_of(config) is family
-    assert family.full_model_class().__name__ == family.full_model_name
+    assert family.full_model_class().__name__ == family.full_model_class.__name__  # named without importing
     assert family.deepstack_levels(config) == family.deepstack_levels(config.vision_config) >= 0
-    text, vision = family.memory_dims(json.loads((path / "config.json").read_text()))
-    assert text["hidden_size"] == config.text_config.hidden_size
+    dims = dims_from_hf_config(json.loads((path / "config.json").read_text()))
+    assert dims.text.hidden_size == config.text_config.hidden_size and dims.lora_targets == family.lora_target_modules
 
 
 @pytest.fixture(scope="module")
@@ -231,9 +196,10 @@ def test_shared_prompts_give_each_familys_packed_logprobs_and_gradients(request,
         assert (shared_grads[name] - grad).abs().max() <= TOLERANCE * max(float(grad.abs().max()), GRAD_FLOOR), name
 
 
-def test_engine_tensors_give_back_the_bytes_the_tiny_folder_holds(family_model_path):
+def test_to_hub_gives_back_the_bytes_the_tiny_folder_holds(family_model_path):
     """Loading goes through transformers' loader into the modules' layout; writing goes back
-    through `engine_tensors`, one tensor for one, to the bytes the (hub-layout) files hold."""
+    through the family's `checkpoint.to_hub`, one tensor for one, to the bytes the (hub-layout)
+    files hold."""
     from safetensors import safe_open
 
     from saccade.models.lm import load_policy_lm
@@ -249,5 +215,4 @@ def test_engine_tensors_give_back_the_bytes_the_tiny_folder_holds(family_model_p
                 if name not in held:
                     continue
                 stored = f.get_tensor(key)
-                (back_name, back), = family.engine_tensors(name, held[name].to(stored.dtype))
-                assert back_name == name and torch.equal(back, stored), name
+                assert torch.equal(family.checkpoint.to_hub(name, held[name].to(stored.dtype)), stored), name

@@ -9,13 +9,15 @@ import torch
 
 from saccade.models.families import qwen2_5_vl
 from saccade.models.loading import load_layout
+from saccade.models.presets import build_config, build_tokenizer, preset_path, published_config, tiny_preset
+from saccade.models.presets.builder import CLIP_MEAN
 
 FAMILY = qwen2_5_vl.FAMILY
 
 
 @pytest.fixture(scope="module")
 def path():
-    return FAMILY.tiny_model_path(FAMILY.tiny_presets[0], 0)
+    return preset_path(tiny_preset(FAMILY))
 
 
 def test_the_tiny_folder_loads_in_transformers_auto_classes(path):
@@ -25,7 +27,7 @@ def test_the_tiny_folder_loads_in_transformers_auto_classes(path):
     processor = AutoProcessor.from_pretrained(path)
     assert type(processor) is Qwen2_5_VLProcessor and type(processor.image_processor) is Qwen2VLImageProcessor
     assert processor.image_processor.patch_size == 14 and processor.image_processor.merge_size == 2
-    assert list(processor.image_processor.image_mean) == qwen2_5_vl.CLIP_MEAN
+    assert list(processor.image_processor.image_mean) == CLIP_MEAN
     model = AutoModelForImageTextToText.from_pretrained(path)
     assert type(model) is Qwen2_5_VLForConditionalGeneration
     vision, text = model.config.vision_config, model.config.text_config
@@ -87,16 +89,15 @@ def test_a_weights_folder_in_either_layout_passes_the_servers_check(path, tmp_pa
 @pytest.mark.parametrize("hub_id, preset, billions", [("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2.5vl-7b", 8.29),
                                                       ("Qwen/Qwen2.5-VL-3B-Instruct", "qwen2.5vl-3b", 3.75)])
 def test_published_configs_and_presets_give_the_published_sizes(hub_id, preset, billions):
-    """The hub config dicts (written from memory) and the random presets at their shapes build,
+    """The hub configs (written from memory) and the random presets at their shapes build,
     on the meta device, models of the sizes the model cards publish; `saccade memory` counts
     the same parameters, text and tower apart, without building anything."""
     from transformers import Qwen2_5_VLConfig
 
-    from saccade.memory import model_dims
-    from saccade.models.tiny import build_tokenizer
+    from saccade.memory_dims import model_dims
 
-    config = Qwen2_5_VLConfig(**{k: v for k, v in FAMILY.published_configs[hub_id].items() if k != "architectures"})
-    preset_config = qwen2_5_vl.build_config(build_tokenizer(1024), qwen2_5_vl.PRESETS[preset])
+    config = Qwen2_5_VLConfig(**{k: v for k, v in published_config(hub_id).items() if k != "architectures"})
+    preset_config = build_config(preset, build_tokenizer(1024))
     dims = model_dims(preset)
     assert (dims.text, dims.vision) == (model_dims(hub_id).text, model_dims(hub_id).vision)
     for c in (config, preset_config):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from saccade.models.families import qwen3_5
+from saccade.models.presets import build_config, build_tokenizer, preset_path, published_config, tiny_preset
 
 FAMILY = qwen3_5.FAMILY
 TOLERANCE = 1e-5  # fp32, per-token logprob, max |Δ|
@@ -16,7 +17,7 @@ TOLERANCE = 1e-5  # fp32, per-token logprob, max |Δ|
 
 @pytest.fixture(scope="module")
 def path():
-    return FAMILY.tiny_model_path(FAMILY.tiny_presets[0], 0)
+    return preset_path(tiny_preset(FAMILY))
 
 
 def test_the_tiny_folder_loads_in_transformers_with_every_key(path):
@@ -44,11 +45,6 @@ def test_the_tiny_folder_loads_in_transformers_with_every_key(path):
     assert rope["mrope_interleaved"] and sum(rope["mrope_section"]) == text.head_dim * rope["partial_rotary_factor"] / 2
     assert 1.0e6 < sum(p.numel() for p in model.parameters()) < 2.0e6
     assert FAMILY.deepstack_levels(model.config) == 0 and not hasattr(model.model.visual, "deepstack_merger_list")
-
-
-def test_mrope_sections_cover_the_rotary_half():
-    assert qwen3_5.mrope_section(64) == [11, 11, 10]  # Qwen3.5-9B's: head_dim 256 x 0.25
-    assert qwen3_5.mrope_section(16) == [3, 3, 2]  # the tiny preset's: head_dim 64 x 0.25
 
 
 def _conversations():
@@ -133,7 +129,7 @@ def test_lora_wraps_the_linear_attention_projections_and_a_step_changes_them(pat
     layers x 5 + 1 attention layer x 4 + 4 MLPs x 3), and one optimizer step on a logprob loss moves each adapter's B (0 at init),
     so every wrapped linear's effective weight changes; `saccade.memory` counts the same adapters."""
     from saccade.config import LoraConfig
-    from saccade.memory import model_dims
+    from saccade.memory_dims import model_dims
     from saccade.models.lm import apply_lora, load_policy_lm
 
     rank = 4
@@ -169,13 +165,12 @@ def test_memory_counts_the_hybrid_exactly():
     the 8 full-attention layers' alone."""
     from transformers import Qwen3_5Config
 
-    from saccade.memory import model_dims
-    from saccade.models.tiny import build_tokenizer
+    from saccade.memory_dims import model_dims
 
     dims = model_dims("Qwen/Qwen3.5-9B")
     assert (dims.text, dims.vision) == (model_dims("qwen3.5-9b").text, model_dims("qwen3.5-9b").vision)
-    hub = Qwen3_5Config(**{k: v for k, v in FAMILY.published_configs["Qwen/Qwen3.5-9B"].items() if k != "architectures"})
-    preset = qwen3_5.build_config(build_tokenizer(1024), qwen3_5.PRESETS["qwen3.5-9b"])
+    hub = Qwen3_5Config(**{k: v for k, v in published_config("Qwen/Qwen3.5-9B").items() if k != "architectures"})
+    preset = build_config("qwen3.5-9b", build_tokenizer(1024))
     for config in (hub, preset):
         with torch.device("meta"):
             model = FAMILY.full_model_class()(config)
@@ -185,7 +180,7 @@ def test_memory_counts_the_hybrid_exactly():
     assert dims.text.linear_layers == 24 and dims.text.attention_layers == 8
     assert dims.text.kv_bytes_per_token(2) == 2 * 8 * 4 * 256 * 2
 
-    path = FAMILY.tiny_model_path(FAMILY.tiny_presets[0], 0)
+    path = preset_path(tiny_preset(FAMILY))
     tiny = model_dims(str(path))
     model = FAMILY.full_model_class().from_pretrained(path)
     vision = sum(p.numel() for p in model.model.visual.parameters())

@@ -16,13 +16,14 @@ import torch
 
 from saccade.models.families import LM_PREFIX, family_of
 from saccade.models.families import qwen3_5_moe as moe
+from saccade.models.presets import build_config, build_tokenizer, preset_path, published_config, tiny_preset
 
 FAMILY = moe.FAMILY
 
 
 @pytest.fixture(scope="module")
 def path():
-    return FAMILY.tiny_model_path(FAMILY.tiny_presets[0], 0)
+    return preset_path(tiny_preset(FAMILY))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_the_tiny_folder_is_the_hub_layout_and_loads_with_every_key(path, full):
 
 def test_the_hub_layout_of_the_experts_is_the_modules():
     t = torch.randn(2, 6, 4)  # the hub's layout is the modules': no transpose when writing for vLLM
-    assert [x for _, x in FAMILY.engine_tensors(f"{LM_PREFIX}layers.0.{moe.EXPERT_PARAMS[0]}", t)] == [t]
+    assert FAMILY.checkpoint.to_hub(f"{LM_PREFIX}layers.0.{moe.EXPERT_PARAMS[0]}", t) is t
 
 
 def _split(model) -> tuple[int, int]:
@@ -75,14 +76,14 @@ def test_memory_counts_routed_and_shared_experts_exactly(path, full):
     parameters, and active ones (routed top-k plus the shared expert, by hand)."""
     from transformers import Qwen3_5MoeConfig
 
-    from saccade.memory import activation_bytes_per_token, model_dims
-    from saccade.models.tiny import build_tokenizer
+    from saccade.memory import activation_bytes_per_token
+    from saccade.memory_dims import model_dims
 
     hub_id = "Qwen/Qwen3.5-35B-A3B"
     dims = model_dims(hub_id)
     assert (dims.text, dims.vision) == (model_dims("qwen3.5-35b-a3b").text, model_dims("qwen3.5-35b-a3b").vision)
-    hub = Qwen3_5MoeConfig(**{k: v for k, v in FAMILY.published_configs[hub_id].items() if k != "architectures"})
-    preset = moe.build_config(build_tokenizer(1024), moe.PRESETS["qwen3.5-35b-a3b"])
+    hub = Qwen3_5MoeConfig(**{k: v for k, v in published_config(hub_id).items() if k != "architectures"})
+    preset = build_config("qwen3.5-35b-a3b", build_tokenizer(1024))
     for config in (hub, preset):
         with torch.device("meta"):
             model = FAMILY.full_model_class()(config)
@@ -113,7 +114,7 @@ def test_lora_wraps_attention_deltanet_shared_expert_and_experts_and_merges_as_p
     same trainable parameters; `_LiveWeights` (what the engines and exports get) merges every kind
     as peft's `merge_and_unload` does."""
     from saccade.config import LoraConfig
-    from saccade.memory import model_dims
+    from saccade.memory_dims import model_dims
     from saccade.models.lm import apply_lora, load_policy_lm
     from saccade.trainer.engine_weights import _LiveWeights
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from saccade.models.families import qwen3_5
+from saccade.models.presets import preset_path
 
 # vLLM (bf16) against the trainer, per sampled token: twice the embedded engine's bf16-vs-fp32 gap.
 BF16_MEAN, BF16_MAX = 3e-3, 1.5e-2
@@ -60,7 +61,7 @@ def test_a_cpu_server_serves_qwen3_5_in_bf16_and_refuses_fp32():
 
 @pytest.fixture(scope="module")
 def q35_path():
-    return qwen3_5.tiny_model_path("qwen3.5-tiny", seed=0)
+    return preset_path("qwen3.5-tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,12 @@ import torch
 
 from saccade.models.families import LM_PREFIX, family_of
 from saccade.models.families import qwen3_vl_moe as moe
+from saccade.models.presets import PRESETS, build_config, build_tokenizer, preset_path
 
 
 @pytest.fixture(scope="module")
 def moe_path():
-    return moe.tiny_model_path("moe-tiny", seed=0)
+    return preset_path("moe-tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -68,34 +69,20 @@ def _expert_state(E=3, H=8, I=5):
     }
 
 
-def test_engine_tensors_writes_the_hub_layout():
-    from types import SimpleNamespace
-
+def test_to_hub_writes_the_hub_layout():
     state = _expert_state()
-    text_config = SimpleNamespace(num_experts=3, hidden_size=8, moe_intermediate_size=5)
-    written = dict(kv for k, t in state.items() for kv in moe.engine_tensors(k, t))
-    assert set(written) == set(state)
+    written = {k: moe.FAMILY.checkpoint.to_hub(k, t) for k, t in state.items()}
     assert written["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 8, 10)  # (E, H, 2I)
     assert written["model.language_model.layers.0.mlp.experts.down_proj"].shape == (3, 5, 8)  # (E, I, H)
+    experts = [k for k in state if k.endswith(moe.EXPERT_PARAMS)]
     for k, t in written.items():
-        moe.check_hub_layout(k, t.shape, text_config)
-        if not moe.is_expert_param(k):
+        if k not in experts:
             assert t is state[k]  # identity, not a copy
-    back = {k: t.transpose(1, 2) if moe.is_expert_param(k) else t for k, t in written.items()}
+    back = {k: t.transpose(1, 2) if k in experts else t for k, t in written.items()}
     assert all(torch.equal(back[k], state[k]) for k in state)
     # Expert e's gate rows are still expert e's, and gate before up (vLLM chunks dim 1 of the transpose).
     gu = written["model.language_model.layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(gu.transpose(1, 2).chunk(2, dim=1)[0][2], state["model.language_model.layers.0.mlp.experts.gate_up_proj"][2, :5])
-
-
-def test_the_memory_layout_written_as_is_is_refused():
-    from types import SimpleNamespace
-
-    state = _expert_state()
-    text_config = SimpleNamespace(num_experts=3, hidden_size=8, moe_intermediate_size=5)
-    for key in ("model.language_model.layers.0.mlp.experts.gate_up_proj", "model.language_model.layers.0.mlp.experts.down_proj"):
-        with pytest.raises(ValueError, match="not the hub layout"):
-            moe.check_hub_layout(key, state[key].shape, text_config)  # what save_pretrained writes
 
 
 # ---------------------------------------------------------------- the tiny builder
@@ -116,18 +103,16 @@ def test_tiny_folder_is_in_the_hub_layout_and_transformers_loads_it_exactly(moe_
         assert shapes[f"model.language_model.layers.{layer}.mlp.experts.gate_up_proj"] == (E, H, 2 * I)
         assert shapes[f"model.language_model.layers.{layer}.mlp.experts.down_proj"] == (E, I, H)
     # transformers' load turns them back: the loaded model equals the one built in memory, bit for bit.
-    from saccade.models.tiny import build_tokenizer
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        built = moe.full_model_class()(moe.build_config(build_tokenizer(1024, seed=0), moe.PRESETS["moe-tiny"]))
+        built = moe.full_model_class()(build_config("moe-tiny", build_tokenizer(1024, seed=0)))
     loaded = moe_full.state_dict()
     assert all(torch.equal(t, loaded[k]) for k, t in built.state_dict().items())
     assert moe_full.model.language_model.layers[0].mlp.experts.down_proj.shape == (E, H, I)
 
 
 def test_memory_dims_count_total_and_active_parameters(moe_path, moe_full):
-    from saccade.memory import model_dims
+    from saccade.memory_dims import model_dims
 
     text = model_dims(str(moe_path)).text
     lm = moe_full.model.language_model
@@ -140,7 +125,8 @@ def test_memory_dims_count_total_and_active_parameters(moe_path, moe_full):
 
 
 def test_the_30b_a3b_preset_has_the_published_sizes():
-    from saccade.memory import model_dims, trainer_memory
+    from saccade.memory import trainer_memory
+    from saccade.memory_dims import model_dims
 
     dims = model_dims("Qwen/Qwen3-VL-30B-A3B-Instruct")
     assert round(dims.params / 1e9, 1) == 31.1 and round(dims.text.active_params / 1e9, 1) == 3.4
@@ -153,11 +139,10 @@ def test_the_30b_a3b_preset_has_the_published_sizes():
 def test_the_cut_30b_a3b_preset_has_the_published_widths_and_six_layers():
     """qwen3vl-30b-a3b-l6 builds (on the meta device) Qwen3-VL-30B-A3B with 6 decoder layers: every
     width the hub config's, the parameters `saccade memory` counts for it without building it."""
-    from saccade.memory import model_dims
-    from saccade.models.tiny import build_tokenizer
+    from saccade.memory_dims import model_dims
 
     preset, hub = "qwen3vl-30b-a3b-l6", "Qwen/Qwen3-VL-30B-A3B-Instruct"
-    config = moe.build_config(build_tokenizer(1024), moe.PRESETS[preset])
+    config = build_config(preset, build_tokenizer(1024))
     with torch.device("meta"):
         model = moe.full_model_class()(config)
     dims, real = model_dims(preset), model_dims(hub)
@@ -170,7 +155,7 @@ def test_the_cut_30b_a3b_preset_has_the_published_widths_and_six_layers():
     assert dims.text.layer_params == real.text.layer_params
     assert config.text_config.moe_intermediate_size != config.text_config.hidden_size
     assert (config.text_config.num_experts, config.text_config.num_experts_per_tok) == (128, 8)
-    assert round(dims.params / 1e9, 2) == 4.90 and moe.PRESETS[preset].base.weights_dtype == "bfloat16"
+    assert round(dims.params / 1e9, 2) == 4.90 and PRESETS[preset].dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------- LM-only parity
@@ -429,7 +414,7 @@ def test_vllm_serves_the_tiny_moe_as_the_trainer_scores_it(moe_server, moe_proce
 @pytest.mark.long  # a second family's vLLM server: `pytest -m long` (docs/getting-started.md, Tests)
 def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_path):
     """A weights folder in transformers' memory layout (what save_pretrained writes) is refused by
-    saccade's shape check before vLLM sees it; the same tensors through engine_tensors pass it."""
+    saccade's shape check before vLLM sees it; the same tensors through `checkpoint.to_hub` pass it."""
     httpx = pytest.importorskip("httpx")
     from safetensors.torch import save_file
 
@@ -449,8 +434,7 @@ def test_vllm_weight_updates_in_transformers_layout_are_refused(moe_server, moe_
 
     served_shapes = reference_shapes(load_layout(moe_path))
     for key, v in state.items():
-        for k, t in moe.engine_tensors(key, v):
-            assert list(t.shape) == served_shapes[k], k
+        assert list(moe.FAMILY.checkpoint.to_hub(key, v).shape) == served_shapes[key], key
 
 
 @pytest.mark.vllm

@@ -34,10 +34,10 @@ SERVER = pytest.StashKey()
 def start_shared_server(tmp_path_factory):
     """The server's process, started (not yet answering). The tiny model is built first, once,
     before the server resolves its name."""
-    from saccade.models.tiny import tiny_model_path
+    from saccade.models.presets import preset_path
     from saccade.serving.launch import ServerProcess
 
-    tiny_model_path("tiny", seed=0)
+    preset_path("tiny", seed=0)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # Weights may come from any test's tmp_path (and the bench's folder under the root).
     return ServerProcess("tiny", args=("--dtype", "float32", "--enforce-eager", *LORA_ARGS,

@@ -198,9 +198,9 @@ def test_the_demo_runs_every_stage_on_vllm(tmp_path, server):
 def test_a_server_on_another_model_is_refused_at_the_start(tmp_path, server):
     """The server serves the tiny model of seed 0; a trainer on seed 1's (same shapes, other
     weights) is told at the start, by the two fingerprints, before any step."""
-    from saccade.models.tiny import tiny_model_path
+    from saccade.models.presets import preset_path
 
-    other = str(tiny_model_path("tiny", seed=1))
+    other = str(preset_path("tiny", seed=1))
     with pytest.raises(ValueError, match=r"fingerprint.*different models"):
         build_setup(vllm_config(tmp_path, server, "--model.path", other), tmp_path)
 

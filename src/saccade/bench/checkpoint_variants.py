@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from saccade.models.families import FAMILIES, ModelFamily, family_of
+from saccade.models.presets import preset_path, tiny_preset
 
 VARIANTS = ("save_pretrained", "memory", "sharded-bf16", "hub")
 
@@ -58,7 +59,7 @@ def random_model(family: ModelFamily, *, seed: int = 0, text: dict | None = None
     folder (tokenizer, processor, chat template)."""
     from transformers import AutoConfig
 
-    preset = Path(family.tiny_model_path(family.tiny_presets[0], 0))
+    preset = preset_path(tiny_preset(family))
     config = json.loads((preset / "config.json").read_text())
     config["text_config"].update(OTHER_SHAPES[family.name] if text is None else text)
     config.update(OTHER_TOP.get(family.name, {}) if top is None else top)
@@ -109,7 +110,7 @@ def save_hub_layout(model, family: ModelFamily, out: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    state = dict(kv for k, t in state.items() for kv in family.engine_tensors(k, t))
+    state = {k: family.checkpoint.to_hub(k, t) for k, t in state.items()}
     config = json.loads((out / "config.json").read_text())
     if family.name == "Qwen3-VL-MoE":
         # The published config: `num_experts` (transformers writes num_local_experts), no tie key
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     for family in FAMILIES:
-        for variant, path in build_variants(args.out / family.tiny_presets[0], family).items():
+        for variant, path in build_variants(args.out / tiny_preset(family), family).items():
             print(f"{family.name:14s} {variant:16s} {path}")
 
 

@@ -55,7 +55,7 @@ class DistributedJob(BaseModel):
 
 def run_distributed_bench(cfg: DistributedBenchConfig) -> dict[str, Any]:
     """World 1 then world `cfg.nproc`, each a torchrun launch; the figures and their ratios."""
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
 
     nproc, preset, lora, device = cfg.nproc, cfg.preset, cfg.lora, cfg.device
     resolve_model(preset)  # built once here, not by every rank
@@ -173,7 +173,7 @@ def worker(job: DistributedJob) -> None:
     from saccade.process_stats import proc_status_kb
     from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune, unwrap_policy
     from saccade.models.sampling import SampledDistribution
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
     from saccade.devices import resolve_device
     from saccade.trainer.engine_weights import merge_full_weights_for_engine, save_adapter_for_engine
     from saccade.timing import synchronize

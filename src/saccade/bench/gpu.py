@@ -321,10 +321,9 @@ def estimate_s(stage: Stage, plan: S.Plan) -> float:
 
 
 def _is_built(preset: str) -> bool:
-    from saccade.models.families import preset_family
-    from saccade.models.tiny import is_built
+    from saccade.models.presets import is_built, preset_folder
 
-    return is_built(preset_family(preset).preset_folder(preset, 0))
+    return is_built(preset_folder(preset))
 
 
 # ----------------------------------------------------------------------------- the command

@@ -77,7 +77,7 @@ def models(plan: Plan) -> dict[str, Any]:
     """Build (or find cached) every model the later stages load: random weights at the real
     shapes, built on this machine (a 2B folder is too large to carry), and the demo's warm start."""
     from saccade.demo import resolve_model_name
-    from saccade.models.tiny import is_built, preset_folder
+    from saccade.models.presets import is_built, preset_folder
 
     names = ["tiny", "tiny-warm"] if plan.quick else [BIG["2b"].preset, BIG["4b"].preset, "tiny", "tiny-warm"]
     out = {}
@@ -118,7 +118,7 @@ def parity(plan: Plan, size: str) -> dict[str, Any]:
     import torch
 
     import saccade.parity
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
 
     fn = getattr(saccade.parity, "long_context_parity", None)
     if fn is None:
@@ -269,8 +269,9 @@ def fsdp(plan: Plan) -> dict[str, Any]:
     and full fine-tuning: per-rank state, step time, export, peak against saccade memory."""
     from saccade.bench.distributed import LOSS_TOKENS, SAMPLES, format_distributed_report, run_distributed_bench
     from saccade.config.bench import DistributedBenchConfig
-    from saccade.memory import model_dims, trainer_memory
-    from saccade.models.families import resolve_model
+    from saccade.memory import trainer_memory
+    from saccade.memory_dims import model_dims
+    from saccade.models.presets import resolve_model
 
     preset = plan.preset("2b")
     seq_len, max_tokens = (64, 256) if plan.quick else (256, 1024)
@@ -383,7 +384,7 @@ def linear_attention(plan: Plan) -> dict[str, Any]:
     import torch
 
     from saccade.bench.linear_attention import grpo_timing, packing_check
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
 
     check = packing_check(resolve_model("qwen3.5-tiny"), device=plan.device)
     plan.log(f"  kernels: {check['kernels']}" + "".join(f"\n  log: {line}" for line in check["kernel_log"]))

@@ -96,10 +96,11 @@ from saccade.bench.trainer_variants import (
 from saccade.config import ImagesConfig
 from saccade.config.bench import TrainerBenchConfig
 from saccade.devices import resolve_device
-from saccade.memory import LINEARS, ModelDims, TextDims, model_dims, trainer_memory
+from saccade.memory import trainer_memory
+from saccade.memory_dims import LINEARS, ModelDims, TextDims, model_dims
 from saccade.models.lm import unwrap_policy
 from saccade.models.loading import load_processor, load_vision_tower
-from saccade.models.families import preset_family
+from saccade.models.presets import preset_family, preset_path
 from saccade.models.vision import VisionEncoder
 from saccade.timing import synchronize
 from saccade.trainer.packing import first_fit_decreasing
@@ -139,7 +140,7 @@ def run_trainer_bench(cfg: TrainerBenchConfig, *, progress: bool = True) -> dict
         # fp32 on CPU (bf16 matmuls there are an emulation, not the production setting).
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         dtype_name = str(dtype).removeprefix("torch.")
-        model_path = str(family.tiny_model_path(preset, 0))
+        model_path = str(preset_path(preset))
         max_pixels = load_processor(model_path).image_processor.size["longest_edge"]  # the preset's
         limits = ImagesConfig(min_pixels=32 * 32, max_pixels=max_pixels)
         side = max_side or math.isqrt(max_pixels)
@@ -379,7 +380,7 @@ def estimated_peak_mb(dims: ModelDims, data: BenchBatch, dtype_name: str, full_f
                       checkpointing: bool) -> float:
     """`saccade memory`'s estimate of the cached path's peak for this batch (the assumed CUDA
     context left out: the measured peak is what the allocator handed out)."""
-    from saccade.memory import VisionDims
+    from saccade.memory_dims import VisionDims
 
     # The vision dims only size the micro-batch's image embeddings (main + DeepStack levels).
     levels = len(next(iter(data.embeddings.values())).deepstack) if data.embeddings else 0

@@ -70,16 +70,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_build_model(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from saccade.models.families import FAMILIES
+    from saccade.models.presets import PRESETS, build, preset_family, preset_path
 
-    family = next((f for f in FAMILIES if args.preset in f.tiny_presets), None)  # the preset names its family
-    if family is None:
-        known = ", ".join(f"{p} ({f.name})" for f in FAMILIES for p in f.tiny_presets)
+    if args.preset not in PRESETS:
+        known = ", ".join(f"{p} ({preset_family(p).name})" for p in PRESETS)
         raise ValueError(f"unknown preset {args.preset!r}; the families build {known}")
     if args.out:
-        path = family.build_tiny(Path(args.out), args.preset, args.seed)
+        path = build(Path(args.out), args.preset, args.seed)
     else:
-        path = family.tiny_model_path(args.preset, args.seed)
+        path = preset_path(args.preset, args.seed)
     print(path)
     return 0
 

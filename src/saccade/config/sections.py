@@ -72,7 +72,7 @@ def _tagged_unions(cls: type[BaseModel]) -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-# The built-in random models: every family's `tiny_presets`, in FAMILIES' order
+# The built-in random models: `saccade.models.presets.PRESETS`' names, in its (FAMILIES') order
 # (tests/models/test_families.py keeps the lists equal).
 PRESET_NAMES = ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b", "qwen2.5vl-tiny", "qwen2.5vl-7b", "qwen2.5vl-3b",
                 "moe-tiny", "qwen3vl-30b-a3b-l6", "qwen3.5-tiny", "qwen3.5-small", "qwen3.5-9b",

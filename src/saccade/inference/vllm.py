@@ -60,6 +60,7 @@ from saccade.serving.wire import (
 
 if TYPE_CHECKING:
     from saccade.inference.local import PreparedPrompt
+    from saccade.models.families import ModelFamily
 
 # One /encode_images request carries at most this many bytes of data URLs (saccade serve
 # refuses bodies over 64 MB by default); a batch's images go in as few requests as that allows.
@@ -134,6 +135,7 @@ class VLLMEngine:
         backoff_s: float = 0.5,
         exporter: Callable[[int], str] | None = None,
         model: str | None = None,
+        family: ModelFamily | None = None,
         lora: bool = False,
         pushes_weights: bool = True,
         health_interval_s: float = 2.0,
@@ -157,6 +159,7 @@ class VLLMEngine:
         # collective gather) but only rank 0 tells the servers to load it.
         self.pushes_weights = pushes_weights
         self.model = model
+        self.family = family  # the served model's: its M-RoPE rule for prepared prompts
         self._adapter_loaded = False
         self.banned_token_ids = vision_token_ids(self.tokenizer)
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -285,8 +288,10 @@ class VLLMEngine:
     async def _prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
         from saccade.data.messages import messages_to_inputs
         from saccade.inference.local import PreparedPrompt
-        from saccade.models.positions import mrope_positions
 
+        if self.family is None:
+            raise ValueError("prepare_all computes the prompts' M-RoPE positions by the model's family: build the "
+                             "engine with family= (saccade.models.loading.load_family(model))")
         inputs = [
             messages_to_inputs(r.messages, self.processor, limits=self.limits, add_generation_prompt=True,
                                sample=r.request_id)
@@ -305,7 +310,7 @@ class VLLMEngine:
                         f"{request.request_id}: image {i} has grid {x.image_grid_thw[i].tolist()} here but "
                         f"{emb.grid_thw.tolist()} on the server: the image limits differ"
                     )
-            mrope = mrope_positions(x.mm_token_type_ids, x.image_grid_thw, spatial_merge_size=merge)
+            mrope = self.family.mrope_positions(x.mm_token_type_ids, x.image_grid_thw, merge)
             out.append(PreparedPrompt(request, x, ks, embeddings, mrope))
         return out
 

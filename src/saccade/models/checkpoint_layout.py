@@ -23,7 +23,7 @@ trainer holds another model than the engine and the reference:
 - a shape that cannot tell the stored orientation apart (a square fused expert, where
   transformers would read it as stored and vLLM transposed) is refused, naming the folder.
 
-The way back (what saccade writes for vLLM and exports) is the family's `engine_tensors`: the
+The way back (what saccade writes for vLLM and exports) is the family's `checkpoint.to_hub`: the
 hub's layout, which this same reader takes again.
 """
 
@@ -245,13 +245,9 @@ class CheckpointLayout:
 
     def engine_shapes(self) -> dict[str, list[int]]:
         """Every parameter's shape in the layout saccade writes for vLLM (the family's
-        `engine_tensors`: the hub's), under its canonical name: what an uploaded weights folder is
+        `checkpoint.to_hub`: the hub's), under its canonical name: what an uploaded weights folder is
         checked against."""
-        out: dict[str, list[int]] = {}
-        for name, t in self.meta_state.items():
-            for written, tensor in self.family.engine_tensors(name, t):
-                out[written] = list(tensor.shape)
-        return out
+        return {name: list(self.family.checkpoint.to_hub(name, t).shape) for name, t in self.meta_state.items()}
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ def cpu_dtype(model: str | Path, default: str = "float32") -> str:
     build (`vllm_cpu_dtype`: Qwen3.5's bfloat16, which `saccade serve` refuses to replace with
     float32). `model`: a folder or hub id (its config.json is read), or a built-in preset's name,
     or its warm start's (known without building it)."""
-    from saccade.models.families import preset_family, warm_start_base
+    from saccade.models.presets import preset_family, warm_start_base
     from saccade.models.loading import load_family
 
     name = str(model)

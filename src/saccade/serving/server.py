@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"saccade serve: /update_weights loads only from under {weights_root} (--weights-root)",
           file=sys.stderr, flush=True)
 
-    from saccade.models.families import resolve_model
+    from saccade.models.presets import resolve_model
 
     model_path = resolve_model(model)
     chosen = choose_cpu_kv_cache(os.environ)  # before vLLM reads its environment

@@ -372,7 +372,7 @@ def engine_file_plan(headers, layout, trained_shapes: dict[str, tuple[int, ...]]
     layout: what `save_pretrained` writes) gets the tensor once, under its canonical name, at the
     place of its first stored piece. Checked in full before anything is gathered, identically on
     every rank: no rank may stop half way."""
-    family = layout.family
+    to_hub = layout.family.checkpoint.to_hub
     canonical = {k: layout.canonical(k)[0] for _, _, _, entries in headers for k in entries}
     pieces: dict[str, int] = {}
     for name in canonical.values():
@@ -390,7 +390,7 @@ def engine_file_plan(headers, layout, trained_shapes: dict[str, tuple[int, ...]]
     expected = layout.engine_shapes()
     engine_shape = {}
     for c in sorted(trained_shapes):  # the family's conversion run on a shape alone
-        engine_shape[c] = tuple(_engine_tensor(family, c, torch.empty(trained_shapes[c], device="meta")).shape)
+        engine_shape[c] = tuple(to_hub(c, torch.empty(trained_shapes[c], device="meta")).shape)
         if list(engine_shape[c]) != expected[c]:
             raise ValueError(f"{c}: trained shape {engine_shape[c]} in the engine's layout != the base model's "
                              f"{tuple(expected[c])}")
@@ -441,7 +441,7 @@ def _stream_engine_weights(source, base: Path, tmp: Path | None) -> None:
                     continue
                 try:
                     if entry.trained:
-                        t = _engine_tensor(layout.family, entry.trained, t.detach())
+                        t = layout.family.checkpoint.to_hub(entry.trained, t.detach())  # the hub's layout
                         out.write(entry.key, t.to(device="cpu", dtype=_ST_DTYPES[entry.dtype]))
                     else:  # the vision tower: its bytes as they are
                         out.copy(entry.key, src, entry.offset, entry.nbytes)
@@ -459,16 +459,6 @@ def _stream_engine_weights(source, base: Path, tmp: Path | None) -> None:
         index = json.loads((base / INDEX_FILE).read_text())
         index["weight_map"] = dict(sorted(weight_map.items()))
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _engine_tensor(family, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The trained tensor in the layout vLLM and the hub hold it: the family's `engine_tensors`,
-    which keeps one tensor one tensor here."""
-    converted = list(family.engine_tensors(name, tensor))
-    if len(converted) != 1:
-        raise NotImplementedError(f"{name}: the family writes it as {len(converted)} tensors; the streamed "
-                                  "writer writes one tensor for one")
-    return converted[0][1]
 
 
 class _SafetensorsWriter:

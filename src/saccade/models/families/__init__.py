@@ -2,7 +2,8 @@
 
 Each family is a module here with one `FAMILY` (a `ModelFamily`, see `interface.py` and
 docs/families.md); `FAMILIES` lists them. Code outside this package never names a family: it
-asks `family_of(config)` for the one that knows.
+asks `family_of(config)` for the one that knows. The random models of each family (presets) are
+`saccade.models.presets`'.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from pathlib import Path
 from saccade.models.families import qwen2_5_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe
 from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily
 
-__all__ = ["FAMILIES", "LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX", "ModelFamily", "family_of", "model_type_of",
-           "preset_family", "resolve_model", "warm_start_base", "warm_start_names"]
+__all__ = ["FAMILIES", "LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX", "ModelFamily", "family_of", "model_type_of"]
 
 FAMILIES: tuple[ModelFamily, ...] = (qwen3_vl.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl_moe.FAMILY, qwen3_5.FAMILY,
                                      qwen3_5_moe.FAMILY)
@@ -52,45 +52,3 @@ def family_of(config_or_path) -> ModelFamily:
     raise ValueError(f"saccade has no model family for model_type {model_type!r}; it knows {known}. Use a "
                      "checkpoint of one of those, or add a family: one module in saccade/models/families "
                      "(docs/families.md)")
-
-
-def preset_family(name: str) -> ModelFamily | None:
-    """The family whose random builds include preset `name` (a name belongs to one), else None."""
-    return next((f for f in FAMILIES if name in f.tiny_presets), None)
-
-
-# The demo's warm start of a family's tiny model is named "<preset>-warm" ("tiny-warm" is Qwen3-VL's).
-WARM_SUFFIX = "-warm"
-
-
-def warm_start_names() -> tuple[str, ...]:
-    """The names of the warm starts: one per family, of its tiny preset (the first it lists, the
-    one the demo's config is sized for)."""
-    return tuple(f.tiny_presets[0] + WARM_SUFFIX for f in FAMILIES)
-
-
-def warm_start_base(name: str) -> str | None:
-    """The preset a warm start's name starts from ("qwen2.5vl-tiny-warm" -> "qwen2.5vl-tiny"), None
-    for any other name; a ValueError for "<preset>-warm" of a preset that has none ("small-warm")."""
-    if not name.endswith(WARM_SUFFIX):
-        return None
-    base = name.removesuffix(WARM_SUFFIX)
-    if name in warm_start_names():
-        return base
-    if preset_family(base) is not None:
-        raise ValueError(f"model {name!r}: only a family's tiny preset has a warm start, one of "
-                         f"{', '.join(warm_start_names())} (docs/demo.md)")
-    return None
-
-
-def resolve_model(model: str) -> str:
-    """A preset name of any family ("tiny", "qwen3vl-2b", "qwen2.5vl-tiny", ...) becomes its built
-    folder; anything else is returned as is. A warm start ("tiny-warm", "qwen2.5vl-tiny-warm") is
-    refused: it is built by training, which happens where a run starts
-    (`saccade.demo.resolve_warm_start`), never down here."""
-    if warm_start_base(model) is not None:
-        raise ValueError(f"model {model!r} (the demo's warm start) is built by training and is resolved where "
-                         "a run starts: run it through the saccade CLI, or call saccade.demo.resolve_warm_start "
-                         "(a config) or saccade.demo.resolve_model_name (a name) and pass the folder it returns")
-    family = preset_family(model)
-    return str(family.tiny_model_path(model, 0)) if family else model

@@ -13,7 +13,7 @@ that one file holding both would make.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,9 +63,57 @@ def no_kwargs(image_positions_N: torch.Tensor | None, deepstack_levels: list[tor
     return {}
 
 
-def same_tensor(name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-    """Engines and exports read the tensor under saccade's own name and layout."""
-    yield name, tensor
+@dataclass(frozen=True)
+class HubCheckpoint:
+    """How a family's published checkpoints hold the model: the layout saccade writes back for vLLM,
+    for exports and for its random builds. Reading goes the other way through transformers' own
+    loader (`models/checkpoint_layout.py`: its renames, expert merges, transposes and tie), so only
+    the way out is the family's (torchtitan's StateDictAdapter has both `to_hf` and `from_hf`;
+    transformers' conversion mapping is saccade's `from_hf`). Names never change on the way out:
+    the writer keeps the base file's own key for each tensor (`trainer/engine_weights.py`)."""
+
+    # Key suffixes of 3-D tensors the hub stores with their last two dims swapped from
+    # transformers' modules: Qwen3-VL-MoE's fused experts, (E, 2I, H) / (E, H, I) in memory,
+    # (E, H, 2I) / (E, I, H) on the hub and in what vLLM reads.
+    transposed: tuple[str, ...] = ()
+    # Whether transformers' `save_pretrained` default (`save_original_format=True`) writes the hub's
+    # names and packing (Qwen2.5-VL's pre-4.52 names: yes); False where its memory layout is the
+    # hub's instead (Qwen3.5-MoE: the default splits the fused experts one tensor per expert).
+    saved_as_published: bool = True
+    # text_config keys transformers writes -> the hub's spelling of them in config.json.
+    config_names: Mapping[str, str] = field(default_factory=dict)
+
+    def to_hub(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor under its canonical `name`, in the modules' layout -> the hub's layout: one
+        tensor for one, as the streamed engine-weights writer needs."""
+        if name.endswith(self.transposed):
+            assert tensor.dim() == 3, (name, tuple(tensor.shape))
+            return tensor.transpose(1, 2).contiguous()
+        return tensor
+
+    def save(self, model: nn.Module, out: Path) -> None:
+        """Write `model` (transformers' whole model) into `out` as the hub's files hold it: transformers'
+        `save_pretrained`, then each tensor through `to_hub` and config.json's keys respelled."""
+        import json
+
+        model.save_pretrained(out, safe_serialization=True, save_original_format=self.saved_as_published)
+        if self.transposed:
+            from safetensors import safe_open
+            from safetensors.torch import save_file
+
+            for file in sorted(Path(out).glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as f:
+                    metadata = f.metadata() or {"format": "pt"}
+                    tensors = {key: self.to_hub(key, f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118
+                save_file(tensors, str(file), metadata=metadata)
+        config_file = Path(out) / "config.json"
+        config = json.loads(config_file.read_text())
+        text = config.get("text_config", config)
+        if any(k in text for k in self.config_names):
+            for written, published in self.config_names.items():
+                if written in text:
+                    text[published] = text.pop(written)
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass
@@ -121,29 +169,23 @@ def resize_bounds(limits: ImagesConfig) -> dict[str, int]:
 class ModelFamily:
     """One architecture family as saccade sees it. Members are data or functions of their
     arguments alone; docs/families.md describes each one. A family is a singleton: compared and
-    hashed by identity (`published_configs` holds dicts)."""
+    hashed by identity."""
 
     name: str  # what errors and docs call it, e.g. "Qwen3-VL"
     model_types: tuple[str, ...]  # config.json's model_type values it serves
-    full_model_name: str  # the transformers class of the whole model, for usage lines
     text_model_class: Callable[[], type]  # the language model alone (imported when called)
     vision_model_class: Callable[[], type]  # the vision tower alone
-    full_model_class: Callable[[], type]  # the whole model: the parity reference
+    full_model_class: Callable[[], type]  # the whole model: the parity reference; its __name__ the class's
     deepstack_levels: Callable[[Any], int]  # the config's DeepStack levels (0: none)
     run_tower: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
     mrope_positions: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # -> (3, L)
-    memory_dims: Callable[[dict], tuple[dict, dict]]  # config.json -> (text dims, vision dims) fields
-    tiny_presets: tuple[str, ...]  # the random builds `build_tiny` makes, the test one first
-    build_tiny: Callable[[Path, str, int], Path]  # (out_dir, preset, seed) -> out_dir, written
-    tiny_model_path: Callable[[str, int], Path]  # (preset, seed) -> its folder, built once, cached
-    preset_folder: Callable[[str, int], Path]  # (preset, seed) -> where tiny_model_path keeps it, built or not
     lora_target_modules: tuple[str, ...]  # the language model's linears LoRA wraps by default
     lora_target_parameters: tuple[str, ...] = ()  # parameters (not modules) LoRA wraps: MoE experts
     prepare_language_model: Callable[[nn.Module], None] = no_hooks  # once, after it is built
     language_model_kwargs: Callable[[torch.Tensor | None, list[torch.Tensor] | None], dict] = no_kwargs
-    # A trained tensor (canonical name, the modules' layout) as saccade writes it for vLLM and
-    # exports: the hub's layout. Reading goes through transformers (`models/checkpoint_layout.py`).
-    engine_tensors: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] = same_tensor
+    # The hub's checkpoint layout, what saccade writes for vLLM, exports and random builds (reading
+    # goes through transformers: `models/checkpoint_layout.py`).
+    checkpoint: HubCheckpoint = field(default_factory=HubCheckpoint)
     # MoE: a context manager over the language model's forwards, yielding a `Routing` that fills
     # with each MoE layer's chosen experts; None for dense models.
     record_routing: Callable[[nn.Module], contextlib.AbstractContextManager] = no_routing
@@ -155,11 +197,6 @@ class ModelFamily:
     split_served_features: Callable[[torch.Tensor, int], tuple[torch.Tensor, list[torch.Tensor]]] = (
         split_concatenated)
     processor_size: Callable[[ImagesConfig], dict] = resize_bounds
-    # Published checkpoints' config.json (hub id -> dict), and the config.json of the presets built
-    # at real shapes (preset -> dict, the fields memory_dims reads): `saccade memory` answers for
-    # either without a download or a build.
-    published_configs: Mapping[str, dict] = field(default_factory=dict)
-    preset_configs: Mapping[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
-        assert self.model_types and self.tiny_presets, self.name
+        assert self.model_types, self.name

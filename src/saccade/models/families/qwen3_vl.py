@@ -13,12 +13,11 @@
 from __future__ import annotations
 
 import types
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from saccade.models.families.interface import ModelFamily, ties_embeddings, transformers_class
+from saccade.models.families.interface import ModelFamily, transformers_class
 from saccade.models.positions import mrope_positions as _mrope_positions
 
 # The dense language model's linears: attention and MLP of every decoder layer.
@@ -72,59 +71,15 @@ def mrope_positions(mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.
     return _mrope_positions(mm_token_type_ids_L, image_grid_thw_N3, spatial_merge_size=merge)
 
 
-def memory_dims(config: dict) -> tuple[dict, dict]:
-    """config.json -> the fields of `saccade.memory.TextDims` and `VisionDims`."""
-    t, v = config["text_config"], config["vision_config"]
-    heads = t["num_attention_heads"]
-    text = dict(
-        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
-        head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-        tie_word_embeddings=ties_embeddings(config),
-    )
-    vision = dict(
-        hidden_size=v["hidden_size"], depth=v["depth"], intermediate_size=v["intermediate_size"],
-        out_hidden_size=v["out_hidden_size"], num_position_embeddings=v["num_position_embeddings"],
-        deepstack_levels=len(v.get("deepstack_visual_indexes", [])), patch_size=v.get("patch_size", 16),
-        temporal_patch_size=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", 3),
-        spatial_merge_size=v.get("spatial_merge_size", 2),
-    )
-    return text, vision
-
-
-def build_tiny(out_dir: Path, preset: str, seed: int) -> Path:
-    from saccade.models.tiny import build_tiny_qwen3vl
-
-    return build_tiny_qwen3vl(out_dir, preset=preset, seed=seed)
-
-
-def tiny_model_path(preset: str, seed: int) -> Path:
-    from saccade.models.tiny import tiny_model_path as built
-
-    return built(preset, seed)
-
-
-def preset_folder(preset: str, seed: int) -> Path:
-    from saccade.models.tiny import preset_folder as folder
-
-    return folder(preset, seed)
-
-
 FAMILY = ModelFamily(
     name="Qwen3-VL",
     model_types=("qwen3_vl",),
-    full_model_name="Qwen3VLForConditionalGeneration",
     text_model_class=text_model_class,
     vision_model_class=vision_model_class,
     full_model_class=full_model_class,
     deepstack_levels=deepstack_levels,
     run_tower=run_tower,
     mrope_positions=mrope_positions,
-    memory_dims=memory_dims,
-    tiny_presets=("tiny", "small", "qwen3vl-2b", "qwen3vl-4b"),
-    build_tiny=build_tiny,
-    tiny_model_path=tiny_model_path,
-    preset_folder=preset_folder,
     lora_target_modules=LORA_TARGETS,
     prepare_language_model=prepare_language_model,
     language_model_kwargs=language_model_kwargs,

@@ -1,21 +1,27 @@
-"""Tests for saccade.models.tiny: the offline random Qwen3-VL every other test stands on."""
+"""Tests for saccade.models.presets: the offline random models every other test stands on (Qwen3-VL's
+tiny one first), the one builder that makes every family's, and the names that resolve to them."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from saccade.models.families import resolve_model
-from saccade.models.tiny import (
+from saccade.models.families import FAMILIES
+from saccade.models.presets import (
     BUILD_VERSION,
     CHAT_TEMPLATE,
     PRESETS,
+    build,
     build_config,
-    build_tiny_qwen3vl,
     build_tokenizer,
-    tiny_model_path,
+    preset_family,
+    preset_path,
+    presets_of,
+    resolve_model,
+    tiny_preset,
 )
 
 QWEN_SPECIAL = [
@@ -160,9 +166,9 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_build_is_deterministic_in_the_seed(tmp_path):
     rng_before = torch.random.get_rng_state()
-    a = build_tiny_qwen3vl(tmp_path / "a", seed=0)
-    b = build_tiny_qwen3vl(tmp_path / "b", seed=0)
-    c = build_tiny_qwen3vl(tmp_path / "c", seed=1)
+    a = build(tmp_path / "a", "tiny", seed=0)
+    b = build(tmp_path / "b", "tiny", seed=0)
+    c = build(tmp_path / "c", "tiny", seed=1)
     # The build forks the RNG: the caller's random stream is untouched.
     assert torch.equal(torch.random.get_rng_state(), rng_before)
 
@@ -178,20 +184,20 @@ def test_build_is_deterministic_in_the_seed(tmp_path):
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
 
 
-def test_tiny_model_path_returns_the_cached_folder(tiny_path, monkeypatch):
+def test_preset_path_returns_the_cached_folder(tiny_path, monkeypatch):
     assert (tiny_path / ".complete").exists()
     assert (tiny_path / "config.json").exists()
     assert (tiny_path / "model.safetensors").exists()
     assert "seed0" in tiny_path.name and "tiny" in tiny_path.name
-    import saccade.models.tiny as tiny
+    import saccade.models.presets.builder as builder
 
     mtime = (tiny_path / "model.safetensors").stat().st_mtime_ns
 
     def no_build(*args, **kwargs):
-        raise AssertionError("tiny_model_path rebuilt a model it had cached")
+        raise AssertionError("preset_path rebuilt a model it had cached")
 
-    monkeypatch.setattr(tiny, "build_tiny_qwen3vl", no_build)
-    again = tiny_model_path("tiny", seed=0)
+    monkeypatch.setattr(builder, "build", no_build)
+    again = preset_path("tiny", seed=0)
     assert again == tiny_path
     assert (tiny_path / "model.safetensors").stat().st_mtime_ns == mtime  # the very file written before
     # No half-built temp folders are left beside it.
@@ -199,17 +205,16 @@ def test_tiny_model_path_returns_the_cached_folder(tiny_path, monkeypatch):
     assert BUILD_VERSION >= 1
 
 
-def test_tiny_model_path_rejects_unknown_preset():
+def test_preset_path_rejects_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset"):
-        tiny_model_path("huge")
+        preset_path("huge")
 
 
 def test_small_preset_parameter_count_without_building():
     from transformers import Qwen3VLForConditionalGeneration
 
-    spec = PRESETS["small"]
-    tokenizer = build_tokenizer(spec.bpe_vocab_size, seed=0)
-    config = build_config(tokenizer, spec)
+    tokenizer = build_tokenizer(PRESETS["small"].bpe_vocab_size, seed=0)
+    config = build_config("small", tokenizer)
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)
     n = sum(p.numel() for p in model.parameters())
@@ -223,39 +228,37 @@ def test_small_preset_parameter_count_without_building():
 def test_the_2b_preset_has_exactly_qwen3_vl_2bs_shapes():
     """The GPU benchmarks' random model: its config (built here without its 4 GB of weights)
     has Qwen3-VL-2B-Instruct's dimensions, parameter count included."""
-    from saccade.memory import QWEN3_VL, dims_from_hf_config, model_dims
-    from saccade.models.tiny import PRESETS, build_config, build_tokenizer
+    from saccade.memory_dims import dims_from_hf_config, model_dims
 
     spec = PRESETS["qwen3vl-2b"]
-    config = build_config(build_tokenizer(1024), spec).to_dict()
-    real = QWEN3_VL["Qwen/Qwen3-VL-2B-Instruct"]
+    config = build_config("qwen3vl-2b", build_tokenizer(1024)).to_dict()
+    real = model_dims("Qwen/Qwen3-VL-2B-Instruct")
     dims = dims_from_hf_config(config)
     assert (dims.text, dims.vision) == (real.text, real.vision)
     assert round(dims.params / 1e9, 2) == 2.13
     assert config["text_config"]["rope_parameters"]["mrope_section"] == [24, 20, 20]  # Qwen3-VL's
-    assert model_dims("qwen3vl-2b") == real and spec.weights_dtype == "bfloat16"
+    assert model_dims("qwen3vl-2b") == dataclasses.replace(real, name="qwen3vl-2b") and spec.dtype == "bfloat16"
 
 
 def test_the_4b_preset_has_exactly_qwen3_vl_4bs_shapes():
     """`saccade bench gpu`'s second parity shape: Qwen3-VL-4B-Instruct's dimensions."""
-    from saccade.memory import QWEN3_VL, dims_from_hf_config, model_dims
-    from saccade.models.tiny import PRESETS, build_config, build_tokenizer
+    from saccade.memory_dims import dims_from_hf_config, model_dims
 
     spec = PRESETS["qwen3vl-4b"]
-    config = build_config(build_tokenizer(1024), spec).to_dict()
-    real = QWEN3_VL["Qwen/Qwen3-VL-4B-Instruct"]
+    config = build_config("qwen3vl-4b", build_tokenizer(1024)).to_dict()
+    real = model_dims("Qwen/Qwen3-VL-4B-Instruct")
     dims = dims_from_hf_config(config)
     assert (dims.text, dims.vision) == (real.text, real.vision)
     assert round(dims.params / 1e9, 2) == 4.44
     assert config["text_config"]["rope_parameters"]["mrope_section"] == [24, 20, 20]
-    assert model_dims("qwen3vl-4b") == real and spec.weights_dtype == "bfloat16"
+    assert model_dims("qwen3vl-4b") == dataclasses.replace(real, name="qwen3vl-4b") and spec.dtype == "bfloat16"
 
 
 # ----------------------------------------------------------------- model names
 
 
 def test_a_preset_name_resolves_to_its_folder_and_a_path_to_itself(tiny_path):
-    assert resolve_model("tiny") == str(tiny_model_path("tiny"))
+    assert resolve_model("tiny") == str(preset_path("tiny"))
     assert resolve_model(str(tiny_path)) == str(tiny_path)
     assert resolve_model("Qwen/Qwen3-VL-2B-Instruct") == "Qwen/Qwen3-VL-2B-Instruct"
 
@@ -265,3 +268,80 @@ def test_the_warm_start_is_never_built_down_here():
     whatever asked, a vLLM server included. It is refused with the place that resolves it."""
     with pytest.raises(ValueError, match="resolve_warm_start"):
         resolve_model("tiny-warm")
+
+
+def test_every_preset_is_named_once_and_each_family_has_its_tiny_one():
+    from saccade.config import PRESET_NAMES
+
+    assert tuple(PRESETS) == PRESET_NAMES  # the config's list (it sits below the models and cannot ask)
+    assert all(preset_family(p) in FAMILIES for p in PRESETS) and preset_family("x") is None
+    assert [p for f in FAMILIES for p in presets_of(f)] == list(PRESETS)  # FAMILIES' order, each family's together
+    assert [tiny_preset(f) for f in FAMILIES] == ["tiny", "qwen2.5vl-tiny", "moe-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny"]
+
+
+def test_a_preset_of_any_family_resolves_to_its_folder():
+    for family in FAMILIES:
+        preset = tiny_preset(family)
+        assert resolve_model(preset) == str(preset_path(preset))
+    assert resolve_model("Org/Model") == "Org/Model"
+
+
+def test_every_familys_tiny_preset_has_a_warm_start_resolved_only_where_a_run_starts():
+    """"<tiny preset>-warm" names the demo's warm start of that preset (built by training, so never
+    resolved down here); another preset's "-warm" is refused naming the ones that exist."""
+    from saccade.models.presets import warm_start_base, warm_start_names
+
+    assert warm_start_names()[:2] == ("tiny-warm", "qwen2.5vl-tiny-warm")
+    for family in FAMILIES:
+        name = tiny_preset(family) + "-warm"
+        assert warm_start_base(name) == tiny_preset(family)
+        with pytest.raises(ValueError, match="resolve_warm_start"):
+            resolve_model(name)
+    with pytest.raises(ValueError, match="qwen2.5vl-tiny-warm"):
+        warm_start_base("small-warm")
+    assert warm_start_base("tiny") is None and warm_start_base("runs/sft-warm") is None
+
+
+# ----------------------------------------------------------------- presets as data
+
+
+def test_mrope_sections_keep_the_published_proportions_over_the_rotary_half():
+    from saccade.models.presets.builder import mrope_section
+
+    assert mrope_section([24, 20, 20], 64) == [24, 20, 20] and mrope_section([24, 20, 20], 16) == [6, 5, 5]  # Qwen3-VL
+    assert mrope_section([24, 20, 20], 32) == [12, 10, 10]  # small: head_dim 64
+    assert mrope_section([16, 24, 24], 16) == [4, 6, 6]  # Qwen2.5-VL's, contiguous, at head_dim 32
+    assert mrope_section([11, 11, 10], 32) == [11, 11, 10]  # Qwen3.5-9B's: head_dim 256 x 0.25
+    assert mrope_section([11, 11, 10], 8) == [3, 3, 2]  # the tiny preset's: head_dim 64 x 0.25
+
+
+def test_a_preset_is_its_published_config_with_its_changes():
+    """The presets at published shapes change nothing in their config.json but what the builder owns
+    (and the cut MoE its depth); a tiny one replaces the fields it names, keeps the rest, and drops a
+    per-layer list its new depth would contradict."""
+    from saccade.models.presets import preset_config, published_config
+
+    for name, preset in PRESETS.items():
+        if not preset.tokenizer_vocab and name != "qwen3vl-30b-a3b-l6":
+            assert preset_config(name) == published_config(preset.published), name
+    cut = preset_config("qwen3vl-30b-a3b-l6")
+    assert cut["text_config"]["num_hidden_layers"] == 6 and cut["vision_config"] == published_config(
+        "Qwen/Qwen3-VL-30B-A3B-Instruct")["vision_config"]
+    tiny = preset_config("qwen3.5-tiny")
+    assert tiny["text_config"]["hidden_size"] == 128 and "layer_types" not in tiny["text_config"]
+    assert tiny["text_config"]["linear_conv_kernel_dim"] == 4 and tiny["tie_word_embeddings"] is True
+    assert tiny["text_config"]["tie_word_embeddings"] is True  # both levels, as the builder writes them
+    flat = preset_config("qwen2.5vl-tiny")  # the hub's Qwen2.5-VL configs are flat: the text fields on top
+    assert flat["hidden_size"] == 128 and flat["vision_config"]["window_size"] == 56
+
+
+def test_the_cache_key_follows_the_published_config(monkeypatch):
+    """A preset's folder changes with the config it starts from, not only with the preset."""
+    import saccade.models.presets.table as table
+    from saccade.models.presets import preset_folder
+
+    before = preset_folder("tiny")
+    assert preset_folder("tiny", seed=1) != before
+    real = table.published_config
+    monkeypatch.setattr(table, "published_config", lambda hub_id: {**real(hub_id), "rms_norm_eps": 1e-5})
+    assert preset_folder("tiny") != before
