@@ -25,7 +25,7 @@ import copy
 
 import torch
 
-from saccade.bench.linear_attention import forced_kernels, side_by_side
+from saccade.tools.bench.linear_attention import forced_kernels, side_by_side
 
 
 def main() -> None:
@@ -112,9 +112,9 @@ def main() -> None:
 def grpo(args) -> None:
     """A GRPO group's training forward + backward on qwen3.5-small, side by side: packed whole, or with
     the prompt shared; the linear layers padded (a shared prompt recomputed) or varlen (run once).
-    The group and the step are saccade.bench.linear_attention's (`saccade bench gpu`'s linear-attention
+    The group and the step are saccade.tools.bench.linear_attention's (`saccade bench gpu`'s linear-attention
     stage times them on a GPU)."""
-    from saccade.bench.linear_attention import grpo_rows, grpo_step
+    from saccade.tools.bench.linear_attention import grpo_rows, grpo_step
     from saccade.models.presets import preset_path
     from saccade.models.linear_attention import TORCH_VARLEN
     from saccade.models.lm import load_policy_lm

@@ -24,10 +24,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LONG_FIRST = (
     "tests/serving/",
     "tests/distributed/test_distributed_rl.py",
-    "tests/launcher/test_launch_vllm.py",
+    "tests/tools/launcher/test_launch_vllm.py",
     "tests/test_kills.py",
-    "tests/bench/test_bench_gpu.py",
-    "tests/trainer/test_checkpoint_distributed.py",
+    "tests/tools/bench/test_bench_gpu.py",
+    "tests/trainer/checkpoint/test_checkpoint_distributed.py",
     "tests/distributed/test_mixed_precision.py",
     "tests/models/test_qwen3_vl_moe.py",
     "tests/models/test_qwen3_5_vllm.py",
@@ -125,7 +125,7 @@ def policy(tiny_path):
 
 # A short real RL run that writes everything a run folder holds: metrics (eval every 2 steps),
 # samples.jsonl at every step with its images, TensorBoard events, checkpoints at steps 2 and 4.
-# tests/test_sample_log.py and tests/test_report.py read it; tests that change it copy it first.
+# tests/loops/test_sample_log.py and tests/tools/test_report.py read it; tests that change it copy it first.
 SHORT_RUN = [
     "--trainer.steps", "4", "--trainer.seed", "3",
     "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.filter_zero_variance", "false",
@@ -149,7 +149,7 @@ def short_rl_run(tmp_path_factory):
     return cfg, train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
 
 
-# A LoRA run of the tiny model (2 RL steps), and its merged and adapter exports: tests/test_export.py
+# A LoRA run of the tiny model (2 RL steps), and its merged and adapter exports: tests/tools/test_export.py
 # loads them in transformers and peft, tests/serving/test_vllm_export.py serves them on vLLM.
 @pytest.fixture(scope="session")
 def lora_run(tiny_path, tmp_path_factory):
@@ -161,7 +161,7 @@ def lora_run(tiny_path, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def merged(lora_run, tmp_path_factory):
-    from saccade.export import export_merged
+    from saccade.tools.export import export_merged
 
     run_dir, _ = lora_run
     return export_merged(run_dir, tmp_path_factory.mktemp("exports") / "merged")  # a run folder: its latest
@@ -169,7 +169,7 @@ def merged(lora_run, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def adapter(lora_run, tmp_path_factory):
-    from saccade.export import export_adapter
+    from saccade.tools.export import export_adapter
 
     run_dir, _ = lora_run
     return export_adapter(run_dir / "checkpoints" / "step_000002", tmp_path_factory.mktemp("exports") / "adapter")
@@ -191,7 +191,7 @@ def dataset_fixtures():
 @pytest.fixture(scope="session")
 def mathvista_run(dataset_fixtures, tmp_path_factory):
     """(overrides, checkpoint): the tiny model fine-tuned (SFT) on the MathVista fixture's 6 rows,
-    so that evaluations of it hold right and wrong answers. tests/test_evaluation.py evaluates
+    so that evaluations of it hold right and wrong answers. tests/orchestrator/test_evaluation.py evaluates
     it on the embedded engine, tests/serving/test_vllm_eval.py on vLLM: one fine-tune for both."""
     from saccade.config import RunConfig, load_config
 

@@ -1,4 +1,4 @@
-"""Short real runs of the tiny model for the export tests (tests/test_export.py) and the vLLM
+"""Short real runs of the tiny model for the export tests (tests/tools/test_export.py) and the vLLM
 test that serves the exports (tests/serving/test_vllm_export.py): the LoRA run and its exports
 are session fixtures (tests/conftest.py), trained once for both."""
 

@@ -41,8 +41,8 @@ def die() -> None:
 
 def die_at(point: str, n: int) -> None:
     """Patch the place `point` so that its n-th call kills this process there."""
-    import saccade.trainer.checkpoint as ckpt
-    import saccade.trainer.engine_weights as engine_weights
+    import saccade.trainer.checkpoint.saving as ckpt
+    import saccade.trainer.checkpoint.engine_weights as engine_weights
     from saccade.metrics import MetricsLogger
 
     calls = {"n": 0}
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> None:
 
         train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), resume="--resume" in argv, progress=False)
     elif what == "export":
-        from saccade.setup import build_setup, engine_weights_exporter
+        from saccade.run.setup import build_setup, engine_weights_exporter
 
         setup = build_setup(cfg, cfg.run_dir)
         version = int(argv[2])

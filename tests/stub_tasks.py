@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from saccade.envs.base import StepResult
 from saccade.envs.examples import LookAgainEnv
-from saccade.tasks import QuestionEnv, QuestionTask, task_from_config
+from saccade.run.tasks import QuestionEnv, QuestionTask, task_from_config
 
 
 def hash_reward(text: str) -> float:

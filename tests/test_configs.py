@@ -1,6 +1,6 @@
 """The shipped configs: each loads and passes `saccade rl CONFIG --dry-run`; the real-model ones
 (every family's, at the hub ids) carry memory estimates in their headers that must equal
-`saccade.memory`'s output, and the commands in their headers must agree with their bodies."""
+`saccade.tools.memory`'s output, and the commands in their headers must agree with their bodies."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pydantic import BaseModel
 import saccade
 from saccade.cli import build_parser, main
 from saccade.config import LegacyConfigWarning, RunConfig, load_config, split_overrides
-from saccade.launcher.plan import node_plan
-from saccade.memory import estimate_run, header_lines
+from saccade.tools.launcher.plan import node_plan
+from saccade.tools.memory import estimate_run, header_lines
 
 CONFIGS = Path(saccade.__file__).parent / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.toml"))

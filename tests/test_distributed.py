@@ -91,7 +91,7 @@ def test_mixed_precision_refuses_a_layout_it_would_compute_wrongly(tiny_path):
 
 
 def test_the_trainer_loads_what_it_shards():
-    from saccade.setup import weights_dtype
+    from saccade.run.setup import weights_dtype
 
     bf16, fp32 = torch.bfloat16, torch.float32
     assert weights_dtype(bf16, sharded=False, lora=True) == bf16

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from saccade.bench.kill import computed
+from saccade.tools.bench.kill import computed
 from saccade.metrics import read_metrics
-from saccade.trainer.checkpoint_folder import latest_checkpoint
+from saccade.trainer.checkpoint.folder import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +164,7 @@ def checkpoint_write_fails(run_dir: Path) -> tuple[Path, str]:
 import resource, signal, sys
 sys.path.insert(0, {str(WORKER.parent)!r})
 import kill_worker
-import saccade.trainer.checkpoint as ckpt
+import saccade.trainer.checkpoint.saving as ckpt
 from saccade.loops.checkpointer import CheckpointWriteError
 saves = {{"n": 0}}
 save = ckpt.save_checkpoint

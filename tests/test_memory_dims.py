@@ -1,4 +1,4 @@
-"""A model's dimensions from its config.json (saccade.memory_dims): the parameter counts equal the real
+"""A model's dimensions from its config.json (saccade.tools.memory_dims): the parameter counts equal the real
 modules', every family's config is read, and the published sizes are the ones saccade had before
 their configs were files."""
 
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from saccade.memory_dims import DIMS, LINEARS, TextDims, VisionDims, dims_from_hf_config, model_dims
+from saccade.tools.memory_dims import DIMS, LINEARS, TextDims, VisionDims, dims_from_hf_config, model_dims
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_every_family_has_a_reader():
 
 
 def test_the_published_qwen3_vl_configs_give_the_dimensions_saccade_held_in_a_table():
-    """Before their config.json were files, saccade.memory held Qwen3-VL's sizes as numbers: the
+    """Before their config.json were files, saccade.tools.memory held Qwen3-VL's sizes as numbers: the
     files give exactly those (every shipped config's header depends on them; tests/test_configs.py)."""
     assert model_dims("Qwen/Qwen3-VL-2B-Instruct") == dataclasses.replace(model_dims("Qwen/Qwen3-VL-2B-Instruct"),
         text=TextDims(151936, 2048, 28, 16, 8, 128, 6144, tie_word_embeddings=True),

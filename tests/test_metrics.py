@@ -336,7 +336,7 @@ def test_format_step():
 
 
 def test_format_step_shows_a_stall_and_a_rollback():
-    """The progress line says when the stall watch (saccade.stall) sees a stalled run, and where
+    """The progress line says when the stall watch (saccade.loops.stall) sees a stalled run, and where
     a rollback went; a run that has not stalled shows nothing of it."""
     calm = {"step": 4, "reward_mean": 0.5, "stalled": 0.0, "no_signal_steps": 2.0, "truncated_steps": 0.0}
     assert format_step(calm) == "step 4 | reward 0.5"

@@ -13,7 +13,7 @@ import pytest
 from saccade.config import RunConfig, load_config
 from saccade.data.questions import VQASample
 from saccade.scoring import Rewards, metric_name
-from saccade.tasks import check_user_code
+from saccade.run.tasks import check_user_code
 
 USER_MODULE = '''
 import asyncio

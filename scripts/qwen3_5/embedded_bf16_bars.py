@@ -33,7 +33,7 @@ def lora_model(path, dtype):
 
 
 def main() -> None:
-    from saccade.bench.engine import shapes_requests, trainer_logprob_diffs
+    from saccade.tools.bench.engine import shapes_requests, trainer_logprob_diffs
     from saccade.config import ImagesConfig
     from saccade.inference.engine import SamplingParams
     from saccade.inference.local import LocalEngine

@@ -6,8 +6,8 @@ its name in one step (`atomic_dir`). Replacing a folder that exists swaps the tw
 supported. A writer killed mid-write leaves at worst a `.tmp-*` folder, which
 `remove_dead_tmp_dirs` deletes once the pid that wrote it is gone (pids are per machine: on a
 filesystem shared between machines a live writer elsewhere could look dead). Used by the
-checkpoints (`saccade.trainer.checkpoint`) and the engine and export weights
-(`saccade.trainer.engine_weights`).
+checkpoints (`saccade.trainer.checkpoint.saving`) and the engine and export weights
+(`saccade.trainer.checkpoint.engine_weights`).
 
 A file is rewritten the same way (`write_file_atomically`: a temp file beside it, fsynced, renamed
 over it): how a resumed run's JSONL journals drop their later steps (`saccade.journal`). The

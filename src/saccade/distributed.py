@@ -133,7 +133,7 @@ def exit_rank(code: int = 0) -> None:
     leave without the interpreter's finalization. On gloo, a rank intermittently died there
     with SIGABRT ("terminate called without an active exception": a C++ thread torn down
     while joinable) after a run that had finished, and torchrun then failed the whole job; it
-    hit about one test suite run in two (tests/trainer/test_checkpoint_distributed.py,
+    hit about one test suite run in two (tests/trainer/checkpoint/test_checkpoint_distributed.py,
     tests/serving/test_vllm_distributed.py). Nothing of the run is left to tear down."""
     import sys
 

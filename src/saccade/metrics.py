@@ -18,7 +18,7 @@ half-written last line, if the previous run was killed mid-write); `truncate_aft
 run's file has no duplicate or ghost steps. Without `resume`, an existing non-empty file is kept
 aside as `metrics.jsonl.N` rather than overwritten.
 
-samples.jsonl (`log_samples`, the records of `saccade.sample_log`: a few prompts of a step with
+samples.jsonl (`log_samples`, the records of `saccade.loops.sample_log`: a few prompts of a step with
 their completions) is written, repaired, truncated on resume and set aside the same way, by the
 same functions, and mirrored to the same backends (a W&B table, TensorBoard text and images).
 """
@@ -39,7 +39,7 @@ from typing import Any
 from saccade.journal import Journal, read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
-SAMPLES_FILE = "samples.jsonl"  # saccade.sample_log writes its records through `MetricsLogger.log_samples`
+SAMPLES_FILE = "samples.jsonl"  # saccade.loops.sample_log writes its records through `MetricsLogger.log_samples`
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id.txt"
 RESERVED_KEYS = ("step", "phase", "time", "elapsed_s")
@@ -156,7 +156,7 @@ def format_step(metrics: Mapping[str, Any], keys: list[str] | None = None, *, ma
 
 
 def _stall_parts(metrics: Mapping[str, Any]) -> list[str]:
-    """The stall watch's state (saccade.stall), shown only when there is something to see: a
+    """The stall watch's state (saccade.loops.stall), shown only when there is something to see: a
     stalled run's streaks, and a rollback's step and new lr."""
     parts = []
     if metrics.get("stalled"):
@@ -169,7 +169,7 @@ def _stall_parts(metrics: Mapping[str, Any]) -> list[str]:
 
 
 def sample_markdown(record: dict) -> str:
-    """A sample record (`saccade.sample_log`) as Markdown: the prompt, then one table row per
+    """A sample record (`saccade.loops.sample_log`) as Markdown: the prompt, then one table row per
     completion (TensorBoard renders its text plugin's strings as Markdown)."""
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ⏎ ") or "∅"
@@ -308,7 +308,7 @@ class MetricsLogger:
         return record
 
     def log_samples(self, step: int, records: list[dict]) -> None:
-        """Append a step's sample records (`saccade.sample_log`: one per prompt, images already
+        """Append a step's sample records (`saccade.loops.sample_log`: one per prompt, images already
         written under `run_dir`) to samples.jsonl, as metrics.jsonl's lines are written, and
         mirror them: a W&B table with the images, TensorBoard text and images."""
         self._check_open()

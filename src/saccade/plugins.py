@@ -1,6 +1,6 @@
 """A user's own code, named in a config: "package.module:function" import paths.
 
-`saccade.tasks.check_user_code` resolves every path a config names before the run builds
+`saccade.run.tasks.check_user_code` resolves every path a config names before the run builds
 anything (`--dry-run` included), so a bad name fails first. Nothing here imports torch, nor
 any other part of saccade; a user's module is imported when its path is resolved (that is how
 we know the function exists).

@@ -15,7 +15,7 @@ Each key of `rollout.reward_weights` names a reward function: a built-in
 `sample` and `messages` are passed as keywords, and only those the function's signature
 names (both to one with ``**kwargs``): ``def f(completion, sample)`` is a reward function,
 as are the built-ins. A signature that needs anything else is refused before the run
-builds anything (`saccade.tasks.check_user_code`, --dry-run included).
+builds anything (`saccade.run.tasks.check_user_code`, --dry-run included).
 
 A float is the function's value. A dict is its named parts: every part is logged, and the
 function's value is their sum. The step's reward for an answer is

@@ -157,8 +157,8 @@ def test_every_documented_bench_command_line_still_parses(capsys, tmp_path):
 
 
 def test_a_worker_gets_its_bench_config_serialized(tmp_path):
-    from saccade.bench import read_job, write_job
-    from saccade.bench.distributed import DistributedJob
+    from saccade.tools.bench import read_job, write_job
+    from saccade.tools.bench.distributed import DistributedJob
 
     job = DistributedJob(bench=DistributedBenchConfig(nproc=4, lora=True, seq_len=64), out="r.json", export_dir="e")
     assert read_job(DistributedJob, [str(write_job(job, tmp_path / "job.json"))]) == job

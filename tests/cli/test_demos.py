@@ -1,6 +1,6 @@
 """`saccade demo --seeds`: each seed run in turn in its own folder, every seed reported with
 the worst, the JSON's list, and a miss by any seed failing the command. The runner here is a
-function of the seed (the real demos take minutes a seed; tests/test_demo.py runs the real one)."""
+function of the seed (the real demos take minutes a seed; tests/tools/test_demo.py runs the real one)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from saccade.cli.demos import Demo, parse_seeds, run_and_report, seed_table
-from saccade.demo import load_demo_config, verdict
+from saccade.tools.demo import load_demo_config, verdict
 
 
 def test_seeds_parse_and_bad_lists_are_refused_with_an_example():

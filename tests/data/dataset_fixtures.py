@@ -234,8 +234,8 @@ def fine_tune_and_checkpoint(cfg) -> Path:
     """SFT the configured model on cfg's training split and save it as the run's checkpoint, so
     `saccade eval` loads it. A tiny random model then memorises most of a few fixture rows:
     evaluations on them hold right and wrong answers, not only wrong ones."""
-    from saccade.sft import train_sft
-    from saccade.trainer.checkpoint import TrainState, save_checkpoint
+    from saccade.loops.sft import train_sft
+    from saccade.trainer.checkpoint.saving import TrainState, save_checkpoint
 
     setup = train_sft(cfg, run_dir=cfg.run_dir, progress=False)["setup"]
     return save_checkpoint(

@@ -25,7 +25,7 @@ from saccade.data.datasets import DatasetRows, RowLayout, format_choices
 from saccade.data.rows import RowSkipped
 from saccade.data.questions import to_messages
 from saccade.rewards import correct_reward
-from saccade.tasks import task_from_config
+from saccade.run.tasks import task_from_config
 
 EXAMPLE = Path(saccade.__file__).parent / "configs" / "own-data.toml"
 
@@ -211,8 +211,8 @@ def test_rl_on_own_data_then_saccade_eval_recounts(own, tmp_path, capsys):
     from saccade.cli import main
     from saccade.metrics import read_metrics
     from saccade.loops.rl import train_rl
-    from saccade.setup import build_setup
-    from saccade.sft import train_sft
+    from saccade.run.setup import build_setup
+    from saccade.loops.sft import train_sft
 
     overrides = [
         "--model.path", "tiny", "--task.dataset", str(own), "--log.dir", str(tmp_path / "run"),

@@ -283,7 +283,7 @@ def test_parse_options(text, options):
 
 
 def test_config_selects_a_data_set_task(paths):
-    from saccade.tasks import QuestionTask, task_from_config
+    from saccade.run.tasks import QuestionTask, task_from_config
 
     cfg = load_config(RunConfig, None, ["--task.kind", "openmmreasoner", "--task.dataset", paths["openmmreasoner"],
                                         "--task.subsets", '["mmk12", "virl39k"]', "--eval.prompts", "2"])
@@ -333,7 +333,7 @@ def test_rl_trains_on_a_data_set_stream(paths, tmp_path):
     assert [r["step"] for r in rows if r["phase"] == "train"] == [1, 2, 3]
     assert [r["step"] for r in rows if r["phase"] == "eval"] == [3]
     # 9 prompts went through the stream: two epochs over the 4 rows and one more row.
-    from saccade.trainer.checkpoint_folder import latest_checkpoint
+    from saccade.trainer.checkpoint.folder import latest_checkpoint
 
     state = json.loads((latest_checkpoint(cfg.run_dir) / "state.json").read_text())
     assert state["data_position"] == 9

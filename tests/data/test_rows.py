@@ -239,7 +239,7 @@ def _config(dataset: Path, run_dir: Path, *extra: str) -> RunConfig:
 def test_rl_skips_each_broken_row_once_and_resumes_without_listing_one_twice(broken, tmp_path):
     from saccade.metrics import read_metrics
     from saccade.loops.rl import train_rl
-    from saccade.trainer.checkpoint_folder import latest_checkpoint
+    from saccade.trainer.checkpoint.folder import latest_checkpoint
 
     cfg = _config(broken, tmp_path / "straight")
     assert train_rl(cfg, run_dir=cfg.run_dir, progress=False)["step"] == 3  # trained to the end
@@ -287,7 +287,7 @@ def test_rl_stops_when_half_the_rows_are_broken(tmp_path):
 
 @pytest.mark.slow
 def test_eval_scores_the_usable_rows_and_reports_the_skipped_apart(broken, tmp_path):
-    from saccade.evaluation import format_eval, run_eval
+    from saccade.orchestrator.evaluation import format_eval, run_eval
 
     cfg = _config(broken, tmp_path / "run")
     result = run_eval(cfg)

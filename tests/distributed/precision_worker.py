@@ -4,7 +4,7 @@ under torchrun, for tests/distributed/test_mixed_precision.py.
     python tests/distributed/precision_worker.py OUT [--dtype bfloat16] [--cast-adapters] [--preset P] [--repeat N]
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/precision_worker.py OUT ...
 
-The model is loaded and sharded as `saccade.setup.build_setup` does (`weights_dtype`, then
+The model is loaded and sharded as `saccade.run.setup.build_setup` does (`weights_dtype`, then
 `shard_model` under torchrun), with LoRA rank 8 whose B matrices are drawn at random (peft
 starts them at 0, and an adapter that adds 0 computes the same in any dtype). Six text samples
 are packed into micro-batches of 64 tokens and spread over the ranks as `saccade.loops.rl` spreads
@@ -131,7 +131,7 @@ def main() -> None:
     )
     from saccade.models.lm import apply_lora, load_policy_lm
     from saccade.models.presets import preset_path
-    from saccade.setup import weights_dtype
+    from saccade.run.setup import weights_dtype
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.sharding import shard_model
 

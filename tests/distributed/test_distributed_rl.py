@@ -167,7 +167,7 @@ def test_world_2_samples_and_trains_like_world_1(world_runs):
         assert m[0]["kl"] == 0.0 and all(r["kl"] > 0 for r in m[1:]), [r["kl"] for r in m]
     assert_same_metrics(m2, m1, RTOL)
     # Rank 0 writes samples.jsonl from the prompts it sampled itself: the same records, images
-    # included. The replies' logprobs with and without images (saccade.visual) are written at
+    # included. The replies' logprobs with and without images (saccade.orchestrator.visual) are written at
     # world 1 only: under torchrun the model is sharded, and rank 0 alone cannot run a forward.
     samples1, samples2 = read_metrics(world1 / "run" / "samples.jsonl"), read_metrics(world2 / "run" / "samples.jsonl")
     per_sample = ("reply_logprob", "reply_logprob_blank", "image_logprob_gain")
@@ -221,7 +221,7 @@ def _from_step_2(source: Path, target: Path) -> Path:
     return target
 
 
-# 1 -> 2 (40 s) is `pytest -m long`: tests/trainer/test_checkpoint_distributed.py resumes checkpoints
+# 1 -> 2 (40 s) is `pytest -m long`: tests/trainer/checkpoint/test_checkpoint_distributed.py resumes checkpoints
 # both ways at the checkpoint level, and 2 -> 1 here resumes a whole run.
 @pytest.mark.parametrize("direction", ["2->1", pytest.param("1->2", marks=pytest.mark.long)])
 def test_a_checkpoint_resumes_at_the_other_world_size(world1, world2, tmp_path, direction):

@@ -34,7 +34,7 @@ def main() -> None:
 
     import saccade.orchestrator.rollout as rollout
     from saccade.config import RunConfig, load_config
-    from saccade.demo import resolve_warm_start
+    from saccade.tools.demo import resolve_warm_start
     from saccade.distributed import close_world, exit_rank, init_world
     from saccade.loops.rl import train_rl
 

@@ -180,7 +180,7 @@ def test_a_folder_of_scenes_is_split_by_name(tmp_path):
 
 
 def test_the_config_builds_the_task_and_refuses_what_cannot_work():
-    from saccade.tasks import task_from_config
+    from saccade.run.tasks import task_from_config
 
     cfg = RunConfig.model_validate({"task": {"kind": "scenes", "num_choices": 3, "render_size": 64,
                                              "start_turn": 90, "say_side": True}})

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from saccade.models.sampling import SampledDistribution
-from saccade.bench.engine import sample_logprob_diffs
+from saccade.tools.bench.engine import sample_logprob_diffs
 from saccade.data.messages import messages_to_inputs
 from saccade.envs.examples import AsyncLookAgainEnv, LookAgainEnv
 from saccade.envs.rollout import run_episodes

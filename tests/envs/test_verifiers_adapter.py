@@ -346,7 +346,7 @@ def test_rl_sample_step_runs_verifiers_episodes(look, tmp_path):
     from saccade.config import RunConfig, load_config
     from saccade.data.rows import StepRows
     from saccade.orchestrator.rollout import sample_step
-    from saccade.setup import build_setup
+    from saccade.run.setup import build_setup
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--log.dir", str(tmp_path), "--rollout.group_size", "2", "--rollout.filter_zero_variance", "false",
@@ -469,7 +469,7 @@ def test_a_verifiers_env_named_in_the_config_trains(env_dir, tmp_path):
     from saccade.config import RunConfig, load_config
     from saccade.metrics import read_metrics
     from saccade.loops.rl import train_rl
-    from saccade.tasks import check_user_code, task_from_config
+    from saccade.run.tasks import check_user_code, task_from_config
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--log.dir", str(tmp_path / "run"), "--task.kind", "verifiers", "--task.env_id", "tiny-look-env",
@@ -494,7 +494,7 @@ def test_a_verifiers_env_named_in_the_config_trains(env_dir, tmp_path):
 
 def test_a_verifiers_env_that_is_not_installed_is_refused_before_the_run():
     from saccade.config import RunConfig, load_config
-    from saccade.tasks import check_user_code
+    from saccade.run.tasks import check_user_code
 
     cfg = load_config(RunConfig, None, ["--task.kind", "verifiers", "--task.env_id", "owner/not-installed-env@1.0"])
     with pytest.raises(ValueError, match="verifiers environment 'owner/not-installed-env@1.0': no module "

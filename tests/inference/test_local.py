@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from saccade.models.sampling import SampledDistribution
-from saccade.bench.engine import trainer_logprob_diffs
+from saccade.tools.bench.engine import trainer_logprob_diffs
 from saccade.inference.engine import ChatRequest, SamplingParams
 from saccade.inference.local import LocalEngine
 from saccade.config import LoraConfig
@@ -15,7 +15,7 @@ from saccade.models.presets import preset_path, tiny_preset
 from saccade.models.families.interface import no_routing
 from saccade.models.lm import apply_lora, load_policy_lm
 from saccade.orchestrator.samples import completion_to_sample
-from saccade.parity import parity_conversations
+from saccade.tools.parity import parity_conversations
 from saccade.models.lm import unwrap_policy
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.packing import pack
@@ -296,9 +296,9 @@ def test_the_decode_loop_makes_no_host_sync_per_token(tiny_path, processor, enco
     """Per decoded token: no tensor made from host data (the banned ids, stop ids, positions),
     nothing data-dependent in size, and a device read only at the stop checks (every 16 tokens,
     as on a GPU). Counted on the CPU with the dispatch mode of `saccade bench gpu`'s syncs stage
-    (`saccade.bench.syncs.OpCounter`): the difference between 36 and 4 decoded tokens is the
+    (`saccade.tools.bench.syncs.OpCounter`): the difference between 36 and 4 decoded tokens is the
     per-token cost."""
-    from saccade.bench.syncs import OpCounter
+    from saccade.tools.bench.syncs import OpCounter
 
     engine = LocalEngine(load_policy_lm(tiny_path), processor, encoder, seed=1)
     engine.stop_check_every = 16  # the GPU's setting; the CPU's 1 reads every token on purpose

@@ -9,7 +9,7 @@ from saccade.config import RunConfig
 from saccade.models import attention
 from saccade.models.attention import NO_MASK, PACKED_SDPA, PackedLayout, length_buckets, resolve_attention
 from saccade.models.lm import load_policy_lm, set_full_finetune
-from saccade.parity import full_model_logprobs, lm_logprobs, max_abs, prepare
+from saccade.tools.parity import full_model_logprobs, lm_logprobs, max_abs, prepare
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.packing import collate
 

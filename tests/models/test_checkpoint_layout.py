@@ -1,7 +1,7 @@
 """saccade loads every checkpoint as transformers does: the variant matrix.
 
 For each family, one random model built by transformers itself (other shapes than the presets,
-non-square experts) saved in every layout the outside world writes (`saccade.bench.checkpoint_variants`:
+non-square experts) saved in every layout the outside world writes (`saccade.tools.bench.checkpoint_variants`:
 save_pretrained's default, memory layout, sharded bf16 with an index, the hub's files). Each must
 load into saccade's trainer (language model + lm_head) and tower with exactly the tensors
 transformers' `from_pretrained` of the whole model holds, and the LM-only path must give the full
@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from saccade.bench.checkpoint_variants import VARIANTS, build_variants, family_named, random_model, save_variant
+from saccade.tools.bench.checkpoint_variants import VARIANTS, build_variants, family_named, random_model, save_variant
 from saccade.models.families import FAMILIES, LM_HEAD_KEY, LM_PREFIX
 from saccade.models.loading import load_layout
 from saccade.models.presets import tiny_preset
@@ -45,7 +45,7 @@ def saccade_state(path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_every_variant_loads_as_transformers_loads_it(variants, family, variant):
     from saccade.models.loading import load_full_model
-    from saccade.parity import run_parity
+    from saccade.tools.parity import run_parity
 
     path = variants[family][variant]
     reference = load_full_model(path).state_dict()

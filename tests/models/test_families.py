@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from saccade.memory_dims import LINEARS
+from saccade.tools.memory_dims import LINEARS
 from saccade.models.families import FAMILIES, LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, family_of
 from saccade.models.families import qwen3_vl
 from saccade.models.presets import preset_path, tiny_preset
-from saccade.parity import parity_conversations, run_parity
+from saccade.tools.parity import parity_conversations, run_parity
 
 TOLERANCE = 1e-5  # fp32, per-token logprob, max |Δ| (tests/models/test_lm.py's bar)
 MISTAKE_FLOOR = 1e-2
@@ -75,7 +75,7 @@ def test_qwen3_vl_members_are_the_canonical_layout():
 
 def test_the_families_classes_build_their_configs(family_model_path):
     family, path = family_model_path
-    from saccade.memory_dims import dims_from_hf_config
+    from saccade.tools.memory_dims import dims_from_hf_config
     from saccade.models.loading import load_config
 
     config = load_config(path)
@@ -171,7 +171,7 @@ def test_shared_prompts_give_each_familys_packed_logprobs_and_gradients(request,
     the logprobs and gradients of the sample packed whole (tests/trainer/test_shared_prompts.py
     shows it at length on Qwen3-VL)."""
     from saccade.models.lm import load_policy_lm, set_full_finetune
-    from saccade.parity import grouped_samples
+    from saccade.tools.parity import grouped_samples
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.packing import pack
 

@@ -7,7 +7,7 @@ import torch
 
 from saccade.config import LoraConfig
 from saccade.models.lm import apply_lora, assert_no_vision_tower, load_policy_lm, set_full_finetune
-from saccade.parity import full_model_logprobs, lm_logprobs, max_abs, parity_conversations, prepare
+from saccade.tools.parity import full_model_logprobs, lm_logprobs, max_abs, parity_conversations, prepare
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.packing import collate
 

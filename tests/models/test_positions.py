@@ -8,7 +8,7 @@ import torch
 from saccade.data.messages import messages_to_inputs
 from saccade.models.positions import mrope_positions, with_text_row
 from saccade.data.synthetic import synthetic_image
-from saccade.parity import parity_conversations
+from saccade.tools.parity import parity_conversations
 
 MERGE = 2
 

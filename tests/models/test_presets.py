@@ -228,7 +228,7 @@ def test_small_preset_parameter_count_without_building():
 def test_the_2b_preset_has_exactly_qwen3_vl_2bs_shapes():
     """The GPU benchmarks' random model: its config (built here without its 4 GB of weights)
     has Qwen3-VL-2B-Instruct's dimensions, parameter count included."""
-    from saccade.memory_dims import dims_from_hf_config, model_dims
+    from saccade.tools.memory_dims import dims_from_hf_config, model_dims
 
     spec = PRESETS["qwen3vl-2b"]
     config = build_config("qwen3vl-2b", build_tokenizer(1024)).to_dict()
@@ -242,7 +242,7 @@ def test_the_2b_preset_has_exactly_qwen3_vl_2bs_shapes():
 
 def test_the_4b_preset_has_exactly_qwen3_vl_4bs_shapes():
     """`saccade bench gpu`'s second parity shape: Qwen3-VL-4B-Instruct's dimensions."""
-    from saccade.memory_dims import dims_from_hf_config, model_dims
+    from saccade.tools.memory_dims import dims_from_hf_config, model_dims
 
     spec = PRESETS["qwen3vl-4b"]
     config = build_config("qwen3vl-4b", build_tokenizer(1024)).to_dict()

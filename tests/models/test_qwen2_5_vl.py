@@ -94,7 +94,7 @@ def test_published_configs_and_presets_give_the_published_sizes(hub_id, preset, 
     the same parameters, text and tower apart, without building anything."""
     from transformers import Qwen2_5_VLConfig
 
-    from saccade.memory_dims import model_dims
+    from saccade.tools.memory_dims import model_dims
 
     config = Qwen2_5_VLConfig(**{k: v for k, v in published_config(hub_id).items() if k != "architectures"})
     preset_config = build_config(preset, build_tokenizer(1024))

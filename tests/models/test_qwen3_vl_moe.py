@@ -112,7 +112,7 @@ def test_tiny_folder_is_in_the_hub_layout_and_transformers_loads_it_exactly(moe_
 
 
 def test_memory_dims_count_total_and_active_parameters(moe_path, moe_full):
-    from saccade.memory_dims import model_dims
+    from saccade.tools.memory_dims import model_dims
 
     text = model_dims(str(moe_path)).text
     lm = moe_full.model.language_model
@@ -125,8 +125,8 @@ def test_memory_dims_count_total_and_active_parameters(moe_path, moe_full):
 
 
 def test_the_30b_a3b_preset_has_the_published_sizes():
-    from saccade.memory import trainer_memory
-    from saccade.memory_dims import model_dims
+    from saccade.tools.memory import trainer_memory
+    from saccade.tools.memory_dims import model_dims
 
     dims = model_dims("Qwen/Qwen3-VL-30B-A3B-Instruct")
     assert round(dims.params / 1e9, 1) == 31.1 and round(dims.text.active_params / 1e9, 1) == 3.4
@@ -139,7 +139,7 @@ def test_the_30b_a3b_preset_has_the_published_sizes():
 def test_the_cut_30b_a3b_preset_has_the_published_widths_and_six_layers():
     """qwen3vl-30b-a3b-l6 builds (on the meta device) Qwen3-VL-30B-A3B with 6 decoder layers: every
     width the hub config's, the parameters `saccade memory` counts for it without building it."""
-    from saccade.memory_dims import model_dims
+    from saccade.tools.memory_dims import model_dims
 
     preset, hub = "qwen3vl-30b-a3b-l6", "Qwen/Qwen3-VL-30B-A3B-Instruct"
     config = build_config(preset, build_tokenizer(1024))
@@ -163,7 +163,7 @@ def test_the_cut_30b_a3b_preset_has_the_published_widths_and_six_layers():
 
 @pytest.fixture()
 def moe_cases(moe_processor, moe_encoder, limits):
-    from saccade.parity import prepare
+    from saccade.tools.parity import prepare
 
     return prepare(moe_processor, moe_encoder, limits, moe_encoder.merge)
 
@@ -241,7 +241,7 @@ def _moe_samples(policy, processor, encoder, *, n: int = 2, max_tokens: int = 8)
     from saccade.inference.engine import ChatRequest, SamplingParams
     from saccade.inference.local import LocalEngine
     from saccade.orchestrator.samples import completion_to_sample
-    from saccade.parity import parity_conversations
+    from saccade.tools.parity import parity_conversations
 
     requests = [ChatRequest(name, [m for m in msgs if m["role"] != "assistant"] if name != "multi_turn" else msgs[:3])
                 for name, msgs in parity_conversations().items()]
@@ -334,7 +334,7 @@ def test_lora_merge_of_expert_adapters_equals_peft(moe_path):
     them holds the hub layout (non-square: (E, H, 2I), (E, I, H))."""
     from saccade.config import LoraConfig
     from saccade.models.lm import apply_lora, load_policy_lm
-    from saccade.trainer.engine_weights import _LiveWeights
+    from saccade.trainer.checkpoint.engine_weights import _LiveWeights
 
     torch.manual_seed(0)
     model = apply_lora(load_policy_lm(moe_path), LoraConfig(rank=4, alpha=8, dropout=0.0,
@@ -368,7 +368,7 @@ def moe_server(moe_path, tmp_path_factory):
 
 
 def _vllm_diffs(engine, policy, completions):
-    from saccade.bench.engine import trainer_logprob_diffs
+    from saccade.tools.bench.engine import trainer_logprob_diffs
     from saccade.models.sampling import SampledDistribution
 
     return trainer_logprob_diffs(policy, completions, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
@@ -385,7 +385,7 @@ def test_vllm_serves_the_tiny_moe_as_the_trainer_scores_it(moe_server, moe_proce
     httpx = pytest.importorskip("httpx")
     from safetensors.torch import load
 
-    from saccade.bench.engine import ENCODE_BAR, MAX_BAR, MEAN_BAR, shapes_requests
+    from saccade.tools.bench.engine import ENCODE_BAR, MAX_BAR, MEAN_BAR, shapes_requests
     from saccade.data.images import image_to_data_url
     from saccade.inference.engine import SamplingParams
     from saccade.inference.vllm import VLLMEngine

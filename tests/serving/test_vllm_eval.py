@@ -18,7 +18,7 @@ from saccade.config import RunConfig, load_config  # noqa: E402
 
 def test_saccade_eval_on_vllm_matches_a_hand_count_and_the_embedded_engine(tmp_path, server, mathvista_run,
                                                                           dataset_fixtures):
-    from saccade.evaluation import run_eval
+    from saccade.orchestrator.evaluation import run_eval
 
     fx = dataset_fixtures
     overrides, checkpoint = mathvista_run  # fine-tuned in this process; the server still holds the base weights

@@ -19,7 +19,7 @@ ADAPTER_MODEL = "saccade-policy"  # the name `saccade serve` gives an adapter lo
 def test_vllm_serves_the_merged_export_and_the_adapter(server, merged, adapter, lora_run, processor, limits):
     from peft import PeftModel
 
-    from saccade.bench.engine import shapes_requests, trainer_logprob_diffs
+    from saccade.tools.bench.engine import shapes_requests, trainer_logprob_diffs
     from saccade.inference.engine import SamplingParams
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm

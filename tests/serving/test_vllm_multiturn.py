@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from saccade.models.sampling import SampledDistribution
-from saccade.bench.engine import sample_logprob_diffs
+from saccade.tools.bench.engine import sample_logprob_diffs
 from saccade.envs.examples import LookAgainEnv
 from saccade.envs.rollout import run_episodes
 from saccade.envs.trajectory import ChatContinuation, check_consistency, to_training_sample

@@ -10,7 +10,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs v
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-from saccade.bench.engine import MAX_BAR, MEAN_BAR, shapes_requests, trainer_logprob_diffs  # noqa: E402
+from saccade.tools.bench.engine import MAX_BAR, MEAN_BAR, shapes_requests, trainer_logprob_diffs  # noqa: E402
 from saccade.inference.engine import SamplingParams  # noqa: E402
 from saccade.models.sampling import SampledDistribution  # noqa: E402
 

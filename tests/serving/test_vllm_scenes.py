@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from saccade.bench.engine import sample_logprob_diffs
+from saccade.tools.bench.engine import sample_logprob_diffs
 from saccade.envs.rollout import run_episodes
 from saccade.envs.scenes import ScenesTask
 from saccade.envs.trajectory import ChatContinuation, check_consistency, to_training_sample

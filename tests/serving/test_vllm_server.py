@@ -15,10 +15,10 @@ httpx = pytest.importorskip("httpx")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from saccade.models.sampling import SampledDistribution  # noqa: E402
-from saccade.bench.engine import ENCODE_BAR, MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
+from saccade.tools.bench.engine import ENCODE_BAR, MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
 
 def trainer_logprobs(model, completions, engine, temperature):
-    from saccade.bench.engine import trainer_logprob_diffs
+    from saccade.tools.bench.engine import trainer_logprob_diffs
 
     return trainer_logprob_diffs(model, completions, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
                                  banned_token_ids=engine.banned_token_ids,
@@ -78,7 +78,7 @@ def test_trainer_logprobs_equal_vllm_logprobs(engine, policy, temperature):
 def test_after_a_training_step_and_update_weights_vllm_samples_the_new_policy(engine, tiny_path, tmp_path):
     from saccade.inference.engine import SamplingParams
     from saccade.models.lm import load_policy_lm, set_full_finetune
-    from saccade.trainer.engine_weights import merge_full_weights_for_engine
+    from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine
 
     old = load_policy_lm(tiny_path, dtype=torch.float32)
     new = set_full_finetune(load_policy_lm(tiny_path, dtype=torch.float32))
@@ -86,7 +86,7 @@ def test_after_a_training_step_and_update_weights_vllm_samples_the_new_policy(en
     params = SamplingParams(temperature=1.0, max_tokens=8, n=4)
     completions = [c for g in engine.generate(requests, params) for c in g]
 
-    from saccade.bench.engine import one_likelihood_step
+    from saccade.tools.bench.engine import one_likelihood_step
 
     one_likelihood_step(new, engine, completions)  # a real optimizer step: every LM weight changes
 
@@ -151,7 +151,7 @@ def test_a_body_over_the_limit_is_refused_with_413(server, body_limit_mb):
 
 
 def test_bench_engine_parity_meets_the_bars_and_leaves_the_server_as_found(server, engine, policy):
-    from saccade.bench.engine import run_engine_parity
+    from saccade.tools.bench.engine import run_engine_parity
     from saccade.config.bench import EngineParityBenchConfig
     from saccade.inference.engine import SamplingParams
 
@@ -166,7 +166,7 @@ def test_bench_engine_parity_meets_the_bars_and_leaves_the_server_as_found(serve
 
 
 def test_bench_rollout_measures_both_engines_on_the_same_prompts(server):
-    from saccade.bench.engine import run_rollout_bench
+    from saccade.tools.bench.engine import run_rollout_bench
     from saccade.config.bench import RolloutBenchConfig
 
     result = run_rollout_bench(RolloutBenchConfig(url=server, prompts=4, samples=2, max_tokens=4, repeats=1))

@@ -23,12 +23,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from stub_tasks import scored_task  # noqa: E402
 
-from saccade.bench.engine import MEAN_BAR  # noqa: E402
+from saccade.tools.bench.engine import MEAN_BAR  # noqa: E402
 from saccade.config import RunConfig, load_config  # noqa: E402
 from saccade.inference.servers import NoServerError  # noqa: E402
 from saccade.metrics import read_metrics  # noqa: E402
 from saccade.loops.rl import train_rl  # noqa: E402
-from saccade.setup import build_setup  # noqa: E402
+from saccade.run.setup import build_setup  # noqa: E402
 
 FAST = [
     "--rollout.prompts_per_step", "4",
@@ -66,7 +66,7 @@ def launched_server_args(model: str, weights_root) -> tuple[str, ...]:
     """The vLLM arguments `saccade launch` gives a CPU server of a run on the demo config (the
     launcher's plan: image bounds by --mm-processor-kwargs, --limit-mm-per-prompt, --max-model-len,
     dtype), less the port and weights root, which ServerProcess sets."""
-    from saccade.launcher.plan import server_processes
+    from saccade.tools.launcher.plan import server_processes
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
         "--engine.kind", "vllm", "--engine.weights_dir", str(weights_root),
@@ -84,7 +84,7 @@ def two_servers(server, shared_server, tiny_path, tmp_path_factory):
     """(`a`, `b`): the shared server, serving the base weights (`server`), and one of this
     module's own, which the tests kill and restart. `b` is started with the arguments
     `saccade launch` gives a CPU server (`launched_server_args`), so the default suite runs
-    vLLM with them; tests/launcher/test_launch_vllm.py launches whole runs (`pytest -m long`)."""
+    vLLM with them; tests/tools/launcher/test_launch_vllm.py launches whole runs (`pytest -m long`)."""
     from saccade.serving.launch import ServerProcess
 
     root = tmp_path_factory.getbasetemp()
@@ -183,7 +183,7 @@ def test_two_servers_both_sample_and_load_every_version_and_a_killed_one_is_rout
     assert pool.servers[b.url].alive, pool.servers[b.url].last_error
     assert info(b.url)["policy_version"] == 6 == pool.servers[b.url].version
     assert pool.counters.rejoined == 1
-    from saccade.bench.engine import shapes_requests
+    from saccade.tools.bench.engine import shapes_requests
     from saccade.inference.engine import SamplingParams
 
     before = pool.servers[b.url].requests

@@ -16,11 +16,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 from stub_tasks import scored_task  # noqa: E402
 
 from saccade.models.sampling import SampledDistribution  # noqa: E402
-from saccade.bench.engine import MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
+from saccade.tools.bench.engine import MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
 from saccade.config import RunConfig, load_config  # noqa: E402
 from saccade.metrics import read_metrics  # noqa: E402
 from saccade.loops.rl import train_rl  # noqa: E402
-from saccade.setup import build_setup  # noqa: E402
+from saccade.run.setup import build_setup  # noqa: E402
 
 FAST = [
     "--trainer.steps", "3",
@@ -44,7 +44,7 @@ def vllm_config(tmp_path, server, *extra) -> RunConfig:
 
 def served_policy_diffs(setup, temperature=1.0):
     """|trainer - vLLM| logprobs on fresh vLLM samples, with the trainer's current weights."""
-    from saccade.bench.engine import trainer_logprob_diffs
+    from saccade.tools.bench.engine import trainer_logprob_diffs
     from saccade.inference.engine import SamplingParams
 
     groups = setup.engine.generate(shapes_requests(2, seed=31), SamplingParams(temperature=temperature, max_tokens=8, n=4))
@@ -114,7 +114,7 @@ def test_adapter_sync_is_refused_for_full_finetuning(tmp_path, server):
 
 def test_sft_on_vllm_trains_on_server_embeddings_and_pushes_the_result(tmp_path, server, processor):
     from saccade.data.messages import messages_to_inputs
-    from saccade.sft import train_sft
+    from saccade.loops.sft import train_sft
 
     cfg = vllm_config(tmp_path, server, "--sft.lr", "1e-2")
     setup = build_setup(cfg, cfg.run_dir)
@@ -140,7 +140,7 @@ def test_sft_on_vllm_trains_on_server_embeddings_and_pushes_the_result(tmp_path,
 
 
 def test_eval_on_vllm_pushes_the_checkpoint_and_agrees_with_the_embedded_engine(tmp_path, server):
-    from saccade.evaluation import run_eval
+    from saccade.orchestrator.evaluation import run_eval
 
     cfg = vllm_config(tmp_path, server, "--trainer.lr", "1e-2", "--trainer.steps", "1", "--eval.prompts", "16")
     train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)

@@ -26,7 +26,7 @@ def micro_batches(processor, encoder, limits, tiny_path):
     """Three parity conversations (one image, three images, text only) as prompts, each with a
     5-token completion (advantages +1, -1, +1), one micro-batch each, the image embeddings read
     from the encoder's cache."""
-    from saccade.parity import prepare
+    from saccade.tools.parity import prepare
     from saccade.trainer.packing import pack
     from saccade.trainer.samples import make_sample
 

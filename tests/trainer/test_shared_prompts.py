@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from saccade.models.lm import load_policy_lm, set_full_finetune
-from saccade.parity import prepare
+from saccade.tools.parity import prepare
 from saccade.trainer.forward import forward_logprobs
 from saccade.trainer.packing import pack, prompt_groups
 from saccade.trainer.samples import make_sample

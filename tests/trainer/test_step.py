@@ -159,7 +159,7 @@ def test_float32_parameters_get_no_masters(tiny_path):
 
 
 def test_a_checkpoint_keeps_the_master_weights_exactly(tiny_path, tmp_path):
-    from saccade.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+    from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, save_checkpoint
 
     model = _bf16_model(tiny_path)
     optimizer, scheduler = build_optimizer(model, lr=1e-2, weight_decay=0.0, schedule=lambda k: 1.0)

@@ -30,7 +30,7 @@ def _print_parity(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from saccade.parity import tolerance
+    from saccade.tools.parity import tolerance
 
     bar = f"≤ {tolerance(result['dtype']):g}"
     console = Console()
@@ -55,7 +55,7 @@ def _print_parity(result: dict) -> None:
 
 
 def cmd_bench_parity(cfg: ParityBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.parity import run_parity_bench, tolerance
+    from saccade.tools.parity import run_parity_bench, tolerance
 
     result = run_parity_bench(cfg)
     _print_parity(result)
@@ -67,7 +67,7 @@ def cmd_bench_parity(cfg: ParityBenchConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench_trainer(cfg: TrainerBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench.trainer import format_report, run_trainer_bench
+    from saccade.tools.bench.trainer import format_report, run_trainer_bench
 
     result = run_trainer_bench(cfg)
     print(format_report(result))
@@ -76,7 +76,7 @@ def cmd_bench_trainer(cfg: TrainerBenchConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench_step(cfg: StepBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench.step import format_step_report, run_step_bench
+    from saccade.tools.bench.step import format_step_report, run_step_bench
 
     result = run_step_bench(cfg)
     print(format_step_report(result))
@@ -85,7 +85,7 @@ def cmd_bench_step(cfg: StepBenchConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench_distributed(cfg: DistributedBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench.distributed import format_distributed_report, run_distributed_bench
+    from saccade.tools.bench.distributed import format_distributed_report, run_distributed_bench
 
     result = run_distributed_bench(cfg)
     print(format_distributed_report(result))
@@ -94,7 +94,7 @@ def cmd_bench_distributed(cfg: DistributedBenchConfig, args: argparse.Namespace)
 
 
 def cmd_bench_async(cfg: AsyncBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench.async_rollouts import format_async_report, run_async_bench
+    from saccade.tools.bench.async_rollouts import format_async_report, run_async_bench
 
     result = run_async_bench(cfg)
     print(format_async_report(result))
@@ -103,7 +103,7 @@ def cmd_bench_async(cfg: AsyncBenchConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kill(cfg: KillBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench.kill import format_kill_report, identical, run_kill_bench
+    from saccade.tools.bench.kill import format_kill_report, identical, run_kill_bench
 
     result = run_kill_bench(cfg)
     print(format_kill_report(result))
@@ -112,7 +112,7 @@ def cmd_bench_kill(cfg: KillBenchConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench_soak(cfg: SoakBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench.soak import format_soak_report, run_soak_bench
+    from saccade.tools.bench.soak import format_soak_report, run_soak_bench
 
     result = run_soak_bench(cfg)
     print(format_soak_report(result))
@@ -121,7 +121,7 @@ def cmd_bench_soak(cfg: SoakBenchConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine_parity(cfg: EngineParityBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench.engine import format_engine_parity, meets_bars, run_engine_parity
+    from saccade.tools.bench.engine import format_engine_parity, meets_bars, run_engine_parity
 
     result = run_engine_parity(cfg)
     print(format_engine_parity(result))
@@ -130,7 +130,7 @@ def cmd_bench_engine_parity(cfg: EngineParityBenchConfig, args: argparse.Namespa
 
 
 def cmd_bench_rollout(cfg: RolloutBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench.engine import format_rollout, run_rollout_bench
+    from saccade.tools.bench.engine import format_rollout, run_rollout_bench
 
     result = run_rollout_bench(cfg)
     print(format_rollout(result))
@@ -139,7 +139,7 @@ def cmd_bench_rollout(cfg: RolloutBenchConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench_render(cfg: RenderBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench.render import format_render_report, run_render_bench
+    from saccade.tools.bench.render import format_render_report, run_render_bench
 
     result = run_render_bench(cfg)
     print(format_render_report(result))
@@ -148,13 +148,13 @@ def cmd_bench_render(cfg: RenderBenchConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench_gpu(cfg: GpuBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.bench import gpu
+    from saccade.tools.bench import gpu
 
     return gpu.run_gpu_bench(cfg)
 
 
 def _list_gpu_stages() -> int:
-    from saccade.bench import gpu
+    from saccade.tools.bench import gpu
 
     print(gpu.list_stages())
     return 0

@@ -50,7 +50,7 @@ def _run_demo(args: argparse.Namespace, demo: Demo) -> list[dict] | None:
     demo), write the JSON: one run's figures, or with `--seeds` a list `seeds` of one such
     entry per seed (each with its `seed`)."""
     from saccade.config import describe
-    from saccade.demo import demo_engine
+    from saccade.tools.demo import demo_engine
 
     cfg = demo.load_config(args.overrides, args.config)
     configs = [seeded(cfg, seed) for seed in args.seeds] if args.seeds else [cfg]
@@ -104,7 +104,7 @@ def run_and_report(args: argparse.Namespace, demo: Demo) -> int:
 
 
 def shapes_report(result: dict) -> str:
-    from saccade.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, VISUAL_GAIN_MARGIN, VISUAL_GAIN_MIN
+    from saccade.tools.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, VISUAL_GAIN_MARGIN, VISUAL_GAIN_MIN
 
     chance = result["chance"]
     source = f"{result['dataset']}, " if result.get("task") == "dataset" else ""
@@ -137,7 +137,7 @@ def _episode_lines(result: dict, success_gain_min: float) -> str:
 
 
 def views_report(result: dict) -> str:
-    from saccade.demo_views import MINUTES_MAX, SUCCESS_GAIN_MIN
+    from saccade.tools.demo_views import MINUTES_MAX, SUCCESS_GAIN_MIN
 
     return (
         f"\nheld-out episodes ({result['eval_episodes']}, up to {result['max_turns']} turns, engine {result['engine']}):\n"
@@ -147,7 +147,7 @@ def views_report(result: dict) -> str:
 
 
 def scenes_report(result: dict) -> str:
-    from saccade.demo_scenes import MINUTES_MAX, SUCCESS_GAIN_MIN
+    from saccade.tools.demo_scenes import MINUTES_MAX, SUCCESS_GAIN_MIN
 
     return (
         f"\nheld-out episodes ({result['eval_episodes']} in generated rooms, up to {result['max_turns']} turns, "
@@ -162,16 +162,16 @@ def demo_of(task: str) -> Demo:
     """The demo named on the command line, its modules imported only now (--help stays light)."""
     episodes = ("success_after", "success_before")
     if task == "views":
-        from saccade.demo_views import load_views_config, run_views_demo, views_verdict
+        from saccade.tools.demo_views import load_views_config, run_views_demo, views_verdict
 
         return Demo(load_views_config, run_views_demo, views_report, views_verdict,
                     "demo OK: success rose by the bar or more within the time", episodes)
     if task == "scenes":
-        from saccade.demo_scenes import load_scenes_config, run_scenes_demo, scenes_verdict
+        from saccade.tools.demo_scenes import load_scenes_config, run_scenes_demo, scenes_verdict
 
         return Demo(load_scenes_config, run_scenes_demo, scenes_report, scenes_verdict,
                     "demo OK: success rose by the bar or more within the time", episodes)
-    from saccade.demo import check_demo_task, demo_start, load_demo_config, run_demo, verdict
+    from saccade.tools.demo import check_demo_task, demo_start, load_demo_config, run_demo, verdict
 
     return Demo(lambda overrides, path: check_demo_task(demo_start(load_demo_config(overrides, path))), run_demo,
                 shapes_report,

@@ -1,5 +1,5 @@
 """`saccade launch CONFIG`: a run's vLLM servers and its trainer from the config's [launch]
-layout, started, watched and stopped together (saccade.launcher; docs/launch.md)."""
+layout, started, watched and stopped together (saccade.tools.launcher; docs/launch.md)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def _with_hosts(config: str, overrides: list[str], hosts: str | None):
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from saccade.config import is_loopback
-    from saccade.launcher.plan import check_node_rank, dry_run_text, node_plan
-    from saccade.tasks import check_user_code
+    from saccade.tools.launcher.plan import check_node_rank, dry_run_text, node_plan
+    from saccade.run.tasks import check_user_code
 
     cfg, overrides = _with_hosts(args.config, args.overrides, args.hosts)
     check_user_code(cfg)
@@ -40,8 +40,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if any(not is_loopback(n.host) for n in cfg.launch.nodes) and not os.environ.get("VLLM_API_KEY"):
         raise ValueError("the layout's servers listen on addresses other machines reach: set VLLM_API_KEY (any "
                          "secret string, the same on every node) so that only the trainer can use them")
-    from saccade.demo import resolve_model_name
-    from saccade.launcher.supervisor import supervise
+    from saccade.tools.demo import resolve_model_name
+    from saccade.tools.launcher.supervisor import supervise
 
     model = None
     if cfg.model.is_preset:  # built (or trained: a warm start) once, here, not by every server at once

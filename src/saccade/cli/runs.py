@@ -16,7 +16,7 @@ def cmd_serve(argv: list[str]) -> int:
     from saccade.serving.server import main as serve_main
 
     if argv and not argv[0].startswith("-"):
-        from saccade.demo import resolve_model_name
+        from saccade.tools.demo import resolve_model_name
 
         argv = [resolve_model_name(argv[0]), *argv[1:]]
     return serve_main(argv)
@@ -30,7 +30,7 @@ STOPPED_EXIT = 130
 
 def _load_run_config(args: argparse.Namespace, overrides: list[str] | None = None):
     from saccade.config import RunConfig, describe, load_config
-    from saccade.tasks import check_user_code
+    from saccade.run.tasks import check_user_code
 
     cfg = load_config(RunConfig, args.config, args.overrides if overrides is None else overrides)
     check_user_code(cfg)  # a bad reward function or task name fails now, before anything is built
@@ -43,11 +43,11 @@ def cmd_rl(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
     if args.dry_run:
         return 0
-    from saccade.demo import resolve_warm_start
+    from saccade.tools.demo import resolve_warm_start
     from saccade.devices import resolve_device
     from saccade.distributed import close_world, exit_rank, init_world
     from saccade.loops.rl import train_rl
-    from saccade.stall import StallError
+    from saccade.loops.stall import StallError
     from saccade.stopping import RunStopped, StopRequest
 
     stop = StopRequest(cfg.run_dir)
@@ -74,8 +74,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
     if args.dry_run:
         return 0
-    from saccade.demo import resolve_warm_start
-    from saccade.sft import train_sft
+    from saccade.tools.demo import resolve_warm_start
+    from saccade.loops.sft import train_sft
 
     train_sft(resolve_warm_start(cfg), run_dir=cfg.run_dir)
     print(f"done; metrics in {cfg.run_dir / 'metrics.jsonl'}")
@@ -83,7 +83,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from saccade.evaluation import eval_target
+    from saccade.orchestrator.evaluation import eval_target
 
     # CHECKPOINT_OR_CONFIG: a checkpoint or run folder brings its run's config.toml.
     target = eval_target(args.config, args.checkpoint)
@@ -91,8 +91,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args, [*target.overrides, *args.overrides])
     if args.dry_run:
         return 0
-    from saccade.demo import resolve_warm_start
-    from saccade.evaluation import format_eval, run_eval, write_samples
+    from saccade.tools.demo import resolve_warm_start
+    from saccade.orchestrator.evaluation import format_eval, run_eval, write_samples
 
     result = run_eval(resolve_warm_start(cfg), checkpoint=target.checkpoint)
     print(format_eval(result))
@@ -104,7 +104,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from saccade.export import HubUploadError, export_adapter, export_merged, push_to_hub, usage_lines
+    from saccade.tools.export import HubUploadError, export_adapter, export_merged, push_to_hub, usage_lines
 
     if args.merged:
         result = export_merged(args.checkpoint, args.merged, base_model=args.base_model, force=args.force)

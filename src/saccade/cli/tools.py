@@ -14,7 +14,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from saccade.config import RunConfig, load_config
-    from saccade.memory import estimate_run, header_lines
+    from saccade.tools.memory import estimate_run, header_lines
 
     cfg = load_config(RunConfig, args.config, args.overrides)
     est = estimate_run(cfg, gpu_memory_utilization=args.gpu_memory_utilization, gpu_gib=args.gpu_gib,
@@ -45,7 +45,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from saccade.doctor import RUNS, as_json, doctor, render
+    from saccade.tools.doctor import RUNS, as_json, doctor, render
 
     machine, verdicts = doctor(args.configs)
     render(machine, verdicts)
@@ -56,13 +56,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from saccade.plot import plot_command
+    from saccade.tools.plot import plot_command
 
     return plot_command(args.run_dir)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from saccade.report import report_command
+    from saccade.tools.report import report_command
 
     return report_command(args.run_dir, args.out, max_sample_steps=args.sample_steps)
 
@@ -88,7 +88,7 @@ def add_memory_parser(sub) -> None:
     memory = sub.add_parser(
         "memory",
         help="estimated GPU memory of a run: the trainer and each vLLM server (no GPU needed)",
-        description="Arithmetic from the model's dimensions (src/saccade/memory.py): weights, LoRA or full "
+        description="Arithmetic from the model's dimensions (src/saccade/tools/memory.py): weights, LoRA or full "
         "fine-tuning state, activations of a trainer.max_tokens micro-batch, logprob buffers; for a vLLM "
         "server, weights and the KV cache left at --gpu-memory-utilization. With --world-size N, the trainer's "
         "figures are per rank of N under FSDP2 (docs/qwen3vl.md). Exit 1 if the trainer does not fit.",
@@ -100,7 +100,7 @@ def add_memory_parser(sub) -> None:
     memory.add_argument("--shared-gpu", action=argparse.BooleanOptionalAction, default=None,
                         help="the trainer and one server share a GPU (the one-GPU layout; default: as the config's "
                         "[launch] layout places them)")
-    from saccade.memory import GPU_GIB
+    from saccade.tools.memory import GPU_GIB
 
     memory.add_argument("--gpu-gib", type=float, default=GPU_GIB, metavar="GIB",
                         help=f"memory of one GPU as CUDA shows it (default {GPU_GIB:g}: an 80 GB H100)")

@@ -32,7 +32,7 @@ keys at that level with a "did you mean" suggestion.
 This package imports neither torch nor any part of saccade above its utilities: entry points
 parse and print the config (``--help``, ``--dry-run``, errors) before paying torch's import
 time. What needs a user's code (their reward functions, their task, a verifiers environment)
-is checked where tasks are built, `saccade.tasks.check_user_code`, which the entry points run
+is checked where tasks are built, `saccade.run.tasks.check_user_code`, which the entry points run
 right after loading the config.
 
 Entry-point pattern (argparse)::
@@ -42,7 +42,7 @@ Entry-point pattern (argparse)::
     known, overrides = split_overrides(sys.argv[1:])   # --a.b value tokens go to overrides
     args = parser.parse_args(known)
     cfg = load_config(RunConfig, args.config, overrides)   # ConfigError -> parser.error(...)
-    check_user_code(cfg)                               # saccade.tasks: imports no torch
+    check_user_code(cfg)                               # saccade.run.tasks: imports no torch
     if args.dry_run:
         print(describe(cfg))
         return 0

@@ -305,7 +305,7 @@ class RolloutConfig(Section):
     )
 
 
-# A stalled run (saccade.stall, docs/stalls.md): what GRPO's most common collapse looks like.
+# A stalled run (saccade.loops.stall, docs/stalls.md): what GRPO's most common collapse looks like.
 STALL_ACTION = (
     "what a stalled run does: 'warn' says so once per stall and trains on; 'stop' ends the run, naming the last "
     "checkpoint from before the stall and the --resume command with a lower trainer.lr; 'rollback' reloads that "

@@ -10,9 +10,9 @@
 - "verifiers": a verifiers environment by its id, `env_args` its taskset's config;
 - "plugin": your own Task, `make_task(cfg)` (docs/rewards.md).
 
-`saccade.tasks.task_from_config` builds the task from its variant. A variant checks only what
+`saccade.run.tasks.task_from_config` builds the task from its variant. A variant checks only what
 it can check without importing any task code: a user's module or a verifiers environment is
-looked up by `saccade.tasks.check_user_code`, which the entry points run before anything is
+looked up by `saccade.run.tasks.check_user_code`, which the entry points run before anything is
 built (`--dry-run` included).
 """
 
@@ -352,7 +352,7 @@ class VerifiersTaskConfig(Section):
 
 class PluginTaskConfig(Section):
     """Your own Task: `make_task(cfg)` is called with the whole run config and returns one
-    (`saccade.tasks.Task`; docs/rewards.md)."""
+    (`saccade.run.tasks.Task`; docs/rewards.md)."""
 
     kind: Literal["plugin"] = Field("plugin", description=KIND)
     make_task: str = Field(

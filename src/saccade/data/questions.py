@@ -3,7 +3,7 @@
 Every single-turn question task gives its prompts as `VQASample`s: the synthetic shapes
 (`saccade.data.shapes`) and the data sets (`saccade.data.datasets`) alike, so the same rewards
 (`saccade.rewards`, `saccade.scoring`), the same row checks (`saccade.data.rows`) and the same
-`QuestionTask` (`saccade.tasks`) serve them all. `to_messages` turns one into OpenAI-format
+`QuestionTask` (`saccade.run.tasks`) serve them all. `to_messages` turns one into OpenAI-format
 messages: the images first and then the question with its options, or, for a data set's own
 chat, each image where its text says `IMAGE_PLACEHOLDER`.
 """

@@ -15,8 +15,8 @@ from pathlib import Path
 from saccade.config import RunConfig, StallRollbackConfig
 from saccade.distributed import World, barrier
 from saccade.loops.rl_step import RLStep
-from saccade.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from saccade.trainer.checkpoint_folder import checkpoint_before, latest_checkpoint, set_aside_checkpoints
+from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, save_checkpoint
+from saccade.trainer.checkpoint.folder import checkpoint_before, latest_checkpoint, set_aside_checkpoints
 from saccade.trainer.step import set_peak_lr
 
 # TrainState.extra's key for the product of the stall rollbacks' lr factors (1.0: none): the

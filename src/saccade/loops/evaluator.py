@@ -1,5 +1,5 @@
 """Held-out evaluation inside a run, every `eval.every_steps` steps: greedy success on the task's
-held-out prompts (`saccade.evaluation.evaluate`, the core `saccade eval` runs too), with
+held-out prompts (`saccade.orchestrator.evaluation.evaluate`, the core `saccade eval` runs too), with
 `eval.visual_gain` the same with every image blank. Rank 0 evaluates while the other ranks wait;
 with the embedded engine every rank holds the whole weights meanwhile."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from saccade.config import RunConfig
 from saccade.data.rows import recheck
 from saccade.distributed import World, barrier
-from saccade.evaluation import evaluate
+from saccade.orchestrator.evaluation import evaluate
 from saccade.loops.rl_step import RLStep
 
 

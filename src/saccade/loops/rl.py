@@ -27,10 +27,10 @@ trains, from the newest weights pushed by step s - k (k versions old when every 
 a schedule, not a race, so the same at any world size), and TIS corrects for the lag (`loss.tis`). With every server gone every
 rank saves the finished steps in one checkpoint and stops, saying what to restart.
 Every `log.samples_every` steps rank 0 also writes the step's first prompts with their
-completions to samples.jsonl (`saccade.sample_log`), for a person to read, each reply's
-logprob with and without its images beside it (`saccade.visual`; one process only).
+completions to samples.jsonl (`saccade.loops.sample_log`), for a person to read, each reply's
+logprob with and without its images beside it (`saccade.orchestrator.visual`; one process only).
 
-Every step the stall watch (`saccade.stall`, docs/stalls.md) reads the rollouts' figures: no
+Every step the stall watch (`saccade.loops.stall`, docs/stalls.md) reads the rollouts' figures: no
 group with reward variance, or most replies cut at max_tokens, for `stall.steps` steps in a
 row is a stalled (often collapsed) run. `stall.action` then warns, stops it naming the
 command to go on with, or rolls it back to the last checkpoint from before the stall at a lower
@@ -69,9 +69,9 @@ from saccade.metrics import MetricsLogger, format_step
 from saccade.model_match import ModelMatchGuard
 from saccade.orchestrator.source import RolloutSource
 from saccade.progress import ProgressBar
-from saccade.setup import Setup, build_setup
+from saccade.run.setup import Setup, build_setup
 from saccade.stopping import RunStopped, StopRequest
-from saccade.tasks import Task, task_from_config
+from saccade.run.tasks import Task, task_from_config
 
 
 def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,

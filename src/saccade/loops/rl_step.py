@@ -23,8 +23,8 @@ from saccade.distributed import SINGLE, World, unsharded
 from saccade.inference.engine import SamplingParams
 from saccade.models.lm import shares_prompts
 from saccade.orchestrator.rollout import StepRollouts, sample_step
-from saccade.setup import Setup
-from saccade.tasks import Task
+from saccade.run.setup import Setup
+from saccade.run.tasks import Task
 from saccade.timing import timed
 from saccade.trainer.packing import rank_micro_batches
 from saccade.trainer.reference import Reference, adapter_free_reference, frozen_copy, frozen_reference

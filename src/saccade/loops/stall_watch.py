@@ -1,6 +1,6 @@
 """The stall watch as the loop runs it: it reads each step's rollouts and returns what the run
 does (`StallVerdict`), deciding itself when to warn, roll back (through the `Checkpointer`, before
-the weights go to the engine) or stop. The rule itself is `saccade.stall`'s pure functions
+the weights go to the engine) or stop. The rule itself is `saccade.loops.stall`'s pure functions
 (docs/stalls.md); its state goes into every checkpoint, so a resume keeps the streaks.
 """
 
@@ -15,11 +15,11 @@ from saccade.config import RunConfig, StallRollbackConfig
 from saccade.distributed import World, barrier
 from saccade.loops.checkpointer import Checkpointer
 from saccade.metrics import METRICS_FILE
-from saccade.stall import (
+from saccade.loops.stall import (
     StallError, StallState, StepSignal, after_rollback, describe_stall, observe, stall_action, stall_warning,
 )
-from saccade.trainer.checkpoint import TrainState
-from saccade.trainer.checkpoint_folder import STALLED_DIR, checkpoint_before, set_aside_checkpoints
+from saccade.trainer.checkpoint.saving import TrainState
+from saccade.trainer.checkpoint.folder import STALLED_DIR, checkpoint_before, set_aside_checkpoints
 
 # TrainState.extra's key for the stall watch's state (`StallState.saved`): its streaks and rollbacks.
 STALL = "stall"

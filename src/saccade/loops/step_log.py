@@ -13,9 +13,9 @@ from saccade.loops.rl_step import RLStep
 from saccade.metrics import MetricsLogger
 from saccade.orchestrator.rollout import StepRollouts
 from saccade.process_stats import memory_metrics, process_metrics
-from saccade.sample_log import SAMPLES_DIR, finite, sample_line, step_samples
-from saccade.setup import Setup
-from saccade.visual import reply_logprobs
+from saccade.loops.sample_log import SAMPLES_DIR, finite, sample_line, step_samples
+from saccade.run.setup import Setup
+from saccade.orchestrator.visual import reply_logprobs
 
 
 class SampleLog:
@@ -36,7 +36,7 @@ def log_samples(logger: MetricsLogger, step: int, rollouts: StepRollouts, run: R
     """A few prompts with their completions for a person to read (samples.jsonl, `saccade
     report`): the step's first, which rank 0 sampled itself and so still holds their images.
     Each completion also gets its reply's logprob with and without its images under the
-    weights just trained (`saccade.visual.reply_logprobs`). Returns the console's line about
+    weights just trained (`saccade.orchestrator.visual.reply_logprobs`). Returns the console's line about
     the first."""
     cfg = run.cfg
     records = step_samples(step, rollouts.rows.prompts, rollouts.all_groups, rollouts.groups,

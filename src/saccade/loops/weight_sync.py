@@ -13,7 +13,7 @@ from saccade.distributed import World, barrier, first_error
 from saccade.inference.engine import Engine
 from saccade.inference.servers import NoServerError
 from saccade.orchestrator.source import RolloutSource
-from saccade.trainer.checkpoint import TrainState
+from saccade.trainer.checkpoint.saving import TrainState
 
 
 class WeightSync:

@@ -33,8 +33,8 @@ from saccade.inference.servers import NoServerError
 from saccade.models.vision import Pins
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 from saccade.orchestrator.samples import completion_to_sample
-from saccade.setup import Setup
-from saccade.tasks import Prompt, Task
+from saccade.run.setup import Setup
+from saccade.run.tasks import Prompt, Task
 from saccade.timing import timed
 from saccade.trainer.samples import TrainingSample
 
@@ -55,7 +55,7 @@ class Rollout:
     texts: list[str]  # each assistant turn's text, decoded from the sampled ids
     policy_version: int  # the oldest weights any of its turns was sampled under
     # What the environment said before each assistant turn: [0] the opening messages, [k] its
-    # reply to turn k-1 (images as it sent them). Read by the samples log (saccade.sample_log).
+    # reply to turn k-1 (images as it sent them). Read by the samples log (saccade.loops.sample_log).
     env_messages: list[list[dict[str, Any]]] = field(default_factory=list, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -307,7 +307,7 @@ def rollout_metrics(groups: list[list[Rollout]], rewards_PG: torch.Tensor, keep_
     are shares of the replies (every turn of an episode): ended by the model, and cut at
     sampling.max_tokens (finish reason "length"). `final_truncated_frac` counts each answer or
     episode once, by its final reply (single-turn: the same as truncated_frac): the stall watch's
-    sign of a policy whose replies no longer end (saccade.stall): a multi-turn run whose groups
+    sign of a policy whose replies no longer end (saccade.loops.stall): a multi-turn run whose groups
     still vary can have half its replies cut (the views demo's look turns), not its final ones."""
     flat = [r for group in groups for r in group]
     lengths = torch.tensor([r.completion_tokens for r in flat], dtype=torch.float32)

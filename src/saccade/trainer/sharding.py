@@ -2,7 +2,7 @@
 
 The trainer's half of running on several processes (`saccade.distributed` has the other
 half, the processes and their collectives, which knows nothing of models): `shard_model`
-wraps a `PolicyLM` once it is built (`saccade.setup.build_setup`), every decoder layer and
+wraps a `PolicyLM` once it is built (`saccade.run.setup.build_setup`), every decoder layer and
 then the root; `mixed_precision` picks the dtypes so that each piece computes as it does on
 one process.
 """
@@ -46,7 +46,7 @@ def shard_model(model: nn.Module, world: World, *, device: torch.device, compute
 
 
 def mixed_precision(model: nn.Module, compute_dtype: torch.dtype):
-    """FSDP2's `MixedPrecisionPolicy` for a model as `saccade.setup.build_setup` loads it when
+    """FSDP2's `MixedPrecisionPolicy` for a model as `saccade.run.setup.build_setup` loads it when
     sharded, chosen so that every piece computes in the dtype it computes in on one process
     (docs/precision.md). FSDP2 applies one policy to a whole group (a decoder layer), and
     LoRA puts frozen and trainable parameters in the same group, so the choice follows them:
@@ -71,12 +71,12 @@ def mixed_precision(model: nn.Module, compute_dtype: torch.dtype):
     if wrong:
         raise ValueError(f"trainable parameter {wrong[0][0]} is {wrong[0][1]}: a sharded model's trainable "
                          "parameters must be float32 (AdamW steps the shards, no master copy): load the model "
-                         "in float32 for full fine-tuning (saccade.setup.build_setup does)")
+                         "in float32 for full fine-tuning (saccade.run.setup.build_setup does)")
     if frozen:
         wrong = [(n, d) for n, d in frozen if d != compute_dtype]
         if wrong:
             raise ValueError(f"frozen parameter {wrong[0][0]} is {wrong[0][1]} but the model computes in "
-                             f"{compute_dtype}: load the LoRA base in model.dtype (saccade.setup.build_setup "
+                             f"{compute_dtype}: load the LoRA base in model.dtype (saccade.run.setup.build_setup "
                              "does), FSDP then gathers it as stored")
         return MixedPrecisionPolicy(reduce_dtype=torch.float32)
     if compute_dtype == torch.float32:

@@ -6,7 +6,7 @@ micro-batches (each sent to the device one ahead of the one being computed), a s
 loss or gradient is NaN/inf skipped (the weights and the optimizer state left as they were),
 the gradient clipped, the device read once. What a micro-batch's loss is comes in as a
 function: the clipped policy objective (`train_step`), SFT's negative log-likelihood
-(`saccade.sft.sft_step`), the trainer benchmark's variants (`saccade.bench.trainer_variants`).
+(`saccade.loops.sft.sft_step`), the trainer benchmark's variants (`saccade.tools.bench.trainer_variants`).
 
 `train_step` never sees a run's setup or config file: it gets the model, the optimizer and
 its scheduler, the step's micro-batches (packed, in host memory), the loss

@@ -63,9 +63,9 @@ def resolve_model(model: str) -> str:
     """A preset's name ("tiny", "qwen3vl-2b", "qwen2.5vl-tiny", ...) becomes its built folder;
     anything else is returned as is. A warm start ("tiny-warm", "qwen2.5vl-tiny-warm") is
     refused: it is built by training, which happens where a run starts
-    (`saccade.demo.resolve_warm_start`), never down here."""
+    (`saccade.tools.demo.resolve_warm_start`), never down here."""
     if warm_start_base(model) is not None:
         raise ValueError(f"model {model!r} (the demo's warm start) is built by training and is resolved where "
-                         "a run starts: run it through the saccade CLI, or call saccade.demo.resolve_warm_start "
-                         "(a config) or saccade.demo.resolve_model_name (a name) and pass the folder it returns")
+                         "a run starts: run it through the saccade CLI, or call saccade.tools.demo.resolve_warm_start "
+                         "(a config) or saccade.tools.demo.resolve_model_name (a name) and pass the folder it returns")
     return str(preset_path(model)) if model in PRESETS else model

@@ -1,0 +1,172 @@
+"""What a run holds, built once from its config: the trainer's model, the engine, the image cache.
+
+`build_setup` places the model on `trainer.device`, in the precision `model.dtype` asks for
+(docs/precision.md), with LoRA or for full fine-tuning, optionally with activation
+checkpointing; builds the embedding cache (`image_cache.budget_bytes`, `image_cache.dir`, stored
+in the model's dtype); and the engine the config names:
+
+- embedded: samples in this process from the trainer's very module, on the same device,
+  and holds the frozen vision tower that fills the cache;
+- vLLM: the servers hold the tower; image embeddings come from their /encode_images, so no
+  tower is loaded in this process at all. Weights reach them through an exported folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from saccade.config import ImagesConfig, RunConfig
+from saccade.devices import resolve_device
+from saccade.distributed import SINGLE, World, barrier
+from saccade.trainer.sharding import shard_model
+from saccade.inference.engine import Engine
+from saccade.models.head import use_full_fp32_matmuls
+from saccade.models.vision import EmbeddingCache
+
+
+@dataclass
+class Setup:
+    """Everything a run holds besides its config: built once by `build_setup`, used by the loops."""
+
+    model_path: str
+    processor: Any
+    model: nn.Module  # PolicyLM, LoRA-wrapped or not, on `device`
+    engine: Engine
+    cache: EmbeddingCache  # the images' embeddings: filled by the engine, read by the trainer
+    images: ImagesConfig  # the image limits every stage applies
+    merge: int  # the vision tower's spatial merge size (2x2 patches per image token)
+    image_token_id: int
+    device: torch.device
+
+    @functools.cached_property
+    def continuation(self):
+        """The chat template's incremental form, for multi-turn trajectories (built on first use)."""
+        from saccade.envs.trajectory import ChatContinuation
+
+        return ChatContinuation(self.processor, limits=self.images)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def weights_dtype(model_dtype: torch.dtype, *, sharded: bool, lora: bool) -> torch.dtype:
+    """The dtype the trainer's model is loaded in (docs/precision.md).
+
+    The model computes in `model.dtype`, as an inference engine does, and what trains keeps
+    float32 copies: LoRA adapters are float32 (peft), and full fine-tuning's optimizer holds
+    float32 master weights. Sharded full fine-tuning loads float32 instead: its float32 shards
+    are the master weights, and FSDP computes them in `model.dtype`. A LoRA base is frozen, so
+    sharded or not it is stored in `model.dtype` (`saccade.trainer.sharding.mixed_precision`)."""
+    return torch.float32 if sharded and not lora else model_dtype
+
+
+def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
+    """The trainer's model (LoRA or full) on its device, the embedding cache, and the engine.
+
+    Under torchrun (`world.sharded`) the model is FSDP2-sharded over the ranks
+    (`saccade.trainer.sharding.shard_model`), each piece stored and computed as on one process
+    except what full fine-tuning trains: float32 shards, computed in `model.dtype` by FSDP's
+    mixed precision, so AdamW steps them directly and no separate master copy is kept. A
+    LoRA base is frozen: its shards stay in `model.dtype`, beside the float32 adapters."""
+    from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
+    from saccade.models.loading import load_processor
+    from saccade.models.presets import resolve_model
+
+    if cfg.trainer.torch_threads:
+        torch.set_num_threads(cfg.trainer.torch_threads)
+    set_seed(cfg.trainer.seed)
+    use_full_fp32_matmuls()  # TF32 off: a float32 run is float32 on every device (saccade.models.head)
+    device = resolve_device(cfg.trainer.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not world.is_main:  # a preset is built once, by rank 0, then read from its cache by all
+        barrier(world)
+    model_path = resolve_model(cfg.model.path)
+    if world.is_main:
+        barrier(world)
+    dtype = getattr(torch, cfg.model.dtype)
+    processor = load_processor(model_path)
+    policy = load_policy_lm(model_path, dtype=weights_dtype(dtype, sharded=world.sharded, lora=cfg.lora is not None),
+                            attn_implementation=cfg.model.attn_implementation, device=device)
+    if cfg.trainer.activation_checkpointing:
+        policy.enable_activation_checkpointing()
+    model = apply_lora(policy, cfg.lora) if cfg.lora is not None else set_full_finetune(policy)
+    if world.sharded:
+        shard_model(model, world, device=device, compute_dtype=dtype)
+    cache = EmbeddingCache(cfg.image_cache.budget_bytes, cfg.image_cache.dir, dtype=dtype)
+    if cfg.engine.kind == "vllm":
+        engine = build_vllm_engine(cfg, model, model_path, processor, cache, run_dir, world)
+    else:
+        engine = build_local_engine(cfg, model, model_path, processor, cache, dtype, device)
+    merge = int(policy.config.vision_config.spatial_merge_size)  # the full model's config; no tower read
+    return Setup(model_path, processor, model, engine, cache, cfg.images, merge, policy.image_token_id, device)
+
+
+def build_local_engine(cfg: RunConfig, model: nn.Module, model_path: str, processor, cache: EmbeddingCache,
+                       dtype: torch.dtype, device: torch.device) -> Engine:
+    from saccade.inference.local import LocalEngine
+    from saccade.models.loading import load_vision_tower
+    from saccade.models.vision import VisionEncoder
+
+    # The engine side holds the frozen tower; the trainer's model never does.
+    tower = load_vision_tower(model_path, dtype=dtype, device=device)
+    encoder = VisionEncoder(tower, processor, limits=cfg.images, cache=cache)
+    return LocalEngine(model, processor, encoder, limits=cfg.images, seed=cfg.trainer.seed)
+
+
+def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, processor, cache: EmbeddingCache,
+                      run_dir: Path, world: World = SINGLE) -> Engine:
+    from saccade.inference.vllm import VLLMEngine
+    from saccade.models.checkpoint_layout import fingerprint
+    from saccade.models.loading import load_family, load_layout
+
+    lora = cfg.engine.sync_lora_adapter
+    if lora and cfg.lora is None:
+        raise ValueError("engine.sync_lora_adapter needs LoRA, and lora = false is full fine-tuning (which pushes full "
+                         "weights): set engine.sync_lora_adapter = false")
+    weights_dir = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else run_dir / "engine-weights"
+    return VLLMEngine.for_servers(
+        cfg.engine.urls, processor, limits=cfg.images, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
+        model=(cfg.model.path, fingerprint(load_layout(model_path))), family=load_family(model_path),
+        max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
+        exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora, world=world), lora=lora,
+        pushes_weights=world.is_main,
+    )
+
+
+def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path, *, lora: bool = False,
+                            world: World = SINGLE):
+    """exporter(version) -> `folder/v{version}`: a full HF folder of the model's current weights
+    (LoRA merged), or with `lora` only its PEFT adapter. Older versions are removed (the
+    servers have loaded them already). Sharded: every rank calls it (the weights are gathered
+    one parameter at a time), rank 0 writes, and no rank returns before the folder is there."""
+    from saccade.atomic import remove_dead_tmp_dirs
+    from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine, save_adapter_for_engine
+
+    def export(version: int) -> str:
+        if lora:
+            out = save_adapter_for_engine(model, base_model_path, folder / f"v{version}")
+        else:
+            out = merge_full_weights_for_engine(model, base_model_path, folder / f"v{version}")
+        if world.is_main:
+            for old in folder.glob("v*"):
+                if old != out and old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+            remove_dead_tmp_dirs(folder)  # an export killed mid-write (a SIGKILLed run) left its temp folder
+        barrier(world)
+        return str(out)
+
+    return export

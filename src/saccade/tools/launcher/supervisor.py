@@ -1,0 +1,353 @@
+"""Running one node's processes (`saccade launch`): start the servers, wait until every server of
+the layout answers, start the trainer, stream everything as one log with a prefix per process,
+start again a server that dies, and stop every process started here when the trainer ends,
+fails or is interrupted.
+
+Each process starts in a session of its own, so the terminal's Ctrl-C reaches the launcher
+alone, and the launcher decides:
+- the first Ctrl-C (or SIGTERM) asks the trainer to stop after its step with a checkpoint, by
+  the run folder's STOP file (`saccade.stopping`): torchrun would forward a signal to its
+  workers and kill them 30 s later, a file it never sees. The servers stay up until the
+  trainer is done with them;
+- a second one stops everything at once (SIGTERM, then SIGKILL after `KILL_AFTER_S`).
+A process's children are stopped with it, also those in sessions of their own (torchrun's
+workers): the launcher walks /proc for them before it signals.
+
+On a node without trainer ranks (several machines) the servers run until the trainer's node
+says it ended, in the shared run folder (`ENDED_FILE`), or until interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from saccade.tools.launcher.plan import Process
+from saccade.stopping import STOP_FILE, stopped_since, written_since
+
+# Folder under the run folder with each process's log and the pids started.
+LAUNCH_DIR = "launch"
+ENDED_FILE = "ended"  # written by the trainer's node when it is done: other nodes stop their servers
+KILL_AFTER_S = 30.0  # from SIGTERM to SIGKILL
+POLL_S = 0.5
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name: state, ppid, ... (None: no such process)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot): with the pid, a process's identity (pids are reused)."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (Linux: /proc), whatever their session."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        fields = _stat(entry.name) if entry.name.isdigit() else None
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def die_with_parent() -> None:
+    """In a child, before it runs its program: SIGTERM when the launcher dies, even by SIGKILL
+    (Linux's PR_SET_PDEATHSIG), so that no server is left holding a GPU after a killed launcher.
+    The child (saccade serve, torchrun) then stops its own children as on any SIGTERM."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own stop is all there is
+
+
+def send(pid: int, sig: int) -> None:
+    """`sig` to `pid`, if it still exists."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie has exited: only its parent's wait is missing)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+class Log:
+    """The launcher's one stream: each line of each process with its name in front."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.lock = threading.Lock()
+
+    def line(self, name: str, text: str) -> None:
+        with self.lock:
+            self.stream.write(f"[{name}] {text}\n")
+            self.stream.flush()
+
+    def say(self, text: str) -> None:
+        self.line("launch", text)
+
+
+class Child:
+    """A started process: its output streamed to the log and to <run>/launch/<name>.log."""
+
+    def __init__(self, process: Process, log: Log, log_dir: Path):
+        self.process = process
+        self.log = log
+        self.log_path = log_dir / (process.name.replace(" ", "-") + ".log")
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.reader: threading.Thread | None = None
+        # Every process seen below it, pid -> start time: a child that outlives its parent (in a
+        # session of its own, as torchrun's workers) is stopped with it all the same.
+        self.seen: dict[int, int] = {}
+
+    @property
+    def name(self) -> str:
+        return self.process.name
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.process.env}
+        self.proc = subprocess.Popen(self.process.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+        self.reader = threading.Thread(target=self._stream, args=(self.proc,), daemon=True,
+                                       name=f"log {self.name}")
+        self.reader.start()
+
+    def _stream(self, proc: subprocess.Popen) -> None:
+        with open(self.log_path, "a", encoding="utf-8") as out:
+            for raw in proc.stdout:
+                text = raw.decode("utf-8", "replace").rstrip("\r\n").split("\r")[-1]  # a progress bar's last state
+                out.write(text + "\n")
+                out.flush()
+                self.log.line(self.name, text)
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def look(self) -> None:
+        """Note the processes below it now (`seen`)."""
+        if self.proc is not None and self.proc.poll() is None:
+            for pid in process_tree(self.proc.pid):
+                started = start_time(pid)
+                if started is not None:
+                    self.seen.setdefault(pid, started)
+
+    def tree(self) -> list[int]:
+        """Every process of it that still runs: those below it now, and those seen below it before."""
+        self.look()
+        return [pid for pid, started in self.seen.items() if start_time(pid) == started and alive(pid)]
+
+    def stop(self, tree: list[int], grace_s: float = KILL_AFTER_S) -> None:
+        """SIGTERM to its session, then SIGKILL to whatever of `tree` (taken before any signal,
+        while every process of it still had its parent) is left after `grace_s`."""
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
+        for pid in tree:  # those in sessions of their own
+            if pid != self.proc.pid and alive(pid):
+                send(pid, signal.SIGTERM)
+        deadline = time.time() + grace_s
+        while time.time() < deadline and any(alive(p) for p in tree):
+            self.proc.poll()
+            time.sleep(0.2)
+        for pid in tree:
+            if alive(pid):
+                send(pid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.reader is not None:
+            self.reader.join(timeout=5)
+
+
+class Interrupts:
+    """Counts SIGINT and SIGTERM while in force (the handlers are put back after)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self) -> Interrupts:
+        def handler(signum, frame):
+            self.count += 1
+
+        self.previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+
+class LaunchError(RuntimeError):
+    """The launch could not go on: a server did not start, or did not answer in time."""
+
+
+def wait_until_answering(urls: list[str], servers: list[Child], *, timeout_s: float, log: Log,
+                         interrupts: Interrupts) -> bool:
+    """Wait until every URL's /health answers 200 (servers of other nodes too). A local server
+    that exits meanwhile is a LaunchError with the end of its log. False when interrupted."""
+    import httpx
+
+    waiting, deadline, said = list(urls), time.time() + timeout_s, time.time()
+    while waiting:
+        if interrupts.count:
+            return False
+        for child in servers:
+            code = child.exit_code()
+            if code is not None:
+                raise LaunchError(f"{child.name} exited with {code} before it answered; the end of its log "
+                                  f"({child.log_path}):\n{child.tail()}")
+        for url in list(waiting):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    waiting.remove(url)
+                    log.say(f"{url} answers")
+            except httpx.HTTPError:
+                pass
+        if waiting and time.time() > deadline:
+            raise LaunchError(f"no answer in {timeout_s:.0f} s (launch.ready_timeout_s) from {', '.join(waiting)}")
+        if waiting and time.time() - said > 60:
+            log.say(f"waiting for {', '.join(waiting)}")
+            said = time.time()
+        if waiting:
+            time.sleep(1.0)
+    return True
+
+
+def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_restarts: int, ready_timeout_s: float,
+              resume_hint: str, log: Log | None = None) -> int:
+    """Run one node's `processes` (servers first, then the trainer, if this node runs one) until
+    the trainer ends; returns its exit status (130 after a stop on request; 1 if the launch
+    itself failed). `urls`: every server of the layout, waited for before the trainer starts."""
+    log = log or Log()
+    folder = run_dir / LAUNCH_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    children = [Child(p, log, folder) for p in processes]
+    servers = [c for c in children if c.process.url]
+    trainer = next((c for c in children if not c.process.url), None)
+    started_at = time.time()
+    pids: dict[str, int] = {}
+
+    def started(child: Child) -> None:
+        child.start()
+        pids[child.name] = child.proc.pid
+        (folder / "pids.json").write_text(json.dumps(pids, indent=1) + "\n")
+        log.say(f"started {child.name} (pid {child.proc.pid}): {child.process.shell()}")
+
+    code = 1
+    with Interrupts() as interrupts:
+        try:
+            for child in servers:
+                started(child)
+            if not wait_until_answering(urls, servers, timeout_s=ready_timeout_s, log=log, interrupts=interrupts):
+                log.say("interrupted while the servers started: stopping them")
+                return 130
+            if trainer is not None:
+                (run_dir / STOP_FILE).unlink(missing_ok=True)  # an old request must not stop this run
+                started(trainer)
+            code = watch(servers, trainer, run_dir=run_dir, started_at=started_at, max_restarts=max_restarts,
+                         log=log, interrupts=interrupts, started=started)
+        except LaunchError as err:
+            log.say(f"error: {err}")
+            return 1
+        finally:
+            if trainer is not None:
+                (folder / ENDED_FILE).write_text(f"{time.time()}\n")
+            stopping = [c for c in children if c.exit_code() is None]
+            if stopping:
+                log.say(f"stopping {', '.join(c.name for c in stopping)}")
+            trees = [child.tree() for child in children]
+            for child in children:  # SIGTERM to all first, so that they wind down together
+                child.signal(signal.SIGTERM)
+            for child, tree in zip(children, trees, strict=True):
+                child.stop(tree, grace_s=KILL_AFTER_S if interrupts.count < 2 else 2.0)
+    if code == 0:
+        log.say("the trainer finished; every process started here has stopped")
+    elif code == 130 and stopped_since(run_dir, started_at):
+        log.say(f"stopped on request, with a checkpoint; go on with: {resume_hint}")
+    elif code == 130:  # Ctrl-C twice, or a node without the trainer: nothing was saved here
+        log.say(f"stopped at once; go on from the run's last checkpoint with: {resume_hint}")
+    elif trainer is not None:
+        log.say(f"the trainer exited with {code}; every process started here has stopped (logs: {folder})")
+    return code
+
+
+def watch(servers: list[Child], trainer: Child | None, *, run_dir: Path, started_at: float, max_restarts: int,
+          log: Log, interrupts: Interrupts, started) -> int:
+    """The launcher's loop once everything runs: the trainer's end (or, on a node without one,
+    the trainer node's ENDED_FILE) ends it; a server that exits is started again."""
+    asked = 0
+    ended = run_dir / LAUNCH_DIR / ENDED_FILE
+    down: set[str] = set()
+    while True:
+        if trainer is not None:
+            code = trainer.exit_code()
+            if code is not None:  # torchrun reports a stop on request (130 from each rank) as 1
+                return 130 if code != 0 and stopped_since(run_dir, started_at) else code
+        elif written_since(ended, started_at):
+            log.say("the trainer's node has ended: stopping the servers")
+            return 0
+        if interrupts.count > asked:
+            asked = interrupts.count
+            if trainer is None:
+                return 130
+            if asked == 1:
+                (run_dir / STOP_FILE).touch()
+                log.say("stopping: the trainer saves a checkpoint after the step under way, then everything stops "
+                        "(Ctrl-C again: stop at once, unsaved)")
+            else:
+                log.say("stopping at once")
+                trainer.signal(signal.SIGTERM)
+                return 130
+        for child in (*servers, *([trainer] if trainer else [])):
+            child.look()
+        for child in servers:
+            code = child.exit_code()
+            if code is None or child.name in down:
+                continue
+            if child.restarts < max_restarts:
+                child.restarts += 1
+                log.say(f"{child.name} exited with {code}: starting it again ({child.restarts} of {max_restarts}); "
+                        "the trainer takes it back with the current weights once it answers")
+                started(child)
+            else:
+                down.add(child.name)
+                log.say(f"{child.name} exited with {code} after {max_restarts} restarts (launch.max_restarts): it "
+                        "stays down, the other servers go on")
+        time.sleep(POLL_S)

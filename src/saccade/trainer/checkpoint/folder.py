@@ -1,0 +1,128 @@
+"""What a checkpoint folder holds, and which of a run's step folders count.
+
+The file names of both layouts (docs/checkpoints.md), the `COMPLETE` manifest written last and
+checked on every read, the newest complete step (`latest_checkpoint`), the pruning of older ones,
+and the record that readers loading no model use (`checkpoint_record`). No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from saccade.atomic import fsync_tree, list_files, remove_dead_tmp_dirs, remove_dir
+
+CHECKPOINTS_DIR = "checkpoints"
+COMPLETE = "COMPLETE"
+ADAPTER_DIR = "adapter"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+FULL_WEIGHTS = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng.pt"
+STATE_FILE = "state.json"
+DCP_DIR = "dcp"  # torch.distributed.checkpoint folder of a sharded save
+DCP_METADATA = DCP_DIR + "/.metadata"
+FORMAT_VERSION = 1  # the plain layout
+DCP_FORMAT_VERSION = 2  # the sharded layout (state.json "checkpoint": {"format": 2, "layout": "dcp", ...})
+
+STALLED_DIR = "checkpoints-stalled"  # a stalled run's checkpoints, set aside (set_aside_checkpoints)
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def write_manifest(tmp: Path, step: int) -> None:
+    fsync_tree(tmp)  # everything is on disk before COMPLETE says so
+    manifest = {"step": step, "files": {str(p.relative_to(tmp)): p.stat().st_size for p in list_files(tmp)}}
+    (tmp / COMPLETE).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The complete `step_*` directory with the highest step, or None."""
+    complete = complete_checkpoints(run_dir)
+    return complete[-1][1] if complete else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete `step_*` directory, oldest first."""
+    return [(s, p) for s, p in step_dirs(Path(run_dir) / CHECKPOINTS_DIR) if (p / COMPLETE).is_file()]
+
+
+def checkpoint_before(run_dir: Path, step: int) -> tuple[int, Path] | None:
+    """(step, folder) of the newest complete checkpoint saved before `step`, or None."""
+    older = [(s, p) for s, p in complete_checkpoints(run_dir) if s < step]
+    return older[-1] if older else None
+
+
+def set_aside_checkpoints(run_dir: Path, from_step: int) -> list[Path]:
+    """Move the step folders of `from_step` and later (complete or not) into `run_dir/STALLED_DIR`,
+    where neither --resume nor pruning looks, and return where they went. A stalled run's
+    (saccade.loops.stall): kept for a person to look at, never resumed from by accident."""
+    moved = []
+    for s, p in step_dirs(Path(run_dir) / CHECKPOINTS_DIR):
+        if s < from_step:
+            continue
+        aside = Path(run_dir) / STALLED_DIR / p.name
+        n = 1
+        while aside.exists():  # a second stall over the same steps (after a --resume) keeps both
+            aside = aside.with_name(f"{p.name}.{n}")
+            n += 1
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        p.rename(aside)
+        moved.append(aside)
+    return moved
+
+
+def check_complete(path: Path) -> dict:
+    if not path.is_dir():
+        raise ValueError(f"no checkpoint directory at {path}")
+    if not (path / COMPLETE).is_file():
+        raise ValueError(f"{path} has no {COMPLETE} marker: an unfinished save, or not a checkpoint")
+    try:
+        manifest = json.loads((path / COMPLETE).read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}/{COMPLETE} is not a checkpoint manifest: {e}") from e
+    missing = [f for f in files if not (path / f).is_file()] + [STATE_FILE] * (STATE_FILE not in files)
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing files: {missing}")
+    truncated = [f for f, size in files.items() if (path / f).stat().st_size != size]
+    if truncated:
+        raise ValueError(f"checkpoint {path} has files whose size changed since the save: {truncated}")
+    return manifest
+
+
+def checkpoint_record(path: Path | str) -> dict:
+    """What a complete checkpoint folder holds, for readers that load no model (`saccade export`):
+    its `state.json` "checkpoint" record with `kind` ("lora" or "full"), `layout` ("plain" or
+    "dcp") and `base_model_path` (None when the save did not know it) always present.
+    ValueError for a folder that is not a complete checkpoint."""
+    path = Path(path)
+    manifest = check_complete(path)
+    info = json.loads((path / STATE_FILE).read_text()).get("checkpoint", {})
+    kind = info.get("kind") or ("lora" if (path / ADAPTER_DIR).is_dir() else "full")
+    layout = "dcp" if DCP_METADATA in manifest["files"] else "plain"
+    return {**info, "kind": kind, "layout": layout, "base_model_path": info.get("base_model_path")}
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    return sorted(found)
+
+
+def prune(root: Path, saved_step: int, keep_last: int) -> None:
+    """Delete step dirs older than the newest `keep_last` (the one just saved counts), and dead `.tmp-*`.
+
+    Steps newer than the one just saved (a run resumed from an earlier checkpoint) are left alone.
+    """
+    older = [(s, p) for s, p in step_dirs(root) if s < saved_step]
+    complete_older = [p for _, p in older if (p / COMPLETE).is_file()]
+    keep = set(complete_older[max(0, len(complete_older) - (keep_last - 1)) :]) if keep_last > 1 else set()
+    for _, p in older:  # incomplete older step dirs are garbage too
+        if p not in keep:
+            remove_dir(p)
+    remove_dead_tmp_dirs(root)

@@ -1,0 +1,206 @@
+"""The launcher's supervisor (saccade.tools.launcher.supervisor) on real processes: a small HTTP server
+in a server's place and a script in the trainer's (tests/tools/launcher/health_server.py and
+steps_trainer.py), so that restarts, interrupts and the final sweep are checked in seconds. The
+same with vLLM servers and `saccade rl`: tests/tools/launcher/test_launch_vllm.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from saccade.tools.launcher.plan import Process
+from saccade.tools.launcher.supervisor import ENDED_FILE, LAUNCH_DIR, Log, alive, process_tree, supervise
+from saccade.serving.launch import free_port
+
+HERE = Path(__file__).parent
+
+
+def processes(run: Path, *, trainer_args: tuple[str, ...] = (), server_args: tuple[str, ...] = ()):
+    port = free_port()
+    server = Process("server 0", (sys.executable, str(HERE / "health_server.py"), str(port), *server_args),
+                     {"SACCADE_TEST": "1"}, f"http://127.0.0.1:{port}")
+    trainer = Process("trainer", (sys.executable, str(HERE / "steps_trainer.py"), str(run), *trainer_args))
+    return [server, trainer]
+
+
+def wait_for(condition, timeout_s: float = 60.0):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def pids(run: Path) -> dict[str, int]:
+    path = run / LAUNCH_DIR / "pids.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def in_thread(action, run_dir: Path) -> threading.Thread:
+    """`action` on a thread beside the supervisor; if it fails, the trainer is told to finish, so
+    that the supervisor returns and the test reports the failure."""
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            action()
+        except BaseException as err:  # noqa: BLE001 - re-raised by the test after supervise returns
+            errors.append(err)
+            (run_dir / "finish").touch()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.errors = errors
+    thread.start()
+    return thread
+
+
+def test_a_killed_server_is_started_again_and_everything_stops_when_the_trainer_ends(tmp_path):
+    plan = processes(tmp_path)
+    url = plan[0].url
+    seen: list[int] = []
+
+    def kill_the_server_then_finish():
+        wait_for(lambda: "trainer" in pids(tmp_path) and (tmp_path / "grandchild.pid").exists())
+        first = pids(tmp_path)["server 0"]
+        seen.extend(process_tree(pids(tmp_path)["trainer"]))
+        os.killpg(first, signal.SIGKILL)
+        wait_for(lambda: pids(tmp_path)["server 0"] != first and answers(url))  # started again, on its port
+        seen.append(pids(tmp_path)["server 0"])
+        (tmp_path / "finish").touch()
+
+    out = io.StringIO()
+    helper = in_thread(kill_the_server_then_finish, tmp_path)
+    code = supervise(plan, urls=[url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60, resume_hint="-",
+                     log=Log(out))
+    helper.join(timeout=10)
+    assert not helper.errors, helper.errors
+    assert code == 0
+    log = out.getvalue()
+    assert f"[launch] {url} answers" in log and "[server 0] listening on" in log and "[trainer] step 1" in log
+    assert "[launch] server 0 exited with -9: starting it again (1 of 3)" in log
+    assert "[launch] the trainer finished; every process started here has stopped" in log
+    # each process's own log, restarts appended
+    assert (tmp_path / LAUNCH_DIR / "server-0.log").read_text().count("listening on") == 2
+    # nothing left: the trainer's child in a session of its own (as torchrun's workers) included
+    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    assert grandchild in seen
+    assert not [p for p in seen if alive(p)]
+    assert not answers(url)
+
+
+def test_ctrl_c_asks_the_trainer_to_stop_then_stops_the_servers(tmp_path):
+    plan = processes(tmp_path)
+
+    def interrupt_once_running():
+        wait_for(lambda: "step 3" in (tmp_path / LAUNCH_DIR / "trainer.log").read_text()
+                 if (tmp_path / LAUNCH_DIR / "trainer.log").exists() else False)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    out = io.StringIO()
+    helper = in_thread(interrupt_once_running, tmp_path)
+    start = time.time()
+    code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                     resume_hint="saccade launch run.toml --resume", log=Log(out))
+    helper.join(timeout=10)
+    assert not helper.errors, helper.errors
+    assert code == 130 and time.time() - start < 30
+    log = out.getvalue()
+    assert "[launch] stopping: the trainer saves a checkpoint after the step under way" in log
+    assert "[trainer] stopped on request" in log  # it saw the STOP file
+    assert "[launch] stopped on request, with a checkpoint; go on with: saccade launch run.toml --resume" in log
+    assert not alive(int((tmp_path / "grandchild.pid").read_text()))
+
+
+def test_a_second_ctrl_c_stops_everything_at_once(tmp_path):
+    plan = processes(tmp_path, trainer_args=("--ignore-stop",))  # a trainer in a step that does not end
+
+    def interrupt_twice():
+        wait_for(lambda: (tmp_path / "grandchild.pid").exists() and "trainer" in pids(tmp_path))
+        os.kill(os.getpid(), signal.SIGINT)
+        wait_for(lambda: (tmp_path / "STOP").exists())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    out = io.StringIO()
+    helper = in_thread(interrupt_twice, tmp_path)
+    code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                     resume_hint="-", log=Log(out))
+    helper.join(timeout=10)
+    assert not helper.errors, helper.errors
+    assert code == 130 and "[launch] stopping at once" in out.getvalue()
+    assert "with a checkpoint; go on" not in out.getvalue()  # none was saved
+    assert "[launch] stopped at once; go on from the run's last checkpoint with: -" in out.getvalue()
+    assert not alive(int((tmp_path / "grandchild.pid").read_text()))
+    assert not alive(pids(tmp_path)["trainer"]) and not alive(pids(tmp_path)["server 0"])
+
+
+def test_a_server_that_cannot_start_ends_the_launch_with_its_log(tmp_path):
+    plan = processes(tmp_path, server_args=("--fail",))
+    out = io.StringIO()
+    code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                     resume_hint="-", log=Log(out))
+    assert code == 1
+    log = out.getvalue()
+    assert "[launch] error: server 0 exited with 3 before it answered" in log and "cannot start: --fail" in log
+    assert "trainer" not in pids(tmp_path)  # never started
+
+
+def test_a_node_without_trainer_ranks_serves_until_the_trainers_node_has_ended(tmp_path):
+    server = processes(tmp_path)[0]
+
+    def end_the_run():
+        wait_for(lambda: answers(server.url))
+        time.sleep(1.0)
+        assert answers(server.url)  # still up: nothing said the run ended
+        (tmp_path / LAUNCH_DIR / ENDED_FILE).write_text("done\n")  # what the trainer's node writes
+
+    out = io.StringIO()
+    helper = in_thread(end_the_run, tmp_path)
+    code = supervise([server], urls=[server.url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                     resume_hint="-", log=Log(out))
+    helper.join(timeout=10)
+    assert not helper.errors, helper.errors
+    assert code == 0 and "[launch] the trainer's node has ended: stopping the servers" in out.getvalue()
+    assert not answers(server.url) and not alive(pids(tmp_path)["server 0"])
+
+
+def test_a_killed_launcher_takes_its_processes_with_it(tmp_path):
+    """SIGKILL to the launcher (the OOM killer, a scheduler) leaves no server or trainer behind:
+    each child gets SIGTERM when its parent dies (PR_SET_PDEATHSIG)."""
+    code = ("import sys; from pathlib import Path; from saccade.tools.launcher.plan import Process; "
+            "from saccade.tools.launcher.supervisor import supervise; "
+            f"plan = {[(p.name, p.argv, p.env, p.url) for p in processes(tmp_path)]!r}; "
+            "ps = [Process(*p) for p in plan]; "
+            f"supervise(ps, urls=[ps[0].url], run_dir=Path({str(tmp_path)!r}), max_restarts=3, "
+            "ready_timeout_s=60, resume_hint='-')")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: "trainer" in pids(tmp_path) and (tmp_path / "grandchild.pid").exists())
+        children = [pids(tmp_path)["server 0"], pids(tmp_path)["trainer"]]
+        launcher.kill()
+        launcher.wait(timeout=10)
+        wait_for(lambda: not any(alive(p) for p in children), timeout_s=20)
+    finally:
+        grandchild = tmp_path / "grandchild.pid"  # the trainer's own child, which only a launcher stops
+        for pid in [*pids(tmp_path).values(), *([int(grandchild.read_text())] if grandchild.exists() else [])]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

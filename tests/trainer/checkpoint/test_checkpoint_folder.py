@@ -1,0 +1,43 @@
+"""Which of a run's step folders count: the newest before a step, and a stalled run's set aside."""
+
+from __future__ import annotations
+
+from saccade.trainer.checkpoint.folder import (
+    CHECKPOINTS_DIR,
+    COMPLETE,
+    STALLED_DIR,
+    checkpoint_before,
+    latest_checkpoint,
+    set_aside_checkpoints,
+)
+
+
+def _steps(run_dir, complete=(), unfinished=()):
+    for step in (*complete, *unfinished):
+        folder = run_dir / CHECKPOINTS_DIR / f"step_{step:06d}"
+        folder.mkdir(parents=True)
+        if step in complete:
+            (folder / COMPLETE).write_text("{}")
+
+
+def test_the_newest_complete_checkpoint_before_a_step(tmp_path):
+    _steps(tmp_path, complete=(0, 10, 20), unfinished=(5,))
+    assert checkpoint_before(tmp_path, 20) == (10, tmp_path / CHECKPOINTS_DIR / "step_000010")
+    assert checkpoint_before(tmp_path, 21)[0] == 20
+    assert checkpoint_before(tmp_path, 7)[0] == 0  # step 5 never finished
+    assert checkpoint_before(tmp_path, 0) is None
+    assert checkpoint_before(tmp_path / "elsewhere", 5) is None
+
+
+def test_a_stalled_runs_checkpoints_are_set_aside_and_kept(tmp_path):
+    _steps(tmp_path, complete=(10, 20, 30), unfinished=(40,))
+    moved = set_aside_checkpoints(tmp_path, 20)
+    assert [p.name for p in moved] == ["step_000020", "step_000030", "step_000040"]
+    assert all(p.parent == tmp_path / STALLED_DIR and p.is_dir() for p in moved)
+    assert latest_checkpoint(tmp_path) == tmp_path / CHECKPOINTS_DIR / "step_000010"  # what --resume loads
+    # The same steps stalling again (after a --resume from step 10) keep the first ones too.
+    _steps(tmp_path, complete=(20,))
+    again = set_aside_checkpoints(tmp_path, 15)
+    assert [p.name for p in again] == ["step_000020.1"]
+    assert (tmp_path / STALLED_DIR / "step_000020" / COMPLETE).is_file()
+    assert set_aside_checkpoints(tmp_path, 11) == []
