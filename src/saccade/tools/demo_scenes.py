@@ -23,6 +23,7 @@ success_before + 0.3 within 15 minutes.
 from __future__ import annotations
 
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ __all__ = ["MINUTES_MAX", "SUCCESS_GAIN_MIN", "load_scenes_config", "run_scenes_
 
 
 def scenes_config_path() -> Path:
-    return Path(__file__).parent / "configs" / "scenes.toml"
+    return Path(str(resources.files("saccade") / "configs" / "scenes.toml"))
 
 
 def load_scenes_config(overrides: list[str] | None = None, path: str | None = None) -> RunConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import shutil
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ MINUTES_MAX = 15.0
 
 
 def views_config_path() -> Path:
-    return Path(__file__).parent / "configs" / "views.toml"
+    return Path(str(resources.files("saccade") / "configs" / "views.toml"))
 
 
 def load_views_config(overrides: list[str] | None = None, path: str | None = None) -> RunConfig:
