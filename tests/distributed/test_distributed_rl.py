@@ -193,6 +193,9 @@ def test_world_2_samples_and_trains_like_world_1(world_runs):
             assert diff <= RTOL * max(1.0, size), (key, diff)
 
 
+# A whole-run scenario (58 s) whose parts the default tests cover: a kill and resume at world 1
+# (tests/test_kills.py), world-2 checkpoints resumed bit for bit (tests/trainer/checkpoint).
+@pytest.mark.long
 def test_a_world_2_run_killed_after_a_checkpoint_resumes_with_the_same_metrics(world2, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(command(run_dir, 2), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
@@ -221,9 +224,10 @@ def _from_step_2(source: Path, target: Path) -> Path:
     return target
 
 
-# 1 -> 2 (40 s) is `pytest -m long`: tests/trainer/checkpoint/test_checkpoint_distributed.py resumes checkpoints
-# both ways at the checkpoint level, and 2 -> 1 here resumes a whole run.
-@pytest.mark.parametrize("direction", ["2->1", pytest.param("1->2", marks=pytest.mark.long)])
+# `pytest -m long` (15 s and 40 s): tests/trainer/checkpoint/test_checkpoint_distributed.py resumes
+# checkpoints both ways at the checkpoint level by default; these resume whole runs.
+@pytest.mark.long
+@pytest.mark.parametrize("direction", ["2->1", "1->2"])
 def test_a_checkpoint_resumes_at_the_other_world_size(world1, world2, tmp_path, direction):
     source, world = (world2, 1) if direction == "2->1" else (world1, 2)
     run_dir = _from_step_2(source / "run", tmp_path / "run")

@@ -254,6 +254,20 @@ def test_the_4b_preset_has_exactly_qwen3_vl_4bs_shapes():
     assert model_dims("qwen3vl-4b") == dataclasses.replace(real, name="qwen3vl-4b") and spec.dtype == "bfloat16"
 
 
+def test_the_8b_preset_has_exactly_qwen3_vl_8bs_shapes():
+    """`saccade bench gpu`'s 8B trainer stage, which checks the 8B configs' memory estimate:
+    Qwen3-VL-8B-Instruct's dimensions, its own head (not tied), sized unbuilt."""
+    from saccade.tools.memory_dims import dims_from_hf_config, model_dims
+
+    config = build_config("qwen3vl-8b", build_tokenizer(1024)).to_dict()
+    real = model_dims("Qwen/Qwen3-VL-8B-Instruct")
+    dims = dims_from_hf_config(config)
+    assert (dims.text, dims.vision) == (real.text, real.vision)
+    assert round(dims.params / 1e9, 2) == 8.77 and not dims.text.tie_word_embeddings
+    assert model_dims("qwen3vl-8b") == dataclasses.replace(real, name="qwen3vl-8b")
+    assert PRESETS["qwen3vl-8b"].dtype == "bfloat16"
+
+
 # ----------------------------------------------------------------- model names
 
 

@@ -265,10 +265,16 @@ BENCHES = (
     Bench(
         "gpu", GpuBenchConfig, cmd_bench_gpu,
         help="every GPU check that needs no vLLM, in stages that resume: one JSON and a markdown table",
-        description="Runs, stage by stage, each in a fresh process: building the random real-shape models (2B, "
+        description="With --lease, what a GPU lease runs (scripts/gpu-lease.sh; docs/gpu-runs.md, \"The lease\"): the "
+        "stages the carried results (--results, docs/gpu-results.json) lack, in the order of their value (smoke, "
+        "parity-2b, trainer-lora, syncs, rl, ...), within --budget (default 450 s), each written to OUT the moment it "
+        "ends; --record DIR merges a lease's results into --results and rewrites docs/gpu-runs.md's table. "
+        "Without it: runs, stage by stage, each in a fresh process: a smoke check (versions, the GPU, the head's "
+        "matmuls, fla's precision, every module imports), building the random real-shape models (2B, "
         "4B), bf16 parity at 2B and 4B shapes at 1k and 8k positions, host syncs per decoded token and per trainer "
         "micro-batch, `bench trainer` at 2B (LoRA, full fine-tuning), `bench step` at 2B, RL steps that train "
-        "(tiny-warm), FSDP2 at world 1 (2B; bf16 mixed precision against fp32), `bench render`; then for the other "
+        "(tiny-warm), FSDP2 at world 1 (2B; bf16 mixed precision against fp32), `bench render`, `bench trainer` at "
+        "8B; then for the other "
         "families bf16 parity and `bench trainer` LoRA at Qwen2.5-VL-3B's shapes and at Qwen3-VL-30B-A3B's widths "
         "with 6 layers (qwen3vl-30b-a3b-l6), each built by its first stage. Results go into "
         "OUT/bench-gpu.json as each stage ends, with OUT/bench-gpu.md (docs/gpu-runs.md's table) and OUT/bench-gpu.log. "

@@ -167,7 +167,7 @@ def add_build_model_parser(sub) -> None:
     build.add_argument("--preset", default="tiny",
                        help="tiny (1.55M parameters, tests and demo), small (111.2M, CPU benchmarks), qwen3vl-2b "
                        "(Qwen3-VL-2B's shapes, 2.13B parameters, bf16, 4.3 GB: GPU benchmarks), qwen3vl-4b "
-                       "(Qwen3-VL-4B's, 4.44B, 8.9 GB), or another family's (qwen2.5vl-tiny, -3b, -7b; moe-tiny: "
+                       "(Qwen3-VL-4B's, 4.44B, 8.9 GB), qwen3vl-8b (Qwen3-VL-8B's, 8.77B, 17.5 GB), or another family's (qwen2.5vl-tiny, -3b, -7b; moe-tiny: "
                        "Qwen3-VL-MoE, 8 experts; qwen3vl-30b-a3b-l6: Qwen3-VL-30B-A3B's widths, 6 layers, 4.90B, "
                        "9.8 GB)")
     build.add_argument("--seed", type=int, default=0)

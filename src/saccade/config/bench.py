@@ -208,6 +208,14 @@ class GpuBenchConfig(Section):
     budget: float | None = Field(None, gt=0, description="seconds this invocation may take (stages that do not fit "
                                  "are left for the next; exit 3)", json_schema_extra={"metavar": "S"})
     in_process: bool = Field(False, description="run the stages in this process, not one fresh process each")
+    lease: bool = Field(False, description="a GPU lease's run: the stages in the order of their value, those the "
+                        "results file has not recorded ok first, within --budget (default: the lease's, "
+                        "docs/gpu-runs.md)")
+    results: str = Field("docs/gpu-results.json", min_length=1, description="the results carried from lease to "
+                         "lease (read by --lease, written by --record)", json_schema_extra={"metavar": "FILE"})
+    record: str | None = Field(None, min_length=1, description="merge a lease's results folder (its "
+                               "bench-gpu.json) into --results, rewrite docs/gpu-runs.md's table from it, and exit",
+                               json_schema_extra={"metavar": "DIR"})
 
 
 class PrecisionBenchConfig(Section):

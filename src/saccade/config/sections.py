@@ -74,7 +74,7 @@ def _tagged_unions(cls: type[BaseModel]) -> tuple[tuple[str, str, str], ...]:
 
 # The built-in random models: `saccade.models.presets.PRESETS`' names, in its (FAMILIES') order
 # (tests/models/test_families.py keeps the lists equal).
-PRESET_NAMES = ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b", "qwen2.5vl-tiny", "qwen2.5vl-7b", "qwen2.5vl-3b",
+PRESET_NAMES = ("tiny", "small", "qwen3vl-2b", "qwen3vl-4b", "qwen3vl-8b", "qwen2.5vl-tiny", "qwen2.5vl-7b", "qwen2.5vl-3b",
                 "moe-tiny", "qwen3vl-30b-a3b-l6", "qwen3.5-tiny", "qwen3.5-small", "qwen3.5-9b",
                 "qwen3.5-moe-tiny", "qwen3.5-35b-a3b")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -87,7 +87,7 @@ class ModelConfig(Section):
         "tiny",
         min_length=1,
         description="Hugging Face hub id or local folder of a checkpoint of a supported family (docs/families.md); 'tiny', 'small', "
-        "'qwen3vl-2b' or 'qwen3vl-4b' (Qwen3-VL-2B's or 4B's shapes), 'qwen2.5vl-tiny', 'qwen2.5vl-3b' or "
+        "'qwen3vl-2b', 'qwen3vl-4b' or 'qwen3vl-8b' (Qwen3-VL-2B's, 4B's or 8B's shapes), 'qwen2.5vl-tiny', 'qwen2.5vl-3b' or "
         "'qwen2.5vl-7b' (Qwen2.5-VL's), 'moe-tiny' or 'qwen3vl-30b-a3b-l6' (Qwen3-VL-30B-A3B's widths, 6 "
         "layers) for the built-in random presets "
         "(built offline, cached); "

@@ -33,6 +33,7 @@ transformers' own, untouched.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import types
 from collections.abc import Callable
@@ -189,6 +190,27 @@ def fla_kernels() -> VarlenKernels | None:
     except Exception:  # ImportError, or Triton failing to load without a GPU
         return None
     return VarlenKernels("flash-linear-attention, varlen (cu_seqlens)", causal_conv1d, chunk_gated_delta_rule)
+
+
+# fla 0.6's gated-delta forward solves its triangular system with
+# `tl.dot(..., input_precision=SOLVE_TRIL_DOT_PRECISION)`, a module constant it sets to 'tf32' on
+# sm >= 80. An explicit precision wins over TRITON_F32_DEFAULT, so the environment variable cannot
+# make that solve IEEE fp32; the constant can, if it is set before Triton first compiles the kernel
+# (Triton reads a jitted function's globals when it compiles, and refuses a changed one after).
+FLA_PRECISION_MODULE = "fla.ops.gated_delta_rule.chunk_fwd"
+
+
+def fla_solve_precision(precision: str | None = None) -> str:
+    """fla's precision for the gated-delta forward's triangular solve ('tf32' or 'ieee'); with
+    `precision`, set it first (before the first fla forward in this process: see above). Raises
+    ImportError where fla does not import."""
+    module = importlib.import_module(FLA_PRECISION_MODULE)
+    if precision is not None:
+        import triton.language as tl
+
+        module.SOLVE_TRIL_DOT_PRECISION = tl.constexpr(precision)
+    value = module.SOLVE_TRIL_DOT_PRECISION
+    return str(getattr(value, "value", value))
 
 
 _chosen: dict[tuple[str, bool], VarlenKernels | None] = {}

@@ -127,9 +127,21 @@ def build(out_dir: str | os.PathLike, name: str, seed: int = 0) -> Path:
     config = build_config(name, tokenizer)
     build_processor(tokenizer, config, preset).save_pretrained(out)
     family = family_of(config)
-    model = seeded_model(family.full_model_class(), config, seed)
-    family.checkpoint.save(model.to(getattr(torch, preset.dtype)), out)
+    model = seeded_model(family.full_model_class(), config, seed, device=init_device(name))
+    family.checkpoint.save(model.to(getattr(torch, preset.dtype)).cpu(), out)
     return out
+
+
+def init_device(name: str) -> str:
+    """Where preset `name`'s random weights are drawn. The real-shape presets (bf16: 2B to 35B
+    parameters) on a CUDA device when there is one: on a lent GPU machine, initialising a 2B model on
+    the host's cores took most of a minute of a 15-minute lease (8B: four), on the GPU it takes
+    seconds, and only the write remains. Their weights then follow from the seed and the device kind
+    (`preset_folder` keys them by it); the tiny and small presets, which the tests compare byte for
+    byte, are always drawn on the CPU."""
+    import torch
+
+    return "cuda" if PRESETS[name].dtype == "bfloat16" and torch.cuda.is_available() else "cpu"
 
 
 def build_config(name: str, tokenizer):
@@ -207,14 +219,15 @@ def build_processor(tokenizer, config, preset: Preset):
     )
 
 
-def seeded_model(model_class, config, seed: int):
-    """`model_class(config)` with random weights that depend on the seed alone: initialised on a
-    private generator state, the caller's left as it was."""
+def seeded_model(model_class, config, seed: int, device: str = "cpu"):
+    """`model_class(config)` with random weights that depend on the seed (and the device kind)
+    alone: initialised on `device` on a private generator state, the caller's left as it was."""
     import torch
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return model_class(config)
+    with torch.random.fork_rng(devices=[] if device == "cpu" else [torch.cuda.current_device()]):
+        torch.manual_seed(seed)  # seeds every device's generator
+        with torch.device(device):
+            return model_class(config)
 
 
 # ----------------------------------------------------------------------------- the tokenizer
@@ -293,6 +306,8 @@ def preset_folder(name: str, seed: int = 0) -> Path:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     what = [BUILD_VERSION, asdict(PRESETS[name]), preset_config(name), seed]
+    if init_device(name) != "cpu":  # other random values than the CPU's draw: another folder
+        what.append(init_device(name))
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
     return cache_dir() / f"{name}-seed{seed}-{key}"
 

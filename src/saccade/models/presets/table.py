@@ -67,10 +67,12 @@ PRESETS: dict[str, Preset] = {
                     dict(hidden_size=512, depth=12, num_heads=8, intermediate_size=2048,
                          deepstack_visual_indexes=[3, 6, 9], num_position_embeddings=576),
                     tokenizer_vocab=True, dtype="float32"),
-    # Random weights at Qwen3-VL-2B-Instruct's and 4B's shapes (2.13B, 4.44B parameters; 4.3 and 8.9 GB
-    # in bf16): what `saccade bench gpu` measures speed, memory and bf16 parity on.
+    # Random weights at Qwen3-VL-2B-Instruct's, 4B's and 8B's shapes (2.13B, 4.44B, 8.77B parameters; 4.3,
+    # 8.9 and 17.5 GB in bf16): what `saccade bench gpu` measures speed, memory and bf16 parity on (the 8B:
+    # the trainer, whose peak checks the 8B configs' `saccade memory` estimate).
     "qwen3vl-2b": Preset("Qwen/Qwen3-VL-2B-Instruct"),
     "qwen3vl-4b": Preset("Qwen/Qwen3-VL-4B-Instruct"),
+    "qwen3vl-8b": Preset("Qwen/Qwen3-VL-8B-Instruct"),
     # Qwen2.5-VL. About 1M parameters: head_dim 32 (128 / 4); a window of 56 px is 2 x 2 merged patches,
     # so the tests' small images already span several windows and ragged edges (the real 112 px would
     # make most of them one window). Text init std 0.1: at transformers' 0.02 a 128-wide Qwen2 (no q/k

@@ -36,19 +36,23 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import BaseModel
 
+from saccade.tools.bench import gpu_results
 from saccade.tools.bench import gpu_stages as S
+from saccade.tools.bench.gpu_table import (  # noqa: F401 - the table, read here and by the tests as gpu.*
+    BY_NAME, FAMILY_SHAPES, LEASE_BUDGET_S, LEASE_ORDER, LEASE_S, STAGES, Stage, lease_order, list_stages,
+    listed_seconds, plan_leases)
 from saccade.tools.bench import read_job, write_job
 from saccade.config.bench import GpuBenchConfig
 
@@ -56,94 +60,43 @@ JSON_NAME, MD_NAME, LOG_NAME = "bench-gpu.json", "bench-gpu.md", "bench-gpu.log"
 EXIT_OK, EXIT_FAILED, EXIT_PENDING = 0, 1, 3
 
 
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    what: str  # the table's first column: what the stage checks
-    run: Callable[[S.Plan], dict]
-    summary: Callable[[dict], str]
-    gpu_s: int  # estimated seconds on one H100 (80 GB), its models already built
-    needs: tuple[str, ...] = ()  # real-shape models it loads (keys of S.BIG): built first if missing
-    family: str = "Qwen3-VL"  # whose code it checks: `--list` groups the stages by it
+def lease_stages(carried: dict[str, Any]) -> list[Stage]:
+    """What a lease runs, in order: the stages the carried results lack, then those that failed or
+    were stopped there (retried last: a fix may have landed, but new figures come first); a stage
+    carried `ok` never runs again."""
+    order = lease_order()
+    new = [s for s in order if s.name not in carried["stages"]]
+    again = [s for s in order if s.name in carried["stages"] and not gpu_results.is_done(carried["stages"][s.name])]
+    return new + again
 
 
-# Qwen3-VL, the family saccade started with: every check, at 2B and 4B shapes.
-QWEN3_VL_STAGES = (
-    Stage("models", "random models at 2B and 4B shapes built on this machine; the demo's warm start",
-          S.models, S.models_summary, 30, needs=("2b", "4b")),
-    Stage("parity-2b", "bf16 parity at 2B shapes, LM-only vs the full model, 1k and 8k positions",
-          lambda p: S.parity(p, "2b"), S.parity_summary, 100, needs=("2b",)),
-    Stage("parity-4b", "bf16 parity at 4B shapes, 1k and 8k positions",
-          lambda p: S.parity(p, "4b"), S.parity_summary, 150, needs=("4b",)),
-    Stage("syncs", "host syncs per decoded token (embedded engine) and per trainer micro-batch",
-          S.syncs, S.syncs_summary, 40),
-    Stage("trainer-lora", "`bench trainer` at 2B shapes, LoRA: tokens/s, MFU, peak vs `saccade memory`",
-          lambda p: S.trainer(p, "2b", full_finetune=False), S.trainer_summary, 170, needs=("2b",)),
-    Stage("trainer-full", "`bench trainer` at 2B shapes, full fine-tuning",
-          lambda p: S.trainer(p, "2b", full_finetune=True), S.trainer_summary, 220, needs=("2b",)),
-    Stage("step", "`bench step` at 2B shapes, bf16, LoRA, 448 px: one RL step against HF's path",
-          S.step, S.step_summary, 120, needs=("2b",)),
-    Stage("rl", "RL steps with the embedded engine that train (demo config from tiny-warm)",
-          S.rl, S.rl_summary, 150),
-    Stage("fsdp-2b", "FSDP2 at world 1 (torchrun, NCCL), 2B shapes, LoRA and full: step, export, peak",
-          S.fsdp, S.fsdp_summary, 150, needs=("2b",)),
-    Stage("fsdp-bf16", "FSDP2 bf16 mixed precision against fp32: RL steps from tiny-warm",
-          S.fsdp_bf16, S.fsdp_bf16_summary, 60),
-    Stage("render", "`bench render`: the mesh rasterizer on the device (and the CPU beside it)",
-          S.render, S.render_summary, 30),
-)
-
-# The other families: bf16 parity and `bench trainer` LoRA, each at one real shape (a key of S.BIG,
-# whose first stage builds it), with the estimated H100 seconds of each, the model built. Scaled
-# from Qwen3-VL's stages: parity 100 s at 2B, 150 s at 4B; the trainer 170 s at 2B (loading is most
-# of a stage; the MoE computes 1B active parameters a token but loads 4.9B, three times for parity).
-# Rows: (family, shape key, the shape in words, parity s, trainer s).
-FAMILY_SHAPES = (
-    ("Qwen2.5-VL", "qwen2.5vl-3b", "Qwen2.5-VL-3B's shapes", 140, 220),
-    ("Qwen3-VL-MoE", "qwen3vl-30b-a3b-l6", "Qwen3-VL-30B-A3B's widths (6 of 48 layers)", 160, 240),
-    # Qwen3.5-9B (18.8 GB in bf16). Parity: 260 s, the same ~11 s a GB past 50 s as 2B -> 4B; it holds
-    # LM-only bf16, full bf16 and full fp32 at once, about 75 GB (70 GiB) of an H100's 79 GiB, ~8 left for
-    # activations at 8k positions. Trainer: scaled so from 170 s at 2B and 220 s at 3B it would be ~400 s,
-    # and with the 9B's build (260 s) would not fit one 540 s command on a fresh machine; counted part by
-    # part instead: five loads of 18.8 GB (the policy, the full VLM, three memory processes) at ~2 GB/s
-    # from the page cache 95 s, four Python starts 40 s, 4 variants x 4 steps of 8 samples at 9B with
-    # LoRA ~2 s each at 300 TFLOP/s 35 s: 170 s, 270 with a margin. Neither is measured.
-    ("Qwen3.5", "qwen3.5-9b", "Qwen3.5-9B's shapes", 260, 270),
-)
+def load_carried(path: str, *, device: str, quick: bool, log=print) -> dict[str, Any]:
+    """The results carried from earlier leases, if they are of this run's settings; else none (a
+    `--device cpu --quick` lease, the tests', does not count the GPU's figures as its own)."""
+    settings = {"device": device, "quick": quick}
+    carried = gpu_results.load(path, settings=settings)
+    if carried["settings"] != settings:
+        log(f"{path} holds results of {carried['settings']}, not of this run ({settings}): starting from none")
+        return gpu_results.empty(settings)
+    return carried
 
 
-def family_stages(family: str, size: str, shapes: str, parity_s: int, trainer_s: int) -> tuple[Stage, Stage]:
-    """A family's two stages: parity as `parity-2b` runs it, and `bench trainer` with LoRA as
-    `trainer-lora` runs it, at `shapes` (--quick: the family's tiny preset)."""
-    return (
-        Stage(f"parity-{size}", f"bf16 parity at {shapes}, LM-only vs the full model, 1k and 8k positions",
-              lambda p: S.parity(p, size), S.parity_summary, parity_s, needs=(size,), family=family),
-        Stage(f"trainer-lora-{size}", f"`bench trainer` at {shapes}, LoRA: tokens/s, MFU, peak vs `saccade memory`",
-              lambda p: S.trainer(p, size, full_finetune=False), S.trainer_summary, trainer_s, needs=(size,),
-              family=family),
-    )
-
-
-# Qwen3.5's packed rows through Gated DeltaNet on the device: flash-linear-attention's varlen kernels
-# (never run before this stage) against the torch ones, exactness and speed. 200 s on an H100, a guess
-# counted part by part: a Python start and imports 10 s; building qwen3.5-tiny ~5 s; Triton compiling and
-# autotuning fla's forward and backward kernels, fp32 and bf16, varlen and not, most of it (~150 s);
-# the check (15 samples alone, fp32, 1.4M parameters) a few s; the timing 6 cases x 6 runs of a GRPO
-# group of 16 at qwen3.5-small's 65M parameters, ~20 s.
-LINEAR_ATTENTION = Stage(
-    "linear-attention", "Qwen3.5's Gated DeltaNet on packed rows: fla's varlen kernels vs torch (fp32 "
-    "logprobs and gradients, images, shared prompts), then varlen vs padded speed of a GRPO group",
-    S.linear_attention, S.linear_attention_summary, 200, needs=("qwen3.5-small",), family="Qwen3.5")
-
-
-def _family(family: str) -> tuple[Stage, ...]:
-    """A family's stages: its parity and trainer, and Qwen3.5's linear-attention check first."""
-    row = next(r for r in FAMILY_SHAPES if r[0] == family)
-    return ((LINEAR_ATTENTION,) if family == "Qwen3.5" else ()) + family_stages(*row)
-
-
-STAGES = QWEN3_VL_STAGES + tuple(stage for row in FAMILY_SHAPES for stage in _family(row[0]))
-BY_NAME = {s.name: s for s in STAGES}
+def record_lease(cfg: GpuBenchConfig, *, log=print) -> int:
+    """`--record DIR`: merge a lease's results (DIR/bench-gpu.json, or that file) into the carried
+    file and rewrite the table of docs/gpu-runs.md beside it."""
+    source = Path(cfg.record)
+    source = source / JSON_NAME if source.is_dir() else source
+    lease = json.loads(source.read_text())
+    carried = gpu_results.load(cfg.results, settings=lease["settings"])
+    merged, changed = gpu_results.merge(carried, lease)
+    gpu_results.save(cfg.results, merged)
+    doc = Path(cfg.results).with_name("gpu-runs.md")
+    rewrote = gpu_results.rewrite_doc(doc, results_markdown(merged)) if doc.exists() else False
+    log(f"{cfg.results}: {len(changed)} stage(s) recorded ({', '.join(changed) or 'none new'})"
+        + (f"; {doc}'s table rewritten" if rewrote else ""))
+    todo = lease_stages(merged)
+    log(f"the next lease starts with: {', '.join(s.name for s in todo[:5]) or 'nothing: every stage is ok'}")
+    return EXIT_OK
 
 
 # ----------------------------------------------------------------------------- the record
@@ -199,7 +152,7 @@ def save_results(out: Path, data: dict[str, Any]) -> None:
 
 
 def markdown(data: dict[str, Any]) -> str:
-    """The table the README pastes: one row per stage, its figures or why there are none."""
+    """The table of one results folder: one row per stage, its figures or why there are none."""
     stages = data["stages"]
     devices = sorted({r["machine"]["device_name"] for r in stages.values() if r.get("machine")})
     first = next((r["machine"] for r in stages.values() if r.get("machine")), None)
@@ -218,15 +171,7 @@ def markdown(data: dict[str, Any]) -> str:
             result, seconds = "not run yet", ""
         else:
             seconds = f"{r['seconds']:.0f}" + (f" ({r['machine']['device_name']})" if len(devices) > 1 else "")
-            if r["status"] == "ok":
-                try:
-                    result = stage.summary(r["result"])
-                except Exception as err:  # noqa: BLE001 - a summary must never lose the JSON
-                    result = f"ok (no summary: {type(err).__name__}: {err})"
-                if r.get("check") == "failed":
-                    result = "**CHECK FAILED**: " + result
-            else:
-                result = f"**{r['status'].upper()}**: {_last_line(r.get('error'))[:200]}"
+            result = stage_result(stage, r)
         lines.append(f"| {stage.name} | {stage.what} | {result.replace('|', '/')} | {seconds} |")
     return "\n".join(lines) + "\n"
 
@@ -303,6 +248,40 @@ def run_stage_child(stage: Stage, plan: S.Plan, timeout_s: float | None) -> dict
             "seconds": time.perf_counter() - start, "finished": _now(), "machine": machine_info(plan.device)}
 
 
+def stage_result(stage: Stage, r: dict[str, Any]) -> str:
+    """A record's table cell: the stage's summary, or its status and the error's last line."""
+    if r["status"] != "ok":
+        return f"**{r['status'].upper()}**: {_last_line(r.get('error'))[:200]}"
+    try:
+        result = stage.summary(r["result"])
+    except Exception as err:  # noqa: BLE001 - a summary must never lose the JSON
+        result = f"ok (no summary: {type(err).__name__}: {err})"
+    return ("**CHECK FAILED**: " if r.get("check") == "failed" else "") + result
+
+
+def results_markdown(data: dict[str, Any]) -> str:
+    """docs/gpu-runs.md's table of the carried results (gpu_results): every stage in the lease's
+    order, each figure with the device, date, commit and command that made it."""
+    lines = ["| stage | checks | result | device, date, commit | s |", "|---|---|---|---|---|"]
+    for stage in lease_order():
+        r = data["stages"].get(stage.name)
+        if r is None:
+            lines.append(f"| {stage.name} | {stage.what} | not run yet | | |")
+            continue
+        m = r.get("machine") or {}
+        made = f"{m.get('device_name', '?')}, {(r.get('finished') or '')[:10]}, {m.get('commit') or '?'}"
+        result = stage_result(stage, r)
+        if r.get("last_failure"):
+            f = r["last_failure"]
+            result += f" (later {f['status']} on {(f.get('machine') or {}).get('device_name', '?')}: " \
+                      f"{_last_line(f.get('error'))[:120]})"
+        lines.append(f"| {stage.name} | {stage.what} | {result.replace('|', '/')} | {made} | {r['seconds']:.0f} |")
+    commands = sorted({r["command"] for r in data["stages"].values() if r.get("command")})
+    if commands:
+        lines += ["", "Made by: " + "; ".join(f"`{c}`" for c in commands)]
+    return "\n".join(lines) + "\n"
+
+
 def _last_line(text: str | None) -> str:
     lines = (text or "").strip().splitlines()
     return lines[-1] if lines else ""
@@ -329,6 +308,23 @@ def _is_built(preset: str) -> bool:
 # ----------------------------------------------------------------------------- the command
 
 
+def command_line(cfg: GpuBenchConfig) -> str:
+    """The `saccade bench gpu` command line that gives `cfg` (its options that are not the
+    defaults), recorded with each stage's figures."""
+    words = ["saccade", "bench", "gpu"]
+    for name, field in GpuBenchConfig.model_fields.items():
+        value = getattr(cfg, name)
+        if value == field.get_default(call_default_factory=True):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag)
+        else:
+            for v in value if isinstance(value, list) else [value]:
+                words += [flag, f"{v:g}" if isinstance(v, float) else str(v)]
+    return shlex.join(words)
+
+
 def select(names: list[str] | None) -> list[Stage]:
     if not names:
         return list(STAGES)
@@ -351,9 +347,12 @@ def should_run(stage: Stage, record: dict | None, *, named: bool, force: bool) -
 
 
 def run_gpu_bench(cfg: GpuBenchConfig, *, log=print) -> int:
-    """Run the selected stages (`cfg.stage`; all by default); the exit code (module docstring)."""
+    """Run the selected stages (`cfg.stage`; all by default; a lease's with `cfg.lease`); the exit
+    code (module docstring). `--record` merges a lease's results instead."""
     from saccade.devices import resolve_device
 
+    if cfg.record:
+        return record_lease(cfg, log=log)
     quick, force, budget_s, in_process = cfg.quick, cfg.force, cfg.budget, cfg.in_process
     stages = cfg.stage or None
     device = resolve_device(cfg.device, setting="bench gpu --device").type  # the stages are told "cuda" or "cpu"
@@ -361,7 +360,17 @@ def run_gpu_bench(cfg: GpuBenchConfig, *, log=print) -> int:
     data = load_results(out, device=device, quick=quick)
     out.mkdir(parents=True, exist_ok=True)
     plan = S.Plan(device=device, quick=quick, out=out, log=log)
-    chosen = select(stages)
+    if cfg.lease:
+        carried = load_carried(cfg.results, device=device, quick=quick, log=log)
+        wanted = {s.name for s in select(stages)}
+        chosen = [s for s in lease_stages(carried) if s.name in wanted]
+        budget_s = LEASE_BUDGET_S if budget_s is None else budget_s
+        stages = [s.name for s in chosen]  # named: a stage carried as failed is retried
+        log(f"lease: {len(carried['stages'])} stage(s) carried in {cfg.results}; this lease, in order: "
+            f"{', '.join(stages) or 'nothing left'} (budget {budget_s:.0f} s)")
+    else:
+        chosen = select(stages)
+    command = command_line(cfg)
     started = time.perf_counter()
     pending: list[str] = []
     ran = 0  # stages run in this invocation
@@ -392,6 +401,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, *, log=print) -> int:
             record["status"] = "failed"
             record["error"] = f"longer than the whole budget ({budget_s:.0f} s) twice: {record['error']}"
         ran += 1
+        record["command"] = command
         data["stages"][stage.name] = record
         save_results(out, data)
         summary = ""
@@ -428,32 +438,6 @@ def run_recorded_stage(job: StageJob) -> int:
     result = run_stage_here(BY_NAME[name], plan)
     Path(job.record).write_text(json.dumps(result, default=str))
     return 0
-
-
-def listed_seconds() -> dict[str, int]:
-    """Each stage's estimated seconds on one H100 when the stages run in order on a fresh machine:
-    a stage's own, plus building the models it is the first to need (the models stage builds
-    Qwen3-VL's; each other family's first stage builds its shape)."""
-    seconds, built = {}, set()
-    for stage in STAGES:
-        new = [n for n in stage.needs if n not in built]
-        built.update(new)
-        seconds[stage.name] = stage.gpu_s + sum(S.BIG[n].build_s for n in new)
-    return seconds
-
-
-def list_stages() -> str:
-    """The stages by family, with their estimated seconds on one H100 (builds included where they
-    happen), each family's sum and the whole."""
-    seconds = listed_seconds()
-    width = max(len(s.name) for s in STAGES) + 2
-    lines = [f"{'stage':<{width}}{'H100 s':>8}  checks"]
-    for family in dict.fromkeys(s.family for s in STAGES):
-        stages = [s for s in STAGES if s.family == family]
-        lines.append(f"{family}: {sum(seconds[s.name] for s in stages)} s")
-        lines += [f"  {s.name:<{width - 2}}{seconds[s.name]:>8}  {s.what}" for s in stages]
-    lines.append(f"{'all':<{width}}{sum(seconds.values()):>8}  (estimates; one process start each included)")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,17 +28,21 @@ class Shape:
     build_s: int
 
 
-# The shapes measured on a GPU, by the key a stage names. Build seconds are estimates scaled from
-# this 2-core CPU, where initialisation and writing are most of it: 65 s for the 2B; for the MoE,
-# 79 s at 1 layer and 112 s at 2 (it writes its weights twice: transformers' layout, then the hub's).
+# The shapes measured on a GPU, by the key a stage names. Build seconds are estimates: on this 2-core
+# CPU drawing the weights was most of a build (65 s for the 2B), and on the GPU machine the real-shape
+# presets draw them on the GPU (presets.builder.init_device: seconds), so what is left is the
+# tokenizer and processor (~5 s), the copy to the host and the bf16 safetensors write, taken at
+# ~1 GB/s with a margin: 2B 15 s, 4B 20, 8B 35, 9B 35; the MoE writes its weights twice (transformers'
+# layout, then the hub's): 30 s.
 BIG = {
-    "2b": Shape("qwen3vl-2b", "tiny", 60),
-    "4b": Shape("qwen3vl-4b", "tiny", 120),
-    "qwen2.5vl-3b": Shape("qwen2.5vl-3b", "qwen2.5vl-tiny", 100),
-    "qwen3vl-30b-a3b-l6": Shape("qwen3vl-30b-a3b-l6", "moe-tiny", 180),
-    # 9.41B parameters, 18.8 GB in bf16 (docs/families.md: 8.95B text + 0.46B tower): at the 2B's and
-    # 4B's 14 s a GB, 260 s. No smaller preset has Qwen3.5's real shapes.
-    "qwen3.5-9b": Shape("qwen3.5-9b", "qwen3.5-tiny", 260),
+    "2b": Shape("qwen3vl-2b", "tiny", 15),
+    "4b": Shape("qwen3vl-4b", "tiny", 20),
+    "8b": Shape("qwen3vl-8b", "tiny", 35),  # 8.8B, 17.5 GB
+    "qwen2.5vl-3b": Shape("qwen2.5vl-3b", "qwen2.5vl-tiny", 20),
+    "qwen3vl-30b-a3b-l6": Shape("qwen3vl-30b-a3b-l6", "moe-tiny", 30),
+    # 9.41B parameters, 18.8 GB in bf16 (docs/families.md: 8.95B text + 0.46B tower). No smaller preset
+    # has Qwen3.5's real shapes.
+    "qwen3.5-9b": Shape("qwen3.5-9b", "qwen3.5-tiny", 35),
     # Not a real shape: 65M parameters, the 9B's pattern and head counts scaled down, linear heads of 64
     # (the 9B's are 128); the linear-attention stage times on it. A 0.26 GB fp32 folder and an 8192-token
     # BPE trained for it: 20 s, a guess (not timed here: the 2B's 65 s is mostly initialising 2.1B weights).
@@ -103,6 +107,24 @@ def models_summary(r: dict) -> str:
     return "; ".join(one(name, m) for name, m in r.items())
 
 
+# ----------------------------------------------------------------------------- smoke
+
+
+def smoke(plan: Plan) -> dict[str, Any]:
+    """The lease's first seconds: versions, the GPU, the head's matmuls, fla, imports (gpu_smoke)."""
+    from saccade.tools.bench.gpu_smoke import smoke as run_smoke
+
+    result = run_smoke(plan.device)
+    plan.log("  " + smoke_summary(result))
+    return result
+
+
+def smoke_summary(r: dict) -> str:
+    from saccade.tools.bench.gpu_smoke import smoke_summary as summary
+
+    return summary(r)
+
+
 # ----------------------------------------------------------------------------- parity
 
 
@@ -150,6 +172,13 @@ def parity_summary(r: dict) -> str:
 # ----------------------------------------------------------------------------- trainer
 
 
+# The trainer stages at the shipped configs' size, not a toy's: their micro-batches of 8,192 tokens
+# (trainer.max_tokens), and a step of 64 conversations of 1-3 images up to 896 px (~36k tokens, five
+# micro-batches), so that an H100 is compute-bound (an MFU that says something of the trainer) and the
+# peak holds a full micro-batch's activations, not only the weights.
+TRAINER_SIZE = dict(batch=64, max_tokens=8192, max_side=896, steps=3)
+
+
 def trainer(plan: Plan, size: str, *, full_finetune: bool) -> dict[str, Any]:
     """`bench trainer` at a real shape (`BIG[size]`): tokens/s, MFU, peak memory against saccade
     memory's estimate."""
@@ -157,9 +186,9 @@ def trainer(plan: Plan, size: str, *, full_finetune: bool) -> dict[str, Any]:
     from saccade.config.bench import TrainerBenchConfig
 
     # --quick: the memory processes (three fresh interpreters) are left out: seconds here, not figures.
-    quick = dict(steps=1, batch=2, max_side=64, measure_memory=False) if plan.quick else {}
+    sizes = dict(steps=1, batch=2, max_side=64, measure_memory=False) if plan.quick else TRAINER_SIZE
     result = run_trainer_bench(TrainerBenchConfig(preset=plan.preset(size), device=plan.device,
-                                                  full_finetune=full_finetune, **quick))
+                                                  full_finetune=full_finetune, **sizes))
     plan.log(format_report(result))
     return result
 
@@ -388,7 +417,9 @@ def linear_attention(plan: Plan) -> dict[str, Any]:
 
     check = packing_check(resolve_model("qwen3.5-tiny"), device=plan.device)
     plan.log(f"  kernels: {check['kernels']}" + "".join(f"\n  log: {line}" for line in check["kernel_log"]))
-    plan.log(f"  fla: {check['fla']}; Triton's fp32 dots: {check['triton_f32_default'] or 'its default'}")
+    solve = check.get("fla_solve_precision") or {}
+    plan.log(f"  fla: {check['fla']}; Triton's fp32 dots: {check['triton_f32_default'] or 'its default'}; fla's "
+             f"triangular solve: {solve.get('used') or '-'} (fla's own: {solve.get('fla_default') or '-'})")
     plan.log(f"  {check['segments']} segments ({check['tokens']} tokens, {check['alone_tokens']} alone; "
              f"{check['images']} images, {check['shared_prompts']} shared prompts) vs each sample alone on the torch kernels: logprobs max "
              f"|Δ| {check['logprob_max_abs']:.2e} (bar {check['logprob_bar']:g}), gradients max "
@@ -408,6 +439,9 @@ def linear_attention_summary(r: dict) -> str:
     c, t = r["check"], r["timing"]
     preset = Path(t["model"]).name.split("-seed")[0]
     fla = "" if not c.get("kernel_error") else f" ({c['kernel_error']})"
+    solve = c.get("fla_solve_precision") or {}
+    if solve.get("used"):
+        fla += f" (solve in {solve['used']}, fla's own {solve['fla_default']})"
     return (f"{c['kernels']}{fla}; qwen3.5-tiny fp32, {c['segments']} segments with images and "
             f"{c['shared_prompts']} shared prompts vs alone on torch: logprobs {c['logprob_max_abs']:.1e} (bar "
             f"{c['logprob_bar']:g}), gradients {c['grad_max_rel']:.1e} (bar {c['grad_bar']:g}): "

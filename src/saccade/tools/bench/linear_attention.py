@@ -107,11 +107,19 @@ def packing_check(model_path, *, device: str, completions: tuple[int, ...] = (4,
     from saccade.trainer.packing import pack
 
     use_full_fp32_matmuls()
+    fla_precision = {"fla_default": None, "used": None}
     if device == "cuda":
-        # Triton's fp32 dots run in TF32 unless told otherwise, and fla's gated-delta kernels leave it
-        # to that default: the bars are fp32's, so here fla computes in IEEE fp32, as torch does after
-        # use_full_fp32_matmuls (read when Triton compiles a kernel: before the first forward).
+        # The bars are fp32's (the CPU tests'), so fla computes in IEEE fp32 here, as torch does after
+        # use_full_fp32_matmuls: Triton's fp32 dots by TRITON_F32_DEFAULT (read when Triton compiles,
+        # before the first forward), and the gated-delta forward's triangular solve, whose precision
+        # fla sets explicitly to TF32 on sm >= 80 (which the variable does not override), by its
+        # module constant (la.fla_solve_precision). Training runs in bf16 at fla's own setting.
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+        try:
+            fla_precision["fla_default"] = la.fla_solve_precision()
+            fla_precision["used"] = la.fla_solve_precision("ieee")
+        except ImportError:
+            pass  # no fla: the torch kernels run, and missed_fla says so
     processor = load_processor(model_path)
     limits = ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256)
     encoder = VisionEncoder(load_vision_tower(model_path), processor, limits=limits, cache=EmbeddingCache())
@@ -163,6 +171,7 @@ def packing_check(model_path, *, device: str, completions: tuple[int, ...] = (4,
         "alone_tokens": sum(int(s.input_ids.numel()) for s in samples),
         "shared_prompts": len(shared), "images": int(sum(len(s.image_keys) for s in samples)),
         "kernels": used, "fla": fla, "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"), "fla_used": fla_used,
+        "fla_solve_precision": fla_precision,
         "kernel_log": lines.lines, "kernel_error": kernel_error,
         "logprob_max_abs": logprob_max, "logprob_bar": LOGPROB_BAR,
         "grad_max_rel": relative[worst], "grad_worst": worst, "grad_bar": GRAD_BAR,
