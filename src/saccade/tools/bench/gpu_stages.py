@@ -173,10 +173,11 @@ def parity_summary(r: dict) -> str:
 
 
 # The trainer stages at the shipped configs' size, not a toy's: their micro-batches of 8,192 tokens
-# (trainer.max_tokens), and a step of 64 conversations of 1-3 images up to 896 px (~36k tokens, five
-# micro-batches), so that an H100 is compute-bound (an MFU that says something of the trainer) and the
-# peak holds a full micro-batch's activations, not only the weights.
-TRAINER_SIZE = dict(batch=64, max_tokens=8192, max_side=896, steps=3)
+# (trainer.max_tokens), and a step of 96 conversations of 1-3 images of sides up to 896 px, their area
+# capped at the preset's 448^2 (~33k tokens, four or five micro-batches), so that an H100 is
+# compute-bound (an MFU that says something of the trainer) and the peak holds a full micro-batch's
+# activations, not only the weights.
+TRAINER_SIZE = dict(batch=96, max_tokens=8192, max_side=896, steps=3)
 
 
 def trainer(plan: Plan, size: str, *, full_finetune: bool) -> dict[str, Any]:

@@ -36,9 +36,9 @@ QWEN3_VL_STAGES = (
           lambda p: S.parity(p, "4b"), S.parity_summary, 150, needs=("4b",)),
     Stage("syncs", "host syncs per decoded token (embedded engine) and per trainer micro-batch",
           S.syncs, S.syncs_summary, 40),
-    # The trainer at the shipped configs' size (S.TRAINER_SIZE: 8,192-token micro-batches, ~36k tokens a step).
+    # The trainer at the shipped configs' size (S.TRAINER_SIZE: 8,192-token micro-batches, ~33k tokens a step).
     # LoRA 200 s: a Python start 10, the policy and the full VLM loaded (2 x 4.3 GB) 10, the processor over
-    # 64 conversations 10, four variants of a warm-up and 3 steps at ~2.5e14 FLOPs each (~1-1.5 s at a few
+    # 96 conversations 10, four variants of a warm-up and 3 steps at ~2.5e14 FLOPs each (~1-1.5 s at a few
     # hundred TFLOP/s) 25, three memory processes (a start, a load, two steps each) 55: 110, 200 with a
     # margin. Full fine-tuning 240: the same plus AdamW's fp32 states (24 GB) and every weight's gradient.
     Stage("trainer-lora", "`bench trainer` at 2B shapes, LoRA, 8,192-token micro-batches: tokens/s, MFU, "
