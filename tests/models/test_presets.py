@@ -225,47 +225,23 @@ def test_small_preset_parameter_count_without_building():
     assert sum(config.text_config.rope_parameters["mrope_section"]) == config.text_config.head_dim // 2
 
 
-def test_the_2b_preset_has_exactly_qwen3_vl_2bs_shapes():
-    """The GPU benchmarks' random model: its config (built here without its 4 GB of weights)
-    has Qwen3-VL-2B-Instruct's dimensions, parameter count included."""
+@pytest.mark.parametrize("preset, hub, billions, tied", [
+    ("qwen3vl-2b", "Qwen/Qwen3-VL-2B-Instruct", 2.13, True),  # the GPU benchmarks' random model
+    ("qwen3vl-4b", "Qwen/Qwen3-VL-4B-Instruct", 4.44, True),  # `saccade bench gpu`'s second parity shape
+    ("qwen3vl-8b", "Qwen/Qwen3-VL-8B-Instruct", 8.77, False),  # its 8B trainer stage: the 8B configs' estimate
+])
+def test_a_real_shape_preset_has_exactly_its_published_models_shapes(preset, hub, billions, tied):
+    """The config (built here without its gigabytes of weights) has the published model's
+    dimensions, parameter count and tie included, and `saccade memory` sizes it unbuilt."""
     from saccade.tools.memory_dims import dims_from_hf_config, model_dims
 
-    spec = PRESETS["qwen3vl-2b"]
-    config = build_config("qwen3vl-2b", build_tokenizer(1024)).to_dict()
-    real = model_dims("Qwen/Qwen3-VL-2B-Instruct")
+    config = build_config(preset, build_tokenizer(1024)).to_dict()
+    real = model_dims(hub)
     dims = dims_from_hf_config(config)
     assert (dims.text, dims.vision) == (real.text, real.vision)
-    assert round(dims.params / 1e9, 2) == 2.13
+    assert round(dims.params / 1e9, 2) == billions and dims.text.tie_word_embeddings is tied
     assert config["text_config"]["rope_parameters"]["mrope_section"] == [24, 20, 20]  # Qwen3-VL's
-    assert model_dims("qwen3vl-2b") == dataclasses.replace(real, name="qwen3vl-2b") and spec.dtype == "bfloat16"
-
-
-def test_the_4b_preset_has_exactly_qwen3_vl_4bs_shapes():
-    """`saccade bench gpu`'s second parity shape: Qwen3-VL-4B-Instruct's dimensions."""
-    from saccade.tools.memory_dims import dims_from_hf_config, model_dims
-
-    spec = PRESETS["qwen3vl-4b"]
-    config = build_config("qwen3vl-4b", build_tokenizer(1024)).to_dict()
-    real = model_dims("Qwen/Qwen3-VL-4B-Instruct")
-    dims = dims_from_hf_config(config)
-    assert (dims.text, dims.vision) == (real.text, real.vision)
-    assert round(dims.params / 1e9, 2) == 4.44
-    assert config["text_config"]["rope_parameters"]["mrope_section"] == [24, 20, 20]
-    assert model_dims("qwen3vl-4b") == dataclasses.replace(real, name="qwen3vl-4b") and spec.dtype == "bfloat16"
-
-
-def test_the_8b_preset_has_exactly_qwen3_vl_8bs_shapes():
-    """`saccade bench gpu`'s 8B trainer stage, which checks the 8B configs' memory estimate:
-    Qwen3-VL-8B-Instruct's dimensions, its own head (not tied), sized unbuilt."""
-    from saccade.tools.memory_dims import dims_from_hf_config, model_dims
-
-    config = build_config("qwen3vl-8b", build_tokenizer(1024)).to_dict()
-    real = model_dims("Qwen/Qwen3-VL-8B-Instruct")
-    dims = dims_from_hf_config(config)
-    assert (dims.text, dims.vision) == (real.text, real.vision)
-    assert round(dims.params / 1e9, 2) == 8.77 and not dims.text.tie_word_embeddings
-    assert model_dims("qwen3vl-8b") == dataclasses.replace(real, name="qwen3vl-8b")
-    assert PRESETS["qwen3vl-8b"].dtype == "bfloat16"
+    assert model_dims(preset) == dataclasses.replace(real, name=preset) and PRESETS[preset].dtype == "bfloat16"
 
 
 # ----------------------------------------------------------------- model names
