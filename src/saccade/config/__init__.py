@@ -57,7 +57,8 @@ from saccade.config.loading import add_config_arguments, load_config, parse_over
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
     DEFAULT_TIS_CAP, PRESET_NAMES, BaseLossConfig, CheckpointConfig, ConfigError, ConstantDecayConfig,
-    CosineDecayConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig,
+    CosineDecayConfig, EngineConfig, EnvConfig, EvalConfig, GradSpikeConfig, ImageCacheConfig, ImagesConfig,
+    LinearDecayConfig,
     LogConfig, LoraConfig, LossConfig, LrDecayConfig, ModelConfig, PpoClipLossConfig, ReinforceLossConfig,
     RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallRollbackConfig, StallStopConfig,
     StallWarnConfig, StallWatchConfig, TrainerConfig,
@@ -88,6 +89,7 @@ __all__ = [
     "EngineConfig",
     "EnvConfig",
     "EvalConfig",
+    "GradSpikeConfig",
     "HubDatasetTaskConfig",
     "ImageCacheConfig",
     "ImagesConfig",

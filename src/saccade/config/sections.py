@@ -468,6 +468,18 @@ class CosineDecayConfig(Section):
 LrDecayConfig = Annotated[ConstantDecayConfig | LinearDecayConfig | CosineDecayConfig, Field(discriminator="kind")]
 
 
+class GradSpikeConfig(Section):
+    """Skip an optimizer step whose gradient norm spikes (`saccade.trainer.spike`): after `warmup`
+    steps, one whose pre-clip norm is over `factor` x the median of the last `window` norms leaves
+    the weights and the optimizer state as they were, and is counted (grad_spike_skipped)."""
+
+    factor: float = Field(10.0, gt=1, le=1e6, description="a step whose gradient norm is over this many times the "
+                          "recent median is skipped")
+    window: int = Field(20, ge=3, le=10_000, description="the recent steps whose norms the median is taken over "
+                        "(skipped ones included: a lasting change of scale is accepted once it fills half of it)")
+    warmup: int = Field(5, ge=1, le=10_000, description="steps seen before the guard judges any")
+
+
 class TrainerConfig(Section):
     """The optimizer loop (AdamW): steps, learning-rate schedule, micro-batching, seed."""
 
@@ -481,6 +493,21 @@ class TrainerConfig(Section):
         "min_lr_ratio x lr at the last optimizer step",
     )
     grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
+    grad_spike: GradSpikeConfig | None = Field(
+        default_factory=GradSpikeConfig,
+        description="skip a step whose gradient norm spikes far above the recent ones (a [trainer.grad_spike] "
+        "table; the default), or false: never skip one (--trainer.grad_spike false)",
+    )
+
+    @field_validator("grad_spike", mode="before")
+    @classmethod
+    def _grad_spike_or_off(cls, value: Any) -> Any:
+        # TOML has no null: a section that may be off is `false` (and `true` is on, with its defaults).
+        if value is False:
+            return None
+        if value is True:
+            return {}
+        return value
     max_tokens: int = Field(4096, ge=16, description="token budget of one packed micro-batch")
     num_iterations: int = Field(1, ge=1, le=64, description="optimizer steps per rollout batch (mu); > 1 is off-policy")
     seed: int = Field(0, ge=0, description="seed of torch, data order and sampling")

@@ -19,6 +19,7 @@ from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, save_
 from saccade.trainer.checkpoint.folder import checkpoint_before, latest_checkpoint, set_aside_checkpoints
 from saccade.trainer.step import set_peak_lr
 
+GRAD_SPIKE = "grad_spike"  # TrainState.extra's key for the spike guard's recent gradient norms
 # TrainState.extra's key for the product of the stall rollbacks' lr factors (1.0: none): the
 # peak lr is trainer.lr times it, after a resume too.
 LR_SCALE = "lr_scale"
@@ -50,6 +51,8 @@ class Checkpointer:
         state = load_checkpoint(path, model=self.rl.setup.model, optimizer=self.rl.optimizer, scheduler=self.rl.scheduler)
         set_peak_lr(self.rl.optimizer, self.rl.scheduler, self.cfg.trainer.lr * state.extra.get(LR_SCALE, 1.0))
         self.rl.setup.engine.set_rng_state(state.extra.get("engine_rng"))
+        if self.rl.spike_guard is not None:  # the same recent gradient norms as the run that saved it
+            self.rl.spike_guard.restore(state.extra.get(GRAD_SPIKE))
         return state
 
     def due(self, step: int, *, rolled_back: bool) -> bool:
@@ -68,6 +71,8 @@ class Checkpointer:
         with it. `guarded`: a failed write stops the run saying what to do (`stop_if_unwritable`)."""
         with stop_if_unwritable(self.run_dir, state.step) if guarded else contextlib.nullcontext():
             state.extra["engine_rng"] = self.rl.setup.engine.rng_state()
+            if self.rl.spike_guard is not None:
+                state.extra[GRAD_SPIKE] = self.rl.spike_guard.saved()
             return save_checkpoint(self.run_dir, model=self.rl.setup.model, optimizer=self.rl.optimizer,
                                    scheduler=self.rl.scheduler, state=state, keep_last=self.cfg.checkpoint.keep_last,
                                    base_model_path=self.rl.setup.model_path)

@@ -28,6 +28,7 @@ from saccade.run.tasks import Task
 from saccade.timing import timed
 from saccade.trainer.packing import rank_micro_batches
 from saccade.trainer.reference import Reference, adapter_free_reference, frozen_copy, frozen_reference
+from saccade.trainer.spike import GradSpikeGuard
 from saccade.trainer.step import build_optimizer, lr_schedule, staged, train_step
 
 
@@ -66,6 +67,8 @@ class RLStep:
     # The ranks as the rollouts see them: `world` itself, or, when a thread samples ahead under
     # torchrun, the same ranks over a process group of the thread's own.
     rollout_world: World = SINGLE
+    # Skips a step whose gradient norm spikes (trainer.grad_spike); its window goes with each checkpoint.
+    spike_guard: GradSpikeGuard | None = None
 
     @classmethod
     def build(cls, cfg: RunConfig, setup: Setup, task: Task, world: World = SINGLE) -> RLStep:
@@ -87,7 +90,8 @@ class RLStep:
         return cls(cfg, setup, task, world, optimizer, scheduler, effective_loss(cfg), sampling, reference,
                    share_prompts, max_lag=cfg.rollout.max_async_level + e.sync_every_steps - 1,
                    fits=row_check(cfg, setup.processor),
-                   rollout_world=world.with_own_group(t.dist_timeout_s) if samples_ahead else world)
+                   rollout_world=world.with_own_group(t.dist_timeout_s) if samples_ahead else world,
+                   spike_guard=GradSpikeGuard.of(t.grad_spike))
 
     def sampling_weights(self):
         """The context the engine samples in. The embedded engine samples from the sharded module
@@ -132,5 +136,5 @@ class RLStep:
             self.setup.model, self.optimizer, self.scheduler, micro_batches, loss=self.loss,
             num_iterations=t.num_iterations, grad_clip=t.grad_clip, distribution=self.sampling.distribution,
             banned_token_ids=self.setup.engine.banned_token_ids, reference=self.reference, world=self.world,
-            current_version=step,
+            current_version=step, spike_guard=self.spike_guard,
         )

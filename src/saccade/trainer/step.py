@@ -47,6 +47,7 @@ from saccade.trainer.routing import (
     expert_counts, load_figures, routing_differs, routing_split_figures, routing_split_sums,
 )
 from saccade.trainer.samples import MicroBatch
+from saccade.trainer.spike import GradSpikeGuard
 
 # A micro-batch's loss: (its index k in the step, micro-batch k on the device) in; the loss to
 # backpropagate (normalised by the step's totals, so the micro-batches' losses sum to the
@@ -213,17 +214,19 @@ class StepOutcome:
     """What one optimizer step did. `sums` holds "loss" and the loss function's figures, each
     summed over the step's micro-batches (this rank's); a skipped step's are NaN or garbage."""
 
-    applied: bool  # False: a NaN/inf loss or gradient; the weights and optimizer state did not change
+    applied: bool  # False: a NaN/inf loss or gradient, or a spike; the weights and optimizer state did not change
     grad_norm: float  # before clipping (the whole model's, with sharded parameters)
     sums: dict[str, float]
+    spiked: bool = False  # skipped by the spike guard (`saccade.trainer.spike`)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scheduler, micro_batches: Sequence,
                    micro_batch_loss: MicroBatchLoss, *, device: torch.device, grad_clip: float,
-                   world: World = SINGLE) -> StepOutcome:
+                   world: World = SINGLE, spike_guard: GradSpikeGuard | None = None) -> StepOutcome:
     """One optimizer step: each micro-batch's loss (`micro_batch_loss`) backpropagated, the
     gradients accumulated over all of them, clipped to `grad_clip`, then applied, unless the
-    loss or the gradient is NaN/inf on any rank: then nothing is applied, on every rank.
+    loss or the gradient is NaN/inf on any rank, or `spike_guard` judges the norm a spike (the
+    norm is the whole model's, so every rank judges alike): then nothing is applied, on every rank.
 
     The micro-batches are in host memory (pinned on CUDA) and go to `device` one ahead of the
     one being computed (`on_device`). The loss, its figures and the finite check stay on the
@@ -249,11 +252,19 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler, micro_batches: S
             [finite.double(), norm.double()] + [sums[name] for name in names]).tolist()
     if world.size > 1:  # a non-finite loss on any rank skips the step on every rank
         finite_loss = all_reduce_sum([1.0 - finite_loss], world, device)[0] == 0
-    outcome = StepOutcome(bool(finite_loss) and math.isfinite(norm_value), norm_value, dict(zip(names, values)))
+    finite_step = bool(finite_loss) and math.isfinite(norm_value)
+    median, seen = (spike_guard.median(), len(spike_guard.norms)) if spike_guard is not None else (None, 0)
+    spiked = finite_step and spike_guard is not None and spike_guard.is_spike(norm_value)
+    outcome = StepOutcome(finite_step and not spiked, norm_value, dict(zip(names, values)), spiked)
     if not outcome.applied:
-        # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state.
+        # Not applied: a NaN/inf loss or gradient would poison the weights and the optimizer state,
+        # and a spike's direction is what breaks a policy (clipping keeps it).
         optimizer.zero_grad(set_to_none=True)
-        reason = "non-finite loss" if not finite_loss else "non-finite gradient"
+        if spiked:
+            reason = (f"gradient norm {norm_value:.3g} is {norm_value / median:.0f}x the median {median:.3g} of the "
+                      f"last {seen} steps (trainer.grad_spike.factor {spike_guard.factor:g})")
+        else:
+            reason = "non-finite loss" if not finite_loss else "non-finite gradient"
         if world.is_main:  # every rank skipped it: one says so
             log.warning("step skipped: %s; the weights were not changed", reason)
         return outcome
@@ -277,6 +288,7 @@ def train_step(
     reference: Reference | None = None,
     world: World = SINGLE,
     current_version: int | None = None,
+    spike_guard: GradSpikeGuard | None = None,
 ) -> dict[str, float]:
     """`num_iterations` optimizer steps over the micro-batches; returns the step's metrics.
 
@@ -285,6 +297,9 @@ def train_step(
     (`on_device`), so at most two are there at once. What the host needs (token counts, which
     tokens are scored) is read from the host copies; the loss, the metrics and the finite check
     stay on the device and are read once per optimizer step.
+
+    `spike_guard`: skip an optimizer step whose gradient norm spikes (`saccade.trainer.spike`);
+    `grad_spike_skipped` counts them, `grad_norm_spike` is the largest skipped norm.
 
     `current_version`: the version of the weights being trained (the step count). Then
     `mismatch_abs_lag0` is the engine/trainer logprob gap over the tokens sampled under exactly
@@ -369,11 +384,14 @@ def train_step(
 
     sums: dict[str, float] = {}  # the applied iterations' loss and metrics
     skipped = 0
+    spikes: list[float] = []
     grad_norms: list[float] = []
     model.train()
     for iteration in range(num_iterations):
         outcome = optimizer_step(optimizer, scheduler, micro_batches, clipped_objective, device=device,
-                                 grad_clip=grad_clip, world=world)
+                                 grad_clip=grad_clip, world=world, spike_guard=spike_guard)
+        if outcome.spiked:
+            spikes.append(outcome.grad_norm)
         if not outcome.applied:
             skipped += 1
             continue
@@ -400,6 +418,10 @@ def train_step(
         out["grad_norm"] = sum(grad_norms) / applied
     out.update(zip(counts, reduced[at + 6:]))
     out.update(skipped_steps=float(skipped), lr=scheduler.get_last_lr()[0])
+    if spike_guard is not None:
+        out["grad_spike_skipped"] = float(len(spikes))
+        if spikes:
+            out["grad_norm_spike"] = max(spikes)
     out["loss_tokens"] = total_loss_tokens  # the step's, not a mean over micro-batches (that depends on the packing)
     if current_version is not None and fresh_tokens:
         out["mismatch_abs_lag0"] = gap_sum / fresh_tokens
