@@ -232,6 +232,9 @@ MISSING=$(grep -h -E "ModuleNotFoundError|No module named" "$LOG" \
           $( [[ -f $OUT_DIR/bench-gpu.log ]] && echo "$OUT_DIR/bench-gpu.log" ) 2>/dev/null | sort -u || true)
 echo "out               $OUT_DIR (log: $LOG)"
 echo "exit code         $RC (saccade bench gpu ${ARGS[*]})"
+if grep -q "0 active drivers" "$LOG"; then
+    echo "note: Triton found no driver: fla's kernels ran on CPU tensors, which a CPU run alone meets (the header says why)"
+fi
 if [[ -n $MISSING ]]; then
     echo "== FAILED: a missing import, which the GPU machine would hit too:"
     echo "$MISSING"
