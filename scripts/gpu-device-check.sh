@@ -177,6 +177,7 @@ if [[ ! -d .whl || scripts/gpu-wheels.sh -nt .whl ]]; then
     scripts/gpu-wheels.sh >&2
 fi
 SITE=$(mktemp -d -t gpu-device-check-site.XXXXXX)
+trap 'rm -rf "$SITE"' EXIT
 "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" .whl/*.whl
 
