@@ -4,9 +4,10 @@
 # rich, httpx, matplotlib and the rest, but no pydantic and no registry to fetch it from
 # (the lent H100/H200 machines: Python 3.12, torch 2.11, transformers 5.17; README, "Running
 # the GPU checks"). The list is what `saccade bench gpu` imports that such a machine lacks,
-# found by running `saccade bench gpu --device cpu --quick` in a venv holding only that
-# machine's packages: pydantic and what it imports, and a typing-extensions new enough for
-# it (pydantic 2.14 needs >= 4.16; the machine's may be older). Pure Python except
+# found by scripts/gpu-device-check.sh (`saccade bench gpu --device cpu --quick` in a venv holding
+# only that machine's packages, these wheels installed as there): pydantic and what it imports,
+# and a typing-extensions new enough for it (pydantic 2.14 needs >= 4.16; the machine's may be
+# older). Pure Python except
 # pydantic-core (a cp312 manylinux wheel, 2 MB). About 3 MB in all.
 #
 # And flash-linear-attention (fla), for the linear-attention stage: Qwen3.5's packed rows run on
