@@ -11,6 +11,7 @@ measures exactly what those commands would.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -146,6 +147,18 @@ def parity(plan: Plan, size: str) -> dict[str, Any]:
     if fn is None:
         raise NotAvailable("saccade.tools.parity.long_context_parity is not in this checkout yet (merge main)")
     lengths = parity_lengths(plan)
+    if plan.device == "cuda":
+        # The noise floor is the full model's bf16 against its fp32: that fp32 must be IEEE fp32, also in
+        # flash-linear-attention's Triton kernels, which Qwen3.5's layers take where fla imports (its dots
+        # by TRITON_F32_DEFAULT, its triangular solve set explicitly to TF32: models.linear_attention).
+        # A TF32 reference would widen the floor and so loosen the bar. Before any kernel compiles.
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+        try:
+            from saccade.models.linear_attention import fla_solve_precision
+
+            fla_solve_precision("ieee")
+        except ImportError:
+            pass  # no fla: transformers' torch kernels, fp32 as torch computes it
     result = fn(resolve_model(plan.preset(size)), lengths=lengths, dtype=torch.bfloat16, device=plan.device)
     for n, r in result.get("lengths", {}).items():
         for b in r.get("buckets", []):
