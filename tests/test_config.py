@@ -329,16 +329,20 @@ def test_import_does_not_import_torch_nor_user_code():
     assert out.returncode == 0, out.stderr
 
 
-def test_tis_is_on_by_default_whenever_rollouts_can_be_older_than_the_trainer():
+def test_tis_is_on_by_default_only_for_older_rollouts_trained_on_several_times():
+    """At num_iterations 1 the ratio stays against the engine's logprobs (the clip's trust region
+    around the policy that sampled); TIS's decoupled ratio would be 1 there (docs/async.md)."""
     from saccade.config import DEFAULT_TIS_CAP, effective_loss
 
     def cap(*overrides):
         return effective_loss(load_config(RunConfig, None, list(overrides))).tis_cap
 
+    ahead = ("--engine.kind", "vllm", "--engine.urls", '["http://a:1"]', "--rollout.max_async_level", "1")
     assert cap() is None  # on-policy: off
-    assert cap("--engine.kind", "vllm", "--engine.urls", '["http://a:1"]', "--rollout.max_async_level", "1") \
-        == DEFAULT_TIS_CAP
-    assert cap("--engine.sync_every_steps", "2") == DEFAULT_TIS_CAP
+    assert cap(*ahead) is None and cap("--engine.sync_every_steps", "2") is None
+    assert cap(*ahead, "--trainer.num_iterations", "2") == DEFAULT_TIS_CAP
+    assert cap("--engine.sync_every_steps", "2", "--trainer.num_iterations", "4") == DEFAULT_TIS_CAP
+    assert cap("--trainer.num_iterations", "2") is None  # on-policy rollouts: nothing to correct
     assert cap("--loss.tis_cap", "3.0") == 3.0  # set: on, as before
     assert cap("--loss.tis", "on") == DEFAULT_TIS_CAP
     assert cap("--engine.sync_every_steps", "2", "--loss.tis", "off") is None

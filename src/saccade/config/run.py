@@ -111,10 +111,17 @@ class RunConfig(Section):
 
 
 def effective_loss(cfg: RunConfig) -> LossConfig:
-    """The loss a run trains with: `loss`, with tis_cap set when TIS is on (`loss.tis`). Rollouts
-    from older weights than the trainer's (async, or weights pushed every k > 1 steps) are
-    reweighted by min(pi_old / mu, cap), so 'auto' turns it on for them."""
+    """The loss a run trains with: `loss`, with tis_cap set when TIS is on (`loss.tis`).
+
+    Without TIS the clipped ratio is pi / mu, against the engine's logprobs: the clip bounds how
+    far an update moves the sampled tokens from the policy that sampled them, across any lag.
+    With TIS it is pi / pi_old, the trainer's own logprobs before the update, and pi_old / mu is
+    a capped weight; at num_iterations = 1 that ratio is 1 when the gradient is taken, so nothing
+    bounds the update, and one step ahead collapsed that way (docs/async.md). So 'auto' turns TIS
+    on for rollouts from older weights only when the trainer takes several optimizer steps per
+    batch (the clip acts from the second on), or when tis_cap is set."""
     loss = cfg.loss
     off_policy = cfg.rollout.max_async_level > 0 or cfg.engine.sync_every_steps > 1
-    on = loss.tis == "on" or (loss.tis == "auto" and (off_policy or loss.tis_cap is not None))
+    decoupled = off_policy and cfg.trainer.num_iterations > 1
+    on = loss.tis == "on" or (loss.tis == "auto" and (decoupled or loss.tis_cap is not None))
     return loss.model_copy(update={"tis_cap": (loss.tis_cap or DEFAULT_TIS_CAP) if on else None})

@@ -388,9 +388,12 @@ class BaseLossConfig(Section):
     )
     tis: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="truncated importance sampling: 'auto' is on whenever rollouts can come from older weights "
-        "than the trainer's (rollout.max_async_level > 0 or engine.sync_every_steps > 1) or tis_cap is set; "
-        "'on' always; 'off' never",
+        description="truncated importance sampling (the ratio against the trainer's own logprobs before the update, "
+        "pi_old / mu a capped weight); off, the ratio is against the engine's logprobs (the clip bounds the move from "
+        "the policy that sampled). 'auto' is on when rollouts can come from older weights than the trainer's "
+        "(rollout.max_async_level > 0 or engine.sync_every_steps > 1) and trainer.num_iterations > 1, or tis_cap is "
+        "set (at num_iterations 1 TIS's ratio is 1 and nothing bounds the update: docs/async.md); 'on' always; "
+        "'off' never",
     )
     tis_cap: float | None = Field(
         None, gt=0, description="truncated importance sampling cap on pi_old / mu; unset: 2.0 when TIS is on"

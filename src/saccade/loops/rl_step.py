@@ -57,7 +57,7 @@ class RLStep:
     world: World
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    loss: LossConfig  # effective_loss: TIS on whenever rollouts may come from older weights
+    loss: LossConfig  # effective_loss: TIS on for older rollouts trained on several times
     # What the engine samples from, so what the trainer, its old logprobs and the reference score.
     sampling: SamplingParams
     reference: Reference | None  # the KL term's: LoRA's base with adapters off, or a frozen copy (full FT)
