@@ -8,7 +8,7 @@
 # runs `saccade bench gpu --lease`: the stages docs/gpu-results.json has not recorded ok yet, in the
 # order of their value, within what the install left of LEASE_S (8 minutes), each stage's record
 # written to $OUT/bench-gpu/ the moment it ends, so a command cut short still returns what finished.
-# Back here: `saccade bench gpu --record <the returned bench-gpu folder>` merges them into
+# Back here: `saccade bench gpu --record RETURNED/bench-gpu` merges them into
 # docs/gpu-results.json and rewrites docs/gpu-runs.md's table; commit both.
 set -uo pipefail
 cd "$(dirname "$0")/.."

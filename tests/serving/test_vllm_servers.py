@@ -122,8 +122,9 @@ def test_one_step_ahead_never_trains_on_older_weights_than_one_version(tmp_path,
     assert rows[0]["policy_lag"] == 0  # nothing to be ahead of yet
     # Sampling ahead did happen: steps trained on rollouts one version old.
     assert sum(r["policy_lag_1_frac"] for r in rows) > 0
-    # TIS is on by default, and the engine/trainer gap at lag 0 is the numerics alone.
-    assert all("tis_weight_mean" in r for r in rows)
+    # At one iteration per batch the ratio is the engine's (TIS off by default: docs/async.md), and the
+    # engine/trainer gap at lag 0 is the numerics alone.
+    assert not any("tis_weight_mean" in r for r in rows)
     lag0 = [r["mismatch_abs_lag0"] for r in rows if "mismatch_abs_lag0" in r]
     assert lag0 and max(lag0) <= MEAN_BAR, lag0
     for r in rows:

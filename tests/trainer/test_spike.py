@@ -51,10 +51,12 @@ def test_the_window_survives_a_checkpoint():
     assert list(again.norms) == []
 
 
-def test_the_guard_is_on_by_default_and_false_turns_it_off():
-    assert load_config(RunConfig).trainer.grad_spike == GradSpikeConfig()
+def test_the_guard_is_off_by_default_and_true_turns_it_on():
+    assert load_config(RunConfig).trainer.grad_spike is None
+    assert load_config(RunConfig, None, ["--trainer.grad_spike", "true"]).trainer.grad_spike == GradSpikeConfig()
+    on = load_config(RunConfig, None, ["--trainer.grad_spike", "true", "--trainer.grad_spike.factor", "20"])
+    assert on.trainer.grad_spike.factor == 20.0
     assert load_config(RunConfig, None, ["--trainer.grad_spike", "false"]).trainer.grad_spike is None
-    assert load_config(RunConfig, None, ["--trainer.grad_spike.factor", "20"]).trainer.grad_spike.factor == 20.0
     assert GradSpikeGuard.of(None) is None
 
 

@@ -497,9 +497,11 @@ class TrainerConfig(Section):
     )
     grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
     grad_spike: GradSpikeConfig | None = Field(
-        default_factory=GradSpikeConfig,
+        None,
         description="skip a step whose gradient norm spikes far above the recent ones (a [trainer.grad_spike] "
-        "table; the default), or false: never skip one (--trainer.grad_spike false)",
+        "table, --trainer.grad_spike true), or false, the default: never skip one. Off by default because RL's "
+        "learning steps spike too: the visual demo's first steps that find the image have norms 20-150x the "
+        "median before them, and skipping them kept it at chance (docs/async.md)",
     )
 
     @field_validator("grad_spike", mode="before")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 LEASE_SETTINGS = {"device": "cuda", "quick": False}  # what a lease's results are; --quick or a CPU's are not
-DOC_BEGIN = "<!-- gpu-results: written by `saccade bench gpu --record`, from docs/gpu-results.json; do not edit -->"
+DOC_BEGIN = "<!-- gpu-results: written by `saccade bench gpu --record DIR`, from docs/gpu-results.json; do not edit -->"
 DOC_END = "<!-- end of gpu-results -->"
 
 
