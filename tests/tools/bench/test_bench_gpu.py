@@ -27,6 +27,9 @@ def test_every_stage_runs_quick_on_the_cpu_and_a_second_run_resumes(tmp_path):
     table = (tmp_path / gpu.MD_NAME).read_text()
     assert "not run yet" not in table and "FAILED" not in table
     assert all(f"| {s.name} |" in table for s in gpu.STAGES)
+    smoke = data["stages"]["smoke"]["result"]  # the lease's first stage: every module imports, the matmuls hold
+    assert smoke["passed"] and smoke["imports"]["modules"] > 100 and not smoke["imports"]["failed"]
+    assert smoke["matmul"]["upcast_rel"] <= smoke["matmul"]["bar"] and smoke["versions"]["torch"]
     rl = data["stages"]["rl"]["result"]
     assert rl["steps_with_signal"] >= 1  # the warm start's groups carry reward variance
     syncs = data["stages"]["syncs"]["result"]
