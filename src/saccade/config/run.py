@@ -11,7 +11,7 @@ from saccade.config.launch import LaunchConfig
 from saccade.config.sections import (
     DEFAULT_TIS_CAP, CheckpointConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig,
     LogConfig, LoraConfig, LossConfig, ModelConfig, PpoClipLossConfig, RolloutConfig, SamplingConfig, Section,
-    SftConfig, StallConfig, StallWarnConfig, TrainerConfig,
+    SftConfig, StallConfig, StallWarnConfig, TrainerConfig, section_or_off,
 )
 from saccade.config.task import ShapesTaskConfig, TaskConfig
 
@@ -61,11 +61,7 @@ class RunConfig(Section):
     @field_validator("lora", mode="before")
     @classmethod
     def _lora_or_full_finetuning(cls, value: Any) -> Any:
-        # TOML has no null: a section that may be off is `false` (and `true` is on, with its defaults).
-        if value is False:
-            return None
-        if value is True:
-            return {}
+        value = section_or_off(value)
         if value is not None and not isinstance(value, dict | LoraConfig):
             raise ValueError(f"lora is a [lora] table (LoRA) or false (full fine-tuning), got {value!r}")
         return value

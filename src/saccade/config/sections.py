@@ -471,6 +471,16 @@ class CosineDecayConfig(Section):
 LrDecayConfig = Annotated[ConstantDecayConfig | LinearDecayConfig | CosineDecayConfig, Field(discriminator="kind")]
 
 
+def section_or_off(value: Any) -> Any:
+    """A section that may be off, as TOML and the command line write it: TOML has no null, so off is
+    `false`, and `true` is on with the section's defaults; a table is the section itself."""
+    if value is False:
+        return None
+    if value is True:
+        return {}
+    return value
+
+
 class GradSpikeConfig(Section):
     """Skip an optimizer step whose gradient norm spikes (`saccade.trainer.spike`): after `warmup`
     steps, one whose pre-clip norm is over `factor` x the median of the last `window` norms leaves
@@ -503,16 +513,6 @@ class TrainerConfig(Section):
         "learning steps spike too: the visual demo's first steps that find the image have norms 20-150x the "
         "median before them, and skipping them kept it at chance (docs/async.md)",
     )
-
-    @field_validator("grad_spike", mode="before")
-    @classmethod
-    def _grad_spike_or_off(cls, value: Any) -> Any:
-        # TOML has no null: a section that may be off is `false` (and `true` is on, with its defaults).
-        if value is False:
-            return None
-        if value is True:
-            return {}
-        return value
     max_tokens: int = Field(4096, ge=16, description="token budget of one packed micro-batch")
     num_iterations: int = Field(1, ge=1, le=64, description="optimizer steps per rollout batch (mu); > 1 is off-policy")
     seed: int = Field(0, ge=0, description="seed of torch, data order and sampling")
@@ -542,6 +542,11 @@ class TrainerConfig(Section):
         "model.attn_implementation auto/packed_sdpa (other kernels pack every sample whole)",
     )
 
+
+    @field_validator("grad_spike", mode="before")
+    @classmethod
+    def _grad_spike_or_off(cls, value: Any) -> Any:
+        return section_or_off(value)
 
 class SftConfig(Section):
     """Supervised fine-tuning (`saccade sft`) on the task's reference answers."""

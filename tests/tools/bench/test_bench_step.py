@@ -10,7 +10,9 @@ from saccade.tools.bench.step import OVERHEAD_PARTS, ROLLOUT_PARTS, TRAIN_PARTS,
 from saccade.config.bench import RolloutBenchConfig, StepBenchConfig
 
 
-@pytest.mark.slow
+# `pytest -m long` (32 s): the default suite runs this bench on the tiny preset as a stage of
+# `saccade bench gpu --device cpu --quick` (tests/tools/bench/test_bench_gpu.py); this checks its report in full.
+@pytest.mark.long
 def test_step_bench_breaks_the_step_down_and_runs_the_reference(tmp_path):
     r = run_step_bench(StepBenchConfig(steps=1, trace=str(tmp_path / "trace")), log=lambda *_: None)
     parts = r["saccade_parts_s"]

@@ -32,7 +32,9 @@ FIGURES = (
 )
 
 
-@pytest.mark.slow
+# `pytest -m long` (32 s): the default suite runs this bench on the tiny preset as a stage of
+# `saccade bench gpu --device cpu --quick` (tests/tools/bench/test_bench_gpu.py); this checks its report in full.
+@pytest.mark.long
 def test_trainer_bench_on_tiny_preset():
     from saccade.tools.bench.trainer import format_report, run_trainer_bench
     from saccade.config.bench import TrainerBenchConfig

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import pkgutil
 import platform
 import time
 from typing import Any
@@ -117,22 +116,31 @@ def fla_precision() -> dict[str, Any]:
 
 
 def import_everything() -> dict[str, Any]:
-    """Import every saccade module; those that fail, each with the module it lacked. A failure on
-    an OPTIONAL package is expected on the lent machines and does not fail the stage."""
-    import saccade
+    """Import every saccade module, in a fresh interpreter (importing vLLM and the rest changes
+    process-wide settings, which must not reach the stages run after this one in-process); those
+    that fail, each with the module it lacked. A failure on an OPTIONAL package is expected on the
+    lent machines and does not fail the stage."""
+    import json
+    import subprocess
+    import sys
 
-    failed, optional = {}, {}
-    names = [m.name for m in pkgutil.walk_packages(saccade.__path__, "saccade.")]
-    for name in names:
-        if name.endswith("__main__"):
-            continue
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            (optional if (err.name or "").split(".")[0] in OPTIONAL else failed)[name] = f"no module {err.name}"
-        except Exception as err:  # noqa: BLE001
-            failed[name] = f"{type(err).__name__}: {err}"
-    return {"modules": len(names), "failed": failed, "optional_missing": optional}
+    code = f"""
+import importlib, json, pkgutil, saccade
+failed, optional = {{}}, {{}}
+names = [m.name for m in pkgutil.walk_packages(saccade.__path__, "saccade.") if not m.name.endswith("__main__")]
+for name in names:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        (optional if (err.name or "").split(".")[0] in {OPTIONAL!r} else failed)[name] = f"no module {{err.name}}"
+    except Exception as err:
+        failed[name] = f"{{type(err).__name__}}: {{err}}"
+print(json.dumps({{"modules": len(names), "failed": failed, "optional_missing": optional}}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return {"modules": 0, "failed": {"saccade": done.stderr.strip()[-500:]}, "optional_missing": {}}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def smoke(device: str) -> dict[str, Any]:
