@@ -1,19 +1,22 @@
-"""The objectives' config (`saccade.config.loss`): every loss kind and option from a file and from
-the command line, bad values refused with what to write, masked IS resolved per run."""
+"""The objectives' config (`saccade.config.loss`, `[rollout]`'s advantage options): every loss kind
+and option from a file and from the command line, bad values refused with what to write, masked
+IS resolved per run, and the old `rollout.scale_advantages_by_std` read as its new key."""
 
 from __future__ import annotations
 
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 
 from saccade.config import (
-    CispoLossConfig, ConfigError, GspoLossConfig, PpoClipLossConfig, ReinforceLossConfig, RunConfig, effective_loss,
-    load_config,
+    CispoLossConfig, ConfigError, GspoLossConfig, LegacyConfigWarning, PpoClipLossConfig, ReinforceLossConfig,
+    RunConfig, effective_loss, load_config,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+OLD = Path(__file__).parent / "old_configs"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -71,6 +74,10 @@ def test_another_kind_on_the_command_line_keeps_the_common_fields_and_takes_its_
     (["--loss.is_mask_high", "0.9"], "--loss.is_mask_high: input should be greater than 1 (got 0.9)"),
     (["--loss.kind", "cispo", "--loss.eps_low", "2"], "--loss.eps_low: input should be less than or equal to 1"),
     (["--loss.kind", "gspo", "--loss.eps_high", "-1e-4"], "--loss.eps_high: input should be greater than or equal"),
+    (["--rollout.advantage_baseline", "loo"], "--rollout.advantage_baseline: input should be 'group_mean' or "
+                                              "'rloo' (got 'loo')"),
+    (["--rollout.advantage_scaling", "global"], "--rollout.advantage_scaling: input should be 'group', 'batch' "
+                                                "or 'none' (got 'global')"),
 ])
 def test_bad_values_are_refused_saying_what_to_write(overrides, message):
     assert error(None, overrides).startswith(message)
@@ -98,3 +105,38 @@ def test_masked_is_is_on_by_default_whenever_rollouts_can_be_older_than_the_trai
     several = effective_loss(load_config(RunConfig, None, ["--engine.sync_every_steps", "4",
                                                            "--trainer.num_iterations", "2"]))
     assert (several.is_mask, several.tis_cap) == ("on", 2.0)
+
+
+def test_the_advantage_options_load_from_a_file_and_the_command_line(tmp_path):
+    assert (RunConfig().rollout.advantage_baseline, RunConfig().rollout.advantage_scaling) == ("group_mean", "group")
+    path = write(tmp_path, '[rollout]\nadvantage_baseline = "rloo"\nadvantage_scaling = "batch"\n')
+    from_file = load_config(RunConfig, path).rollout
+    from_cli = load_config(RunConfig, None, ["--rollout.advantage_baseline", "rloo",
+                                             "--rollout.advantage_scaling", "batch"]).rollout
+    assert from_file == from_cli and (from_cli.advantage_baseline, from_cli.advantage_scaling) == ("rloo", "batch")
+
+
+@pytest.mark.parametrize("old, new", [("true", "group"), ("false", "none")])
+def test_the_old_scale_advantages_by_std_still_reads(tmp_path, old, new):
+    with pytest.warns(LegacyConfigWarning) as caught:
+        cfg = load_config(RunConfig, write(tmp_path, f"[rollout]\nscale_advantages_by_std = {old}\n"))
+    assert cfg.rollout.advantage_scaling == new
+    said = " ".join(str(w.message) for w in caught)
+    assert f"rollout.scale_advantages_by_std = {old} -> rollout.advantage_scaling = '{new}'" in said
+    with pytest.warns(LegacyConfigWarning, match="--rollout.scale_advantages_by_std is now --rollout.advantage_scaling"):
+        cli = load_config(RunConfig, None, ["--rollout.scale_advantages_by_std", old])
+    assert cli == cfg
+    # beside its new key: which one was meant is not for the upgrade to guess
+    both = f'[rollout]\nscale_advantages_by_std = {old}\nadvantage_scaling = "batch"\n'
+    assert "has both rollout.scale_advantages_by_std (before 2026-11-28) and rollout.advantage_scaling" in error(
+        write(tmp_path, both), [])
+
+
+def test_a_run_folders_config_from_before_reads_its_std_scaling_as_group():
+    with pytest.warns(LegacyConfigWarning) as caught:
+        cfg = load_config(RunConfig, OLD / "demo-a404b19.toml")
+    assert cfg.rollout.advantage_scaling == "group" and cfg.rollout.advantage_baseline == "group_mean"
+    assert "rollout.scale_advantages_by_std = true -> rollout.advantage_scaling = 'group'" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(RunConfig, ROOT / "configs" / "demo.toml") == cfg  # today's keys: no warning

@@ -267,8 +267,16 @@ class RolloutConfig(Section):
     filter_zero_variance: bool = Field(
         True, description="drop groups whose rewards are all equal: no signal (DAPO dynamic sampling)"
     )
-    scale_advantages_by_std: bool = Field(
-        True, description="divide advantages by the group's std (GRPO); false: Dr. GRPO"
+    advantage_baseline: Literal["group_mean", "rloo"] = Field(
+        "group_mean",
+        description="what a reward is measured against: 'group_mean' the mean of its group's G rewards (GRPO); "
+        "'rloo' the mean of the other G - 1 (RLOO's leave-one-out baseline: the group mean's advantage times "
+        "G / (G - 1))",
+    )
+    advantage_scaling: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="what the advantage is divided by: 'group' its group's reward std (GRPO); 'batch' the std of "
+        "the whole step's rewards, every group's (TRL's scale_rewards = 'batch'); 'none' nothing (Dr. GRPO)",
     )
     max_async_level: int = Field(
         0, ge=0, le=16,
