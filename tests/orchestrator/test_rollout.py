@@ -68,6 +68,23 @@ def test_each_completion_gets_its_own_reward_and_its_groups_advantage(built):
     assert batch.metrics["reward_mean"] == pytest.approx(sum(s.reward for s in batch.samples) / 12)
 
 
+def test_the_advantage_options_reach_the_samples(built):
+    """rollout.advantage_baseline and advantage_scaling score the step: RLOO's leave-one-out
+    baseline over the std of all the step's rewards, checked against the rewards by hand."""
+    cfg, setup = built
+    task = scored_task(cfg, lambda text, sample: hash_reward(sample.sample_id + "|" + text))
+    prompts = [task.train_sample(i, seed=5) for i in range(3)]
+    batch = _rollouts(cfg, setup, task, prompts, advantage_baseline="rloo", advantage_scaling="batch")
+    rewards = [[r.sample.reward for r in group] for group in batch.groups]
+    flat = [x for group in rewards for x in group]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / (len(flat) - 1))
+    for group, scored in zip(rewards, batch.groups, strict=True):
+        assert len(set(group)) > 1
+        expected = [(r - (sum(group) - r) / 3) / (std + 1e-6) for r in group]
+        assert [r.sample.advantage for r in scored] == pytest.approx(expected, abs=1e-6)
+
+
 def test_groups_without_variance_are_dropped(built):
     cfg, setup = built
     prompts = scored_task(cfg).eval_samples(3)

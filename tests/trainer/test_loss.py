@@ -30,6 +30,7 @@ RATIOS = [1.0, 1.0, 1.5, 0.5, 1.0, 0.5, 1.5]  # masked entries are irrelevant
 ADV = [1.0, 1.0, 1.0, 1.0, -2.0, -2.0, -2.0]
 OLD = [-1.0, -0.7, -1.2, -0.3, -2.0, -0.9, -1.1]
 LOSS_IDX = [1, 2, 3, 5, 6]
+KINDS = ["ppo_clip", "reinforce", "cispo", "gspo"]
 
 
 def loss_config(**fields) -> LossConfig:
@@ -294,10 +295,10 @@ def test_missing_ref_or_entropy_for_nonzero_coef_is_a_user_error():
 # ------------------------------------------------------------------ masking
 
 
-@pytest.mark.parametrize("kind", ["ppo_clip", "reinforce"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
 def test_masked_tokens_with_garbage_contribute_zero_and_finite_grads(kind, norm):
-    cfg = loss_config(kind=kind, normalization=norm, tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01)
+    cfg = loss_config(kind=kind, normalization=norm, tis_cap=2.0, is_mask="on", kl_coef=0.1, entropy_coef=0.01)
     inference = [o - 0.1 for o in OLD]
     ref = [o + 0.2 for o in OLD]
     clean = make_inputs(entropy_N=t([1.0] * 7), inference_logprobs_N=t(inference), ref_logprobs_N=t(ref))
@@ -353,13 +354,13 @@ def _three_sequence_batch():
     return mask, cu, old, lp, adv, inference, ref, ent
 
 
-@pytest.mark.parametrize("kind", ["ppo_clip", "reinforce"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
 def test_grad_accumulation_with_totals_equals_the_whole_batch(kind, norm):
     mask, cu, old, lp, adv, inference, ref, ent = _three_sequence_batch()
-    cfg = loss_config(
-        kind=kind, normalization=norm, max_completion_tokens=8, tis_cap=1.05, kl_coef=0.1, entropy_coef=0.01
-    )
+    # pi_old / mu is 1, e^0.05 or e^0.1: TIS truncates the second, the mask drops the third
+    cfg = loss_config(kind=kind, normalization=norm, max_completion_tokens=8, tis_cap=1.05, is_mask="on",
+                      is_mask_high=1.08, kl_coef=0.1, entropy_coef=0.01)
 
     def inputs(lp_N, sl, cu_local, **totals):
         return LossInputs(
@@ -441,6 +442,11 @@ def test_non_bool_mask_is_a_value_error():
     [
         dict(kind="ppo"),
         dict(normalization="mean"),
+        dict(is_mask="yes"),
+        dict(is_mask_low=1.0),
+        dict(is_mask_high=1.0),
+        dict(kind="cispo", eps_low=1.5),
+        dict(kind="gspo", eps_low=1.0),
         dict(eps_low=1.0),
         dict(eps_high=-0.1),
         dict(max_completion_tokens=0),

@@ -276,3 +276,27 @@ def test_at_most_two_micro_batches_are_on_the_device_at_once(tiny_path, monkeypa
     up_front = [mb.to("cpu") for mb in micro_batches]  # what rl.py did before: the whole step moved first
     run(up_front)
     assert max(seen) >= 5
+
+
+def test_masked_is_keeps_the_engines_ratio_and_masks_by_the_trainers_logprobs(tiny_path):
+    """Masked IS without TIS: no pass of its own, the clipped ratio stays pi / mu (against the
+    engine's logprobs: the trust region over the lag), and the mask is taken by this forward's
+    logprobs. The engine said -2 for every completion token and the random model says about
+    -7: pi / mu ~ e^-5 leaves [0.5, 2], every token is masked, no policy gradient at all. With TIS
+    on the ratio is the trainer's own (1 at the first optimizer step), the mask the same."""
+    from saccade.config import PpoClipLossConfig
+    from saccade.trainer.step import train_step
+
+    def run(loss):
+        model = set_full_finetune(load_policy_lm(tiny_path))
+        optimizer, scheduler = build_optimizer(model, lr=1e-3, weight_decay=0.0, schedule=lambda s: 1.0)
+        return train_step(model, optimizer, scheduler, _text_micro_batches(), loss=loss, num_iterations=1,
+                          grad_clip=1.0, distribution=SampledDistribution(), banned_token_ids=[5, 6])
+
+    masked = run(PpoClipLossConfig(is_mask="on"))
+    assert masked["is_masked_frac"] == 1.0 and masked["grad_norm"] == 0.0
+    assert masked["ratio_mean"] < 0.05  # pi / mu, about e^-5: not the trainer's own ratio, 1
+    with_tis = run(PpoClipLossConfig(is_mask="on", tis_cap=2.0))
+    assert with_tis["is_masked_frac"] == 1.0 and with_tis["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    wide = run(PpoClipLossConfig(is_mask="on", is_mask_low=1e-4))  # e^-5 = 0.0067 is inside
+    assert wide["is_masked_frac"] == 0.0 and wide["grad_norm"] > 0

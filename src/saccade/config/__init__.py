@@ -1,8 +1,9 @@
 """Run configuration: pydantic models, TOML files, dotted command-line overrides, --dry-run.
 
 A run is described by one `RunConfig` (`run.py`), composed of sections (`sections.py`:
-`model`, `lora`, `images`, `image_cache`, `engine`, `sampling`, `rollout`, `stall`, `loss`,
-`trainer`, `sft`, `env`, `eval`, `checkpoint`, `log`; `launch.py`: the `[launch]` layout) and
+`model`, `lora`, `images`, `image_cache`, `engine`, `sampling`, `rollout`, `stall`,
+`trainer`, `sft`, `env`, `eval`, `checkpoint`, `log`; `loss.py`: the `[loss]` union;
+`launch.py`: the `[launch]` layout) and
 the `[task]` union (`task.py`: one variant per kind of task, each with its own fields). A mode
 is a union too, not a flag: `[stall]` by its `action`, `[loss]` by its `kind`,
 `[trainer.lr_decay]` by its `kind`, and `lora` is a `[lora]` table or `false` (full
@@ -54,14 +55,16 @@ the value of ``--trainer.lr 1e-5`` to the optional CONFIG positional.
 
 from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
 from saccade.config.loading import add_config_arguments, load_config, parse_overrides, split_overrides
+from saccade.config.loss import (
+    DEFAULT_TIS_CAP, BaseLossConfig, CispoLossConfig, GspoLossConfig, LossConfig, PpoClipLossConfig,
+    ReinforceLossConfig,
+)
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
-    DEFAULT_TIS_CAP, PRESET_NAMES, BaseLossConfig, CheckpointConfig, ConfigError, ConstantDecayConfig,
-    CosineDecayConfig, EngineConfig, EnvConfig, EvalConfig, GradSpikeConfig, ImageCacheConfig, ImagesConfig,
-    LinearDecayConfig,
-    LogConfig, LoraConfig, LossConfig, LrDecayConfig, ModelConfig, PpoClipLossConfig, ReinforceLossConfig,
-    RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallRollbackConfig, StallStopConfig,
-    StallWarnConfig, StallWatchConfig, TrainerConfig,
+    PRESET_NAMES, CheckpointConfig, ConfigError, ConstantDecayConfig, CosineDecayConfig, EngineConfig, EnvConfig,
+    EvalConfig, GradSpikeConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig,
+    LrDecayConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallRollbackConfig,
+    StallStopConfig, StallWarnConfig, StallWatchConfig, TrainerConfig,
 )
 from saccade.config.task import (
     DATASET_CONFIGS, DEFAULT_PROMPT_TEMPLATE, SCENE_QUESTION_KINDS, SHAPES_QUESTION_KINDS,
@@ -82,6 +85,7 @@ __all__ = [
     "VIEW_COLORS",
     "BaseLossConfig",
     "CheckpointConfig",
+    "CispoLossConfig",
     "ColumnsConfig",
     "ConfigError",
     "ConstantDecayConfig",
@@ -90,6 +94,7 @@ __all__ = [
     "EnvConfig",
     "EvalConfig",
     "GradSpikeConfig",
+    "GspoLossConfig",
     "HubDatasetTaskConfig",
     "ImageCacheConfig",
     "ImagesConfig",

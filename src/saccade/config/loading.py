@@ -431,6 +431,9 @@ def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequenc
             warnings.warn(f"{source} is now --{move.new} (since {move.date}: {move.why}); read as it",
                           LegacyConfigWarning, stacklevel=2)
             dotted = move.new
+            if move.convert is not None:
+                new = move.convert(_parse_value(raw, Any))
+                raw = new if isinstance(new, str) else json.dumps(new)
         target = _field_at(cls, dotted, source, data)
         value = _parse_value(raw, target.annotation)
         parts = dotted.split(".")

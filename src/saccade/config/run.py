@@ -8,10 +8,11 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from saccade.config.launch import LaunchConfig
+from saccade.config.loss import DEFAULT_TIS_CAP, LossConfig, PpoClipLossConfig
 from saccade.config.sections import (
-    DEFAULT_TIS_CAP, CheckpointConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig,
-    LogConfig, LoraConfig, LossConfig, ModelConfig, PpoClipLossConfig, RolloutConfig, SamplingConfig, Section,
-    SftConfig, StallConfig, StallWarnConfig, TrainerConfig, section_or_off,
+    CheckpointConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig, LogConfig, LoraConfig,
+    ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallWarnConfig, TrainerConfig,
+    section_or_off,
 )
 from saccade.config.task import ShapesTaskConfig, TaskConfig
 
@@ -35,7 +36,8 @@ class RunConfig(Section):
     )
     loss: LossConfig = Field(
         default_factory=PpoClipLossConfig,
-        description="the policy loss: its kind (with that kind's own fields), normalisation, TIS, KL, entropy",
+        description="the policy loss: its kind (with that kind's own fields), normalisation, TIS, masked IS, KL, "
+        "entropy",
     )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the optimizer loop")
     sft: SftConfig = Field(default_factory=SftConfig, description="supervised fine-tuning")
@@ -107,7 +109,8 @@ class RunConfig(Section):
 
 
 def effective_loss(cfg: RunConfig) -> LossConfig:
-    """The loss a run trains with: `loss`, with tis_cap set when TIS is on (`loss.tis`).
+    """The loss a run trains with: `loss`, with tis_cap set when TIS is on (`loss.tis`) and
+    is_mask 'on' or 'off' (`loss.is_mask`, 'auto' resolved).
 
     Without TIS the clipped ratio is pi / mu, against the engine's logprobs: the clip bounds how
     far an update moves the sampled tokens from the policy that sampled them, across any lag.
@@ -115,9 +118,13 @@ def effective_loss(cfg: RunConfig) -> LossConfig:
     a capped weight; at num_iterations = 1 that ratio is 1 when the gradient is taken, so nothing
     bounds the update, and one step ahead collapsed that way (docs/async.md). So 'auto' turns TIS
     on for rollouts from older weights only when the trainer takes several optimizer steps per
-    batch (the clip acts from the second on), or when tis_cap is set."""
+    batch (the clip acts from the second on), or when tis_cap is set. Masked IS leaves the ratio
+    as it is (without TIS it reads pi_old from the loss's own forward: saccade.trainer.loss), so
+    'auto' turns it on for every run on rollouts from older weights."""
     loss = cfg.loss
     off_policy = cfg.rollout.max_async_level > 0 or cfg.engine.sync_every_steps > 1
     decoupled = off_policy and cfg.trainer.num_iterations > 1
-    on = loss.tis == "on" or (loss.tis == "auto" and (decoupled or loss.tis_cap is not None))
-    return loss.model_copy(update={"tis_cap": (loss.tis_cap or DEFAULT_TIS_CAP) if on else None})
+    tis = loss.tis == "on" or (loss.tis == "auto" and (decoupled or loss.tis_cap is not None))
+    mask = loss.is_mask == "on" or (loss.is_mask == "auto" and off_policy)
+    return loss.model_copy(update={"tis_cap": (loss.tis_cap or DEFAULT_TIS_CAP) if tis else None,
+                                   "is_mask": "on" if mask else "off"})

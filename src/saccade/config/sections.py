@@ -267,8 +267,16 @@ class RolloutConfig(Section):
     filter_zero_variance: bool = Field(
         True, description="drop groups whose rewards are all equal: no signal (DAPO dynamic sampling)"
     )
-    scale_advantages_by_std: bool = Field(
-        True, description="divide advantages by the group's std (GRPO); false: Dr. GRPO"
+    advantage_baseline: Literal["group_mean", "rloo"] = Field(
+        "group_mean",
+        description="what a reward is measured against: 'group_mean' the mean of its group's G rewards (GRPO); "
+        "'rloo' the mean of the other G - 1 (RLOO's leave-one-out baseline: the group mean's advantage times "
+        "G / (G - 1))",
+    )
+    advantage_scaling: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="what the advantage is divided by: 'group' its group's reward std (GRPO); 'batch' the std of "
+        "the whole step's rewards, every group's (TRL's scale_rewards = 'batch'); 'none' nothing (Dr. GRPO)",
     )
     max_async_level: int = Field(
         0, ge=0, le=16,
@@ -364,79 +372,6 @@ class StallRollbackConfig(StallWatchConfig):
 
 
 StallConfig = Annotated[StallWarnConfig | StallStopConfig | StallRollbackConfig, Field(discriminator="action")]
-
-
-LOSS_KIND = "the policy-gradient term: 'ppo_clip' (the clipped PPO surrogate) or 'reinforce' (plain REINFORCE)"
-
-
-class BaseLossConfig(Section):
-    """The policy loss, whatever its kind (`[loss]`, the fields every kind has): normalisation,
-    truncated importance sampling, the KL term and the entropy bonus. `kind` picks the
-    policy-gradient term; `saccade.trainer.loss.policy_loss` takes the variant itself.
-
-    A new kind is a subclass with its own fields (kind first) and a line in `LossConfig`, and its
-    branch in `policy_loss`."""
-
-    kind: str = Field("ppo_clip", description=LOSS_KIND)
-    normalization: Literal["sequence", "token", "constant"] = Field(
-        "token",
-        description="'sequence': mean per sequence, then over sequences (GRPO); 'token': over all tokens "
-        "(DAPO); 'constant': sum / (sequences * max_completion_tokens) (Dr. GRPO)",
-    )
-    max_completion_tokens: int = Field(
-        16, ge=1, description="the constant of 'constant' normalization; set it to sampling.max_tokens"
-    )
-    tis: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="truncated importance sampling (the ratio against the trainer's own logprobs before the update, "
-        "pi_old / mu a capped weight); off, the ratio is against the engine's logprobs (the clip bounds the move from "
-        "the policy that sampled). 'auto' is on when rollouts can come from older weights than the trainer's "
-        "(rollout.max_async_level > 0 or engine.sync_every_steps > 1) and trainer.num_iterations > 1, or tis_cap is "
-        "set (at num_iterations 1 TIS's ratio is 1 and nothing bounds the update: docs/async.md); 'on' always; "
-        "'off' never",
-    )
-    tis_cap: float | None = Field(
-        None, gt=0, description="truncated importance sampling cap on pi_old / mu; unset: 2.0 when TIS is on"
-    )
-    kl_coef: float = Field(
-        0.0, ge=0,
-        description="weight of the KL(pi || reference) penalty, estimated per token by kl_estimator. The reference "
-        "is the policy the run starts from: with LoRA the base with the adapters off (no copy); with full "
-        "fine-tuning a frozen copy of the language model in model.dtype (sharded like the policy under torchrun; "
-        "`saccade memory` counts it), taken before the first step, so a resumed run keeps the original anchor, "
-        "not its checkpoint",
-    )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3",
-        description="the per-token KL estimate, with d = log ref - log pi (Schulman's approximations): 'k1' -d "
-        "(an unbiased value, negative on some tokens; as a loss term its gradient averages to 0 over pi's "
-        "tokens, so it regularises nothing), 'k2' d^2 / 2 (a biased value; its gradient averages to KL(pi || "
-        "ref)'s), 'k3' exp(d) - d - 1 (unbiased, >= 0; its gradient averages to KL(ref || pi)'s). The `kl` "
-        "metric is the chosen estimator's mean over the loss tokens",
-    )
-    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
-
-
-class PpoClipLossConfig(BaseLossConfig):
-    """The clipped PPO surrogate, per loss token: -min(ratio x A, clip(ratio, 1 - eps_low,
-    1 + eps_high) x A), ratio = pi / pi_old (DAPO's clip-higher: eps_high > eps_low)."""
-
-    kind: Literal["ppo_clip"] = Field("ppo_clip", description=LOSS_KIND)
-    eps_low: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - eps_low")
-    eps_high: float = Field(
-        0.28, ge=0, le=10, description="the ratio is clipped above at 1 + eps_high (DAPO clip-higher)"
-    )
-
-
-class ReinforceLossConfig(BaseLossConfig):
-    """Plain REINFORCE, per loss token: -A x logprob; no ratio, so nothing to clip."""
-
-    kind: Literal["reinforce"] = Field("reinforce", description=LOSS_KIND)
-
-
-LossConfig = Annotated[PpoClipLossConfig | ReinforceLossConfig, Field(discriminator="kind")]
-
-DEFAULT_TIS_CAP = 2.0
 
 
 DECAY = "the lr after warm-up: 'constant', or 'linear' or 'cosine' decay to min_lr_ratio x the peak"

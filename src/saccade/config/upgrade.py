@@ -61,11 +61,14 @@ class Move:
     date: str  # the day the key moved
     why: str
     applies: Callable[[Any], bool] = lambda value: True  # the old key's value, not the new key's (same path)
+    convert: Callable[[Any], Any] | None = None  # the old value -> the new key's (None: the same value)
 
 
 MODES_DAY = "2026-11-28"  # issue 45: modes as unions, not flags
 _STALL = "the stall watch is a section of its own, its action a union: only 'rollback' has lr_factor and max_rollbacks"
 _DECAY = "the lr decay is a union: only 'linear' and 'cosine' have min_lr_ratio"
+OBJECTIVES_DAY = "2026-11-28"  # issue 47: the advantage's baseline and scaling are choices, not a flag
+_SCALING = "the advantage scaling is a choice of three: true is 'group' (the group's std), false 'none'"
 MOVES: tuple[Move, ...] = (
     Move("lora.enabled", "lora", MODES_DAY, "LoRA or not is a mode, not a flag beside LoRA's settings: a [lora] table "
          "(the default) or lora = false"),
@@ -76,8 +79,17 @@ MOVES: tuple[Move, ...] = (
     Move("rollout.max_rollbacks", "stall.max_rollbacks", MODES_DAY, _STALL),
     Move("trainer.lr_decay", "trainer.lr_decay.kind", MODES_DAY, _DECAY, applies=lambda value: isinstance(value, str)),
     Move("trainer.min_lr_ratio", "trainer.lr_decay.min_lr_ratio", MODES_DAY, _DECAY),
+    Move("rollout.scale_advantages_by_std", "rollout.advantage_scaling", OBJECTIVES_DAY, _SCALING,
+         convert=lambda value: _std_scaling(value)),
 )
 MOVED = {move.old: move for move in MOVES}
+
+
+def _std_scaling(value: Any) -> Any:
+    """scale_advantages_by_std's true or false (a file's bool, the command line's text) as the
+    scaling it meant; anything else as it is, for validation to refuse under the new key."""
+    flag = {"true": True, "false": False}.get(value.lower(), value) if isinstance(value, str) else value
+    return ("group" if flag else "none") if isinstance(flag, bool) else value
 # Sections that a day split into variants: an old file carried every field of the section, and
 # the fields its variant does not have are dropped.
 SPLIT: tuple[str, ...] = ("stall", "trainer.lr_decay", "loss")  # loss: 'reinforce' has no eps_low, eps_high
@@ -118,9 +130,13 @@ def upgrade(data: dict[str, Any], label: str) -> dict[str, Any]:
         if _has(out, move.new) and not inside:
             raise ValueError(f"has both {move.old} (before {move.date}) and {move.new}, its new key: remove {move.old}")
         off = _get(out, move.new) if inside and value is False else None
+        if move.convert is not None:
+            value, was = move.convert(value), value
+            notes.append(f"{move.old} = {_toml(was)} -> {move.new} = {_toml(value)}")
+        else:
+            notes.append(f"{move.old} -> {move.new}" if not inside else f"{move.old} = false -> {move.new} = false"
+                         if value is False else f"{move.old} = true -> [{move.new}]")
         _put(out, move.new, value)
-        notes.append(f"{move.old} -> {move.new}" if not inside else f"{move.old} = false -> {move.new} = false"
-                     if value is False else f"{move.old} = true -> [{move.new}]")
         if off:  # a section turned off (lora = false): its fields were not read
             dropped += _set_fields(move.new, off, _model_at(move.new))
     for path in SPLIT:

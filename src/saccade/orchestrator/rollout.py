@@ -283,7 +283,8 @@ def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> Rollout
     statistics but out of the loss (DAPO's overlong filtering)."""
     rewards_PG = torch.tensor([[r.reward for r in group] for group in groups], dtype=torch.float32)
     shaped_PG = shaped_rewards(groups, rollout.overlong_penalty) if rollout.overlong_penalty else rewards_PG
-    advantages_PG = group_advantages(shaped_PG, scale_by_std=rollout.scale_advantages_by_std)
+    advantages_PG = group_advantages(shaped_PG, baseline=rollout.advantage_baseline,
+                                     scaling=rollout.advantage_scaling)
     signal_P = ~zero_variance_groups(shaped_PG)  # a group whose rewards are all equal teaches nothing
     keep_P = signal_P if rollout.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
     samples = []

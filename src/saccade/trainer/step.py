@@ -333,6 +333,8 @@ def train_step(
 
     # Behaviour logprobs: the engine's. With TIS, the ratio is taken against the trainer's own
     # logprobs before the update, and the engine/trainer gap is corrected by a capped weight.
+    # (Masked IS needs no pass of its own: without TIS it takes the trainer's side from the
+    # forward the loss is computed on, and the ratio stays the engine's: saccade.trainer.loss.)
     old_logprobs: list[torch.Tensor | None] = [None] * len(micro_batches)
     ref_logprobs: list[torch.Tensor | None] = [None] * len(micro_batches)
     if loss.tis_cap is not None or reference is not None:
