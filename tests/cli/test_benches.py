@@ -30,7 +30,7 @@ OLD_FLAGS = {
                 "--peak-tflops", "--json"},
     "step": {"--preset", "--dtype", "--image-size", "--lora", "--steps", "--device", "--max-tokens", "--trace", "--json"},
     "distributed": {"--nproc", "--preset", "--lora", "--steps", "--seq-len", "--max-tokens", "--device", "--json"},
-    "async": {"--url", "--world-sizes", "--out", "--json"},
+    "async": {"--url", "--world-sizes", "--seeds", "--out", "--json"},
     "kill": {"--kills", "--steps", "--seed", "--out", "--json"},
     "soak": {"--steps", "--warmup", "--out", "--json"},
     "engine-parity": {"--engine", "--url", "--temperature", "--dtype", "--model", "--json"},

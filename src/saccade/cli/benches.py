@@ -212,13 +212,16 @@ BENCHES = (
     ),
     Bench(
         "async", AsyncBenchConfig, cmd_bench_async,
-        help="the vLLM demo config at rollout.max_async_level 0, then 1, at each world size: seconds per step, ratio",
+        help="the vLLM demo config at rollout.max_async_level 0, then 1, at each world size and seed: seconds per "
+        "step, ratio, learning per seed",
         description="Runs the demo config on a vLLM server from the demo's warm start (model tiny-warm), back to back "
         "on the same server: rollout.max_async_level 0 (sample, train, push) and 1 (step n+1 sampled while step n "
-        "trains), at each trainer world size of --world-sizes (1: one `saccade rl` process; more: torchrun). Prints "
+        "trains), at each trainer world size of --world-sizes (1: one `saccade rl` process; more: torchrun) and each "
+        "trainer.seed of --seeds. Prints "
         "seconds per step (the loop's own, start-up left out), level 1's steps per second over level 0's at each "
         "world size, the fraction of the loop the trainer waited for rollouts and the server had nothing to do, the "
-        "lag, and each run's held-out accuracy. The cores are split: the server's compute threads on the first half, "
+        "lag, each run's held-out accuracy, and per seed whether level 1 learned as level 0 did (within 0.05) and its "
+        "longest run of steps with reward 0. The cores are split: the server's compute threads on the first half, "
         "the trainer's ranks on the other half. Dotted overrides (--trainer.steps 40) apply to every run."
     ),
     Bench(

@@ -107,33 +107,49 @@ class RunBenchConfig(Section):
                             json_schema_extra={"metavar": "DIR"})
 
 
+def comma_separated_ints(value: Any) -> Any:
+    """`1,2` as (1, 2); a single int as a 1-tuple; anything else as it came (pydantic checks it)."""
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, str):
+        try:
+            return tuple(int(part) for part in value.split(","))
+        except ValueError:
+            raise ValueError(f"comma-separated whole numbers, e.g. 1,2; got {value!r}") from None
+    return value
+
+
 class AsyncBenchConfig(RunBenchConfig):
     """`saccade bench async`: the vLLM demo config at rollout.max_async_level 0, then 1, at each
-    trainer world size."""
+    trainer world size and seed."""
 
     url: str | None = Field(None, min_length=1, description="an already running `saccade serve` of tiny-warm "
                             "(unset: start one)")
     world_sizes: tuple[int, ...] = Field((1,), min_length=1, description="the trainer's world sizes, comma-separated "
                                          "(1: one `saccade rl` process; more: torchrun)",
                                          json_schema_extra={"metavar": "N,N"})
+    seeds: tuple[int, ...] = Field((0,), min_length=1, description="the runs' trainer.seed values, comma-separated: "
+                                   "both levels run at each seed, and the report says per seed whether level 1 "
+                                   "learned as level 0 did (one seed proves little: RL amplifies float noise)",
+                                   json_schema_extra={"metavar": "N,N"})
 
-    @field_validator("world_sizes", mode="before")
+    @field_validator("world_sizes", "seeds", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
-        if isinstance(value, int):
-            return (value,)
-        if isinstance(value, str):
-            try:
-                return tuple(int(part) for part in value.split(","))
-            except ValueError:
-                raise ValueError(f"comma-separated whole numbers, e.g. 1,2; got {value!r}") from None
-        return value
+        return comma_separated_ints(value)
 
     @field_validator("world_sizes")
     @classmethod
     def _at_least_one(cls, value: tuple[int, ...]) -> tuple[int, ...]:
         if min(value) < 1:
             raise ValueError(f"each world size at least 1; got {','.join(map(str, value))}")
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _not_negative(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if min(value) < 0:
+            raise ValueError(f"each seed at least 0; got {','.join(map(str, value))}")
         return value
 
 

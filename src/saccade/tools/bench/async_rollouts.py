@@ -1,8 +1,10 @@
 """`saccade bench async`: the vLLM demo config at rollout.max_async_level 0 and then 1, back to
 back on the same server, from the demo's warm start, at each trainer world size asked for (1:
-one `saccade rl` process; 2 and more: torchrun, FSDP2 over gloo): seconds per step, the ratio
-of level 1's steps per second over level 0's at each world size, how idle the trainer and the
-server were, and the held-out accuracy each run reached.
+one `saccade rl` process; 2 and more: torchrun, FSDP2 over gloo) and each seed: seconds per
+step, the ratio of level 1's steps per second over level 0's at each world size, how idle the
+trainer and the server were, and per seed whether level 1 learned as level 0 did (the
+held-out accuracy each run reached, and its longest run of steps with reward 0: the collapse
+that one step ahead once showed, docs/async.md).
 
 Every run is a real `saccade rl` in a fresh process, the way a user starts it; its seconds are
 the loop's own (the sum of the steps' `step_s` in metrics.jsonl: from asking for the step's
@@ -40,7 +42,17 @@ def rl_command(config: Path, world: int) -> list[str]:
             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "saccade", "rl", str(config)]
 
 
-def run_figures(run_dir: Path, level: int, world: int) -> dict[str, Any]:
+def longest_zero_reward_run(rewards: list[float]) -> int:
+    """The most consecutive steps whose mean reward was 0: a run that has collapsed (every
+    reply wrong, or cut at max_tokens) trains on nothing, since no group has a reward spread."""
+    longest = current = 0
+    for reward in rewards:
+        current = current + 1 if reward == 0 else 0
+        longest = max(longest, current)
+    return longest
+
+
+def run_figures(run_dir: Path, level: int, world: int, seed: int = 0) -> dict[str, Any]:
     """A finished run's figures, from its metrics.jsonl."""
     from saccade.metrics import read_metrics
 
@@ -50,6 +62,7 @@ def run_figures(run_dir: Path, level: int, world: int) -> dict[str, Any]:
     loop_s = sum(r["step_s"] for r in train)
     lag0 = [r["mismatch_abs_lag0"] for r in train if "mismatch_abs_lag0" in r]
     return {
+        "seed": seed,
         "world_size": world,
         "max_async_level": level,
         "steps": len(train),
@@ -60,6 +73,7 @@ def run_figures(run_dir: Path, level: int, world: int) -> dict[str, Any]:
         "policy_lag_mean": sum(r["policy_lag_mean"] for r in train) / len(train),
         "mismatch_abs_lag0_max": max(lag0) if lag0 else None,
         "accuracy_after": evals[-1]["accuracy"] if evals else None,
+        "zero_reward_steps_max": longest_zero_reward_run([r["reward_mean"] for r in train]),
     }
 
 
@@ -80,13 +94,13 @@ def run_async_bench(cfg: AsyncBenchConfig, *, levels=(0, 1), progress: bool = Tr
     server_cores, trainer_cores = split_cores(sorted(os.sched_getaffinity(0)))
     env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, server_cores))}
 
-    def run_one(url: str, world: int, level: int) -> dict[str, Any]:
-        name = f"world{world}-level{level}"
+    def run_one(url: str, seed: int, world: int, level: int) -> dict[str, Any]:
+        name = f"seed{seed}-world{world}-level{level}"
         threads = max(1, len(trainer_cores) // world)
         run = base.model_copy(update={
             "engine": base.engine.model_copy(update={"kind": "vllm", "urls": [url]}),
             "rollout": base.rollout.model_copy(update={"max_async_level": level}),
-            "trainer": base.trainer.model_copy(update={"torch_threads": threads}),
+            "trainer": base.trainer.model_copy(update={"torch_threads": threads, "seed": seed}),
             "log": base.log.model_copy(update={"dir": str(out / name)}),
         })
         RunConfig.model_validate(run.model_dump())  # the validators, on the combination
@@ -100,10 +114,10 @@ def run_async_bench(cfg: AsyncBenchConfig, *, levels=(0, 1), progress: bool = Tr
                                   preexec_fn=lambda: os.sched_setaffinity(0, trainer_cores))
         if done.returncode != 0:
             raise RuntimeError(f"{name} exited with {done.returncode}:\n{(out / f'{name}.log').read_text()[-4000:]}")
-        return run_figures(run.run_dir, level, world)
+        return run_figures(run.run_dir, level, world, seed)
 
     def run_all(url: str) -> list[dict[str, Any]]:
-        return [run_one(url, world, level) for world in world_sizes for level in levels]
+        return [run_one(url, seed, world, level) for seed in cfg.seeds for world in world_sizes for level in levels]
 
     if url:
         runs = run_all(url)
@@ -118,15 +132,43 @@ def run_async_bench(cfg: AsyncBenchConfig, *, levels=(0, 1), progress: bool = Tr
     result: dict[str, Any] = {"runs": runs, "server_cores": server_cores, "trainer_cores": trainer_cores,
                               "prompts_per_step": base.rollout.prompts_per_step,
                               "group_size": base.rollout.group_size, "out_dir": str(out),
-                              "steps_per_s_ratio": level_ratios(runs)}
+                              "steps_per_s_ratio": level_ratios(runs), "learning": learning_by_seed(runs)}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
 
 def level_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Per world size, level 1's steps per second over level 0's (keys: the world size)."""
-    by = {(r["world_size"], r["max_async_level"]): r for r in runs}
-    return {str(w): by[w, 0]["step_s"] / by[w, 1]["step_s"] for w, level in by if level == 1 and (w, 0) in by}
+    """Per world size, level 1's steps per second over level 0's, over every seed's runs (keys:
+    the world size)."""
+    step_s: dict[tuple[int, int], list[float]] = {}
+    for r in runs:
+        step_s.setdefault((r["world_size"], r["max_async_level"]), []).append(r["step_s"])
+    mean = {key: sum(values) / len(values) for key, values in step_s.items()}
+    return {str(w): mean[w, 0] / mean[w, 1] for w, level in mean if level == 1 and (w, 0) in mean}
+
+
+# Level 1 learned as level 0 did: held-out accuracy within this of level 0's (issue 47's bar).
+LEARNED_AS_LEVEL0 = 0.05
+
+
+def learning_by_seed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (seed, world size) with both levels run: each level's held-out accuracy, level 1's
+    gap to level 0 (negative: level 1 learned less) and whether it is within LEARNED_AS_LEVEL0,
+    and each level's longest run of steps with reward 0."""
+    by = {(r["seed"], r["world_size"], r["max_async_level"]): r for r in runs}
+    rows = []
+    for seed, world, level in by:
+        if level != 1 or (seed, world, 0) not in by:
+            continue
+        level0, level1 = by[seed, world, 0], by[seed, world, 1]
+        gap = None
+        if level0["accuracy_after"] is not None and level1["accuracy_after"] is not None:
+            gap = level1["accuracy_after"] - level0["accuracy_after"]
+        rows.append({"seed": seed, "world_size": world, "accuracy_level0": level0["accuracy_after"],
+                     "accuracy_level1": level1["accuracy_after"], "gap": gap,
+                     "learned_as_level0": gap is not None and gap >= -LEARNED_AS_LEVEL0,
+                     "zero_reward_steps_max": [level0["zero_reward_steps_max"], level1["zero_reward_steps_max"]]})
+    return rows
 
 
 def format_async_report(result: dict[str, Any]) -> str:
@@ -135,11 +177,22 @@ def format_async_report(result: dict[str, Any]) -> str:
     for r in result["runs"]:
         lag0, accuracy = r["mismatch_abs_lag0_max"], r["accuracy_after"]
         lines.append(
-            f"world {r['world_size']}, max_async_level {r['max_async_level']}: {r['steps']} steps, "
-            f"{r['step_s']:.2f} s/step, trainer idle {r['trainer_idle_frac']:.0%}, server idle "
+            f"seed {r.get('seed', 0)}, world {r['world_size']}, max_async_level {r['max_async_level']}: "
+            f"{r['steps']} steps, {r['step_s']:.2f} s/step, trainer idle {r['trainer_idle_frac']:.0%}, server idle "
             f"{r['engine_idle_frac']:.0%}, lag {r['policy_lag_mean']:.2f}, mismatch at lag 0 <= "
             f"{lag0 if lag0 is None else f'{lag0:.1e}'}, held-out accuracy "
-            f"{'-' if accuracy is None else f'{accuracy:.3f}'}")
+            f"{fmt_accuracy(accuracy)}")
     for world, ratio in result["steps_per_s_ratio"].items():
         lines.append(f"steps per second, level 1 / level 0, world {world}: {ratio:.2f}x")
+    for row in result.get("learning", []):
+        gap = "-" if row["gap"] is None else f"{row['gap']:+.3f}"
+        verdict = "learned as level 0" if row["learned_as_level0"] else f"NOT within {LEARNED_AS_LEVEL0} of level 0"
+        lines.append(
+            f"seed {row['seed']}, world {row['world_size']}: held-out level 0 {fmt_accuracy(row['accuracy_level0'])}, "
+            f"level 1 {fmt_accuracy(row['accuracy_level1'])} ({gap}: {verdict}); longest run of reward-0 steps "
+            f"{row['zero_reward_steps_max'][0]} and {row['zero_reward_steps_max'][1]}")
     return "\n".join(lines)
+
+
+def fmt_accuracy(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
