@@ -70,6 +70,19 @@ def test_the_real_model_configs_are_shipped():
         assert root.resolve() == CONFIGS.resolve()
 
 
+@pytest.mark.parametrize("real", REAL, ids=ids)
+def test_the_async_configs_train_with_what_made_one_step_ahead_learn(real):
+    """Every real config samples one step ahead at one optimizer step per batch: TIS there
+    (pi / pi_old is 1 at the gradient) bounded nothing and one step ahead collapsed, while the
+    clip against the engine's logprobs is the bound (docs/async.md, "One step ahead that breaks")."""
+    from saccade.config.run import effective_loss
+
+    cfg = load_config(RunConfig, real.path)
+    assert cfg.rollout.max_async_level == 1 and cfg.trainer.num_iterations == 1
+    loss = effective_loss(cfg)
+    assert (loss.tis_cap, loss.is_mask) == (None, "on")
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_config_loads_and_dry_runs(path, capsys, tmp_path):
     cfg = load_config(RunConfig, path)
