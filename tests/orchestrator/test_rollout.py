@@ -99,10 +99,14 @@ def test_groups_without_variance_are_dropped(built):
     assert batch.metrics["groups_kept_frac"] == pytest.approx(2 / 3)
     assert batch.metrics["groups_with_signal_frac"] == pytest.approx(2 / 3)
     assert all(r.sample.advantage == 0.0 for r in batch.groups[1])
+    # What was dropped, for a normalisation that counts it (loss.denominator 'sampled').
+    assert batch.filtered_samples == len(batch.groups[1])
+    assert batch.filtered_loss_tokens == sum(int(r.sample.loss_mask.sum()) for r in batch.groups[1]) > 0
     # Kept or not, the flat group carries no signal (what the stall watch counts).
     unfiltered = _rollouts(cfg, setup, scored_task(cfg, score), prompts, filter_zero_variance=False)
     assert unfiltered.metrics["groups_kept_frac"] == 1.0
     assert unfiltered.metrics["groups_with_signal_frac"] == pytest.approx(2 / 3)
+    assert (unfiltered.filtered_samples, unfiltered.filtered_loss_tokens) == (0, 0)
 
 
 def test_replies_cut_at_max_tokens_are_counted(built):

@@ -180,9 +180,8 @@ def test_a_checkpoint_keeps_the_master_weights_exactly(tiny_path, tmp_path):
                        dict(model.named_parameters())["model.language_model.norm.weight"])
 
 
-def _text_micro_batches(n_samples: int = 4):
-    """Text-only samples with a 5-token completion each, packed into one micro-batch."""
-    from saccade.trainer.packing import pack
+def _text_samples(n_samples: int = 4, advantages: list[float] | None = None):
+    """Text-only samples with a 5-token completion each (advantages +1, -1, ... unless given)."""
     from saccade.trainer.samples import make_sample
 
     gen = torch.Generator().manual_seed(3)
@@ -194,8 +193,16 @@ def _text_micro_batches(n_samples: int = 4):
         mask[-5:] = True
         samples.append(make_sample(f"s{i}", ids, torch.zeros(L, dtype=torch.long), None, [], spatial_merge_size=2,
                                    loss_mask=mask, inference_logprobs=torch.where(mask, -2.0, 0.0),
-                                   advantage=(-1.0) ** i))
-    return pack(samples, lambda key: None, max_tokens=256, image_token_id=-1, spatial_merge_size=2)
+                                   advantage=(-1.0) ** i if advantages is None else advantages[i]))
+    return samples
+
+
+def _text_micro_batches(n_samples: int = 4, advantages: list[float] | None = None):
+    """`_text_samples`, packed into one micro-batch."""
+    from saccade.trainer.packing import pack
+
+    return pack(_text_samples(n_samples, advantages), lambda key: None, max_tokens=256, image_token_id=-1,
+                spatial_merge_size=2)
 
 
 def test_a_padding_micro_batch_changes_nothing_but_runs_a_full_forward_and_backward(tiny_path):
@@ -300,3 +307,27 @@ def test_masked_is_keeps_the_engines_ratio_and_masks_by_the_trainers_logprobs(ti
     assert with_tis["is_masked_frac"] == 1.0 and with_tis["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     wide = run(PpoClipLossConfig(is_mask="on", is_mask_low=1e-4))  # e^-5 = 0.0067 is inside
     assert wide["is_masked_frac"] == 0.0 and wide["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence", "constant"])
+def test_counting_the_filtered_groups_trains_the_unfiltered_batch(tiny_path, normalization):
+    """loss.denominator 'sampled': the kept samples with the dropped ones' loss tokens and
+    samples counted take the gradient of the whole batch, the dropped ones at advantage 0 (what
+    a group without reward spread carries); 'kept' scales it up by sampled / kept (here 2x)."""
+    from saccade.config import PpoClipLossConfig
+    from saccade.trainer.packing import pack
+    from saccade.trainer.step import train_step
+
+    def grad_norm(samples, denominator, filtered=(0, 0)):
+        model = set_full_finetune(load_policy_lm(tiny_path))
+        optimizer, scheduler = build_optimizer(model, lr=1e-3, weight_decay=0.0, schedule=lambda s: 1.0)
+        batches = pack(samples, lambda key: None, max_tokens=256, image_token_id=-1, spatial_merge_size=2)
+        loss = PpoClipLossConfig(normalization=normalization, denominator=denominator)
+        return train_step(model, optimizer, scheduler, batches, loss=loss, num_iterations=1, grad_clip=1e9,
+                          distribution=SampledDistribution(), banned_token_ids=[], filtered=filtered)["grad_norm"]
+
+    everything = _text_samples(4, advantages=[1.0, -1.0, 0.0, 0.0])
+    unfiltered = grad_norm(everything, "kept")
+    counted = grad_norm(everything[:2], "sampled", filtered=(10, 2))
+    assert counted == pytest.approx(unfiltered, rel=1e-5)
+    assert grad_norm(everything[:2], "kept", filtered=(10, 2)) == pytest.approx(2 * unfiltered, rel=1e-5)

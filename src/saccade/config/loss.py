@@ -42,6 +42,14 @@ class BaseLossConfig(Section):
     max_completion_tokens: int = Field(
         16, ge=1, description="the constant of 'constant' normalization; set it to sampling.max_tokens"
     )
+    denominator: Literal["kept", "sampled"] = Field(
+        "kept",
+        description="what the normalisation counts when rollout.filter_zero_variance drops the groups whose rewards "
+        "are all equal: 'kept', only the groups trained on (each step's gradient is as large however few groups "
+        "carry a signal: late in a run, when nearly every group is all-right, full-size optimizer steps on one or "
+        "two groups); 'sampled', every group sampled, the dropped ones as the zero-advantage terms they are (the "
+        "loss of the unfiltered batch: the step shrinks with the share of groups that carry a signal)",
+    )
     tis: Literal["auto", "on", "off"] = Field(
         "auto",
         description="truncated importance sampling (the ratio against the trainer's own logprobs before the update, "

@@ -125,16 +125,19 @@ class RLStep:
                 micro_batches = staged(rank_micro_batches(
                     rollouts.batch.samples, s.cache, max_tokens=t.max_tokens, image_token_id=s.image_token_id,
                     spatial_merge_size=s.merge, share_prompts=self.share_prompts, world=self.world), s.device)
-            metrics = self.train_micro_batches(step, micro_batches)
+            filtered = (rollouts.batch.filtered_loss_tokens, rollouts.batch.filtered_samples)
+            metrics = self.train_micro_batches(step, micro_batches, filtered=filtered)
         rollouts.pins.release()
         return metrics
 
-    def train_micro_batches(self, step: int, micro_batches: list) -> dict[str, float]:
-        """`train_step` with the run's settings on this rank's micro-batches of `step` (in host memory)."""
+    def train_micro_batches(self, step: int, micro_batches: list, *,
+                            filtered: tuple[int, int] = (0, 0)) -> dict[str, float]:
+        """`train_step` with the run's settings on this rank's micro-batches of `step` (in host memory);
+        `filtered`: the step's loss tokens and samples the zero-variance filter dropped."""
         t = self.cfg.trainer
         return train_step(
             self.setup.model, self.optimizer, self.scheduler, micro_batches, loss=self.loss,
             num_iterations=t.num_iterations, grad_clip=t.grad_clip, distribution=self.sampling.distribution,
             banned_token_ids=self.setup.engine.banned_token_ids, reference=self.reference, world=self.world,
-            current_version=step, spike_guard=self.spike_guard,
+            current_version=step, spike_guard=self.spike_guard, filtered=filtered,
         )

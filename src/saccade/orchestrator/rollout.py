@@ -90,6 +90,10 @@ class RolloutBatch:
     samples: list[TrainingSample]
     metrics: dict[str, float]
     groups: list[list[Rollout]] = field(default_factory=list)
+    # The step's groups dropped for having no reward spread (rollout.filter_zero_variance): their
+    # loss tokens and samples, for a normalisation that counts them (loss.denominator 'sampled').
+    filtered_loss_tokens: int = 0
+    filtered_samples: int = 0
 
 
 @dataclass
@@ -287,16 +291,18 @@ def score_groups(groups: list[list[Rollout]], rollout: RolloutConfig) -> Rollout
                                      scaling=rollout.advantage_scaling)
     signal_P = ~zero_variance_groups(shaped_PG)  # a group whose rewards are all equal teaches nothing
     keep_P = signal_P if rollout.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
-    samples = []
+    samples, filtered = [], []
     for g, group in enumerate(groups):
         for i, r in enumerate(group):
             r.sample.advantage = float(advantages_PG[g, i])
-            if keep_P[g] and not (rollout.mask_overlong and r.final_cut):
-                samples.append(r.sample)
+            if rollout.mask_overlong and r.final_cut:
+                continue
+            (samples if keep_P[g] else filtered).append(r.sample)
     metrics = rollout_metrics(groups, rewards_PG, keep_P, signal_P)
     if rollout.overlong_penalty:
         metrics["reward_shaped_mean"] = float(shaped_PG.mean())
-    return RolloutBatch(samples, metrics, groups)
+    return RolloutBatch(samples, metrics, groups, filtered_loss_tokens=sum(int(s.loss_mask.sum()) for s in filtered),
+                        filtered_samples=len(filtered))
 
 
 def rollout_metrics(groups: list[list[Rollout]], rewards_PG: torch.Tensor, keep_P: torch.Tensor,

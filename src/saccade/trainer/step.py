@@ -289,6 +289,7 @@ def train_step(
     world: World = SINGLE,
     current_version: int | None = None,
     spike_guard: GradSpikeGuard | None = None,
+    filtered: tuple[int, int] = (0, 0),
 ) -> dict[str, float]:
     """`num_iterations` optimizer steps over the micro-batches; returns the step's metrics.
 
@@ -297,6 +298,10 @@ def train_step(
     (`on_device`), so at most two are there at once. What the host needs (token counts, which
     tokens are scored) is read from the host copies; the loss, the metrics and the finite check
     stay on the device and are read once per optimizer step.
+
+    `filtered`: the loss tokens and samples of the whole step's groups that the zero-variance
+    filter dropped (the same on every rank); with loss.denominator 'sampled' the normalisation
+    counts them, as the zero-advantage terms they are, so the step is the unfiltered batch's.
 
     `spike_guard`: skip an optimizer step whose gradient norm spikes (`saccade.trainer.spike`);
     `grad_spike_skipped` counts them, `grad_norm_spike` is the largest skipped norm.
@@ -328,6 +333,11 @@ def train_step(
     loss_tokens = [int(h.loss_mask.sum()) for h in hosts]  # host copies: no device read
     total_loss_tokens, total_sequences = all_reduce_sum(
         [float(sum(loss_tokens)), float(sum(mb.num_samples for mb in micro_batches))], world, device)
+    # The loss's denominators: the kept samples', or every sampled group's (loss.denominator).
+    # The metrics stay means over the kept loss tokens.
+    counted_tokens, counted_sequences = total_loss_tokens, total_sequences
+    if loss.denominator == "sampled":
+        counted_tokens, counted_sequences = counted_tokens + filtered[0], counted_sequences + filtered[1]
     ban_bias_V = ban_bias(policy.lm_head, banned_token_ids)  # once per step, not once per forward
     score = dict(distribution=distribution, only_loss_tokens=True, ban_bias_V=ban_bias_V)
 
@@ -372,8 +382,8 @@ def train_step(
             inference_logprobs_N=mb.inference_logprobs,
             ref_logprobs_N=ref_logprobs[k],
             entropy_N=entropy,
-            total_loss_tokens=total_loss_tokens,
-            total_sequences=total_sequences,
+            total_loss_tokens=counted_tokens,
+            total_sequences=counted_sequences,
         )
         if iteration == 0 and current_version is not None and mb.policy_versions is not None:
             fresh = mb.loss_mask & (mb.policy_versions == current_version)
