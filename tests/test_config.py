@@ -315,7 +315,7 @@ def test_the_runtime_code_takes_the_sections_themselves():
 
     assert loss.LossConfig is LossConfig and images.ImagesConfig is ImagesConfig and lm.LoraConfig is LoraConfig
     cfg = load_config(RunConfig, ROOT / "configs" / "qwen3vl-2b-1gpu.toml", [])
-    assert cfg.loss.tis_cap == 2.0 and cfg.loss.max_completion_tokens == 2048
+    assert cfg.loss.tis_cap is None and cfg.loss.max_completion_tokens == 2048
     for module in (images, lm, loss):
         twins = [name for name in vars(module) if name in ("ImageLimits", "LoraSettings", "LossSection")]
         assert not twins, f"{module.__name__} still defines {twins}"
@@ -613,7 +613,8 @@ def test_every_mode_of_an_old_config_toml_upgrades_to_its_union(tmp_path):
     cfg, said = upgraded(OLD / "mix-a404b19.toml")
     today = ["--stall.action", "rollback", "--stall.lr_factor", "0.25", "--stall.max_rollbacks", "2",
              "--trainer.lr_decay.kind", "cosine", "--trainer.lr_decay.min_lr_ratio", "0.05",
-             "--loss.kind", "reinforce", "--log.name", "old-run"]
+             "--loss.kind", "reinforce", "--log.name", "old-run",
+             "--loss.tis_cap", "2.0"]  # the 2-B config's cap then (no longer: docs/async.md)
     assert cfg == load_config(RunConfig, ROOT / "configs" / "qwen3vl-2b-1gpu.toml", today)
     assert cfg.stall == StallRollbackConfig(lr_factor=0.25, max_rollbacks=2)
     assert cfg.trainer.lr_decay == CosineDecayConfig(min_lr_ratio=0.05)
@@ -622,7 +623,7 @@ def test_every_mode_of_an_old_config_toml_upgrades_to_its_union(tmp_path):
     # The old keys on the command line: read as the new ones, each named with its new key.
     old = ["--rollout.on_stall", "rollback", "--rollout.stall_lr_factor", "0.25", "--rollout.max_rollbacks", "2",
            "--trainer.lr_decay", "cosine", "--trainer.min_lr_ratio", "0.05", "--loss.kind", "reinforce",
-           "--log.name", "old-run", "--lora.enabled", "true"]
+           "--log.name", "old-run", "--lora.enabled", "true", "--loss.tis_cap", "2.0"]
     again, said = upgraded(ROOT / "configs" / "qwen3vl-2b-1gpu.toml", *old)
     assert again == cfg
     assert "--rollout.on_stall is now --stall.action (since 2026-11-28" in said
