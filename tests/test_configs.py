@@ -80,7 +80,7 @@ def test_the_async_configs_train_with_what_made_one_step_ahead_learn(real):
     cfg = load_config(RunConfig, real.path)
     assert cfg.rollout.max_async_level == 1 and cfg.trainer.num_iterations == 1
     loss = effective_loss(cfg)
-    assert (loss.tis_cap, loss.is_mask) == (None, "on")
+    assert (loss.tis_cap, loss.is_mask) == (None, "off")
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)

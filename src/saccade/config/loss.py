@@ -62,15 +62,16 @@ class BaseLossConfig(Section):
         None, gt=0, description="truncated importance sampling cap on pi_old / mu; unset: 2.0 when TIS is on"
     )
     is_mask: Literal["auto", "on", "off"] = Field(
-        "auto",
+        "off",
         description="masked importance sampling (IcePop, arXiv 2510.18855): a loss token whose ratio pi_old / mu "
         "(the trainer's logprob before the update over the engine's) leaves [is_mask_low, is_mask_high] gets no "
         "policy gradient (weight 0, not truncated; its KL and entropy terms stay, and it still counts in the "
         "normalisation). Without TIS, pi_old is read from the loss's own forward (exact at a batch's first "
-        "optimizer step) and the clipped ratio stays pi / mu; with TIS, it is TIS's. "
-        f"'auto' is on whenever rollouts can come from older weights than the trainer's ({OFF_POLICY}); "
-        "'on' always; 'off' never. With TIS on as well, the tokens kept are weighted by min(pi_old / mu, "
-        "tis_cap): IcePop's own form. is_masked_frac is the share of loss tokens masked",
+        "optimizer step) and the clipped ratio stays pi / mu; with TIS, it is TIS's. 'off' (the default: one step "
+        "ahead, the ratio also holds the last update's move, and masking it took the gradient that would have "
+        "undone a bad update: docs/async.md); 'auto' is on whenever rollouts can come from older weights than the "
+        f"trainer's ({OFF_POLICY}); 'on' always. With TIS on as well, the tokens kept are weighted by "
+        "min(pi_old / mu, tis_cap): IcePop's own form. is_masked_frac is the share of loss tokens masked",
     )
     is_mask_low: float = Field(
         0.5, gt=0, lt=1,

@@ -119,8 +119,8 @@ def effective_loss(cfg: RunConfig) -> LossConfig:
     bounds the update, and one step ahead collapsed that way (docs/async.md). So 'auto' turns TIS
     on for rollouts from older weights only when the trainer takes several optimizer steps per
     batch (the clip acts from the second on), or when tis_cap is set. Masked IS leaves the ratio
-    as it is (without TIS it reads pi_old from the loss's own forward: saccade.trainer.loss), so
-    'auto' turns it on for every run on rollouts from older weights."""
+    as it is (without TIS it reads pi_old from the loss's own forward: saccade.trainer.loss);
+    'auto' turns it on for every run on rollouts from older weights (the default is 'off')."""
     loss = cfg.loss
     off_policy = cfg.rollout.max_async_level > 0 or cfg.engine.sync_every_steps > 1
     decoupled = off_policy and cfg.trainer.num_iterations > 1
