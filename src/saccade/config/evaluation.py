@@ -33,8 +33,9 @@ class EvalConfig(Section):
     sets: dict[str, DatasetTaskConfig] = Field(
         default_factory=dict,
         description="more held-out sets, evaluated beside the training task's own: a name (letters, digits, '_'; "
-        "--eval.sets.<name>.<field> on the command line) and a data set task ([eval.sets.mathvista] kind = 'mathvista', ...), each scored by its own "
-        "task.scoring; logged as eval <name>_accuracy, reported by saccade eval under 'sets'",
+        "--eval.sets.<name>.<field> on the command line) and a data set task's keys, those of task.* for kinds "
+        "openmmreasoner, mathvista, geometry3k and dataset ([eval.sets.mathvista] kind = 'mathvista', ...), each "
+        "set scored by its own scoring; logged as eval <name>_accuracy, reported by saccade eval under 'sets'",
     )
 
     @field_validator("sets")
