@@ -45,6 +45,7 @@ def header_of(path: Path) -> str:
 
 def test_the_recipes_are_shipped():
     assert {p.name for p in RECIPES} >= {"geo3k-easyr1-qwen2.5vl-7b-8gpu.toml", "geo3k-easyr1-qwen3vl-2b-1gpu.toml",
+                                         "geo3k-easyr1-qwen3vl-30b-a3b-8gpu.toml",
                                          "openmmreasoner-qwen2.5vl-7b-8gpu.toml"}
 
 
