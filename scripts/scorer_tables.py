@@ -1,16 +1,16 @@
 """Write the scorer tables, tests/data/scorers/*.jsonl: replies with the scores the published
 scorers give them, computed by running the published code itself.
 
-    uv run python scripts/scorer_tables.py --easyr1 EASYR1_CHECKOUT --verl-geo3k \\
+    uv run python scripts/scorer_tables.py --easyr1 EASYR1_CHECKOUT --verl VERL_CHECKOUT \\
         --openmmreasoner OPENMMREASONER_CHECKOUT --mathvista MATHVISTA_CHECKOUT
 
 Each checkout is a clone of the published repository (its commit is written into every row):
 
 - EasyR1 (github.com/hiyouga/EasyR1): examples/reward_function/math.py, whose
   ``compute_score`` calls mathruler; its rows score EasyR1's whole reward (overall, format,
-  accuracy). verl's geo3k.py is the same reward without EasyR1's whitespace step; it is not
-  a separate file to run here, so `--verl-geo3k` scores the same replies with mathruler and
-  verl's regex directly (``verl/utils/reward_score/geo3k.py``: format_reward, acc_reward).
+  accuracy).
+- verl (github.com/volcengine/verl): verl/utils/reward_score/geo3k.py (compute_score,
+  format_reward, acc_reward): the same reward without EasyR1's whitespace step.
 - OpenMMReasoner (github.com/EvolvingLMMs-Lab/OpenMMReasoner):
   custom_rewards/lmms_lab_recipe.py's ``compute_score`` (its LLM judge off, as by default).
 - MathVista (github.com/lupantech/MathVista): evaluation/extract_answer.py's
@@ -112,21 +112,14 @@ def easyr1_table(repo: Path) -> list[dict]:
     return [{**source, **r} for r in rows]
 
 
-def verl_geo3k_table() -> list[dict]:
-    # verl/utils/reward_score/geo3k.py, scored with its own parts: mathruler and its regex.
-    import re
-
-    from mathruler.grader import extract_boxed_content, grade_answer
-
-    pattern = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+def verl_geo3k_table(repo: Path) -> list[dict]:
+    module = load(repo / "verl" / "utils" / "reward_score" / "geo3k.py", "verl_geo3k")
     rows = []
     for gold in GEO_GOLDS:
         for reply in geo_replies(gold):
-            fmt = 1.0 if re.fullmatch(pattern, reply) else 0.0
-            acc = 1.0 if grade_answer(extract_boxed_content(reply), gold) else 0.0
-            rows.append({"source": "volcengine/verl verl/utils/reward_score/geo3k.py (mathruler 0.1.0)",
-                         "reply": reply, "gold": gold, "overall": 0.9 * acc + 0.1 * fmt, "format": fmt,
-                         "accuracy": acc})
+            rows.append({"source": "volcengine/verl verl/utils/reward_score/geo3k.py", "commit": commit(repo),
+                         "reply": reply, "gold": gold, "overall": module.compute_score(reply, gold),
+                         "format": module.format_reward(reply), "accuracy": module.acc_reward(reply, gold)})
     return rows
 
 
@@ -302,14 +295,14 @@ def mathvista_table(repo: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--easyr1", type=Path)
-    parser.add_argument("--verl-geo3k", action="store_true")
+    parser.add_argument("--verl", type=Path)
     parser.add_argument("--openmmreasoner", type=Path)
     parser.add_argument("--mathvista", type=Path)
     args = parser.parse_args()
     if args.easyr1:
         write("geo3k_easyr1", easyr1_table(args.easyr1))
-    if args.verl_geo3k:
-        write("geo3k_verl", verl_geo3k_table())
+    if args.verl:
+        write("geo3k_verl", verl_geo3k_table(args.verl))
     if args.openmmreasoner:
         write("openmmreasoner", omr_table(args.openmmreasoner))
     if args.mathvista:

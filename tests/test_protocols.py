@@ -1,6 +1,6 @@
 """saccade's published-protocol scorers (saccade.protocols) against the published code's own
 scores: tests/data/scorers/*.jsonl, written by scripts/scorer_tables.py, which runs EasyR1's
-math.py, verl geo3k's parts (mathruler), OpenMMReasoner's lmms_lab_recipe.py and MathVista's
+math.py, verl's geo3k.py, OpenMMReasoner's lmms_lab_recipe.py and MathVista's
 evaluation scripts on a few hundred replies. Every row must agree."""
 
 from __future__ import annotations
