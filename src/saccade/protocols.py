@@ -15,7 +15,7 @@ score every row, of whichever eval set, by its own protocol.
 What each part mirrors (read at the commits named; the tables in tests/data/scorers/ hold the
 published code's own scores, written by scripts/scorer_tables.py, which runs that code):
 
-- ``boxed`` / ``mathruler``: verl ``verl/utils/reward_score/geo3k.py``: mathruler's
+- ``boxed`` / ``mathruler``: verl ``verl/utils/reward_score/geo3k.py`` (b178a3c): mathruler's
   ``extract_boxed_content`` (the last ``\\boxed{``, its braces balanced; the string
   ``"None"`` when there is none) and ``grade_answer`` (mathruler is a dependency: called, not
   restated). ``think_boxed`` is its format check, ``<think>...</think>`` then ``\\boxed{}``.
