@@ -227,6 +227,11 @@ def config_keys() -> set[str]:
             for sub in typing.get_args(info.annotation) or (info.annotation,):
                 if isinstance(sub, type) and issubclass(sub, BaseModel):
                     walk(sub, f"{prefix}{name}.")
+            if typing.get_origin(info.annotation) is dict:  # a table of sections (eval.sets): <name> is "*"
+                value = typing.get_args(info.annotation)[1]
+                for sub in typing.get_args(typing.get_args(value)[0] if hasattr(value, "__metadata__") else value):
+                    if isinstance(sub, type) and issubclass(sub, BaseModel):
+                        walk(sub, f"{prefix}{name}.*.")
 
     walk(RunConfig, "")
     return keys
@@ -250,5 +255,7 @@ def test_documented_configs_and_overrides_use_todays_keys(doc, tmp_path):
     keys = config_keys()
     sections = "|".join(RunConfig.model_fields)
     for key in re.findall(rf"--((?:{sections})\.[a-z_.]+[a-z_])", text):
-        assert key in keys or key.startswith("rollout.reward_weights."), f"{doc.name}: --{key} is no config key"
+        entry = re.sub(r"^eval\.sets\.\w+\.", "eval.sets.*.", key)
+        assert key in keys or entry in keys or key.startswith("rollout.reward_weights."), \
+            f"{doc.name}: --{key} is no config key"
 

@@ -196,9 +196,11 @@ def test_reward_registry():
     sample = {"answer": "red", "choices": COLORS4, "answer_type": "multi_choice"}
     # Every registered reward is called the same way: fn(completion, sample) -> float.
     rewards = {name: fn("A", sample) for name, fn in REWARD_FUNCTIONS.items()}
-    assert rewards == {"correct": 1.0, "format": 1.0, "boxed_format": 0.0}
+    assert rewards == {"correct": 1.0, "format": 1.0, "boxed_format": 0.0, "think_boxed": 0.0,
+                       "easyr1_format": 0.0, "think_answer": 0.0}
     rewards = {name: fn("\\boxed{blue}", sample) for name, fn in REWARD_FUNCTIONS.items()}
-    assert rewards == {"correct": 0.0, "format": 1.0, "boxed_format": 1.0}
+    assert rewards == {"correct": 0.0, "format": 1.0, "boxed_format": 1.0, "think_boxed": 0.0,
+                       "easyr1_format": 0.0, "think_answer": 1.0}
 
 
 # ------------------------------------------------------------- answer equivalence table

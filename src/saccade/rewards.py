@@ -29,20 +29,25 @@ import math
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 __all__ = [
     "REWARD_FUNCTIONS",
     "RewardFunction",
+    "Scorer",
     "boxed_format_reward",
     "choice_index",
     "math_equal",
     "correct_reward",
     "extract_answer",
+    "extracted_answer",
     "format_reward",
+    "grade",
     "normalize_text",
     "parse_number",
+    "sample_precision",
     "score",
 ]
 
@@ -307,7 +312,18 @@ def score(
     * math-verify equivalence (see :func:`math_equal`);
     * the same normalized text (case, spaces and trailing punctuation ignored).
     """
-    predicted = extract_answer(completion)
+    return grade(extract_answer(completion), answer, choices=choices, answer_type=answer_type, precision=precision)
+
+
+def grade(
+    predicted: str,
+    answer: str,
+    *,
+    choices: list[str] | None = None,
+    answer_type: str | None = None,
+    precision: int | None = None,
+) -> float:
+    """:func:`score`'s comparison, of an answer already extracted (``""``: none)."""
     if not predicted:
         return 0.0
     gold = _clean(str(answer))
@@ -348,19 +364,35 @@ def _field(sample: Any, name: str, default: Any = None) -> Any:
     return getattr(sample, name, default)
 
 
-def correct_reward(completion: str, sample: Any) -> float:
-    """1.0 when the completion answers ``sample`` correctly (see :func:`score`)."""
+def sample_precision(sample: Any) -> int | None:
+    """A sample's ``precision``, else its ``metadata["precision"]``; None without one."""
     precision = _field(sample, "precision")
     if precision is None:
         metadata = _field(sample, "metadata") or {}
         precision = metadata.get("precision") if isinstance(metadata, Mapping) else None
+    return precision
+
+
+def correct_reward(completion: str, sample: Any) -> float:
+    """1.0 when the completion answers ``sample`` correctly: by the sample's own scorer when it
+    carries one (``sample.scorer``, a :class:`saccade.protocols.Scorer`: the published
+    protocols), else by :func:`score`."""
+    scorer = _field(sample, "scorer")
+    if scorer is not None:
+        return scorer.correct(completion, sample)
     return score(
         completion,
         str(_field(sample, "answer")),
         choices=_field(sample, "choices"),
         answer_type=_field(sample, "answer_type"),
-        precision=precision,
+        precision=sample_precision(sample),
     )
+
+
+def extracted_answer(completion: str, sample: Any = None) -> str:
+    """The answer :func:`correct_reward` grades: by the sample's scorer, else :func:`extract_answer`."""
+    scorer = _field(sample, "scorer") if sample is not None else None
+    return scorer.extract(completion, sample) if scorer is not None else extract_answer(completion)
 
 
 def format_reward(completion: str, sample: Sequence[str] | Any | None) -> float:
@@ -403,8 +435,120 @@ def boxed_format_reward(completion: str, sample: Any = None) -> float:
     return 1.0
 
 
+def think_boxed_reward(completion: str, sample: Any = None) -> float:
+    """verl geo3k's format check (:func:`saccade.protocols.think_boxed_format`)."""
+    from saccade.protocols import think_boxed_format
+
+    return think_boxed_format(completion or "")
+
+
+def easyr1_format_reward(completion: str, sample: Any = None) -> float:
+    """EasyR1's format check (:func:`saccade.protocols.easyr1_format`)."""
+    from saccade.protocols import easyr1_format
+
+    return easyr1_format(completion or "")
+
+
+def think_answer_reward(completion: str, sample: Any = None) -> float:
+    """OpenMMReasoner's format check: 1, 0.8 or 0 (:func:`saccade.protocols.think_answer_format`)."""
+    from saccade.protocols import think_answer_format
+
+    return think_answer_format(completion or "")
+
+
+# ------------------------------------------------------------- published protocols
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """An extractor and a grader (`saccade.protocols.EXTRACTORS`, `GRADERS`): what `correct`
+    means for a row (`task.scoring`; the published protocols are `saccade.protocols`).
+
+    `judge_url` (with the mathvista extractor): an OpenAI-compatible endpoint asked with the
+    official prompt where MathVista's rules find no answer; `judge_model` the model it serves;
+    `judge_api_key_env` the environment variable holding its key, if any."""
+
+    extractor: str = "saccade"
+    grader: str = "saccade"
+    judge_url: str | None = None
+    judge_model: str = "gpt-4o-mini"
+    judge_api_key_env: str | None = None
+
+    def __post_init__(self) -> None:
+        from saccade.protocols import EXTRACTORS, GRADERS
+
+        if self.extractor not in EXTRACTORS:
+            raise ValueError(f"unknown extractor {self.extractor!r}; choose from {', '.join(EXTRACTORS)}")
+        if self.grader not in GRADERS:
+            raise ValueError(f"unknown grader {self.grader!r}; choose from {', '.join(GRADERS)}")
+
+    def extract(self, completion: str, sample: Any = None) -> str:
+        """The final answer in `completion`, by this scorer's extractor."""
+        from saccade import protocols as p
+
+        completion = completion or ""
+        if self.extractor == "boxed":
+            return p.boxed_extract(completion)
+        if self.extractor == "easyr1":
+            return p.easyr1_extract(completion)
+        if self.extractor == "answer_tag":
+            return p.answer_tag_extract(completion).strip()
+        if self.extractor == "mathvista":
+            choices = _field(sample, "choices")
+            answer_type = _field(sample, "answer_type") or "text"
+            question_type = "multi_choice" if answer_type == "multi_choice" else "free_form"
+            found = p.mathvista_extract_rules(completion, question_type=question_type, answer_type=answer_type,
+                                              choices=choices)
+            if found is not None:
+                return found
+            if self.judge_url:
+                import os
+
+                query = _query(sample)
+                key = os.environ.get(self.judge_api_key_env) if self.judge_api_key_env else None
+                return p.judge_extract(p.mathvista_judge_prompt(query, completion), url=self.judge_url,
+                                       model=self.judge_model, api_key=key)
+            return extract_answer(completion)
+        return extract_answer(completion)
+
+    def correct(self, completion: str, sample: Any) -> float:
+        """1.0 when the extracted answer grades equal to the sample's answer, else 0.0."""
+        from saccade import protocols as p
+
+        extracted = self.extract(completion, sample)
+        gold = str(_field(sample, "answer"))
+        choices = _field(sample, "choices")
+        answer_type = _field(sample, "answer_type")
+        if self.grader == "mathruler":
+            return float(p.mathruler_grade(extracted, gold))
+        if self.grader == "openmmreasoner":
+            return float(p.openmmreasoner_grade(extracted, p.gold_letter(gold, choices)))
+        if self.grader == "mathvista":
+            multi_choice = answer_type == "multi_choice" and bool(choices)
+            normalized = p.mathvista_normalize(
+                extracted, choices=choices, question_type="multi_choice" if multi_choice else "free_form",
+                answer_type=answer_type or "text", precision=sample_precision(sample))
+            return float(normalized == gold)
+        return grade(extracted, gold, choices=choices, answer_type=answer_type, precision=sample_precision(sample))
+
+
+def _query(sample: Any) -> str:
+    """The prompt's user text, for the judge (MathVista's `query`)."""
+    prompt = _field(sample, "prompt")
+    if prompt:
+        users = [m["content"] for m in prompt if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        if users:
+            return users[-1]
+    return str(_field(sample, "question") or "")
+
+
+
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "correct": correct_reward,
     "format": format_reward,
     "boxed_format": boxed_format_reward,
+    # The published protocols' format checks (saccade.protocols.FORMAT_CHECKS).
+    "think_boxed": think_boxed_reward,
+    "easyr1_format": easyr1_format_reward,
+    "think_answer": think_answer_reward,
 }

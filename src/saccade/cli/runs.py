@@ -172,7 +172,7 @@ def add_eval_parser(sub) -> None:
     """`saccade eval CHECKPOINT_OR_CONFIG`."""
     ev = sub.add_parser(
         "eval",
-        help="held-out accuracy of a checkpoint, answers or episodes (greedy, pass@k, by category)",
+        help="held-out accuracy of a checkpoint, answers or episodes (greedy, pass@k, mean@k, by category, eval sets)",
         description="Runs the RL loop's own evaluation (the figures `saccade rl` logs every eval.every_steps) on a "
         "checkpoint's weights: a checkpoint folder (<run_dir>/checkpoints/step_000012) with the config its run ran "
         "with (<run_dir>/config.toml), a run folder's latest checkpoint, or, given a config file, the latest "
@@ -181,9 +181,10 @@ def add_eval_parser(sub) -> None:
         "geometry3k or dataset: the first eval.prompts rows of its eval split; a verifiers env: its first tasks), "
         "single answers or whole episodes (views, scenes, verifiers: turn by turn, as in training): greedy "
         "accuracy, with eval.visual_gain the same with every image blank, an episode's turns and what its "
-        "environment reported, pass@k from eval.samples_k samples per prompt at sampling.temperature, and accuracy "
-        "per category (shapes: kind; views: place; scenes: kind, side; MathVista: task, skills, grade; "
-        "OpenMMReasoner: subset; dataset: the task.columns.category column). Prints a table.",
+        "environment reported, pass@k and mean@k from eval.samples_k samples per prompt at sampling.temperature, and "
+        "accuracy per category (shapes: kind; views: place; scenes: kind, side; MathVista: task, skills, grade; "
+        "OpenMMReasoner: subset; dataset: the task.columns.category column); the same figures for each of "
+        "eval.sets (other data set tasks, each scored by its own task.scoring: docs/recipes.md). Prints a table.",
     )
     ev.add_argument(
         "config", nargs="?", default=None, metavar="CHECKPOINT_OR_CONFIG",
@@ -196,7 +197,8 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ev.add_argument("--samples", metavar="PATH", help="write one JSON line per prompt: id, question, answer, "
                     "completion, extracted answer (an episode: every reply, its turns, its environment's last "
-                    "report), correct, metadata (and the pass@k samples)")
+                    "report), correct, metadata (and the pass@k samples); the training task's rows: eval.sets' are in --json, "
+                    "under sets")
     ev.set_defaults(func=cmd_eval)
 
 

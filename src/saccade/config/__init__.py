@@ -53,6 +53,7 @@ Overrides are split off *before* argparse sees them: ``parse_known_args`` alone 
 the value of ``--trainer.lr 1e-5`` to the optional CONFIG positional.
 """
 
+from saccade.config.evaluation import EvalConfig
 from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
 from saccade.config.loading import add_config_arguments, load_config, parse_overrides, split_overrides
 from saccade.config.loss import (
@@ -62,13 +63,13 @@ from saccade.config.loss import (
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
     PRESET_NAMES, CheckpointConfig, ConfigError, ConstantDecayConfig, CosineDecayConfig, EngineConfig, EnvConfig,
-    EvalConfig, GradSpikeConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig,
+    GradSpikeConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig,
     LrDecayConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallRollbackConfig,
     StallStopConfig, StallWarnConfig, StallWatchConfig, TrainerConfig,
 )
 from saccade.config.task import (
     DATASET_CONFIGS, DEFAULT_PROMPT_TEMPLATE, SCENE_QUESTION_KINDS, SHAPES_QUESTION_KINDS,
-    TASK_CONFIGS, VIEW_COLORS, ColumnsConfig, HubDatasetTaskConfig, OwnDatasetTaskConfig, PluginTaskConfig,
+    TASK_CONFIGS, VIEW_COLORS, ColumnsConfig, DatasetTaskConfig, HubDatasetTaskConfig, ScoringConfig, OwnDatasetTaskConfig, PluginTaskConfig,
     ScenesTaskConfig, ShapesTaskConfig, TaskConfig, VerifiersTaskConfig, ViewsTaskConfig,
 )
 from saccade.config.toml import config_to_toml, describe
@@ -95,6 +96,7 @@ __all__ = [
     "EvalConfig",
     "GradSpikeConfig",
     "GspoLossConfig",
+    "DatasetTaskConfig",
     "HubDatasetTaskConfig",
     "ImageCacheConfig",
     "ImagesConfig",
@@ -115,6 +117,7 @@ __all__ = [
     "RunConfig",
     "SamplingConfig",
     "ScenesTaskConfig",
+    "ScoringConfig",
     "Section",
     "SftConfig",
     "StallConfig",

@@ -216,7 +216,10 @@ def _field_at(cls: type[BaseModel], path: str, source: str, data: dict) -> _Targ
     parts = path.split(".")
     current: type[BaseModel] = cls
     where, union = "", None
+    entry_key = -1  # the index of a table-of-sections key (eval.sets.<name>), passed over
     for i, part in enumerate(parts):
+        if i == entry_key:
+            continue
         prefix = ".".join(parts[:i])
         if part not in current.model_fields:
             hint = retired_key(path)
@@ -243,6 +246,20 @@ def _field_at(cls: type[BaseModel], path: str, source: str, data: dict) -> _Targ
                                   f"on first with --{here} true, before --{path} (docs/config.md#unions)")
             current, where, union = sub, "", None
             continue
+        entry_variants = _entry_variants(info)
+        if entry_variants is not None and len(rest) >= 2:
+            # A table of sections picked by a tag (eval.sets.<name>.<field>): the entry's variant.
+            tag_key, variants = entry_variants
+            entry = _get_path(data, parts[: i + 2])
+            tag = entry.get(tag_key) if isinstance(entry, dict) else None
+            if rest[1] == tag_key and len(rest) == 2:
+                return _Target(Literal[tuple(variants)], None, None, None)
+            if tag not in variants:
+                raise ConfigError(f"{source}: {here}.{rest[0]} has no {tag_key} yet: give --{here}.{rest[0]}."
+                                  f"{tag_key} first (one of {', '.join(variants)})")
+            current, where, union = variants[tag], f" ({here}.{rest[0]} {tag_key} {tag!r})", None
+            entry_key = i + 1
+            continue
         if _is_dict(info.annotation) and len(rest) == 1:
             for member in union_members(info.annotation):
                 args = typing.get_args(member)
@@ -251,6 +268,28 @@ def _field_at(cls: type[BaseModel], path: str, source: str, data: dict) -> _Targ
             return _Target(Any, info, None, None)
         raise ConfigError(f"{source}: {here} is a value, not a section; it has no key {rest[0]!r}")
     raise AssertionError("unreachable")
+
+
+def _entry_variants(info: FieldInfo) -> tuple[str, dict[str, type[BaseModel]]] | None:
+    """(tag key, {tag: variant}) of a dict field whose values are a union of sections picked by
+    a tag (eval.sets); None for any other field."""
+    if not _is_dict(info.annotation):
+        return None
+    for member in union_members(info.annotation):
+        args = typing.get_args(member)
+        if len(args) != 2:
+            continue
+        value = args[1]
+        discriminator = next((m.discriminator for m in getattr(value, "__metadata__", ())
+                              if isinstance(getattr(m, "discriminator", None), str)), None)
+        if discriminator is None:
+            continue
+        variants = {}
+        for variant in union_members(typing.get_args(value)[0]):
+            for tag in typing.get_args(variant.model_fields[discriminator].annotation):
+                variants[tag] = variant
+        return discriminator, variants
+    return None
 
 
 def _is_off(data: dict, parts: list[str]) -> bool:

@@ -7,10 +7,11 @@ from typing import Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from saccade.config.evaluation import EvalConfig
 from saccade.config.launch import LaunchConfig
 from saccade.config.loss import DEFAULT_TIS_CAP, LossConfig, PpoClipLossConfig
 from saccade.config.sections import (
-    CheckpointConfig, EngineConfig, EnvConfig, EvalConfig, ImageCacheConfig, ImagesConfig, LogConfig, LoraConfig,
+    CheckpointConfig, EngineConfig, EnvConfig, ImageCacheConfig, ImagesConfig, LogConfig, LoraConfig,
     ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallWarnConfig, TrainerConfig,
     section_or_off,
 )

@@ -493,24 +493,6 @@ class SftConfig(Section):
 
 # The fields data.prompt_template may name, and the placeholder that places an image
 # (saccade.data.shapes.IMAGE_PLACEHOLDER, repeated so this module imports no data code).
-class EvalConfig(Section):
-    """Periodic evaluation on the held-out prompts."""
-
-    every_steps: int = Field(10, ge=0, description="evaluate (greedy decoding) every this many steps; 0: never")
-    prompts: int = Field(
-        64, ge=0, description="held-out prompts evaluated; data sets: the first this many rows of the eval split"
-    )
-    samples_k: int = Field(
-        1, ge=1, le=1024, description="saccade eval: samples per prompt at sampling.temperature, for pass@k (n)"
-    )
-    visual_gain: bool = Field(
-        True, description="score the held-out prompts again with every image blank (uniform gray, same size): "
-        "logs eval_accuracy_blank and visual_gain = eval_accuracy - eval_accuracy_blank, how much of the success "
-        "the images bring. Costs a second greedy decode of the prompts: 2.1x the eval's time on the demo config "
-        "(64 prompts, embedded engine, CPU)",
-    )
-
-
 class CheckpointConfig(Section):
     """Saving the trained weights (the LoRA adapter, or the full model) to <run_dir>/checkpoints."""
 

@@ -241,6 +241,45 @@ class ColumnsConfig(Section):
     )
 
 
+EXTRACTORS = ("saccade", "boxed", "easyr1", "answer_tag", "mathvista")  # saccade.protocols.EXTRACTORS
+GRADERS = ("saccade", "mathruler", "openmmreasoner", "mathvista")  # saccade.protocols.GRADERS
+
+
+class ScoringConfig(Section):
+    """How `correct` scores a data set's rows: an extractor pulls the answer out of the reply, a
+    grader compares it with the ground truth (the published protocols: docs/recipes.md). The
+    format checks are reward functions of their own, weighted in `rollout.reward_weights`
+    (think_boxed, easyr1_format, think_answer)."""
+
+    extractor: Literal["saccade", "boxed", "easyr1", "answer_tag", "mathvista"] = Field(
+        "saccade", description="saccade: a think block dropped, then the last \\boxed{}, 'Answer:' or the last line; "
+        "boxed: mathruler's last \\boxed{} ('None' without one; verl geo3k); easyr1: the same after EasyR1's "
+        "whitespace squeeze around <, > and /; answer_tag: OpenMMReasoner's first <answer>...</answer>, else the "
+        "last box, else a trailing number; mathvista: MathVista's rules, then the judge (judge_url) or saccade's",
+    )
+    grader: Literal["saccade", "mathruler", "openmmreasoner", "mathvista"] = Field(
+        "saccade", description="saccade: options, numbers, MathVista types, math-verify, text; mathruler: "
+        "mathruler's grade_answer (EasyR1, verl); openmmreasoner: its relaxed match and letter parser, then "
+        "math-verify (an option-text gold graded as its letter); mathvista: the official normalisation (nearest "
+        "option by edit distance, int, float at the row's precision) and string equality",
+    )
+    judge_url: str | None = Field(
+        None, min_length=1, description="extractor mathvista: an OpenAI-compatible endpoint (.../v1) asked with "
+        "MathVista's official extraction prompt where its rules find no answer; unset: saccade's extraction there",
+    )
+    judge_model: str = Field("gpt-4o-mini", min_length=1, description="the model judge_url serves")
+    judge_api_key_env: str | None = Field(
+        None, min_length=1, description="the environment variable holding judge_url's API key; unset: none sent"
+    )
+
+    @model_validator(mode="after")
+    def _judge_with_mathvista(self) -> ScoringConfig:
+        if self.judge_url is not None and self.extractor != "mathvista":
+            raise ValueError(f"task.scoring.judge_url is read by extractor 'mathvista' only, and extractor is "
+                             f"{self.extractor!r}: set extractor = 'mathvista' or remove judge_url")
+        return self
+
+
 class HubDatasetTaskConfig(Section):
     """A known data set (OpenMMReasoner-RL-74K, MathVista, Geometry3K), read through Hugging Face
     `datasets` from its hub id or a local copy; every unset field takes the data set's default."""
@@ -281,6 +320,18 @@ class HubDatasetTaskConfig(Section):
         description="stop the run when more than this share of the last 200 rows read were skipped as broken "
         "(each skipped row is listed in <run_dir>/skipped.jsonl; saccade.data.rows)",
     )
+    prompt_template: str = Field(
+        "{prompt}", min_length=1,
+        description="the last user turn's text, a str.format template over {prompt} (the row's text, trimmed; "
+        "required) and {choices} (the options lettered A., B., ... one a line); the text is stripped. EasyR1's "
+        "math prompt: '{prompt} You FIRST think ...' (docs/recipes.md). Write {{ and }} for literal braces",
+    )
+    system_prompt: str | None = Field(
+        None, min_length=1, description="the system turn of every prompt whose row has none; unset: none added"
+    )
+    scoring: ScoringConfig = Field(
+        default_factory=ScoringConfig, description="how `correct` scores a reply: the extractor and the grader"
+    )
 
     @model_validator(mode="after")
     def _no_repeats(self) -> HubDatasetTaskConfig:
@@ -288,6 +339,14 @@ class HubDatasetTaskConfig(Section):
             names = getattr(self, name)
             if names is not None and len(set(names)) != len(names):
                 raise ValueError(f"{name} {names} repeat an entry")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_parts(self) -> HubDatasetTaskConfig:
+        check_prompt_template(self.prompt_template)
+        if self.system_prompt is not None and IMAGE_PLACEHOLDER in self.system_prompt:
+            raise ValueError(f"task.system_prompt holds {IMAGE_PLACEHOLDER}: images go in the user turn; put the "
+                             "placeholder in the prompt column or task.prompt_template")
         return self
 
 
@@ -320,14 +379,6 @@ class OwnDatasetTaskConfig(HubDatasetTaskConfig):
         "Write {{ and }} for literal braces",
     )
     system_prompt: str | None = Field(None, min_length=1, description="the system turn of every prompt; unset: none")
-
-    @model_validator(mode="after")
-    def _prompt_parts(self) -> OwnDatasetTaskConfig:
-        check_prompt_template(self.prompt_template)
-        if self.system_prompt is not None and IMAGE_PLACEHOLDER in self.system_prompt:
-            raise ValueError(f"task.system_prompt holds {IMAGE_PLACEHOLDER}: images go in the user turn; put the "
-                             "placeholder in the prompt column or task.prompt_template")
-        return self
 
 
 class VerifiersTaskConfig(Section):
@@ -376,6 +427,8 @@ TaskConfig = Annotated[
     | VerifiersTaskConfig | PluginTaskConfig,
     Field(discriminator="kind"),
 ]
+# The tasks an eval set may be (`eval.sets`): question data sets, each scored by its own task.scoring.
+DatasetTaskConfig = Annotated[HubDatasetTaskConfig | OwnDatasetTaskConfig, Field(discriminator="kind")]
 TASK_CONFIGS = (ShapesTaskConfig, ViewsTaskConfig, ScenesTaskConfig, HubDatasetTaskConfig, OwnDatasetTaskConfig,
                 VerifiersTaskConfig, PluginTaskConfig)
 # Their kinds are saccade.data.rows.DATASET_TASKS (a test keeps the two equal).

@@ -60,7 +60,13 @@ def _write_model(model: BaseModel, prefix: str, comments: bool, out: list[str]) 
     for name, info in fields.items():
         value = getattr(model, name)
         if isinstance(value, BaseModel):
-            tables.append((name, value))
+            tables.append((_toml_key(name), value))
+            continue
+        if isinstance(value, dict) and value and all(isinstance(v, BaseModel) for v in value.values()):
+            # A table of sections (eval.sets): one sub-table each, [eval.sets.<key>].
+            if comments:
+                out.extend(_comment(info.description))
+            tables.extend((f"{_toml_key(name)}.{_toml_key(str(key))}", sub) for key, sub in value.items())
             continue
         if value is None and _may_be_off(info):  # a section that is off: `lora = false`
             if comments:
@@ -80,7 +86,7 @@ def _write_model(model: BaseModel, prefix: str, comments: bool, out: list[str]) 
             out.extend(_comment(info.description))
         out.append(f"{_toml_key(name)} = {_toml_value(dumped[name])}")
     for name, sub in tables:
-        table = f"{prefix}.{_toml_key(name)}" if prefix else _toml_key(name)
+        table = f"{prefix}.{name}" if prefix else name
         if out:
             out.append("")
         if comments:

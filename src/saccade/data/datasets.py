@@ -69,6 +69,7 @@ __all__ = [
     "openmmreasoner_sample",
     "parse_options",
     "shuffled_index",
+    "with_prompt_parts",
 ]
 
 HUB_IDS = {
@@ -534,6 +535,11 @@ class DatasetTask:
     blank_images: bool = False  # the control: every image replaced by a uniform gray one
     limits: ImagesConfig | None = None
     layout: RowLayout | None = None  # task 'dataset': how its rows become questions
+    # The known data sets' prompt parts (task.prompt_template, task.system_prompt; task 'dataset'
+    # has them in its layout) and every row's scorer (task.scoring; None: saccade.rewards.score).
+    prompt_template: str = "{prompt}"
+    system_prompt: str | None = None
+    scorer: Any = None
 
     @classmethod
     def defaults(cls, task: str, *, dataset: str | None = None, split: str | None = None,
@@ -577,15 +583,35 @@ class DatasetTask:
         """Sample ``position`` of the training stream: rows shuffled by seed, epoch after epoch.
         A broken row raises `RowSkipped` (the RL loop's `PromptStream` skips it)."""
         rows = self.train_rows
-        return self._maybe_blank(rows.sample(shuffled_index(position, len(rows), seed=seed)))
+        return self._finish(rows.sample(shuffled_index(position, len(rows), seed=seed)))
 
     def eval_samples(self, n: int) -> EvalRows[VQASample]:
         """The usable rows among the first ``n`` of the held-out split, in order (all of them
         when it has fewer); the broken ones' records in `.skipped`."""
         rows = self.eval_rows
-        return usable_rows(lambda i: self._maybe_blank(rows.sample(i)), range(min(n, len(rows))))
+        return usable_rows(lambda i: self._finish(rows.sample(i)), range(min(n, len(rows))))
 
-    def _maybe_blank(self, sample: VQASample) -> VQASample:
+    def _finish(self, sample: VQASample) -> VQASample:
+        """The task's own parts on a row: its prompt parts, its scorer, blank images for the control."""
+        if self.layout is None and sample.prompt is not None:
+            sample.prompt = with_prompt_parts(sample.prompt, self.prompt_template, self.system_prompt,
+                                              sample.choices)
+        sample.scorer = self.scorer
         if self.blank_images:
             sample.images = [blank_like(im) for im in sample.images]
         return sample
+
+
+def with_prompt_parts(chat: list[dict[str, str]], template: str, system_prompt: str | None,
+                      choices: list[str] | None = None) -> list[dict[str, str]]:
+    """A row's chat with `template` applied to its last user turn (the turn's text trimmed, as
+    {prompt}; `<image>` placeholders stay where they are) and `system_prompt` first when the chat
+    has no system turn (OpenMMReasoner's rows mostly carry their own instructions in the user turn)."""
+    chat = [dict(m) for m in chat]
+    if template != "{prompt}":
+        last = max(i for i, m in enumerate(chat) if m["role"] == "user")
+        chat[last]["content"] = template.format(prompt=chat[last]["content"].strip(),
+                                                choices=format_choices(choices)).strip()
+    if system_prompt and not any(m["role"] == "system" for m in chat):
+        chat.insert(0, {"role": "system", "content": system_prompt})
+    return chat

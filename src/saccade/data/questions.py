@@ -42,6 +42,9 @@ class VQASample:
     # Datasets: where the row is, {"split", "config", "index" within the config}, for the
     # records of a refused row (saccade.data.rows). None: generated.
     origin: dict[str, Any] | None = None
+    # How `correct` scores this sample (saccade.protocols.Scorer: a published protocol's
+    # extractor and grader, from its task's `task.scoring`). None: saccade.rewards.score.
+    scorer: Any = None
 
 
 def prompt_text(sample: VQASample) -> str:

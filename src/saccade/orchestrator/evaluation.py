@@ -218,27 +218,40 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
     eval.samples_k = n > 1, pass@1..n from n samples per prompt at the run's sampling settings;
     accuracy by category; and one row per prompt (`rows`; with eval.visual_gain each row's
     `completion_blank` and `correct_blank` too)."""
-    from saccade.inference.engine import SamplingParams
     from saccade.run.setup import build_setup
-    from saccade.run.tasks import task_from_config
+    from saccade.run.tasks import eval_set_tasks, task_from_config
 
     task = task_from_config(cfg)
     # The prompts first: a data set's errors (no such split) come before the model loads.
     samples = task.eval_samples(cfg.eval.prompts)
     if not samples and not getattr(samples, "skipped", None):
         raise ValueError("eval.prompts is 0 (or the eval split is empty): nothing to evaluate")
+    sets = {name: (set_task, set_task.eval_samples(cfg.eval.prompts))
+            for name, set_task in eval_set_tasks(cfg).items()}
     setup = setup or build_setup(cfg, cfg.run_dir)
     # A data set's broken rows (saccade.data.rows) are reported apart, never counted wrong.
     fits = row_check(cfg, setup.processor)
+    weights = load_weights(setup, cfg, checkpoint)
+    setup.engine.update_weights()  # a vLLM server samples from these weights, not whatever it held
+    result: dict[str, Any] = {"weights": weights, **_scored(cfg, setup, task, samples, fits, cfg.task.kind)}
+    if sets:
+        # The other held-out sets, each scored by its own protocol (its rows carry their scorer).
+        result["sets"] = {name: _scored(cfg, setup, set_task, set_samples, fits, cfg.eval.sets[name].kind)
+                          for name, (set_task, set_samples) in sets.items()}
+    result["rows"] = result.pop("rows")
+    return result
+
+
+def _scored(cfg: RunConfig, setup, task: Task[S], samples: list[S], fits, kind: str) -> dict[str, Any]:
+    """`run_eval`'s figures and rows for one task's held-out prompts, on the weights loaded."""
+    from saccade.inference.engine import SamplingParams
+
     if fits is not None:
         samples = recheck(samples, fits)
     skipped = list(getattr(samples, "skipped", []))
     if not samples:
-        raise ValueError(f"none of the {len(skipped)} held-out rows could be used (skipped: "
+        raise ValueError(f"none of the {len(skipped)} held-out rows of {kind} could be used (skipped: "
                          f"{_reasons(skipped)}); see the rows' reasons with saccade eval --json")
-    weights = load_weights(setup, cfg, checkpoint)
-    setup.engine.update_weights()  # a vLLM server samples from these weights, not whatever it held
-
     ev = greedy_evaluation(setup, task, samples, max_tokens=cfg.sampling.max_tokens, env=cfg.env,
                            visual_gain=cfg.eval.visual_gain)
     n = cfg.eval.samples_k
@@ -256,13 +269,12 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
             row["samples_correct"] = int(sum(r.correct for r in sampled[i]))
         rows.append(row)
     result: dict[str, Any] = {
-        "weights": weights,
-        "task": cfg.task.kind,
+        "task": kind,
         "max_turns": task.max_turns,
         # The loop's figures (accuracy; n, the prompts scored; turns, env_<key>, reward_<name>;
         # accuracy_blank, visual_gain), but not its count of skipped rows: they are listed below.
         **{k: v for k, v in ev.figures.items() if k != "skipped"},
-        "by_category": by_category(rows, CATEGORY_FIELDS.get(cfg.task.kind, ())),
+        "by_category": by_category(rows, CATEGORY_FIELDS.get(kind, ())),
         "skipped": {reason: n for reason, n in Counter(r["reason"] for r in skipped).items()},
         "skipped_rows": skipped,
     }
@@ -272,6 +284,8 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
             str(k): float(np.mean([pass_at_k(n, r["samples_correct"], k) for r in rows]))
             for k in sorted({1, *(k for k in (2, 4, 8, 16, 32) if k < n), n})
         }
+        # mean@n: the accuracy of one sample, averaged over the n (what "avg@n" tables report).
+        result["mean_at_k"] = {str(n): float(np.mean([r["samples_correct"] / n for r in rows]))}
     result["rows"] = rows
     return result
 
@@ -286,7 +300,7 @@ def eval_row(sample: Prompt, rollout: Rollout, *, episodes: bool) -> dict[str, A
     whether it scored, its metadata. A single-turn answer also has the answer extracted from it;
     an episode has every reply (`replies`), its `turns` and what its environment reported at the
     last step (`info`)."""
-    from saccade.rewards import extract_answer
+    from saccade.rewards import extracted_answer
 
     text = rollout.texts[-1]
     row = {"id": sample.sample_id, **{name: getattr(sample, name) for name in ROW_FIELDS if hasattr(sample, name)},
@@ -294,7 +308,7 @@ def eval_row(sample: Prompt, rollout: Rollout, *, episodes: bool) -> dict[str, A
     if episodes:
         row.update(replies=list(rollout.texts), turns=rollout.turns, info=_plain(rollout.info))
     else:
-        row["extracted"] = extract_answer(text)
+        row["extracted"] = extracted_answer(text, sample)
     row.update(correct=rollout.correct, metadata=_plain(getattr(sample, "metadata", None) or {}))
     return row
 
@@ -343,6 +357,14 @@ def format_eval(result: dict[str, Any]) -> str:
         table.add_row("visual gain (accuracy - blank)", f"{result['visual_gain']:+.3f}")
     for k, v in result.get("pass_at_k", {}).items():
         table.add_row(f"pass@{k} (n={result['samples_per_question']})", f"{v:.3f}")
+    for k, v in result.get("mean_at_k", {}).items():
+        table.add_row(f"mean@{k}", f"{v:.3f}")
+    for name, other in result.get("sets", {}).items():
+        table.add_row(f"{name} ({other['task']}, n={other['n']}): greedy accuracy", f"{other['accuracy']:.3f}")
+        for k, v in other.get("pass_at_k", {}).items():
+            table.add_row(f"{name}: pass@{k}", f"{v:.3f}")
+        for k, v in other.get("mean_at_k", {}).items():
+            table.add_row(f"{name}: mean@{k}", f"{v:.3f}")
     for field, groups in result["by_category"].items():
         for value, g in groups.items():
             table.add_row(f"{field}={value} (n={g['n']})", f"{g['accuracy']:.3f}")

@@ -202,15 +202,31 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task[Any]:
         )
         return QuestionTask(questions, rewards_from_config(cfg))
     assert isinstance(t, HubDatasetTaskConfig), f"no task is built for {type(t).__name__}"
+    return dataset_task(cfg, t, blank=blank)
+
+
+def dataset_task(cfg: RunConfig, t: HubDatasetTaskConfig, *, blank: bool | None = None) -> QuestionTask:
+    """A data set's questions, scored by the run's reward functions, `correct` by the data set's
+    own `task.scoring` (each row carries its scorer): the run's task, or one of `eval.sets`."""
     from saccade.data.datasets import DatasetTask, RowLayout
+    from saccade.rewards import Scorer
 
     own = isinstance(t, OwnDatasetTaskConfig)
+    s = t.scoring
+    default = s.extractor == "saccade" and s.grader == "saccade"
     questions = DatasetTask.defaults(
         t.kind, dataset=t.dataset, split=t.split, subsets=t.subsets, eval_dataset=t.eval_dataset,
         eval_split=t.eval_split, eval_subsets=t.eval_subsets, blank_images=t.blank_images if blank is None else blank,
         limits=cfg.images, layout=RowLayout(t.columns, t.prompt_template, t.system_prompt) if own else None,
+        prompt_template=t.prompt_template, system_prompt=t.system_prompt,
+        scorer=None if default else Scorer(s.extractor, s.grader, s.judge_url, s.judge_model, s.judge_api_key_env),
     )
     return QuestionTask(questions, rewards_from_config(cfg))
+
+
+def eval_set_tasks(cfg: RunConfig) -> dict[str, QuestionTask]:
+    """`eval.sets`: name -> the held-out set's task (its eval split is what is read)."""
+    return {name: dataset_task(cfg, t) for name, t in cfg.eval.sets.items()}
 
 
 def _kwargs(t, *, leave_out: tuple[str, ...] = (), **changed) -> dict[str, Any]:
