@@ -208,7 +208,7 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task[Any]:
     questions = DatasetTask.defaults(
         t.kind, dataset=t.dataset, split=t.split, subsets=t.subsets, eval_dataset=t.eval_dataset,
         eval_split=t.eval_split, eval_subsets=t.eval_subsets, blank_images=t.blank_images if blank is None else blank,
-        limits=cfg.images, layout=RowLayout(t.columns, t.prompt_template, t.system_prompt) if own else None,
+        limits=cfg.images, layout=RowLayout(t.columns, t.prompt_template, t.system_prompt, t.image_root) if own else None,
     )
     return QuestionTask(questions, rewards_from_config(cfg))
 
