@@ -12,7 +12,7 @@
   reloads the served checkpoint itself (an adapter must sit on the weights it was trained on).
   DIR must lie under `--weights-root` (default: the server's working directory), symlinks
   resolved; anything else is refused with a 403.
-- `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout).
+- `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout, the routes the app serves).
 
 Every response carries `x-saccade-policy-version`: the version the server held when the
 request arrived. A weight update pauses the engine with vLLM's "wait" mode: requests already
