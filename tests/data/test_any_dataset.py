@@ -173,6 +173,8 @@ def test_image_files_are_read_only_from_below_the_data_sets_folder_or_the_image_
         ds.check_image_location({"bytes": None, "path": "/etc/passwd"}, tmp_path, "images[0]")
     ds.check_image_location({"bytes": b"png", "path": "/etc/passwd"}, None, "images[0]")  # bytes win: no file read
     ds.check_image_location("data:image/png;base64,AAAA", None, "images[0]")
+    with pytest.raises(RowSkipped, match="outside"):  # nested as OpenAI's image_url is
+        ds.check_image_location({"image_url": {"url": "file:///etc/passwd"}}, tmp_path, "images[0]")
 
 
 def test_an_image_that_is_none_is_a_missing_image():

@@ -47,6 +47,7 @@ import numpy as np
 from PIL import Image
 
 from saccade.config import DEFAULT_PROMPT_TEMPLATE, ColumnsConfig, ImagesConfig
+from saccade.data.image_paths import check_image_location
 from saccade.data.images import ImageError, MissingImageError, blank_like, load_image
 from saccade.data.rows import (
     DATASET_TASKS, EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows,
@@ -265,40 +266,6 @@ def _images(values: Any, *, sample_id: str, column: str, limits: ImagesConfig,
         # load_image's errors say what is wrong; this names the row and the column.
         out.append(load_image(value, limits=limits, sample=f"{sample_id} ({column}[{i}])"))
     return out
-
-
-def local_file_of(value: Any) -> str | None:
-    """The local file an image reference would open (a path, a file:// URL, a datasets Image
-    dict without bytes), or None for inline images (bytes, data: URLs, PIL) and remote URLs."""
-    if isinstance(value, dict):
-        if value.get("bytes") is not None:
-            return None
-        value = value.get("path", value.get("url", value.get("image_url", value.get("image"))))
-    if not isinstance(value, str | Path):
-        return None
-    text = str(value)
-    head = text[:16].lower()
-    if head.startswith("file:"):
-        from urllib.parse import unquote, urlparse
-
-        return unquote(urlparse(text).path)
-    if head.startswith("data:") or "://" in text:
-        return None
-    return text
-
-
-def check_image_location(value: Any, root: Path | None, where: str) -> None:
-    """A row may name image files below its data set's folder (or task.image_root) only, symlinks
-    resolved: a hub data set's row (root None) none at all. Otherwise a row could have the
-    trainer open any file it can read, and show it to the model (and to samples.jsonl)."""
-    path = local_file_of(value)
-    if path is None:
-        return
-    real = Path(path).expanduser().resolve()
-    if root is None or not real.is_relative_to(root.resolve()):
-        where_from = "a hub data set's row names a local file" if root is None else "outside the data set's folder"
-        raise RowSkipped("image_outside_dataset", f"{where}: {path[:120]!r} is {where_from}; image files are read "
-                         "only from below the data set's own folder or task.image_root")
 
 
 def _chat(prompt: Any, *, sample_id: str) -> list[dict[str, str]]:
