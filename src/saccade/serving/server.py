@@ -193,8 +193,14 @@ def build_router(state: SaccadeState):
     def decode(urls: list[str]) -> tuple["torch.Tensor", "torch.Tensor"]:
         """The request's images as the tower's pixels; RequestError for what cannot be used. The
         total pixels are checked from the images' headers before any is decoded."""
+        sizes = []
+        for i, url in enumerate(urls):
+            try:
+                sizes.append(data_url_size(url))
+            except ImageError as err:
+                raise RequestError(f"images[{i}]: {err}") from None
+        check_total_pixels(sizes)
         try:
-            check_total_pixels([data_url_size(url) for url in urls])
             images = []
             for i, url in enumerate(urls):
                 images.append(load_image(url, limits=state.limits, sample=f"images[{i}]"))
