@@ -311,7 +311,8 @@ def check_eval_outputs(result: dict, rows: list[dict], fields: tuple[str, ...], 
 # One row of each kind saccade.data.rows skips, as `write_broken_geometry3k` writes them. The
 # runs that read them set images.max_source_pixels = 4096 (the big picture is 80x80, the others
 # 56x48) and trainer.max_tokens = 256 (the long problem is far over it, the others far under).
-BROKEN_KINDS = ("missing_image", "bad_image", "image_count", "no_answer", "too_long", "too_many_pixels")
+BROKEN_KINDS = ("missing_image", "bad_image", "image_count", "no_answer", "too_long", "too_many_pixels",
+                "image_outside_dataset")
 BROKEN_LIMITS = ["--images.max_source_pixels", "4096", "--trainer.max_tokens", "256"]
 
 
@@ -332,6 +333,8 @@ def broken_row(kind: str, i: int) -> tuple[list, str, str | None]:
         return good[0], good[1] + " Read this with care." * 200, good[2]
     if kind == "too_many_pixels":
         return [picture(300 + i, size=(80, 80))], good[1], good[2]
+    if kind == "image_outside_dataset":  # a file of the trainer's machine, named by the row
+        return [{"bytes": None, "path": "/etc/passwd"}], good[1], good[2]
     raise ValueError(f"unknown kind {kind!r}")
 
 

@@ -141,6 +141,42 @@ def test_jsonl_rows_read_image_paths_relative_to_their_file(tmp_path):
         assert (err.value.reason, err.value.row_id) == ("missing_image", "j2")
 
 
+def test_image_files_are_read_only_from_below_the_data_sets_folder_or_the_image_root(tmp_path):
+    import json
+
+    path = write_own_jsonl(tmp_path / "mine")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    disc("blue").save(outside / "blue.png")
+    (tmp_path / "mine" / "pics" / "escape.png").symlink_to(outside / "blue.png")  # inside, pointing out
+    named = ["/etc/passwd", "file:///etc/passwd", "../elsewhere/blue.png", "pics/escape.png",
+             str(outside / "blue.png")]
+    rows = [{"uid": f"o{i}", "img": [image], "q": "What color?", "a": "blue"} for i, image in enumerate(named)]
+    path.write_text(path.read_text() + "".join(json.dumps(r) + "\n" for r in rows))
+    layout = RowLayout(ColumnsConfig(images="img", prompt="q", answer="a", id="uid"))
+    data = DatasetRows("dataset", str(path), subsets=None, split="train", layout=layout)
+    assert data.sample(0).images  # pics/red.png: inside, read
+    for i in range(3, 3 + len(named)):
+        with pytest.raises(RowSkipped, match="outside the data set's folder") as err:
+            data.sample(i)
+        assert err.value.reason == "image_outside_dataset" and "root:" not in str(err.value)
+    # task.image_root widens the folder to a parent of both: the outside picture is read, /etc is still not.
+    wider = DatasetRows("dataset", str(path), subsets=None, split="train",
+                        layout=RowLayout(layout.columns, image_root=str(tmp_path)))
+    assert [im.getpixel((32, 32)) for im in wider.sample(5).images] == [(30, 70, 225)]
+    with pytest.raises(RowSkipped, match="outside"):
+        wider.sample(3)
+    # A hub data set has no folder of its own: its rows may name no local file at all.
+    with pytest.raises(RowSkipped, match="hub data set's row names a local file") as err:
+        ds.check_image_location("pics/red.png", None, "images[0]")
+    with pytest.raises(RowSkipped, match="outside"):  # a datasets Image dict without bytes names a file
+        ds.check_image_location({"bytes": None, "path": "/etc/passwd"}, tmp_path, "images[0]")
+    ds.check_image_location({"bytes": b"png", "path": "/etc/passwd"}, None, "images[0]")  # bytes win: no file read
+    ds.check_image_location("data:image/png;base64,AAAA", None, "images[0]")
+    with pytest.raises(RowSkipped, match="outside"):  # nested as OpenAI's image_url is
+        ds.check_image_location({"image_url": {"url": "file:///etc/passwd"}}, tmp_path, "images[0]")
+
+
 def test_an_image_that_is_none_is_a_missing_image():
     layout = RowLayout(ColumnsConfig())
     row = {"image": None, "question": "What color?", "answer": "red"}

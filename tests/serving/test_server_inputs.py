@@ -266,7 +266,7 @@ def test_fuzzed_chat_bodies_get_a_4xx_with_a_reason(server, tiny_path):
 
 @pytest.mark.parametrize(("url", "reason"), [
     ("file:///etc/passwd", "no local files"),  # vLLM alone: 500
-    ("http://127.0.0.1:1/x.png", "no remote URLs"),  # vLLM alone: 500 after trying to connect
+    ("http://127.0.0.1:1/x.png", "does not fetch"),  # vLLM alone: 500 after trying to connect
     ("data:image/png,abc", "only base64"),  # vLLM alone: 501
 ])
 def test_chat_media_urls_vllm_answered_with_a_5xx_get_a_400(server, tiny_path, url, reason):
@@ -298,6 +298,7 @@ def test_weights_outside_the_root_are_refused_even_through_a_symlink(server, out
         response = post(server, "/update_weights", {"path": path, "version": 99})
         assert response.status_code == 403, (path, response.text[:300])
         assert "outside the server's weights root" in reason_of(response) and "--weights-root" in reason_of(response)
+        assert str(outside_weights) not in reason_of(response).replace(repr(path), "")  # where it led: not said
     info = httpx.get(server + "/saccade/info", timeout=TIMEOUT_S).json()
     assert info["policy_version"] != 99 and info["base_modified"] is False
 

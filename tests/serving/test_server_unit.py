@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from saccade.config import is_loopback
-from saccade.serving.flags import DEFAULT_FLAGS, check_exposure, with_defaults
+from saccade.serving.flags import DEFAULT_FLAGS, NO_REMOTE_MEDIA, api_keys, check_dev_mode, check_exposure, with_defaults
 from saccade.serving.server import split_features
 from saccade.serving.validation import RequestError
 from saccade.serving.weights import check_weights_folder
@@ -18,11 +18,27 @@ def test_is_loopback(host, loopback):
     assert is_loopback(host) is loopback
 
 
-def test_listening_beyond_this_machine_needs_an_api_key():
-    check_exposure("127.0.0.1", None)
-    check_exposure("0.0.0.0", "secret")
+def test_listening_beyond_this_machine_needs_an_api_key_and_loopback_without_one_is_warned_about():
+    assert "no API key" in check_exposure("127.0.0.1", ())
+    assert check_exposure("127.0.0.1", ("k",)) is None
+    assert check_exposure("0.0.0.0", ("secret",)) is None
     with pytest.raises(SystemExit, match="--api-key"):
-        check_exposure("0.0.0.0", None)
+        check_exposure("0.0.0.0", ())
+
+
+def test_every_api_key_given_is_kept_else_the_environments():
+    assert api_keys(["a", "b"], {"VLLM_API_KEY": "env"}) == ("a", "b")
+    assert api_keys(None, {"VLLM_API_KEY": "env"}) == api_keys([], {"VLLM_API_KEY": "env"}) == ("env",)
+    assert api_keys(None, {}) == () and api_keys("one", {}) == ("one",)
+
+
+def test_vllms_dev_mode_is_refused_and_remote_media_is_off_by_default():
+    check_dev_mode({}) or check_dev_mode({"VLLM_SERVER_DEV_MODE": "0"})
+    with pytest.raises(SystemExit, match="collective_rpc"):
+        check_dev_mode({"VLLM_SERVER_DEV_MODE": "1"})
+    args = with_defaults([])
+    assert args[args.index("--allowed-media-domains") + 1] == NO_REMOTE_MEDIA
+    assert with_defaults(["--allowed-media-domains", "example.com"]).count("--allowed-media-domains") == 1
 
 
 def test_defaults_fill_only_the_flags_the_user_did_not_give():

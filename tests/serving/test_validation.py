@@ -8,8 +8,9 @@ import os
 import pytest
 
 from saccade.serving.validation import (
-    MAX_IMAGES_PER_REQUEST, RequestError, UpdateRequest, chat_media_urls, check_aspect_ratio, check_chat_media_url,
-    parse_image_list, parse_json_body, parse_update_request, resolve_weights_path, resolve_weights_root,
+    MAX_IMAGES_PER_REQUEST, MAX_PIXELS_PER_REQUEST, MediaPolicy, RequestError, UpdateRequest, check_aspect_ratio,
+    check_media_url, check_media_urls, check_total_pixels, media_urls, parse_image_list, parse_json_body,
+    parse_update_request, resolve_weights_path, resolve_weights_root,
 )
 
 PNG = "data:image/png;base64,iVBORw0KGgo="
@@ -105,6 +106,9 @@ def test_weights_paths_resolve_inside_the_root_or_are_refused(tmp_path, monkeypa
         with pytest.raises(RequestError, match="outside the server's weights root") as err:
             resolve_weights_path(path, real_root)
         assert err.value.status == 403 and "--weights-root" in str(err.value)
+        # The message names what the client sent, never where it led or where the root is.
+        message = str(err.value).replace(repr(path), "")
+        assert str(tmp_path) not in message and str(outside.resolve()) not in message
 
 
 def test_a_symlink_loop_is_refused_not_raised(tmp_path):
@@ -127,30 +131,58 @@ def test_the_weights_root_need_not_exist_and_is_compared_by_its_real_path(tmp_pa
     assert resolve_weights_root("~") == resolve_weights_root(os.path.expanduser("~"))
 
 
-def test_chat_media_urls_are_found_wherever_openai_puts_them():
+def test_media_urls_are_found_in_every_route_format_at_any_depth():
     body = {"messages": [
-        {"role": "system", "content": "plain text"},
-        {"role": "user", "content": [{"type": "text", "text": "hi"},
+        {"role": "system", "content": "plain text http://not-media.example"},
+        {"role": "user", "content": [{"type": "text", "text": "https://a text, not media"},
                                      {"type": "image_url", "image_url": {"url": "data:a"}},
                                      {"type": "image_url", "image_url": "file:///x"},
                                      {"type": "video_url", "video_url": {"url": "http://h/v.mp4"}},
                                      "junk", {"type": "image_url", "image_url": {"url": 5}}]},
         "junk",
     ]}
-    assert chat_media_urls(body) == [("messages[1].content[1].image_url", "data:a"),
-                                     ("messages[1].content[2].image_url", "file:///x"),
-                                     ("messages[1].content[3].video_url", "http://h/v.mp4")]
-    assert chat_media_urls([1]) == chat_media_urls({"messages": "x"}) == []
+    assert media_urls(body) == [("body.messages[1].content[1].image_url.url", "data:a"),
+                                ("body.messages[1].content[2].image_url", "file:///x"),
+                                ("body.messages[1].content[3].video_url.url", "http://h/v.mp4")]
+    assert media_urls([1]) == media_urls({"messages": "x"}) == media_urls({"image": "not a url"}) == []
+    # /v1/responses, /v1/messages (Anthropic's), structured decisions' lists, /invocations' nesting
+    responses = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://r/x.png"}]}]}
+    anthropic = {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url",
+                                                                                        "url": " HTTPS://a/x"}}]}]}
+    decisions = {"media": {"image": ["http://d/1.png", "data:x"]}}
+    for body, url in [(responses, "https://r/x.png"), (anthropic, " HTTPS://a/x"), (decisions, "http://d/1.png"),
+                      ({"wrapped": {"deeper": [anthropic]}}, " HTTPS://a/x")]:
+        assert url in [u for _, u in media_urls(body)], body
+        with pytest.raises(RequestError, match="does not fetch"):
+            check_media_urls(body, MediaPolicy())
+    deep = current = {}
+    for _ in range(5000):  # deeper than Python's recursion limit
+        current["a"] = current = {}
+    current["url"] = "http://deep/x"
+    assert [u for _, u in media_urls(deep)] == ["http://deep/x"]
 
 
-def test_chat_media_urls_that_vllm_answers_with_a_5xx_are_refused():
-    strict = {"local_files": False, "remote": False}
-    check_chat_media_url(PNG, "p", **strict)
-    check_chat_media_url("data:", "p", **strict)  # vLLM answers this one with a 400 itself
-    check_chat_media_url("ftp://h/x.png", "p", **strict)  # so does it this one
+def test_media_urls_the_server_must_not_fetch_or_vllm_answers_with_a_5xx_are_refused():
+    strict = MediaPolicy()
+    check_media_url(PNG, "p", strict)
+    check_media_url("data:", "p", strict)  # vLLM answers this one with a 400 itself
+    check_media_url("ftp://h/x.png", "p", strict)  # so does it this one
     for url, reason in [("data:image/png,abc", "only base64"), ("FILE:///etc/passwd", "no local files"),
-                        ("https://example.com/x.png", "no remote URLs")]:
-        with pytest.raises(RequestError, match=reason):
-            check_chat_media_url(url, "p", **strict)
-    check_chat_media_url("file:///data/x.png", "p", local_files=True, remote=False)  # vLLM checks its own root
-    check_chat_media_url("https://example.com/x.png", "p", local_files=False, remote=True)
+                        ("https://example.com/x.png", "does not fetch"), ("http://127.0.0.1:9/x", "does not fetch")]:
+        with pytest.raises(RequestError, match=reason) as err:
+            check_media_url(url, "p", strict)
+        assert err.value.status == 400
+    check_media_url("file:///data/x.png", "p", MediaPolicy(local_files=True))  # vLLM checks its own root
+    allowed = MediaPolicy(domains=frozenset({"example.com"}))
+    check_media_url("https://example.com/x.png", "p", allowed)
+    for url in ["https://evil.example/x.png", "https://example.com.evil/x", "http://user@evil/x",
+                "http://[::1/x", "https://EVIL/x"]:
+        with pytest.raises(RequestError, match="only from --allowed-media-domains"):
+            check_media_url(url, "p", allowed)
+
+
+def test_the_images_of_one_request_are_bounded_in_decoded_pixels():
+    check_total_pixels([(8192, 8192)] * 4)  # four of the largest images the trainer allows
+    with pytest.raises(RequestError, match="split the batch") as err:
+        check_total_pixels([(4096, 4096)] * 64)  # the request: 64 x 4096^2, 1.07e9 pixels
+    assert err.value.status == 413 and MAX_PIXELS_PER_REQUEST < 64 * 4096**2

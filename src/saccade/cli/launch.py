@@ -41,7 +41,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ValueError("the layout's servers listen on addresses other machines reach: set VLLM_API_KEY (any "
                          "secret string, the same on every node) so that only the trainer can use them")
     from saccade.tools.demo import resolve_model_name
-    from saccade.tools.launcher.supervisor import supervise
+    from saccade.tools.launcher.key import ensure_launch_key
+    from saccade.tools.launcher.supervisor import LAUNCH_DIR, Log, supervise
+
+    log = Log()
+    # Before any child starts: each inherits the key from this process's environment.
+    log.say(ensure_launch_key(os.environ, Path(cfg.run_dir) / LAUNCH_DIR, nodes=len(cfg.launch.nodes)))
 
     model = None
     if cfg.model.is_preset:  # built (or trained: a warm start) once, here, not by every server at once
@@ -52,7 +57,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     again = " ".join(["saccade launch", args.config, *args.overrides, *(["--hosts", args.hosts] if args.hosts else [])])
     return supervise(processes, urls=cfg.launch.server_urls(), run_dir=cfg.run_dir,
                      max_restarts=cfg.launch.max_restarts, ready_timeout_s=cfg.launch.ready_timeout_s,
-                     resume_hint=f"{again}{rank} --resume")
+                     resume_hint=f"{again}{rank} --resume", log=log)
 
 
 def add_launch_parser(sub) -> None:

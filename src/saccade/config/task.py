@@ -379,6 +379,12 @@ class OwnDatasetTaskConfig(HubDatasetTaskConfig):
         "Write {{ and }} for literal braces",
     )
     system_prompt: str | None = Field(None, min_length=1, description="the system turn of every prompt; unset: none")
+    image_root: str | None = Field(
+        None, min_length=1,
+        description="the folder image files named in the rows may be read from (symlinks resolved); unset: the data "
+        "set's own folder (a file's folder, a folder source itself; none for a hub id). A row naming a file "
+        "elsewhere is skipped as image_outside_dataset",
+    )
 
 
 class VerifiersTaskConfig(Section):

@@ -23,7 +23,9 @@ A source is a hub id, a local folder laid out like the hub repository (a README.
 ``configs`` name each config's files, or the default ``data/<split>-*.parquet`` / ``.jsonl``),
 or one parquet or JSONL file or glob (then the whole file is the one split, and configs do
 not apply). Image paths in the rows are read relative to the data file's folder (a folder
-source: relative to the folder).
+source: relative to the folder), and only from below it, or below ``task.image_root`` when set
+(symlinks resolved): a row naming any other file (``/etc/passwd``, ``../../secret.png``), or
+any file at all in a hub data set, is skipped as ``image_outside_dataset`` and counted.
 
 Nothing is decoded up front: `datasets` keeps the rows memory-mapped (Arrow), rows are
 read one at a time in Arrow form and their images decoded only then, by
@@ -45,6 +47,7 @@ import numpy as np
 from PIL import Image
 
 from saccade.config import DEFAULT_PROMPT_TEMPLATE, ColumnsConfig, ImagesConfig
+from saccade.data.image_paths import check_image_location
 from saccade.data.images import ImageError, MissingImageError, blank_like, load_image
 from saccade.data.rows import (
     DATASET_TASKS, EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows,
@@ -193,6 +196,10 @@ class DatasetRows:
                       for name in names]
         self.starts = np.cumsum([0] + [len(t) for _, t in self.parts]).tolist()
         self.base = image_base(source)
+        # Where the rows' image files may be: task.image_root, else the data's own folder (a hub
+        # id has none: its rows may name no local file).
+        configured = layout.image_root if layout is not None else None
+        self.image_root = Path(configured).expanduser() if configured else self.base
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -218,13 +225,14 @@ class DatasetRows:
         try:
             if self.layout is not None:
                 sample = any_sample(row, sample_id=sample_id, layout=self.layout, dataset=self.source,
-                                    base=self.base, limits=self.limits)
+                                    base=self.base, limits=self.limits, root=self.image_root)
             elif self.task == "openmmreasoner":
-                sample = openmmreasoner_sample(row, sample_id=sample_id, subset=subset, limits=self.limits)
+                sample = openmmreasoner_sample(row, sample_id=sample_id, subset=subset, limits=self.limits,
+                                               root=self.image_root)
             elif self.task == "mathvista":
-                sample = mathvista_sample(row, sample_id=sample_id, limits=self.limits)
+                sample = mathvista_sample(row, sample_id=sample_id, limits=self.limits, root=self.image_root)
             else:
-                sample = geometry3k_sample(row, sample_id=sample_id, limits=self.limits)
+                sample = geometry3k_sample(row, sample_id=sample_id, limits=self.limits, root=self.image_root)
             check_image_count(sample)
         except RowSkipped as err:
             raise err.at(row_id=_row_id(self.task, row, sample_id), **place) from None
@@ -243,7 +251,10 @@ def _row_id(task: str, row: dict[str, Any], sample_id: str) -> str:
 # ------------------------------------------------------------------ rows -> samples
 
 
-def _images(values: Any, *, sample_id: str, column: str, limits: ImagesConfig) -> list[Image.Image]:
+def _images(values: Any, *, sample_id: str, column: str, limits: ImagesConfig,
+            root: Path | None = None) -> list[Image.Image]:
+    """The row's images; a file outside `root` (any file when None) is refused first
+    (`check_image_location`)."""
     if values is None:
         return []
     if not isinstance(values, list):
@@ -252,6 +263,7 @@ def _images(values: Any, *, sample_id: str, column: str, limits: ImagesConfig) -
     for i, value in enumerate(values):
         if value is None:
             raise MissingImageError(f"{column}[{i}] is None", sample=f"{sample_id} ({column}[{i}])")
+        check_image_location(value, root, f"{column}[{i}]")
         # load_image's errors say what is wrong; this names the row and the column.
         out.append(load_image(value, limits=limits, sample=f"{sample_id} ({column}[{i}])"))
     return out
@@ -316,7 +328,7 @@ def _scalars(values: Any) -> dict[str, Any]:
 
 
 def openmmreasoner_sample(row: dict[str, Any], *, sample_id: str, subset: str | None,
-                          limits: ImagesConfig | None = None) -> VQASample:
+                          limits: ImagesConfig | None = None, root: Path | None = None) -> VQASample:
     """One OpenMMReasoner-RL row: its own chat (images at the placeholders), a letter or
     free-form ground truth, options parsed from the prompt for letter answers."""
     chat = _chat(row["prompt"], sample_id=sample_id)
@@ -334,7 +346,8 @@ def openmmreasoner_sample(row: dict[str, Any], *, sample_id: str, subset: str | 
     }
     return VQASample(
         sample_id=sample_id,
-        images=_images(row["images"], sample_id=sample_id, column="images", limits=limits or ImagesConfig()),
+        images=_images(row["images"], sample_id=sample_id, column="images", limits=limits or ImagesConfig(),
+                       root=root),
         question=question,
         answer=answer,
         choices=choices,
@@ -344,7 +357,8 @@ def openmmreasoner_sample(row: dict[str, Any], *, sample_id: str, subset: str | 
     )
 
 
-def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfig | None = None) -> VQASample:
+def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfig | None = None,
+                     root: Path | None = None) -> VQASample:
     """One MathVista row: the ready ``query`` after the image; gold is a choice's text for
     multiple choice, else typed (integer / float with precision / list / text)."""
     sample_id = f"mathvista-{row['pid']}"  # MathVista's own ids, the ones its results use
@@ -358,7 +372,7 @@ def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfi
     return VQASample(
         sample_id=sample_id,
         images=_images(row["decoded_image"], sample_id=sample_id, column="decoded_image",
-                       limits=limits or ImagesConfig()),
+                       limits=limits or ImagesConfig(), root=root),
         question=row["question"],
         answer=answer,
         choices=list(row["choices"]) if multi_choice and row["choices"] else None,
@@ -371,13 +385,15 @@ def mathvista_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfi
     )
 
 
-def geometry3k_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfig | None = None) -> VQASample:
+def geometry3k_sample(row: dict[str, Any], *, sample_id: str, limits: ImagesConfig | None = None,
+                      root: Path | None = None) -> VQASample:
     """One Geometry3K row: the problem with its figure at the ``<image>`` placeholder."""
     chat = [{"role": "user", "content": str(row["problem"])}]
     answer = _answer(row["answer"], column="answer")
     return VQASample(
         sample_id=sample_id,
-        images=_images(row["images"], sample_id=sample_id, column="images", limits=limits or ImagesConfig()),
+        images=_images(row["images"], sample_id=sample_id, column="images", limits=limits or ImagesConfig(),
+                       root=root),
         question=_user_text(chat),
         answer=answer,
         choices=None,
@@ -398,6 +414,7 @@ class RowLayout:
     columns: ColumnsConfig
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
     system_prompt: str | None = None
+    image_root: str | None = None  # task.image_root: where image files may be read from besides the data's folder
 
     def read_columns(self) -> dict[str, str]:
         """{task.columns key: column name} of every column the rows are read from."""
@@ -444,7 +461,7 @@ def _choices(value: Any, *, column: str) -> list[str] | None:
 
 
 def any_sample(row: dict[str, Any], *, sample_id: str, layout: RowLayout, dataset: str,
-               base: Path | None = None, limits: ImagesConfig | None = None) -> VQASample:
+               base: Path | None = None, limits: ImagesConfig | None = None, root: Path | None = None) -> VQASample:
     """One row of one's own data set as a question: the prompt column written into
     ``layout.prompt_template``, its images at its ``<image>`` placeholders (none: first),
     multiple choice when the row has options, else a free-form answer.
@@ -470,7 +487,7 @@ def any_sample(row: dict[str, Any], *, sample_id: str, layout: RowLayout, datase
         metadata["category"] = [str(v) for v in category] if isinstance(category, list) else category
     return VQASample(
         sample_id=sample_id,
-        images=_images(values, sample_id=sample_id, column=c.images, limits=limits or ImagesConfig()),
+        images=_images(values, sample_id=sample_id, column=c.images, limits=limits or ImagesConfig(), root=root),
         question=_user_text([chat[-1]]),
         answer=answer,
         choices=choices,

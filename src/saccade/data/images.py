@@ -225,6 +225,18 @@ def _decode_data_url(url: str) -> bytes:
     return data
 
 
+def data_url_size(url: str) -> tuple[int, int]:
+    """(width, height) of a data URL's image from its header alone: no pixel is decoded. What a
+    server checks a request's total pixels with before it decodes any (and a client sizes its
+    requests with)."""
+    stream = io.BytesIO(_decode_data_url(url))
+    with _pil_errors(stream):
+        Image.init()
+        formats = [name for name in Image.ID if name not in _EXTERNAL_PROGRAM_FORMATS]
+        with Image.open(stream, formats=formats) as opened:
+            return opened.size
+
+
 def _file_url_to_path(url: str) -> Path:
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):

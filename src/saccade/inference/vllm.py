@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from saccade.config import ImagesConfig
-from saccade.data.images import image_hash, image_to_data_url, load_image
+from saccade.data.images import data_url_size, image_hash, image_to_data_url, load_image
 from saccade.inference.engine import (
     ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, vision_token_ids,
 )
@@ -55,7 +55,8 @@ from saccade.inference.server_client import Server, ServerClient, ServerError, h
 from saccade.model_match import fingerprint_mismatch
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
 from saccade.serving.wire import (
-    CHAT_COMPLETIONS, ENCODE_IMAGES, GENERATE_TOKENS, LORA_NAME, MAX_IMAGES_PER_REQUEST, VERSION_HEADER,
+    CHAT_COMPLETIONS, ENCODE_IMAGES, GENERATE_TOKENS, LORA_NAME, MAX_IMAGES_PER_REQUEST, MAX_PIXELS_PER_REQUEST,
+    VERSION_HEADER,
 )
 
 if TYPE_CHECKING:
@@ -93,6 +94,24 @@ def to_openai_messages(messages: list[dict[str, Any]], limits: ImagesConfig, sam
                 parts.append(dict(part))
         out.append({**message, "content": parts})
     return out, hashes
+
+
+def encode_chunks(urls: dict[str, str]) -> list[dict[str, str]]:
+    """key -> data URL, cut into /encode_images requests the server takes: at most
+    ENCODE_CHUNK_BYTES of URLs, ENCODE_CHUNK_IMAGES images and MAX_PIXELS_PER_REQUEST decoded
+    pixels each (read from the images' headers), in order."""
+    chunks: list[dict[str, str]] = []
+    size = pixels = 0
+    for key, url in urls.items():
+        width, height = data_url_size(url)
+        if (not chunks or size + len(url) > ENCODE_CHUNK_BYTES or len(chunks[-1]) >= ENCODE_CHUNK_IMAGES
+                or pixels + width * height > MAX_PIXELS_PER_REQUEST):
+            chunks.append({})
+            size = pixels = 0
+        chunks[-1][key] = url
+        size += len(url)
+        pixels += width * height
+    return chunks
 
 
 def collapse_image_pads(input_ids: list[int], pad_id: int) -> list[int]:
@@ -264,14 +283,7 @@ class VLLMEngine:
         for key, url in zip(keys, urls, strict=True):
             if key not in missing and self.cache.get(key) is None:
                 missing[key] = url
-        chunks: list[dict[str, str]] = []
-        size = ENCODE_CHUNK_BYTES
-        for key, url in missing.items():
-            if not chunks or size + len(url) > ENCODE_CHUNK_BYTES or len(chunks[-1]) >= ENCODE_CHUNK_IMAGES:
-                chunks.append({})
-                size = 0
-            chunks[-1][key] = url
-            size += len(url)
+        chunks = encode_chunks(missing)
         await asyncio.gather(*(self._encode_chunk(chunk) for chunk in chunks))
 
     async def _encode_chunk(self, chunk: dict[str, str]) -> None:

@@ -217,7 +217,8 @@ def dataset_task(cfg: RunConfig, t: HubDatasetTaskConfig, *, blank: bool | None 
     questions = DatasetTask.defaults(
         t.kind, dataset=t.dataset, split=t.split, subsets=t.subsets, eval_dataset=t.eval_dataset,
         eval_split=t.eval_split, eval_subsets=t.eval_subsets, blank_images=t.blank_images if blank is None else blank,
-        limits=cfg.images, layout=RowLayout(t.columns, t.prompt_template, t.system_prompt) if own else None,
+        limits=cfg.images,
+        layout=RowLayout(t.columns, t.prompt_template, t.system_prompt, t.image_root) if own else None,
         prompt_template=t.prompt_template, system_prompt=t.system_prompt,
         scorer=None if default else Scorer(s.extractor, s.grader, s.judge_url, s.judge_model, s.judge_api_key_env),
     )

