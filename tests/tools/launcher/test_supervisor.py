@@ -204,3 +204,76 @@ def test_a_killed_launcher_takes_its_processes_with_it(tmp_path):
         for pid in [*pids(tmp_path).values(), *([int(grandchild.read_text())] if grandchild.exists() else [])]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# A trainer that prints far more than a pipe holds (~64 KB), then ends: it ends only while the
+# launcher drains its output.
+LOUD_TRAINER = ("import sys\n"
+                "for i in range(4000):\n"
+                "    print(f'line {i} ' + 'x' * 100, flush=True)\n")
+
+
+def loud_plan(run: Path) -> list[Process]:
+    server, _ = processes(run)
+    return [server, Process("trainer", (sys.executable, "-c", LOUD_TRAINER))]
+
+
+def test_a_full_disk_under_the_logs_drops_lines_with_one_warning_and_never_blocks_a_child(tmp_path):
+    """Each process's log file on a full disk (/dev/full: every write fails with ENOSPC): the
+    launcher goes on draining the pipes, so the trainer's ~450 KB of output never blocks it."""
+    plan = loud_plan(tmp_path)
+    (tmp_path / LAUNCH_DIR).mkdir()
+    for name in ("server-0.log", "trainer.log"):
+        (tmp_path / LAUNCH_DIR / name).symlink_to("/dev/full")
+    out = io.StringIO()
+    start = time.time()
+    code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                     resume_hint="-", log=Log(out))
+    assert code == 0 and time.time() - start < 30
+    log = out.getvalue()
+    assert "[trainer] line 3999 " in log  # every line still reaches the launcher's own stream
+    warnings = [line for line in log.splitlines() if "cannot write" in line and "trainer.log" in line]
+    assert len(warnings) == 1, warnings
+    assert "No space left on device" in warnings[0]
+
+
+def test_a_closed_stdout_never_blocks_a_child(tmp_path):
+    """The launcher's stream a pipe nobody reads any more (`saccade launch ... | head -1`): its
+    lines are dropped, each process's own log keeps them all, and the trainer runs to its end."""
+    plan = loud_plan(tmp_path)
+    read, write = os.pipe()
+    os.close(read)
+    stream = os.fdopen(write, "w")
+    start = time.time()
+    try:
+        code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                         resume_hint="-", log=Log(stream))
+    finally:
+        try:
+            stream.close()
+        except OSError:
+            pass
+    assert code == 0 and time.time() - start < 30
+    assert "line 3999 " in (tmp_path / LAUNCH_DIR / "trainer.log").read_text()
+
+
+def test_the_launcher_ends_cleanly_when_its_stdout_is_closed(tmp_path):
+    """`saccade launch ... | head -1`, for real: the reader goes after one line; the launcher runs
+    the trainer to its end and exits with its status, with no traceback."""
+    plan = loud_plan(tmp_path)
+    code = ("from pathlib import Path; from saccade.tools.launcher.plan import Process; "
+            "from saccade.tools.launcher.supervisor import supervise; "
+            f"ps = [Process(*p) for p in {[(p.name, p.argv, p.env, p.url) for p in plan]!r}]; "
+            f"raise SystemExit(supervise(ps, urls=[ps[0].url], run_dir=Path({str(tmp_path)!r}), max_restarts=3, "
+            "ready_timeout_s=60, resume_hint='-'))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        launcher.stdout.readline()
+        launcher.stdout.close()  # head -1 exits
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"Exception ignored" not in err, err.decode()
+    assert "line 3999 " in (tmp_path / LAUNCH_DIR / "trainer.log").read_text()

@@ -94,19 +94,61 @@ def alive(pid: int) -> bool:
 
 
 class Log:
-    """The launcher's one stream: each line of each process with its name in front."""
+    """The launcher's one stream: each line of each process with its name in front.
+
+    A stream that fails once (nobody reads the pipe any more, as after `saccade launch ... |
+    head -1`; a full disk under a redirect) is given up with one warning on stderr: the lines
+    after it are dropped, never left to block the thread that writes them, and so the child whose
+    output that thread drains. Each process's own log file (<run>/launch/NAME.log) has them all."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stdout
         self.lock = threading.Lock()
+        self.given_up = False
 
     def line(self, name: str, text: str) -> None:
         with self.lock:
-            self.stream.write(f"[{name}] {text}\n")
-            self.stream.flush()
+            if self.given_up:
+                return
+            try:
+                self.stream.write(f"[{name}] {text}\n")
+                self.stream.flush()
+            except (OSError, ValueError) as err:  # ValueError: a stream closed under us
+                self.given_up = True
+                to_devnull(self.stream)
+                warn(f"saccade launch: its output cannot be written any more ({err}); the run goes on, and each "
+                     "process's log goes on in the run folder's launch/ folder")
 
     def say(self, text: str) -> None:
         self.line("launch", text)
+
+
+def to_devnull(stream) -> None:
+    """Point `stream`'s file descriptor at /dev/null, so that what is still in its buffer, flushed
+    at exit, goes nowhere instead of raising again (Python's 'Exception ignored ... BrokenPipeError')."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass  # not a file (a StringIO), or already closed: nothing will flush into it
+
+
+def warn(text: str) -> None:
+    """One line on stderr, if stderr can still take it."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def write_or_warn(path: Path, text: str, log: Log) -> None:
+    """A small file of the launcher's own (pids, the end mark): one that cannot be written (a full
+    disk) is said in the log and does not stop the launcher from stopping what it started."""
+    try:
+        path.write_text(text)
+    except OSError as err:
+        log.say(f"cannot write {path} ({err.strerror or err})")
 
 
 class Child:
@@ -136,12 +178,33 @@ class Child:
         self.reader.start()
 
     def _stream(self, proc: subprocess.Popen) -> None:
-        with open(self.log_path, "a", encoding="utf-8") as out:
-            for raw in proc.stdout:
-                text = raw.decode("utf-8", "replace").rstrip("\r\n").split("\r")[-1]  # a progress bar's last state
-                out.write(text + "\n")
-                out.flush()
-                self.log.line(self.name, text)
+        """Drain the child's output to the end, whatever fails to take it: a log file that cannot
+        be written (a full disk) is given up with one line in the launcher's log, for this life of
+        the child; a pipe left undrained would block the child once it holds ~64 KB."""
+        out = self._open_log()
+        for raw in proc.stdout:
+            text = raw.decode("utf-8", "replace").rstrip("\r\n").split("\r")[-1]  # a progress bar's last state
+            if out is not None:
+                try:
+                    out.write((text + "\n").encode("utf-8", "replace"))
+                except OSError as err:
+                    out.close()
+                    out = None
+                    self.log.say(f"cannot write {self.log_path} ({err.strerror or err}): {self.name}'s lines "
+                                 "go on in this log only")
+            self.log.line(self.name, text)
+        if out is not None:
+            out.close()
+
+    def _open_log(self):
+        """The process's log file, unbuffered (a failed write leaves nothing behind to fail again), or
+        None, said in the launcher's log, when it cannot be opened."""
+        try:
+            return open(self.log_path, "ab", buffering=0)
+        except OSError as err:
+            self.log.say(f"cannot open {self.log_path} ({err.strerror or err}): {self.name}'s lines go on in "
+                         "this log only")
+            return None
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -267,7 +330,7 @@ def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_r
     def started(child: Child) -> None:
         child.start()
         pids[child.name] = child.proc.pid
-        (folder / "pids.json").write_text(json.dumps(pids, indent=1) + "\n")
+        write_or_warn(folder / "pids.json", json.dumps(pids, indent=1) + "\n", log)
         log.say(f"started {child.name} (pid {child.proc.pid}): {child.process.shell()}")
 
     code = 1
@@ -288,7 +351,7 @@ def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_r
             return 1
         finally:
             if trainer is not None:
-                (folder / ENDED_FILE).write_text(f"{time.time()}\n")
+                write_or_warn(folder / ENDED_FILE, f"{time.time()}\n", log)
             stopping = [c for c in children if c.exit_code() is None]
             if stopping:
                 log.say(f"stopping {', '.join(c.name for c in stopping)}")
