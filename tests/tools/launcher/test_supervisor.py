@@ -18,7 +18,10 @@ from pathlib import Path
 import httpx
 
 from saccade.tools.launcher.plan import Process
-from saccade.tools.launcher.supervisor import ENDED_FILE, LAUNCH_DIR, Log, alive, process_tree, supervise
+from saccade.tools.launcher import supervisor
+from saccade.tools.launcher.ports import url_port
+from saccade.tools.launcher.supervisor import (ENDED_FILE, LAUNCH_DIR, Log, alive, process_tree, restart_delay,
+                                               supervise)
 from saccade.serving.launch import free_port
 
 HERE = Path(__file__).parent
@@ -97,7 +100,7 @@ def test_a_killed_server_is_started_again_and_everything_stops_when_the_trainer_
     assert code == 0
     log = out.getvalue()
     assert f"[launch] {url} answers" in log and "[server 0] listening on" in log and "[trainer] step 1" in log
-    assert "[launch] server 0 exited with -9: starting it again (1 of 3)" in log
+    assert "[launch] server 0 exited with -9: starting it again in 2 s (1 of 3)" in log
     assert "[launch] the trainer finished; every process started here has stopped" in log
     # each process's own log, restarts appended
     assert (tmp_path / LAUNCH_DIR / "server-0.log").read_text().count("listening on") == 2
@@ -277,3 +280,87 @@ def test_the_launcher_ends_cleanly_when_its_stdout_is_closed(tmp_path):
     assert launcher.returncode == 0, err.decode()
     assert b"Traceback" not in err and b"Exception ignored" not in err, err.decode()
     assert "line 3999 " in (tmp_path / LAUNCH_DIR / "trainer.log").read_text()
+
+
+def stranger_on(port: int) -> subprocess.Popen:
+    """Another process serving /health on `port` (a server left from an earlier run)."""
+    stranger = subprocess.Popen([sys.executable, str(HERE / "health_server.py"), str(port)], stdout=subprocess.DEVNULL)
+    wait_for(lambda: answers(f"http://127.0.0.1:{port}"), timeout_s=20)
+    return stranger
+
+
+def test_a_port_held_by_another_process_is_refused_by_name_before_the_server_starts(tmp_path):
+    plan = processes(tmp_path)
+    stranger = stranger_on(url_port(plan[0].url))
+    try:
+        out = io.StringIO()
+        code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                         resume_hint="-", log=Log(out))
+        assert code == 1
+        log = out.getvalue()
+        assert f"[launch] error: port {url_port(plan[0].url)} of server 0 ({plan[0].url}) is already held by pid " \
+               f"{stranger.pid} (" in log and "health_server.py" in log
+        assert pids(tmp_path) == {}  # nothing started
+        assert stranger.poll() is None  # and nothing of the stranger's stopped
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_url_answered_by_a_stranger_before_our_server_binds_is_refused(tmp_path):
+    """Today's race: the port was free when checked, but another process bound it while our server
+    loaded; its 200 must not be taken for our server's."""
+    plan = processes(tmp_path, server_args=("--delay", "5"))
+    strangers: list[subprocess.Popen] = []
+    helper = in_thread(lambda: (wait_for(lambda: "server 0" in pids(tmp_path)),
+                                strangers.append(stranger_on(url_port(plan[0].url)))), tmp_path)
+    try:
+        out = io.StringIO()
+        code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                         resume_hint="-", log=Log(out))
+        helper.join(timeout=10)
+        assert not helper.errors, helper.errors
+        assert code == 1
+        assert (f"[launch] error: {plan[0].url} answers, but not from server 0: port {url_port(plan[0].url)} is held "
+                f"by pid {strangers[0].pid} (") in out.getvalue()
+        assert "trainer" not in pids(tmp_path)
+    finally:
+        for stranger in strangers:
+            stranger.kill()
+            stranger.wait()
+
+
+def test_restarts_back_off():
+    assert [restart_delay(n) for n in range(1, 8)] == [2, 4, 8, 16, 32, 60, 60]
+
+
+def test_a_hung_server_is_ended_and_started_again_within_its_bound(tmp_path, monkeypatch):
+    """SIGSTOP on the server process: it still holds its port, so the kernel accepts connections,
+    but nothing answers. Bound: silent hang_after_s after its last answer, ended within
+    HUNG_GRACE_S, started again after restart_delay(1) = 2 s."""
+    monkeypatch.setattr(supervisor, "PROBE_EVERY_S", 0.2)
+    monkeypatch.setattr(supervisor, "PROBE_TIMEOUT_S", 0.5)
+    plan = processes(tmp_path)
+    url = plan[0].url
+    took: list[float] = []
+
+    def freeze_the_server_then_finish():
+        wait_for(lambda: "trainer" in pids(tmp_path))
+        first = pids(tmp_path)["server 0"]
+        frozen = time.time()
+        os.kill(first, signal.SIGSTOP)
+        wait_for(lambda: pids(tmp_path)["server 0"] != first and answers(url), timeout_s=40)
+        took.append(time.time() - frozen)
+        assert not alive(first)
+        (tmp_path / "finish").touch()
+
+    out = io.StringIO()
+    helper = in_thread(freeze_the_server_then_finish, tmp_path)
+    code = supervise(plan, urls=[url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60, resume_hint="-",
+                     log=Log(out), hang_after_s=2.0)
+    helper.join(timeout=10)
+    assert not helper.errors, helper.errors
+    assert code == 0
+    assert "[launch] server 0 has not answered /health for 2 s (launch.hang_after_s 2 s): taken as hung: starting " \
+           "it again in 2 s (1 of 3)" in out.getvalue()
+    assert took[0] < 2.0 + supervisor.HUNG_GRACE_S + 2.0 + 5.0  # + 5 s for the new process to answer
