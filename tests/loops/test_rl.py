@@ -289,3 +289,15 @@ def test_truncated_sampling_trains_on_policy(tmp_path):
     assert len(rows) == 2 and all(r["skipped_steps"] == 0 for r in rows)
     assert all(r["mismatch_abs"] <= 1e-4 for r in rows), [r["mismatch_abs"] for r in rows]
     print("truncated RL mismatch_abs:", [r["mismatch_abs"] for r in rows])
+
+
+def test_a_new_run_is_refused_in_a_folder_holding_another_runs_checkpoints(tmp_path):
+    """Refused before anything is built or written: the other run's config.toml stays as it was."""
+    cfg = _config(tmp_path, "run")
+    other = cfg.run_dir / "checkpoints" / "step_000001"
+    other.mkdir(parents=True)
+    (other / "COMPLETE").write_text("{}")
+    (cfg.run_dir / "config.toml").write_text("the other run's\n")
+    with pytest.raises(ValueError, match=r"holds another run's checkpoints \(step_000001\): go on with that run"):
+        train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    assert (cfg.run_dir / "config.toml").read_text() == "the other run's\n"

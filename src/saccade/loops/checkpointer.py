@@ -10,19 +10,33 @@ takes part in each (the weights are gathered or sharded collectively).
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from pathlib import Path
 
 from saccade.config import RunConfig, StallRollbackConfig
 from saccade.distributed import World, barrier
 from saccade.loops.rl_step import RLStep
 from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, save_checkpoint
-from saccade.trainer.checkpoint.folder import checkpoint_before, latest_checkpoint, set_aside_checkpoints
+from saccade.trainer.checkpoint.folder import (checkpoint_before, latest_checkpoint, set_aside_checkpoints,
+                                               start_afresh)
 from saccade.trainer.step import set_peak_lr
 
 GRAD_SPIKE = "grad_spike"  # TrainState.extra's key for the spike guard's recent gradient norms
 # TrainState.extra's key for the product of the stall rollbacks' lr factors (1.0: none): the
 # peak lr is trainer.lr times it, after a resume too.
 LR_SCALE = "lr_scale"
+
+
+def check_fresh_start(run_dir: Path, *, fresh: bool, world: World) -> None:
+    """A new run (no --resume): a ValueError, on every rank, when `run_dir` holds another run's
+    checkpoints; with `fresh`, the main rank moves them aside first (`start_afresh`)."""
+    if world.is_main or not fresh:
+        moved = start_afresh(run_dir, fresh=fresh and world.is_main, stamp=time.strftime("%Y%m%d-%H%M%S"))
+        if moved:
+            logging.getLogger(__name__).warning("--fresh: moved another run's %d checkpoint folder(s) to %s",
+                                                len(moved), moved[0].parent)
+    barrier(world)
 
 
 class CheckpointWriteError(RuntimeError):

@@ -59,7 +59,7 @@ from typing import Any
 from saccade.config import RunConfig, describe
 from saccade.distributed import SINGLE, World
 from saccade.inference.servers import NoServerError
-from saccade.loops.checkpointer import Checkpointer
+from saccade.loops.checkpointer import Checkpointer, check_fresh_start
 from saccade.loops.evaluator import Evaluator
 from saccade.loops.rl_step import RLStep
 from saccade.loops.stall_watch import StallWatch
@@ -76,13 +76,16 @@ from saccade.run.tasks import Task, task_from_config
 
 def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,
              task: Task | None = None, stop_after: int | None = None, progress: bool = True,
-             world: World = SINGLE, stop: StopRequest | None = None) -> dict[str, Any]:
+             world: World = SINGLE, stop: StopRequest | None = None, fresh: bool = False) -> dict[str, Any]:
     """The RL loop; returns the last step's figures. The objective is the clipped policy
     gradient on group-relative advantages, `saccade.trainer.loss.policy_loss`, which phase 2 takes
     `num_iterations` optimizer steps on. `stop_after` ends early (tests); `stop`: a STOP file or a
     caught signal, after which the run saves and raises `RunStopped`. `world`: this rank (torchrun);
-    rank 0 writes the metrics, every rank takes part in checkpoints and weight pushes."""
+    rank 0 writes the metrics, every rank takes part in checkpoints and weight pushes. `fresh`: a
+    new run in a folder holding another run's checkpoints moves them aside (else it is refused)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:  # before config.toml is written over: the folder may be another run's
+        check_fresh_start(run_dir, fresh=fresh, world=world)
     stop = stop or StopRequest(run_dir)
     if world.is_main:
         (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved

@@ -29,6 +29,7 @@ FORMAT_VERSION = 1  # the plain layout
 DCP_FORMAT_VERSION = 2  # the sharded layout (state.json "checkpoint": {"format": 2, "layout": "dcp", ...})
 
 STALLED_DIR = "checkpoints-stalled"  # a stalled run's checkpoints, set aside (set_aside_checkpoints)
+PREVIOUS_DIR = "checkpoints-previous"  # an earlier run's, moved aside by a start with --fresh
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -72,6 +73,28 @@ def set_aside_checkpoints(run_dir: Path, from_step: int) -> list[Path]:
         aside.parent.mkdir(parents=True, exist_ok=True)
         p.rename(aside)
         moved.append(aside)
+    return moved
+
+
+def start_afresh(run_dir: Path, *, fresh: bool, stamp: str) -> list[Path]:
+    """A new run (no --resume) in `run_dir`: refused while the folder holds another run's step
+    folders, complete or not, which the new run would write over one by one (and a later
+    --resume would load the old run's newer steps); with `fresh` they are moved to
+    `run_dir/PREVIOUS_DIR/stamp/` first. Returns where they went."""
+    found = step_dirs(Path(run_dir) / CHECKPOINTS_DIR)
+    if not found:
+        return []
+    names = ", ".join(p.name for _, p in found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    if not fresh:
+        raise ValueError(f"{run_dir} holds another run's checkpoints ({names}): go on with that run with --resume, "
+                         f"start this one in another folder (--log.dir), or pass --fresh to move them to "
+                         f"{Path(run_dir) / PREVIOUS_DIR / stamp}/ first")
+    aside = Path(run_dir) / PREVIOUS_DIR / stamp
+    aside.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for _, p in found:
+        p.rename(aside / p.name)
+        moved.append(aside / p.name)
     return moved
 
 

@@ -245,8 +245,9 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer=None, scheduler=N
         if optimizer is not None:
             optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
     if scheduler is not None:
-        # LambdaLR and friends save callable objects' __dict__: allow any pickle (our own file).
-        scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=False))
+        # weights_only: a LambdaLR's state is numbers and lists (a callable object's __dict__ of
+        # numbers at most), and a checkpoint from elsewhere must not run code when loaded.
+        scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
     rank_rng = f"rng_rank{process_world().rank}.pt"
     _set_rng_state(torch.load(path / (rank_rng if rank_rng in files else RNG_FILE), map_location="cpu",
                               weights_only=True))
