@@ -17,7 +17,7 @@ from pathlib import Path
 from saccade.config import RunConfig, StallRollbackConfig
 from saccade.distributed import World, barrier
 from saccade.loops.rl_step import RLStep
-from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, save_checkpoint
+from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, load_latest_checkpoint, save_checkpoint
 from saccade.trainer.checkpoint.folder import (checkpoint_before, latest_checkpoint, set_aside_checkpoints,
                                                start_afresh)
 from saccade.trainer.step import set_peak_lr
@@ -55,14 +55,16 @@ class Checkpointer:
         return self.resume() if resume else TrainState(step=0, data_position=0, policy_version=0, extra={})
 
     def resume(self) -> TrainState:
-        """The run's latest complete checkpoint loaded into the model and optimizer, the engine's
+        """The run's latest complete checkpoint that loads (the one before it, warned, when the
+        newest does not: `load_latest_checkpoint`) loaded into the model and optimizer, the engine's
         sampling RNG restored. The peak lr is this config's trainer.lr (times the factors of the
         run's stall rollbacks, if any), not the one saved with the optimizer: going on at a lower
         lr is what a resume from a stall is for."""
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
+        loaded = load_latest_checkpoint(self.run_dir, model=self.rl.setup.model, optimizer=self.rl.optimizer,
+                                        scheduler=self.rl.scheduler)
+        if loaded is None:
             raise ValueError(f"--resume: no complete checkpoint under {self.run_dir}; start without --resume")
-        state = load_checkpoint(path, model=self.rl.setup.model, optimizer=self.rl.optimizer, scheduler=self.rl.scheduler)
+        _, state = loaded
         set_peak_lr(self.rl.optimizer, self.rl.scheduler, self.cfg.trainer.lr * state.extra.get(LR_SCALE, 1.0))
         self.rl.setup.engine.set_rng_state(state.extra.get("engine_rng"))
         if self.rl.spike_guard is not None:  # the same recent gradient norms as the run that saved it
