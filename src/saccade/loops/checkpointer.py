@@ -18,8 +18,8 @@ from saccade.config import RunConfig, StallRollbackConfig
 from saccade.distributed import World, barrier
 from saccade.loops.rl_step import RLStep
 from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, load_latest_checkpoint, save_checkpoint
-from saccade.trainer.checkpoint.folder import (checkpoint_before, latest_checkpoint, set_aside_checkpoints,
-                                               start_afresh)
+from saccade.trainer.checkpoint.folder import (check_same_base, checkpoint_before, latest_checkpoint,
+                                               set_aside_checkpoints, start_afresh)
 from saccade.trainer.step import set_peak_lr
 
 GRAD_SPIKE = "grad_spike"  # TrainState.extra's key for the spike guard's recent gradient norms
@@ -60,6 +60,9 @@ class Checkpointer:
         sampling RNG restored. The peak lr is this config's trainer.lr (times the factors of the
         run's stall rollbacks, if any), not the one saved with the optimizer: going on at a lower
         lr is what a resume from a stall is for."""
+        newest = latest_checkpoint(self.run_dir)
+        if newest is not None:  # before anything loads: weights trained from another model are no resume
+            check_same_base(newest, self.rl.setup.model_path)
         loaded = load_latest_checkpoint(self.run_dir, model=self.rl.setup.model, optimizer=self.rl.optimizer,
                                         scheduler=self.rl.scheduler)
         if loaded is None:

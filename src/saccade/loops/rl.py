@@ -52,11 +52,12 @@ Simplified on purpose:
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from saccade.config import RunConfig, describe
+from saccade.config import RunConfig, config_changes, describe
 from saccade.distributed import SINGLE, World
 from saccade.inference.servers import NoServerError
 from saccade.loops.checkpointer import Checkpointer, check_fresh_start
@@ -74,6 +75,17 @@ from saccade.stopping import RunStopped, StopRequest
 from saccade.run.tasks import Task, task_from_config
 
 
+def say_config_changes(saved: Path, now: str, *, resume: bool) -> None:
+    """A resume with a config other than the run's (config.toml) goes on (more steps, a lower lr
+    are what resumes are for), but says each change, since config.toml is about to be rewritten."""
+    if not resume or not saved.is_file():
+        return
+    changes = config_changes(saved.read_text(), now)
+    if changes:
+        logging.getLogger(__name__).warning("--resume with a config other than the run's (%s):\n  %s", saved,
+                                            "\n  ".join(changes))
+
+
 def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,
              task: Task | None = None, stop_after: int | None = None, progress: bool = True,
              world: World = SINGLE, stop: StopRequest | None = None, fresh: bool = False) -> dict[str, Any]:
@@ -88,6 +100,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
         check_fresh_start(run_dir, fresh=fresh, world=world)
     stop = stop or StopRequest(run_dir)
     if world.is_main:
+        say_config_changes(run_dir / "config.toml", describe(cfg), resume=resume)
         (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
     setup = setup or build_setup(cfg, run_dir, world)
     rl = RLStep.build(cfg, setup, task or task_from_config(cfg), world)

@@ -8,7 +8,9 @@ from saccade.trainer.checkpoint.folder import (
     CHECKPOINTS_DIR,
     COMPLETE,
     PREVIOUS_DIR,
+    STATE_FILE,
     STALLED_DIR,
+    check_same_base,
     checkpoint_before,
     latest_checkpoint,
     set_aside_checkpoints,
@@ -62,3 +64,19 @@ def test_fresh_moves_another_runs_checkpoints_aside(tmp_path):
     assert all(p.parent == tmp_path / PREVIOUS_DIR / "t" for p in moved)
     assert latest_checkpoint(tmp_path) is None  # --resume cannot load the old run by accident
     assert start_afresh(tmp_path, fresh=False, stamp="t") == []  # an empty folder: nothing to refuse
+
+
+def test_a_resume_on_another_base_model_is_refused_saying_both(tmp_path):
+    import json
+
+    step = tmp_path / "step_000002"
+    step.mkdir()
+    (step / STATE_FILE).write_text(json.dumps({"checkpoint": {"base_model_path": "Qwen/Qwen2.5-VL-3B-Instruct"}}))
+    check_same_base(step, "Qwen/Qwen2.5-VL-3B-Instruct")  # the same: goes on
+    with pytest.raises(ValueError, match=r"trained from base model Qwen/Qwen2.5-VL-3B-Instruct, but this config's "
+                       r"model is Qwen/Qwen2.5-VL-7B-Instruct: resume with --model.path Qwen/Qwen2.5-VL-3B-Instruct"):
+        check_same_base(step, "Qwen/Qwen2.5-VL-7B-Instruct")
+    (tmp_path / "model").mkdir()
+    (step / STATE_FILE).write_text(json.dumps({"checkpoint": {"base_model_path": str(tmp_path / "model")}}))
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    check_same_base(step, str(tmp_path / "link"))  # one folder, two names

@@ -111,6 +111,29 @@ def start_afresh(run_dir: Path, *, fresh: bool, stamp: str) -> list[Path]:
     return moved
 
 
+def check_same_base(path: Path, model_path: str) -> None:
+    """A ValueError when checkpoint `path` was trained from another base model than `model_path`
+    (its state.json's base_model_path; checkpoints that did not record it pass), saying both."""
+    try:
+        saved = json.loads((path / STATE_FILE).read_text()).get("checkpoint", {}).get("base_model_path")
+    except (OSError, ValueError):
+        return  # an unreadable checkpoint: its load says what is wrong, and the one before it is tried
+    if saved is None or _same_path(saved, model_path):
+        return
+    raise ValueError(f"--resume: {path} was trained from base model {saved}, but this config's model is "
+                     f"{model_path}: resume with --model.path {saved}, or start a new run in another folder")
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Two model names or folders are the same: equal, or the same folder on this machine."""
+    if a == b:
+        return True
+    try:
+        return Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
 def check_complete(path: Path, *, contents: bool = False) -> dict:
     """The manifest of a complete checkpoint folder, its files all there at their saved sizes;
     with `contents`, also their saved CRC-32s (checkpoints from before they were recorded: sizes
