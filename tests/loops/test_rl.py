@@ -301,3 +301,28 @@ def test_a_new_run_is_refused_in_a_folder_holding_another_runs_checkpoints(tmp_p
     with pytest.raises(ValueError, match=r"holds another run's checkpoints \(step_000001\): go on with that run"):
         train_rl(cfg, run_dir=cfg.run_dir, progress=False)
     assert (cfg.run_dir / "config.toml").read_text() == "the other run's\n"
+
+
+def test_the_nonfinite_streak_counts_steps_whose_every_optimizer_step_was_skipped():
+    from saccade.loops.rl import nonfinite_streak
+
+    assert nonfinite_streak(0, {"skipped_steps": 1.0}, num_iterations=1) == 1
+    assert nonfinite_streak(1, {"skipped_steps": 2.0}, num_iterations=2) == 2
+    assert nonfinite_streak(2, {"skipped_steps": 1.0}, num_iterations=2) == 0  # one optimizer step applied
+    assert nonfinite_streak(2, {"skipped_steps": 0.0}, num_iterations=1) == 0
+
+
+def test_a_run_of_nonfinite_steps_stops_with_a_checkpoint_and_a_message(tmp_path):
+    """Every gradient NaN (before: the run trained on forever, `skipped_steps` only logged)."""
+    from saccade.loops.stall import StallError
+    from saccade.run.setup import build_setup
+
+    cfg = _config(tmp_path, "nan-run", "--trainer.steps", "5", "--checkpoint.every_steps", "0",
+                  "--eval.every_steps", "0", "--trainer.max_nonfinite_steps", "2")
+    setup = build_setup(cfg, cfg.run_dir)
+    _nan_gradient(setup)
+    with pytest.raises(StallError, match=r"2 steps in a row had every optimizer step skipped .*"
+                       r"trainer.max_nonfinite_steps = 2\), up to step 2.*Saved .*step_000002.*--resume"):
+        train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
+    assert (cfg.run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()
+    assert [r["step"] for r in read_metrics(cfg.run_dir) if r["phase"] == "train"] == [1, 2]

@@ -63,6 +63,7 @@ from saccade.inference.servers import NoServerError
 from saccade.loops.checkpointer import Checkpointer, check_fresh_start
 from saccade.loops.evaluator import Evaluator
 from saccade.loops.rl_step import RLStep
+from saccade.loops.stall import StallError
 from saccade.loops.stall_watch import StallWatch
 from saccade.loops.step_log import EngineCounters, NoLogger, SampleLog, step_metrics
 from saccade.loops.weight_sync import WeightSync, push_start_weights
@@ -84,6 +85,12 @@ def say_config_changes(saved: Path, now: str, *, resume: bool) -> None:
     if changes:
         logging.getLogger(__name__).warning("--resume with a config other than the run's (%s):\n  %s", saved,
                                             "\n  ".join(changes))
+
+
+def nonfinite_streak(streak: int, train_metrics: dict[str, Any], num_iterations: int) -> int:
+    """Steps in a row whose every optimizer step was skipped (NaN/inf loss or gradients), this
+    step's included: such a step leaves the weights as they were, so a run of them trains nothing."""
+    return streak + 1 if train_metrics.get("skipped_steps", 0.0) >= num_iterations else 0
 
 
 def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,
@@ -122,6 +129,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
         first_step=state.step, end=end, max_async_level=cfg.rollout.max_async_level)
     weights, samples = WeightSync(cfg, setup.engine, source, world, end=end), SampleLog(rl, logger, run_dir)
     counters, model_match, metrics = EngineCounters(setup.engine), ModelMatchGuard.of(cfg), {}
+    nonfinite, most_nonfinite = 0, cfg.trainer.max_nonfinite_steps
     with logger, stream, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar, source:
         try:
             for step in range(state.step, end):
@@ -134,6 +142,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 # step the trainer must score the sampled tokens as the engine did.
                 train_metrics = rl.train(step, rollouts)
                 model_match.after_train(step, train_metrics)
+                nonfinite = nonfinite_streak(nonfinite, train_metrics, cfg.trainer.num_iterations)
                 train_s = time.perf_counter() - start - rollout_s
                 # 3. The stall watch: warn, roll back now (before the weights go out), or stop below.
                 verdict = stall.after_train(step, rollouts.batch.metrics, state)
@@ -153,6 +162,14 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                     raise gone
                 if verdict.stop:  # the stalled weights are not saved: the last checkpoint is the one to go on from
                     raise stall.stopped(state.step, metrics, rl_command(run_dir, world))
+                if most_nonfinite and nonfinite >= most_nonfinite:  # the weights are unchanged by them: save
+                    state.policy_version = state.step
+                    raise StallError(
+                        f"{nonfinite} steps in a row had every optimizer step skipped for a non-finite loss or "
+                        f"gradient (trainer.max_nonfinite_steps = {most_nonfinite}), up to step {state.step}: the run "
+                        f"trains nothing. Saved {checkpoints.save(state)}, the weights from before them. Look for "
+                        "the cause (a lower trainer.lr, model.dtype float32, the data rows of those steps), then go "
+                        f"on with: {rl_command(run_dir, world)} --resume")
                 saved = checkpoints.after_step(state, rolled_back=verdict.rolled_back)
                 # 6. Asked to stop (STOP file, Ctrl-C): every rank alike, after a checkpoint.
                 if state.step < end and stop.agreed(world, setup.device):
