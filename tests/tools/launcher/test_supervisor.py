@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -339,7 +340,7 @@ def test_a_hung_server_is_ended_and_started_again_within_its_bound(tmp_path, mon
     but nothing answers. Bound: silent hang_after_s after its last answer, ended within
     HUNG_GRACE_S, started again after restart_delay(1) = 2 s."""
     monkeypatch.setattr(supervisor, "PROBE_EVERY_S", 0.2)
-    monkeypatch.setattr(supervisor, "PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(supervisor, "PROBE_TIMEOUT_S", 1.0)
     plan = processes(tmp_path)
     url = plan[0].url
     took: list[float] = []
@@ -349,7 +350,7 @@ def test_a_hung_server_is_ended_and_started_again_within_its_bound(tmp_path, mon
         first = pids(tmp_path)["server 0"]
         frozen = time.time()
         os.kill(first, signal.SIGSTOP)
-        wait_for(lambda: pids(tmp_path)["server 0"] != first and answers(url), timeout_s=40)
+        wait_for(lambda: pids(tmp_path)["server 0"] != first and answers(url), timeout_s=60)
         took.append(time.time() - frozen)
         assert not alive(first)
         (tmp_path / "finish").touch()
@@ -357,10 +358,10 @@ def test_a_hung_server_is_ended_and_started_again_within_its_bound(tmp_path, mon
     out = io.StringIO()
     helper = in_thread(freeze_the_server_then_finish, tmp_path)
     code = supervise(plan, urls=[url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60, resume_hint="-",
-                     log=Log(out), hang_after_s=2.0)
+                     log=Log(out), hang_after_s=4.0)  # 2 s flaked on the loaded 2-core machine
     helper.join(timeout=10)
     assert not helper.errors, helper.errors
     assert code == 0
-    assert "[launch] server 0 has not answered /health for 2 s (launch.hang_after_s 2 s): taken as hung: starting " \
-           "it again in 2 s (1 of 3)" in out.getvalue()
-    assert took[0] < 2.0 + supervisor.HUNG_GRACE_S + 2.0 + 5.0  # + 5 s for the new process to answer
+    assert re.search(r"\[launch\] server 0 has not answered /health for \d+ s \(launch.hang_after_s 4 s\): taken as "
+                     r"hung: starting it again in 2 s \(1 of 3\)", out.getvalue()), out.getvalue()
+    assert took[0] < 4.0 + 1.0 + supervisor.HUNG_GRACE_S + 2.0 + 5.0  # + 5 s for the new process to answer
