@@ -326,3 +326,25 @@ def test_a_run_of_nonfinite_steps_stops_with_a_checkpoint_and_a_message(tmp_path
         train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
     assert (cfg.run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()
     assert [r["step"] for r in read_metrics(cfg.run_dir) if r["phase"] == "train"] == [1, 2]
+
+
+def test_a_full_disk_under_the_metrics_stops_the_run_with_a_checkpoint_and_a_message(tmp_path, monkeypatch):
+    """metrics.jsonl's write failing with ENOSPC at step 2 (before: a raw OSError, no checkpoint)."""
+    import errno
+
+    from saccade.loops.checkpointer import CheckpointWriteError
+    from saccade.metrics import MetricsLogger
+
+    real_log = MetricsLogger.log
+
+    def log(self, step, metrics):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_log(self, step, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    cfg = _config(tmp_path, "full", "--trainer.steps", "3", "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
+    with pytest.raises(CheckpointWriteError, match=r"failed on a full disk .*No space left.*stopped after step 2 "
+                       r"and saved .*step_000002.*--resume"):
+        train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
+    assert (cfg.run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()

@@ -10,6 +10,7 @@ takes part in each (the weights are gathered or sharded collectively).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
 from pathlib import Path
@@ -41,6 +42,25 @@ def check_fresh_start(run_dir: Path, *, fresh: bool, world: World) -> None:
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, folder unwritable): the run stops."""
+
+
+# The errors of a disk with no room left: no space, a file size limit, a quota.
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def disk_full(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in DISK_FULL
+
+
+def stopped_by_full_disk(err: OSError, checkpoints: Checkpointer, state: TrainState) -> CheckpointWriteError:
+    """A run write other than a checkpoint (metrics.jsonl, samples, skipped rows, the engine's
+    weights) failed on a full disk: the run stops the documented way, with a checkpoint of the
+    state so far where one can still be written (else `CheckpointWriteError` names the intact
+    previous one), and a message saying what failed and how to go on."""
+    saved = checkpoints.save(state)  # CheckpointWriteError, with its own message, when it cannot
+    return CheckpointWriteError(
+        f"a write of the run failed on a full disk ({err}); the run stopped after step {state.step} and saved "
+        f"{saved}. Free space, then go on with: saccade rl {checkpoints.run_dir / 'config.toml'} --resume")
 
 
 class Checkpointer:

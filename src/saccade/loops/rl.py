@@ -60,7 +60,7 @@ from typing import Any
 from saccade.config import RunConfig, config_changes, describe
 from saccade.distributed import SINGLE, World
 from saccade.inference.servers import NoServerError
-from saccade.loops.checkpointer import Checkpointer, check_fresh_start
+from saccade.loops.checkpointer import Checkpointer, check_fresh_start, disk_full, stopped_by_full_disk
 from saccade.loops.evaluator import Evaluator
 from saccade.loops.rl_step import RLStep
 from saccade.loops.stall import StallError
@@ -174,6 +174,11 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 # 6. Asked to stop (STOP file, Ctrl-C): every rank alike, after a checkpoint.
                 if state.step < end and stop.agreed(world, setup.device):
                     raise stopped_on_request(checkpoints, state, saved, stop, world)
+        except OSError as err:
+            if not disk_full(err) or world.size > 1:  # ranks apart: a save now would wait for the others
+                raise
+            state.policy_version = state.step
+            raise stopped_by_full_disk(err, checkpoints, state) from err
         except NoServerError as err:  # every rank at the same step: the finished steps are saved
             state.policy_version = state.step
             raise NoServerError(
