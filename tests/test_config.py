@@ -642,3 +642,14 @@ def test_an_old_key_the_upgrade_cannot_read_quietly_is_refused_or_named(tmp_path
     assert "has both rollout.on_stall (before 2026-11-28) and stall.action" in msg
     # Today's wrong mix (no old key) is no upgrade: refused, naming the variant that has the field.
     assert "is a field of kind 'ppo_clip'" in error(write(tmp_path, '[loss]\nkind = "reinforce"\neps_high = 0.3\n'), [])
+
+
+def test_config_changes_name_each_key_that_differs():
+    from saccade.config import config_changes
+
+    before = describe(load_config(RunConfig, "configs/demo.toml", []))
+    after = describe(load_config(RunConfig, "configs/demo.toml", ["--trainer.lr", "1e-3", "--trainer.steps", "7"]))
+    assert config_changes(before, before) == []
+    changes = config_changes(before, after)
+    assert len(changes) == 2 and changes[0].startswith("trainer.lr: ") and changes[0].endswith(" -> 0.001")
+    assert changes[1].endswith(" -> 7") and changes[1].startswith("trainer.steps: ")

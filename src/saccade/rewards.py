@@ -261,11 +261,21 @@ def math_equal(gold: str, predicted: str, *, precision: int | None = None) -> bo
 
     Both sides must look mathematical (a digit, a LaTeX command, pi or a root) and be short.
     With ``precision``, two numeric values are compared after rounding, as MathVista does.
+    The comparison runs in `saccade.math_worker`'s child process, killed after 5 s: a short
+    power tower makes sympy compute for minutes holding the GIL, which no timeout in this
+    process could cut (False then, as for any answer math-verify cannot read).
     """
     if not (_MATHY.search(gold) and _MATHY.search(predicted)):
         return False
     if max(len(gold), len(predicted)) > _MATH_VERIFY_MAX_CHARS:
         return False
+    from saccade.math_worker import worker
+
+    return bool(worker().equal(gold, predicted, precision))
+
+
+def math_equal_here(gold: str, predicted: str, *, precision: int | None = None) -> bool:
+    """`math_equal`'s comparison in this process, unbounded (what the math worker's child runs)."""
     from math_verify import parse, verify
 
     timeout = _math_verify_timeout()

@@ -27,8 +27,9 @@ wait on I/O (a judge model behind HTTP) overlap. Every call is bounded by
 `rollout.reward_timeout_s`. A user's sync function runs on a worker thread (at most
 `SYNC_THREADS` at once) under the same bound: Python cannot stop a thread, so one that
 overruns is abandoned (a daemon thread: it never holds up the process's exit) and its answer
-scored as timed out. The built-ins run inline: they bound their own work, and math-verify's
-timeout (SIGALRM) works only on the main thread.
+scored as timed out. The built-ins run inline: they bound their own work, `correct`'s
+math-verify in a child process killed after 5 s (`saccade.math_worker`: a short power tower
+holds the GIL for minutes, which no thread or SIGALRM can cut).
 
 A call that raises, times out, or returns something other than a finite number (or a dict of
 them) scores 0 for that answer and the run goes on. It is counted in the step's metrics, and

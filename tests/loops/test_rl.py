@@ -289,3 +289,62 @@ def test_truncated_sampling_trains_on_policy(tmp_path):
     assert len(rows) == 2 and all(r["skipped_steps"] == 0 for r in rows)
     assert all(r["mismatch_abs"] <= 1e-4 for r in rows), [r["mismatch_abs"] for r in rows]
     print("truncated RL mismatch_abs:", [r["mismatch_abs"] for r in rows])
+
+
+def test_a_new_run_is_refused_in_a_folder_holding_another_runs_checkpoints(tmp_path):
+    """Refused before anything is built or written: the other run's config.toml stays as it was."""
+    cfg = _config(tmp_path, "run")
+    other = cfg.run_dir / "checkpoints" / "step_000001"
+    other.mkdir(parents=True)
+    (other / "COMPLETE").write_text("{}")
+    (cfg.run_dir / "config.toml").write_text("the other run's\n")
+    with pytest.raises(ValueError, match=r"holds another run's checkpoints \(step_000001\): go on with that run"):
+        train_rl(cfg, run_dir=cfg.run_dir, progress=False)
+    assert (cfg.run_dir / "config.toml").read_text() == "the other run's\n"
+
+
+def test_the_nonfinite_streak_counts_steps_whose_every_optimizer_step_was_skipped():
+    from saccade.loops.rl import nonfinite_streak
+
+    assert nonfinite_streak(0, {"skipped_steps": 1.0}, num_iterations=1) == 1
+    assert nonfinite_streak(1, {"skipped_steps": 2.0}, num_iterations=2) == 2
+    assert nonfinite_streak(2, {"skipped_steps": 1.0}, num_iterations=2) == 0  # one optimizer step applied
+    assert nonfinite_streak(2, {"skipped_steps": 0.0}, num_iterations=1) == 0
+
+
+def test_a_run_of_nonfinite_steps_stops_with_a_checkpoint_and_a_message(tmp_path):
+    """Every gradient NaN (before: the run trained on forever, `skipped_steps` only logged)."""
+    from saccade.loops.stall import StallError
+    from saccade.run.setup import build_setup
+
+    cfg = _config(tmp_path, "nan-run", "--trainer.steps", "5", "--checkpoint.every_steps", "0",
+                  "--eval.every_steps", "0", "--trainer.max_nonfinite_steps", "2")
+    setup = build_setup(cfg, cfg.run_dir)
+    _nan_gradient(setup)
+    with pytest.raises(StallError, match=r"2 steps in a row had every optimizer step skipped .*"
+                       r"trainer.max_nonfinite_steps = 2\), up to step 2.*Saved .*step_000002.*--resume"):
+        train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
+    assert (cfg.run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()
+    assert [r["step"] for r in read_metrics(cfg.run_dir) if r["phase"] == "train"] == [1, 2]
+
+
+def test_a_full_disk_under_the_metrics_stops_the_run_with_a_checkpoint_and_a_message(tmp_path, monkeypatch):
+    """metrics.jsonl's write failing with ENOSPC at step 2 (before: a raw OSError, no checkpoint)."""
+    import errno
+
+    from saccade.loops.checkpointer import CheckpointWriteError
+    from saccade.metrics import MetricsLogger
+
+    real_log = MetricsLogger.log
+
+    def log(self, step, metrics):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_log(self, step, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    cfg = _config(tmp_path, "full", "--trainer.steps", "3", "--checkpoint.every_steps", "0", "--eval.every_steps", "0")
+    with pytest.raises(CheckpointWriteError, match=r"failed on a full disk .*No space left.*stopped after step 2 "
+                       r"and saved .*step_000002.*--resume"):
+        train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
+    assert (cfg.run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()

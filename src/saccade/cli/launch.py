@@ -57,6 +57,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     again = " ".join(["saccade launch", args.config, *args.overrides, *(["--hosts", args.hosts] if args.hosts else [])])
     return supervise(processes, urls=cfg.launch.server_urls(), run_dir=cfg.run_dir,
                      max_restarts=cfg.launch.max_restarts, ready_timeout_s=cfg.launch.ready_timeout_s,
+                     hang_after_s=cfg.launch.hang_after_s,
                      resume_hint=f"{again}{rank} --resume", log=log)
 
 

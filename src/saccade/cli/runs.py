@@ -56,7 +56,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
     try:
         with stop.catch_signals():  # Ctrl-C / SIGTERM: stop after the step under way, with a checkpoint
             cfg = resolve_warm_start(cfg, world)
-            result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world, stop=stop)
+            result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world, stop=stop,
+                              fresh=args.fresh)
     except (StallError, RunStopped) as err:  # no traceback: the message is what to run next
         if world.is_main:
             print(f"saccade: stopped: {err}", file=sys.stderr)
@@ -154,6 +155,9 @@ def add_rl_parser(sub) -> None:
     )
     add_config_arguments(rl)
     rl.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
+    rl.add_argument("--fresh", action="store_true",
+                    help="start a new run in a folder that holds another run's checkpoints, moving them to "
+                    "<run>/checkpoints-previous/<time>/ first (without it, such a start is refused)")
     rl.set_defaults(func=cmd_rl)
 
 

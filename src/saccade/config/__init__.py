@@ -72,7 +72,7 @@ from saccade.config.task import (
     TASK_CONFIGS, VIEW_COLORS, ColumnsConfig, DatasetTaskConfig, HubDatasetTaskConfig, ScoringConfig, OwnDatasetTaskConfig, PluginTaskConfig,
     ScenesTaskConfig, ShapesTaskConfig, TaskConfig, VerifiersTaskConfig, ViewsTaskConfig,
 )
-from saccade.config.toml import config_to_toml, describe
+from saccade.config.toml import config_changes, config_to_toml, describe
 from saccade.config.upgrade import LegacyConfigWarning
 
 __all__ = [
@@ -134,6 +134,7 @@ __all__ = [
     "config_to_toml",
     "is_loopback",
     "describe",
+    "config_changes",
     "effective_loss",
     "load_config",
     "parse_overrides",

@@ -139,6 +139,11 @@ class LaunchConfig(Section):
     ready_timeout_s: float = Field(
         1800.0, gt=0, description="how long the launcher waits for every server to answer before it gives up, seconds"
     )
+    hang_after_s: float = Field(
+        120.0, ge=10, le=3600,
+        description="a running server whose /health has not answered for this long (asked every 5 s) is taken as "
+        "hung: its processes are ended and it is started again, as one that exited; seconds",
+    )
     rdzv_port: int = Field(
         29500, ge=1024, le=65535,
         description="several trainer nodes: torchrun's rendezvous port on the first trainer node's host",

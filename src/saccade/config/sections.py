@@ -450,6 +450,12 @@ class TrainerConfig(Section):
     )
     max_tokens: int = Field(4096, ge=16, description="token budget of one packed micro-batch")
     num_iterations: int = Field(1, ge=1, le=64, description="optimizer steps per rollout batch (mu); > 1 is off-policy")
+    max_nonfinite_steps: int = Field(
+        10, ge=0,
+        description="stop the run, with a checkpoint (the weights are those before the first of them) and exit "
+        "status 3, after this many steps in a row whose every optimizer step was skipped for a non-finite loss or "
+        "gradient; 0: never stop for it",
+    )
     seed: int = Field(0, ge=0, description="seed of torch, data order and sampling")
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads; unset: torch's default")
     device: str = Field(

@@ -119,3 +119,23 @@ def describe(model: BaseModel) -> str:
     """The resolved config as commented TOML, for --dry-run (it loads back like any config file)."""
     header = f"# resolved {type(model).__name__} (saccade --dry-run); every value below is in effect\n\n"
     return header + config_to_toml(model, comments=True)
+
+
+def config_changes(before: str, after: str) -> list[str]:
+    """What differs between two resolved configs (`describe`'s TOML), one 'key: old -> new' per
+    dotted key, sorted: what a resume says when it goes on with a config other than the run's."""
+    import tomllib
+
+    def flat(table: dict, prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in table.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    old, new = flat(tomllib.loads(before)), flat(tomllib.loads(after))
+    unset = "(unset)"
+    return [f"{k}: {old.get(k, unset)!r} -> {new.get(k, unset)!r}" for k in sorted(old.keys() | new.keys())
+            if old.get(k, unset) != new.get(k, unset)]

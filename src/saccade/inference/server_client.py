@@ -7,7 +7,11 @@ choice of server, retries, the health check and the weights every server must ho
 
 Servers (`saccade.inference.servers.ServerPool`): each request goes to the live server with
 the fewest requests in flight. A server that refuses or drops a connection, or times out, is
-taken out and the request is sent again to another; a 5xx is retried with backoff. A health
+taken out and the request is sent again to another; a 5xx is retried with backoff. A reply
+that the caller's `parse` finds malformed (`MalformedReply`: not JSON, token ids outside the
+vocabulary, logprobs not finite or above 0, a garbled version header) is a server fault: asked
+once more of the same server, then that server is taken out as a dead one is and the request
+goes to another. A health
 check probes servers that are out every `health_interval_s`: one that answers gets the
 current weights before it is put back (`add_server` brings in a new one the same way). With
 no server left, a request waits `no_server_wait_s` for one, then raises `NoServerError`.
@@ -36,6 +40,10 @@ KEEPALIVE_EXPIRY_S = 2.0  # below the servers' 5 s keep-alive timeout (see Serve
 
 class ServerError(RuntimeError):
     """A server answered with an error that retrying will not fix (a 4xx), or kept failing."""
+
+
+class MalformedReply(ServerError):
+    """A server's reply that cannot be what vLLM sends: the server is at fault, not the run."""
 
 
 class Unreachable(ConnectionError):
@@ -174,18 +182,24 @@ class ServerClient:
                     ) from None
                 await asyncio.sleep(min(0.5, self.health_interval_s or 0.5))
 
-    async def post(self, path: str, *, json_body: Any, server: Server | None = None) -> tuple[Any, Server]:
+    async def post(self, path: str, *, json_body: Any, server: Server | None = None,
+                   parse=None) -> tuple[Any, Server]:
         """POST to the least-loaded live server, or to `server` only; returns the response and
         the server that gave it. A connection refused, dropped or timed out takes the server
         out and sends the request to another (aimed at one server: raises Unreachable); a 5xx
-        is retried with backoff; a 4xx raises at once with the server's reason."""
+        is retried with backoff; a 4xx raises at once with the server's reason. `parse(response,
+        server)`, when given, makes what is returned from the response; a `MalformedReply` from it
+        is asked once more of the server, then takes the server out (see the module note)."""
         import httpx
 
         client = self.http()
         tried: set[str] = set()
         attempt = reroutes = 0
+        malformed: dict[str, int] = {}  # malformed replies per server, this request
+        again: Server | None = None  # the server to ask once more after a malformed reply
         while True:
-            target = server or await self._live_server(tried)
+            target = server or again or await self._live_server(tried)
+            again = None
             self.pool.begin(target)
             try:
                 response = await client.post(target.url + path, json=json_body, headers=self.headers)
@@ -203,8 +217,28 @@ class ServerClient:
                 continue
             finally:
                 self.pool.end(target)
-            if response.status_code < 400:
+            if response.status_code < 400 and parse is None:
                 return response, target
+            if response.status_code < 400:
+                try:
+                    return parse(response, target), target
+                except MalformedReply as err:
+                    malformed[target.url] = malformed.get(target.url, 0) + 1
+                    failure = f"malformed reply to {path}: {err}"
+                    if malformed[target.url] < 2:  # once more of the same server: a garbled transfer
+                        self.pool.counters.retried += 1
+                        again = target
+                        continue
+                    if server is not None:  # aimed at this server: the caller decides
+                        raise
+                    if self.pool.take_out(target, failure):
+                        log.warning("server %s taken out (%s); its requests go to the others", target.url, failure)
+                    tried.add(target.url)
+                    self.pool.counters.rerouted += 1
+                    reroutes += 1
+                    if reroutes > 4 * len(self.pool.servers) + self.retries:
+                        raise ServerError(f"{path}: every server failed, last {failure}") from err
+                    continue
             if response.status_code < 500:
                 raise ServerError(f"{target.url}{path}: HTTP {response.status_code}: {response.text[:500]}")
             if attempt >= self.retries:

@@ -52,6 +52,7 @@ from saccade.inference.engine import (
     ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, vision_token_ids,
 )
 from saccade.inference.server_client import Server, ServerClient, ServerError, head_dtype_problem
+from saccade.inference.replies import check_completions, reply_json, reply_version
 from saccade.model_match import fingerprint_mismatch
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
 from saccade.serving.wire import (
@@ -159,11 +160,13 @@ class VLLMEngine:
         pushes_weights: bool = True,
         health_interval_s: float = 2.0,
         no_server_wait_s: float = 60.0,
+        vocab_size: int | None = None,
     ):
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL (engine.urls)")
         self.processor = processor
         self.tokenizer = processor.tokenizer
+        self.vocab_size = vocab_size  # the model's rows: a sampled id at or past it is a server fault
         self.cache = cache if cache is not None else EmbeddingCache()
         self.limits = limits or ImagesConfig()
         # lora: the exporter writes a PEFT adapter folder; the servers load it as an adapter
@@ -246,9 +249,9 @@ class VLLMEngine:
     def _version_of(self, response, server: Server) -> int:
         """The policy version a completion was sampled under: its server's header (see the
         module note), else what the engine last confirmed that server loaded."""
-        value = response.headers.get(VERSION_HEADER)
+        value = reply_version(response.headers.get(VERSION_HEADER))
         if value is not None:
-            return int(value)
+            return value
         return server.version if server.version is not None else self.policy_version
 
     async def _model_name(self) -> str:
@@ -388,8 +391,14 @@ class VLLMEngine:
         request, (messages, keys, urls) = item
         await self._ensure_embeddings(keys, urls)  # a no-op unless the cache evicted them since
         body = self._body(model, messages, params, request.seed)
-        response, server = await self.client.post(CHAT_COMPLETIONS, json_body=body)
-        return self._completions(request, response.json(), keys, self._version_of(response, server))
+        (data, version), _ = await self.client.post(CHAT_COMPLETIONS, json_body=body, parse=self._reply)
+        return self._completions(request, data, keys, version)
+
+    def _reply(self, response, server: Server) -> tuple[dict, int]:
+        """A completions reply checked (`saccade.inference.replies`), and its policy version."""
+        data = reply_json(response)
+        check_completions(data, vocab_size=self.vocab_size)
+        return data, self._version_of(response, server)
 
     def _completions(self, request: ChatRequest, data: dict, keys: list[str], version: int) -> list[Completion]:
         prompt_ids = torch.tensor(data["prompt_token_ids"], dtype=torch.long)
@@ -464,16 +473,14 @@ class VLLMEngine:
             "content_parts": [{"type": "image_url", "url": u} for u in urls],
             "sampling_params": sampling, "return_token_ids": True,
         }
-        response, server = await self.client.post(GENERATE_TOKENS, json_body=body)
-        data = response.json()
+        (data, version), _ = await self.client.post(GENERATE_TOKENS, json_body=body, parse=self._reply)
         served = data.get("prompt_token_ids")
         if served != prompt.input_ids.tolist():
             raise ServerError(
                 f"{prompt.request_id}: the server ran other prompt ids than the trajectory's "
                 f"({len(served or [])} vs {prompt.input_ids.numel()} tokens): its image token counts differ"
             )
-        return self._completions(ChatRequest(prompt.request_id, []), data, list(prompt.image_keys),
-                                 self._version_of(response, server))
+        return self._completions(ChatRequest(prompt.request_id, []), data, list(prompt.image_keys), version)
 
     # --- weights --------------------------------------------------------------------------
     def update_weights(self, version: int | None = None) -> float:

@@ -10,13 +10,17 @@ takes part in each (the weights are gathered or sharded collectively).
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
+import time
 from pathlib import Path
 
 from saccade.config import RunConfig, StallRollbackConfig
 from saccade.distributed import World, barrier
 from saccade.loops.rl_step import RLStep
-from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, save_checkpoint
-from saccade.trainer.checkpoint.folder import checkpoint_before, latest_checkpoint, set_aside_checkpoints
+from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, load_latest_checkpoint, save_checkpoint
+from saccade.trainer.checkpoint.folder import (check_same_base, checkpoint_before, latest_checkpoint,
+                                               set_aside_checkpoints, start_afresh)
 from saccade.trainer.step import set_peak_lr
 
 GRAD_SPIKE = "grad_spike"  # TrainState.extra's key for the spike guard's recent gradient norms
@@ -25,8 +29,38 @@ GRAD_SPIKE = "grad_spike"  # TrainState.extra's key for the spike guard's recent
 LR_SCALE = "lr_scale"
 
 
+def check_fresh_start(run_dir: Path, *, fresh: bool, world: World) -> None:
+    """A new run (no --resume): a ValueError, on every rank, when `run_dir` holds another run's
+    checkpoints; with `fresh`, the main rank moves them aside first (`start_afresh`)."""
+    if world.is_main or not fresh:
+        moved = start_afresh(run_dir, fresh=fresh and world.is_main, stamp=time.strftime("%Y%m%d-%H%M%S"))
+        if moved:
+            logging.getLogger(__name__).warning("--fresh: moved another run's %d checkpoint folder(s) to %s",
+                                                len(moved), moved[0].parent)
+    barrier(world)
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, folder unwritable): the run stops."""
+
+
+# The errors of a disk with no room left: no space, a file size limit, a quota.
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def disk_full(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in DISK_FULL
+
+
+def stopped_by_full_disk(err: OSError, checkpoints: Checkpointer, state: TrainState) -> CheckpointWriteError:
+    """A run write other than a checkpoint (metrics.jsonl, samples, skipped rows, the engine's
+    weights) failed on a full disk: the run stops the documented way, with a checkpoint of the
+    state so far where one can still be written (else `CheckpointWriteError` names the intact
+    previous one), and a message saying what failed and how to go on."""
+    saved = checkpoints.save(state)  # CheckpointWriteError, with its own message, when it cannot
+    return CheckpointWriteError(
+        f"a write of the run failed on a full disk ({err}); the run stopped after step {state.step} and saved "
+        f"{saved}. Free space, then go on with: saccade rl {checkpoints.run_dir / 'config.toml'} --resume")
 
 
 class Checkpointer:
@@ -41,14 +75,19 @@ class Checkpointer:
         return self.resume() if resume else TrainState(step=0, data_position=0, policy_version=0, extra={})
 
     def resume(self) -> TrainState:
-        """The run's latest complete checkpoint loaded into the model and optimizer, the engine's
+        """The run's latest complete checkpoint that loads (the one before it, warned, when the
+        newest does not: `load_latest_checkpoint`) loaded into the model and optimizer, the engine's
         sampling RNG restored. The peak lr is this config's trainer.lr (times the factors of the
         run's stall rollbacks, if any), not the one saved with the optimizer: going on at a lower
         lr is what a resume from a stall is for."""
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
+        newest = latest_checkpoint(self.run_dir)
+        if newest is not None:  # before anything loads: weights trained from another model are no resume
+            check_same_base(newest, self.rl.setup.model_path)
+        loaded = load_latest_checkpoint(self.run_dir, model=self.rl.setup.model, optimizer=self.rl.optimizer,
+                                        scheduler=self.rl.scheduler)
+        if loaded is None:
             raise ValueError(f"--resume: no complete checkpoint under {self.run_dir}; start without --resume")
-        state = load_checkpoint(path, model=self.rl.setup.model, optimizer=self.rl.optimizer, scheduler=self.rl.scheduler)
+        _, state = loaded
         set_peak_lr(self.rl.optimizer, self.rl.scheduler, self.cfg.trainer.lr * state.extra.get(LR_SCALE, 1.0))
         self.rl.setup.engine.set_rng_state(state.extra.get("engine_rng"))
         if self.rl.spike_guard is not None:  # the same recent gradient norms as the run that saved it

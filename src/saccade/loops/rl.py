@@ -52,16 +52,18 @@ Simplified on purpose:
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from saccade.config import RunConfig, describe
+from saccade.config import RunConfig, config_changes, describe
 from saccade.distributed import SINGLE, World
 from saccade.inference.servers import NoServerError
-from saccade.loops.checkpointer import Checkpointer
+from saccade.loops.checkpointer import Checkpointer, check_fresh_start, disk_full, stopped_by_full_disk
 from saccade.loops.evaluator import Evaluator
 from saccade.loops.rl_step import RLStep
+from saccade.loops.stall import StallError
 from saccade.loops.stall_watch import StallWatch
 from saccade.loops.step_log import EngineCounters, NoLogger, SampleLog, step_metrics
 from saccade.loops.weight_sync import WeightSync, push_start_weights
@@ -74,17 +76,38 @@ from saccade.stopping import RunStopped, StopRequest
 from saccade.run.tasks import Task, task_from_config
 
 
+def say_config_changes(saved: Path, now: str, *, resume: bool) -> None:
+    """A resume with a config other than the run's (config.toml) goes on (more steps, a lower lr
+    are what resumes are for), but says each change, since config.toml is about to be rewritten."""
+    if not resume or not saved.is_file():
+        return
+    changes = config_changes(saved.read_text(), now)
+    if changes:
+        logging.getLogger(__name__).warning("--resume with a config other than the run's (%s):\n  %s", saved,
+                                            "\n  ".join(changes))
+
+
+def nonfinite_streak(streak: int, train_metrics: dict[str, Any], num_iterations: int) -> int:
+    """Steps in a row whose every optimizer step was skipped (NaN/inf loss or gradients), this
+    step's included: such a step leaves the weights as they were, so a run of them trains nothing."""
+    return streak + 1 if train_metrics.get("skipped_steps", 0.0) >= num_iterations else 0
+
+
 def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setup | None = None,
              task: Task | None = None, stop_after: int | None = None, progress: bool = True,
-             world: World = SINGLE, stop: StopRequest | None = None) -> dict[str, Any]:
+             world: World = SINGLE, stop: StopRequest | None = None, fresh: bool = False) -> dict[str, Any]:
     """The RL loop; returns the last step's figures. The objective is the clipped policy
     gradient on group-relative advantages, `saccade.trainer.loss.policy_loss`, which phase 2 takes
     `num_iterations` optimizer steps on. `stop_after` ends early (tests); `stop`: a STOP file or a
     caught signal, after which the run saves and raises `RunStopped`. `world`: this rank (torchrun);
-    rank 0 writes the metrics, every rank takes part in checkpoints and weight pushes."""
+    rank 0 writes the metrics, every rank takes part in checkpoints and weight pushes. `fresh`: a
+    new run in a folder holding another run's checkpoints moves them aside (else it is refused)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:  # before config.toml is written over: the folder may be another run's
+        check_fresh_start(run_dir, fresh=fresh, world=world)
     stop = stop or StopRequest(run_dir)
     if world.is_main:
+        say_config_changes(run_dir / "config.toml", describe(cfg), resume=resume)
         (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
     setup = setup or build_setup(cfg, run_dir, world)
     rl = RLStep.build(cfg, setup, task or task_from_config(cfg), world)
@@ -106,6 +129,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
         first_step=state.step, end=end, max_async_level=cfg.rollout.max_async_level)
     weights, samples = WeightSync(cfg, setup.engine, source, world, end=end), SampleLog(rl, logger, run_dir)
     counters, model_match, metrics = EngineCounters(setup.engine), ModelMatchGuard.of(cfg), {}
+    nonfinite, most_nonfinite = 0, cfg.trainer.max_nonfinite_steps
     with logger, stream, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar, source:
         try:
             for step in range(state.step, end):
@@ -118,6 +142,7 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 # step the trainer must score the sampled tokens as the engine did.
                 train_metrics = rl.train(step, rollouts)
                 model_match.after_train(step, train_metrics)
+                nonfinite = nonfinite_streak(nonfinite, train_metrics, cfg.trainer.num_iterations)
                 train_s = time.perf_counter() - start - rollout_s
                 # 3. The stall watch: warn, roll back now (before the weights go out), or stop below.
                 verdict = stall.after_train(step, rollouts.batch.metrics, state)
@@ -137,10 +162,23 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                     raise gone
                 if verdict.stop:  # the stalled weights are not saved: the last checkpoint is the one to go on from
                     raise stall.stopped(state.step, metrics, rl_command(run_dir, world))
+                if most_nonfinite and nonfinite >= most_nonfinite:  # the weights are unchanged by them: save
+                    state.policy_version = state.step
+                    raise StallError(
+                        f"{nonfinite} steps in a row had every optimizer step skipped for a non-finite loss or "
+                        f"gradient (trainer.max_nonfinite_steps = {most_nonfinite}), up to step {state.step}: the run "
+                        f"trains nothing. Saved {checkpoints.save(state)}, the weights from before them. Look for "
+                        "the cause (a lower trainer.lr, model.dtype float32, the data rows of those steps), then go "
+                        f"on with: {rl_command(run_dir, world)} --resume")
                 saved = checkpoints.after_step(state, rolled_back=verdict.rolled_back)
                 # 6. Asked to stop (STOP file, Ctrl-C): every rank alike, after a checkpoint.
                 if state.step < end and stop.agreed(world, setup.device):
                     raise stopped_on_request(checkpoints, state, saved, stop, world)
+        except OSError as err:
+            if not disk_full(err) or world.size > 1:  # ranks apart: a save now would wait for the others
+                raise
+            state.policy_version = state.step
+            raise stopped_by_full_disk(err, checkpoints, state) from err
         except NoServerError as err:  # every rank at the same step: the finished steps are saved
             state.policy_version = state.step
             raise NoServerError(

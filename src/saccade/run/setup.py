@@ -143,8 +143,17 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
         model=(cfg.model.path, fingerprint(load_layout(model_path))), family=load_family(model_path),
         max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
         exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora, world=world), lora=lora,
-        pushes_weights=world.is_main,
+        pushes_weights=world.is_main, vocab_size=_vocab_rows(model),
     )
+
+
+def _vocab_rows(model: nn.Module) -> int | None:
+    """The policy's embedding rows: a server's sampled id at or past them is a malformed reply
+    (None where the model does not say, and ids are then checked for sign only)."""
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, TypeError, NotImplementedError):
+        return None
 
 
 def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path, *, lora: bool = False,

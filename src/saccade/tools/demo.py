@@ -314,14 +314,14 @@ def run_demo(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
 
     # 2. GRPO on the real images.
     grpo_cfg = stage_config(cfg, "grpo")
-    train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=setup, progress=progress)
+    train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=setup, progress=progress, fresh=True)  # a demo run again
     after = evaluated()
 
     # 3. Control: the same warm start and sampling seed, every image blank.
     restore_trainable(setup.model, warm)
     setup.engine.reseed(cfg.trainer.seed)
     control_cfg = stage_config(cfg, "control")
-    train_rl(control_cfg, run_dir=control_cfg.run_dir, setup=setup, progress=progress)
+    train_rl(control_cfg, run_dir=control_cfg.run_dir, setup=setup, progress=progress, fresh=True)
     control = evaluated()  # on blank images: what it trained on; on the real ones: what it never saw
 
     for part in ("grpo", "control"):

@@ -1,8 +1,10 @@
 """A process `saccade launch`'s supervisor can watch as it watches a vLLM server: it answers GET
 /health on the port given, prints a line per request, and runs until signalled. With --fail it
-exits with status 3 before it listens (a server that cannot start)."""
+exits with status 3 before it listens (a server that cannot start); with --delay S it waits S
+seconds before it binds its port (a server loading its model)."""
 
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 
@@ -19,5 +21,7 @@ if __name__ == "__main__":
     if "--fail" in sys.argv:
         print("cannot start: --fail", flush=True)
         sys.exit(3)
+    if "--delay" in sys.argv:
+        time.sleep(float(sys.argv[sys.argv.index("--delay") + 1]))
     print(f"listening on {sys.argv[1]}", flush=True)
     HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()

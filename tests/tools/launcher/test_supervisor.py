@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,10 @@ from pathlib import Path
 import httpx
 
 from saccade.tools.launcher.plan import Process
-from saccade.tools.launcher.supervisor import ENDED_FILE, LAUNCH_DIR, Log, alive, process_tree, supervise
+from saccade.tools.launcher import supervisor
+from saccade.tools.launcher.ports import url_port
+from saccade.tools.launcher.supervisor import (ENDED_FILE, LAUNCH_DIR, Log, alive, process_tree, restart_delay,
+                                               supervise)
 from saccade.serving.launch import free_port
 
 HERE = Path(__file__).parent
@@ -97,7 +101,7 @@ def test_a_killed_server_is_started_again_and_everything_stops_when_the_trainer_
     assert code == 0
     log = out.getvalue()
     assert f"[launch] {url} answers" in log and "[server 0] listening on" in log and "[trainer] step 1" in log
-    assert "[launch] server 0 exited with -9: starting it again (1 of 3)" in log
+    assert "[launch] server 0 exited with -9: starting it again in 2 s (1 of 3)" in log
     assert "[launch] the trainer finished; every process started here has stopped" in log
     # each process's own log, restarts appended
     assert (tmp_path / LAUNCH_DIR / "server-0.log").read_text().count("listening on") == 2
@@ -204,3 +208,160 @@ def test_a_killed_launcher_takes_its_processes_with_it(tmp_path):
         for pid in [*pids(tmp_path).values(), *([int(grandchild.read_text())] if grandchild.exists() else [])]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# A trainer that prints far more than a pipe holds (~64 KB), then ends: it ends only while the
+# launcher drains its output.
+LOUD_TRAINER = ("import sys\n"
+                "for i in range(4000):\n"
+                "    print(f'line {i} ' + 'x' * 100, flush=True)\n")
+
+
+def loud_plan(run: Path) -> list[Process]:
+    server, _ = processes(run)
+    return [server, Process("trainer", (sys.executable, "-c", LOUD_TRAINER))]
+
+
+def test_a_full_disk_under_the_logs_drops_lines_with_one_warning_and_never_blocks_a_child(tmp_path):
+    """Each process's log file on a full disk (/dev/full: every write fails with ENOSPC): the
+    launcher goes on draining the pipes, so the trainer's ~450 KB of output never blocks it."""
+    plan = loud_plan(tmp_path)
+    (tmp_path / LAUNCH_DIR).mkdir()
+    for name in ("server-0.log", "trainer.log"):
+        (tmp_path / LAUNCH_DIR / name).symlink_to("/dev/full")
+    out = io.StringIO()
+    start = time.time()
+    code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                     resume_hint="-", log=Log(out))
+    assert code == 0 and time.time() - start < 30
+    log = out.getvalue()
+    assert "[trainer] line 3999 " in log  # every line still reaches the launcher's own stream
+    warnings = [line for line in log.splitlines() if "cannot write" in line and "trainer.log" in line]
+    assert len(warnings) == 1, warnings
+    assert "No space left on device" in warnings[0]
+
+
+def test_a_closed_stdout_never_blocks_a_child(tmp_path):
+    """The launcher's stream a pipe nobody reads any more (`saccade launch ... | head -1`): its
+    lines are dropped, each process's own log keeps them all, and the trainer runs to its end."""
+    plan = loud_plan(tmp_path)
+    read, write = os.pipe()
+    os.close(read)
+    stream = os.fdopen(write, "w")
+    start = time.time()
+    try:
+        code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                         resume_hint="-", log=Log(stream))
+    finally:
+        try:
+            stream.close()
+        except OSError:
+            pass
+    assert code == 0 and time.time() - start < 30
+    assert "line 3999 " in (tmp_path / LAUNCH_DIR / "trainer.log").read_text()
+
+
+def test_the_launcher_ends_cleanly_when_its_stdout_is_closed(tmp_path):
+    """`saccade launch ... | head -1`, for real: the reader goes after one line; the launcher runs
+    the trainer to its end and exits with its status, with no traceback."""
+    plan = loud_plan(tmp_path)
+    code = ("from pathlib import Path; from saccade.tools.launcher.plan import Process; "
+            "from saccade.tools.launcher.supervisor import supervise; "
+            f"ps = [Process(*p) for p in {[(p.name, p.argv, p.env, p.url) for p in plan]!r}]; "
+            f"raise SystemExit(supervise(ps, urls=[ps[0].url], run_dir=Path({str(tmp_path)!r}), max_restarts=3, "
+            "ready_timeout_s=60, resume_hint='-'))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        launcher.stdout.readline()
+        launcher.stdout.close()  # head -1 exits
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"Exception ignored" not in err, err.decode()
+    assert "line 3999 " in (tmp_path / LAUNCH_DIR / "trainer.log").read_text()
+
+
+def stranger_on(port: int) -> subprocess.Popen:
+    """Another process serving /health on `port` (a server left from an earlier run)."""
+    stranger = subprocess.Popen([sys.executable, str(HERE / "health_server.py"), str(port)], stdout=subprocess.DEVNULL)
+    wait_for(lambda: answers(f"http://127.0.0.1:{port}"), timeout_s=20)
+    return stranger
+
+
+def test_a_port_held_by_another_process_is_refused_by_name_before_the_server_starts(tmp_path):
+    plan = processes(tmp_path)
+    stranger = stranger_on(url_port(plan[0].url))
+    try:
+        out = io.StringIO()
+        code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                         resume_hint="-", log=Log(out))
+        assert code == 1
+        log = out.getvalue()
+        assert f"[launch] error: port {url_port(plan[0].url)} of server 0 ({plan[0].url}) is already held by pid " \
+               f"{stranger.pid} (" in log and "health_server.py" in log
+        assert pids(tmp_path) == {}  # nothing started
+        assert stranger.poll() is None  # and nothing of the stranger's stopped
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_url_answered_by_a_stranger_before_our_server_binds_is_refused(tmp_path):
+    """Today's race: the port was free when checked, but another process bound it while our server
+    loaded; its 200 must not be taken for our server's."""
+    plan = processes(tmp_path, server_args=("--delay", "5"))
+    strangers: list[subprocess.Popen] = []
+    helper = in_thread(lambda: (wait_for(lambda: "server 0" in pids(tmp_path)),
+                                strangers.append(stranger_on(url_port(plan[0].url)))), tmp_path)
+    try:
+        out = io.StringIO()
+        code = supervise(plan, urls=[plan[0].url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60,
+                         resume_hint="-", log=Log(out))
+        helper.join(timeout=10)
+        assert not helper.errors, helper.errors
+        assert code == 1
+        assert (f"[launch] error: {plan[0].url} answers, but not from server 0: port {url_port(plan[0].url)} is held "
+                f"by pid {strangers[0].pid} (") in out.getvalue()
+        assert "trainer" not in pids(tmp_path)
+    finally:
+        for stranger in strangers:
+            stranger.kill()
+            stranger.wait()
+
+
+def test_restarts_back_off():
+    assert [restart_delay(n) for n in range(1, 8)] == [2, 4, 8, 16, 32, 60, 60]
+
+
+def test_a_hung_server_is_ended_and_started_again_within_its_bound(tmp_path, monkeypatch):
+    """SIGSTOP on the server process: it still holds its port, so the kernel accepts connections,
+    but nothing answers. Bound: silent hang_after_s after its last answer, ended within
+    HUNG_GRACE_S, started again after restart_delay(1) = 2 s."""
+    monkeypatch.setattr(supervisor, "PROBE_EVERY_S", 0.2)
+    monkeypatch.setattr(supervisor, "PROBE_TIMEOUT_S", 1.0)
+    plan = processes(tmp_path)
+    url = plan[0].url
+    took: list[float] = []
+
+    def freeze_the_server_then_finish():
+        wait_for(lambda: "trainer" in pids(tmp_path))
+        first = pids(tmp_path)["server 0"]
+        frozen = time.time()
+        os.kill(first, signal.SIGSTOP)
+        wait_for(lambda: pids(tmp_path)["server 0"] != first and answers(url), timeout_s=60)
+        took.append(time.time() - frozen)
+        assert not alive(first)
+        (tmp_path / "finish").touch()
+
+    out = io.StringIO()
+    helper = in_thread(freeze_the_server_then_finish, tmp_path)
+    code = supervise(plan, urls=[url], run_dir=tmp_path, max_restarts=3, ready_timeout_s=60, resume_hint="-",
+                     log=Log(out), hang_after_s=4.0)  # 2 s flaked on the loaded 2-core machine
+    helper.join(timeout=10)
+    assert not helper.errors, helper.errors
+    assert code == 0
+    assert re.search(r"\[launch\] server 0 has not answered /health for \d+ s \(launch.hang_after_s 4 s\): taken as "
+                     r"hung: starting it again in 2 s \(1 of 3\)", out.getvalue()), out.getvalue()
+    assert took[0] < 4.0 + 1.0 + supervisor.HUNG_GRACE_S + 2.0 + 5.0  # + 5 s for the new process to answer

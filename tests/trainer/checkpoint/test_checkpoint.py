@@ -17,8 +17,8 @@ import saccade.atomic
 import saccade.trainer.checkpoint.saving as ckpt
 from saccade.config import LoraConfig
 from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
-from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, save_checkpoint
-from saccade.trainer.checkpoint.folder import latest_checkpoint
+from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, load_latest_checkpoint, save_checkpoint
+from saccade.trainer.checkpoint.folder import check_complete, latest_checkpoint
 from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine
 from saccade.models.lm import unwrap_policy
 
@@ -313,6 +313,29 @@ def test_resaving_a_step_replaces_it(exchange, lora_bundle, tmp_path, monkeypatc
 
 
 # ------------------------------------------------------------------------------ errors
+
+
+def test_a_changed_newest_checkpoint_is_passed_over_for_the_one_before(lora_bundle, tmp_path):
+    """A same-size change (one byte flipped in the adapter's weights: the sizes in COMPLETE alone
+    would load it) is caught by COMPLETE's CRC-32s, and the resume goes on from step 1."""
+    model, opt, sched = lora_bundle
+    _save(tmp_path, lora_bundle, 1)
+    newest = _save(tmp_path, lora_bundle, 2)
+    weights = newest / "adapter" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"contents changed since the save \(CRC-32\): \['adapter/adapter_model"):
+        check_complete(newest, contents=True)
+    with pytest.warns(UserWarning, match="step_000002 cannot be loaded .*trying the checkpoint before it"):
+        path, state = load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
+    assert path.name == "step_000001" and state.step == 1
+    # none that loads: every failure said
+    (path / "rng.pt").write_bytes(b"x" * (path / "rng.pt").stat().st_size)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"no checkpoint under .* loads:\nstep_000002: .*"
+                                                                    r"\nstep_000001: "):
+        load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
+
 
 
 def test_mismatched_kind_and_missing_files_are_value_errors(tiny_path, lora_bundle, tmp_path):

@@ -47,7 +47,7 @@ STARTUP_SHARE = 0.25  # of the kills, those aimed at start-up rather than at a s
 
 def rl_command(config: str, run_dir: Path, overrides: list[str], *, resume: bool) -> list[str]:
     return [sys.executable, "-m", "saccade", "rl", config, *RUN_DEFAULTS, *overrides, "--log.dir", str(run_dir),
-            *(["--resume"] if resume else [])]
+            *(["--resume"] if resume else ["--fresh"])]  # --fresh: a --out folder the bench used before
 
 
 def computed(record: dict) -> dict:

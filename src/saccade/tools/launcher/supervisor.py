@@ -1,7 +1,12 @@
 """Running one node's processes (`saccade launch`): start the servers, wait until every server of
 the layout answers, start the trainer, stream everything as one log with a prefix per process,
-start again a server that dies, and stop every process started here when the trainer ends,
-fails or is interrupted.
+start again a server that dies or hangs, and stop every process started here when the trainer
+ends, fails or is interrupted.
+
+A server's port must be free before it starts, and the server that answers at its URL must be
+ours: a port held by another process is refused by name (`ports`). A server that stops
+answering /health for `launch.hang_after_s` is taken as hung; it is then ended with all its
+processes, as one that exited is, and started again after a backoff (2 s, 4 s, ... up to 60 s).
 
 Each process starts in a session of its own, so the terminal's Ctrl-C reaches the launcher
 alone, and the launcher decides:
@@ -29,6 +34,7 @@ import time
 from pathlib import Path
 
 from saccade.tools.launcher.plan import Process
+from saccade.tools.launcher.ports import foreign_listener, port_taken, url_port
 from saccade.stopping import STOP_FILE, stopped_since, written_since
 
 # Folder under the run folder with each process's log and the pids started.
@@ -36,6 +42,11 @@ LAUNCH_DIR = "launch"
 ENDED_FILE = "ended"  # written by the trainer's node when it is done: other nodes stop their servers
 KILL_AFTER_S = 30.0  # from SIGTERM to SIGKILL
 POLL_S = 0.5
+PROBE_EVERY_S = 5.0  # a running server's /health, asked this often ...
+PROBE_TIMEOUT_S = 5.0  # ... and waited for this long
+HUNG_GRACE_S = 5.0  # a dead or hung server's processes: from SIGTERM to SIGKILL
+RESTART_BACKOFF_S = 2.0  # before a server's first restart; doubled for each one after ...
+MAX_BACKOFF_S = 60.0  # ... up to this
 
 
 def _stat(pid: int | str) -> list[str] | None:
@@ -94,19 +105,61 @@ def alive(pid: int) -> bool:
 
 
 class Log:
-    """The launcher's one stream: each line of each process with its name in front."""
+    """The launcher's one stream: each line of each process with its name in front.
+
+    A stream that fails once (nobody reads the pipe any more, as after `saccade launch ... |
+    head -1`; a full disk under a redirect) is given up with one warning on stderr: the lines
+    after it are dropped, never left to block the thread that writes them, and so the child whose
+    output that thread drains. Each process's own log file (<run>/launch/NAME.log) has them all."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stdout
         self.lock = threading.Lock()
+        self.given_up = False
 
     def line(self, name: str, text: str) -> None:
         with self.lock:
-            self.stream.write(f"[{name}] {text}\n")
-            self.stream.flush()
+            if self.given_up:
+                return
+            try:
+                self.stream.write(f"[{name}] {text}\n")
+                self.stream.flush()
+            except (OSError, ValueError) as err:  # ValueError: a stream closed under us
+                self.given_up = True
+                to_devnull(self.stream)
+                warn(f"saccade launch: its output cannot be written any more ({err}); the run goes on, and each "
+                     "process's log goes on in the run folder's launch/ folder")
 
     def say(self, text: str) -> None:
         self.line("launch", text)
+
+
+def to_devnull(stream) -> None:
+    """Point `stream`'s file descriptor at /dev/null, so that what is still in its buffer, flushed
+    at exit, goes nowhere instead of raising again (Python's 'Exception ignored ... BrokenPipeError')."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass  # not a file (a StringIO), or already closed: nothing will flush into it
+
+
+def warn(text: str) -> None:
+    """One line on stderr, if stderr can still take it."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def write_or_warn(path: Path, text: str, log: Log) -> None:
+    """A small file of the launcher's own (pids, the end mark): one that cannot be written (a full
+    disk) is said in the log and does not stop the launcher from stopping what it started."""
+    try:
+        path.write_text(text)
+    except OSError as err:
+        log.say(f"cannot write {path} ({err.strerror or err})")
 
 
 class Child:
@@ -119,6 +172,9 @@ class Child:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.reader: threading.Thread | None = None
+        self.started_at = 0.0
+        self.answered_at: float | None = None  # a server's last 200 from /health, this life
+        self.restart_at: float | None = None  # a server waiting out its backoff
         # Every process seen below it, pid -> start time: a child that outlives its parent (in a
         # session of its own, as torchrun's workers) is stopped with it all the same.
         self.seen: dict[int, int] = {}
@@ -134,14 +190,61 @@ class Child:
         self.reader = threading.Thread(target=self._stream, args=(self.proc,), daemon=True,
                                        name=f"log {self.name}")
         self.reader.start()
+        self.started_at, self.answered_at = time.time(), None
+        if self.process.url:
+            threading.Thread(target=self._probe, args=(self.proc,), daemon=True, name=f"probe {self.name}").start()
+
+    def _probe(self, proc: subprocess.Popen) -> None:
+        """Ask a server's /health while this life of it runs; each 200 is noted (`answered_at`)."""
+        import httpx
+
+        with httpx.Client(timeout=PROBE_TIMEOUT_S) as client:
+            while proc.poll() is None:
+                try:
+                    if client.get(self.process.url + "/health").status_code == 200:
+                        self.answered_at = time.time()
+                except httpx.HTTPError:
+                    pass
+                time.sleep(PROBE_EVERY_S)
+
+    def silent_for(self, now: float, ready_timeout_s: float, hang_after_s: float) -> float | None:
+        """How long past its allowance a running server has not answered /health (None: within
+        it). A server that answered has `hang_after_s` from its last answer; one that has not
+        answered yet in this life (loading) has `ready_timeout_s` from its start."""
+        if self.answered_at is not None:
+            silent, allowed = now - self.answered_at, hang_after_s
+        else:
+            silent, allowed = now - self.started_at, ready_timeout_s
+        return silent if silent > allowed else None
 
     def _stream(self, proc: subprocess.Popen) -> None:
-        with open(self.log_path, "a", encoding="utf-8") as out:
-            for raw in proc.stdout:
-                text = raw.decode("utf-8", "replace").rstrip("\r\n").split("\r")[-1]  # a progress bar's last state
-                out.write(text + "\n")
-                out.flush()
-                self.log.line(self.name, text)
+        """Drain the child's output to the end, whatever fails to take it: a log file that cannot
+        be written (a full disk) is given up with one line in the launcher's log, for this life of
+        the child; a pipe left undrained would block the child once it holds ~64 KB."""
+        out = self._open_log()
+        for raw in proc.stdout:
+            text = raw.decode("utf-8", "replace").rstrip("\r\n").split("\r")[-1]  # a progress bar's last state
+            if out is not None:
+                try:
+                    out.write((text + "\n").encode("utf-8", "replace"))
+                except OSError as err:
+                    out.close()
+                    out = None
+                    self.log.say(f"cannot write {self.log_path} ({err.strerror or err}): {self.name}'s lines "
+                                 "go on in this log only")
+            self.log.line(self.name, text)
+        if out is not None:
+            out.close()
+
+    def _open_log(self):
+        """The process's log file, unbuffered (a failed write leaves nothing behind to fail again), or
+        None, said in the launcher's log, when it cannot be opened."""
+        try:
+            return open(self.log_path, "ab", buffering=0)
+        except OSError as err:
+            self.log.say(f"cannot open {self.log_path} ({err.strerror or err}): {self.name}'s lines go on in "
+                         "this log only")
+            return None
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -181,6 +284,9 @@ class Child:
         for pid in tree:  # those in sessions of their own
             if pid != self.proc.pid and alive(pid):
                 send(pid, signal.SIGTERM)
+        for pid in tree:  # a stopped process (SIGSTOP, a hung server) acts on its SIGTERM once continued
+            if alive(pid):
+                send(pid, signal.SIGCONT)
         deadline = time.time() + grace_s
         while time.time() < deadline and any(alive(p) for p in tree):
             self.proc.poll()
@@ -218,12 +324,40 @@ class LaunchError(RuntimeError):
     """The launch could not go on: a server did not start, or did not answer in time."""
 
 
+def restart_delay(restart: int) -> float:
+    """How long to wait before a server's `restart`-th start again (1 for the first): doubled each
+    time, so that a server failing at once (its port taken, a GPU still held) is not started again
+    `max_restarts` times in as many seconds."""
+    return min(RESTART_BACKOFF_S * 2 ** (restart - 1), MAX_BACKOFF_S)
+
+
+def check_port_free(child: Child) -> None:
+    """A LaunchError naming who holds a server's port, if anyone does, before the server starts."""
+    port = url_port(child.process.url)
+    if port_taken(port):
+        raise LaunchError(f"port {port} of {child.name} ({child.process.url}) is already held by "
+                          f"{foreign_listener(port, set()) or 'another process'}: stop it, or give the servers "
+                          "other ports (launch.server_port)")
+
+
+def check_ours(child: Child) -> None:
+    """A LaunchError when a process outside `child`'s tree listens on its port: the URL answered,
+    but not from our server (a stranger bound the port first)."""
+    port = url_port(child.process.url)
+    stranger = foreign_listener(port, set(child.tree()))
+    if stranger:
+        raise LaunchError(f"{child.process.url} answers, but not from {child.name}: port {port} is held by "
+                          f"{stranger}; stop it, or give the servers other ports (launch.server_port)")
+
+
 def wait_until_answering(urls: list[str], servers: list[Child], *, timeout_s: float, log: Log,
                          interrupts: Interrupts) -> bool:
-    """Wait until every URL's /health answers 200 (servers of other nodes too). A local server
-    that exits meanwhile is a LaunchError with the end of its log. False when interrupted."""
+    """Wait until every URL's /health answers 200 (servers of other nodes too), each local one
+    from our own server. A local server that exits meanwhile is a LaunchError with the end of its
+    log. False when interrupted."""
     import httpx
 
+    ours = {c.process.url: c for c in servers}
     waiting, deadline, said = list(urls), time.time() + timeout_s, time.time()
     while waiting:
         if interrupts.count:
@@ -235,11 +369,14 @@ def wait_until_answering(urls: list[str], servers: list[Child], *, timeout_s: fl
                                   f"({child.log_path}):\n{child.tail()}")
         for url in list(waiting):
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    waiting.remove(url)
-                    log.say(f"{url} answers")
+                answered = httpx.get(url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
+                answered = False
+            if answered:
+                if url in ours:
+                    check_ours(ours[url])
+                waiting.remove(url)
+                log.say(f"{url} answers")
         if waiting and time.time() > deadline:
             raise LaunchError(f"no answer in {timeout_s:.0f} s (launch.ready_timeout_s) from {', '.join(waiting)}")
         if waiting and time.time() - said > 60:
@@ -251,10 +388,11 @@ def wait_until_answering(urls: list[str], servers: list[Child], *, timeout_s: fl
 
 
 def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_restarts: int, ready_timeout_s: float,
-              resume_hint: str, log: Log | None = None) -> int:
+              resume_hint: str, log: Log | None = None, hang_after_s: float = 120.0) -> int:
     """Run one node's `processes` (servers first, then the trainer, if this node runs one) until
     the trainer ends; returns its exit status (130 after a stop on request; 1 if the launch
-    itself failed). `urls`: every server of the layout, waited for before the trainer starts."""
+    itself failed). `urls`: every server of the layout, waited for before the trainer starts.
+    `hang_after_s`: a running server silent on /health this long is ended and started again."""
     log = log or Log()
     folder = run_dir / LAUNCH_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -267,13 +405,14 @@ def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_r
     def started(child: Child) -> None:
         child.start()
         pids[child.name] = child.proc.pid
-        (folder / "pids.json").write_text(json.dumps(pids, indent=1) + "\n")
+        write_or_warn(folder / "pids.json", json.dumps(pids, indent=1) + "\n", log)
         log.say(f"started {child.name} (pid {child.proc.pid}): {child.process.shell()}")
 
     code = 1
     with Interrupts() as interrupts:
         try:
             for child in servers:
+                check_port_free(child)
                 started(child)
             if not wait_until_answering(urls, servers, timeout_s=ready_timeout_s, log=log, interrupts=interrupts):
                 log.say("interrupted while the servers started: stopping them")
@@ -282,13 +421,14 @@ def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_r
                 (run_dir / STOP_FILE).unlink(missing_ok=True)  # an old request must not stop this run
                 started(trainer)
             code = watch(servers, trainer, run_dir=run_dir, started_at=started_at, max_restarts=max_restarts,
-                         log=log, interrupts=interrupts, started=started)
+                         log=log, interrupts=interrupts, started=started,
+                         allowances=(ready_timeout_s, hang_after_s))
         except LaunchError as err:
             log.say(f"error: {err}")
             return 1
         finally:
             if trainer is not None:
-                (folder / ENDED_FILE).write_text(f"{time.time()}\n")
+                write_or_warn(folder / ENDED_FILE, f"{time.time()}\n", log)
             stopping = [c for c in children if c.exit_code() is None]
             if stopping:
                 log.say(f"stopping {', '.join(c.name for c in stopping)}")
@@ -309,9 +449,10 @@ def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_r
 
 
 def watch(servers: list[Child], trainer: Child | None, *, run_dir: Path, started_at: float, max_restarts: int,
-          log: Log, interrupts: Interrupts, started) -> int:
+          log: Log, interrupts: Interrupts, started, allowances: tuple[float, float] = (1800.0, 120.0)) -> int:
     """The launcher's loop once everything runs: the trainer's end (or, on a node without one,
-    the trainer node's ENDED_FILE) ends it; a server that exits is started again."""
+    the trainer node's ENDED_FILE) ends it; a server that exits or hangs is started again.
+    `allowances`: (ready_timeout_s, hang_after_s), see `Child.silent_for`."""
     asked = 0
     ended = run_dir / LAUNCH_DIR / ENDED_FILE
     down: set[str] = set()
@@ -338,16 +479,47 @@ def watch(servers: list[Child], trainer: Child | None, *, run_dir: Path, started
         for child in (*servers, *([trainer] if trainer else [])):
             child.look()
         for child in servers:
-            code = child.exit_code()
-            if code is None or child.name in down:
-                continue
-            if child.restarts < max_restarts:
-                child.restarts += 1
-                log.say(f"{child.name} exited with {code}: starting it again ({child.restarts} of {max_restarts}); "
-                        "the trainer takes it back with the current weights once it answers")
-                started(child)
-            else:
-                down.add(child.name)
-                log.say(f"{child.name} exited with {code} after {max_restarts} restarts (launch.max_restarts): it "
-                        "stays down, the other servers go on")
+            if child.name not in down:
+                look_after(child, max_restarts=max_restarts, log=log, started=started, allowances=allowances,
+                           down=down)
         time.sleep(POLL_S)
+
+
+def look_after(child: Child, *, max_restarts: int, log: Log, started, allowances: tuple[float, float],
+               down: set[str]) -> None:
+    """One server, once per turn of `watch`: start it again once its backoff is over; a server
+    that exited, or has been silent past its allowance (hung), is ended with every process of it
+    (a dead vLLM server's engine process can outlive it, holding its port and GPU memory) and its
+    restart scheduled; past `max_restarts` it stays down."""
+    now = time.time()
+    if child.restart_at is not None:
+        if now < child.restart_at:
+            return
+        child.restart_at = None
+        port = url_port(child.process.url)
+        if port_taken(port):
+            why = f"cannot start again: port {port} is held by {foreign_listener(port, set()) or 'another process'}"
+        else:
+            started(child)
+            return
+    else:
+        code = child.exit_code()
+        if code is None:
+            silent = child.silent_for(now, *allowances)
+            if silent is None:
+                return
+            why = (f"has not answered /health for {silent:.0f} s (launch.hang_after_s {allowances[1]:g} s): "
+                   "taken as hung")
+        else:
+            why = f"exited with {code}"
+        child.stop(child.tree(), grace_s=HUNG_GRACE_S)
+    if child.restarts < max_restarts:
+        child.restarts += 1
+        delay = restart_delay(child.restarts)
+        child.restart_at = time.time() + delay
+        log.say(f"{child.name} {why}: starting it again in {delay:.0f} s ({child.restarts} of {max_restarts}); "
+                "the trainer takes it back with the current weights once it answers")
+    else:
+        down.add(child.name)
+        log.say(f"{child.name} {why}, after {max_restarts} restarts (launch.max_restarts): it stays down, the "
+                "other servers go on")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from pathlib import Path
 
 from saccade.atomic import fsync_tree, list_files, remove_dead_tmp_dirs, remove_dir
@@ -29,13 +30,26 @@ FORMAT_VERSION = 1  # the plain layout
 DCP_FORMAT_VERSION = 2  # the sharded layout (state.json "checkpoint": {"format": 2, "layout": "dcp", ...})
 
 STALLED_DIR = "checkpoints-stalled"  # a stalled run's checkpoints, set aside (set_aside_checkpoints)
+PREVIOUS_DIR = "checkpoints-previous"  # an earlier run's, moved aside by a start with --fresh
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
+def crc32(path: Path) -> str:
+    """A file's CRC-32, as 8 hex digits: read at disk speed, and enough to tell a file changed
+    since the save (a flipped bit, a same-size overwrite) from one intact."""
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
+
+
 def write_manifest(tmp: Path, step: int) -> None:
     fsync_tree(tmp)  # everything is on disk before COMPLETE says so
-    manifest = {"step": step, "files": {str(p.relative_to(tmp)): p.stat().st_size for p in list_files(tmp)}}
+    files = sorted(list_files(tmp))
+    manifest = {"step": step, "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files},
+                "crc32": {str(p.relative_to(tmp)): crc32(p) for p in files}}
     (tmp / COMPLETE).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
@@ -75,7 +89,55 @@ def set_aside_checkpoints(run_dir: Path, from_step: int) -> list[Path]:
     return moved
 
 
-def check_complete(path: Path) -> dict:
+def start_afresh(run_dir: Path, *, fresh: bool, stamp: str) -> list[Path]:
+    """A new run (no --resume) in `run_dir`: refused while the folder holds another run's step
+    folders, complete or not, which the new run would write over one by one (and a later
+    --resume would load the old run's newer steps); with `fresh` they are moved to
+    `run_dir/PREVIOUS_DIR/stamp/` first. Returns where they went."""
+    found = step_dirs(Path(run_dir) / CHECKPOINTS_DIR)
+    if not found:
+        return []
+    names = ", ".join(p.name for _, p in found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    if not fresh:
+        raise ValueError(f"{run_dir} holds another run's checkpoints ({names}): go on with that run with --resume, "
+                         f"start this one in another folder (--log.dir), or pass --fresh to move them to "
+                         f"{Path(run_dir) / PREVIOUS_DIR / stamp}/ first")
+    aside = Path(run_dir) / PREVIOUS_DIR / stamp
+    aside.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for _, p in found:
+        p.rename(aside / p.name)
+        moved.append(aside / p.name)
+    return moved
+
+
+def check_same_base(path: Path, model_path: str) -> None:
+    """A ValueError when checkpoint `path` was trained from another base model than `model_path`
+    (its state.json's base_model_path; checkpoints that did not record it pass), saying both."""
+    try:
+        saved = json.loads((path / STATE_FILE).read_text()).get("checkpoint", {}).get("base_model_path")
+    except (OSError, ValueError):
+        return  # an unreadable checkpoint: its load says what is wrong, and the one before it is tried
+    if saved is None or _same_path(saved, model_path):
+        return
+    raise ValueError(f"--resume: {path} was trained from base model {saved}, but this config's model is "
+                     f"{model_path}: resume with --model.path {saved}, or start a new run in another folder")
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Two model names or folders are the same: equal, or the same folder on this machine."""
+    if a == b:
+        return True
+    try:
+        return Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def check_complete(path: Path, *, contents: bool = False) -> dict:
+    """The manifest of a complete checkpoint folder, its files all there at their saved sizes;
+    with `contents`, also their saved CRC-32s (checkpoints from before they were recorded: sizes
+    only). ValueError, saying what is wrong, otherwise."""
     if not path.is_dir():
         raise ValueError(f"no checkpoint directory at {path}")
     if not (path / COMPLETE).is_file():
@@ -91,6 +153,10 @@ def check_complete(path: Path) -> dict:
     truncated = [f for f, size in files.items() if (path / f).stat().st_size != size]
     if truncated:
         raise ValueError(f"checkpoint {path} has files whose size changed since the save: {truncated}")
+    if contents:
+        changed = [f for f, saved in manifest.get("crc32", {}).items() if crc32(path / f) != saved]
+        if changed:
+            raise ValueError(f"checkpoint {path} has files whose contents changed since the save (CRC-32): {changed}")
     return manifest
 
 

@@ -78,6 +78,7 @@ from saccade.trainer.checkpoint.folder import (
     SCHEDULER_FILE,
     STATE_FILE,
     check_complete,
+    complete_checkpoints,
     prune,
     write_manifest,
 )
@@ -189,6 +190,26 @@ def _save_full(path: Path, model: nn.Module, masters: dict[str, torch.Tensor] | 
 # ---------------------------------------------------------------------------- load
 
 
+def load_latest_checkpoint(run_dir: Path, *, model: nn.Module, optimizer=None,
+                           scheduler=None) -> tuple[Path, TrainState] | None:
+    """The newest of the run's complete checkpoints that loads (into `model`, `optimizer`,
+    `scheduler`), and its state; None when the run has none. One that fails to load (a changed
+    file, a torn safetensors header) is passed over with a warning for the one before it: a
+    resume goes on from a few steps earlier rather than not at all. The next save of that step
+    replaces it. ValueError, listing each failure, when none loads; a failed attempt may have
+    loaded part of itself, which the next attempt's load overwrites whole."""
+    failures = []
+    for _, path in reversed(complete_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
+        except Exception as err:  # noqa: BLE001 - any failure to load is this checkpoint's; all are listed
+            failures.append(f"{path.name}: {err}")
+            warnings.warn(f"{path} cannot be loaded ({err}); trying the checkpoint before it", stacklevel=2)
+    if failures:
+        raise ValueError(f"no checkpoint under {run_dir} loads:\n" + "\n".join(failures))
+    return None
+
+
 def load_checkpoint(path: Path, *, model: nn.Module, optimizer=None, scheduler=None) -> TrainState:
     """Restore weights (in place), optimizer, scheduler and RNG states; return the TrainState.
 
@@ -196,7 +217,7 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer=None, scheduler=N
     loads are collectives); a plain model needs no process group, whatever world size wrote
     the checkpoint. The RNG restored is this rank's (`rng_rank{r}.pt`), else rank 0's."""
     path = Path(path)
-    manifest = check_complete(path)
+    manifest = check_complete(path, contents=True)
     payload = json.loads((path / STATE_FILE).read_text())
     info = payload.get("checkpoint", {})
     kind = info.get("kind") or ("lora" if (path / ADAPTER_DIR).is_dir() else "full")
@@ -245,8 +266,9 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer=None, scheduler=N
         if optimizer is not None:
             optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
     if scheduler is not None:
-        # LambdaLR and friends save callable objects' __dict__: allow any pickle (our own file).
-        scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=False))
+        # weights_only: a LambdaLR's state is numbers and lists (a callable object's __dict__ of
+        # numbers at most), and a checkpoint from elsewhere must not run code when loaded.
+        scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
     rank_rng = f"rng_rank{process_world().rank}.pt"
     _set_rng_state(torch.load(path / (rank_rng if rank_rng in files else RNG_FILE), map_location="cpu",
                               weights_only=True))
