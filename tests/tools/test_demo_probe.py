@@ -72,3 +72,15 @@ def test_the_probe_fits_with_and_without_pictures_and_gives_the_model_back(tmp_p
     assert "blank_images = true" in (tmp_path / "run" / "probe-blank" / "config.toml").read_text()
     after = snapshot_trainable(setup.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_probe_that_finds_nothing_stops_the_demo_with_its_verdict():
+    """GRPO skipped: the verdict from the probe alone, and the bar missed, saying why."""
+    from saccade.cli.demos import shapes_report
+
+    result = {"chance": 0.25, "probe_accuracy": 0.25, "probe_blank_accuracy": 0.25, "probe_steps": 100,
+              "grpo_skipped": True, "minutes": 3.0, "dataset": "d", "eval_size": 64, "run_dir": "r"}
+    result["verdict"], result["verdict_reason"] = probe_verdict(result)
+    assert result["verdict"] == NOT_GROUNDED
+    assert verdict(result) == [f"the probe found no answer in the pictures: {NOT_GROUNDED}"]
+    assert "GRPO and its control skipped" in shapes_report(result) and NOT_GROUNDED in shapes_report(result)

@@ -77,10 +77,10 @@ def seed_table(results: list[dict], demo: Demo) -> str:
     lines = [head]
     for r in results:
         misses = demo.verdict(r)
-        lines.append(f"{r['seed']:>4}  " + "  ".join(f"{r[c]:>22.3f}" for c in demo.columns)
+        lines.append(f"{r['seed']:>4}  " + "  ".join(f"{r.get(c, float('nan')):>22.3f}" for c in demo.columns)
                      + f"  {r['minutes']:>7.1f}  {'met' if not misses else 'MISSED'}")
-    worst = min(results, key=lambda r: r[demo.columns[0]])
-    lines.append(f"worst seed: {worst['seed']} ({demo.columns[0]} {worst[demo.columns[0]]:.3f})")
+    worst = min(results, key=lambda r: r.get(demo.columns[0], -1.0))
+    lines.append(f"worst seed: {worst['seed']} ({demo.columns[0]} {worst.get(demo.columns[0], float('nan')):.3f})")
     return "\n".join(lines)
 
 
@@ -119,6 +119,10 @@ def shapes_report(result: dict) -> str:
     from saccade.tools.demo import CHANCE_MARGIN, VISUAL_GAIN_MARGIN, MINUTES_MAX, accuracy_bars
 
     chance = result["chance"]
+    if result.get("grpo_skipped"):
+        return (f"\n{result['dataset']}, {result['eval_size']} held-out questions, chance {chance:.2f}: GRPO and its "
+                f"control skipped\n  minutes: {result['minutes']:.1f};  runs and metrics: {result['run_dir']}/"
+                + probe_lines(result))
     after_bar, gain_bar = accuracy_bars(result)
     minutes_bar = result.get("minutes_bar", MINUTES_MAX)
     estimate = f", estimated {result['minutes_estimate']:.1f}" if "minutes_estimate" in result else ""

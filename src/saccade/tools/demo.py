@@ -251,6 +251,10 @@ def accuracy_bars(result: dict[str, Any]) -> tuple[float, float]:
 
 def verdict(result: dict[str, Any]) -> list[str]:
     """What missed the bar, in words; empty when the demo met it."""
+    minutes_max = result.get("minutes_bar", MINUTES_MAX)
+    late = [f"minutes {result['minutes']:.1f} > {minutes_max:g}"] if result["minutes"] > minutes_max else []
+    if result.get("grpo_skipped"):
+        return [f"the probe found no answer in the pictures: {result['verdict']}"] + late
     misses = []
     chance = result["chance"]
     after_bar, gain_bar = accuracy_bars(result)
@@ -266,10 +270,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
         misses.append(f"visual_gain_after {result['visual_gain_after']:.2f} < {gain_bar:.3g}")
     if abs(result["control_visual_gain"]) > VISUAL_GAIN_MARGIN:
         misses.append(f"control_visual_gain {result['control_visual_gain']:.2f} is not within 0 ± {VISUAL_GAIN_MARGIN}")
-    minutes_max = result.get("minutes_bar", MINUTES_MAX)
-    if result["minutes"] > minutes_max:
-        misses.append(f"minutes {result['minutes']:.1f} > {minutes_max:g}")
-    return misses
+    return misses + late
 
 
 DEMO_STAGES = ("sft", "grpo", "control")
@@ -312,13 +313,25 @@ def run_demo(cfg: RunConfig, *, progress: bool = True, probe_steps: int | None =
     probe: dict[str, Any] = {}
     if cfg.task.kind == "dataset":
         # 0. The probe, from the model the warm start starts from: do the pictures carry the answers?
-        from saccade.tools.demo_probe import run_probe
+        from saccade.tools.demo_probe import is_grounded, probe_verdict, run_probe
         from saccade.tools.demo_recipe import dataset_recipe
 
         if probe_steps is None:
             probe_steps = dataset_recipe(options_of(chance), train_rows_of(task)).probe_steps
         if probe_steps > 0:
             probe = run_probe(cfg, setup, held_out, steps=probe_steps, progress=progress)
+            print(f"probe: {probe['probe_accuracy']:.3f} with the pictures, {probe['probe_blank_accuracy']:.3f} with "
+                  f"every picture blank (chance {chance:.2f})", flush=True)
+            if not is_grounded(probe["probe_accuracy"], probe["probe_blank_accuracy"], chance):
+                # What SFT on the gold answers cannot read off the pictures, GRPO will not: stop here.
+                print("the pictures do not carry the answers for this tower: GRPO and its control skipped "
+                      "(--probe-steps 0 runs them without the probe)", flush=True)
+                result = {**probe, "chance": chance, "eval_size": len(held_out), **task_fields_of(cfg, held_out),
+                          "grpo_steps": 0, "grpo_skipped": True, "engine": cfg.engine.kind,
+                          "torch_threads": torch.get_num_threads(), "run_dir": str(root),
+                          "minutes": (time.perf_counter() - start) / 60}
+                result["verdict"], result["verdict_reason"] = probe_verdict(result)
+                return result
 
     def evaluated() -> dict[str, float]:
         """Greedy accuracy on the held-out questions, and on the same with every image blank
@@ -345,13 +358,7 @@ def run_demo(cfg: RunConfig, *, progress: bool = True, probe_steps: int | None =
 
     for part in ("grpo", "control"):
         plot_run(root / part)
-    if cfg.task.kind == "shapes":
-        task_fields = {"task": "shapes", "question_kinds": list(cfg.task.question_kinds),
-                       "num_choices": cfg.task.num_choices}
-    else:
-        counts = sorted({len(s.choices) for s in held_out})
-        task_fields = {"task": "dataset", "dataset": cfg.task.dataset,
-                       "num_choices": counts[0] if len(counts) == 1 else counts}
+    task_fields = task_fields_of(cfg, held_out)
     result = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
@@ -379,6 +386,15 @@ def run_demo(cfg: RunConfig, *, progress: bool = True, probe_steps: int | None =
         if probe:
             result["verdict"], result["verdict_reason"] = probe_verdict(result)
     return result
+
+
+def task_fields_of(cfg: RunConfig, held_out: list) -> dict[str, Any]:
+    """What the result says of the task: the shapes' question kinds, or the data set and its
+    held-out rows' number of options (a sorted list when rows differ)."""
+    if cfg.task.kind == "shapes":
+        return {"task": "shapes", "question_kinds": list(cfg.task.question_kinds), "num_choices": cfg.task.num_choices}
+    counts = sorted({len(s.choices) for s in held_out})
+    return {"task": "dataset", "dataset": cfg.task.dataset, "num_choices": counts[0] if len(counts) == 1 else counts}
 
 
 def options_of(chance: float) -> int:

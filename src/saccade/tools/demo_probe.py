@@ -105,11 +105,12 @@ def probe_verdict(result: dict[str, Any]) -> tuple[str, str]:
     """(verdict, what it means / what to change) from the demo's figures: "learned" (GRPO
     reached the accuracy bar and read it from the pictures), "not visually grounded for this
     tower" (the probe could not read it from them), or "grounded, but RL did not learn it in
-    budget" (the probe could, GRPO did not), with the lever to pull."""
-    chance, after = result["chance"], result["accuracy_after"]
+    budget" (the probe could, GRPO did not), with the lever to pull. Without GRPO's figures (the
+    demo skips GRPO when the probe finds nothing in the pictures) only the probe's count."""
+    chance, after = result["chance"], result.get("accuracy_after", result["chance"])
     probe, blank = result["probe_accuracy"], result["probe_blank_accuracy"]
     grounded = is_grounded(probe, blank, chance)
-    read_from_pictures = result["visual_gain_after"] >= GROUNDED_MARGIN
+    read_from_pictures = result.get("visual_gain_after", 0.0) >= GROUNDED_MARGIN
     if after >= accuracy_bar(probe) and read_from_pictures and (grounded or after >= LEARNED_ACCURACY):
         return LEARNED, (f"GRPO reached {after:.3f} (the probe {probe:.3f}, chance {chance:.2f}) and read it from "
                          f"the pictures (visual gain {result['visual_gain_after']:+.3f})")
