@@ -116,9 +116,10 @@ def probe_verdict(result: dict[str, Any]) -> tuple[str, str]:
                          f"the pictures (visual gain {result['visual_gain_after']:+.3f})")
     if not grounded:
         return NOT_GROUNDED, (f"SFT on the gold answers reached {probe:.3f} with the pictures and {blank:.3f} "
-                              f"without them (chance {chance:.2f}): this model's frozen tower does not keep what "
-                              "the answers need, so no recipe of RL will learn it. Try larger pictures or objects, "
-                              "or a real tower (a pretrained checkpoint)")
+                              f"without them (chance {chance:.2f}): what this model's frozen tower keeps of the "
+                              "pictures does not tell the answers apart (they are not in the pictures, or the tower "
+                              "loses them), so no recipe of RL will learn them. Check that the answers are in the "
+                              "pictures; then try larger pictures or objects, or a real tower (a pretrained checkpoint)")
     steps = result.get("grpo_steps", 0)
     if after <= chance + GROUNDED_MARGIN:
         lever = (f"GRPO never left chance: larger groups (--rollout.group_size) so that a group holds a right "
