@@ -4,7 +4,7 @@ seed or, with `--seeds`, for several one after another (every seed reported, and
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from saccade.cli.common import write_json
@@ -77,10 +77,10 @@ def seed_table(results: list[dict], demo: Demo) -> str:
     lines = [head]
     for r in results:
         misses = demo.verdict(r)
-        lines.append(f"{r['seed']:>4}  " + "  ".join(f"{r[c]:>22.3f}" for c in demo.columns)
+        lines.append(f"{r['seed']:>4}  " + "  ".join(f"{r.get(c, float('nan')):>22.3f}" for c in demo.columns)
                      + f"  {r['minutes']:>7.1f}  {'met' if not misses else 'MISSED'}")
-    worst = min(results, key=lambda r: r[demo.columns[0]])
-    lines.append(f"worst seed: {worst['seed']} ({demo.columns[0]} {worst[demo.columns[0]]:.3f})")
+    worst = min(results, key=lambda r: r.get(demo.columns[0], -1.0))
+    lines.append(f"worst seed: {worst['seed']} ({demo.columns[0]} {worst.get(demo.columns[0], float('nan')):.3f})")
     return "\n".join(lines)
 
 
@@ -103,23 +103,43 @@ def run_and_report(args: argparse.Namespace, demo: Demo) -> int:
     return 0
 
 
+def probe_lines(result: dict) -> str:
+    """The data-set demo's probe and verdict (`saccade.tools.demo_probe`); nothing for the shapes."""
+    if "verdict" not in result:
+        return ""
+    return (
+        f"\nsupervised probe ({result['probe_steps']} SFT steps on the gold answers, held-out greedy):\n"
+        f"  with the pictures:                      {result['probe_accuracy']:.3f}\n"
+        f"  with every picture blank:               {result['probe_blank_accuracy']:.3f}\n"
+        f"verdict: {result['verdict']}: {result['verdict_reason']}"
+    )
+
+
 def shapes_report(result: dict) -> str:
-    from saccade.tools.demo import ACCURACY_AFTER_MIN, CHANCE_MARGIN, MINUTES_MAX, VISUAL_GAIN_MARGIN, VISUAL_GAIN_MIN
+    from saccade.tools.demo import CHANCE_MARGIN, VISUAL_GAIN_MARGIN, MINUTES_MAX, accuracy_bars
 
     chance = result["chance"]
+    if result.get("grpo_skipped"):
+        return (f"\n{result['dataset']}, {result['eval_size']} held-out questions, chance {chance:.2f}: GRPO and its "
+                f"control skipped\n  minutes: {result['minutes']:.1f};  runs and metrics: {result['run_dir']}/"
+                + probe_lines(result))
+    after_bar, gain_bar = accuracy_bars(result)
+    minutes_bar = result.get("minutes_bar", MINUTES_MAX)
+    estimate = f", estimated {result['minutes_estimate']:.1f}" if "minutes_estimate" in result else ""
     source = f"{result['dataset']}, " if result.get("task") == "dataset" else ""
     return (
         f"\nheld-out accuracy ({source}{result['eval_size']} questions, chance {chance:.2f}, "
         f"engine {result['engine']}):\n"
         f"  before GRPO (random-answer warm start): {result['accuracy_before']:.3f}   (bar: chance ± {CHANCE_MARGIN})\n"
-        f"  after GRPO:                             {result['accuracy_after']:.3f}   (bar: ≥ {ACCURACY_AFTER_MIN})\n"
+        f"  after GRPO:                             {result['accuracy_after']:.3f}   (bar: ≥ {after_bar:.2f})\n"
         f"  control, GRPO on blank images:          {result['control_accuracy_after']:.3f}   (bar: chance ± {CHANCE_MARGIN})\n"
         f"  control model on the real images:       {result['control_accuracy_on_real_images']:.3f}\n"
         f"held-out visual gain (accuracy minus the accuracy with every image blank):\n"
         f"  before GRPO:                            {result['visual_gain_before']:+.3f}\n"
-        f"  after GRPO:                             {result['visual_gain_after']:+.3f}   (bar: ≥ {VISUAL_GAIN_MIN})\n"
+        f"  after GRPO:                             {result['visual_gain_after']:+.3f}   (bar: ≥ {gain_bar:.2f})\n"
         f"  control:                                {result['control_visual_gain']:+.3f}   (bar: 0 ± {VISUAL_GAIN_MARGIN})\n"
-        f"  minutes: {result['minutes']:.1f} (bar: ≤ {MINUTES_MAX:g});  runs, metrics and plots: {result['run_dir']}/"
+        f"  minutes: {result['minutes']:.1f} (bar: ≤ {minutes_bar:g}{estimate});  runs, metrics and plots: {result['run_dir']}/"
+        + probe_lines(result)
     )
 
 
@@ -171,9 +191,13 @@ def demo_of(task: str) -> Demo:
 
         return Demo(load_scenes_config, run_scenes_demo, scenes_report, scenes_verdict,
                     "demo OK: success rose by the bar or more within the time", episodes)
-    from saccade.tools.demo import check_demo_task, demo_start, load_demo_config, run_demo, verdict
+    from saccade.tools.demo import check_demo_task, demo_start, load_demo_config, prepare_dataset_demo, run_demo, verdict
 
-    return Demo(lambda overrides, path: check_demo_task(demo_start(load_demo_config(overrides, path))), run_demo,
+    def load(overrides, path):
+        cfg = check_demo_task(demo_start(load_demo_config(overrides, path)))
+        return prepare_dataset_demo(cfg, overrides or [], path)
+
+    return Demo(load, run_demo,
                 shapes_report,
                 verdict, "demo OK: the model learned from the images, and the control without images did not",
                 ("accuracy_after", "accuracy_before", "control_accuracy_after", "visual_gain_after",
@@ -181,7 +205,14 @@ def demo_of(task: str) -> Demo:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return run_and_report(args, demo_of(args.task))
+    demo = demo_of(args.task)
+    if args.probe_steps is not None:
+        if args.task != "shapes":
+            raise SystemExit(f"--probe-steps is for the data-set demo (--task.kind dataset); not for {args.task!r}")
+        from functools import partial
+
+        demo = replace(demo, run=partial(demo.run, probe_steps=args.probe_steps))
+    return run_and_report(args, demo)
 
 
 def add_demo_parser(sub) -> None:
@@ -200,8 +231,11 @@ def add_demo_parser(sub) -> None:
         "Your own multiple-choice data set instead of the shapes: --task.kind dataset --task.dataset PATH "
         "--task.columns '{\"images\": ..., \"prompt\": ..., \"answer\": ..., \"choices\": ...}' (the warm start "
         "answers a random option of each row, the control blanks every image, chance is 1 / options): is the "
-        "data set visually grounded, and does the path learn it? Four options need more than the shapes' three: "
-        "--trainer.steps 200 --sampling.temperature 1.3 --trainer.lr_decay.kind linear. "
+        "data set visually grounded, and does the path learn it? A supervised probe (SFT on the gold answers, "
+        "with the pictures and blank) says whether the pictures carry the answers for this tower, and the "
+        "verdict whether it was learned, not grounded, or grounded but not learned in budget; the recipe "
+        "(group size, steps, temperature, lr decay) follows the number of options, printed up front with "
+        "its estimated minutes, for the keys you do not set. "
         "python -m saccade.data.choices_example FOLDER writes one to try (docs/demo.md).",
     )
     demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views", "scenes"],
@@ -222,5 +256,8 @@ def add_demo_parser(sub) -> None:
                       help="run the demo once per seed (trainer.seed), one after another, each in "
                       "<run folder>/seed<S>; prints every seed's figures, a table and the worst seed, and "
                       "fails if any seed missed its bar. --json then holds {\"seeds\": [one entry per seed]}")
+    demo.add_argument("--probe-steps", type=int, metavar="N",
+                      help="the data-set demo's supervised probe: N SFT steps on the gold answers each way "
+                      "(default: 25 x options, at least 100); 0 skips the probe and its verdict")
     demo.add_argument("--dry-run", action="store_true", help="print the resolved config (each seed's) and exit")
     demo.set_defaults(func=cmd_demo)
