@@ -197,6 +197,19 @@ class ServerClient:
         attempt = reroutes = 0
         malformed: dict[str, int] = {}  # malformed replies per server, this request
         again: Server | None = None  # the server to ask once more after a malformed reply
+
+        def reroute(target: Server, failure: str, err: Exception) -> None:
+            """Take `target` out and count the request's move to another server; past a bound
+            of moves, every server has failed it."""
+            nonlocal reroutes
+            if self.pool.take_out(target, failure):
+                log.warning("server %s taken out (%s); its requests go to the others", target.url, failure)
+            tried.add(target.url)
+            self.pool.counters.rerouted += 1
+            reroutes += 1
+            if reroutes > 4 * len(self.pool.servers) + self.retries:
+                raise ServerError(f"{path}: every server failed, last {failure}") from err
+
         while True:
             target = server or again or await self._live_server(tried)
             again = None
@@ -207,13 +220,7 @@ class ServerClient:
                 failure = f"{type(err).__name__} on {path}: {err}".strip()
                 if server is not None:
                     raise Unreachable(f"{target.url}: {failure}") from err
-                if self.pool.take_out(target, failure):
-                    log.warning("server %s taken out (%s); its requests go to the others", target.url, failure)
-                tried.add(target.url)
-                self.pool.counters.rerouted += 1
-                reroutes += 1
-                if reroutes > 4 * len(self.pool.servers) + self.retries:
-                    raise ServerError(f"{path}: every server failed, last {failure}") from err
+                reroute(target, failure, err)
                 continue
             finally:
                 self.pool.end(target)
@@ -231,13 +238,7 @@ class ServerClient:
                         continue
                     if server is not None:  # aimed at this server: the caller decides
                         raise
-                    if self.pool.take_out(target, failure):
-                        log.warning("server %s taken out (%s); its requests go to the others", target.url, failure)
-                    tried.add(target.url)
-                    self.pool.counters.rerouted += 1
-                    reroutes += 1
-                    if reroutes > 4 * len(self.pool.servers) + self.retries:
-                        raise ServerError(f"{path}: every server failed, last {failure}") from err
+                    reroute(target, failure, err)
                     continue
             if response.status_code < 500:
                 raise ServerError(f"{target.url}{path}: HTTP {response.status_code}: {response.text[:500]}")
