@@ -200,7 +200,7 @@ def test_launch_restarts_a_killed_server_stops_on_ctrl_c_and_resumes(tmp_path):
         assert_servers_want_the_launchers_key(f"http://127.0.0.1:{port}", run / LAUNCH_DIR / "api-key", first.text())
         pids = json.loads((run / LAUNCH_DIR / "pids.json").read_text())
         os.killpg(pids["server 1"], signal.SIGKILL)
-        wait_until(lambda: "server 1 exited with -9: starting it again (1 of 3)" in first.text(), first, 60,
+        wait_until(lambda: "server 1 exited with -9: starting it again in 2 s (1 of 3)" in first.text(), first, 60,
                    "restart of the killed server")
         wait_until(lambda: sum(r.get("servers_rejoined", 0) for r in train_rows(run)) >= 1, first, 600,
                    "the restarted server rejoining")
