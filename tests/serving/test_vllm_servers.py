@@ -271,6 +271,7 @@ def test_at_world_2_with_every_server_killed_every_rank_checkpoints_once_and_res
     b.kill()
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0, out[-3000:]
+    assert metrics_file.exists(), f"the ranks never trained a step; their output:\n{out[-3000:]}"
     done = train_rows(run_dir)[-1]["step"]
     assert 2 <= done < 5, out[-3000:]
     stop = f"The run stopped after step {done} and saved"
