@@ -235,7 +235,8 @@ def test_with_every_server_killed_the_run_checkpoints_says_what_to_do_and_resume
 
 
 @pytest.mark.long  # about 110 s: two torchrun launches (docs/getting-started.md, "Tests": pytest -m long)
-def test_at_world_2_with_every_server_killed_every_rank_checkpoints_once_and_resume_finishes(tmp_path, two_servers):
+def test_at_world_2_with_every_server_killed_every_rank_checkpoints_once_and_resume_finishes(tmp_path, two_servers,
+                                                                                          tiny_path):
     """As above, under torchrun at world 2, sampling ahead: the ranks agree that the servers are
     gone (on whichever rank a request failed first), save the finished steps together in one
     checkpoint and stop naming the torchrun command; resumed with a server back, the run
@@ -259,7 +260,8 @@ def test_at_world_2_with_every_server_killed_every_rank_checkpoints_once_and_res
                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(root / "tests" / "distributed" / "worker.py"),
                str(run_dir), "--scored", *FAST, "--engine.kind", "vllm", "--engine.urls", json.dumps(urls),
                "--trainer.steps", "5", "--rollout.max_async_level", "1", "--engine.no_server_wait_s", "3",
-               "--checkpoint.every_steps", "0", "--stall.action", "warn", *args]
+               "--checkpoint.every_steps", "0", "--stall.action", "warn",
+               "--model.path", str(tiny_path), *args]  # the servers' model: the model guard refuses another
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
         return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
