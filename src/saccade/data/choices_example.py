@@ -53,9 +53,10 @@ def color_choice_rows(n: int, *, seed: int, split: str, image_size: int = 64,
     return rows
 
 
-def write_color_choices(folder: str | Path, *, train_rows: int = 512, test_rows: int = 128, seed: int = 0,
-                        image_size: int = 64) -> Path:
-    """Write the data set (both splits) under `folder`; returns `folder`."""
+def write_splits(folder: str | Path, make_rows, *, train_rows: int, test_rows: int, seed: int) -> Path:
+    """Both splits in the hub layout under `folder` (data/train-... and data/test-...parquet),
+    `make_rows(n, seed=, split=)` giving each split's rows; the test split's seed is offset, so
+    no picture repeats. Returns `folder`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -64,9 +65,18 @@ def write_color_choices(folder: str | Path, *, train_rows: int = 512, test_rows:
     folder = Path(folder)
     (folder / "data").mkdir(parents=True, exist_ok=True)
     for split, n, split_seed in (("train", train_rows, seed), ("test", test_rows, seed + _TEST_SEED_OFFSET)):
-        table = pa.Table.from_pylist(color_choice_rows(n, seed=split_seed, split=split, image_size=image_size))
+        table = pa.Table.from_pylist(make_rows(n, seed=split_seed, split=split))
         pq.write_table(table, folder / "data" / f"{split}-00000-of-00001.parquet")
     return folder
+
+
+def write_color_choices(folder: str | Path, *, train_rows: int = 512, test_rows: int = 128, seed: int = 0,
+                        image_size: int = 64) -> Path:
+    """Write the data set (both splits) under `folder`; returns `folder`."""
+    def rows(n: int, *, seed: int, split: str) -> list[dict]:
+        return color_choice_rows(n, seed=seed, split=split, image_size=image_size)
+
+    return write_splits(folder, rows, train_rows=train_rows, test_rows=test_rows, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from saccade.data.choices_example import COLUMNS_JSON
+from saccade.data.choices_example import COLUMNS_JSON, write_splits
 from saccade.data.shapes import BACKGROUND_RANGE, SHAPES, _draw_shape
 
 __all__ = ["COLORS10", "KINDS", "ChoiceSet", "choice_rows", "write_choice_set"]
@@ -52,7 +52,6 @@ QUESTIONS = {
     "count": "How many shapes are there?",
     "color_left": "What color is the shape on the left?",
 }
-_TEST_SEED_OFFSET = 5_000
 
 
 @dataclass(frozen=True)
@@ -144,17 +143,10 @@ def choice_rows(spec: ChoiceSet, n: int, *, seed: int, split: str) -> list[dict]
 def write_choice_set(folder: str | Path, spec: ChoiceSet, *, train_rows: int = 2000, test_rows: int = 128,
                      seed: int = 0) -> Path:
     """Write the data set (both splits) under `folder`; returns `folder`."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    def rows(n: int, *, seed: int, split: str) -> list[dict]:
+        return choice_rows(spec, n, seed=seed, split=split)
 
-    if train_rows < 1 or test_rows < 1:
-        raise ValueError(f"train_rows and test_rows must be at least 1; got {train_rows} and {test_rows}")
-    folder = Path(folder)
-    (folder / "data").mkdir(parents=True, exist_ok=True)
-    for split, n, split_seed in (("train", train_rows, seed), ("test", test_rows, seed + _TEST_SEED_OFFSET)):
-        table = pa.Table.from_pylist(choice_rows(spec, n, seed=split_seed, split=split))
-        pq.write_table(table, folder / "data" / f"{split}-00000-of-00001.parquet")
-    return folder
+    return write_splits(folder, rows, train_rows=train_rows, test_rows=test_rows, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> None:
