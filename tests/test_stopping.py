@@ -39,6 +39,9 @@ def test_a_stop_file_counts_only_when_written_since_the_run_started(tmp_path):
 
 
 def test_signals_ask_once_and_a_later_one_stops_at_once(tmp_path):
+    # What was there before, not Python's default: a process started in the background (no job
+    # control, as a CI runner may start pytest) begins with SIGINT ignored, and that is put back.
+    found = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     stop = StopRequest(tmp_path)
     with stop.catch_signals():
         os.kill(os.getpid(), signal.SIGTERM)
@@ -47,7 +50,22 @@ def test_signals_ask_once_and_a_later_one_stops_at_once(tmp_path):
         stop.signalled_at -= REPEAT_WINDOW_S + 1
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert {s: signal.getsignal(s) for s in found} == found  # put back
+
+
+def test_signals_put_back_an_ignored_sigint(tmp_path):
+    """Started as a background job starts it (SIGINT ignored), the run still asks for a stop on
+    SIGINT, and leaves it ignored afterwards."""
+    code = ("import os, signal, sys; from saccade.stopping import StopRequest\n"
+            "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+            "stop = StopRequest(sys.argv[1])\n"
+            "with stop.catch_signals():\n"
+            "    os.kill(os.getpid(), signal.SIGINT); assert stop.asked()\n"
+            "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n")
+    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - the background's start
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], preexec_fn=ignore, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_stopped_run_saves_its_step_and_resumes_without_repeating_one(tmp_path):
