@@ -50,9 +50,16 @@ def test_garbage_json_and_version_headers_are_the_servers_fault():
         reply_json(httpx.Response(200, json=[1]))
     with pytest.raises(MalformedReply, match="no choices"):
         check_completions({"prompt_token_ids": [1], "choices": []}, vocab_size=None)
-    assert reply_version("7") == 7 and reply_version(None) is None
+    assert reply_version("7", newest=7) == 7 and reply_version(None, newest=0) is None
+    assert reply_version("12", newest=None) == 12  # before the run's first push: the server as it is
     with pytest.raises(MalformedReply, match="'v7x' is not a number"):
-        reply_version("v7x")
+        reply_version("v7x", newest=7)
+
+
+@pytest.mark.parametrize("header", ["8", "-1"])
+def test_a_version_this_run_never_pushed_is_the_servers_fault(header):
+    with pytest.raises(MalformedReply, match=rf"policy version header {header}: this run has pushed versions 0..7"):
+        reply_version(header, newest=7)
 
 
 def test_a_server_replying_garbage_is_asked_again_then_taken_out_and_the_request_goes_on():

@@ -1,6 +1,6 @@
 """What a vLLM server's reply must be before a run trains on it. A reply that is not (not
 JSON, sampled ids outside the model's vocabulary, logprobs that are not finite or lie above 0,
-a version header that is not a number) is the server's fault: `MalformedReply`, which the
+a version header that is not a number or names a version this run never pushed) is the server's fault: `MalformedReply`, which the
 client answers by asking again and then taking the server out (`saccade.inference.server_client`),
 never a crash of the run or a silently skipped step.
 """
@@ -28,14 +28,22 @@ def reply_json(response) -> dict[str, Any]:
     return data
 
 
-def reply_version(value: str | None) -> int | None:
-    """The policy version header's number (None when the server sent none)."""
+def reply_version(value: str | None, *, newest: int | None) -> int | None:
+    """The policy version header's number (None when the server sent none). `newest` is the
+    highest version this run has begun to push (None before its first push: a bench or a tool
+    sampling from a server as it is): a server reporting a later one (or a negative one) holds
+    weights this run never sent it (another run's, or a garbled header), and what it samples must
+    not be trained on as this run's policy."""
     if value is None:
         return None
     try:
-        return int(value)
+        version = int(value)
     except ValueError:
         raise MalformedReply(f"policy version header {value[:50]!r} is not a number") from None
+    if newest is not None and not 0 <= version <= newest:
+        raise MalformedReply(f"policy version header {version}: this run has pushed versions 0..{newest} only "
+                             "(a server holding another run's weights?)")
+    return version
 
 
 def _ids(values: Any, what: str, vocab_size: int | None) -> list[int]:

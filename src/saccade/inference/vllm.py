@@ -189,6 +189,12 @@ class VLLMEngine:
         self._urls_by_key: dict[str, str] = {}
         self._urls_bytes = 0
         self.policy_version = 0
+        # The highest version handed to the servers so far, raised before the export (on ranks
+        # other than 0 too: rank 0 cannot push before every rank has joined the export's gather),
+        # so no reply sampled under a push in flight is taken for a foreign version. None until
+        # the first push: before it the engine has not claimed the servers (a run always pushes
+        # before it samples: `saccade.loops.weight_sync.push_start_weights`).
+        self.newest_version: int | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -249,7 +255,7 @@ class VLLMEngine:
     def _version_of(self, response, server: Server) -> int:
         """The policy version a completion was sampled under: its server's header (see the
         module note), else what the engine last confirmed that server loaded."""
-        value = reply_version(response.headers.get(VERSION_HEADER))
+        value = reply_version(response.headers.get(VERSION_HEADER), newest=self.newest_version)
         if value is not None:
             return value
         return server.version if server.version is not None else self.policy_version
@@ -492,6 +498,7 @@ class VLLMEngine:
             raise ValueError("VLLMEngine.update_weights needs an exporter (a function writing the weights folder)")
         start = time.perf_counter()
         version = self.policy_version + 1 if version is None else version
+        self.newest_version = max(self.newest_version or 0, version)
         folder = self.exporter(version)
         if self.pushes_weights:
             self.client.run(self.client.push(folder, version))
