@@ -108,20 +108,23 @@ class Journal:
         """Create the file now (appending to what is there), before the first line."""
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab")
+            # Unbuffered: a write that fails (a full disk) leaves nothing behind in a buffer for
+            # close() to fail on again, masking the error the run reported.
+            self._file = open(self.path, "ab", buffering=0)
 
     def append(self, record: dict[str, Any]) -> None:
-        """One JSON line in one write, flushed and fsync'd: a kill leaves at most this line torn."""
+        """One JSON line written and fsync'd: a kill leaves at most this line torn (`repair`)."""
         self.open()
         assert self._file is not None
-        self._file.write(self.line(record))
-        self._file.flush()
+        rest = memoryview(self.line(record))
+        while rest:  # a raw write may take part of it
+            rest = rest[self._file.write(rest):]
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
     def __enter__(self) -> Journal:
         return self

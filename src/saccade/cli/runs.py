@@ -26,6 +26,8 @@ def cmd_serve(argv: list[str]) -> int:
 STALLED_EXIT = 3
 # ... and when it stopped on request (Ctrl-C, SIGTERM, a STOP file) after saving a checkpoint: 128 + SIGINT.
 STOPPED_EXIT = 130
+# ... and when a write failed (a full disk, an unwritable folder): the message says what was kept.
+UNWRITABLE_EXIT = 4
 
 
 def _load_run_config(args: argparse.Namespace, overrides: list[str] | None = None):
@@ -46,6 +48,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     from saccade.tools.demo import resolve_warm_start
     from saccade.devices import resolve_device
     from saccade.distributed import close_world, exit_rank, init_world
+    from saccade.loops.checkpointer import CheckpointWriteError
     from saccade.loops.rl import train_rl
     from saccade.loops.stall import StallError
     from saccade.stopping import RunStopped, StopRequest
@@ -58,10 +61,11 @@ def cmd_rl(args: argparse.Namespace) -> int:
             cfg = resolve_warm_start(cfg, world)
             result = train_rl(cfg, run_dir=cfg.run_dir, resume=args.resume, world=world, stop=stop,
                               fresh=args.fresh)
-    except (StallError, RunStopped) as err:  # no traceback: the message is what to run next
+    except (StallError, RunStopped, CheckpointWriteError) as err:  # no traceback: the message is what to run next
         if world.is_main:
             print(f"saccade: stopped: {err}", file=sys.stderr)
-        return STALLED_EXIT if isinstance(err, StallError) else STOPPED_EXIT
+        codes = {StallError: STALLED_EXIT, RunStopped: STOPPED_EXIT, CheckpointWriteError: UNWRITABLE_EXIT}
+        return next(code for kind, code in codes.items() if isinstance(err, kind))
     finally:
         close_world(world)
     if world.is_main:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -46,6 +47,11 @@ class CheckpointWriteError(RuntimeError):
 
 # The errors of a disk with no room left: no space, a file size limit, a quota.
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+# Free space under which a failed write is put down to a full disk (a checkpoint's smallest file
+# is bigger; a filesystem keeps no slack for a user's files).
+FULL_BELOW_BYTES = 1 << 20
 
 
 def disk_full(err: BaseException) -> bool:
@@ -139,6 +145,16 @@ class Checkpointer:
         return {"rollback_to_step": float(step), "rollback_lr": lr}
 
 
+def room_left(folder: Path) -> str:
+    """", the disk holding it is full (N bytes free)" when it is nearly so: torch.save's writer on a
+    full disk says only "unexpected pos", not ENOSPC. Empty otherwise."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f"; the disk holding it is full ({free:,} bytes free)" if free < FULL_BELOW_BYTES else ""
+
+
 @contextlib.contextmanager
 def stop_if_unwritable(run_dir: Path, step: int):
     """Turn a failed checkpoint write into an error that says what is safe and what to do. The
@@ -152,7 +168,8 @@ def stop_if_unwritable(run_dir: Path, step: int):
         kept = f"the previous one, {previous}, is intact" if previous else "there is no earlier checkpoint"
         raise CheckpointWriteError(
             f"the checkpoint of step {step} could not be written under {run_dir / 'checkpoints'} "
-            f"({type(err).__name__}: {err}); {kept}. The run stopped rather than train on without checkpoints. "
+            f"({type(err).__name__}: {err}{room_left(run_dir)}); {kept}. The run stopped rather than train on "
+            "without checkpoints. "
             f"Fix the cause (a full disk: free space; an unwritable folder: its permissions), then go on "
             f"with: saccade rl {run_dir / 'config.toml'} --resume"
         ) from err
