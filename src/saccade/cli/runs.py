@@ -155,7 +155,8 @@ def add_rl_parser(sub) -> None:
         "rolls back to its last checkpoint from before the stall at stall.lr_factor times the lr (at most "
         "stall.max_rollbacks times), as stall.action says (docs/stalls.md). Ctrl-C or SIGTERM (or a "
         "file named STOP in the run folder) stops it after the step under way, with a checkpoint: exit status 130, "
-        "naming the --resume command.",
+        "naming the --resume command. A write that fails (a full disk, an unwritable folder) stops it with a "
+        "checkpoint where one can still be written, else naming the intact one: exit status 4 (docs/robustness.md).",
     )
     add_config_arguments(rl)
     rl.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
