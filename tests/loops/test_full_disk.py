@@ -11,6 +11,7 @@ on to the end. Mounting a tmpfs needs root (CAP_SYS_ADMIN): the test is skipped 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -57,9 +58,19 @@ def fill(disk: Path) -> Path:
     return filler
 
 
-def rl(run_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "saccade", "rl", "configs/demo.toml", *RUN, "--log.dir", str(run_dir),
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rl(run_dir: Path, *extra: str, world: int = 1) -> subprocess.Popen:
+    launcher = ["-m", "saccade"] if world == 1 else [
+        "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "saccade"]
+    return subprocess.Popen([sys.executable, *launcher, "rl", "configs/demo.toml", *RUN, "--log.dir", str(run_dir), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -106,3 +117,33 @@ def test_a_run_whose_disk_fills_stops_with_a_checkpoint_and_resumes_once_there_i
     assert latest_checkpoint(run_dir).name == f"step_{STEPS:06d}"
     steps = [r["step"] for r in read_metrics(run_dir) if r.get("phase") == "train"]
     assert steps == list(range(1, STEPS + 1)), steps  # each step once: nothing lost, nothing twice
+
+
+@pytest.mark.long
+def test_a_sharded_run_whose_disk_fills_stops_naming_its_last_checkpoint_and_resumes(small_disk):
+    """World 2 (torchrun): rank 0's write fails while rank 1 is in the step's collectives, so no
+    checkpoint can be saved then; rank 0 says so, naming the last complete one, torchrun ends
+    rank 1, and nothing waits for trainer.dist_timeout_s."""
+    run_dir = small_disk / "run"
+    proc = rl(run_dir, world=2)
+    deadline = time.monotonic() + 600
+    while checkpointed(run_dir) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    filler = fill(small_disk)
+    try:
+        out, _ = proc.communicate(timeout=STOP_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the run did not stop within {STOP_WITHIN_S} s of a full disk: {proc.communicate()[0][-3000:]}")
+    assert proc.returncode != 0, out[-3000:]
+    assert "saccade: stopped:" in out and ("No space left on device" in out or "bytes free" in out), out[-3000:]
+    kept = latest_checkpoint(run_dir)
+    assert kept is not None and str(kept) in out and "torchrun --nproc-per-node 2" in out, out[-3000:]
+
+    filler.unlink()
+    resumed = rl(run_dir, "--resume", world=2)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    steps = [r["step"] for r in read_metrics(run_dir) if r.get("phase") == "train"]
+    assert steps == list(range(1, STEPS + 1)), steps

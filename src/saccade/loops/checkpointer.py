@@ -69,6 +69,18 @@ def stopped_by_full_disk(err: OSError, checkpoints: Checkpointer, state: TrainSt
         f"{saved}. Free space, then go on with: saccade rl {checkpoints.run_dir / 'config.toml'} --resume")
 
 
+def stopped_unsaved_by_full_disk(err: OSError, run_dir: Path, world: World, command: str) -> CheckpointWriteError:
+    """A write of one rank of a sharded run failed on a full disk. The other ranks are inside the
+    step's collectives, so no checkpoint can be saved now (a collective save would wait for them
+    until trainer.dist_timeout_s): this rank stops (torchrun then ends the others) naming the last
+    complete checkpoint, which a save's rename keeps whole."""
+    previous = latest_checkpoint(run_dir)
+    kept = f"the last complete checkpoint, {previous}, is intact" if previous else "no checkpoint was saved yet"
+    return CheckpointWriteError(
+        f"a write of rank {world.rank} failed on a full disk ({err}); a sharded run cannot save a checkpoint while "
+        f"its other ranks are mid-step, so it stopped: {kept}. Free space, then go on with: {command} --resume")
+
+
 class Checkpointer:
     """Saves, resumes and rolls back the run of `rl` (its model, optimizer, schedule and the
     engine's sampling RNG) under `run_dir`."""

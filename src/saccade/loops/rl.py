@@ -60,7 +60,8 @@ from typing import Any
 from saccade.config import RunConfig, config_changes, describe
 from saccade.distributed import SINGLE, World
 from saccade.inference.servers import NoServerError
-from saccade.loops.checkpointer import Checkpointer, check_fresh_start, disk_full, stopped_by_full_disk
+from saccade.loops.checkpointer import (Checkpointer, check_fresh_start, disk_full, stopped_by_full_disk,
+                                        stopped_unsaved_by_full_disk)
 from saccade.loops.evaluator import Evaluator
 from saccade.loops.rl_step import RLStep
 from saccade.loops.stall import StallError
@@ -175,8 +176,10 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 if state.step < end and stop.agreed(world, setup.device):
                     raise stopped_on_request(checkpoints, state, saved, stop, world)
         except OSError as err:
-            if not disk_full(err) or world.size > 1:  # ranks apart: a save now would wait for the others
+            if not disk_full(err):
                 raise
+            if world.size > 1:  # ranks apart: a save now would wait for the others; torchrun ends them
+                raise stopped_unsaved_by_full_disk(err, run_dir, world, rl_command(run_dir, world)) from err
             state.policy_version = state.step
             raise stopped_by_full_disk(err, checkpoints, state) from err
         except NoServerError as err:  # every rank at the same step: the finished steps are saved
