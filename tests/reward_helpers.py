@@ -1,7 +1,7 @@
-"""Reward functions for tests/test_scoring.py's worker tests, named by import path
+"""Reward functions for the worker tests (tests/test_reward_workers.py), named by import path
 ("reward_helpers:pid"): tests/ is on the test process's sys.path, which a worker is given.
 Each returns its worker's pid (as a float), so a test sees which process served a call; the
-completion says how to misbehave."""
+completion says how to misbehave. And `worker_pids`: the test process's live workers."""
 
 from __future__ import annotations
 
@@ -11,6 +11,28 @@ import os
 import subprocess
 import time
 from pathlib import Path
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux: /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def worker_pids() -> set[int]:
+    """This process's live reward workers (Linux: /proc)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(ppid) == os.getpid() and state != "Z" and b"saccade.reward_child" in command:
+            pids.add(int(stat.parent.name))
+    return pids
 
 
 def pid(completion):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from reward_helpers import alive, worker_pids
 from saccade import reward_workers
 from saccade.data.questions import VQASample
 from saccade.reward_workers import SYNC_WORKERS
@@ -48,28 +48,6 @@ def score(rewards: Rewards, *texts: str, sample=None) -> list[dict]:
     async def all_of_them():
         return await asyncio.gather(*(rewards.score(t, sample=sample, messages=[]) for t in texts))
     return [values for _, values in asyncio.run(all_of_them())]
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def worker_pids() -> set[int]:
-    """This process's live reward workers."""
-    pids = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
-            command = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(ppid) == os.getpid() and state != "Z" and b"saccade.reward_child" in command:
-            pids.add(int(stat.parent.name))
-    return pids
 
 
 def eventually(condition, within_s: float) -> bool:
