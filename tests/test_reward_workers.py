@@ -157,6 +157,21 @@ def test_what_cannot_cross_to_a_worker_is_an_error_that_says_so(rewards, caplog,
     assert "could not import it" in said["made_at_run_time:f"] and "fresh Python process" in said["made_at_run_time:f"]
 
 
+def test_close_with_calls_in_flight_ends_them(rewards):
+    """The run's end while another thread still scores: its calls end (scored 0), none waits forever."""
+    r = rewards({"reward_helpers:pid": 1.0, "reward_helpers:async_pid": 1.0}, timeout_s=600)
+    scored: list[dict] = []
+    scoring = threading.Thread(target=lambda: scored.extend(score(r, "sleep", "slow")))
+    scoring.start()
+    assert eventually(lambda: len(worker_pids()) == 3, 30.0)  # two sync workers, one async
+    time.sleep(0.3)
+    r.close()
+    scoring.join(5.0)
+    assert not scoring.is_alive() and worker_pids() == set()
+    # "sleep": the sync call's worker killed under it (an error); "slow": the async one's (cut, as a timeout).
+    assert [(v["reward_errors"], v["reward_timeouts"]) for v in scored] == [(1.0, 0.0), (0.0, 1.0)]
+
+
 PARENT = """
 import asyncio, sys
 sys.path.insert(0, {tests!r})

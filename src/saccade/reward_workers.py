@@ -198,15 +198,15 @@ class Child:
         try:
             while True:
                 kind, call_id, payload = await self._next()
-                waiting = self.waiting.get(-call_id if kind == ACK else call_id)
+                waiting = self.waiting.pop(-call_id, None) if kind == ACK else self.waiting.get(call_id)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(pickle.loads(payload) if kind == DONE else None)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         gone = ChildGone("killed" if self.killed else await self.ending(), killed=self.killed)
-        for waiting in self.waiting.values():
-            if not waiting.done():
-                waiting.set_exception(gone)
+        for call_id, waiting in self.waiting.items():
+            if not waiting.done():  # a cancel's ACK (negative id): nothing is left to wait for
+                waiting.set_result(None) if call_id < 0 else waiting.set_exception(gone)
 
 
 class SyncPool:
@@ -306,9 +306,7 @@ class AsyncWorker:
     async def _watch(self, child: Child, ack: asyncio.Future) -> None:
         try:
             await asyncio.wait_for(ack, CANCEL_GRACE_S)
-            return
-        except ChildGone:
-            return
+            return  # its loop runs: the call was only slow
         except TimeoutError:
             pass
         if not child.alive:
@@ -378,7 +376,7 @@ class Workers:
             return self._thread.loop
 
     def children(self) -> list[Child]:
-        """The live children (tests; on the workers' loop or after it stopped)."""
+        """The live children (on the workers' loop)."""
         pool = self._sync.children() if self._sync is not None else []
         return [c for c in [*pool, *(w.child for w in self._async.values() if w.child)] if c.alive]
 
@@ -393,11 +391,17 @@ class Workers:
             children = self.children()
             for child in children:
                 child.kill()
-            await asyncio.gather(*(c.proc.wait() for c in children), return_exceptions=True)
+            await asyncio.wait_for(asyncio.gather(*(c.proc.wait() for c in children), return_exceptions=True), 10.0)
+            # Calls still here (waiting for a child, or starting one) end cancelled, not forgotten
+            # with the loop: their callers would wait forever.
+            calls = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
             self._sync, self._async = None, {}
 
         try:
-            asyncio.run_coroutine_threadsafe(asyncio.wait_for(shut(), 10.0), thread.loop).result(timeout=15.0)
+            asyncio.run_coroutine_threadsafe(shut(), thread.loop).result(timeout=30.0)
         finally:
             thread.close()
             _open.discard(self)
