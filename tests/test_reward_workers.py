@@ -29,20 +29,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 SLACK_S = 1.0  # past a call's limit, on a loaded 2-core machine
 
 
-@pytest.fixture
-def rewards():
-    """Rewards(...) whose worker processes are closed when the test ends."""
-    made: list[Rewards] = []
-
-    def make(weights, **kwargs) -> Rewards:
-        made.append(Rewards(weights, **kwargs))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.close()
-
-
 def score(rewards: Rewards, *texts: str, sample=None) -> list[dict]:
     """The answers' values, scored together on one event loop, as a rollout step scores them."""
     async def all_of_them():
@@ -65,8 +51,8 @@ def timed(rewards: Rewards, *texts: str) -> tuple[list[dict], float]:
     return values, time.perf_counter() - start
 
 
-def test_an_overrunning_sync_call_is_cut_and_its_worker_killed(rewards):
-    r = rewards({"reward_helpers:pid": 1.0}, timeout_s=0.5)
+def test_an_overrunning_sync_call_is_cut_and_its_worker_killed(make_rewards):
+    r = make_rewards({"reward_helpers:pid": 1.0}, timeout_s=0.5)
     [warm] = score(r, "warm")  # the pool's first worker starts (not counted in a call's limit)
     first = int(warm["reward_pid"])
     assert worker_pids() == {first}
@@ -77,9 +63,9 @@ def test_an_overrunning_sync_call_is_cut_and_its_worker_killed(rewards):
     assert after["reward_timeouts"] == 0 and int(after["reward_pid"]) not in (0, first)  # a fresh worker
 
 
-def test_overrunning_calls_leave_no_thread_or_process_behind(rewards):
+def test_overrunning_calls_leave_no_thread_or_process_behind(make_rewards):
     threads = threading.active_count()
-    r = rewards({"reward_helpers:pid": 1.0}, timeout_s=0.3)
+    r = make_rewards({"reward_helpers:pid": 1.0}, timeout_s=0.3)
     results = score(r, *["sleep"] * 10) + score(r, *["sleep"] * 10)  # 20 overruns, 10 at once
     assert [v["reward_timeouts"] for v in results] == [1.0] * 20
     assert worker_pids() == set()  # every worker that overran is gone
@@ -92,8 +78,8 @@ def test_overrunning_calls_leave_no_thread_or_process_behind(rewards):
     assert eventually(lambda: threading.active_count() == threads, 2.0), threading.enumerate()
 
 
-def test_what_an_overrunning_call_started_is_killed_with_it(rewards, tmp_path):
-    r = rewards({"reward_helpers:spawns": 1.0}, timeout_s=1.0)
+def test_what_an_overrunning_call_started_is_killed_with_it(make_rewards, tmp_path):
+    r = make_rewards({"reward_helpers:spawns": 1.0}, timeout_s=1.0)
     [cut] = score(r, str(tmp_path / "pid"))
     assert cut["reward_timeouts"] == 1
     started = int((tmp_path / "pid").read_text())
@@ -101,8 +87,8 @@ def test_what_an_overrunning_call_started_is_killed_with_it(rewards, tmp_path):
 
 
 @pytest.mark.parametrize(("how", "said"), [("exit", "exit code 1"), ("segfault", "killed by SIGSEGV")])
-def test_a_worker_that_dies_fails_its_call_and_the_next_call_works(rewards, caplog, how, said):
-    r = rewards({"reward_helpers:pid": 1.0}, timeout_s=30)
+def test_a_worker_that_dies_fails_its_call_and_the_next_call_works(make_rewards, caplog, how, said):
+    r = make_rewards({"reward_helpers:pid": 1.0}, timeout_s=30)
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
         [died] = score(r, how)
     assert died["reward_errors"] == 1 and died["reward_timeouts"] == 0
@@ -112,9 +98,10 @@ def test_a_worker_that_dies_fails_its_call_and_the_next_call_works(rewards, capl
     assert after["reward_errors"] == 0 and after["reward_pid"] > 0
 
 
-def test_a_blocking_async_function_is_cut_and_a_fresh_worker_takes_the_next_calls(rewards, caplog, monkeypatch):
+def test_a_blocking_async_function_is_cut_and_a_fresh_worker_takes_the_next_calls(make_rewards, caplog,
+                                                                                   monkeypatch):
     monkeypatch.setattr(reward_workers, "CANCEL_GRACE_S", 0.5)
-    r = rewards({"reward_helpers:async_pid": 1.0}, timeout_s=0.5)
+    r = make_rewards({"reward_helpers:async_pid": 1.0}, timeout_s=0.5)
     [warm] = score(r, "warm")
     first = int(warm["reward_async_pid"])
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
@@ -127,9 +114,9 @@ def test_a_blocking_async_function_is_cut_and_a_fresh_worker_takes_the_next_call
     assert len(blocked) == 1 and "'reward_helpers:async_pid'" in blocked[0]
 
 
-def test_a_slow_async_call_is_cancelled_and_its_worker_lives_on(rewards, caplog, monkeypatch):
+def test_a_slow_async_call_is_cancelled_and_its_worker_lives_on(make_rewards, caplog, monkeypatch):
     monkeypatch.setattr(reward_workers, "CANCEL_GRACE_S", 0.5)
-    r = rewards({"reward_helpers:async_pid": 1.0}, timeout_s=0.5)
+    r = make_rewards({"reward_helpers:async_pid": 1.0}, timeout_s=0.5)
     [warm] = score(r, "warm")
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
         [cut], took = timed(r, "slow")  # awaits: its loop runs, and answers the cancel
@@ -140,12 +127,12 @@ def test_a_slow_async_call_is_cancelled_and_its_worker_lives_on(rewards, caplog,
     assert not [rec for rec in caplog.records if "blocks its event loop" in rec.getMessage()]
 
 
-def test_what_cannot_cross_to_a_worker_is_an_error_that_says_so(rewards, caplog, monkeypatch):
+def test_what_cannot_cross_to_a_worker_is_an_error_that_says_so(make_rewards, caplog, monkeypatch):
     made = types.ModuleType("made_at_run_time")  # importable here, not in a fresh process
     exec("def f(completion):\n    return 1.0\n", made.__dict__)
     monkeypatch.setitem(sys.modules, "made_at_run_time", made)
-    r = rewards({"reward_helpers:takes_sample": 1.0, "reward_helpers:returns_generator": 1.0,
-                 "made_at_run_time:f": 1.0})
+    r = make_rewards({"reward_helpers:takes_sample": 1.0, "reward_helpers:returns_generator": 1.0,
+                      "made_at_run_time:f": 1.0})
     sample = VQASample("q1", [], "Which?", "red", None, "free_form", metadata={"lock": threading.Lock()})
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
         [values] = score(r, "red", sample=sample)
@@ -157,9 +144,9 @@ def test_what_cannot_cross_to_a_worker_is_an_error_that_says_so(rewards, caplog,
     assert "could not import it" in said["made_at_run_time:f"] and "fresh Python process" in said["made_at_run_time:f"]
 
 
-def test_close_with_calls_in_flight_ends_them(rewards):
+def test_close_with_calls_in_flight_ends_them(make_rewards):
     """The run's end while another thread still scores: its calls end (scored 0), none waits forever."""
-    r = rewards({"reward_helpers:pid": 1.0, "reward_helpers:async_pid": 1.0}, timeout_s=600)
+    r = make_rewards({"reward_helpers:pid": 1.0, "reward_helpers:async_pid": 1.0}, timeout_s=600)
     scored: list[dict] = []
     scoring = threading.Thread(target=lambda: scored.extend(score(r, "sleep", "slow")))
     scoring.start()

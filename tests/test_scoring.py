@@ -93,20 +93,6 @@ def user(tmp_path, monkeypatch):
     return user_rewards
 
 
-@pytest.fixture
-def rewards():
-    """Rewards(...) whose worker processes are closed when the test ends."""
-    made: list[Rewards] = []
-
-    def make(weights, **kwargs) -> Rewards:
-        made.append(Rewards(weights, **kwargs))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.close()
-
-
 def _question(answer="red", choices=("red", "green", "blue")) -> VQASample:
     return VQASample(sample_id="q1", images=[], question="What color is the shape?", answer=answer,
                      choices=list(choices), answer_type="multi_choice")
@@ -140,9 +126,9 @@ def test_built_ins_weighted_by_hand(text, weights, total, values):
     assert got == {**{f"reward_{k}": v for k, v in values.items()}, "reward_errors": 0.0, "reward_timeouts": 0.0}
 
 
-def test_a_user_function_by_import_path_its_parts_summed(user, rewards):
-    rewards = rewards({"correct": 1.0, "user_rewards:shaped": 2.0, "user_rewards:short": 0.5,
-                       "user_rewards:everything": 1.0, "user_rewards:saw": 1.0})
+def test_a_user_function_by_import_path_its_parts_summed(user, make_rewards):
+    rewards = make_rewards({"correct": 1.0, "user_rewards:shaped": 2.0, "user_rewards:short": 0.5,
+                            "user_rewards:everything": 1.0, "user_rewards:saw": 1.0})
     [(total, values)] = score(rewards, "red")
     assert values["reward_shaped_exact"] == 1.0 and values["reward_shaped_brief"] == 0.25
     assert values["reward_shaped"] == 1.25  # the function's value: the sum of its parts
@@ -151,16 +137,17 @@ def test_a_user_function_by_import_path_its_parts_summed(user, rewards):
     assert total == 1.0 + 2.0 * 1.25 + 0.5 * 1.0 + 1.0 + 1.0
 
 
-def test_async_functions_score_a_batch_together(user, rewards):
-    rewards = rewards({"user_rewards:judge": 1.0}, timeout_s=30)
+def test_async_functions_score_a_batch_together(user, make_rewards):
+    rewards = make_rewards({"user_rewards:judge": 1.0}, timeout_s=30)
     results = score(rewards, *["red", "blue"] * 3)
     assert [v["reward_judge_together"] for _, v in results] == [6.0] * 6  # all six were being judged at once
     assert [v["reward_judge_agrees"] for _, v in results] == [1.0, 0.0] * 3
     assert all(v["reward_timeouts"] == 0 for _, v in results)
 
 
-def test_timeouts_score_zero_count_and_log_once(user, rewards, caplog):
-    rewards = rewards({"correct": 1.0, "user_rewards:hangs": 1.0, "user_rewards:blocks": 1.0}, timeout_s=0.2)
+def test_timeouts_score_zero_count_and_log_once(user, make_rewards, caplog):
+    rewards = make_rewards({"correct": 1.0, "user_rewards:hangs": 1.0, "user_rewards:blocks": 1.0},
+                           timeout_s=0.2)
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
         results = score(rewards, "red", "red", "blue")
     # The other functions still count: correct is 1 for the right answers.
@@ -170,9 +157,9 @@ def test_timeouts_score_zero_count_and_log_once(user, rewards, caplog):
     assert len(logged) == 2 and all("reward_timeout_s = 0.2" in m for m in logged)  # once per function
 
 
-def test_failures_score_zero_count_and_log_one_traceback(user, rewards, caplog):
-    rewards = rewards({"correct": 1.0, "user_rewards:broken": 1.0, "user_rewards:not_a_number": 1.0,
-                       "user_rewards:nan": 1.0})
+def test_failures_score_zero_count_and_log_one_traceback(user, make_rewards, caplog):
+    rewards = make_rewards({"correct": 1.0, "user_rewards:broken": 1.0, "user_rewards:not_a_number": 1.0,
+                            "user_rewards:nan": 1.0})
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
         results = score(rewards, "red", "green") + score(rewards, "blue")  # two steps
     assert [total for total, _ in results] == [1.0, 0.0, 0.0]

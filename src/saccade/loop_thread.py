@@ -21,8 +21,8 @@ class LoopThread:
 
     def run(self, coro):
         if threading.current_thread() is self.thread:
-            raise RuntimeError(f"{self.thread.name}: a coroutine was handed to its own event loop's thread "
-                               "and waited for there (a synchronous method called from the loop: it would wait forever)")
+            raise RuntimeError(f"{self.thread.name}: a synchronous method was called from its own event loop's "
+                               "thread, where waiting for the loop would wait forever")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def close(self) -> None:

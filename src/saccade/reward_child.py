@@ -5,13 +5,14 @@ sent back as floats.
     python -m saccade.reward_child
 
 The parent's first frame says what to import (the paths, its `sys.path`, modules to import
-before the first call) and whether the functions are async. Then this process says READY, with
-the functions it could not import and why, and serves calls: sync functions one at a time on the main thread (so math-verify's SIGALRM
-timeouts work in them); async ones on an event loop, all at once, a reader thread handing it
-the frames and acknowledging a CANCEL from the loop itself, which is how the parent tells a
-slow call from a blocked loop. The protocol has this process's stdin and stdout to itself: the
-functions' prints go to stderr. It dies with the parent's thread that started it
-(PR_SET_PDEATHSIG) and ends at the pipe's end (EOF) when idle.
+before the first call) and whether the functions are async. Then this process says READY,
+with the functions it could not import and why, and serves calls: sync functions one at a
+time on the main thread (so math-verify's SIGALRM timeouts work in them); async ones on an
+event loop, all at once, a reader thread handing it the frames, and the loop itself
+acknowledging a CANCEL, which is how the parent tells a slow call from a blocked loop. The
+protocol has this process's stdin and stdout to itself: the functions' prints go to stderr.
+It dies with the parent's thread that started it (PR_SET_PDEATHSIG) and ends at the pipe's
+end (EOF) when idle.
 """
 
 from __future__ import annotations
