@@ -25,14 +25,15 @@ Every call is bounded by `rollout.reward_timeout_s`, and one that overruns is cu
 functions run in worker processes, killed when a call overruns (`saccade.reward_workers`; a
 thread cannot be stopped, and an ``async def`` that blocks stops the event loop it runs on).
 Sync functions share a pool of at most `SYNC_WORKERS` (8) processes per `Rewards`, one call
-each at a time. Async functions (``async def``) are awaited, each on its own worker's event loop, where
-all of a step's answers are in flight together (`saccade.envs.rollout.step_all` gathers the
-environments), so functions that wait on I/O (a judge model behind HTTP) overlap; one that
-blocks its loop has its worker killed, with a warning naming it. Only a call's arguments cross
-to a worker (pickled): the worker imports the function by its path. The built-ins run inline:
-they bound their own work, `correct`'s math-verify in a child process killed after 5 s
-(`saccade.math_worker`: a short power tower holds the GIL for minutes, which no thread or
-SIGALRM can cut). `Rewards.close` ends the workers; the run calls it when it ends.
+each at a time. Async functions (``async def``) are awaited, each on its own worker's event
+loop, where all of a step's answers are in flight together (`saccade.envs.rollout.step_all`
+gathers the environments), so functions that wait on I/O (a judge model behind HTTP)
+overlap; one that blocks its loop has its worker killed, with a warning naming it. Only a
+call's arguments cross to a worker (pickled): the worker imports the function by its path.
+The built-ins run inline: they bound their own work, `correct`'s math-verify in a child
+process killed after 5 s (`saccade.math_worker`: a short power tower holds the GIL for
+minutes, which no thread or SIGALRM can cut). `Rewards.close` ends the workers; the run calls
+it when it ends.
 
 A call that raises, times out, returns something other than a finite number (or a dict of
 them), or whose worker dies, scores 0 for that answer and the run goes on. It is counted in
