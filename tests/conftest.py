@@ -73,6 +73,22 @@ def torch_threads_restored():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def make_rewards():
+    """`saccade.scoring.Rewards(...)` whose reward workers (processes) are closed when the test ends."""
+    from saccade.scoring import Rewards
+
+    made: list[Rewards] = []
+
+    def make(weights, **kwargs) -> Rewards:
+        made.append(Rewards(weights, **kwargs))
+        return made[-1]
+
+    yield make
+    for rewards in made:
+        rewards.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_path():
     from saccade.models.presets import preset_path

@@ -17,11 +17,10 @@ from saccade.run.tasks import check_user_code
 
 USER_MODULE = '''
 import asyncio
-import threading
+import time
 
-calls = []
+# Functions run in worker processes: what a test checks comes back as a part of their value.
 in_flight = {"now": 0, "most": 0}
-release = threading.Event()  # the test sets it, so an abandoned thread ends
 
 
 def short(completion, sample):
@@ -29,8 +28,11 @@ def short(completion, sample):
 
 
 def shaped(completion, *, sample, messages):
-    calls.append(messages)
     return {"exact": float(completion == sample.answer), "brief": 0.25 * (len(completion) < 10)}
+
+
+def saw(completion, *, messages):
+    return float(messages == [{"role": "user", "content": [{"type": "text", "text": "What color is the shape?"}]}])
 
 
 def everything(completion, **kwargs):
@@ -50,16 +52,16 @@ def nan(completion):
 
 
 async def judge(completion, *, sample):
-    # Every answer of the batch must be in flight at once before any returns: run one after
-    # another, the first would wait for the others until the timeout.
+    # Every answer of the batch (six) must be in flight at once before any returns: run one
+    # after another, the first would wait for the others until the timeout.
     in_flight["now"] += 1
     in_flight["most"] = max(in_flight["most"], in_flight["now"])
     for _ in range(2000):
-        if in_flight["most"] >= in_flight.get("expect", 1):
+        if in_flight["most"] >= 6:
             break
         await asyncio.sleep(0.001)
     in_flight["now"] -= 1
-    return {"agrees": float(sample.answer in completion)}
+    return {"agrees": float(sample.answer in completion), "together": in_flight["most"]}
 
 
 async def hangs(completion):
@@ -67,7 +69,7 @@ async def hangs(completion):
 
 
 def blocks(completion):
-    release.wait(60)
+    time.sleep(60)
     return 1.0
 
 
@@ -88,8 +90,7 @@ def user(tmp_path, monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "user_rewards", raising=False)
     import user_rewards
 
-    yield user_rewards
-    user_rewards.release.set()
+    return user_rewards
 
 
 def _question(answer="red", choices=("red", "green", "blue")) -> VQASample:
@@ -125,28 +126,28 @@ def test_built_ins_weighted_by_hand(text, weights, total, values):
     assert got == {**{f"reward_{k}": v for k, v in values.items()}, "reward_errors": 0.0, "reward_timeouts": 0.0}
 
 
-def test_a_user_function_by_import_path_its_parts_summed(user):
-    rewards = Rewards({"correct": 1.0, "user_rewards:shaped": 2.0, "user_rewards:short": 0.5,
-                       "user_rewards:everything": 1.0})
+def test_a_user_function_by_import_path_its_parts_summed(user, make_rewards):
+    rewards = make_rewards({"correct": 1.0, "user_rewards:shaped": 2.0, "user_rewards:short": 0.5,
+                            "user_rewards:everything": 1.0, "user_rewards:saw": 1.0})
     [(total, values)] = score(rewards, "red")
     assert values["reward_shaped_exact"] == 1.0 and values["reward_shaped_brief"] == 0.25
     assert values["reward_shaped"] == 1.25  # the function's value: the sum of its parts
     assert values["reward_short"] == 1.0 and values["reward_everything"] == 1.0  # both keywords with **kwargs
-    assert total == 1.0 + 2.0 * 1.25 + 0.5 * 1.0 + 1.0
-    assert user.calls == [MESSAGES]  # the prompt's messages, as keywords
+    assert values["reward_saw"] == 1.0  # the prompt's messages, as a keyword
+    assert total == 1.0 + 2.0 * 1.25 + 0.5 * 1.0 + 1.0 + 1.0
 
 
-def test_async_functions_score_a_batch_together(user):
-    user.in_flight["expect"] = 6
-    rewards = Rewards({"user_rewards:judge": 1.0}, timeout_s=30)
+def test_async_functions_score_a_batch_together(user, make_rewards):
+    rewards = make_rewards({"user_rewards:judge": 1.0}, timeout_s=30)
     results = score(rewards, *["red", "blue"] * 3)
-    assert user.in_flight["most"] == 6  # all six answers were being judged at once
+    assert [v["reward_judge_together"] for _, v in results] == [6.0] * 6  # all six were being judged at once
     assert [v["reward_judge_agrees"] for _, v in results] == [1.0, 0.0] * 3
     assert all(v["reward_timeouts"] == 0 for _, v in results)
 
 
-def test_timeouts_score_zero_count_and_log_once(user, caplog):
-    rewards = Rewards({"correct": 1.0, "user_rewards:hangs": 1.0, "user_rewards:blocks": 1.0}, timeout_s=0.2)
+def test_timeouts_score_zero_count_and_log_once(user, make_rewards, caplog):
+    rewards = make_rewards({"correct": 1.0, "user_rewards:hangs": 1.0, "user_rewards:blocks": 1.0},
+                           timeout_s=0.2)
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
         results = score(rewards, "red", "red", "blue")
     # The other functions still count: correct is 1 for the right answers.
@@ -154,12 +155,11 @@ def test_timeouts_score_zero_count_and_log_once(user, caplog):
     assert all(v["reward_timeouts"] == 2 and v["reward_hangs"] == 0 and v["reward_blocks"] == 0 for _, v in results)
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 2 and all("reward_timeout_s = 0.2" in m for m in logged)  # once per function
-    user.release.set()  # the abandoned thread (a daemon) ends
 
 
-def test_failures_score_zero_count_and_log_one_traceback(user, caplog):
-    rewards = Rewards({"correct": 1.0, "user_rewards:broken": 1.0, "user_rewards:not_a_number": 1.0,
-                       "user_rewards:nan": 1.0})
+def test_failures_score_zero_count_and_log_one_traceback(user, make_rewards, caplog):
+    rewards = make_rewards({"correct": 1.0, "user_rewards:broken": 1.0, "user_rewards:not_a_number": 1.0,
+                            "user_rewards:nan": 1.0})
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
         results = score(rewards, "red", "green") + score(rewards, "blue")  # two steps
     assert [total for total, _ in results] == [1.0, 0.0, 0.0]

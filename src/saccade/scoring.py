@@ -21,20 +21,24 @@ A float is the function's value. A dict is its named parts: every part is logged
 function's value is their sum. The step's reward for an answer is
 ``sum(weight * value)`` over the functions.
 
-Async functions (``async def``) are awaited; all of a step's answers are scored on one event
-loop together (`saccade.envs.rollout.step_all` gathers the environments), so functions that
-wait on I/O (a judge model behind HTTP) overlap. Every call is bounded by
-`rollout.reward_timeout_s`. A user's sync function runs on a worker thread (at most
-`SYNC_THREADS` at once) under the same bound: Python cannot stop a thread, so one that
-overruns is abandoned (a daemon thread: it never holds up the process's exit) and its answer
-scored as timed out. The built-ins run inline: they bound their own work, `correct`'s
-math-verify in a child process killed after 5 s (`saccade.math_worker`: a short power tower
-holds the GIL for minutes, which no thread or SIGALRM can cut).
+Every call is bounded by `rollout.reward_timeout_s`, and one that overruns is cut: a user's
+functions run in worker processes, killed when a call overruns (`saccade.reward_workers`; a
+thread cannot be stopped, and an ``async def`` that blocks stops the event loop it runs on).
+Sync functions share a pool of at most `SYNC_WORKERS` (8) processes per `Rewards`, one call
+each at a time. Async functions (``async def``) are awaited, each on its own worker's event
+loop, where all of a step's answers are in flight together (`saccade.envs.rollout.step_all`
+gathers the environments), so functions that wait on I/O (a judge model behind HTTP)
+overlap; one that blocks its loop has its worker killed, with a warning naming it. Only a
+call's arguments cross to a worker (pickled): the worker imports the function by its path.
+The built-ins run inline: they bound their own work, `correct`'s math-verify in a child
+process killed after 5 s (`saccade.math_worker`: a short power tower holds the GIL for
+minutes, which no thread or SIGALRM can cut). `Rewards.close` ends the workers; the run calls
+it when it ends.
 
-A call that raises, times out, or returns something other than a finite number (or a dict of
-them) scores 0 for that answer and the run goes on. It is counted in the step's metrics, and
-the first failure of each function is logged with its traceback (logger "saccade.scoring");
-later ones only count.
+A call that raises, times out, returns something other than a finite number (or a dict of
+them), or whose worker dies, scores 0 for that answer and the run goes on. It is counted in
+the step's metrics, and the first failure of each function is logged with its traceback
+(logger "saccade.scoring"); later ones only count.
 
 Metrics, per step, over every answer sampled (`saccade.orchestrator.rollout.reward_metrics`):
 ``reward_<name>`` the mean unweighted value of each function, ``reward_<name>_<part>`` the
@@ -49,18 +53,15 @@ import inspect
 import logging
 import math
 import threading
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from saccade.plugins import is_import_path, load_callable
+from saccade.reward_workers import RewardFailed, Workers
 
 log = logging.getLogger("saccade.scoring")
 
-# Sync user functions running at once (worker threads): they hold the GIL while they compute,
-# so more threads buy nothing for CPU work; a few let blocking I/O overlap.
-SYNC_THREADS = 8
 # Metric names that rollout_metrics already uses: a function of one of these names is refused.
 RESERVED_NAMES = ("mean", "std", "errors", "timeouts")
 
@@ -183,15 +184,16 @@ def _finite(value: Any, what: str) -> float:
 
 class Rewards:
     """The run's weighted reward functions: `score` one answer, concurrently with the others
-    scored on the same event loop. One object per task, shared by its environments, so each
-    function's first failure is logged once per run."""
+    scored on the same event loop (any thread's). One object per task, shared by its
+    environments, so each function's first failure is logged once per run; `close` when the run
+    ends."""
 
     def __init__(self, weights: Mapping[str, float], *, timeout_s: float = 60.0):
         self.functions = reward_functions(weights)
         self.timeout_s = timeout_s
         self.reported: set[str] = set()  # functions whose failure has been logged
-        # One bound on sync threads per event loop (each rollout step runs its own loop).
-        self._threads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.workers: Workers | None = None  # the user's functions' processes, started on first call
+        self._guard = threading.Lock()
 
     @property
     def weights(self) -> dict[str, float]:
@@ -215,60 +217,39 @@ class Rewards:
     async def _call(self, f: RewardFunction, completion: str, sample: Any, messages: list) -> Outcome:
         kwargs = {k: v for k, v in (("sample", sample), ("messages", messages)) if k in f.keywords}
         try:
-            if f.builtin:
-                value = f.fn(completion, **kwargs)
-            elif f.is_async:
-                value = await asyncio.wait_for(f.fn(completion, **kwargs), self.timeout_s)
+            if f.builtin:  # inline: they bound their own work
+                total, parts = as_parts(f.fn(completion, **kwargs), f.key)
             else:
-                value = await self._in_thread(f.fn, completion, kwargs)
-            if inspect.isawaitable(value):  # a sync function that returned a coroutine
-                value = await asyncio.wait_for(value, self.timeout_s)
-            total, parts = as_parts(value, f.key)
+                total, parts = await self._workers().call(f.key, f.is_async, completion, kwargs)
         except TimeoutError:
             self._report(f, f"reward function {f.key!r} took longer than rollout.reward_timeout_s = "
                             f"{self.timeout_s:g} s on an answer: scored 0, counted in reward_timeouts "
                             "(logged once; later timeouts only count)")
             return Outcome(timed_out=True)
-        except Exception:  # noqa: BLE001 - a user's function may fail any way; the run goes on
+        except Exception as err:  # noqa: BLE001 - a user's function may fail any way; the run goes on
+            # A worker's failure carries the function's own traceback as text: this process's
+            # frames would only show the pipe.
+            trace = None if isinstance(err, RewardFailed) else err.__traceback__
             self._report(f, f"reward function {f.key!r} failed on an answer: scored 0, counted in "
-                            "reward_errors (logged once; later failures only count)", traceback=True)
+                            "reward_errors (logged once; later failures only count)", error=(type(err), err, trace))
             return Outcome(error=True)
         return Outcome(total, parts)
 
-    def _report(self, f: RewardFunction, message: str, *, traceback: bool = False) -> None:
+    def _report(self, f: RewardFunction, message: str, *, error: tuple | None = None) -> None:
         if f.key in self.reported:
             return
         self.reported.add(f.key)
-        log.warning(message, exc_info=traceback)
+        log.warning(message, exc_info=error)
 
-    async def _in_thread(self, fn: Callable[..., Any], completion: str, kwargs: dict[str, Any]) -> Any:
-        """fn(completion, **kwargs) on a daemon thread, awaited for at most timeout_s once it
-        starts. Not a ThreadPoolExecutor: its workers are joined at exit, so one stuck call
-        would hang the process's exit (and asyncio.run's default executor shutdown)."""
-        loop = asyncio.get_running_loop()
-        limit = self._threads.get(loop)
-        if limit is None:
-            limit = self._threads[loop] = asyncio.Semaphore(SYNC_THREADS)
-        async with limit:  # an overrun releases its slot at the timeout: a stuck thread holds none
-            future = loop.create_future()
+    def _workers(self) -> Workers:
+        with self._guard:
+            if self.workers is None:
+                sync = [f.key for f in self.functions if not f.builtin and not f.is_async]
+                self.workers = Workers(sync, timeout_s=self.timeout_s)
+            return self.workers
 
-            def settle(result: Any, error: BaseException | None) -> None:
-                if future.done():  # already timed out
-                    return
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(result)
-
-            def work() -> None:
-                try:
-                    outcome = (fn(completion, **kwargs), None)
-                except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
-                    outcome = (None, err)
-                try:
-                    loop.call_soon_threadsafe(settle, *outcome)
-                except RuntimeError:
-                    pass  # the step's loop has closed: this call timed out long ago
-
-            threading.Thread(target=work, name=f"reward {getattr(fn, '__name__', 'fn')}", daemon=True).start()
-            return await asyncio.wait_for(future, self.timeout_s)
+    def close(self) -> None:
+        """Kill the worker processes of the user's functions (the run calls this when it ends; exit
+        does too). A later call starts new ones."""
+        if self.workers is not None:
+            self.workers.close()

@@ -244,6 +244,8 @@ def test_user_rewards_named_in_the_config_train_and_are_logged_by_part(tmp_path,
     traceback logged once), an async one that times out on some answers."""
     import logging
 
+    from reward_helpers import worker_pids
+
     (tmp_path / "rl_rewards.py").write_text(USER_REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
     weights = '{"rl_rewards:shaped": 1.0, "rl_rewards:broken": 1.0, "rl_rewards:slow_judge": 0.5}'
@@ -251,6 +253,7 @@ def test_user_rewards_named_in_the_config_train_and_are_logged_by_part(tmp_path,
                   "0", "--rollout.reward_weights", weights, "--rollout.reward_timeout_s", "0.2")
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
         assert train_rl(cfg, run_dir=cfg.run_dir, progress=False)["step"] == 2  # the run goes on
+    assert worker_pids() == set()  # the functions' worker processes ended with the run
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     answers = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     assert len(rows) == 2

@@ -295,8 +295,8 @@ class RolloutConfig(Section):
     )
     reward_timeout_s: float = Field(
         60.0, gt=0, le=86400,
-        description="the most seconds one reward function may take on one answer (async ones, and your sync "
-        "ones, which run on worker threads); past it the answer scores 0 there, counted in reward_timeouts",
+        description="the most seconds one of your reward functions may take on one answer (they run in worker "
+        "processes, killed when a call overruns); past it the answer scores 0 there, counted in reward_timeouts",
     )
     # Replies cut at sampling.max_tokens (DAPO's overlong filtering and shaping, docs/stalls.md).
     overlong_penalty: float = Field(

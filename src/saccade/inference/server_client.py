@@ -31,6 +31,7 @@ from typing import Any
 
 from saccade.config import ImagesConfig
 from saccade.inference.servers import NoServerError, Server, ServerPool
+from saccade.loop_thread import LoopThread
 from saccade.serving.wire import INFO, UPDATE_WEIGHTS
 
 log = logging.getLogger(__name__)  # the person running the job hears of servers leaving and coming back
@@ -48,26 +49,6 @@ class MalformedReply(ServerError):
 
 class Unreachable(ConnectionError):
     """One named server did not answer (a push or a health probe aimed at it)."""
-
-
-class LoopThread:
-    """One asyncio event loop in a daemon thread; `run` executes a coroutine on it from any
-    other thread and returns its result (or raises its exception)."""
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        if threading.current_thread() is self.thread:
-            raise RuntimeError("a synchronous engine method was called from the engine's own event loop")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
 
 
 def head_dtype_problem(info: dict) -> str | None:

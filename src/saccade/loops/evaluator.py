@@ -30,6 +30,13 @@ class Evaluator:
                 samples = task.eval_samples(cfg.eval.prompts)
                 self.sets[name] = (task, recheck(samples, rl.fits) if rl.fits is not None else samples)
 
+    def close(self) -> None:
+        """End the eval sets' tasks (their reward workers): the run's end."""
+        from saccade.run.tasks import close_task
+
+        for task, _ in self.sets.values():
+            close_task(task)
+
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 

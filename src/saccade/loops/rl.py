@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ from saccade.orchestrator.source import RolloutSource
 from saccade.progress import ProgressBar
 from saccade.run.setup import Setup, build_setup
 from saccade.stopping import RunStopped, StopRequest
-from saccade.run.tasks import Task, task_from_config
+from saccade.run.tasks import Task, closing_task, task_from_config
 
 
 def say_config_changes(saved: Path, now: str, *, resume: bool) -> None:
@@ -111,7 +112,8 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
         say_config_changes(run_dir / "config.toml", describe(cfg), resume=resume)
         (run_dir / "config.toml").write_text(describe(cfg))  # what this run ran with, resolved
     setup = setup or build_setup(cfg, run_dir, world)
-    rl = RLStep.build(cfg, setup, task or task_from_config(cfg), world)
+    built = None if task is not None else task_from_config(cfg)  # closed when the run ends (its reward workers)
+    rl = RLStep.build(cfg, setup, task or built, world)
     evaluator = Evaluator(cfg, rl, world)
     checkpoints = Checkpointer(cfg, rl, run_dir, world)
     state = checkpoints.start(resume)
@@ -131,7 +133,8 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     weights, samples = WeightSync(cfg, setup.engine, source, world, end=end), SampleLog(rl, logger, run_dir)
     counters, model_match, metrics = EngineCounters(setup.engine), ModelMatchGuard.of(cfg), {}
     nonfinite, most_nonfinite = 0, cfg.trainer.max_nonfinite_steps
-    with logger, stream, ProgressBar(progress and world.is_main, end - state.step, "rl") as bar, source:
+    progress_bar = ProgressBar(progress and world.is_main, end - state.step, "rl")
+    with closing_task(built), closing(evaluator), logger, stream, progress_bar as bar, source:
         try:
             for step in range(state.step, end):
                 start = time.perf_counter()

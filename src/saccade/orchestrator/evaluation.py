@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from contextlib import ExitStack
 from dataclasses import dataclass
 from math import comb
 from pathlib import Path
@@ -219,27 +220,31 @@ def run_eval(cfg: RunConfig, *, checkpoint: str | None = None, setup=None) -> di
     accuracy by category; and one row per prompt (`rows`; with eval.visual_gain each row's
     `completion_blank` and `correct_blank` too)."""
     from saccade.run.setup import build_setup
-    from saccade.run.tasks import eval_set_tasks, task_from_config
+    from saccade.run.tasks import closing_task, eval_set_tasks, task_from_config
 
-    task = task_from_config(cfg)
-    # The prompts first: a data set's errors (no such split) come before the model loads.
-    samples = task.eval_samples(cfg.eval.prompts)
-    if not samples and not getattr(samples, "skipped", None):
-        raise ValueError("eval.prompts is 0 (or the eval split is empty): nothing to evaluate")
-    sets = {name: (set_task, set_task.eval_samples(cfg.eval.prompts))
-            for name, set_task in eval_set_tasks(cfg).items()}
-    setup = setup or build_setup(cfg, cfg.run_dir)
-    # A data set's broken rows (saccade.data.rows) are reported apart, never counted wrong.
-    fits = row_check(cfg, setup.processor)
-    weights = load_weights(setup, cfg, checkpoint)
-    setup.engine.update_weights()  # a vLLM server samples from these weights, not whatever it held
-    result: dict[str, Any] = {"weights": weights, **_scored(cfg, setup, task, samples, fits, cfg.task.kind)}
-    if sets:
-        # The other held-out sets, each scored by its own protocol (its rows carry their scorer).
-        result["sets"] = {name: _scored(cfg, setup, set_task, set_samples, fits, cfg.eval.sets[name].kind)
-                          for name, (set_task, set_samples) in sets.items()}
-    result["rows"] = result.pop("rows")
-    return result
+    with ExitStack() as ends:  # the tasks' reward workers end with the evaluation
+        task = task_from_config(cfg)
+        ends.enter_context(closing_task(task))
+        # The prompts first: a data set's errors (no such split) come before the model loads.
+        samples = task.eval_samples(cfg.eval.prompts)
+        if not samples and not getattr(samples, "skipped", None):
+            raise ValueError("eval.prompts is 0 (or the eval split is empty): nothing to evaluate")
+        sets = {name: (set_task, set_task.eval_samples(cfg.eval.prompts))
+                for name, set_task in eval_set_tasks(cfg).items()}
+        for set_task, _ in sets.values():
+            ends.enter_context(closing_task(set_task))
+        setup = setup or build_setup(cfg, cfg.run_dir)
+        # A data set's broken rows (saccade.data.rows) are reported apart, never counted wrong.
+        fits = row_check(cfg, setup.processor)
+        weights = load_weights(setup, cfg, checkpoint)
+        setup.engine.update_weights()  # a vLLM server samples from these weights, not whatever it held
+        result: dict[str, Any] = {"weights": weights, **_scored(cfg, setup, task, samples, fits, cfg.task.kind)}
+        if sets:
+            # The other held-out sets, each scored by its own protocol (its rows carry their scorer).
+            result["sets"] = {name: _scored(cfg, setup, set_task, set_samples, fits, cfg.eval.sets[name].kind)
+                              for name, (set_task, set_samples) in sets.items()}
+        result["rows"] = result.pop("rows")
+        return result
 
 
 def _scored(cfg: RunConfig, setup, task: Task[S], samples: list[S], fits, kind: str) -> dict[str, Any]:

@@ -7,7 +7,9 @@ Every task offers the same members (the `Task` protocol), whatever it is:
   function of (position, seed), so a resumed run draws the same prompts; a data set's broken
   row raises `saccade.data.rows.RowSkipped` (the loop's `PromptStream` skips it);
 - `eval_samples(n)`: the held-out prompts, the same every call;
-- `make_env()`: a fresh environment for one episode (`saccade.envs.base.Environment`).
+- `make_env()`: a fresh environment for one episode (`saccade.envs.base.Environment`);
+- and, if it holds processes or threads, `close()`: what the run calls when it ends
+  (`close_task`): a `QuestionTask`'s reward workers, a verifiers env's loop.
 
 Single-turn questions (the synthetic shapes, a data set) are `QuestionTask`: its
 environment's reset gives the question's messages and its step scores the one answer with
@@ -29,6 +31,8 @@ anything; the entry points call it right after loading the config, `--dry-run` i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -141,11 +145,32 @@ class QuestionTask:
     def make_env(self) -> QuestionEnv:
         return QuestionEnv(self.rewards)
 
+    def close(self) -> None:
+        """End the worker processes of the user's reward functions."""
+        self.rewards.close()
+
 
 def rewards_from_config(cfg: RunConfig) -> Rewards:
     """The run's weighted reward functions (`rollout.reward_weights`, `rollout.reward_timeout_s`):
     what a user's own single-turn task passes to `QuestionTask` to score like the built-ins."""
     return Rewards(cfg.rollout.reward_weights, timeout_s=cfg.rollout.reward_timeout_s)
+
+
+def close_task(task: Task[Any] | None) -> None:
+    """Close `task` if it has a `close` (its reward workers, a verifiers env's loop)."""
+    close = getattr(task, "close", None)
+    if close is not None:
+        close()
+
+
+@contextmanager
+def closing_task(task: Task[Any] | None) -> Iterator[None]:
+    """`close_task` on leaving: the run's end, for a task the run built (None: nothing to close;
+    a caller's task is the caller's to close)."""
+    try:
+        yield
+    finally:
+        close_task(task)
 
 
 def check_user_code(cfg: RunConfig) -> None:
