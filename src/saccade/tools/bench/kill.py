@@ -348,6 +348,8 @@ def run_kill_bench(cfg: KillBenchConfig, *, progress: bool = True) -> dict[str, 
 
 def kill_and_compare(cfg: KillBenchConfig, out: Path, defaults: list[str], url: str | None,
                      progress: bool) -> dict[str, Any]:
+    """The straight run (and the control), the killed run's lives, its last life to the end, and
+    the comparison (`summary`). `defaults`: `run_defaults`; `url`: the vLLM server, if any."""
     options = [*defaults, "--trainer.steps", str(cfg.steps), *cfg.overrides]
     straight_dir, killed_dir, control_dir = out / "straight", out / "killed", out / "control"
 
@@ -360,8 +362,8 @@ def kill_and_compare(cfg: KillBenchConfig, out: Path, defaults: list[str], url: 
 
     say(f"straight run: {cfg.steps} steps at world {cfg.world}, {cfg.engine} engine, in {straight_dir} ...")
     timing = straight_run(command(straight_dir, resume=False), straight_dir, out / "straight.log")
-    step_s = (timing["wall_s"] - timing["startup_s"]) / cfg.steps
-    say(f"  {timing['wall_s']:.0f} s, {timing['startup_s']:.1f} s of it starting, {step_s:.2f} s/step")
+    timing["step_s"] = (timing["wall_s"] - timing["startup_s"]) / cfg.steps
+    say(f"  {timing['wall_s']:.0f} s, {timing['startup_s']:.1f} s of it starting, {timing['step_s']:.2f} s/step")
     control = None
     if cfg.control:
         say(f"control: the straight run again, in {control_dir} ...")
@@ -371,11 +373,25 @@ def kill_and_compare(cfg: KillBenchConfig, out: Path, defaults: list[str], url: 
         say(f"  largest difference {control['largest_difference']:.1e}, weights bit-identical "
             f"{control['weights_identical']}")
 
+    events = kill_lives(cfg, command, killed_dir, out / "killed.log", timing, url, say)
+    life = Life(command(killed_dir, resume=checkpoint_step(killed_dir) is not None), out / "killed.log")
+    if life.wait() != 0:
+        raise life.failed("the last life of the killed run")
+    result = summary(cfg, out, timing, control, events)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def kill_lives(cfg: KillBenchConfig, command: Callable[..., list[str]], killed_dir: Path, log: Path,
+               timing: dict[str, float], url: str | None, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Start the killed run, kill it at an instant drawn as `kill_aim` says, look at what it left,
+    start it again (resumed once a checkpoint exists): `cfg.kills` times, or until a life ends
+    before its kill. One event per kill."""
     rng = random.Random(cfg.seed)
     events: list[dict[str, Any]] = []
     for n in range(1, cfg.kills + 1):
         resume = checkpoint_step(killed_dir) is not None
-        life = Life(command(killed_dir, resume=resume), out / "killed.log")
+        life = Life(command(killed_dir, resume=resume), log)
         aim = kill_aim(n, cfg.engine)
         ended = None
         if aim != "start-up":  # wait for a step of this life's own, then aim at what comes after it
@@ -383,7 +399,7 @@ def kill_and_compare(cfg: KillBenchConfig, out: Path, defaults: list[str], url: 
         if aim == "a push" and ended is None:
             before = exports(killed_dir)
             ended = life.wait_for(lambda: bool(exports(killed_dir) - before))
-        span = {"start-up": timing["startup_s"], "a step": 1.5 * step_s, "a push": timing["push_s"]}[aim]
+        span = {"start-up": timing["startup_s"], "a step": 1.5 * timing["step_s"], "a push": timing["push_s"]}[aim]
         if ended is None:
             ended = life.wait(timeout=rng.uniform(0, span))
         if ended is not None:  # it ended before the kill: nothing left to kill
@@ -397,15 +413,16 @@ def kill_and_compare(cfg: KillBenchConfig, out: Path, defaults: list[str], url: 
                        **folder_after_kill(killed_dir), **(server_state(url) if url else {})})
         say(f"  kill {n:2d} ({aim}) at {after_s:5.1f} s: {describe_event(events[-1])}")
         if url and not events[-1]["server_answers"]:
-            raise RuntimeError(f"after kill {n} the vLLM server did not answer for {SERVER_ANSWER_S:.0f} s: wedged; "
-                               f"its log: {out / 'vllm-server.log'}")
+            raise RuntimeError(f"after kill {n} the vLLM server did not answer for {SERVER_ANSWER_S:.0f} s: wedged")
+    return events
 
-    life = Life(command(killed_dir, resume=checkpoint_step(killed_dir) is not None), out / "killed.log")
-    if life.wait() != 0:
-        raise life.failed("the last life of the killed run")
 
-    straight, straight_problems = metrics_lines(straight_dir)
-    killed, killed_problems = metrics_lines(killed_dir)
+def summary(cfg: KillBenchConfig, out: Path, timing: dict[str, float], control: dict[str, Any] | None,
+            events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bench's figures: the kills, and the killed run (out/killed) against the straight one
+    (out/straight), held to `TOLERANCE` or the control's spread."""
+    straight, straight_problems = metrics_lines(out / "straight")
+    killed, killed_problems = metrics_lines(out / "killed")
     tolerance = max(TOLERANCE, control["largest_difference"] if control else 0.0)
     result: dict[str, Any] = {
         "config": cfg.config, "steps": cfg.steps, "world": cfg.world, "engine": cfg.engine,
@@ -415,14 +432,13 @@ def kill_and_compare(cfg: KillBenchConfig, out: Path, defaults: list[str], url: 
         "kills_tearing_a_metrics_line": sum(e["torn_metrics_line"] for e in events),
         "kills_with_newer_weights_on_the_server": sum(
             e.get("server_version") is not None and e["server_version"] > (e["checkpoint_step"] or 0) for e in events),
-        "straight_wall_s": timing["wall_s"], "startup_s": timing["startup_s"], "step_s": step_s,
+        "straight_wall_s": timing["wall_s"], "startup_s": timing["startup_s"], "step_s": timing["step_s"],
         "push_s": timing["push_s"], "control": control, "tolerance": tolerance,
         "file_problems": killed_problems + [f"straight run: {p}" for p in straight_problems],
-        **compare_metrics(killed, straight, tolerance), **compare_weights(killed_dir, straight_dir),
+        **compare_metrics(killed, straight, tolerance), **compare_weights(out / "killed", out / "straight"),
         "events": events, "out_dir": str(out),
     }
     result["survived"] = len(events) if matched(result) else 0
-    (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
 
