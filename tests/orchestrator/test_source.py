@@ -105,25 +105,44 @@ def test_close_stops_sampling_ahead_and_releases_queued_pins():
     assert sampled == [0, 1, 2] and len(released) == 3 and not source._thread.is_alive()
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_a_push_waits_until_the_steps_due_to_sample_older_weights_have_sampled(level):
-    """Which weights a step samples is the schedule's choice, not the machine's speed: step s
-    samples the newest weights pushed by step s - level, even when the trainer is fast."""
-    pushed = []  # version on the servers when each step began sampling
-    recorder = Recorder()
-    versions = {"now": 0}
+def pushed_versions(level: int, *, first_step: int = 0, end: int = 10, on_policy=lambda step: False) -> list:
+    """(step, the version on the servers when it began sampling) for a trainer that trains in no
+    time, from `first_step` on (a resume: the weights of `first_step` pushed at its start)."""
+    pushed, recorder, versions = [], Recorder(), {"now": first_step}
 
     def sample(step):
         pushed.append((step, versions["now"]))
         return recorder(step)
 
-    with RolloutSource(sample, first_step=0, end=8, max_async_level=level) as source:
-        for step in range(8):
+    with RolloutSource(sample, first_step=first_step, end=end, max_async_level=level,
+                       on_policy=on_policy) as source:
+        for step in range(first_step, end):
             source.get(step)
-            source.wait_to_push(step + 1)  # a trainer that trains in no time
+            source.wait_to_push(step + 1)
             versions["now"] = step + 1
             source.trained(step)
-    assert pushed == [(s, max(0, s - level)) for s in range(8)]
+    return pushed
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_push_waits_until_the_steps_due_to_sample_older_weights_have_sampled(level):
+    """Which weights a step samples is the schedule's choice, not the machine's speed: step s
+    samples the newest weights pushed by step s - level, even when the trainer is fast."""
+    assert pushed_versions(level, end=8) == [(s, max(0, s - level)) for s in range(8)]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_steps_after_a_checkpoint_sample_its_weights_so_a_resume_samples_as_the_run_never_stopped(level):
+    """A resume from the checkpoint after step 4 has the weights of step 4 only: the run never
+    stopped samples step 4 (and the steps after it, while they are within the level) from those
+    same weights, the other steps as before (lag `level`)."""
+    after_checkpoint = lambda step: step % 4 == 0  # noqa: E731 - checkpoint.every_steps = 4
+    straight = pushed_versions(level, on_policy=after_checkpoint)
+    last_checkpoint = lambda s: s - s % 4  # noqa: E731
+    assert straight == [(s, max(s - level, last_checkpoint(s))) for s in range(10)]
+    assert pushed_versions(level, first_step=4, on_policy=after_checkpoint) == straight[4:]
+    # Without it, the resumed run's first steps sample newer weights than the run never stopped.
+    assert pushed_versions(level, first_step=4)[:level] != pushed_versions(level)[4:4 + level]
 
 
 def test_a_push_does_not_wait_for_a_sampler_that_failed():

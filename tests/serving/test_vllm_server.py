@@ -108,6 +108,28 @@ def test_after_a_training_step_and_update_weights_vllm_samples_the_new_policy(en
         engine.update_weights()
 
 
+@pytest.mark.parametrize("cut_after_s", [0.001, 0.05, 0.2])
+def test_an_update_whose_trainer_is_gone_mid_way_leaves_the_server_sampling_and_loading(server, engine, cut_after_s):
+    """A trainer SIGKILLed during its push (`saccade bench kill --engine vllm` aims kills there):
+    the connection drops at some instant of the reload (the request sent, the reply not read). The
+    server must go on answering, sampling, and loading the next trainer life's weights."""
+    from saccade.inference.engine import SamplingParams
+
+    cut = False
+    try:
+        httpx.post(server + "/update_weights", json={"restore_base": True, "version": 41},
+                   timeout=httpx.Timeout(30, read=cut_after_s))
+    except httpx.ReadTimeout:
+        cut = True  # the usual outcome: a reload takes longer
+    assert cut or cut_after_s > 0.001  # not vacuous: a reload takes more than 1 ms
+    replies = engine.generate(shapes_requests(1, seed=3, second_image_every=0),
+                              SamplingParams(temperature=1.0, max_tokens=4, n=2))
+    assert len(replies[0]) == 2
+    response = httpx.post(server + "/update_weights", json={"restore_base": True, "version": 0}, timeout=120)
+    assert response.status_code == 200 and response.json()["version"] == 0, response.text
+    assert engine.info()[0]["policy_version"] == 0
+
+
 def _data_url(raw: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(raw).decode()
 

@@ -103,12 +103,12 @@ def cmd_bench_async(cfg: AsyncBenchConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kill(cfg: KillBenchConfig, args: argparse.Namespace) -> int:
-    from saccade.tools.bench.kill import format_kill_report, identical, run_kill_bench
+    from saccade.tools.bench.kill import format_kill_report, matched, run_kill_bench
 
     result = run_kill_bench(cfg)
     print(format_kill_report(result))
     write_json(args.json, result)
-    return 0 if identical(result) and result["kills"] == cfg.kills else 1
+    return 0 if matched(result) and result["kills"] == cfg.kills else 1
 
 
 def cmd_bench_soak(cfg: SoakBenchConfig, args: argparse.Namespace) -> int:
@@ -230,9 +230,13 @@ BENCHES = (
         description="Runs the config (default: the demo's, embedded engine, from its warm start, a checkpoint every "
         "step) straight to the end, then again while SIGKILLing it --kills times at random instants (drawn from the "
         "straight run's timing: start-up, sampling, training, metrics and checkpoint writes alike), resuming it "
-        "with --resume after each kill. Reports the kills that landed, how many hit a checkpoint write or tore a "
-        "metrics line, and whether every metrics line is whole and logged once, every computed figure equal "
-        "(abs 1e-6) and the final weights bit-identical. Exits 1 otherwise. Dotted overrides apply to both runs."
+        "with --resume after each kill. --world N: both runs under torchrun with N ranks, each kill taking torchrun "
+        "and every rank. --engine vllm: both sample from one vLLM server started once and kept up across the kills, "
+        "one step ahead (rollout.max_async_level 1, a checkpoint every 2 steps), some kills aimed at a weight push. "
+        "--control: the straight run twice, their spread the bar. Reports the kills that landed, how many hit a "
+        "checkpoint write or tore a metrics line, and whether every metrics line is whole and logged once, every "
+        "computed figure equal (abs 1e-6) and the final weights bit-identical. Exits 1 otherwise. Dotted overrides "
+        "apply to every run."
     ),
     Bench(
         "soak", SoakBenchConfig, cmd_bench_soak,

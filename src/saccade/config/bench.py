@@ -160,6 +160,13 @@ class KillBenchConfig(RunBenchConfig):
     kills: int = Field(20, ge=1, description="how many times to kill the run")
     steps: int = Field(60, ge=1, description="steps of each run (60: a life makes about 2 steps before its kill)")
     seed: int = Field(0, ge=0, description="seed of the kill instants")
+    world: int = Field(1, ge=1, le=64, description="trainer ranks of each run (1: one `saccade rl` process; more: "
+                       "torchrun on this machine, FSDP2 over gloo); a kill takes torchrun and every rank")
+    engine: Literal["embedded", "vllm"] = Field(
+        "embedded", description="embedded: the trainer samples itself; vllm: from one vLLM server the bench starts "
+        "and keeps up across the kills, one step sampled ahead (rollout.max_async_level 1)")
+    control: bool = Field(False, description="run the straight run twice: their spread is the bar the killed run "
+                          "is held to (0, bit-identical, when the run is reproducible)")
 
 
 class SoakBenchConfig(RunBenchConfig):

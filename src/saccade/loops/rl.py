@@ -24,7 +24,8 @@ Rollouts come from a `RolloutSource` (saccade.orchestrator.source): at
 `rollout.max_async_level` 0 each step samples after the previous step's weights reached the
 engine; at k > 0 (vLLM servers) a thread samples up to k steps ahead while the trainer
 trains, from the newest weights pushed by step s - k (k versions old when every step pushes;
-a schedule, not a race, so the same at any world size), and TIS corrects for the lag (`loss.tis`). With every server gone every
+a schedule, not a race, so the same at any world size and on a resume: the step after a periodic
+checkpoint samples that checkpoint's weights), and TIS corrects for the lag (`loss.tis`). With every server gone every
 rank saves the finished steps in one checkpoint and stops, saying what to restart.
 Every `log.samples_every` steps rank 0 also writes the step's first prompts with their
 completions to samples.jsonl (`saccade.loops.sample_log`), for a person to read, each reply's
@@ -129,7 +130,9 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
     stream = rl.prompt_stream(run_dir, position=state.data_position, done_steps=state.step, resume=resume)
     source = RolloutSource(  # each step's rollouts; on the rollout thread when sampling ahead
         lambda step: rl.sample(step, stream.take(cfg.rollout.prompts_per_step, step=step + 1)),
-        first_step=state.step, end=end, max_async_level=cfg.rollout.max_async_level)
+        first_step=state.step, end=end, max_async_level=cfg.rollout.max_async_level,
+        # After a periodic checkpoint, from its weights: what a resume from it can sample (source.py).
+        on_policy=lambda step: checkpoints.due(step, rolled_back=False))
     weights, samples = WeightSync(cfg, setup.engine, source, world, end=end), SampleLog(rl, logger, run_dir)
     counters, model_match, metrics = EngineCounters(setup.engine), ModelMatchGuard.of(cfg), {}
     nonfinite, most_nonfinite = 0, cfg.trainer.max_nonfinite_steps

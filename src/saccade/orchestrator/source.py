@@ -14,6 +14,15 @@ the machine's speed: a run's rollouts are the same at any world size and on a re
 lag histogram of a step is a single bar. The price is that a push no longer overlaps the
 sampling of the step before it; at level 1 the trainer would wait for that step anyway.
 
+A resume is the one place the rule cannot hold by itself: a run resumed from the checkpoint
+after step c has the weights of step c, not those of the steps before it, which steps c to
+c + k - 1 of the run never stopped sampled from. So the steps right after a periodic
+checkpoint (`on_policy`) are sampled from the checkpoint's own weights in every run: step c
+waits for them, and the steps after it sample as a resumed run does. A resume then samples
+exactly what the run never stopped did (`saccade bench kill --engine vllm`); the price is one
+step without overlap per checkpoint. A checkpoint nobody planned (a STOP file, lost servers)
+is not such a step: a resume from it samples its first k steps from newer weights.
+
 The sampling thread runs the same rollout code as level 0 (environments, rewards, the engine's
 synchronous calls, which go to the engine's own event loop). An error there (no server left,
 a broken environment) is handed to the trainer, which raises it at its next `get`.
@@ -44,10 +53,12 @@ class SamplingFailed:
 class RolloutSource:
     """`get(step)` returns step's rollouts; `trained(step)` says the step's weights are out."""
 
-    def __init__(self, sample: Callable[[int], StepRollouts], *, first_step: int, end: int, max_async_level: int):
+    def __init__(self, sample: Callable[[int], StepRollouts], *, first_step: int, end: int, max_async_level: int,
+                 on_policy: Callable[[int], bool] = lambda step: False):
         self.sample = sample
         self.level = max_async_level
         self.end = end
+        self.on_policy = on_policy  # steps sampled from the weights of every step before them (the module note)
         self._trained = first_step  # steps before this one have trained and pushed their weights
         self._sampled = first_step  # steps before this one have been sampled (or failed)
         self._ready: deque[StepRollouts | SamplingFailed] = deque()
@@ -82,6 +93,8 @@ class RolloutSource:
         if self._thread is None:
             return
         due = min(version + self.level, self.end)
+        # An on-policy step samples from these weights: it, and the steps after it, wait for them.
+        due = next((s for s in range(version, due) if self.on_policy(s)), due)
         with self._changed:
             self._changed.wait_for(lambda: self._sampled >= due or self._stopping)
 
@@ -112,8 +125,9 @@ class RolloutSource:
 
     def _sample_ahead(self, first_step: int) -> None:
         for step in range(first_step, self.end):
+            trained_before = step if self.on_policy(step) else step - self.level  # steps whose weights it needs
             with self._changed:
-                self._changed.wait_for(lambda: self._stopping or step - self.level <= self._trained)
+                self._changed.wait_for(lambda: self._stopping or trained_before <= self._trained)
                 if self._stopping:
                     return
             item: StepRollouts | SamplingFailed

@@ -3,7 +3,8 @@
 A bench that starts worker processes (torchrun ranks, a stage of `bench gpu` in a fresh
 interpreter) hands each its job as one JSON file (`write_job`): a pydantic model holding the
 bench's typed config, which the worker validates back (`read_job`), never a command line it
-parses again.
+parses again. The benches that run `saccade rl` start it with `rl_command`, in one process or under
+torchrun.
 """
 
 from __future__ import annotations
@@ -29,3 +30,13 @@ def read_job(model: type[J], argv: list[str] | None = None) -> J:
     if len(argv) != 1:
         raise SystemExit(f"usage: python -m {model.__module__} JOB.json (a worker: its bench starts it)")
     return model.model_validate_json(Path(argv[0]).read_text())
+
+
+def rl_command(config: str | Path, world: int) -> list[str]:
+    """`saccade rl CONFIG` in one process, or under torchrun with `world` ranks on this machine."""
+    if world == 1:
+        return [sys.executable, "-m", "saccade", "rl", str(config)]
+    from saccade.serving.launch import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "saccade", "rl", str(config)]

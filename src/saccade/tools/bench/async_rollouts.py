@@ -22,24 +22,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from saccade.config import RunConfig, load_config
 from saccade.config.bench import AsyncBenchConfig
+from saccade.tools.bench import rl_command
 from saccade.timing import split_cores
-
-
-def rl_command(config: Path, world: int) -> list[str]:
-    """`saccade rl CONFIG` in one process, or under torchrun with `world` ranks on this machine."""
-    if world == 1:
-        return [sys.executable, "-m", "saccade", "rl", str(config)]
-    from saccade.serving.launch import free_port
-
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "saccade", "rl", str(config)]
 
 
 def longest_zero_reward_run(rewards: list[float]) -> int:

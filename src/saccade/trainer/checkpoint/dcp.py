@@ -242,17 +242,23 @@ def load_dcp_plain(dcp_dir: Path, model, optimizer, peft: bool) -> None:
         optimizer.load_state_dict(_optimizer_state_by_id(saved, model, optimizer))
 
 
-def _read_dcp_whole(dcp_dir: Path, prefix: str) -> dict:
-    """Every entry whose flattened key starts with `prefix`, whole, as the nested dict that was saved."""
+def dcp_entries(dcp_dir: Path, prefix: str) -> dict:
+    """Every entry whose flattened key starts with `prefix` ("model.": the weights), whole, read in
+    this process: flattened key -> tensor (or the saved value, for non-tensors)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp_metadata(dcp_dir)
     flat = {k: torch.empty(v.size, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
-            for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+            for k, v in dcp_metadata(dcp_dir).state_dict_metadata.items() if k.startswith(prefix)}
     dcp_load_here(flat, dcp_dir)  # non-tensors (param groups) replace the Nones
+    return flat
+
+
+def _read_dcp_whole(dcp_dir: Path, prefix: str) -> dict:
+    """Every entry whose flattened key starts with `prefix`, whole, as the nested dict that was saved."""
+    paths = dcp_metadata(dcp_dir).planner_data  # the path DCP flattened, e.g. ("optim", "state", fqn, "exp_avg")
     nested: dict = {}
-    for k, v in flat.items():  # planner_data: the path DCP flattened, e.g. ("optim", "state", fqn, "exp_avg")
-        _set_path(nested, metadata.planner_data[k], v)
+    for k, v in dcp_entries(dcp_dir, prefix).items():
+        _set_path(nested, paths[k], v)
     return nested
 
 
