@@ -85,6 +85,35 @@ def checkpointed(run_dir: Path) -> int:
     return 0 if latest is None else int(latest.name.split("_")[-1])
 
 
+def fill_once(disk: Path, run_dir: Path, proc: subprocess.Popen, reached) -> tuple[str, Path]:
+    """Fill `disk` once `reached(run_dir)` is 2, then wait for the run to stop on its own: its
+    output and the filler file. Fails the test if it is still running STOP_WITHIN_S later."""
+    deadline = time.monotonic() + 600
+    while reached(run_dir) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]  # still training when the disk fills
+    filler = fill(disk)
+    try:
+        out, _ = proc.communicate(timeout=STOP_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the run did not stop within {STOP_WITHIN_S} s of a full disk: {proc.communicate()[0][-3000:]}")
+    # Which write fails first depends on the moment: any of them names the full disk.
+    assert proc.returncode != 0 and "saccade: stopped:" in out, out[-3000:]
+    assert "No space left on device" in out or "bytes free" in out, out[-3000:]
+    kept = latest_checkpoint(run_dir)
+    assert kept is not None and str(kept) in out, out[-3000:]  # named as the one to go on from
+    return out, filler
+
+
+def resumes_to_the_end(run_dir: Path, world: int) -> None:
+    resumed = rl(run_dir, "--resume", world=world)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    steps = [r["step"] for r in read_metrics(run_dir) if r.get("phase") == "train"]
+    assert steps == list(range(1, STEPS + 1)), steps  # each step once: nothing lost, nothing twice
+
+
 # When the disk fills: once step 2's metrics line is written (the next write is its checkpoint),
 # or once step 2's checkpoint is (the next are step 3's samples and metrics line).
 @pytest.mark.long
@@ -92,31 +121,11 @@ def checkpointed(run_dir: Path) -> int:
 def test_a_run_whose_disk_fills_stops_with_a_checkpoint_and_resumes_once_there_is_room(small_disk, filled_after):
     run_dir = small_disk / "run"
     proc = rl(run_dir)
-    deadline = time.monotonic() + 600
-    while filled_after(run_dir) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.stdout.read()[-3000:]  # still training when the disk fills
-    filler = fill(small_disk)
-    try:
-        out, _ = proc.communicate(timeout=STOP_WITHIN_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"the run did not stop within {STOP_WITHIN_S} s of a full disk: {proc.communicate()[0][-3000:]}")
-    assert proc.returncode != 0, out[-3000:]
-    assert proc.returncode == UNWRITABLE_EXIT, out[-3000:]
-    # Which write fails first depends on the moment: any of them names the full disk.
-    assert "saccade: stopped:" in out and ("No space left on device" in out or "bytes free" in out), out[-3000:]
-    assert "--resume" in out and "Traceback" not in out, out[-3000:]
-    kept = latest_checkpoint(run_dir)
-    assert kept is not None and str(kept) in out, out[-3000:]  # named as the one to go on from
-
+    out, filler = fill_once(small_disk, run_dir, proc, filled_after)
+    assert proc.returncode == UNWRITABLE_EXIT and "--resume" in out and "Traceback" not in out, out[-3000:]
     filler.unlink()  # room again: the run goes on from its checkpoint to the end
-    resumed = rl(run_dir, "--resume")
-    out, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, out[-3000:]
+    resumes_to_the_end(run_dir, world=1)
     assert latest_checkpoint(run_dir).name == f"step_{STEPS:06d}"
-    steps = [r["step"] for r in read_metrics(run_dir) if r.get("phase") == "train"]
-    assert steps == list(range(1, STEPS + 1)), steps  # each step once: nothing lost, nothing twice
 
 
 @pytest.mark.long
@@ -125,25 +134,7 @@ def test_a_sharded_run_whose_disk_fills_stops_naming_its_last_checkpoint_and_res
     checkpoint can be saved then; rank 0 says so, naming the last complete one, torchrun ends
     rank 1, and nothing waits for trainer.dist_timeout_s."""
     run_dir = small_disk / "run"
-    proc = rl(run_dir, world=2)
-    deadline = time.monotonic() + 600
-    while checkpointed(run_dir) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.stdout.read()[-3000:]
-    filler = fill(small_disk)
-    try:
-        out, _ = proc.communicate(timeout=STOP_WITHIN_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"the run did not stop within {STOP_WITHIN_S} s of a full disk: {proc.communicate()[0][-3000:]}")
-    assert proc.returncode != 0, out[-3000:]
-    assert "saccade: stopped:" in out and ("No space left on device" in out or "bytes free" in out), out[-3000:]
-    kept = latest_checkpoint(run_dir)
-    assert kept is not None and str(kept) in out and "torchrun --nproc-per-node 2" in out, out[-3000:]
-
+    out, filler = fill_once(small_disk, run_dir, rl(run_dir, world=2), checkpointed)
+    assert "torchrun --nproc-per-node 2" in out, out[-3000:]
     filler.unlink()
-    resumed = rl(run_dir, "--resume", world=2)
-    out, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, out[-3000:]
-    steps = [r["step"] for r in read_metrics(run_dir) if r.get("phase") == "train"]
-    assert steps == list(range(1, STEPS + 1)), steps
+    resumes_to_the_end(run_dir, world=2)
