@@ -198,7 +198,10 @@ def test_encode_images_is_bounded_in_pixels_and_decodes_off_the_event_loop(keyed
         poller.join()
     assert refused.status_code == 413 and "split the batch" in refused.json()["error"], refused.text[:300]
     assert accepted.status_code == 200, accepted.text[:300]
-    assert len(latencies) >= 3 and max(latencies) < 1.0, (took, sorted(latencies)[-5:])
+    # Decoded on the event loop, a /health asked during the decode waits for all of it (10.1 s of
+    # an 11 s decode before the fix); off it, for a scheduling slice. A bar relative to the decode,
+    # not 1 s: on two cores loaded by a whole long-suite run one answer took 1.95 s of an 8.8 s decode.
+    assert len(latencies) >= 3 and max(latencies) < took / 3, (took, sorted(latencies)[-5:])
     print(f"encode of 16 x 4096^2 took {took:.1f} s; /health {len(latencies)} times, slowest {max(latencies):.3f} s")
 
 
