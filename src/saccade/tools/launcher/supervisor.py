@@ -375,6 +375,10 @@ def wait_until_answering(urls: list[str], servers: list[Child], *, timeout_s: fl
             if answered:
                 if url in ours:
                     check_ours(ours[url])
+                    # An answer, as its probe's would be: from now on a silence is a hang
+                    # (hang_after_s), even if the probe has not had its first 200 yet (a loaded
+                    # machine), not a start (ready_timeout_s).
+                    ours[url].answered_at = time.time()
                 waiting.remove(url)
                 log.say(f"{url} answers")
         if waiting and time.time() > deadline:
