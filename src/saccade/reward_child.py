@@ -29,20 +29,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from saccade.parent_death import die_with_parent
 from saccade.plugins import load_callable
 from saccade.reward_workers import ACK, CALL, CANCEL, DONE, READY, read_frame, write_frame
 from saccade.scoring import as_parts
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(parent: int) -> None:
+def end_with_parent(parent: int) -> None:
     """SIGKILL this process when the parent's thread that started it ends (Linux), and end now if
-    that parent is already gone."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    that parent is already gone (it died before the signal was asked for)."""
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(0)
 
@@ -147,7 +142,7 @@ def main() -> None:
     if frame is None:
         return
     start = pickle.loads(frame[2])
-    die_with_parent(start["parent"])
+    end_with_parent(start["parent"])
     sys.path[:] = start["sys_path"]
     functions, failed = {}, {}
     for path in start["paths"]:

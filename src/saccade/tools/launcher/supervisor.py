@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from saccade.parent_death import die_with_parent
 from saccade.tools.launcher.plan import Process
 from saccade.tools.launcher.ports import foreign_listener, port_taken, url_port
 from saccade.stopping import STOP_FILE, stopped_since, written_since
@@ -76,18 +77,6 @@ def process_tree(pid: int) -> list[int]:
         tree.append(p)
         todo.extend(children.get(p, []))
     return tree
-
-
-def die_with_parent() -> None:
-    """In a child, before it runs its program: SIGTERM when the launcher dies, even by SIGKILL
-    (Linux's PR_SET_PDEATHSIG), so that no server is left holding a GPU after a killed launcher.
-    The child (saccade serve, torchrun) then stops its own children as on any SIGTERM."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own stop is all there is
 
 
 def send(pid: int, sig: int) -> None:
@@ -186,7 +175,10 @@ class Child:
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.process.env}
         self.proc = subprocess.Popen(self.process.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     # SIGTERM when the launcher dies, even by SIGKILL: no server is left holding a
+                                     # GPU; the child (saccade serve, torchrun) stops its own children as on any SIGTERM.
+                                     preexec_fn=die_with_parent)
         self.reader = threading.Thread(target=self._stream, args=(self.proc,), daemon=True,
                                        name=f"log {self.name}")
         self.reader.start()
