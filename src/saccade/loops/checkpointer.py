@@ -74,11 +74,17 @@ def stopped_unsaved_by_full_disk(err: OSError, run_dir: Path, world: World, comm
     step's collectives, so no checkpoint can be saved now (a collective save would wait for them
     until trainer.dist_timeout_s): this rank stops (torchrun then ends the others) naming the last
     complete checkpoint, which a save's rename keeps whole."""
-    previous = latest_checkpoint(run_dir)
-    kept = f"the last complete checkpoint, {previous}, is intact" if previous else "no checkpoint was saved yet"
     return CheckpointWriteError(
         f"a write of rank {world.rank} failed on a full disk ({err}); a sharded run cannot save a checkpoint while "
-        f"its other ranks are mid-step, so it stopped: {kept}. Free space, then go on with: {command} --resume")
+        f"its other ranks are mid-step, so it stopped: {intact_checkpoint(run_dir)}. Free space, then go on with: "
+        f"{command} --resume")
+
+
+def intact_checkpoint(run_dir: Path) -> str:
+    """What a failed write leaves to go on from: the run's latest complete checkpoint (a save is
+    published by one rename, so a failed one never touches it)."""
+    previous = latest_checkpoint(run_dir)
+    return f"the previous one, {previous}, is intact" if previous else "there is no earlier checkpoint"
 
 
 class Checkpointer:
@@ -176,12 +182,10 @@ def stop_if_unwritable(run_dir: Path, step: int):
     try:
         yield
     except Exception as err:  # noqa: BLE001 - a full disk fails as OSError, torch.save's writer as RuntimeError
-        previous = latest_checkpoint(run_dir)
-        kept = f"the previous one, {previous}, is intact" if previous else "there is no earlier checkpoint"
         raise CheckpointWriteError(
             f"the checkpoint of step {step} could not be written under {run_dir / 'checkpoints'} "
-            f"({type(err).__name__}: {err}{room_left(run_dir)}); {kept}. The run stopped rather than train on "
-            "without checkpoints. "
+            f"({type(err).__name__}: {err}{room_left(run_dir)}); {intact_checkpoint(run_dir)}. The run stopped "
+            "rather than train on without checkpoints. "
             f"Fix the cause (a full disk: free space; an unwritable folder: its permissions), then go on "
             f"with: saccade rl {run_dir / 'config.toml'} --resume"
         ) from err
