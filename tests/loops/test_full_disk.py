@@ -11,9 +11,7 @@ on to the end. Mounting a tmpfs needs root (CAP_SYS_ADMIN): the test is skipped 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 
 from saccade.cli.runs import UNWRITABLE_EXIT
 from saccade.metrics import read_metrics
+from saccade.tools.bench import rl_command
 from saccade.trainer.checkpoint.folder import latest_checkpoint
 
 STEPS = 8
@@ -58,17 +57,8 @@ def fill(disk: Path) -> Path:
     return filler
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rl(run_dir: Path, *extra: str, world: int = 1) -> subprocess.Popen:
-    launcher = ["-m", "saccade"] if world == 1 else [
-        "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "saccade"]
-    return subprocess.Popen([sys.executable, *launcher, "rl", "configs/demo.toml", *RUN, "--log.dir", str(run_dir), *extra],
+    return subprocess.Popen([*rl_command("configs/demo.toml", world), *RUN, "--log.dir", str(run_dir), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
