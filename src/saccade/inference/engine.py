@@ -159,6 +159,11 @@ class Engine(Protocol):
         the next one); returns seconds spent."""
         ...
 
+    def confirm_weights(self, version: int) -> None:
+        """Every rank has seen `update_weights(version)` return (only one rank of a sharded trainer
+        tells the servers): from now on, what the engine samples comes from that version or a later one."""
+        ...
+
     def reseed(self, seed: int) -> None:
         """Restart the sampling stream from `seed` (a no-op where sampling is not seeded)."""
         ...

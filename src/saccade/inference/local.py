@@ -127,6 +127,9 @@ class LocalEngine:
         self.policy_version = self.policy_version + 1 if version is None else version
         return time.perf_counter() - start
 
+    def confirm_weights(self, version: int) -> None:
+        """One engine, no servers: nothing can have missed an update."""
+
     # --- sampling randomness ---------------------------------------------------------
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)

@@ -19,6 +19,14 @@ no server left, a request waits `no_server_wait_s` for one, then raises `NoServe
 Weights: `push` POSTs a folder to every live server's /update_weights (full weights, or with
 `lora` the adapter, which a server that loaded other full weights since it started first
 restores its base for) and remembers it, so a server that rejoins loads it first.
+
+Every rank samples, one rank pushes: the other ranks' clients cannot tell which servers took a
+push. Once every rank has seen a push return, `confirm(version)` says so, and from then on a
+request answered under an older version (its `x-saccade-policy-version` header) came from a
+server that missed the push (taken out on the pushing rank, still live here): it is taken out
+and the request goes to another, and the health check puts it back only once it holds the
+confirmed version. A request sent before the confirmation may be answered under the version
+before (it ran before the servers paused for the update).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import Any
 from saccade.config import ImagesConfig
 from saccade.inference.servers import NoServerError, Server, ServerPool
 from saccade.loop_thread import LoopThread
-from saccade.serving.wire import INFO, UPDATE_WEIGHTS
+from saccade.serving.wire import INFO, UPDATE_WEIGHTS, VERSION_HEADER
 
 log = logging.getLogger(__name__)  # the person running the job hears of servers leaving and coming back
 
@@ -49,6 +57,21 @@ class MalformedReply(ServerError):
 
 class Unreachable(ConnectionError):
     """One named server did not answer (a push or a health probe aimed at it)."""
+
+
+def held_version(response) -> int | None:
+    """The weights version a server answered under (its version header), or None: no header, or
+    one that is not a number (left for the reply's parser to call malformed)."""
+    value = response.headers.get(VERSION_HEADER)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def stale(version: int | None, confirmed: int | None) -> bool:
+    """True when a server answered under weights older than every rank confirmed it holds."""
+    return version is not None and confirmed is not None and version < confirmed
 
 
 def head_dtype_problem(info: dict) -> str | None:
@@ -93,6 +116,7 @@ class ServerClient:
         self.health_interval_s = health_interval_s
         self.no_server_wait_s = no_server_wait_s
         self._pushed: tuple[str, int] | None = None  # the weights folder every server must hold, and its version
+        self.confirmed: int | None = None  # the version every live server holds, as every rank saw (module note)
         # Made on first use, on the loop: the thread, the client, the request gate, the lock
         # that keeps pushes and rejoins apart, the health check.
         self._loop: LoopThread | None = None
@@ -194,6 +218,7 @@ class ServerClient:
         while True:
             target = server or again or await self._live_server(tried)
             again = None
+            confirmed = self.confirmed  # as the request is sent: an answer to it must be at least this fresh
             self.pool.begin(target)
             try:
                 response = await client.post(target.url + path, json=json_body, headers=self.headers)
@@ -205,6 +230,10 @@ class ServerClient:
                 continue
             finally:
                 self.pool.end(target)
+            if server is None and response.status_code < 400 and stale(held_version(response), confirmed):
+                failure = f"answered under weights v{held_version(response)}, older than v{confirmed} (missed a push)"
+                reroute(target, failure, ServerError(failure))
+                continue
             if response.status_code < 400 and parse is None:
                 return response, target
             if response.status_code < 400:
@@ -271,6 +300,9 @@ class ServerClient:
             raise ServerError(f"{server.url} {problem}: not put back")
         async with self._weights_lock:
             version = info.get("policy_version")
+            if self._pushed is None and stale(version, self.confirmed):  # another rank pushes: wait for it
+                raise ServerError(f"{server.url} holds weights v{version}, the run's are v{self.confirmed}: "
+                                  "out until the pushing rank has loaded them")
             if self._pushed is not None:
                 folder, version = self._pushed
                 await self._load(server, folder, version)
@@ -295,6 +327,10 @@ class ServerClient:
                 "servers_alive": float(len(self.pool.alive))}
 
     # --- weights --------------------------------------------------------------------------
+    def confirm(self, version: int) -> None:
+        """Every rank has seen the push of `version` return (see the module note)."""
+        self.confirmed = version
+
     async def push(self, folder: str, version: int) -> None:
         """Every live server loads the folder; one that does not answer is taken out (it gets
         the folder when it is back); NoServerError when none took it."""

@@ -506,6 +506,11 @@ class VLLMEngine:
         self._adapter_loaded = self.lora
         return time.perf_counter() - start
 
+    def confirm_weights(self, version: int) -> None:
+        """Every rank has seen the push of `version` return: a server answering a later request
+        under an older version missed it (`ServerClient.confirm`)."""
+        self.client.confirm(version)
+
     # --- sampling randomness: not seeded (see the module note) --------------------------------
     def reseed(self, seed: int) -> None:
         pass

@@ -2,7 +2,9 @@
 evaluates, checkpoints, rolls back or ends (so those see, and a resume restarts from, the
 current weights), and once at the start (a vLLM server may still hold the base model, or another
 run's; the embedded engine shares the trainer's module and is always current). Rank 0 pushes;
-every rank learns how it went, and none samples again before the servers hold the new weights.
+every rank learns how it went, and none samples again before the servers hold the new weights;
+then every rank's engine refuses a server still answering under older ones (one rank 0 took out
+while another rank still sends it requests: `ServerClient.confirm`).
 Rollouts sampled ahead go on meanwhile, on the weights the servers hold.
 """
 
@@ -35,6 +37,8 @@ class WeightSync:
             except NoServerError as err:
                 gone = err
             gone = first_error(gone, self.world)
+            if gone is None:
+                self.engine.confirm_weights(state.step)
         state.policy_version = self.engine.policy_version
         if gone is None:
             self.source.trained(state.step - 1)
@@ -44,4 +48,5 @@ class WeightSync:
 def push_start_weights(engine: Engine, state: TrainState, world: World) -> None:
     """From the first step on, the engine samples from exactly the trainer's weights."""
     engine.update_weights(version=state.policy_version)
-    barrier(world)
+    barrier(world)  # rank 0's push has returned
+    engine.confirm_weights(state.policy_version)
