@@ -163,14 +163,21 @@ class Checkpointer:
         return {"rollback_to_step": float(step), "rollback_lr": lr}
 
 
-def room_left(folder: Path) -> str:
-    """", the disk holding it is full (N bytes free)" when it is nearly so: torch.save's writer on a
-    full disk says only "unexpected pos", not ENOSPC. Empty otherwise."""
+def room_left(folder: Path, err: BaseException | None = None) -> str:
+    """", the disk holding it is full (N bytes free)" when it is nearly so. torch.save's writer on
+    a full disk says only "unexpected pos" (a short write), not ENOSPC, and by the time this is
+    asked the failed save has removed its partial folder, so the disk may have room again: that
+    error is then named as what a full disk does. Empty otherwise."""
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
         return ""
-    return f"; the disk holding it is full ({free:,} bytes free)" if free < FULL_BELOW_BYTES else ""
+    if free < FULL_BELOW_BYTES:
+        return f"; the disk holding it is full ({free:,} bytes free)"
+    if err is not None and "unexpected pos" in str(err):
+        return (f"; a write came up short, as on a full disk ({free:,} bytes free now that the partial checkpoint "
+                "is removed)")
+    return ""
 
 
 @contextlib.contextmanager
@@ -184,7 +191,7 @@ def stop_if_unwritable(run_dir: Path, step: int):
     except Exception as err:  # noqa: BLE001 - a full disk fails as OSError, torch.save's writer as RuntimeError
         raise CheckpointWriteError(
             f"the checkpoint of step {step} could not be written under {run_dir / 'checkpoints'} "
-            f"({type(err).__name__}: {err}{room_left(run_dir)}); {intact_checkpoint(run_dir)}. The run stopped "
+            f"({type(err).__name__}: {err}{room_left(run_dir, err)}); {intact_checkpoint(run_dir)}. The run stopped "
             "rather than train on without checkpoints. "
             f"Fix the cause (a full disk: free space; an unwritable folder: its permissions), then go on "
             f"with: saccade rl {run_dir / 'config.toml'} --resume"
