@@ -38,6 +38,9 @@ def test_two_launchers_as_two_nodes_train_together(tmp_path):
     assert codes == [0, 0], "\n".join(launch.text()[-4000:] for launch in launches)
     assert [r["step"] for r in train_rows(run)] == [1, 2, 3]
     assert "--nnodes 2" in launches[0].text() and "--node-rank 1" in launches[1].text()
-    assert "done: 3 steps on 2 rank(s)" in launches[0].text()
+    # Rank 0 (which prints the end) may be either node's: torchrun's c10d rendezvous numbers the
+    # nodes by sorted (address, pid), not by --node-rank (dynamic_rendezvous.py), and here both
+    # "nodes" are one machine.
+    assert sum("done: 3 steps on 2 rank(s)" in launch.text() for launch in launches) == 1
     for launch in launches:
         assert launch.seen and not launch.left(), launch.left()
