@@ -138,6 +138,13 @@ class ServerClient:
                 self._loop = LoopThread("saccade-vllm-engine")
         return self._loop.run(coro)
 
+    def submit(self, coro):
+        """Start a coroutine on the client's event loop; a concurrent.futures.Future of its result
+        (for a caller that must do something else meanwhile, e.g. broadcast the tensors a server's
+        request is waiting for: saccade.trainer.weight_transfer)."""
+        self.run(asyncio.sleep(0))  # the loop, started on first use
+        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
+
     def http(self):
         """The one HTTP client, with the gate and lock that live on its loop."""
         import httpx

@@ -1,0 +1,237 @@
+"""Full fine-tuning's weights sent to the vLLM servers over a process group, no files: the
+trainer's side of vLLM's weight-transfer protocol, on torch.distributed's gloo.
+
+Per server, once (`CollectiveSync.join`): the trainer opens a TCPStore on a free port and asks
+the server (`/init_weight_transfer_engine`) to join; the group is the trainer (rank 0) and the
+server's workers (ranks 1..N, `/saccade/info`'s `weight_transfer.workers`). One group per server:
+a server that dies breaks only its own.
+
+Per sync (`CollectiveSync.send`), on every live server together:
+1. `/start_weight_update`: the server pauses generation (running requests finish on the old
+   weights, new ones queue) and begins vLLM's layerwise reload.
+2. For each layer group (the tensors outside the decoder layers, then layer 0, 1, ...): the
+   group's names, dtypes and shapes go in a `/update_weights` request, and while the servers wait
+   in it the trainer broadcasts the group's bytes, one buffer per group. Only the language model
+   is sent (the tower is frozen), in the engine's layout and dtypes: the tensors, names and bytes
+   `merge_full_weights_for_engine` would write to a folder (`engine_file_plan` decides both).
+   One group is materialized at a time (a sharded model gathers it tensor by tensor).
+3. `/finish_weight_update` {"version": k}: the server ends the reload, reports version k in the
+   policy-version header from then on, and resumes generation.
+The server side is `saccade.serving.transfer` (the engine) and `saccade.serving.server` (routes).
+
+Simplified here, for now: gloo carries the bytes also between GPU machines (vLLM's nccl backend
+is the fast path there, not wired yet); a server that leaves and comes back is not given the
+weights by the collective (its version header then says it is stale).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+import socket
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from saccade.inference.server_client import ServerClient, ServerError
+from saccade.serving.wire import (
+    FINISH_UPDATE, GLOO_BACKEND, INFO, INIT_TRANSFER, START_UPDATE, TRANSFER_STORE_PREFIX, UPDATE_WEIGHTS,
+)
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One tensor as the engine gets it: its name there, the trained tensor's canonical name,
+    dtype and shape in the engine's layout."""
+
+    name: str
+    trained: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for n in self.shape:
+            count *= n
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+def layer_groups(items: list[Outgoing]) -> list[list[Outgoing]]:
+    """The tensors outside the decoder layers (embeddings, final norm, lm_head) first, then one
+    group per decoder layer in index order: what vLLM's layerwise reload rebuilds one at a time."""
+    rest: list[Outgoing] = []
+    layers: dict[int, list[Outgoing]] = {}
+    for item in items:
+        match = _LAYER.search(item.name)
+        if match is None:
+            rest.append(item)
+        else:
+            layers.setdefault(int(match.group(1)), []).append(item)
+    return ([rest] if rest else []) + [layers[i] for i in sorted(layers)]
+
+
+def transfer_plan(source, base_model_path: str | Path) -> list[list[Outgoing]]:
+    """What a sync sends, grouped (`layer_groups`): every trained tensor of `source` (a
+    `_LiveWeights`), named, shaped and typed as `engine_file_plan` writes it for the base model."""
+    from saccade.models.loading import load_layout, resolve_model_path, safetensors_files
+    from saccade.trainer.checkpoint.engine_weights import _ST_DTYPES, _safetensors_header, engine_file_plan
+
+    base = resolve_model_path(base_model_path)
+    headers = [(file, *_safetensors_header(file)) for file in safetensors_files(base)]
+    plan = engine_file_plan(headers, load_layout(base), {k: tuple(source.shape(k)) for k in source.keys})
+    items = [Outgoing(e.key, e.trained, _ST_DTYPES[e.dtype], tuple(e.shape))
+             for _, entries in plan for e in entries if e.trained]
+    return layer_groups(items)
+
+
+def trainer_address(urls: list[str], configured: str | None) -> str:
+    """The address the servers reach the trainer's TCPStore at: `configured`, else 127.0.0.1 when
+    every server is on this machine; ValueError otherwise (the run then syncs through files)."""
+    from urllib.parse import urlparse
+
+    from saccade.config import is_loopback
+
+    if configured:
+        return configured
+    hosts = [urlparse(u).hostname or "" for u in urls]
+    if all(is_loopback(h) for h in hosts):
+        return "127.0.0.1"
+    raise ValueError(f"the servers ({', '.join(sorted(set(hosts)))}) are not all on this machine: set "
+                     "engine.transfer_address to an address of this machine they can reach")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class CollectiveSync:
+    """The trainer's end of the collective weight transfer to the servers of `client`.
+
+    `model`: the trainer's (PolicyLM or PeftModel, plain or sharded; read, never changed).
+    `is_main`: rank 0 of the trainer talks to the servers; other ranks of a sharded trainer
+    only take part in the gathers (`send` on every rank, in step)."""
+
+    def __init__(self, client: ServerClient, model: nn.Module, base_model_path: str | Path, *,
+                 address: str, timeout_s: float = 600.0, is_main: bool = True):
+        from saccade.models.loading import load_layout
+        from saccade.trainer.checkpoint.engine_weights import _LiveWeights
+
+        self.client = client
+        self.address = address
+        self.timeout_s = timeout_s
+        self.is_main = is_main
+        self.source = _LiveWeights(model, compute=is_main)
+        self.groups = transfer_plan(self.source, base_model_path)
+        self.to_hub = load_layout(base_model_path).family.checkpoint.to_hub  # the family's engine layout
+        self.groups_by_server: dict[str, object] = {}  # url -> its ProcessGroupGloo
+        self.stores: dict[str, object] = {}  # url -> the TCPStore its group met at
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for group in self.groups for item in group)
+
+    def _post(self, path: str, body: dict | None, server) -> Future:
+        return self.client.submit(self.client.post(path, json_body=body, server=server))
+
+    def join(self, server) -> None:
+        """Rendezvous with one server's workers (`Server`), unless done before."""
+        import torch.distributed as dist
+
+        if server.url in self.groups_by_server:
+            return
+        info = self.client.run(self._info(server))
+        transfer = info.get("weight_transfer")
+        if not transfer or transfer.get("backend") != GLOO_BACKEND:
+            raise ServerError(f"{server.url} offers no {GLOO_BACKEND} weight transfer ({transfer}): restart it with "
+                              "this saccade's `saccade serve`, or set engine.weight_sync = \"files\"")
+        world = 1 + int(transfer["workers"])
+        port = free_port()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore("0.0.0.0", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        asked = self._post(INIT_TRANSFER, {"init_info": {
+            "master_address": self.address, "master_port": port, "world_size": world, "timeout_s": self.timeout_s,
+        }}, server)
+        try:  # blocks until the server's workers have joined
+            group = dist.ProcessGroupGloo(dist.PrefixStore(TRANSFER_STORE_PREFIX, store), 0, world, timeout)
+        except Exception:
+            if asked.done():
+                asked.result()  # the server's reason, if it gave one
+            raise
+        asked.result()
+        self.groups_by_server[server.url] = group
+        self.stores[server.url] = store  # kept as long as the group
+        log.info("weight transfer: joined %s (gloo, world %d, store %s:%d)", server.url, world, self.address, port)
+
+    async def _info(self, server) -> dict:
+        response = await self.client.http().get(server.url + INFO, headers=self.client.headers, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    @torch.no_grad()
+    def _materialize(self, group: list[Outgoing]) -> torch.Tensor | None:
+        """The group's tensors in the engine's layout and dtypes, back to back in one flat uint8
+        buffer (None off rank 0, which only takes part in the gathers)."""
+        parts = []
+        for item in group:
+            t = self.source.get(item.trained)  # a collective for a sharded model: every rank, in order
+            if t is None:
+                continue
+            t = self._to_engine(item, t)
+            parts.append(t.to(device="cpu", dtype=item.dtype).contiguous().reshape(-1).view(torch.uint8))
+        return torch.cat(parts) if parts else None
+
+    def _to_engine(self, item: Outgoing, t: torch.Tensor) -> torch.Tensor:
+        out = self.to_hub(item.trained, t.detach())
+        if tuple(out.shape) != item.shape:
+            raise ValueError(f"{item.trained}: {tuple(out.shape)} in the engine's layout, the plan says {item.shape}")
+        return out
+
+    def send(self, version: int) -> dict[str, float]:
+        """One sync to every live server (see the module note); every rank calls it. Returns
+        seconds spent and bytes sent (per server)."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        if not self.is_main:
+            for group in self.groups:
+                self._materialize(group)
+            return {"seconds": time.perf_counter() - start, "bytes": float(self.nbytes)}
+        servers = list(self.client.pool.alive)
+        if not servers:
+            raise ServerError("no live server to send the weights to")
+        for server in servers:
+            self.join(server)
+        for f in [self._post(START_UPDATE, None, s) for s in servers]:
+            f.result()
+        materialize_s = 0.0
+        for group in self.groups:
+            t0 = time.perf_counter()
+            buffer = self._materialize(group)
+            materialize_s += time.perf_counter() - t0
+            meta = {"names": [i.name for i in group], "dtype_names": [str(i.dtype).removeprefix("torch.") for i in group],
+                    "shapes": [list(i.shape) for i in group]}
+            asked = [self._post(UPDATE_WEIGHTS, {"update_info": meta}, s) for s in servers]
+            for server, f in zip(servers, asked, strict=True):
+                if f.done():
+                    f.result()  # refused before the broadcast: say why instead of waiting for a peer
+                self.groups_by_server[server.url].broadcast([buffer], dist.BroadcastOptions()).wait()
+            for f in asked:
+                f.result()
+        for f in [self._post(FINISH_UPDATE, {"version": version}, s) for s in servers]:
+            f.result()
+        for server in servers:
+            server.version = version
+            server.versions_loaded.append(version)
+        return {"seconds": time.perf_counter() - start, "materialize_s": materialize_s, "bytes": float(self.nbytes)}

