@@ -95,3 +95,29 @@ def test_a_collective_sync_samples_the_new_policy_as_a_folder_does(engine, tiny_
         engine.transfer = None
         engine.exporter = lambda v: str(tiny_path)
         engine.update_weights()
+
+
+def test_rl_with_the_collective_sync_stays_on_policy_and_writes_no_weights(tmp_path, server):
+    import json
+
+    from stub_tasks import scored_task
+
+    from saccade.config import RunConfig, load_config
+    from saccade.loops.rl import train_rl
+    from saccade.metrics import read_metrics
+
+    cfg = load_config(RunConfig, "configs/demo.toml", [
+        "--trainer.steps", "3", "--rollout.prompts_per_step", "4", "--rollout.group_size", "4",
+        "--rollout.filter_zero_variance", "false", "--sampling.max_tokens", "6", "--loss.max_completion_tokens", "6",
+        "--eval.every_steps", "0", "--trainer.lr", "1e-2",  # one step moves the logprobs far past the bar
+        "--engine.kind", "vllm", "--engine.urls", json.dumps([server]), "--engine.weight_sync", "collective",
+        "--log.dir", str(tmp_path),
+    ])
+    out = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
+    rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # the trainer's logprobs before its update equal vLLM's: the server held its weights
+        assert r["mismatch_abs"] <= MEAN_BAR and r["policy_lag"] == 0 and r["weight_sync_s"] > 0, r
+    engine = out["setup"].engine
+    assert engine.transfer is not None and engine.info()[0]["policy_version"] == 3 == engine.policy_version
+    assert not (cfg.run_dir / "engine-weights").exists()  # no files
