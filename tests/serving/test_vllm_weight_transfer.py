@@ -121,3 +121,32 @@ def test_rl_with_the_collective_sync_stays_on_policy_and_writes_no_weights(tmp_p
     engine = out["setup"].engine
     assert engine.transfer is not None and engine.info()[0]["policy_version"] == 3 == engine.policy_version
     assert not (cfg.run_dir / "engine-weights").exists()  # no files
+
+
+def test_an_update_that_fails_half_way_keeps_generation_paused_until_a_complete_one(engine, tiny_path):
+    from dataclasses import replace
+
+    from saccade.inference.server_client import ServerError
+    from saccade.models.lm import load_policy_lm
+    from saccade.trainer.weight_transfer import CollectiveSync
+
+    sync = CollectiveSync(engine.client, load_policy_lm(tiny_path, dtype=torch.float32), tiny_path,
+                          address="127.0.0.1", timeout_s=120)
+    layer = sync.groups[1]  # the first decoder layer: arrives, then cannot load under a name the model lacks
+    sync.groups[1] = [replace(layer[0], name=layer[0].name.replace(".layers.0.", ".layers.999.")), *layer[1:]]
+    before = engine.info()[0]["policy_version"]
+    try:
+        with pytest.raises(ServerError, match="receiving weights failed"):
+            sync.send(before + 1)
+        info = engine.info()[0]
+        assert info["weights_incomplete"] is True and info["policy_version"] == before
+        paused = httpx.get(engine.urls[0] + "/saccade/info", timeout=30)
+        assert paused.status_code == 200  # the server answers; only sampling waits
+    finally:  # a complete update (here the base folder) resumes sampling
+        engine.transfer = None
+        engine.exporter = lambda v: str(tiny_path)
+        engine.update_weights()
+    assert engine.info()[0]["weights_incomplete"] is False
+    from saccade.inference.engine import SamplingParams
+
+    assert engine.generate(shapes_requests(1, seed=3), SamplingParams(temperature=1.0, max_tokens=4, n=1))

@@ -195,13 +195,14 @@ class ServerClient:
                 await asyncio.sleep(min(0.5, self.health_interval_s or 0.5))
 
     async def post(self, path: str, *, json_body: Any, server: Server | None = None,
-                   parse=None) -> tuple[Any, Server]:
+                   parse=None, once: bool = False) -> tuple[Any, Server]:
         """POST to the least-loaded live server, or to `server` only; returns the response and
         the server that gave it. A connection refused, dropped or timed out takes the server
         out and sends the request to another (aimed at one server: raises Unreachable); a 5xx
         is retried with backoff; a 4xx raises at once with the server's reason. `parse(response,
         server)`, when given, makes what is returned from the response; a `MalformedReply` from it
-        is asked once more of the server, then takes the server out (see the module note)."""
+        is asked once more of the server, then takes the server out (see the module note). `once`:
+        a 5xx is not retried (a phase of a weight transfer, which cannot be asked twice)."""
         import httpx
 
         client = self.http()
@@ -259,7 +260,7 @@ class ServerClient:
                     continue
             if response.status_code < 500:
                 raise ServerError(f"{target.url}{path}: HTTP {response.status_code}: {response.text[:500]}")
-            if attempt >= self.retries:
+            if attempt >= self.retries or once:
                 raise ServerError(f"{target.url}{path}: HTTP {response.status_code} after {attempt + 1} attempts: "
                                   f"{response.text[:500]}")
             self.pool.counters.retried += 1

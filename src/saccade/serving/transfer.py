@@ -64,29 +64,31 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
 
 def chunk_views(buffer: torch.Tensor, dtype_names: list[str], shapes: list[list[int]]) -> list[torch.Tensor]:
-    """The tensors a chunk's bytes hold, back to back (views into `buffer`, a flat uint8 tensor)."""
+    """The tensors a chunk's bytes hold, back to back (views into `buffer`, a flat uint8 tensor;
+    a copy for one whose bytes start off its dtype's alignment)."""
+    if chunk_nbytes(dtype_names, shapes) != buffer.numel():
+        raise ValueError(f"the chunk holds {buffer.numel()} bytes, its tensors {chunk_nbytes(dtype_names, shapes)}")
     out, at = [], 0
     for dtype_name, shape in zip(dtype_names, shapes, strict=True):
         dtype = getattr(torch, dtype_name)
-        count = 1
-        for n in shape:
-            count *= int(n)
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        out.append(buffer[at:at + nbytes].view(dtype).view(shape))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = itemsize * _count(shape)
+        piece = buffer[at:at + nbytes]
+        out.append((piece if at % itemsize == 0 else piece.clone()).view(dtype).view(shape))
         at += nbytes
-    if at != buffer.numel():
-        raise ValueError(f"the chunk holds {buffer.numel()} bytes, its tensors {at}")
     return out
 
 
+def _count(shape: list[int]) -> int:
+    count = 1
+    for n in shape:
+        count *= int(n)
+    return count
+
+
 def chunk_nbytes(dtype_names: list[str], shapes: list[list[int]]) -> int:
-    total = 0
-    for dtype_name, shape in zip(dtype_names, shapes, strict=True):
-        count = 1
-        for n in shape:
-            count *= int(n)
-        total += count * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
-    return total
+    return sum(_count(shape) * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+               for dtype_name, shape in zip(dtype_names, shapes, strict=True))
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):

@@ -143,7 +143,7 @@ class CollectiveSync:
         return sum(item.nbytes for group in self.groups for item in group)
 
     def _post(self, path: str, body: dict | None, server) -> Future:
-        return self.client.submit(self.client.post(path, json_body=body, server=server))
+        return self.client.submit(self.client.post(path, json_body=body, server=server, once=True))
 
     def join(self, server) -> None:
         """Rendezvous with one server's workers (`Server`), unless done before."""
