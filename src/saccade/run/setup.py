@@ -147,20 +147,27 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
         exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora, world=world), lora=lora,
         pushes_weights=world.is_main, vocab_size=_vocab_rows(model),
     )
-    # Rank 0 decides (it alone asks the servers), every rank follows: the gathers must agree.
-    kind, why = broadcast(choose_weight_sync(cfg.engine, lora=lora, infos=engine.info()) if world.is_main else None,
-                          world)
+    # Rank 0 decides (it alone asks the servers), every rank follows, a refusal included.
+    choice = None
+    if world.is_main:
+        try:
+            choice = choose_weight_sync(cfg.engine, lora=lora, infos=engine.info(), world_size=world.size)
+        except ValueError as err:
+            choice = ("error", str(err))
+    kind, why = broadcast(choice, world)
+    if kind == "error":
+        raise ValueError(why)
     logging.getLogger(__name__).warning("weight sync: %s (%s)", kind, why)
     if kind == "collective":
         from saccade.trainer.weight_transfer import CollectiveSync, trainer_address
 
         address = trainer_address(cfg.engine.urls, cfg.engine.transfer_address)
         engine.transfer = CollectiveSync(engine.client, model, model_path, address=address,
-                                         timeout_s=cfg.engine.timeout_s, is_main=world.is_main)
+                                         timeout_s=cfg.engine.timeout_s)
     return engine
 
 
-def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict]) -> tuple[str, str]:
+def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict], world_size: int = 1) -> tuple[str, str]:
     """How weights reach the servers ("lora", "files" or "collective") and why, from
     `engine.weight_sync`, the servers' /saccade/info and where they are. "collective" asked for
     but impossible is a ValueError that says what to change; "auto" then falls back to files."""
@@ -171,12 +178,14 @@ def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict]) -> tuple[st
         return "lora", "engine.sync_lora_adapter: the servers load the adapter's folder"
     if engine_cfg.weight_sync == "files":
         return "files", 'engine.weight_sync = "files": written to a folder each server reads back'
-    problem = None
+    problem = None if world_size == 1 else (
+        f"the trainer runs on {world_size} ranks, and the collective is for one process for now (a failure on rank 0 "
+        "mid-stream would leave the others in the gathers)")
     lacking = [i.get("model", "?") for i in infos if (i.get("weight_transfer") or {}).get("backend") != GLOO_BACKEND]
-    if lacking:
+    if problem is None and lacking:
         problem = (f"{len(lacking)} server(s) offer no {GLOO_BACKEND} weight transfer (an older saccade serve, or "
                    "--weight-transfer-config set to another backend)")
-    else:
+    elif problem is None:
         try:
             address = trainer_address(engine_cfg.urls, engine_cfg.transfer_address)
         except ValueError as err:

@@ -14,7 +14,7 @@ Per sync (`CollectiveSync.send`), on every live server together:
    in it the trainer broadcasts the group's bytes, one buffer per group. Only the language model
    is sent (the tower is frozen), in the engine's layout and dtypes: the tensors, names and bytes
    `merge_full_weights_for_engine` would write to a folder (`engine_file_plan` decides both).
-   One group is materialized at a time (a sharded model gathers it tensor by tensor).
+   One group is materialized at a time (LoRA merged in).
 3. `/finish_weight_update` {"version": k}: the server ends the reload, reports version k in the
    policy-version header from then on, and resumes generation.
 The server side is `saccade.serving.transfer` (the engine) and `saccade.serving.server` (routes).
@@ -119,24 +119,25 @@ def free_port() -> int:
 class CollectiveSync:
     """The trainer's end of the collective weight transfer to the servers of `client`.
 
-    `model`: the trainer's (PolicyLM or PeftModel, plain or sharded; read, never changed).
-    `is_main`: rank 0 of the trainer talks to the servers; other ranks of a sharded trainer
-    only take part in the gathers (`send` on every rank, in step)."""
+    `model`: the trainer's (PolicyLM or PeftModel; read, never changed). One process: a sharded
+    trainer syncs through files for now (`saccade.run.setup.choose_weight_sync`), because a
+    failure on rank 0 mid-stream would leave the other ranks waiting in the gathers (the folder
+    export sees them through; this does not yet)."""
 
     def __init__(self, client: ServerClient, model: nn.Module, base_model_path: str | Path, *,
-                 address: str, timeout_s: float = 600.0, is_main: bool = True):
+                 address: str, timeout_s: float = 600.0):
         from saccade.models.loading import load_layout
         from saccade.trainer.checkpoint.engine_weights import _LiveWeights
 
         self.client = client
         self.address = address
         self.timeout_s = timeout_s
-        self.is_main = is_main
-        self.source = _LiveWeights(model, compute=is_main)
+        self.source = _LiveWeights(model)
         self.groups = transfer_plan(self.source, base_model_path)
         self.to_hub = load_layout(base_model_path).family.checkpoint.to_hub  # the family's engine layout
         self.groups_by_server: dict[str, object] = {}  # url -> its ProcessGroupGloo
         self.stores: dict[str, object] = {}  # url -> the TCPStore its group met at
+        self.last: dict[str, float] = {}  # the last sync's seconds by phase (send's result)
 
     @property
     def nbytes(self) -> int:
@@ -180,17 +181,13 @@ class CollectiveSync:
         return response.json()
 
     @torch.no_grad()
-    def _materialize(self, group: list[Outgoing]) -> torch.Tensor | None:
-        """The group's tensors in the engine's layout and dtypes, back to back in one flat uint8
-        buffer (None off rank 0, which only takes part in the gathers)."""
+    def _materialize(self, group: list[Outgoing]) -> torch.Tensor:
+        """The group's tensors in the engine's layout and dtypes, back to back in one flat uint8 buffer."""
         parts = []
         for item in group:
-            t = self.source.get(item.trained)  # a collective for a sharded model: every rank, in order
-            if t is None:
-                continue
-            t = self._to_engine(item, t)
+            t = self._to_engine(item, self.source.get(item.trained))
             parts.append(t.to(device="cpu", dtype=item.dtype).contiguous().reshape(-1).view(torch.uint8))
-        return torch.cat(parts) if parts else None
+        return torch.cat(parts)
 
     def _to_engine(self, item: Outgoing, t: torch.Tensor) -> torch.Tensor:
         out = self.to_hub(item.trained, t.detach())
@@ -199,15 +196,13 @@ class CollectiveSync:
         return out
 
     def send(self, version: int) -> dict[str, float]:
-        """One sync to every live server (see the module note); every rank calls it. Returns
-        seconds spent and bytes sent (per server)."""
+        """One sync to every live server (see the module note). Returns
+        seconds spent, in all and by phase (start: the servers paused and ready; stream: the
+        groups materialized and broadcast; finish: reload closed, caches reset, resumed), and
+        bytes sent per server."""
         import torch.distributed as dist
 
         start = time.perf_counter()
-        if not self.is_main:
-            for group in self.groups:
-                self._materialize(group)
-            return {"seconds": time.perf_counter() - start, "bytes": float(self.nbytes)}
         servers = list(self.client.pool.alive)
         if not servers:
             raise ServerError("no live server to send the weights to")
@@ -215,6 +210,7 @@ class CollectiveSync:
             self.join(server)
         for f in [self._post(START_UPDATE, None, s) for s in servers]:
             f.result()
+        started = time.perf_counter()
         materialize_s = 0.0
         for group in self.groups:
             t0 = time.perf_counter()
@@ -229,9 +225,13 @@ class CollectiveSync:
                 self.groups_by_server[server.url].broadcast([buffer], dist.BroadcastOptions()).wait()
             for f in asked:
                 f.result()
+        streamed = time.perf_counter()
         for f in [self._post(FINISH_UPDATE, {"version": version}, s) for s in servers]:
             f.result()
         for server in servers:
             server.version = version
             server.versions_loaded.append(version)
-        return {"seconds": time.perf_counter() - start, "materialize_s": materialize_s, "bytes": float(self.nbytes)}
+        end = time.perf_counter()
+        self.last = {"seconds": end - start, "start_s": started - start, "stream_s": streamed - started,
+                     "materialize_s": materialize_s, "finish_s": end - streamed, "bytes": float(self.nbytes)}
+        return self.last
