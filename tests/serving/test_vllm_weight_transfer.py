@@ -28,7 +28,7 @@ def diffs(model, completions, engine):
 
 def test_info_offers_the_gloo_transfer(server):
     info = httpx.get(server + "/saccade/info", timeout=30).json()
-    assert info["weight_transfer"] == {"backend": "saccade_gloo", "workers": 1}
+    assert {k: info["weight_transfer"][k] for k in ("backend", "workers")} == {"backend": "saccade_gloo", "workers": 1}
     assert info["weights_incomplete"] is False
 
 
@@ -150,3 +150,16 @@ def test_an_update_that_fails_half_way_keeps_generation_paused_until_a_complete_
     from saccade.inference.engine import SamplingParams
 
     assert engine.generate(shapes_requests(1, seed=3), SamplingParams(temperature=1.0, max_tokens=4, n=1))
+
+
+def test_a_second_trainer_takes_the_server_over_and_the_first_joins_again(engine, tiny_path):
+    from saccade.models.lm import load_policy_lm
+    from saccade.trainer.weight_transfer import CollectiveSync
+
+    model = load_policy_lm(tiny_path, dtype=torch.float32)  # the base weights: the server stays as found
+    first, second = (CollectiveSync(engine.client, model, tiny_path, address="127.0.0.1", timeout_s=60) for _ in "ab")
+    version = engine.info()[0]["policy_version"]
+    for i, sync in enumerate((first, second, first), start=1):  # each sync names its group; a stale one is redone
+        sync.send(version + i)
+        info = engine.info()[0]
+        assert info["policy_version"] == version + i and info["weight_transfer"]["session"] == sync.session

@@ -64,10 +64,11 @@ def test_trainer_address_is_loopback_only_for_local_servers():
 
 
 def test_transfer_bodies_are_checked():
-    info = {"master_address": "10.0.0.1", "master_port": 29600, "world_size": 2}
+    info = {"master_address": "10.0.0.1", "master_port": 29600, "world_size": 2, "session": "ab12"}
     assert parse_transfer_init({"init_info": info}) == info
     for bad in ({"init_info": {**info, "master_port": 0}}, {"init_info": {**info, "world_size": 1}},
-                {"init_info": {**info, "rank": 3}}, {"init_info": {**info, "master_address": ""}}, {}):
+                {"init_info": {**info, "rank": 3}}, {"init_info": {**info, "master_address": ""}},
+                {"init_info": {**info, "session": 7}}, {}):
         with pytest.raises(RequestError):
             parse_transfer_init(bad)
     chunk = {"update_info": {"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]]}}

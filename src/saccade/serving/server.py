@@ -133,6 +133,7 @@ class SaccadeState:
         # and whether an update is between /start_weight_update and /finish_weight_update (it then
         # holds update_lock and generation is paused).
         self.transfer_joined = False
+        self.transfer_session = ""  # the joined trainer's name for its group (a later trainer replaces it)
         self.transfer_active = False
         # A collective update that failed half way: generation stays paused until a complete
         # update (collective or folder) has loaded, so no request samples half-updated weights.
@@ -289,12 +290,13 @@ def build_router(state: SaccadeState):
                 raise RequestError("a weight update is in progress: finish it first", 409)
         except RequestError as err:
             return error(err)
+        session = info.pop("session", "")  # saccade's, not the engine's
+        state.transfer_joined, state.transfer_session = False, ""
         try:  # returns once every worker has joined the trainer's group
             await request.app.state.engine_client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
         except Exception as err:  # noqa: BLE001 - the trainer learns why; the server stays up
-            state.transfer_joined = False
             return await failed("joining the trainer's process group failed", err)
-        state.transfer_joined = True
+        state.transfer_joined, state.transfer_session = True, session
         return {"ok": True}
 
     @router.post(SHUTDOWN_TRANSFER)
@@ -303,7 +305,7 @@ def build_router(state: SaccadeState):
             return error(RequestError("a weight update is in progress: finish it first", 409))
         if state.transfer_joined:
             await request.app.state.engine_client.shutdown_weight_transfer_engine()
-        state.transfer_joined = False
+        state.transfer_joined, state.transfer_session = False, ""
         return {"ok": True}
 
     @router.post(START_UPDATE)
@@ -443,7 +445,7 @@ def build_router(state: SaccadeState):
                 "lora_enabled": request.app.state.vllm_config.lora_config is not None, "lora": state.lora,
                 "base_modified": state.base_modified, "weights_root": str(state.weights_root),
                 "weight_updates_refused": weight_updates_refusal(request),
-                "weight_transfer": transfer_info(request), "weights_incomplete": state.weights_incomplete,
+                "weight_transfer": transfer_info(request, state), "weights_incomplete": state.weights_incomplete,
                 "dtype": str(model_config.dtype).removeprefix("torch."),
                 "head_dtype": str(model_config.head_dtype).removeprefix("torch."),
                 "fingerprint": state.fingerprint, "routes": app_routes(request.app)}
@@ -451,14 +453,16 @@ def build_router(state: SaccadeState):
     return router
 
 
-def transfer_info(request) -> dict | None:
-    """The collective weight transfer this server offers: its backend and how many workers join the
-    trainer's group (the group's size is that + 1), or None without one."""
+def transfer_info(request, state: SaccadeState) -> dict | None:
+    """The collective weight transfer this server offers: its backend, how many workers join the
+    trainer's group (the group's size is that + 1) and the session of the trainer that joined last
+    ("" for none), or None without one."""
     vllm_config = request.app.state.vllm_config
     config = vllm_config.weight_transfer_config
     if config is None:
         return None
-    return {"backend": config.backend, "workers": int(vllm_config.parallel_config.world_size_across_dp)}
+    return {"backend": config.backend, "workers": int(vllm_config.parallel_config.world_size_across_dp),
+            "session": state.transfer_session if state.transfer_joined else ""}
 
 
 def app_routes(app) -> list[dict]:

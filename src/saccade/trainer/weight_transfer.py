@@ -4,7 +4,9 @@ trainer's side of vLLM's weight-transfer protocol, on torch.distributed's gloo.
 Per server, once (`CollectiveSync.join`): the trainer opens a TCPStore on a free port and asks
 the server (`/init_weight_transfer_engine`) to join; the group is the trainer (rank 0) and the
 server's workers (ranks 1..N, `/saccade/info`'s `weight_transfer.workers`). One group per server:
-a server that dies breaks only its own.
+a server that dies breaks only its own. The trainer names its groups (a session id); a server
+whose /saccade/info names another (restarted, or joined by another trainer since) is joined
+again before the next sync, so no broadcast goes to a group nobody listens on.
 
 Per sync (`CollectiveSync.send`), on every live server together:
 1. `/start_weight_update`: the server pauses generation (running requests finish on the old
@@ -29,6 +31,7 @@ from __future__ import annotations
 import datetime
 import logging
 import re
+import secrets
 import socket
 import time
 from concurrent.futures import Future
@@ -138,6 +141,9 @@ class CollectiveSync:
         self.groups_by_server: dict[str, object] = {}  # url -> its ProcessGroupGloo
         self.stores: dict[str, object] = {}  # url -> the TCPStore its group met at
         self.last: dict[str, float] = {}  # the last sync's seconds by phase (send's result)
+        # Our name for our groups: a server whose /saccade/info names another session was restarted,
+        # or another trainer joined it since; it is joined again before the next sync.
+        self.session = secrets.token_hex(8)
 
     @property
     def nbytes(self) -> int:
@@ -147,13 +153,15 @@ class CollectiveSync:
         return self.client.submit(self.client.post(path, json_body=body, server=server, once=True))
 
     def join(self, server) -> None:
-        """Rendezvous with one server's workers (`Server`), unless done before."""
+        """Rendezvous with one server's workers (`Server`), unless its group is ours already."""
         import torch.distributed as dist
 
-        if server.url in self.groups_by_server:
-            return
         info = self.client.run(self._info(server))
         transfer = info.get("weight_transfer")
+        if server.url in self.groups_by_server and (transfer or {}).get("session") == self.session:
+            return
+        self.groups_by_server.pop(server.url, None)
+        self.stores.pop(server.url, None)
         if not transfer or transfer.get("backend") != GLOO_BACKEND:
             raise ServerError(f"{server.url} offers no {GLOO_BACKEND} weight transfer ({transfer}): restart it with "
                               "this saccade's `saccade serve`, or set engine.weight_sync = \"files\"")
@@ -163,6 +171,7 @@ class CollectiveSync:
         store = dist.TCPStore("0.0.0.0", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
         asked = self._post(INIT_TRANSFER, {"init_info": {
             "master_address": self.address, "master_port": port, "world_size": world, "timeout_s": self.timeout_s,
+            "session": self.session,
         }}, server)
         try:  # blocks until the server's workers have joined
             group = dist.ProcessGroupGloo(dist.PrefixStore(TRANSFER_STORE_PREFIX, store), 0, world, timeout)
