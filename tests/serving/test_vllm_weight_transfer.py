@@ -126,7 +126,7 @@ def test_rl_with_the_collective_sync_stays_on_policy_and_writes_no_weights(tmp_p
 def test_an_update_that_fails_half_way_keeps_generation_paused_until_a_complete_one(engine, tiny_path):
     from dataclasses import replace
 
-    from saccade.inference.server_client import ServerError
+    from saccade.inference.servers import NoServerError
     from saccade.models.lm import load_policy_lm
     from saccade.trainer.weight_transfer import CollectiveSync
 
@@ -136,13 +136,15 @@ def test_an_update_that_fails_half_way_keeps_generation_paused_until_a_complete_
     sync.groups[1] = [replace(layer[0], name=layer[0].name.replace(".layers.0.", ".layers.999.")), *layer[1:]]
     before = engine.info()[0]["policy_version"]
     try:
-        with pytest.raises(ServerError, match="receiving weights failed"):
+        with pytest.raises(NoServerError, match="receiving weights failed"):  # out, and it was the only one
             sync.send(before + 1)
+        assert not engine.client.pool.servers[engine.urls[0]].alive
         info = engine.info()[0]
         assert info["weights_incomplete"] is True and info["policy_version"] == before
         paused = httpx.get(engine.urls[0] + "/saccade/info", timeout=30)
         assert paused.status_code == 200  # the server answers; only sampling waits
     finally:  # a complete update (here the base folder) resumes sampling
+        engine.client.pool.put_back(engine.client.pool.servers[engine.urls[0]], before)
         engine.transfer = None
         engine.exporter = lambda v: str(tiny_path)
         engine.update_weights()
@@ -163,3 +165,54 @@ def test_a_second_trainer_takes_the_server_over_and_the_first_joins_again(engine
         sync.send(version + i)
         info = engine.info()[0]
         assert info["policy_version"] == version + i and info["weight_transfer"]["session"] == sync.session
+
+
+def test_a_server_that_cannot_join_is_taken_out_and_the_others_get_the_weights(server, processor, limits, tiny_path):
+    from saccade.inference.vllm import VLLMEngine
+    from saccade.models.lm import load_policy_lm
+    from saccade.serving.launch import free_port
+    from saccade.trainer.weight_transfer import CollectiveSync
+
+    gone = f"http://127.0.0.1:{free_port()}"  # in the run's list, nobody listening
+    engine = VLLMEngine([server, gone], processor, limits=limits, health_interval_s=0)
+    engine.transfer = CollectiveSync(engine.client, load_policy_lm(tiny_path, dtype=torch.float32), tiny_path,
+                                     address="127.0.0.1", timeout_s=60)
+    try:
+        version = httpx.get(server + "/saccade/info", timeout=30).json()["policy_version"] + 1
+        engine.update_weights(version)
+        pool = engine.client.pool
+        assert [s.url for s in pool.alive] == [server] and pool.servers[server].version == version
+        assert "joining the weight transfer failed" in pool.servers[gone].last_error
+        assert engine.transfer.last["servers"] == 1
+    finally:
+        engine.close()
+
+
+def test_a_server_back_after_leaving_waits_out_of_the_pool_for_the_next_sync_which_sends_it_everything(
+        server, processor, limits, tiny_path):
+    from saccade.inference.engine import SamplingParams
+    from saccade.inference.vllm import VLLMEngine
+    from saccade.models.lm import load_policy_lm
+    from saccade.trainer.weight_transfer import CollectiveSync
+
+    engine = VLLMEngine([server], processor, limits=limits, health_interval_s=0.2, no_server_wait_s=1)
+    engine.transfer = CollectiveSync(engine.client, load_policy_lm(tiny_path, dtype=torch.float32), tiny_path,
+                                     address="127.0.0.1", timeout_s=60)
+    pool = engine.client.pool
+    try:
+        version = engine.info()[0]["policy_version"] + 1
+        engine.update_weights(version)
+        pool.take_out(pool.servers[server], "dropped a connection")  # as a failed request does
+        params = SamplingParams(temperature=1.0, max_tokens=4, n=1)
+        from saccade.inference.servers import NoServerError
+
+        with pytest.raises(NoServerError):  # it answers, but the health check does not put it back
+            engine.generate(shapes_requests(1, seed=3), params)
+        assert "out until the next weight sync" in pool.servers[server].last_error
+        engine.update_weights(version + 1)  # the next sync: joined again, the whole model, put back
+        assert pool.servers[server].alive and pool.servers[server].version == version + 1
+        assert pool.counters.rejoined == 1 and engine.info()[0]["policy_version"] == version + 1
+        [[completion]] = engine.generate(shapes_requests(1, seed=3), params)
+        assert completion.policy_version == version + 1
+    finally:
+        engine.close()

@@ -206,6 +206,18 @@ class VLLMEngine:
     def urls(self) -> list[str]:
         return self.client.urls
 
+    @property
+    def transfer(self):
+        """The collective weight sync, or None (weights go through folders)."""
+        return self._transfer
+
+    @transfer.setter
+    def transfer(self, sync) -> None:
+        # With a collective sync, a server that answers again gets the whole model from the next
+        # sync before it is put back (CollectiveSync.send); the health check only notes it answers.
+        self._transfer = sync
+        self.client.weights_by_collective = sync is not None
+
     # The trainer's weights live elsewhere: each update is exported and loaded by the servers.
     shares_weights = False
 

@@ -286,11 +286,16 @@ def build_router(state: SaccadeState):
             refusal = transfer_refusal(request)
             if refusal:
                 raise refusal
-            if state.transfer_active:
+            session = info.pop("session", "")  # saccade's, not the engine's
+            if state.transfer_active and session == state.transfer_session:
                 raise RequestError("a weight update is in progress: finish it first", 409)
         except RequestError as err:
             return error(err)
-        session = info.pop("session", "")  # saccade's, not the engine's
+        if state.transfer_active:  # begun by a trainer that is gone (another joins): abandoned, half loaded
+            try:
+                await end_update(request.app.state.engine_client, complete=False)
+            except Exception as err:  # noqa: BLE001
+                return await failed("ending the abandoned weight update failed", err)
         state.transfer_joined, state.transfer_session = False, ""
         try:  # returns once every worker has joined the trainer's group
             await request.app.state.engine_client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))

@@ -21,9 +21,16 @@ Per sync (`CollectiveSync.send`), on every live server together:
    policy-version header from then on, and resumes generation.
 The server side is `saccade.serving.transfer` (the engine) and `saccade.serving.server` (routes).
 
+Failures: a server that fails any phase (refuses, drops its connection, dies mid-stream: its
+broadcast raises, in its own group only) is taken out and the sync goes on with the others. A
+server mid-update keeps generation paused (`saccade.serving.server`): nothing samples a mix of
+versions. A server that answers again (restarted by the launcher, or a new one) is not put back
+by the health check: the next sync joins it under a fresh rendezvous, sends it the whole model
+with the others, and puts it back at that version.
+
 Simplified here, for now: gloo carries the bytes also between GPU machines (vLLM's nccl backend
-is the fast path there, not wired yet); a server that leaves and comes back is not given the
-weights by the collective (its version header then says it is stale).
+is the fast path there, not wired yet); one trainer process (a sharded trainer syncs through
+files).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch
 from torch import nn
 
 from saccade.inference.server_client import ServerClient, ServerError
+from saccade.inference.servers import NoServerError
 from saccade.serving.wire import (
     FINISH_UPDATE, GLOO_BACKEND, INFO, INIT_TRANSFER, START_UPDATE, TRANSFER_STORE_PREFIX, UPDATE_WEIGHTS,
 )
@@ -97,9 +105,11 @@ def transfer_plan(source, base_model_path: str | Path) -> list[list[Outgoing]]:
     return layer_groups(items)
 
 
-def trainer_address(urls: list[str], configured: str | None) -> str:
-    """The address the servers reach the trainer's TCPStore at: `configured`, else 127.0.0.1 when
-    every server is on this machine; ValueError otherwise (the run then syncs through files)."""
+def trainer_address(urls: list[str], configured: str | None, layout_host: str | None = None) -> str:
+    """The address the servers reach the trainer's TCPStore at: `configured`; else 127.0.0.1 when
+    every server is on this machine; else the host of the layout's trainer node (`saccade launch`;
+    the collective is for one trainer process, which runs there); ValueError otherwise (the run
+    then syncs through files)."""
     from urllib.parse import urlparse
 
     from saccade.config import is_loopback
@@ -109,6 +119,8 @@ def trainer_address(urls: list[str], configured: str | None) -> str:
     hosts = [urlparse(u).hostname or "" for u in urls]
     if all(is_loopback(h) for h in hosts):
         return "127.0.0.1"
+    if layout_host and not is_loopback(layout_host):
+        return layout_host
     raise ValueError(f"the servers ({', '.join(sorted(set(hosts)))}) are not all on this machine: set "
                      "engine.transfer_address to an address of this machine they can reach")
 
@@ -205,42 +217,117 @@ class CollectiveSync:
         return out
 
     def send(self, version: int) -> dict[str, float]:
-        """One sync to every live server (see the module note). Returns
-        seconds spent, in all and by phase (start: the servers paused and ready; stream: the
-        groups materialized and broadcast; finish: reload closed, caches reset, resumed), and
-        bytes sent per server."""
-        import torch.distributed as dist
-
+        """One sync to every live server, and to every server that is out but answers again (a
+        restarted one: it gets the whole model before it is put back). A server that fails in any
+        phase (refuses, drops its connection, dies mid-stream) is taken out and the others go on;
+        NoServerError when none took the weights. See the module note. Returns seconds spent, in
+        all and by phase (start: the servers paused and ready; stream: the groups materialized and
+        broadcast; finish: reload closed, caches reset, resumed), and bytes sent per server."""
         start = time.perf_counter()
-        servers = list(self.client.pool.alive)
-        if not servers:
-            raise ServerError("no live server to send the weights to")
-        for server in servers:
-            self.join(server)
-        for f in [self._post(START_UPDATE, None, s) for s in servers]:
-            f.result()
+        servers = self._joined(list(self.client.pool.alive) + self._answering_again())
+        servers = self._phase(START_UPDATE, None, servers)
         started = time.perf_counter()
         materialize_s = 0.0
         for group in self.groups:
+            if not servers:
+                break
             t0 = time.perf_counter()
             buffer = self._materialize(group)
             materialize_s += time.perf_counter() - t0
-            meta = {"names": [i.name for i in group], "dtype_names": [str(i.dtype).removeprefix("torch.") for i in group],
-                    "shapes": [list(i.shape) for i in group]}
-            asked = [self._post(UPDATE_WEIGHTS, {"update_info": meta}, s) for s in servers]
-            for server, f in zip(servers, asked, strict=True):
-                if f.done():
-                    f.result()  # refused before the broadcast: say why instead of waiting for a peer
-                self.groups_by_server[server.url].broadcast([buffer], dist.BroadcastOptions()).wait()
-            for f in asked:
-                f.result()
+            servers = self._stream(group, buffer, servers)
         streamed = time.perf_counter()
-        for f in [self._post(FINISH_UPDATE, {"version": version}, s) for s in servers]:
-            f.result()
+        servers = self._phase(FINISH_UPDATE, {"version": version}, servers)
+        if not servers:
+            raise NoServerError(f"{self.client.pool.describe_down()}; weights v{version} reached none. Start them "
+                                "again (saccade serve MODEL ...) at the run's engine.urls")
         for server in servers:
-            server.version = version
             server.versions_loaded.append(version)
+            if server.alive:
+                server.version = version
+            else:
+                self.client.pool.put_back(server, version)
+                log.info("server %s is back in, with weights version %s (the whole model sent)", server.url, version)
         end = time.perf_counter()
         self.last = {"seconds": end - start, "start_s": started - start, "stream_s": streamed - started,
-                     "materialize_s": materialize_s, "finish_s": end - streamed, "bytes": float(self.nbytes)}
+                     "materialize_s": materialize_s, "finish_s": end - streamed, "bytes": float(self.nbytes),
+                     "servers": float(len(servers))}
         return self.last
+
+    def _answering_again(self) -> list:
+        """The servers that are out but answer and may come back (`ServerClient.fit_to_rejoin`)."""
+        back = []
+        for server in self.client.pool.down:
+            try:
+                self.client.run(self.client.fit_to_rejoin(server))
+            except Exception as err:  # noqa: BLE001 - still out: the health check keeps asking
+                server.last_error = f"{type(err).__name__}: {err}"[:300]
+                continue
+            back.append(server)
+        return back
+
+    def _take_out(self, server, why: str) -> None:
+        """A server that failed a phase: out of the pool and out of the transfer (its group is joined
+        again, under a fresh rendezvous, when it answers again)."""
+        self.groups_by_server.pop(server.url, None)
+        self.stores.pop(server.url, None)
+        if self.client.pool.take_out(server, why):
+            log.warning("server %s taken out during a weight sync (%s); the others go on", server.url, why)
+        else:
+            server.last_error = why
+
+    def _joined(self, servers: list) -> list:
+        """The servers in a process group with this trainer (joined now where needed)."""
+        ok = []
+        for server in servers:
+            try:
+                self.join(server)
+            except Exception as err:  # noqa: BLE001 - that server is out, the others take the weights
+                self._take_out(server, f"joining the weight transfer failed: {type(err).__name__}: {err}"[:300])
+                continue
+            ok.append(server)
+        return ok
+
+    def _phase(self, path: str, body: dict | None, servers: list) -> list:
+        """One phase on every server together; those that fail it are taken out."""
+        asked = [(s, self._post(path, body, s)) for s in servers]
+        ok = []
+        for server, future in asked:
+            try:
+                future.result()
+            except Exception as err:  # noqa: BLE001
+                self._take_out(server, f"{path} failed: {type(err).__name__}: {err}"[:300])
+                continue
+            ok.append(server)
+        return ok
+
+    def _stream(self, group: list[Outgoing], buffer: torch.Tensor, servers: list) -> list:
+        """One layer group to every server: each waits in its /update_weights while the trainer
+        broadcasts the bytes in its process group."""
+        import torch.distributed as dist
+
+        meta = {"names": [i.name for i in group], "dtype_names": [str(i.dtype).removeprefix("torch.") for i in group],
+                "shapes": [list(i.shape) for i in group]}
+        asked = [(s, self._post(UPDATE_WEIGHTS, {"update_info": meta}, s)) for s in servers]
+        sent = []
+        for server, future in asked:
+            try:
+                if future.done():
+                    future.result()  # refused before the broadcast: say why instead of waiting for a peer
+                self.groups_by_server[server.url].broadcast([buffer], dist.BroadcastOptions()).wait()
+            except Exception as err:  # noqa: BLE001 - a dead peer breaks only its own group
+                self._take_out(server, f"streaming the weights failed: {type(err).__name__}: {err}"[:300])
+                continue
+            sent.append(server)
+        return self._finished(sent, {s.url: f for s, f in asked})
+
+    def _finished(self, servers: list, futures: dict) -> list:
+        """The servers whose /update_weights for the group returned: the group loaded there."""
+        ok = []
+        for server in servers:
+            try:
+                futures[server.url].result()
+            except Exception as err:  # noqa: BLE001
+                self._take_out(server, f"loading the weights failed: {type(err).__name__}: {err}"[:300])
+                continue
+            ok.append(server)
+        return ok
