@@ -5,6 +5,8 @@ chooses its sync. Against a real server: tests/serving/test_vllm_weight_transfer
 
 from __future__ import annotations
 
+import json
+
 from types import SimpleNamespace
 
 import pytest
@@ -61,6 +63,21 @@ def test_trainer_address_is_loopback_only_for_local_servers():
     assert trainer_address(["http://gpu-3:8000"], "10.0.0.5") == "10.0.0.5"
     with pytest.raises(ValueError, match="transfer_address"):
         trainer_address(["http://127.0.0.1:8000", "http://gpu-3:8000"], None)
+
+
+def test_across_nodes_the_servers_meet_the_trainer_at_the_layouts_first_trainer_node():
+    from saccade.config import RunConfig, load_config
+    from saccade.run.setup import choose_weight_sync
+
+    nodes = [{"host": "10.0.0.7", "trainer_ranks": 1, "servers": 0}, {"host": "10.0.0.8", "servers": 2}]
+    cfg = load_config(RunConfig, "configs/demo.toml", ["--engine.kind", "vllm", "--lora", "false",
+                                                       "--engine.weight_sync", "auto", "--launch.nodes", json.dumps(nodes)])
+    assert cfg.launch.trainer_host == "10.0.0.7" and cfg.engine.urls[0].startswith("http://10.0.0.8:")
+    assert trainer_address(cfg.engine.urls, None, cfg.launch.trainer_host) == "10.0.0.7"
+    info = {"weight_transfer": {"backend": "saccade_gloo", "workers": 1}}
+    kind, why = choose_weight_sync(cfg.engine, lora=False, infos=[info, info], layout_host=cfg.launch.trainer_host)
+    assert kind == "collective" and "meet this trainer at 10.0.0.7" in why
+    assert RunConfig().launch.trainer_host is None
 
 
 def test_transfer_bodies_are_checked():

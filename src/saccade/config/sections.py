@@ -229,8 +229,8 @@ class EngineConfig(Section):
     transfer_address: str | None = Field(
         None, min_length=1, max_length=255,
         description="the address of this machine the servers reach the trainer at for weight_sync = "
-        "'collective' (it opens a port there per server); unset: 127.0.0.1, which serves only servers on this "
-        "machine",
+        "'collective' (it opens a port there per server); unset: 127.0.0.1 when every server is on this machine, "
+        "else the host of the [launch] layout's first trainer node",
     )
     weights_dir: str | None = Field(
         None,

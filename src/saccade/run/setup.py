@@ -151,7 +151,8 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
     choice = None
     if world.is_main:
         try:
-            choice = choose_weight_sync(cfg.engine, lora=lora, infos=engine.info(), world_size=world.size)
+            choice = choose_weight_sync(cfg.engine, lora=lora, infos=engine.info(), world_size=world.size,
+                                        layout_host=cfg.launch.trainer_host)
         except ValueError as err:
             choice = ("error", str(err))
     kind, why = broadcast(choice, world)
@@ -161,13 +162,14 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
     if kind == "collective":
         from saccade.trainer.weight_transfer import CollectiveSync, trainer_address
 
-        address = trainer_address(cfg.engine.urls, cfg.engine.transfer_address)
+        address = trainer_address(cfg.engine.urls, cfg.engine.transfer_address, cfg.launch.trainer_host)
         engine.transfer = CollectiveSync(engine.client, model, model_path, address=address,
                                          timeout_s=cfg.engine.timeout_s)
     return engine
 
 
-def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict], world_size: int = 1) -> tuple[str, str]:
+def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict], world_size: int = 1,
+                       layout_host: str | None = None) -> tuple[str, str]:
     """How weights reach the servers ("lora", "files" or "collective") and why, from
     `engine.weight_sync`, the servers' /saccade/info and where they are. "collective" asked for
     but impossible is a ValueError that says what to change; "auto" then falls back to files."""
@@ -187,7 +189,7 @@ def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict], world_size:
                    "--weight-transfer-config set to another backend)")
     elif problem is None:
         try:
-            address = trainer_address(engine_cfg.urls, engine_cfg.transfer_address)
+            address = trainer_address(engine_cfg.urls, engine_cfg.transfer_address, layout_host)
         except ValueError as err:
             problem = str(err)
     if problem is None:
