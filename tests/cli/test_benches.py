@@ -37,6 +37,7 @@ OLD_FLAGS = {
     "rollout": {"--no-vllm", "--url", "--model", "--json"},
     "render": {"--size", "--renders", "--rooms", "--device", "--threads", "--json"},
     "gpu": {"--device", "--quick", "--out", "--stage", "--force", "--budget", "--in-process", "--list"},
+    "weight-sync": {"--model", "--url", "--repeats", "--timeout-s", "--json"},  # new since, with its config type
 }
 
 

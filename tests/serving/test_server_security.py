@@ -109,7 +109,9 @@ def test_every_route_but_health_needs_one_of_the_keys(keyed_server):
     routes = info.json()["routes"]
     paths = {r["path"] for r in routes}
     # vLLM's routes its own check left open in 0.32, and saccade's
-    assert {"/invocations", "/tokenize", "/metrics", "/ping", "/update_weights", "/encode_images"} <= paths, paths
+    assert {"/invocations", "/tokenize", "/metrics", "/ping", "/update_weights", "/encode_images",
+            "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
+            "/shutdown_weight_transfer_engine"} <= paths, paths  # the weight transfer's phases too
     checked = 0
     for route in routes:
         for method in route["methods"]:

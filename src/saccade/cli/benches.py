@@ -21,7 +21,7 @@ from saccade.cli.common import write_json
 from saccade.config.bench import (
     AsyncBenchConfig, DistributedBenchConfig, EngineParityBenchConfig, GpuBenchConfig, KillBenchConfig,
     ParityBenchConfig, RenderBenchConfig, RolloutBenchConfig, RunBenchConfig, SoakBenchConfig, StepBenchConfig,
-    TrainerBenchConfig,
+    TrainerBenchConfig, WeightSyncBenchConfig,
 )
 from saccade.config.options import add_options, load_options
 
@@ -134,6 +134,15 @@ def cmd_bench_rollout(cfg: RolloutBenchConfig, args: argparse.Namespace) -> int:
 
     result = run_rollout_bench(cfg)
     print(format_rollout(result))
+    write_json(args.json, result)
+    return 0
+
+
+def cmd_bench_weight_sync(cfg: WeightSyncBenchConfig, args: argparse.Namespace) -> int:
+    from saccade.tools.bench.weight_sync import format_weight_sync, run_weight_sync_bench
+
+    result = run_weight_sync_bench(cfg)
+    print(format_weight_sync(result))
     write_json(args.json, result)
     return 0
 
@@ -262,6 +271,14 @@ BENCHES = (
         description="32 shapes prompts x 8 samples, up to 16 tokens, three interleaved repeats per engine: the "
         "embedded engine (each prompt prefilled once for its 8 samples), transformers' generate on the prompts "
         "repeated 8 times (TRL without vLLM), and a started vLLM server."
+    ),
+    Bench(
+        "weight-sync", WeightSyncBenchConfig, cmd_bench_weight_sync,
+        help="full fine-tuning's weights to a vLLM server: through a folder against the collective transfer",
+        description="Starts `saccade serve` on the model (or uses --url) and syncs the trainer's full weights to it "
+        "repeats times each way, interleaved: engine.weight_sync = \"files\" (the folder written, the server reads "
+        "it back) and \"collective\" (the language model broadcast over gloo, layer group by layer group). Prints "
+        "the median seconds of each, their ratio and the collective's one-time rendezvous."
     ),
     Bench(
         "render", RenderBenchConfig, cmd_bench_render,

@@ -206,6 +206,17 @@ class RolloutBenchConfig(Section):
     repeats: int = Field(3, ge=1, description="interleaved repeats per engine (the median counts)")
 
 
+class WeightSyncBenchConfig(Section):
+    """`saccade bench weight-sync`: one full fine-tuning sync through a folder against the collective
+    transfer, on the same server and weights."""
+
+    model: str = Field("tiny", min_length=1, description="a model folder, hub id or built-in preset")
+    url: str | None = Field(None, min_length=1, description="an already running `saccade serve` on this machine "
+                            "whose --weights-root holds the system's temporary folder (unset: start one)")
+    repeats: int = Field(5, ge=1, description="interleaved syncs of each kind (the median counts)")
+    timeout_s: float = Field(600.0, gt=0, description="the collective's process-group timeout, seconds")
+
+
 class RenderBenchConfig(Section):
     """`saccade bench render`: renders/s of the mesh renderer on generated rooms, cold and cached."""
 

@@ -171,6 +171,14 @@ class LaunchConfig(Section):
         return [i for i, n in enumerate(self.nodes) if n.trainer_ranks]
 
     @property
+    def trainer_host(self) -> str | None:
+        """The host of the first node with trainer ranks (where torchrun's rendezvous meets; with one
+        trainer rank, where the trainer runs, so where the servers reach it for a collective weight
+        sync); None without a layout."""
+        nodes = self.trainer_nodes
+        return self.nodes[nodes[0]].host if nodes else None
+
+    @property
     def world_size(self) -> int:
         """The trainer's ranks over every node (1 without a layout)."""
         return sum(n.trainer_ranks for n in self.nodes) or 1

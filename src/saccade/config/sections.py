@@ -217,6 +217,21 @@ class EngineConfig(Section):
         "being trained above which the run stops: the two hold different models (a dtype or kernel difference "
         "gives about 1e-6 in fp32, 2e-3 to 5e-3 in bf16); unset: never checked (saccade.model_match)",
     )
+    weight_sync: Literal["files", "collective", "auto"] = Field(
+        "files",
+        description="how full weights reach the vLLM servers (LoRA with sync_lora_adapter pushes the adapter's "
+        "folder): 'files' writes them to weights_dir and each server reads them back; 'collective' broadcasts "
+        "them layer group by layer group over a process group the trainer opens with each server's workers "
+        "(vLLM's weight-transfer API, on gloo; no files; every server must reach this machine at "
+        "transfer_address); 'auto' takes 'collective' where it can and says why when it cannot. The run logs "
+        "which it uses and why. docs/vllm.md, Weight transfer",
+    )
+    transfer_address: str | None = Field(
+        None, min_length=1, max_length=255,
+        description="the address of this machine the servers reach the trainer at for weight_sync = "
+        "'collective' (it opens a port there per server); unset: 127.0.0.1 when every server is on this machine, "
+        "else the host of the [launch] layout's first trainer node",
+    )
     weights_dir: str | None = Field(
         None,
         description="folder where weights for the vLLM servers are written (must be readable by every server: "

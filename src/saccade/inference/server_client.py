@@ -117,6 +117,9 @@ class ServerClient:
         self.no_server_wait_s = no_server_wait_s
         self._pushed: tuple[str, int] | None = None  # the weights folder every server must hold, and its version
         self.confirmed: int | None = None  # the version every live server holds, as every rank saw (module note)
+        # Set while a collective weight sync is the engine's (VLLMEngine.transfer): it sends a server
+        # that answers again the whole model and puts it back; the health check only notes that it answers.
+        self.weights_by_collective = False
         # Made on first use, on the loop: the thread, the client, the request gate, the lock
         # that keeps pushes and rejoins apart, the health check.
         self._loop: LoopThread | None = None
@@ -137,6 +140,13 @@ class ServerClient:
             if self._loop is None:
                 self._loop = LoopThread("saccade-vllm-engine")
         return self._loop.run(coro)
+
+    def submit(self, coro):
+        """Start a coroutine on the client's event loop; a concurrent.futures.Future of its result
+        (for a caller that must do something else meanwhile, e.g. broadcast the tensors a server's
+        request is waiting for: saccade.trainer.weight_transfer)."""
+        self.run(asyncio.sleep(0))  # the loop, started on first use
+        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
 
     def http(self):
         """The one HTTP client, with the gate and lock that live on its loop."""
@@ -188,13 +198,14 @@ class ServerClient:
                 await asyncio.sleep(min(0.5, self.health_interval_s or 0.5))
 
     async def post(self, path: str, *, json_body: Any, server: Server | None = None,
-                   parse=None) -> tuple[Any, Server]:
+                   parse=None, once: bool = False) -> tuple[Any, Server]:
         """POST to the least-loaded live server, or to `server` only; returns the response and
         the server that gave it. A connection refused, dropped or timed out takes the server
         out and sends the request to another (aimed at one server: raises Unreachable); a 5xx
         is retried with backoff; a 4xx raises at once with the server's reason. `parse(response,
         server)`, when given, makes what is returned from the response; a `MalformedReply` from it
-        is asked once more of the server, then takes the server out (see the module note)."""
+        is asked once more of the server, then takes the server out (see the module note). `once`:
+        a 5xx is not retried (a phase of a weight transfer, which cannot be asked twice)."""
         import httpx
 
         client = self.http()
@@ -252,7 +263,7 @@ class ServerClient:
                     continue
             if response.status_code < 500:
                 raise ServerError(f"{target.url}{path}: HTTP {response.status_code}: {response.text[:500]}")
-            if attempt >= self.retries:
+            if attempt >= self.retries or once:
                 raise ServerError(f"{target.url}{path}: HTTP {response.status_code} after {attempt + 1} attempts: "
                                   f"{response.text[:500]}")
             self.pool.counters.retried += 1
@@ -278,7 +289,26 @@ class ServerClient:
 
     async def _rejoin(self, server: Server) -> None:
         """Put a server back that answers again (or a new one): same image limits, LoRA when
-        the run pushes adapters, a float32 lm_head, and the current weights loaded first."""
+        the run pushes adapters, a float32 lm_head, and the current weights loaded first. With
+        `weights_by_collective`, the next sync gives it the weights and puts it back instead."""
+        info = await self.fit_to_rejoin(server)
+        if self.weights_by_collective:
+            raise ServerError(f"{server.url} answers: out until the next weight sync has sent it the weights")
+        async with self._weights_lock:
+            version = info.get("policy_version")
+            if self._pushed is None and stale(version, self.confirmed):  # another rank pushes: wait for it
+                raise ServerError(f"{server.url} holds weights v{version}, the run's are v{self.confirmed}: "
+                                  "out until the pushing rank has loaded them")
+            if self._pushed is not None:
+                folder, version = self._pushed
+                await self._load(server, folder, version)
+            self.pool.put_back(server, version)
+        log.info("server %s is back in, with weights version %s", server.url, version)
+
+    async def fit_to_rejoin(self, server: Server) -> dict:
+        """A server that is out, asked whether it can come back: it answers, resizes images as the
+        run does, has LoRA when the run pushes adapters, and computes its head in float32. Returns
+        its /saccade/info; raises Unreachable or ServerError (why not) otherwise."""
         import httpx
 
         client = self.http()
@@ -298,16 +328,7 @@ class ServerClient:
         problem = head_dtype_problem(info)
         if problem:
             raise ServerError(f"{server.url} {problem}: not put back")
-        async with self._weights_lock:
-            version = info.get("policy_version")
-            if self._pushed is None and stale(version, self.confirmed):  # another rank pushes: wait for it
-                raise ServerError(f"{server.url} holds weights v{version}, the run's are v{self.confirmed}: "
-                                  "out until the pushing rank has loaded them")
-            if self._pushed is not None:
-                folder, version = self._pushed
-                await self._load(server, folder, version)
-            self.pool.put_back(server, version)
-        log.info("server %s is back in, with weights version %s", server.url, version)
+        return info
 
     def add_server(self, url: str) -> None:
         """Bring a new server into the run: the health check gives it the current weights and

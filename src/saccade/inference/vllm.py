@@ -15,7 +15,9 @@ that brings servers back, the weights each must hold) is `saccade.inference.serv
 Weights: `update_weights()` calls the exporter given at construction (it writes a
 safetensors folder the servers can read) and has it loaded by every live server's
 /update_weights: full weights (LoRA merged), or with `lora=True` only the adapter, which the
-servers load in place and requests then name as their model. Sampling goes on meanwhile: a
+servers load in place and requests then name as their model. With a `transfer` set instead
+(`saccade.trainer.weight_transfer.CollectiveSync`), full weights are broadcast to the servers
+over a process group, no folder. Sampling goes on meanwhile: a
 server finishes the requests it is running on the old weights and queues the rest (see
 `saccade.serving.server`). Each completion carries the version its server reported in the
 response's `x-saccade-policy-version` header (`saccade.serving.wire.VERSION_HEADER`): the
@@ -154,6 +156,7 @@ class VLLMEngine:
         retries: int = 3,
         backoff_s: float = 0.5,
         exporter: Callable[[int], str] | None = None,
+        transfer=None,
         model: str | None = None,
         family: ModelFamily | None = None,
         lora: bool = False,
@@ -177,6 +180,9 @@ class VLLMEngine:
                                    backoff_s=backoff_s, health_interval_s=health_interval_s,
                                    no_server_wait_s=no_server_wait_s)
         self.exporter = exporter
+        # Set: full weights go to the servers over a process group instead of a folder (its
+        # `send(version)`: saccade.trainer.weight_transfer.CollectiveSync, built on self.client).
+        self.transfer = transfer
         # False on ranks other than 0 of a sharded trainer: they take part in the export (a
         # collective gather) but only rank 0 tells the servers to load it.
         self.pushes_weights = pushes_weights
@@ -199,6 +205,18 @@ class VLLMEngine:
     @property
     def urls(self) -> list[str]:
         return self.client.urls
+
+    @property
+    def transfer(self):
+        """The collective weight sync, or None (weights go through folders)."""
+        return self._transfer
+
+    @transfer.setter
+    def transfer(self, sync) -> None:
+        # With a collective sync, a server that answers again gets the whole model from the next
+        # sync before it is put back (CollectiveSync.send); the health check only notes it answers.
+        self._transfer = sync
+        self.client.weights_by_collective = sync is not None
 
     # The trainer's weights live elsewhere: each update is exported and loaded by the servers.
     shares_weights = False
@@ -494,14 +512,18 @@ class VLLMEngine:
         spent. Sampling goes on meanwhile (see the module note). The servers then report
         `version` (default: the next one). A server that does not answer is taken out (it gets
         these weights when it is back); NoServerError when none took them."""
-        if self.exporter is None:
-            raise ValueError("VLLMEngine.update_weights needs an exporter (a function writing the weights folder)")
+        if self.exporter is None and self.transfer is None:
+            raise ValueError("VLLMEngine.update_weights needs an exporter (a function writing the weights folder) "
+                             "or a transfer (saccade.trainer.weight_transfer.CollectiveSync)")
         start = time.perf_counter()
         version = self.policy_version + 1 if version is None else version
         self.newest_version = max(self.newest_version or 0, version)
-        folder = self.exporter(version)
-        if self.pushes_weights:
-            self.client.run(self.client.push(folder, version))
+        if self.transfer is not None:  # every rank: a sharded model's gathers; rank 0 sends
+            self.transfer.send(version)
+        else:
+            folder = self.exporter(version)
+            if self.pushes_weights:
+                self.client.run(self.client.push(folder, version))
         self.policy_version = version
         self._adapter_loaded = self.lora
         return time.perf_counter() - start

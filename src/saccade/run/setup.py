@@ -8,12 +8,14 @@ in the model's dtype); and the engine the config names:
 - embedded: samples in this process from the trainer's very module, on the same device,
   and holds the frozen vision tower that fills the cache;
 - vLLM: the servers hold the tower; image embeddings come from their /encode_images, so no
-  tower is loaded in this process at all. Weights reach them through an exported folder.
+  tower is loaded in this process at all. Weights reach them through an exported folder, or
+  over a process group (`engine.weight_sync`, `choose_weight_sync`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 import shutil
@@ -27,7 +29,7 @@ from torch import nn
 
 from saccade.config import ImagesConfig, RunConfig
 from saccade.devices import resolve_device
-from saccade.distributed import SINGLE, World, barrier
+from saccade.distributed import SINGLE, World, barrier, broadcast
 from saccade.trainer.sharding import shard_model
 from saccade.inference.engine import Engine
 from saccade.models.head import use_full_fp32_matmuls
@@ -138,13 +140,65 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
         raise ValueError("engine.sync_lora_adapter needs LoRA, and lora = false is full fine-tuning (which pushes full "
                          "weights): set engine.sync_lora_adapter = false")
     weights_dir = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else run_dir / "engine-weights"
-    return VLLMEngine.for_servers(
+    engine = VLLMEngine.for_servers(
         cfg.engine.urls, processor, limits=cfg.images, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
         model=(cfg.model.path, fingerprint(load_layout(model_path))), family=load_family(model_path),
         max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
         exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora, world=world), lora=lora,
         pushes_weights=world.is_main, vocab_size=_vocab_rows(model),
     )
+    # Rank 0 decides (it alone asks the servers), every rank follows, a refusal included.
+    choice = None
+    if world.is_main:
+        try:
+            choice = choose_weight_sync(cfg.engine, lora=lora, infos=engine.info(), world_size=world.size,
+                                        layout_host=cfg.launch.trainer_host)
+        except ValueError as err:
+            choice = ("error", str(err))
+    kind, why = broadcast(choice, world)
+    if kind == "error":
+        raise ValueError(why)
+    logging.getLogger(__name__).warning("weight sync: %s (%s)", kind, why)
+    if kind == "collective":
+        from saccade.trainer.weight_transfer import CollectiveSync, trainer_address
+
+        address = trainer_address(cfg.engine.urls, cfg.engine.transfer_address, cfg.launch.trainer_host)
+        engine.transfer = CollectiveSync(engine.client, model, model_path, address=address,
+                                         timeout_s=cfg.engine.timeout_s)
+    return engine
+
+
+def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict], world_size: int = 1,
+                       layout_host: str | None = None) -> tuple[str, str]:
+    """How weights reach the servers ("lora", "files" or "collective") and why, from
+    `engine.weight_sync`, the servers' /saccade/info and where they are. "collective" asked for
+    but impossible is a ValueError that says what to change; "auto" then falls back to files."""
+    from saccade.serving.wire import GLOO_BACKEND
+    from saccade.trainer.weight_transfer import trainer_address
+
+    if lora:
+        return "lora", "engine.sync_lora_adapter: the servers load the adapter's folder"
+    if engine_cfg.weight_sync == "files":
+        return "files", 'engine.weight_sync = "files": written to a folder each server reads back'
+    problem = None if world_size == 1 else (
+        f"the trainer runs on {world_size} ranks, and the collective is for one process for now (a failure on rank 0 "
+        "mid-stream would leave the others in the gathers)")
+    lacking = [i.get("model", "?") for i in infos if (i.get("weight_transfer") or {}).get("backend") != GLOO_BACKEND]
+    if problem is None and lacking:
+        problem = (f"{len(lacking)} server(s) offer no {GLOO_BACKEND} weight transfer (an older saccade serve, or "
+                   "--weight-transfer-config set to another backend)")
+    elif problem is None:
+        try:
+            address = trainer_address(engine_cfg.urls, engine_cfg.transfer_address, layout_host)
+        except ValueError as err:
+            problem = str(err)
+    if problem is None:
+        return "collective", (f'engine.weight_sync = "{engine_cfg.weight_sync}": broadcast over gloo, the servers '
+                              f"meet this trainer at {address}, no files")
+    if engine_cfg.weight_sync == "collective":
+        raise ValueError(f'engine.weight_sync = "collective" cannot be used: {problem}; or set engine.weight_sync = '
+                         '"files"')
+    return "files", f'engine.weight_sync = "auto", and the collective cannot be used: {problem}'
 
 
 def _vocab_rows(model: nn.Module) -> int | None:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from saccade.config import is_loopback
+from saccade.serving.wire import GLOO_BACKEND
 
 WORKER_EXTENSION = "saccade.serving.worker.SaccadeWorker"
 # vLLM fetches remote media from any host when --allowed-media-domains is unset. saccade's guard
@@ -34,6 +35,10 @@ DEFAULT_FLAGS = {
     # machine; 1.2 s vs 1.6 s with the same image 20 times).
     "--mm-processor-cache-gb": "0",
     "--allowed-media-domains": NO_REMOTE_MEDIA,
+    # The weight-transfer engine the workers build (saccade.serving.transfer, registered by the
+    # worker extension): the trainer may then send new weights over a process group instead of a
+    # folder (engine.weight_sync = "collective"). Building it costs nothing until a trainer joins.
+    "--weight-transfer-config": json.dumps({"backend": GLOO_BACKEND}),
 }
 
 

@@ -12,6 +12,13 @@
   reloads the served checkpoint itself (an adapter must sit on the weights it was trained on).
   DIR must lie under `--weights-root` (default: the server's working directory), symlinks
   resolved; anything else is refused with a 403.
+- The collective weight transfer, under vLLM's names for its phases (saccade.serving.transfer,
+  the trainer's side saccade.trainer.weight_transfer): `POST /init_weight_transfer_engine`
+  {"init_info": {"master_address", "master_port", "world_size"}} joins the trainer's gloo group;
+  `POST /start_weight_update` pauses generation (as a folder update does) and begins vLLM's
+  layerwise reload; each `POST /update_weights` {"update_info": {"names", "dtype_names", "shapes"}}
+  receives one layer group broadcast by the trainer; `POST /finish_weight_update` {"version": k}
+  ends the reload, sets the policy version and resumes generation.
 - `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout, the routes the app serves).
 
 Every response carries `x-saccade-policy-version`: the version the server held when the
@@ -44,11 +51,14 @@ from saccade.serving.flags import (
 )
 from saccade.serving.guard import Guard
 from saccade.serving.validation import (
-    MediaPolicy, RequestError, check_aspect_ratio, check_total_pixels, parse_image_list, parse_json_body,
-    parse_update_request, resolve_weights_path, resolve_weights_root,
+    MediaPolicy, RequestError, check_aspect_ratio, check_total_pixels, parse_finish, parse_image_list,
+    parse_json_body, parse_transfer_chunk, parse_transfer_init, parse_update_request, resolve_weights_path,
+    resolve_weights_root,
 )
 from saccade.serving.weights import check_adapter_folder, check_weights_folder, reference_shapes
-from saccade.serving.wire import ENCODE_IMAGES, INFO, LORA_NAME, UPDATE_WEIGHTS
+from saccade.serving.wire import (
+    ENCODE_IMAGES, FINISH_UPDATE, INFO, INIT_TRANSFER, LORA_NAME, SHUTDOWN_TRANSFER, START_UPDATE, UPDATE_WEIGHTS,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +129,15 @@ class SaccadeState:
         self.base_modified = False
         self.vision: dict[str, Any] | None = None
         self.update_lock: Any = None  # an asyncio.Lock, made on the server's event loop
+        # The collective weight transfer (serving/transfer.py): whether a trainer joined the group,
+        # and whether an update is between /start_weight_update and /finish_weight_update (it then
+        # holds update_lock and generation is paused).
+        self.transfer_joined = False
+        self.transfer_session = ""  # the joined trainer's name for its group (a later trainer replaces it)
+        self.transfer_active = False
+        # A collective update that failed half way: generation stays paused until a complete
+        # update (collective or folder) has loaded, so no request samples half-updated weights.
+        self.weights_incomplete = False
         # What an uploaded weights folder is checked against: the served model's tensors in the
         # layout saccade writes for vLLM, under their canonical names (read through transformers'
         # renames: Qwen2.5-VL's hub names are the same tensors).
@@ -235,10 +254,149 @@ def build_router(state: SaccadeState):
                                  state.family.split_served_features)
         return Response(save(tensors), media_type="application/octet-stream")
 
+    def lock():
+        import asyncio
+
+        if state.update_lock is None:
+            state.update_lock = asyncio.Lock()
+        return state.update_lock
+
+    async def read_optional_json(request: Request) -> Any:
+        raw = await request.body()
+        return parse_json_body(raw, state.max_body_bytes) if raw.strip() else None
+
+    def transfer_refusal(request: Request) -> RequestError | None:
+        if request.app.state.vllm_config.weight_transfer_config is None:
+            return RequestError("this server has no weight-transfer engine: start it with saccade serve (which passes "
+                                "--weight-transfer-config), or sync through a folder (engine.weight_sync = \"files\")", 501)
+        refusal = weight_updates_refusal(request)
+        if refusal:
+            return RequestError(f"this server cannot load new weights: {refusal}", 501)
+        return None
+
+    async def failed(message: str, err: BaseException) -> JSONResponse:
+        return JSONResponse({"error": f"{message}: {type(err).__name__}: {str(err)[:500]}"}, status_code=500)
+
+    @router.post(INIT_TRANSFER)
+    async def init_transfer(request: Request):
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        try:
+            info = parse_transfer_init(await read_json(request))
+            refusal = transfer_refusal(request)
+            if refusal:
+                raise refusal
+            session = info.pop("session", "")  # saccade's, not the engine's
+            if state.transfer_active and session == state.transfer_session:
+                raise RequestError("a weight update is in progress: finish it first", 409)
+        except RequestError as err:
+            return error(err)
+        if state.transfer_active:  # begun by a trainer that is gone (another joins): abandoned, half loaded
+            try:
+                await end_update(request.app.state.engine_client, complete=False)
+            except Exception as err:  # noqa: BLE001
+                return await failed("ending the abandoned weight update failed", err)
+        state.transfer_joined, state.transfer_session = False, ""
+        try:  # returns once every worker has joined the trainer's group
+            await request.app.state.engine_client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        except Exception as err:  # noqa: BLE001 - the trainer learns why; the server stays up
+            return await failed("joining the trainer's process group failed", err)
+        state.transfer_joined, state.transfer_session = True, session
+        return {"ok": True}
+
+    @router.post(SHUTDOWN_TRANSFER)
+    async def shutdown_transfer(request: Request):
+        if state.transfer_active:
+            return error(RequestError("a weight update is in progress: finish it first", 409))
+        if state.transfer_joined:
+            await request.app.state.engine_client.shutdown_weight_transfer_engine()
+        state.transfer_joined, state.transfer_session = False, ""
+        return {"ok": True}
+
+    @router.post(START_UPDATE)
+    async def start_update(request: Request):
+        refusal = transfer_refusal(request)
+        if refusal is None and not state.transfer_joined:
+            refusal = RequestError("no trainer has joined: call /init_weight_transfer_engine first", 409)
+        if refusal is None and state.transfer_active:
+            refusal = RequestError("a weight update is already in progress", 409)
+        if refusal:
+            return error(refusal)
+        await lock().acquire()  # held until /finish_weight_update: no folder update in between
+        client = request.app.state.engine_client
+        try:
+            # As for a folder: requests running now finish on the old weights; new ones wait.
+            await client.pause_generation(mode="wait", clear_cache=False)
+            await client.start_weight_update()
+        except Exception as err:  # noqa: BLE001
+            if not state.weights_incomplete:
+                await client.resume_generation()
+            lock().release()
+            return await failed("starting the weight update failed", err)
+        state.transfer_active = True
+        return {"ok": True}
+
+    async def end_update(client, *, complete: bool, version: int | None = None) -> None:
+        """The update's end, finished or failed: vLLM's layerwise reload closed, what derives from the
+        weights refreshed; generation resumes only after a complete update."""
+        try:
+            await client.finish_weight_update()
+            await client.collective_rpc("saccade_after_reload")
+            await client.reset_encoder_cache()
+            await client.reset_prefix_cache()
+        finally:
+            state.transfer_active = False
+            state.weights_incomplete = not complete
+            if complete:
+                state.policy_version = version
+                state.base_modified = True
+                await client.resume_generation()
+            lock().release()
+
+    async def transfer_chunk(request: Request, body: Any):
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        try:
+            info = parse_transfer_chunk(body)
+            if not state.transfer_active:
+                raise RequestError("no weight update in progress: call /start_weight_update first", 409)
+        except RequestError as err:
+            return error(err)
+        client = request.app.state.engine_client
+        try:  # returns once the trainer's broadcast of this chunk has arrived and loaded
+            await client.update_weights(WeightTransferUpdateRequest(update_info=info))
+        except Exception as err:  # noqa: BLE001 - half the weights are new: keep generation paused
+            try:
+                await end_update(client, complete=False)
+            except Exception:  # noqa: BLE001, S110 - the first failure is the one reported
+                pass
+            return await failed("receiving weights failed; generation stays paused until a complete update", err)
+        return {"ok": True, "tensors": len(info["names"])}
+
+    @router.post(FINISH_UPDATE)
+    async def finish_update(request: Request):
+        try:
+            version = parse_finish(await read_optional_json(request), state.policy_version)
+            if not state.transfer_active:
+                raise RequestError("no weight update in progress: call /start_weight_update first", 409)
+        except RequestError as err:
+            return error(err)
+        try:
+            await end_update(request.app.state.engine_client, complete=True, version=version)
+        except Exception as err:  # noqa: BLE001
+            return await failed("finishing the weight update failed", err)
+        return {"ok": True, "version": version}
+
     @router.post(UPDATE_WEIGHTS)
     async def update_weights(request: Request):
         try:
-            update = parse_update_request(await read_json(request), state.policy_version)
+            body = await read_json(request)
+        except RequestError as err:
+            return error(err)
+        if isinstance(body, dict) and "update_info" in body:  # one chunk of a collective update
+            return await transfer_chunk(request, body)
+        try:
+            update = parse_update_request(body, state.policy_version)
             if update.restore_base:
                 path = str(state.served_checkpoint)  # its local folder, also for a model served by hub id
             else:
@@ -255,12 +413,8 @@ def build_router(state: SaccadeState):
         except RequestError as err:
             return error(err)
         version = update.version
-        import asyncio
-
-        if state.update_lock is None:
-            state.update_lock = asyncio.Lock()
         client = request.app.state.engine_client
-        async with state.update_lock:  # one update at a time
+        async with lock():  # one update at a time
             # Requests running now finish on the old weights; new ones wait for the new weights.
             await client.pause_generation(mode="wait", clear_cache=False)
             try:
@@ -283,6 +437,7 @@ def build_router(state: SaccadeState):
                 await client.reset_prefix_cache()
                 state.policy_version = version
                 state.base_modified = not update.restore_base
+                state.weights_incomplete = False
                 return {"ok": True, "version": version, "tensors": count}
             finally:
                 await client.resume_generation()
@@ -295,11 +450,24 @@ def build_router(state: SaccadeState):
                 "lora_enabled": request.app.state.vllm_config.lora_config is not None, "lora": state.lora,
                 "base_modified": state.base_modified, "weights_root": str(state.weights_root),
                 "weight_updates_refused": weight_updates_refusal(request),
+                "weight_transfer": transfer_info(request, state), "weights_incomplete": state.weights_incomplete,
                 "dtype": str(model_config.dtype).removeprefix("torch."),
                 "head_dtype": str(model_config.head_dtype).removeprefix("torch."),
                 "fingerprint": state.fingerprint, "routes": app_routes(request.app)}
 
     return router
+
+
+def transfer_info(request, state: SaccadeState) -> dict | None:
+    """The collective weight transfer this server offers: its backend, how many workers join the
+    trainer's group (the group's size is that + 1) and the session of the trainer that joined last
+    ("" for none), or None without one."""
+    vllm_config = request.app.state.vllm_config
+    config = vllm_config.weight_transfer_config
+    if config is None:
+        return None
+    return {"backend": config.backend, "workers": int(vllm_config.parallel_config.world_size_across_dp),
+            "session": state.transfer_session if state.transfer_joined else ""}
 
 
 def app_routes(app) -> list[dict]:

@@ -172,6 +172,63 @@ def parse_update_request(body: Any, current_version: int) -> UpdateRequest:
     return UpdateRequest(path, version, lora, False)
 
 
+TRANSFER_INIT_FIELDS = ("master_address", "master_port", "world_size", "rank_offset", "timeout_s", "session")
+TRANSFER_INIT_EXAMPLE = '{"init_info": {"master_address": "10.0.0.1", "master_port": 29600, "world_size": 2}}'
+# dtypes a chunk may carry (torch's names): what a model's weights are stored in
+TRANSFER_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+MAX_TRANSFER_TENSORS = 100_000
+
+
+def parse_transfer_init(body: Any) -> dict[str, Any]:
+    """/init_weight_transfer_engine's body, {"init_info": {...}} as vLLM spells it, checked."""
+    body = check_fields(body, ("init_info",), TRANSFER_INIT_EXAMPLE)
+    info = check_fields(body.get("init_info"), TRANSFER_INIT_FIELDS, TRANSFER_INIT_EXAMPLE)
+    address = info.get("master_address")
+    if not isinstance(address, str) or not address or len(address) > 255:
+        raise RequestError(f'"master_address" must be the trainer\'s host name or address, e.g. {TRANSFER_INIT_EXAMPLE}')
+    for name, low, high in (("master_port", 1, 65535), ("world_size", 2, 1 << 16), ("rank_offset", 1, 1 << 16)):
+        value = info.get(name, 1 if name == "rank_offset" else None)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise RequestError(f'"{name}" must be an integer in [{low}, {high}], got {str(value)[:40]}')
+    session = info.get("session", "")
+    if not isinstance(session, str) or len(session) > 100:
+        raise RequestError('"session" must be a string of at most 100 characters (the trainer\'s name for the group)')
+    timeout = info.get("timeout_s", 600.0)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 86400:
+        raise RequestError(f'"timeout_s" must be a number of seconds in (0, 86400], got {str(timeout)[:40]}')
+    return info
+
+
+def parse_transfer_chunk(body: Any) -> dict[str, Any]:
+    """The {"update_info": {"names", "dtype_names", "shapes"}} of one chunk of a collective update."""
+    example = '{"update_info": {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[V, H]]}}'
+    info = check_fields(check_fields(body, ("update_info",), example).get("update_info"),
+                        ("names", "dtype_names", "shapes"), example)
+    names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+    if not all(isinstance(x, list) for x in (names, dtypes, shapes)) or not len(names) == len(dtypes) == len(shapes):
+        raise RequestError(f'"names", "dtype_names" and "shapes" must be arrays of one length, e.g. {example}')
+    if not 0 < len(names) <= MAX_TRANSFER_TENSORS:
+        raise RequestError(f"a chunk carries 1 to {MAX_TRANSFER_TENSORS} tensors, got {len(names)}")
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if not isinstance(name, str) or not name or len(name) > 1000:
+            raise RequestError(f"tensor names must be non-empty strings, got {str(name)[:80]!r}")
+        if dtype not in TRANSFER_DTYPES:
+            raise RequestError(f"{name}: dtype {str(dtype)[:40]!r} is not one of {TRANSFER_DTYPES}")
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**40
+                                                  for n in shape):
+            raise RequestError(f"{name}: the shape must be an array of sizes, got {str(shape)[:80]}")
+    return info
+
+
+def parse_finish(body: Any, current_version: int) -> int:
+    """/finish_weight_update's body: {"version": k}, the policy version the new weights are (default: the next)."""
+    body = check_fields(body if body is not None else {}, ("version", "weight_version"), '{"version": 3}')
+    version = body.get("version", current_version + 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:
+        raise RequestError(f'"version" must be an integer in [0, 2**63), got {str(version)[:40]}')
+    return version
+
+
 def resolve_weights_root(root: str | os.PathLike) -> Path:
     """The root as the server will compare against: absolute, symlinks resolved (it need not
     exist yet: the trainer creates its weights folder on its first push)."""

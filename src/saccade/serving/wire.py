@@ -9,7 +9,19 @@ loading the server's module (which needs vLLM).
 ENCODE_IMAGES = "/encode_images"
 UPDATE_WEIGHTS = "/update_weights"
 INFO = "/saccade/info"
-SACCADE_ROUTES = (ENCODE_IMAGES, UPDATE_WEIGHTS, "/saccade/")  # errors as {"error": reason}
+# The weight-transfer phases, under vLLM's own names (vllm/entrypoints/rl/online/api_router.py,
+# which `saccade serve` does not mount): /update_weights with {"update_info": ...} is a chunk of
+# a collective update, with {"path": ...} a folder (serving/server.py).
+INIT_TRANSFER = "/init_weight_transfer_engine"
+START_UPDATE = "/start_weight_update"
+FINISH_UPDATE = "/finish_weight_update"
+SHUTDOWN_TRANSFER = "/shutdown_weight_transfer_engine"
+SACCADE_ROUTES = (ENCODE_IMAGES, UPDATE_WEIGHTS, INIT_TRANSFER, START_UPDATE, FINISH_UPDATE, SHUTDOWN_TRANSFER,
+                  "/saccade/")  # errors as {"error": reason}
+# The weight-transfer engine `saccade serve` registers with vLLM's factory (serving/transfer.py),
+# and the prefix its process group's keys take in the trainer's TCPStore.
+GLOO_BACKEND = "saccade_gloo"
+TRANSFER_STORE_PREFIX = "saccade-weights"
 
 # vLLM's routes the client samples through
 CHAT_COMPLETIONS = "/v1/chat/completions"

@@ -4,7 +4,8 @@ Reached from the API server with `engine_client.collective_rpc(name, args=...)`.
 do not survive that RPC, so arguments and results travel as safetensors bytes. Names are
 prefixed `saccade_` so they never shadow a worker's own methods (e.g. `reload_weights`).
 Imports stay light: this module is imported in every worker process. Importing it in a
-process that has vLLM loaded also mends one vLLM method on the CPU (`keep_cpu_seeded_streams`).
+process that has vLLM loaded also mends one vLLM method on the CPU (`keep_cpu_seeded_streams`)
+and registers saccade's weight-transfer engine with vLLM's factory (`register_weight_transfer`).
 """
 
 from __future__ import annotations
@@ -107,4 +108,24 @@ def keep_cpu_seeded_streams() -> None:
     GPUModelRunner._saccade_keeps_cpu_streams = True
 
 
+def register_weight_transfer() -> None:
+    """Register saccade's gloo engine (saccade.serving.transfer) with vLLM's weight-transfer factory,
+    by module path (imported only when a worker creates it). The worker extension is imported in
+    each worker before it loads the model, which is when vLLM creates the engine that
+    `--weight-transfer-config '{"backend": "saccade_gloo"}'` names (`saccade serve` passes it)."""
+    import sys
+
+    if "vllm" not in sys.modules:
+        return
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # a vLLM without the weight-transfer API: the folder sync still works
+        return
+    from saccade.serving.wire import GLOO_BACKEND
+
+    if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(GLOO_BACKEND, "saccade.serving.transfer", "GlooWeightTransferEngine")
+
+
 keep_cpu_seeded_streams()
+register_weight_transfer()

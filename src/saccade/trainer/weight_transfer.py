@@ -1,0 +1,333 @@
+"""Full fine-tuning's weights sent to the vLLM servers over a process group, no files: the
+trainer's side of vLLM's weight-transfer protocol, on torch.distributed's gloo.
+
+Per server, once (`CollectiveSync.join`): the trainer opens a TCPStore on a free port and asks
+the server (`/init_weight_transfer_engine`) to join; the group is the trainer (rank 0) and the
+server's workers (ranks 1..N, `/saccade/info`'s `weight_transfer.workers`). One group per server:
+a server that dies breaks only its own. The trainer names its groups (a session id); a server
+whose /saccade/info names another (restarted, or joined by another trainer since) is joined
+again before the next sync, so no broadcast goes to a group nobody listens on.
+
+Per sync (`CollectiveSync.send`), on every live server together:
+1. `/start_weight_update`: the server pauses generation (running requests finish on the old
+   weights, new ones queue) and begins vLLM's layerwise reload.
+2. For each layer group (the tensors outside the decoder layers, then layer 0, 1, ...): the
+   group's names, dtypes and shapes go in a `/update_weights` request, and while the servers wait
+   in it the trainer broadcasts the group's bytes, one buffer per group. Only the language model
+   is sent (the tower is frozen), in the engine's layout and dtypes: the tensors, names and bytes
+   `merge_full_weights_for_engine` would write to a folder (`engine_file_plan` decides both).
+   One group is materialized at a time (LoRA merged in).
+3. `/finish_weight_update` {"version": k}: the server ends the reload, reports version k in the
+   policy-version header from then on, and resumes generation.
+The server side is `saccade.serving.transfer` (the engine) and `saccade.serving.server` (routes).
+
+Failures: a server that fails any phase (refuses, drops its connection, dies mid-stream: its
+broadcast raises, in its own group only) is taken out and the sync goes on with the others. A
+server mid-update keeps generation paused (`saccade.serving.server`): nothing samples a mix of
+versions. A server that answers again (restarted by the launcher, or a new one) is not put back
+by the health check: the next sync joins it under a fresh rendezvous, sends it the whole model
+with the others, and puts it back at that version.
+
+Simplified here, for now: gloo carries the bytes also between GPU machines (vLLM's nccl backend
+is the fast path there, not wired yet); one trainer process (a sharded trainer syncs through
+files).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+import secrets
+import socket
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from saccade.inference.server_client import ServerClient, ServerError
+from saccade.inference.servers import NoServerError
+from saccade.serving.wire import (
+    FINISH_UPDATE, GLOO_BACKEND, INFO, INIT_TRANSFER, START_UPDATE, TRANSFER_STORE_PREFIX, UPDATE_WEIGHTS,
+)
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One tensor as the engine gets it: its name there, the trained tensor's canonical name,
+    dtype and shape in the engine's layout."""
+
+    name: str
+    trained: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for n in self.shape:
+            count *= n
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+def layer_groups(items: list[Outgoing]) -> list[list[Outgoing]]:
+    """The tensors outside the decoder layers (embeddings, final norm, lm_head) first, then one
+    group per decoder layer in index order: what vLLM's layerwise reload rebuilds one at a time."""
+    rest: list[Outgoing] = []
+    layers: dict[int, list[Outgoing]] = {}
+    for item in items:
+        match = _LAYER.search(item.name)
+        if match is None:
+            rest.append(item)
+        else:
+            layers.setdefault(int(match.group(1)), []).append(item)
+    return ([rest] if rest else []) + [layers[i] for i in sorted(layers)]
+
+
+def transfer_plan(source, base_model_path: str | Path) -> list[list[Outgoing]]:
+    """What a sync sends, grouped (`layer_groups`): every trained tensor of `source` (a
+    `_LiveWeights`), named, shaped and typed as `engine_file_plan` writes it for the base model."""
+    from saccade.models.loading import load_layout, resolve_model_path, safetensors_files
+    from saccade.trainer.checkpoint.engine_weights import _ST_DTYPES, _safetensors_header, engine_file_plan
+
+    base = resolve_model_path(base_model_path)
+    headers = [(file, *_safetensors_header(file)) for file in safetensors_files(base)]
+    plan = engine_file_plan(headers, load_layout(base), {k: tuple(source.shape(k)) for k in source.keys})
+    items = [Outgoing(e.key, e.trained, _ST_DTYPES[e.dtype], tuple(e.shape))
+             for _, entries in plan for e in entries if e.trained]
+    return layer_groups(items)
+
+
+def trainer_address(urls: list[str], configured: str | None, layout_host: str | None = None) -> str:
+    """The address the servers reach the trainer's TCPStore at: `configured`; else 127.0.0.1 when
+    every server is on this machine; else the host of the layout's trainer node (`saccade launch`;
+    the collective is for one trainer process, which runs there); ValueError otherwise (the run
+    then syncs through files)."""
+    from urllib.parse import urlparse
+
+    from saccade.config import is_loopback
+
+    if configured:
+        return configured
+    hosts = [urlparse(u).hostname or "" for u in urls]
+    if all(is_loopback(h) for h in hosts):
+        return "127.0.0.1"
+    if layout_host and not is_loopback(layout_host):
+        return layout_host
+    raise ValueError(f"the servers ({', '.join(sorted(set(hosts)))}) are not all on this machine: set "
+                     "engine.transfer_address to an address of this machine they can reach")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class CollectiveSync:
+    """The trainer's end of the collective weight transfer to the servers of `client`.
+
+    `model`: the trainer's (PolicyLM or PeftModel; read, never changed). One process: a sharded
+    trainer syncs through files for now (`saccade.run.setup.choose_weight_sync`), because a
+    failure on rank 0 mid-stream would leave the other ranks waiting in the gathers (the folder
+    export sees them through; this does not yet)."""
+
+    def __init__(self, client: ServerClient, model: nn.Module, base_model_path: str | Path, *,
+                 address: str, timeout_s: float = 600.0):
+        from saccade.models.loading import load_layout
+        from saccade.trainer.checkpoint.engine_weights import _LiveWeights
+
+        self.client = client
+        self.address = address
+        self.timeout_s = timeout_s
+        self.source = _LiveWeights(model)
+        self.groups = transfer_plan(self.source, base_model_path)
+        self.to_hub = load_layout(base_model_path).family.checkpoint.to_hub  # the family's engine layout
+        self.groups_by_server: dict[str, object] = {}  # url -> its ProcessGroupGloo
+        self.stores: dict[str, object] = {}  # url -> the TCPStore its group met at
+        self.last: dict[str, float] = {}  # the last sync's seconds by phase (send's result)
+        # Our name for our groups: a server whose /saccade/info names another session was restarted,
+        # or another trainer joined it since; it is joined again before the next sync.
+        self.session = secrets.token_hex(8)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for group in self.groups for item in group)
+
+    def _post(self, path: str, body: dict | None, server) -> Future:
+        return self.client.submit(self.client.post(path, json_body=body, server=server, once=True))
+
+    def join(self, server) -> None:
+        """Rendezvous with one server's workers (`Server`), unless its group is ours already."""
+        import torch.distributed as dist
+
+        info = self.client.run(self._info(server))
+        transfer = info.get("weight_transfer")
+        if server.url in self.groups_by_server and (transfer or {}).get("session") == self.session:
+            return
+        self.groups_by_server.pop(server.url, None)
+        self.stores.pop(server.url, None)
+        if not transfer or transfer.get("backend") != GLOO_BACKEND:
+            raise ServerError(f"{server.url} offers no {GLOO_BACKEND} weight transfer ({transfer}): restart it with "
+                              "this saccade's `saccade serve`, or set engine.weight_sync = \"files\"")
+        world = 1 + int(transfer["workers"])
+        port = free_port()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore("0.0.0.0", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        asked = self._post(INIT_TRANSFER, {"init_info": {
+            "master_address": self.address, "master_port": port, "world_size": world, "timeout_s": self.timeout_s,
+            "session": self.session,
+        }}, server)
+        try:  # blocks until the server's workers have joined
+            group = dist.ProcessGroupGloo(dist.PrefixStore(TRANSFER_STORE_PREFIX, store), 0, world, timeout)
+        except Exception:
+            if asked.done():
+                asked.result()  # the server's reason, if it gave one
+            raise
+        asked.result()
+        self.groups_by_server[server.url] = group
+        self.stores[server.url] = store  # kept as long as the group
+        log.info("weight transfer: joined %s (gloo, world %d, store %s:%d)", server.url, world, self.address, port)
+
+    async def _info(self, server) -> dict:
+        response = await self.client.http().get(server.url + INFO, headers=self.client.headers, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    @torch.no_grad()
+    def _materialize(self, group: list[Outgoing]) -> torch.Tensor:
+        """The group's tensors in the engine's layout and dtypes, back to back in one flat uint8 buffer."""
+        parts = []
+        for item in group:
+            t = self._to_engine(item, self.source.get(item.trained))
+            parts.append(t.to(device="cpu", dtype=item.dtype).contiguous().reshape(-1).view(torch.uint8))
+        return torch.cat(parts)
+
+    def _to_engine(self, item: Outgoing, t: torch.Tensor) -> torch.Tensor:
+        out = self.to_hub(item.trained, t.detach())
+        if tuple(out.shape) != item.shape:
+            raise ValueError(f"{item.trained}: {tuple(out.shape)} in the engine's layout, the plan says {item.shape}")
+        return out
+
+    def send(self, version: int) -> dict[str, float]:
+        """One sync to every live server, and to every server that is out but answers again (a
+        restarted one: it gets the whole model before it is put back). A server that fails in any
+        phase (refuses, drops its connection, dies mid-stream) is taken out and the others go on;
+        NoServerError when none took the weights. See the module note. Returns seconds spent, in
+        all and by phase (start: the servers paused and ready; stream: the groups materialized and
+        broadcast; finish: reload closed, caches reset, resumed), and bytes sent per server."""
+        start = time.perf_counter()
+        servers = self._joined(list(self.client.pool.alive) + self._answering_again())
+        servers = self._phase(START_UPDATE, None, servers)
+        started = time.perf_counter()
+        materialize_s = 0.0
+        for group in self.groups:
+            if not servers:
+                break
+            t0 = time.perf_counter()
+            buffer = self._materialize(group)
+            materialize_s += time.perf_counter() - t0
+            servers = self._stream(group, buffer, servers)
+        streamed = time.perf_counter()
+        servers = self._phase(FINISH_UPDATE, {"version": version}, servers)
+        if not servers:
+            raise NoServerError(f"{self.client.pool.describe_down()}; weights v{version} reached none. Start them "
+                                "again (saccade serve MODEL ...) at the run's engine.urls")
+        for server in servers:
+            server.versions_loaded.append(version)
+            if server.alive:
+                server.version = version
+            else:
+                self.client.pool.put_back(server, version)
+                log.info("server %s is back in, with weights version %s (the whole model sent)", server.url, version)
+        end = time.perf_counter()
+        self.last = {"seconds": end - start, "start_s": started - start, "stream_s": streamed - started,
+                     "materialize_s": materialize_s, "finish_s": end - streamed, "bytes": float(self.nbytes),
+                     "servers": float(len(servers))}
+        return self.last
+
+    def _answering_again(self) -> list:
+        """The servers that are out but answer and may come back (`ServerClient.fit_to_rejoin`)."""
+        back = []
+        for server in self.client.pool.down:
+            try:
+                self.client.run(self.client.fit_to_rejoin(server))
+            except Exception as err:  # noqa: BLE001 - still out: the health check keeps asking
+                server.last_error = f"{type(err).__name__}: {err}"[:300]
+                continue
+            back.append(server)
+        return back
+
+    def _take_out(self, server, why: str) -> None:
+        """A server that failed a phase: out of the pool and out of the transfer (its group is joined
+        again, under a fresh rendezvous, when it answers again)."""
+        self.groups_by_server.pop(server.url, None)
+        self.stores.pop(server.url, None)
+        if self.client.pool.take_out(server, why):
+            log.warning("server %s taken out during a weight sync (%s); the others go on", server.url, why)
+        else:
+            server.last_error = why
+
+    def _joined(self, servers: list) -> list:
+        """The servers in a process group with this trainer (joined now where needed)."""
+        ok = []
+        for server in servers:
+            try:
+                self.join(server)
+            except Exception as err:  # noqa: BLE001 - that server is out, the others take the weights
+                self._take_out(server, f"joining the weight transfer failed: {type(err).__name__}: {err}"[:300])
+                continue
+            ok.append(server)
+        return ok
+
+    def _phase(self, path: str, body: dict | None, servers: list) -> list:
+        """One phase on every server together; those that fail it are taken out."""
+        asked = [(s, self._post(path, body, s)) for s in servers]
+        ok = []
+        for server, future in asked:
+            try:
+                future.result()
+            except Exception as err:  # noqa: BLE001
+                self._take_out(server, f"{path} failed: {type(err).__name__}: {err}"[:300])
+                continue
+            ok.append(server)
+        return ok
+
+    def _stream(self, group: list[Outgoing], buffer: torch.Tensor, servers: list) -> list:
+        """One layer group to every server: each waits in its /update_weights while the trainer
+        broadcasts the bytes in its process group."""
+        import torch.distributed as dist
+
+        meta = {"names": [i.name for i in group], "dtype_names": [str(i.dtype).removeprefix("torch.") for i in group],
+                "shapes": [list(i.shape) for i in group]}
+        asked = [(s, self._post(UPDATE_WEIGHTS, {"update_info": meta}, s)) for s in servers]
+        sent = []
+        for server, future in asked:
+            try:
+                if future.done():
+                    future.result()  # refused before the broadcast: say why instead of waiting for a peer
+                self.groups_by_server[server.url].broadcast([buffer], dist.BroadcastOptions()).wait()
+            except Exception as err:  # noqa: BLE001 - a dead peer breaks only its own group
+                self._take_out(server, f"streaming the weights failed: {type(err).__name__}: {err}"[:300])
+                continue
+            sent.append(server)
+        return self._finished(sent, {s.url: f for s, f in asked})
+
+    def _finished(self, servers: list, futures: dict) -> list:
+        """The servers whose /update_weights for the group returned: the group loaded there."""
+        ok = []
+        for server in servers:
+            try:
+                futures[server.url].result()
+            except Exception as err:  # noqa: BLE001
+                self._take_out(server, f"loading the weights failed: {type(err).__name__}: {err}"[:300])
+                continue
+            ok.append(server)
+        return ok
