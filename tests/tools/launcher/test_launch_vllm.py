@@ -236,3 +236,46 @@ def test_launch_restarts_a_killed_server_stops_on_ctrl_c_and_resumes(tmp_path):
     assert all(r["policy_lag"] <= 1 for r in rows) and any(r["policy_lag"] == 1 for r in rows[stopped:])
     assert rows[-1]["servers_alive"] == 2
     assert second.seen and not second.left(), second.left()
+
+
+@pytest.mark.long
+def test_launch_with_the_collective_sync_gives_the_restarted_server_the_whole_model(tmp_path):
+    """Full fine-tuning, `engine.weight_sync = "collective"` (saccade.trainer.weight_transfer), one
+    trainer process, two servers: one SIGKILLed mid-run is started again by the launcher and
+    takes no request until a sync has sent it the whole model; no step trains on older weights
+    than one version, no weights folder is written."""
+    from saccade.tools.bench.engine import MEAN_BAR
+
+    config = tmp_path / "run.toml"
+    run = tmp_path / "run"
+    # One process trains the tiny model's steps in a fraction of a second: steps enough to outlast
+    # a server's restart; the test ends the run with Ctrl-C.
+    layout = (CONFIG.format(port=free_ports(2)).replace("trainer_ranks = 2", "trainer_ranks = 1")
+              .replace("steps = 200", "steps = 100000"))
+    config.write_text("lora = false\n" + layout.replace("[engine]\n", '[engine]\nweight_sync = "collective"\n')
+                      + f'[log]\ndir = "{run}"\n')
+    launch = Launch(config, tmp_path / "launch.log")
+    try:
+        wait_until(lambda: len(train_rows(run)) >= 2, launch, 600, "two trained steps")
+        pids = json.loads((run / LAUNCH_DIR / "pids.json").read_text())
+        os.killpg(pids["server 1"], signal.SIGKILL)
+        wait_until(lambda: sum(r.get("servers_rejoined", 0) for r in train_rows(run)) >= 1, launch, 600,
+                   "the restarted server rejoining")
+        rejoined = len(train_rows(run))
+        wait_until(lambda: len(train_rows(run)) >= rejoined + 2, launch, 300, "two more steps")
+        launch.proc.send_signal(signal.SIGINT)
+        code = launch.wait(timeout_s=300)
+    finally:
+        if launch.proc.poll() is None:
+            os.killpg(launch.proc.pid, signal.SIGKILL)
+    text = launch.text()
+    assert code == 130, text[-6000:]
+    assert "weight sync: collective" in text and "no files" in text
+    assert "server 1 exited with -9: starting it again" in text
+    rows = train_rows(run)
+    assert sum(r["servers_taken_out"] for r in rows) >= 1 and rows[-1]["servers_alive"] == 2
+    assert all(r["policy_lag"] <= 1 for r in rows), [r["policy_lag"] for r in rows]
+    lag0 = [r["mismatch_abs_lag0"] for r in rows if "mismatch_abs_lag0" in r]
+    assert lag0 and max(lag0) <= MEAN_BAR, lag0  # every server sampled the weights its header named
+    assert not (run / "engine-weights").exists()
+    assert launch.seen and not launch.left(), launch.left()
