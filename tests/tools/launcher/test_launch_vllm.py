@@ -106,6 +106,14 @@ class Launch:
         self.out.close()
         return code
 
+    def __enter__(self) -> Launch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Whatever the test found, nothing it started outlives it."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
     def left(self) -> list[int]:
         """The processes seen below the launcher that still run."""
         return [pid for pid, started in self.seen.items() if start_time(pid) == started and alive(pid)]
@@ -172,12 +180,8 @@ def test_launch_trains_at_world_2_and_leaves_no_process(tmp_path):
     run = tmp_path / "run"
     one_server = CONFIG.replace("servers = 2", "servers = 1").replace("steps = 200", "steps = 3")
     config.write_text(one_server.format(port=free_ports(1)) + f'[log]\ndir = "{run}"\n')
-    launch = Launch(config, tmp_path / "launch.log")
-    try:
+    with Launch(config, tmp_path / "launch.log") as launch:
         code = launch.wait(timeout_s=600)
-    finally:
-        if launch.proc.poll() is None:
-            os.killpg(launch.proc.pid, signal.SIGKILL)
     text = launch.text()
     assert code == 0, text[-6000:]
     assert "[trainer] done: 3 steps on 2 rank(s)" in text  # torchrun, both ranks
@@ -194,8 +198,7 @@ def test_launch_restarts_a_killed_server_stops_on_ctrl_c_and_resumes(tmp_path):
     port = free_ports(2)
     config.write_text(CONFIG.format(port=port) + f'[log]\ndir = "{run}"\n')
 
-    first = Launch(config, tmp_path / "launch-1.log")
-    try:
+    with Launch(config, tmp_path / "launch-1.log") as first:
         wait_until(lambda: len(train_rows(run)) >= 2, first, 600, "two trained steps")
         assert_servers_want_the_launchers_key(f"http://127.0.0.1:{port}", run / LAUNCH_DIR / "api-key", first.text())
         pids = json.loads((run / LAUNCH_DIR / "pids.json").read_text())
@@ -208,9 +211,6 @@ def test_launch_restarts_a_killed_server_stops_on_ctrl_c_and_resumes(tmp_path):
         asked = time.time()
         code = first.wait(timeout_s=300)
         stop_s = time.time() - asked
-    finally:
-        if first.proc.poll() is None:
-            os.killpg(first.proc.pid, signal.SIGKILL)
     text = first.text()
     assert code == 130, text[-6000:]
     print(f"stopped {stop_s:.1f} s after Ctrl-C")
@@ -223,12 +223,8 @@ def test_launch_restarts_a_killed_server_stops_on_ctrl_c_and_resumes(tmp_path):
     assert sum(r["servers_taken_out"] for r in train_rows(run)) >= 1
     assert [r["step"] for r in train_rows(run)] == list(range(1, stopped + 1))
 
-    second = Launch(config, tmp_path / "launch-2.log", "--resume", "--trainer.steps", str(stopped + 4))
-    try:
+    with Launch(config, tmp_path / "launch-2.log", "--resume", "--trainer.steps", str(stopped + 4)) as second:
         code = second.wait(timeout_s=600)
-    finally:
-        if second.proc.poll() is None:
-            os.killpg(second.proc.pid, signal.SIGKILL)
     assert code == 0, second.text()[-6000:]
     assert "[launch] the trainer finished; every process started here has stopped" in second.text()
     rows = train_rows(run)
@@ -254,8 +250,7 @@ def test_launch_with_the_collective_sync_gives_the_restarted_server_the_whole_mo
               .replace("steps = 200", "steps = 100000"))
     config.write_text("lora = false\n" + layout.replace("[engine]\n", '[engine]\nweight_sync = "collective"\n')
                       + f'[log]\ndir = "{run}"\n')
-    launch = Launch(config, tmp_path / "launch.log")
-    try:
+    with Launch(config, tmp_path / "launch.log") as launch:
         wait_until(lambda: len(train_rows(run)) >= 2, launch, 600, "two trained steps")
         pids = json.loads((run / LAUNCH_DIR / "pids.json").read_text())
         os.killpg(pids["server 1"], signal.SIGKILL)
@@ -265,9 +260,6 @@ def test_launch_with_the_collective_sync_gives_the_restarted_server_the_whole_mo
         wait_until(lambda: len(train_rows(run)) >= rejoined + 2, launch, 300, "two more steps")
         launch.proc.send_signal(signal.SIGINT)
         code = launch.wait(timeout_s=300)
-    finally:
-        if launch.proc.poll() is None:
-            os.killpg(launch.proc.pid, signal.SIGKILL)
     text = launch.text()
     assert code == 130, text[-6000:]
     assert "weight sync: collective" in text and "no files" in text
