@@ -40,7 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sample_ahead(run_dir: Path, world: int, server: str, tiny_path: Path) -> None:
+def sample_ahead(run_dir: Path, world: int, server: str, tiny_path: Path, *extra: str) -> None:
     launcher = [] if world == 1 else [
         "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
@@ -49,7 +49,7 @@ def sample_ahead(run_dir: Path, world: int, server: str, tiny_path: Path) -> Non
            "--rollout.max_async_level", "1", "--trainer.steps", "4", "--trainer.lr", "1e-2",
            "--rollout.prompts_per_step", "4", "--rollout.group_size", "4", "--rollout.filter_zero_variance", "false",
            "--sampling.max_tokens", "6", "--loss.max_completion_tokens", "6", "--eval.every_steps", "0",
-           "--trainer.max_tokens", "128", "--checkpoint.every_steps", "0"]
+           "--trainer.max_tokens", "128", "--checkpoint.every_steps", "0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -75,3 +75,20 @@ def test_world_2_samples_ahead_on_vllm_exactly_as_world_1(server, tiny_path, tmp
     assert m1[0]["mismatch_abs_lag0"] <= MEAN_BAR and m2[0]["mismatch_abs_lag0"] <= MEAN_BAR
     assert len({r["loss"] for r in m2}) == 4
     assert [p.name for p in (tmp_path / "world2" / "run" / "engine-weights").iterdir()] == ["v4"]
+
+
+@pytest.mark.long
+def test_world_2_with_the_collective_sync_samples_as_world_1_through_files(server, tiny_path, tmp_path):
+    """A sharded trainer's collective sync (saccade.trainer.weight_transfer): both ranks gather
+    each layer group's shards, rank 0 broadcasts it; the server then samples exactly what the
+    folder sync gave it at world 1, token for token."""
+    sample_ahead(tmp_path / "files", 1, server, tiny_path)
+    sample_ahead(tmp_path / "collective", 2, server, tiny_path, "--engine.weight_sync", "collective")
+    records = [json.loads((tmp_path / w / "record.json").read_text()) for w in ("files", "collective")]
+    assert len(records[0]) == 4 and records[1] == records[0]
+    m1, m2 = ([r for r in read_metrics(tmp_path / w / "run") if r["phase"] == "train"] for w in ("files", "collective"))
+    for a, b in zip(m1, m2, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-7 + RTOL * abs(a[key]), (a["step"], key, a[key], b[key])
+    assert m2[0]["mismatch_abs_lag0"] <= MEAN_BAR
+    assert not (tmp_path / "collective" / "run" / "engine-weights").exists()  # no files

@@ -37,6 +37,11 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
+# Set by `saccade launch` on each node's trainer process: that node's `host` in the layout (where
+# the servers reach the trainer's rank 0 for a collective weight sync, when it runs there).
+NODE_HOST_ENV = "SACCADE_NODE_HOST"
+
+
 class LaunchNode(Section):
     """One machine of the layout: how many trainer ranks and vLLM servers it runs, on which GPUs."""
 

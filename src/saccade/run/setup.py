@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from saccade.config import ImagesConfig, RunConfig
+from saccade.config.launch import NODE_HOST_ENV
 from saccade.devices import resolve_device
 from saccade.distributed import SINGLE, World, barrier, broadcast
 from saccade.trainer.sharding import shard_model
@@ -147,12 +148,14 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
         exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora, world=world), lora=lora,
         pushes_weights=world.is_main, vocab_size=_vocab_rows(model),
     )
-    # Rank 0 decides (it alone asks the servers), every rank follows, a refusal included.
+    # Rank 0 decides (it alone asks the servers), every rank follows, a refusal included. Under
+    # `saccade launch`, the host of rank 0's own node in the layout (torchrun numbers the nodes its
+    # own way); else the layout's first trainer node.
+    layout_host = os.environ.get(NODE_HOST_ENV) or cfg.launch.trainer_host
     choice = None
     if world.is_main:
         try:
-            choice = choose_weight_sync(cfg.engine, lora=lora, infos=engine.info(), world_size=world.size,
-                                        layout_host=cfg.launch.trainer_host)
+            choice = choose_weight_sync(cfg.engine, lora=lora, infos=engine.info(), layout_host=layout_host)
         except ValueError as err:
             choice = ("error", str(err))
     kind, why = broadcast(choice, world)
@@ -162,13 +165,13 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
     if kind == "collective":
         from saccade.trainer.weight_transfer import CollectiveSync, trainer_address
 
-        address = trainer_address(cfg.engine.urls, cfg.engine.transfer_address, cfg.launch.trainer_host)
+        address = trainer_address(cfg.engine.urls, cfg.engine.transfer_address, layout_host)
         engine.transfer = CollectiveSync(engine.client, model, model_path, address=address,
-                                         timeout_s=cfg.engine.timeout_s)
+                                         timeout_s=cfg.engine.timeout_s, sends=world.is_main)
     return engine
 
 
-def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict], world_size: int = 1,
+def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict],
                        layout_host: str | None = None) -> tuple[str, str]:
     """How weights reach the servers ("lora", "files" or "collective") and why, from
     `engine.weight_sync`, the servers' /saccade/info and where they are. "collective" asked for
@@ -180,14 +183,12 @@ def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict], world_size:
         return "lora", "engine.sync_lora_adapter: the servers load the adapter's folder"
     if engine_cfg.weight_sync == "files":
         return "files", 'engine.weight_sync = "files": written to a folder each server reads back'
-    problem = None if world_size == 1 else (
-        f"the trainer runs on {world_size} ranks, and the collective is for one process for now (a failure on rank 0 "
-        "mid-stream would leave the others in the gathers)")
+    problem = None
     lacking = [i.get("model", "?") for i in infos if (i.get("weight_transfer") or {}).get("backend") != GLOO_BACKEND]
-    if problem is None and lacking:
+    if lacking:
         problem = (f"{len(lacking)} server(s) offer no {GLOO_BACKEND} weight transfer (an older saccade serve, or "
                    "--weight-transfer-config set to another backend)")
-    elif problem is None:
+    else:
         try:
             address = trainer_address(engine_cfg.urls, engine_cfg.transfer_address, layout_host)
         except ValueError as err:

@@ -29,8 +29,8 @@ by the health check: the next sync joins it under a fresh rendezvous, sends it t
 with the others, and puts it back at that version.
 
 Simplified here, for now: gloo carries the bytes also between GPU machines (vLLM's nccl backend
-is the fast path there, not wired yet); one trainer process (a sharded trainer syncs through
-files).
+is the fast path there, not wired yet); rank 0 alone sends (its gathered groups go out from
+one process, as the folder export writes from one).
 """
 
 from __future__ import annotations
@@ -107,9 +107,9 @@ def transfer_plan(source, base_model_path: str | Path) -> list[list[Outgoing]]:
 
 def trainer_address(urls: list[str], configured: str | None, layout_host: str | None = None) -> str:
     """The address the servers reach the trainer's TCPStore at: `configured`; else 127.0.0.1 when
-    every server is on this machine; else the host of the layout's trainer node (`saccade launch`;
-    the collective is for one trainer process, which runs there); ValueError otherwise (the run
-    then syncs through files)."""
+    every server is on this machine; else `layout_host`, the host of rank 0's node in the
+    `[launch]` layout (`saccade.run.setup`); ValueError otherwise (the run then syncs through
+    files)."""
     from urllib.parse import urlparse
 
     from saccade.config import is_loopback
@@ -134,20 +134,22 @@ def free_port() -> int:
 class CollectiveSync:
     """The trainer's end of the collective weight transfer to the servers of `client`.
 
-    `model`: the trainer's (PolicyLM or PeftModel; read, never changed). One process: a sharded
-    trainer syncs through files for now (`saccade.run.setup.choose_weight_sync`), because a
-    failure on rank 0 mid-stream would leave the other ranks waiting in the gathers (the folder
-    export sees them through; this does not yet)."""
+    `model`: the trainer's (PolicyLM or PeftModel; read, never changed). A sharded trainer makes
+    one on every rank: `sends` on rank 0 only, which talks to the servers; every rank gathers each
+    layer group's shards together (one all-gather per tensor), so no rank holds more than one
+    group whole. Rank 0 goes through every group's gathers whatever the servers do (a failing
+    server is taken out, never raised mid-stream), so the other ranks are never left in a gather."""
 
     def __init__(self, client: ServerClient, model: nn.Module, base_model_path: str | Path, *,
-                 address: str, timeout_s: float = 600.0):
+                 address: str, timeout_s: float = 600.0, sends: bool = True):
         from saccade.models.loading import load_layout
         from saccade.trainer.checkpoint.engine_weights import _LiveWeights
 
         self.client = client
         self.address = address
         self.timeout_s = timeout_s
-        self.source = _LiveWeights(model)
+        self.sends = sends  # False: a rank other than 0 of a sharded trainer (the gathers only)
+        self.source = _LiveWeights(model, compute=sends)
         self.groups = transfer_plan(self.source, base_model_path)
         self.to_hub = load_layout(base_model_path).family.checkpoint.to_hub  # the family's engine layout
         self.groups_by_server: dict[str, object] = {}  # url -> its ProcessGroupGloo
@@ -223,18 +225,22 @@ class CollectiveSync:
         NoServerError when none took the weights. See the module note. Returns seconds spent, in
         all and by phase (start: the servers paused and ready; stream: the groups materialized and
         broadcast; finish: reload closed, caches reset, resumed), and bytes sent per server."""
+        if not self.sends:
+            for group in self.groups:
+                for item in group:
+                    self.source.get(item.trained)  # this rank's part of the gather; rank 0 sends
+            return {}
         start = time.perf_counter()
         servers = self._joined(list(self.client.pool.alive) + self._answering_again())
         servers = self._phase(START_UPDATE, None, servers)
         started = time.perf_counter()
         materialize_s = 0.0
-        for group in self.groups:
-            if not servers:
-                break
+        for group in self.groups:  # every group, with servers left or not: the other ranks gather with this one
             t0 = time.perf_counter()
             buffer = self._materialize(group)
             materialize_s += time.perf_counter() - t0
-            servers = self._stream(group, buffer, servers)
+            if servers:
+                servers = self._stream(group, buffer, servers)
         streamed = time.perf_counter()
         servers = self._phase(FINISH_UPDATE, {"version": version}, servers)
         if not servers:

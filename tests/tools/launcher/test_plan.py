@@ -108,6 +108,9 @@ def test_two_nodes_number_the_servers_across_the_layout_and_meet_at_the_first_tr
         assert trainer.argv[3:13] == ("--nnodes", "2", "--nproc-per-node", "4", "--node-rank", str(rank),
                                       "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29500")
         assert trainer.argv[13:15] == ("--rdzv-id", "two-nodes")
+        # torchrun's rank 0 may be on either node: each trainer knows its node's host, where a
+        # collective weight sync's servers reach rank 0 (saccade.run.setup)
+        assert trainer.env["SACCADE_NODE_HOST"] == f"10.0.0.{rank + 1}"
     tp = [list(s.argv) for s in plans[0][:3] + plans[1][:3]]
     assert [a[a.index("--tensor-parallel-size") + 1] if "--tensor-parallel-size" in a else "1" for a in tp] == \
         ["1", "1", "2", "2", "1", "1"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from saccade.config import LaunchNode, RunConfig, is_loopback
+from saccade.config.launch import NODE_HOST_ENV
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ def trainer_process(cfg: RunConfig, node_rank: int, *, config: str, overrides: l
     if node.trainer_gpus:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, node.trainer_gpus)),
                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    if len(trainer_nodes) > 1:  # rank 0 may run on any of them: a collective weight sync's servers reach it here
+        env[NODE_HOST_ENV] = node.host
     return Process("trainer", tuple(argv), env)
 
 
