@@ -230,7 +230,7 @@ class EngineConfig(Section):
         None, min_length=1, max_length=255,
         description="the address of this machine the servers reach the trainer at for weight_sync = "
         "'collective' (it opens a port there per server); unset: 127.0.0.1 when every server is on this machine, "
-        "else the host of the [launch] layout's first trainer node",
+        "else the host of the [launch] layout's node that runs rank 0",
     )
     weights_dir: str | None = Field(
         None,

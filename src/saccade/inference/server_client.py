@@ -241,8 +241,9 @@ class ServerClient:
                 continue
             finally:
                 self.pool.end(target)
-            if server is None and response.status_code < 400 and stale(held_version(response), confirmed):
-                failure = f"answered under weights v{held_version(response)}, older than v{confirmed} (missed a push)"
+            held = held_version(response)
+            if server is None and response.status_code < 400 and stale(held, confirmed):
+                failure = f"answered under weights v{held}, older than v{confirmed} (missed a push)"
                 reroute(target, failure, ServerError(failure))
                 continue
             if response.status_code < 400 and parse is None:

@@ -24,6 +24,7 @@ lazy registry, `saccade.serving.worker.register_weight_transfer`).
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
@@ -71,23 +72,16 @@ def chunk_views(buffer: torch.Tensor, dtype_names: list[str], shapes: list[list[
     out, at = [], 0
     for dtype_name, shape in zip(dtype_names, shapes, strict=True):
         dtype = getattr(torch, dtype_name)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = itemsize * _count(shape)
+        itemsize = dtype.itemsize
+        nbytes = itemsize * math.prod(shape)
         piece = buffer[at:at + nbytes]
         out.append((piece if at % itemsize == 0 else piece.clone()).view(dtype).view(shape))
         at += nbytes
     return out
 
 
-def _count(shape: list[int]) -> int:
-    count = 1
-    for n in shape:
-        count *= int(n)
-    return count
-
-
 def chunk_nbytes(dtype_names: list[str], shapes: list[list[int]]) -> int:
-    return sum(_count(shape) * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+    return sum(math.prod(shape) * getattr(torch, dtype_name).itemsize
                for dtype_name, shape in zip(dtype_names, shapes, strict=True))
 
 

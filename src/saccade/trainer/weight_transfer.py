@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import re
 import secrets
-import socket
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -71,10 +71,7 @@ class Outgoing:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for n in self.shape:
-            count *= n
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def layer_groups(items: list[Outgoing]) -> list[list[Outgoing]]:
@@ -123,12 +120,6 @@ def trainer_address(urls: list[str], configured: str | None, layout_host: str | 
         return layout_host
     raise ValueError(f"the servers ({', '.join(sorted(set(hosts)))}) are not all on this machine: set "
                      "engine.transfer_address to an address of this machine they can reach")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class CollectiveSync:
@@ -180,9 +171,10 @@ class CollectiveSync:
             raise ServerError(f"{server.url} offers no {GLOO_BACKEND} weight transfer ({transfer}): restart it with "
                               "this saccade's `saccade serve`, or set engine.weight_sync = \"files\"")
         world = 1 + int(transfer["workers"])
-        port = free_port()
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore("0.0.0.0", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        # Port 0: the OS picks a free one as the store binds it (no gap in which another takes it).
+        store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        port = store.port
         asked = self._post(INIT_TRANSFER, {"init_info": {
             "master_address": self.address, "master_port": port, "world_size": world, "timeout_s": self.timeout_s,
             "session": self.session,
