@@ -64,18 +64,24 @@ def test_an_overrunning_sync_call_is_cut_and_its_worker_killed(make_rewards):
 
 
 def test_overrunning_calls_leave_no_thread_or_process_behind(make_rewards):
-    threads = threading.active_count()
+    # Threads are told by identity, not counted: threads of earlier tests on this pytest worker (tqdm's
+    # monitor, an unclosed client's loop) may end meanwhile, which a count would take for ours ending.
+    before = set(threading.enumerate())
+
+    def ours() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t not in before]
+
     r = make_rewards({"reward_helpers:pid": 1.0}, timeout_s=0.3)
     results = score(r, *["sleep"] * 10) + score(r, *["sleep"] * 10)  # 20 overruns, 10 at once
     assert [v["reward_timeouts"] for v in results] == [1.0] * 20
     assert worker_pids() == set()  # every worker that overran is gone
     # The workers' loop thread; each live child adds a reaper thread (asyncio's, on 3.11) until it is reaped.
-    assert eventually(lambda: threading.active_count() <= threads + 1, 2.0), threading.enumerate()
+    assert eventually(lambda: len(ours()) <= 1, 2.0), ours()
     assert len({int(v["reward_pid"]) for v in score(r, *["x"] * 12)}) <= SYNC_WORKERS  # bounded pool
-    assert len(worker_pids()) <= SYNC_WORKERS and threading.active_count() <= threads + 1 + SYNC_WORKERS
+    assert len(worker_pids()) <= SYNC_WORKERS and len(ours()) <= 1 + SYNC_WORKERS
     r.close()
     assert worker_pids() == set()
-    assert eventually(lambda: threading.active_count() == threads, 2.0), threading.enumerate()
+    assert eventually(lambda: ours() == [], 2.0), ours()
 
 
 def test_what_an_overrunning_call_started_is_killed_with_it(make_rewards, tmp_path):
