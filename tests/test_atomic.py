@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import saccade.atomic
-from saccade.atomic import atomic_dir, remove_dead_tmp_dirs
+from saccade.atomic import atomic_dir, remove_dead_tmp_dirs, write_file_atomically
 
 
 def _dead_pid() -> int:
@@ -43,6 +43,20 @@ def test_a_write_that_fails_leaves_the_old_folder_and_no_temp_folder(tmp_path):
         raise OSError("disk full")
     assert (final / "a.txt").read_text() == "one"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_file_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "pids.json"
+    write_file_atomically(path, b"old")
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_file_atomically(path, b"new")
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["pids.json"]
 
 
 def test_only_the_temp_folders_of_dead_writers_are_removed(tmp_path):

@@ -117,13 +117,17 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def write_file_atomically(path: Path, data: bytes) -> None:
     """Replace `path`'s contents with `data` in one step: written to `NAME.tmp` beside it,
-    fsynced, renamed over it, and the rename made durable."""
+    fsynced, renamed over it, and the rename made durable; a write that fails removes `NAME.tmp`."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half-written NAME.tmp is left beside it
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

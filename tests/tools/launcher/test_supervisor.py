@@ -22,7 +22,7 @@ from saccade.tools.launcher.plan import Process
 from saccade.tools.launcher import supervisor
 from saccade.tools.launcher.ports import url_port
 from saccade.tools.launcher.supervisor import (ENDED_FILE, LAUNCH_DIR, Log, alive, process_tree, restart_delay,
-                                               supervise)
+                                               supervise, write_or_warn)
 from saccade.serving.launch import free_port
 
 HERE = Path(__file__).parent
@@ -329,6 +329,27 @@ def test_a_url_answered_by_a_stranger_before_our_server_binds_is_refused(tmp_pat
         for stranger in strangers:
             stranger.kill()
             stranger.wait()
+
+
+def test_a_reader_of_the_pids_file_never_sees_it_emptied_or_half_written(tmp_path):
+    """pids.json is rewritten at each (re)start while a user's script, or this file's tests, read it:
+    each read is the old list or the new (a file truncated, then written, was read empty in CI)."""
+    path, done, seen = tmp_path / "pids.json", threading.Event(), []
+
+    def read_all_the_while():
+        while not done.is_set():
+            seen.append(path.read_text())
+
+    write_or_warn(path, json.dumps({"server 0": 1}) + "\n", Log(io.StringIO()))
+    reader = threading.Thread(target=read_all_the_while)
+    reader.start()
+    try:
+        for pid in range(2, 400):
+            write_or_warn(path, json.dumps({"server 0": pid, "trainer": 1}) + "\n", Log(io.StringIO()))
+    finally:
+        done.set()
+        reader.join()
+    assert len(seen) > 100 and all(json.loads(text)["server 0"] > 0 for text in seen)
 
 
 def test_restarts_back_off():

@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from saccade.atomic import write_file_atomically
 from saccade.parent_death import die_with_parent
 from saccade.tools.launcher.plan import Process
 from saccade.tools.launcher.ports import foreign_listener, port_taken, url_port
@@ -143,10 +144,12 @@ def warn(text: str) -> None:
 
 
 def write_or_warn(path: Path, text: str, log: Log) -> None:
-    """A small file of the launcher's own (pids, the end mark): one that cannot be written (a full
-    disk) is said in the log and does not stop the launcher from stopping what it started."""
+    """A small file of the launcher's own (pids, the end mark), replaced whole: a reader (a user's
+    script, another node) sees the old text or the new, never an emptied file. One that cannot be
+    written (a full disk) is said in the log and does not stop the launcher from stopping what it
+    started."""
     try:
-        path.write_text(text)
+        write_file_atomically(path, text.encode())
     except OSError as err:
         log.say(f"cannot write {path} ({err.strerror or err})")
 
