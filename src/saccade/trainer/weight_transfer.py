@@ -287,16 +287,7 @@ class CollectiveSync:
 
     def _phase(self, path: str, body: dict | None, servers: list) -> list:
         """One phase on every server together; those that fail it are taken out."""
-        asked = [(s, self._post(path, body, s)) for s in servers]
-        ok = []
-        for server, future in asked:
-            try:
-                future.result()
-            except Exception as err:  # noqa: BLE001
-                self._take_out(server, f"{path} failed: {type(err).__name__}: {err}"[:300])
-                continue
-            ok.append(server)
-        return ok
+        return self._answered([(s, self._post(path, body, s)) for s in servers], f"{path} failed")
 
     def _stream(self, group: list[Outgoing], buffer: torch.Tensor, servers: list) -> list:
         """One layer group to every server: each waits in its /update_weights while the trainer
@@ -315,17 +306,18 @@ class CollectiveSync:
             except Exception as err:  # noqa: BLE001 - a dead peer breaks only its own group
                 self._take_out(server, f"streaming the weights failed: {type(err).__name__}: {err}"[:300])
                 continue
-            sent.append(server)
-        return self._finished(sent, {s.url: f for s, f in asked})
+            sent.append((server, future))
+        # The servers whose /update_weights for the group returned: the group loaded there.
+        return self._answered(sent, "loading the weights failed")
 
-    def _finished(self, servers: list, futures: dict) -> list:
-        """The servers whose /update_weights for the group returned: the group loaded there."""
+    def _answered(self, asked: list[tuple[object, Future]], failed: str) -> list:
+        """The servers whose request returned; each of the others is taken out, `failed` and its error said."""
         ok = []
-        for server in servers:
+        for server, future in asked:
             try:
-                futures[server.url].result()
-            except Exception as err:  # noqa: BLE001
-                self._take_out(server, f"loading the weights failed: {type(err).__name__}: {err}"[:300])
+                future.result()
+            except Exception as err:  # noqa: BLE001 - that server is out, the others go on
+                self._take_out(server, f"{failed}: {type(err).__name__}: {err}"[:300])
                 continue
             ok.append(server)
         return ok
