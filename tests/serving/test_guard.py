@@ -14,6 +14,9 @@ from saccade.serving.validation import MediaPolicy
 from saccade.serving.wire import VERSION_HEADER
 
 KEYS = ("first-key", "second-key")
+SECRET_METRICS = b"vllm:num_requests_running 3"
+# Every method a client may send, whatever methods a route declares: a Mount declares none and answers all.
+METHODS = ("OPTIONS", "HEAD", "GET", "POST", "PUT", "PATCH", "DELETE")
 
 
 def make_app(keys=KEYS, root_path: str = "", domains=frozenset()) -> FastAPI:
@@ -34,9 +37,11 @@ def make_app(keys=KEYS, root_path: str = "", domains=frozenset()) -> FastAPI:
         seen.append(await request.json())
         return {"ok": True}
 
-    @app.get("/metrics")
-    async def metrics():
-        return {}
+    async def metrics_app(scope, receive, send):  # vLLM mounts prometheus' ASGI app: any method gets the figures
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": SECRET_METRICS})
+
+    app.mount("/metrics", metrics_app)
 
     @app.websocket("/v1/realtime")
     async def realtime(ws: WebSocket):
@@ -50,23 +55,32 @@ def make_app(keys=KEYS, root_path: str = "", domains=frozenset()) -> FastAPI:
 
 
 def http_routes(app: FastAPI) -> list[tuple[str, str]]:
-    return [(route.path, method) for route in app.routes if hasattr(route, "methods")
-            for method in sorted(route.methods)]
+    """Every path the app routes (routes and mounts), with every method, not only those it declares."""
+    return [(route.path, method) for route in app.routes for method in METHODS]
 
 
-def test_every_route_but_the_health_probe_needs_one_of_the_keys():
+def test_every_method_of_every_route_but_the_health_probe_needs_one_of_the_keys():
     app = make_app()
     client = TestClient(app)
     routes = http_routes(app)
-    assert ("/invocations", "POST") in routes and ("/openapi.json", "GET") in routes
+    assert ("/invocations", "POST") in routes and ("/openapi.json", "GET") in routes and ("/metrics", "OPTIONS") in routes
+    preflight = {"origin": "https://example.org", "access-control-request-method": "POST"}
     for path, method in routes:
         expect_open = path == "/health"
         for auth in [None, "Bearer wrong", "first-key", "Basic first-key", "Bearer first-key-and-more", "Bearer "]:
-            response = client.request(method, path, json={}, headers={"authorization": auth} if auth else {})
-            assert (response.status_code != 401) == expect_open, (path, method, auth, response.status_code)
+            for extra in ({}, preflight):  # a CORS preflight is no way around the key either
+                headers = {**extra, **({"authorization": auth} if auth else {})}
+                response = client.request(method, path, json={}, headers=headers)
+                assert (response.status_code != 401) == expect_open, (path, method, auth, response.status_code)
+                if not expect_open:
+                    assert SECRET_METRICS not in response.content, (path, method, auth)
         for key in KEYS:  # every key given works, not only the first
             response = client.request(method, path, json={}, headers={"authorization": f"Bearer {key}"})
             assert response.status_code != 401, (path, method, key)
+    # the control: the mount's content is there for a key holder, with any method
+    for method in ("GET", "OPTIONS", "DELETE"):
+        response = client.request(method, "/metrics", headers={"authorization": f"Bearer {KEYS[0]}"})
+        assert response.content == SECRET_METRICS, method
     assert client.get("/nowhere").status_code == 401  # no route: still the key first
     assert client.get("/nowhere", headers={"authorization": "bearer second-key"}).status_code == 404
 

@@ -2,7 +2,8 @@
 started with two API keys and served by a hub id from a local Hugging Face cache (HF_HUB_CACHE
 a temp folder, HF_HUB_OFFLINE=1), as every shipped real config serves a hub id.
 
-- every route the app has but /health answers 401 without a key (the routes are listed by the
+- every method (OPTIONS, HEAD, GET, POST, PUT, PATCH, DELETE) of every route the app has but
+  /health answers 401 without a key, a CORS preflight too (the routes are listed by the
   server's own app, in /saccade/info, so a route a later vLLM adds is checked too), and each
   of the two keys is accepted;
 - a remote image URL is refused with a 400 on every route that takes messages, in each route's
@@ -114,16 +115,20 @@ def test_every_route_but_health_needs_one_of_the_keys(keyed_server):
             "/shutdown_weight_transfer_engine"} <= paths, paths  # the weight transfer's phases too
     checked = 0
     for route in routes:
-        for method in route["methods"]:
-            if method == "OPTIONS":
-                continue
+        # every method, not only those the route declares: vLLM mounts /metrics, and a Mount answers any
+        for method in ("OPTIONS", "HEAD", "GET", "POST", "PUT", "PATCH", "DELETE"):
             url = keyed_server + concrete(route["path"])
-            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEYS[0]}):
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEYS[0]},
+                            {"origin": "https://example.org", "access-control-request-method": "GET"}):
                 response = httpx.request(method, url, headers=headers, timeout=30)
                 expected_open = route["path"] == "/health"
                 assert (response.status_code != 401) == expected_open, (method, route["path"], headers, response)
+                if not expected_open and method != "HEAD":  # no route's content, only the refusal
+                    assert response.json() == {"error": "missing or wrong API key (Authorization: Bearer KEY)"}
             checked += 1
-    assert checked >= 30
+    metrics = httpx.request("OPTIONS", keyed_server + "/metrics", headers=AUTH, timeout=30)
+    assert metrics.status_code == 200 and "vllm:" in metrics.text  # the control: a Mount answers OPTIONS
+    assert checked >= 30 * 7
     assert httpx.get(keyed_server + "/health", timeout=30).status_code == 200
     for key in KEYS:  # each key given works, not only the first
         response = httpx.get(keyed_server + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=30)

@@ -2,7 +2,7 @@
 vLLM's routes, saccade's, and any route a later vLLM adds.
 
 - The API key: with one set (`--api-key K1 [K2 ...]`, else VLLM_API_KEY), every request but the
-  health probe needs `Authorization: Bearer K` with one of them. vLLM 0.32's own check covers
+  health probe, of any method, needs `Authorization: Bearer K` with one of them. vLLM 0.32's own check covers
   only paths under /v1, /v2, /inference and /cohere (serve/middleware/authenticate.py), which
   left /invocations, /tokenize, /scale_elastic_ep, /metrics and saccade's routes to anyone who
   reached the port. Keys are compared as SHA-256 digests with `hmac.compare_digest`, every key
@@ -53,10 +53,12 @@ def route_path(scope: dict) -> str:
     return path
 
 
-def needs_key(path: str, method: str) -> bool:
-    """Every request needs the key but the health probe and CORS preflights (OPTIONS runs no
-    route: vLLM's CORS middleware answers it, else the router's 405)."""
-    return method != "OPTIONS" and path != HEALTH
+def needs_key(path: str) -> bool:
+    """Every request needs the key but the health probe, whatever its method: a `Mount` (vLLM's
+    /metrics) answers every method, OPTIONS and HEAD included, with the route's content. A
+    browser's CORS preflight (OPTIONS, which browsers send without credentials) gets the 401 too:
+    the servers answer the trainer, not pages."""
+    return path != HEALTH
 
 
 def is_saccade_route(path: str) -> bool:
@@ -94,7 +96,7 @@ class Guard:
             return await self.app(scope, receive, send)
         path = route_path(scope)
         method = scope.get("method", "GET")
-        if self.digests and needs_key(path, method) and not key_accepted(header(scope, b"authorization"), self.digests):
+        if self.digests and needs_key(path) and not key_accepted(header(scope, b"authorization"), self.digests):
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 1008, "reason": "API key"})
             return await respond(send, 401, error_body(path, UNAUTHORIZED, 401))
