@@ -81,9 +81,11 @@ def test_across_nodes_the_servers_meet_the_trainer_at_the_layouts_first_trainer_
 
 
 def test_transfer_bodies_are_checked():
-    info = {"master_address": "10.0.0.1", "master_port": 29600, "world_size": 2, "session": "ab12"}
+    info = {"master_address": "10.0.0.1", "master_port": 29600, "world_size": 2, "session": "ab12", "token": "f" * 32}
     assert parse_transfer_init({"init_info": info}) == info
+    without_token = {k: v for k, v in info.items() if k != "token"}
     for bad in ({"init_info": {**info, "master_port": 0}}, {"init_info": {**info, "world_size": 1}},
+                {"init_info": without_token}, {"init_info": {**info, "token": "short"}},
                 {"init_info": {**info, "rank": 3}}, {"init_info": {**info, "master_address": ""}},
                 {"init_info": {**info, "session": 7}}, {}):
         with pytest.raises(RequestError):

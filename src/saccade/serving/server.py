@@ -14,7 +14,8 @@
   resolved; anything else is refused with a 403.
 - The collective weight transfer, under vLLM's names for its phases (saccade.serving.transfer,
   the trainer's side saccade.trainer.weight_transfer): `POST /init_weight_transfer_engine`
-  {"init_info": {"master_address", "master_port", "world_size"}} joins the trainer's gloo group;
+  {"init_info": {"master_address", "master_port", "world_size", "token"}} joins the trainer's gloo
+  group (each worker then proves it holds the token: saccade.serving.rendezvous);
   `POST /start_weight_update` pauses generation (as a folder update does) and begins vLLM's
   layerwise reload; each `POST /update_weights` {"update_info": {"names", "dtype_names", "shapes"}}
   receives one layer group broadcast by the trainer; `POST /finish_weight_update` {"version": k}

@@ -34,17 +34,20 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from saccade.serving.rendezvous import answer_challenge
 from saccade.serving.wire import TRANSFER_STORE_PREFIX
 
 
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    """Where the trainer's TCPStore listens, this server's first rank in the group and the group's size
-    (1 trainer rank + this server's workers)."""
+    """Where the trainer's TCPStore listens, this server's first rank in the group, the group's size
+    (1 trainer rank + this server's workers), and the run's token, which each worker proves it holds
+    once the group forms (`saccade.serving.rendezvous`)."""
 
     master_address: str
     master_port: int
     world_size: int
+    token: str
     rank_offset: int = 1
     timeout_s: float = 600.0
 
@@ -104,8 +107,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
                               is_master=False, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(TRANSFER_STORE_PREFIX, store), rank,
-                                           init_info.world_size, timeout)
+        group = dist.ProcessGroupGloo(dist.PrefixStore(TRANSFER_STORE_PREFIX, store), rank,
+                                      init_info.world_size, timeout)
+        answer_challenge(group, init_info.token, rank, init_info.world_size)
+        self.group = group
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

@@ -172,8 +172,9 @@ def parse_update_request(body: Any, current_version: int) -> UpdateRequest:
     return UpdateRequest(path, version, lora, False)
 
 
-TRANSFER_INIT_FIELDS = ("master_address", "master_port", "world_size", "rank_offset", "timeout_s", "session")
-TRANSFER_INIT_EXAMPLE = '{"init_info": {"master_address": "10.0.0.1", "master_port": 29600, "world_size": 2}}'
+TRANSFER_INIT_FIELDS = ("master_address", "master_port", "world_size", "token", "rank_offset", "timeout_s", "session")
+TRANSFER_INIT_EXAMPLE = ('{"init_info": {"master_address": "10.0.0.1", "master_port": 29600, "world_size": 2, '
+                         '"token": "<the run\'s rendezvous token>"}}')
 # dtypes a chunk may carry (torch's names): what a model's weights are stored in
 TRANSFER_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 MAX_TRANSFER_TENSORS = 100_000
@@ -190,6 +191,10 @@ def parse_transfer_init(body: Any) -> dict[str, Any]:
         value = info.get(name, 1 if name == "rank_offset" else None)
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise RequestError(f'"{name}" must be an integer in [{low}, {high}], got {str(value)[:40]}')
+    token = info.get("token")
+    if not isinstance(token, str) or not 16 <= len(token) <= 256:
+        raise RequestError('"token" must be the trainer\'s rendezvous token, a string of 16 to 256 characters: each '
+                           "worker proves it holds it before any weight is sent (saccade.serving.rendezvous)")
     session = info.get("session", "")
     if not isinstance(session, str) or len(session) > 100:
         raise RequestError('"session" must be a string of at most 100 characters (the trainer\'s name for the group)')

@@ -1,9 +1,11 @@
 """Full fine-tuning's weights sent to the vLLM servers over a process group, no files: the
 trainer's side of vLLM's weight-transfer protocol, on torch.distributed's gloo.
 
-Per server, once (`CollectiveSync.join`): the trainer opens a TCPStore on a free port and asks
-the server (`/init_weight_transfer_engine`) to join; the group is the trainer (rank 0) and the
-server's workers (ranks 1..N, `/saccade/info`'s `weight_transfer.workers`). One group per server:
+Per server, once (`CollectiveSync.join`): the trainer opens a TCPStore on a free port of the
+address the servers reach and asks the server (`/init_weight_transfer_engine`, with the run's
+token) to join; the group is the trainer (rank 0) and the server's workers (ranks 1..N,
+`/saccade/info`'s `weight_transfer.workers`), each of which proves it holds the token before any
+weight is sent (`saccade.serving.rendezvous`). One group per server:
 a server that dies breaks only its own. The trainer names its groups (a session id); a server
 whose /saccade/info names another (restarted, or joined by another trainer since) is joined
 again before the next sync, so no broadcast goes to a group nobody listens on.
@@ -50,6 +52,7 @@ from torch import nn
 
 from saccade.inference.server_client import ServerClient, ServerError
 from saccade.inference.servers import NoServerError
+from saccade.serving.rendezvous import challenge_peers, listening_store, new_token
 from saccade.serving.wire import (
     FINISH_UPDATE, GLOO_BACKEND, INFO, INIT_TRANSFER, START_UPDATE, TRANSFER_STORE_PREFIX, UPDATE_WEIGHTS,
 )
@@ -149,6 +152,9 @@ class CollectiveSync:
         # Our name for our groups: a server whose /saccade/info names another session was restarted,
         # or another trainer joined it since; it is joined again before the next sync.
         self.session = secrets.token_hex(8)
+        # The rendezvous' key: sent to each server in its keyed /init_weight_transfer_engine request; a
+        # peer in the group that cannot prove it holds it is refused before any weight goes out.
+        self.token = new_token()
 
     @property
     def nbytes(self) -> int:
@@ -172,15 +178,16 @@ class CollectiveSync:
                               "this saccade's `saccade serve`, or set engine.weight_sync = \"files\"")
         world = 1 + int(transfer["workers"])
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        # Port 0: the OS picks a free one as the store binds it (no gap in which another takes it).
-        store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        # Bound to the address the servers reach, on a port the OS picks (saccade.serving.rendezvous).
+        store = listening_store(self.address, world, timeout)
         port = store.port
         asked = self._post(INIT_TRANSFER, {"init_info": {
             "master_address": self.address, "master_port": port, "world_size": world, "timeout_s": self.timeout_s,
-            "session": self.session,
+            "session": self.session, "token": self.token,
         }}, server)
-        try:  # blocks until the server's workers have joined
+        try:  # blocks until the server's workers have joined; then each proves it holds the token
             group = dist.ProcessGroupGloo(dist.PrefixStore(TRANSFER_STORE_PREFIX, store), 0, world, timeout)
+            challenge_peers(group, self.token, world)
         except Exception:
             if asked.done():
                 asked.result()  # the server's reason, if it gave one
