@@ -261,21 +261,13 @@ def math_equal(gold: str, predicted: str, *, precision: int | None = None) -> bo
 
     Both sides must look mathematical (a digit, a LaTeX command, pi or a root) and be short.
     With ``precision``, two numeric values are compared after rounding, as MathVista does.
-    The comparison runs in `saccade.math_worker`'s child process, killed after 5 s: a short
-    power tower makes sympy compute for minutes holding the GIL, which no timeout in this
-    process could cut (False then, as for any answer math-verify cannot read).
+    Unbounded, in this process: a short power tower makes sympy compute for minutes holding the
+    GIL. The library calls it inside `saccade.scoring_worker`'s child, killed after 5 s.
     """
     if not (_MATHY.search(gold) and _MATHY.search(predicted)):
         return False
     if max(len(gold), len(predicted)) > _MATH_VERIFY_MAX_CHARS:
         return False
-    from saccade.math_worker import worker
-
-    return bool(worker().equal(gold, predicted, precision))
-
-
-def math_equal_here(gold: str, predicted: str, *, precision: int | None = None) -> bool:
-    """`math_equal`'s comparison in this process, unbounded (what the math worker's child runs)."""
     from math_verify import parse, verify
 
     timeout = _math_verify_timeout()
@@ -493,7 +485,16 @@ class Scorer:
             raise ValueError(f"unknown grader {self.grader!r}; choose from {', '.join(GRADERS)}")
 
     def extract(self, completion: str, sample: Any = None) -> str:
-        """The final answer in `completion`, by this scorer's extractor."""
+        """The final answer in `completion`, by this scorer's extractor (and its judge, where the
+        MathVista rules find none)."""
+        found = self.extract_by_rules(completion, sample)
+        if found is None:
+            return self.ask_judge(completion, sample) if self.judge_url else extract_answer(completion or "")
+        return found
+
+    def extract_by_rules(self, completion: str, sample: Any = None) -> str | None:
+        """The final answer by the extractor's rules; None where MathVista's rules find none (its
+        judge, or saccade's own extraction, decides then)."""
         from saccade import protocols as p
 
         completion = completion or ""
@@ -507,25 +508,28 @@ class Scorer:
             choices = _field(sample, "choices")
             answer_type = _field(sample, "answer_type") or "text"
             question_type = "multi_choice" if answer_type == "multi_choice" else "free_form"
-            found = p.mathvista_extract_rules(completion, question_type=question_type, answer_type=answer_type,
-                                              choices=choices)
-            if found is not None:
-                return found
-            if self.judge_url:
-                import os
-
-                query = _query(sample)
-                key = os.environ.get(self.judge_api_key_env) if self.judge_api_key_env else None
-                return p.judge_extract(p.mathvista_judge_prompt(query, completion), url=self.judge_url,
-                                       model=self.judge_model, api_key=key)
-            return extract_answer(completion)
+            return p.mathvista_extract_rules(completion, question_type=question_type, answer_type=answer_type,
+                                             choices=choices)
         return extract_answer(completion)
+
+    def ask_judge(self, completion: str, sample: Any) -> str:
+        """The answer the judge at `judge_url` extracts, asked with MathVista's official prompt."""
+        import os
+
+        from saccade import protocols as p
+
+        key = os.environ.get(self.judge_api_key_env) if self.judge_api_key_env else None
+        return p.judge_extract(p.mathvista_judge_prompt(_query(sample), completion), url=self.judge_url,
+                               model=self.judge_model, api_key=key)
 
     def correct(self, completion: str, sample: Any) -> float:
         """1.0 when the extracted answer grades equal to the sample's answer, else 0.0."""
+        return self.grade(self.extract(completion, sample), sample)
+
+    def grade(self, extracted: str, sample: Any) -> float:
+        """1.0 when `extracted` grades equal to the sample's answer by this scorer's grader, else 0.0."""
         from saccade import protocols as p
 
-        extracted = self.extract(completion, sample)
         gold = str(_field(sample, "answer"))
         choices = _field(sample, "choices")
         answer_type = _field(sample, "answer_type")

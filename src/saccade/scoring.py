@@ -30,9 +30,9 @@ loop, where all of a step's answers are in flight together (`saccade.envs.rollou
 gathers the environments), so functions that wait on I/O (a judge model behind HTTP)
 overlap; one that blocks its loop has its worker killed, with a warning naming it. Only a
 call's arguments cross to a worker (pickled): the worker imports the function by its path.
-The built-ins run inline: they bound their own work, `correct`'s math-verify in a child
-process killed after 5 s (`saccade.math_worker`: a short power tower holds the GIL for
-minutes, which no thread or SIGALRM can cut). `Rewards.close` ends the workers; the run calls
+The built-ins (their extractors, graders and format checks) run in one child process, each
+call killed after 5 s (`saccade.scoring_worker`: a short power tower holds sympy and the GIL for
+minutes, which no thread or SIGALRM can cut; a long adversarial reply slows the extractors). `Rewards.close` ends the workers; the run calls
 it when it ends.
 
 A call that raises, times out, returns something other than a finite number (or a dict of
@@ -59,6 +59,8 @@ from typing import Any
 
 from saccade.plugins import is_import_path, load_callable
 from saccade.reward_workers import RewardFailed, Workers
+from saccade.scoring_worker import TIMEOUT_S as SCORING_TIMEOUT_S
+from saccade.scoring_worker import reward as bounded_reward
 
 log = logging.getLogger("saccade.scoring")
 
@@ -217,14 +219,15 @@ class Rewards:
     async def _call(self, f: RewardFunction, completion: str, sample: Any, messages: list) -> Outcome:
         kwargs = {k: v for k, v in (("sample", sample), ("messages", messages)) if k in f.keywords}
         try:
-            if f.builtin:  # inline: they bound their own work
-                total, parts = as_parts(f.fn(completion, **kwargs), f.key)
+            if f.builtin:  # in the scoring child, killed past its limit; a thread keeps this loop free meanwhile
+                total, parts = as_parts(await asyncio.to_thread(bounded_reward, f.key, completion, sample), f.key)
             else:
                 total, parts = await self._workers().call(f.key, f.is_async, completion, kwargs)
         except TimeoutError:
-            self._report(f, f"reward function {f.key!r} took longer than rollout.reward_timeout_s = "
-                            f"{self.timeout_s:g} s on an answer: scored 0, counted in reward_timeouts "
-                            "(logged once; later timeouts only count)")
+            limit = f"its bound of {SCORING_TIMEOUT_S:g} s" if f.builtin else \
+                f"rollout.reward_timeout_s = {self.timeout_s:g} s"
+            self._report(f, f"reward function {f.key!r} took longer than {limit} on an answer: scored 0, counted "
+                            "in reward_timeouts (logged once; later timeouts only count)")
             return Outcome(timed_out=True)
         except Exception as err:  # noqa: BLE001 - a user's function may fail any way; the run goes on
             # A worker's failure carries the function's own traceback as text: this process's

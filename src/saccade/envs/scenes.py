@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 from saccade.envs.base import StepResult, message_text
 from saccade.envs.scene_actions import Action, apply_action, read_action
-from saccade.rewards import choice_index, extract_answer, score
+from saccade.rewards import choice_index
+from saccade.scoring_worker import extracted_answer, score
 
 SCENE_QUESTION_KINDS = ("color", "count", "on")
 # Generated rooms paint their objects with the task's colors (the neutrals are for scans).
@@ -269,7 +270,7 @@ def prompt_text(sample: SceneSample, *, describe_actions: bool) -> str:
 
 def is_answer(text: str, choices: list[str]) -> bool:
     """An explicit final answer ("answer: red", \\boxed{red}), or a reply that names an option."""
-    return bool(_EXPLICIT_ANSWER.search(text)) or choice_index(extract_answer(text), choices) is not None
+    return bool(_EXPLICIT_ANSWER.search(text)) or choice_index(extracted_answer(text), choices) is not None
 
 
 def pose_text(pose) -> str:

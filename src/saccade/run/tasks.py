@@ -119,11 +119,11 @@ class QuestionEnv:
         return StepResult([], total, True, info)
 
     async def score(self, text: str) -> tuple[float, dict[str, Any]]:
-        from saccade.rewards import correct_reward
+        from saccade.scoring_worker import correct
 
         total, values = await self.rewards.score(text, sample=self.sample, messages=self.messages)
         correct = values["reward_correct"] if "correct" in self.rewards.weights else \
-            float(correct_reward(text, self.sample))
+            correct(text, self.sample)
         return total, {"correct": correct, "rewards": values}
 
 
