@@ -116,6 +116,28 @@ def test_every_grader_is_cut_at_the_limit_when_math_verify_and_sympy_never_retur
     cut_at_the_limit(hanging_worker(monkeypatch, "math"), calls)
 
 
+def test_without_math_verify_the_child_starts_and_scores_what_needs_no_math(monkeypatch):
+    """The GPU machines' Python has no math-verify (docs/gpu-runs.md): the lease's RL stage scored
+    every answer 0 when the child required it to start (found by scripts/gpu-device-check.sh)."""
+    no_math = "import sys; sys.modules['math_verify'] = None; from saccade.scoring_child import serve; serve()"
+    worker_ = ScoringWorker(command=[sys.executable, "-c", no_math])
+    monkeypatch.setattr(scoring_worker, "_worker", worker_)
+    try:
+        assert scoring_worker.correct("The answer is blue.", {"answer": "blue", "choices": ["red", "blue"]}) == 1.0
+        assert scoring_worker.reward("format", "blue", {"choices": ["red", "blue"]}) == 1.0
+        with pytest.raises(RuntimeError, match="math_verify"):  # a comparison that needs it says so
+            scoring_worker.reward("correct", "$\\frac{1}{2}$", {"answer": "0.5"})
+    finally:
+        worker_.close()
+
+
+def test_a_child_that_cannot_start_is_an_error_that_says_so_not_a_timeout():
+    broken = ScoringWorker(timeout_s=1.0, command=[sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="exited with 3 before it was ready"):
+        broken.call("reward", "correct", "2", {"answer": "2"})
+    assert broken.timeouts == 0
+
+
 def test_a_scorer_that_raises_in_the_child_says_so_with_its_traceback():
     with pytest.raises(RuntimeError, match="KeyError"):
         worker().call("reward", "no-such-reward", "x", {})

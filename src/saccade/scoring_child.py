@@ -57,12 +57,22 @@ OPS = {"reward": reward, "extracted_answer": extracted_answer, "extract_by_rules
        "grade": grade, "math_equal": math_equal}
 
 
-def serve() -> None:
-    import math_verify  # noqa: F401 - imported before "ready": see the module's docstring
-    import sympy  # noqa: F401
-
+def preload() -> None:
+    """What the calls import, imported before "ready" (see the module's docstring). math-verify is
+    needed only by the graders that compare math: a machine without it (the GPU machines' own
+    Python) scores everything else, and a grader that needs it fails there with its own error."""
     import saccade.protocols  # noqa: F401
     import saccade.rewards  # noqa: F401
+
+    try:
+        import math_verify  # noqa: F401
+        import sympy  # noqa: F401
+    except ImportError:
+        pass
+
+
+def serve() -> None:
+    preload()
 
     print("ready", flush=True)
     for line in sys.stdin:

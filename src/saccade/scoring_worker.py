@@ -88,7 +88,12 @@ class ScoringWorker:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                          bufsize=1)
-            self.proc.stdout.readline()  # "ready": the child's imports never count against a call
+            ready = self.proc.stdout.readline()  # the child's imports never count against a call
+            if ready.strip() != "ready":
+                code = self.proc.wait()
+                self.proc = None
+                raise RuntimeError(f"the scoring child ({' '.join(self.command)}) exited with {code} before it was "
+                                   "ready; its error is above, on this process's stderr")
         return self.proc
 
     def _kill(self) -> None:
