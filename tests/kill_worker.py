@@ -110,7 +110,8 @@ def main(argv: list[str]) -> None:
 
         train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), resume="--resume" in argv, progress=False)
     elif what == "export":
-        from saccade.run.setup import build_setup, engine_weights_exporter
+        from saccade.run.setup import build_setup
+        from saccade.transports.files import full_weights_exporter
 
         setup = build_setup(cfg, cfg.run_dir)
         version = int(argv[2])
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> None:
             for p in setup.model.parameters():
                 if p.requires_grad:
                     p.add_(0.01 * version)
-        export = engine_weights_exporter(setup.model, setup.model_path, cfg.run_dir / "engine-weights")
+        export = full_weights_exporter(setup.model, setup.model_path, cfg.run_dir / "engine-weights")
         print(export(version))
     else:
         raise SystemExit(f"unknown command {what!r}")

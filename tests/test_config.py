@@ -32,6 +32,9 @@ from saccade.config import (
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = [ROOT / "configs" / "demo.toml", ROOT / "configs" / "qwen3vl-2b-1gpu.toml"]
 
+# The servers a vLLM engine needs: sync_every_steps is a field of kind "vllm" only.
+VLLM = ("--engine.kind", "vllm", "--engine.urls", '["http://a:1"]')
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "run.toml"
@@ -225,7 +228,9 @@ def test_vllm_needs_a_url():
     assert "urls" in error(None, ["--engine.kind", "vllm"])
     cfg = load_config(RunConfig, None, ["--engine.kind", "vllm", "--engine.urls", '["http://localhost:8000"]'])
     assert cfg.engine.urls == ["http://localhost:8000"]
-    assert "http" in error(None, ["--engine.urls", '["localhost:8000"]'])
+    assert "http" in error(None, ["--engine.kind", "vllm", "--engine.urls", '["localhost:8000"]'])
+    # the servers' fields are vllm's alone: on the embedded engine the error says which kind has them
+    assert "engine.urls is a field of kind 'vllm'" in error(None, ["--engine.urls", '["http://localhost:8000"]'])
 
 
 def test_shapes_question_kinds_checked():
@@ -339,13 +344,13 @@ def test_tis_is_on_by_default_only_for_older_rollouts_trained_on_several_times()
 
     ahead = ("--engine.kind", "vllm", "--engine.urls", '["http://a:1"]', "--rollout.max_async_level", "1")
     assert cap() is None  # on-policy: off
-    assert cap(*ahead) is None and cap("--engine.sync_every_steps", "2") is None
+    assert cap(*ahead) is None and cap(*VLLM, "--engine.sync_every_steps", "2") is None
     assert cap(*ahead, "--trainer.num_iterations", "2") == DEFAULT_TIS_CAP
-    assert cap("--engine.sync_every_steps", "2", "--trainer.num_iterations", "4") == DEFAULT_TIS_CAP
+    assert cap(*VLLM, "--engine.sync_every_steps", "2", "--trainer.num_iterations", "4") == DEFAULT_TIS_CAP
     assert cap("--trainer.num_iterations", "2") is None  # on-policy rollouts: nothing to correct
     assert cap("--loss.tis_cap", "3.0") == 3.0  # set: on, as before
     assert cap("--loss.tis", "on") == DEFAULT_TIS_CAP
-    assert cap("--engine.sync_every_steps", "2", "--loss.tis", "off") is None
+    assert cap(*VLLM, "--engine.sync_every_steps", "2", "--loss.tis", "off") is None
 
 
 def test_the_kl_term_loads_with_lora_and_with_full_finetuning():

@@ -18,6 +18,9 @@ from saccade.config import (
 ROOT = Path(__file__).resolve().parents[1]
 OLD = Path(__file__).parent / "old_configs"
 
+# The servers a vLLM engine needs: sync_every_steps is a field of kind "vllm" only.
+VLLM = ("--engine.kind", "vllm", "--engine.urls", '["http://a:1"]')
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "run.toml"
@@ -95,18 +98,18 @@ def test_masked_is_is_off_by_default_and_auto_turns_it_on_for_rollouts_older_tha
         return effective_loss(load_config(RunConfig, None, list(overrides))).is_mask
 
     vllm_ahead = ["--engine.kind", "vllm", "--engine.urls", '["http://a:1"]', "--rollout.max_async_level", "1"]
-    assert mask() == mask(*vllm_ahead) == mask("--engine.sync_every_steps", "2") == "off"
+    assert mask() == mask(*vllm_ahead) == mask(*VLLM, "--engine.sync_every_steps", "2") == "off"
     assert mask("--loss.is_mask", "auto") == "off"  # on-policy
-    assert mask("--engine.sync_every_steps", "2", "--loss.is_mask", "auto") == "on"
+    assert mask(*VLLM, "--engine.sync_every_steps", "2", "--loss.is_mask", "auto") == "on"
     assert mask(*vllm_ahead, "--loss.is_mask", "auto") == "on"
     assert mask("--loss.is_mask", "on") == "on"
     assert mask("--loss.tis_cap", "3.0", "--loss.is_mask", "auto") == "off"  # TIS on by its cap; the mask is not
     # At one optimizer step per batch TIS stays off (its ratio would be 1: no trust region); at
     # several, on.
-    one = effective_loss(load_config(RunConfig, None, ["--engine.sync_every_steps", "4", "--loss.kind", "gspo",
+    one = effective_loss(load_config(RunConfig, None, [*VLLM, "--engine.sync_every_steps", "4", "--loss.kind", "gspo",
                                                        "--loss.is_mask", "auto"]))
     assert (one.kind, one.is_mask, one.tis_cap) == ("gspo", "on", None)
-    several = effective_loss(load_config(RunConfig, None, ["--engine.sync_every_steps", "4",
+    several = effective_loss(load_config(RunConfig, None, [*VLLM, "--engine.sync_every_steps", "4",
                                                            "--trainer.num_iterations", "2"]))
     assert (several.is_mask, several.tis_cap) == ("off", 2.0)
 

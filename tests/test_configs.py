@@ -143,7 +143,7 @@ def test_the_launch_commands_agree_with_the_body(real):
     header = header_of(path)
     assert cfg.model.path == real.hub_id
     assert raw["task"]["kind"] == "openmmreasoner"
-    assert cfg.engine.kind == "vllm" and cfg.engine.sync_lora_adapter and cfg.lora is not None
+    assert cfg.engine.kind == "vllm" and cfg.engine.weight_sync.kind == "adapter" and cfg.lora is not None
     assert "urls" not in raw["engine"]  # the layout's servers
     assert cfg.loss.max_completion_tokens == cfg.sampling.max_tokens
     assert cfg.engine.max_concurrency >= cfg.rollout.prompts_per_step

@@ -107,6 +107,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("saccade.orchestrator",),  # steps: rollouts, advantages, evaluation
     ("saccade.run",),  # a run's parts: setup, tasks
     ("saccade.envs",),
+    ("saccade.transports",),  # the trainer's weights to the servers: over the engines' client and the trainer's plan
     ("saccade.inference", "saccade.trainer", "saccade.serving"),
     ("saccade.models", "saccade.scenes"),
     ("saccade.data",),

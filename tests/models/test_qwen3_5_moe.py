@@ -236,5 +236,8 @@ def test_vllm_serves_the_fused_hub_layout_as_the_trainer_scores_it(path, limits,
             (same / f.name).write_bytes(f.read_bytes())
         refused = httpx.post(url + "/update_weights", json={"path": str(same), "version": 1}, timeout=120)
         assert refused.status_code == 501 and "fused experts" in refused.text, refused.text
-        with pytest.raises(ValueError, match='engine.kind = "embedded"'):
-            VLLMEngine.for_servers([url], processor, limits=limits, exporter=lambda version: str(same))
+        from saccade.transports.choose import check_servers_take_weights
+
+        info = httpx.get(url + "/saccade/info", timeout=60).json()
+        with pytest.raises(ValueError, match='engine.kind = "embedded"'):  # what a run's transport checks first
+            check_servers_take_weights("files", [info], [url])

@@ -25,6 +25,7 @@ import torch
 
 from saccade.models.families import qwen3_5
 from saccade.models.presets import preset_path
+from saccade.transports.files import FolderTransport
 
 # vLLM (bf16) against the trainer, per sampled token: twice the embedded engine's bf16-vs-fp32 gap.
 BF16_MEAN, BF16_MAX = 3e-3, 1.5e-2
@@ -181,7 +182,8 @@ def test_after_a_step_and_update_weights_vllm_samples_the_new_weights(q35_server
             elif name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
                 p.add_(0.5)
     engine = q35_engine
-    engine.exporter = lambda version: str(merge_full_weights_for_engine(policy, q35_path, root / f"weights-v{version}"))
+    engine.transport = FolderTransport(
+        engine.client, lambda version: str(merge_full_weights_for_engine(policy, q35_path, root / f"weights-v{version}")))
     try:
         engine.update_weights()
         after = _sample(engine, seed=21)
@@ -190,9 +192,9 @@ def test_after_a_step_and_update_weights_vllm_samples_the_new_weights(q35_server
         assert mean <= BF16_MEAN and worst <= BF16_MAX, (mean, worst)
         assert stale >= STALE_MEAN, stale
     finally:
-        engine.exporter = lambda version: str(q35_path)
+        engine.transport = FolderTransport(engine.client, lambda version: str(q35_path))
         engine.update_weights()
-        engine.exporter = None
+        engine.transport = None
 
 
 @pytest.mark.vllm
@@ -218,8 +220,8 @@ def test_a_lora_adapter_on_the_linear_attention_too_is_synced_and_sampled(q35_se
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
     model.eval()
     adapter = save_adapter_for_engine(model, q35_path, root / "adapter-v1")
-    engine = VLLMEngine.for_servers([url], processor, limits=limits, lora=True, exporter=lambda version: str(adapter),
-                                    cache=q35_engine.cache)
+    engine = VLLMEngine.for_servers([url], processor, limits=limits, cache=q35_engine.cache)
+    engine.transport = FolderTransport(engine.client, lambda version: str(adapter), adapter=True)
     try:
         engine.update_weights()
         assert engine.info()[0]["lora"] == "saccade-policy"

@@ -459,6 +459,8 @@ def test_a_cpu_server_refuses_moe_weight_updates_and_training_on_it_is_refused(m
     assert refused.status_code == 501 and "layerwise" in refused.text and "embedded" in refused.text, refused.text
     info = httpx.get(url + "/saccade/info", timeout=60).json()
     assert "fused experts" in info["weight_updates_refused"] and info["policy_version"] == 0
-    with pytest.raises(ValueError, match='engine.kind = "embedded"'):
-        VLLMEngine.for_servers([url], moe_processor, limits=limits, exporter=lambda version: str(same))
+    from saccade.transports.choose import check_servers_take_weights
+
+    with pytest.raises(ValueError, match='engine.kind = "embedded"'):  # what a run's transport checks first
+        check_servers_take_weights("files", [info], [url])
     VLLMEngine.for_servers([url], moe_processor, limits=limits).close()  # sampling alone is fine

@@ -79,11 +79,11 @@ def test_world_2_samples_ahead_on_vllm_exactly_as_world_1(server, tiny_path, tmp
 
 @pytest.mark.long
 def test_world_2_with_the_collective_sync_samples_as_world_1_through_files(server, tiny_path, tmp_path):
-    """A sharded trainer's collective sync (saccade.trainer.weight_transfer): both ranks gather
+    """A sharded trainer's collective sync (saccade.transports.collective): both ranks gather
     each layer group's shards, rank 0 broadcasts it; the server then samples exactly what the
     folder sync gave it at world 1, token for token."""
     sample_ahead(tmp_path / "files", 1, server, tiny_path)
-    sample_ahead(tmp_path / "collective", 2, server, tiny_path, "--engine.weight_sync", "collective")
+    sample_ahead(tmp_path / "collective", 2, server, tiny_path, "--engine.weight_sync.kind", "collective")
     records = [json.loads((tmp_path / w / "record.json").read_text()) for w in ("files", "collective")]
     assert len(records[0]) == 4 and records[1] == records[0]
     m1, m2 = ([r for r in read_metrics(tmp_path / w / "run") if r["phase"] == "train"] for w in ("files", "collective"))

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from saccade.models.sampling import SampledDistribution  # noqa: E402
 from saccade.tools.bench.engine import ENCODE_BAR, MAX_BAR, MEAN_BAR, shapes_requests  # noqa: E402
+from saccade.transports.files import FolderTransport  # noqa: E402
 
 def trainer_logprobs(model, completions, engine, temperature):
     from saccade.tools.bench.engine import trainer_logprob_diffs
@@ -90,7 +91,8 @@ def test_after_a_training_step_and_update_weights_vllm_samples_the_new_policy(en
 
     one_likelihood_step(new, engine, completions)  # a real optimizer step: every LM weight changes
 
-    engine.exporter = lambda version: str(merge_full_weights_for_engine(new, tiny_path, tmp_path / f"v{version}"))
+    engine.transport = FolderTransport(
+        engine.client, lambda version: str(merge_full_weights_for_engine(new, tiny_path, tmp_path / f"v{version}")))
     version_before = engine.policy_version
     try:
         seconds = engine.update_weights()
@@ -104,7 +106,7 @@ def test_after_a_training_step_and_update_weights_vllm_samples_the_new_policy(en
         assert against_old.mean() > 100 * MEAN_BAR  # the servers really sample the new weights
     finally:
         # Put the served model back for the other tests: the base folder is a valid weights folder.
-        engine.exporter = lambda version: str(tiny_path)
+        engine.transport = FolderTransport(engine.client, lambda version: str(tiny_path))
         engine.update_weights()
 
 

@@ -69,7 +69,7 @@ def launched_server_args(model: str, weights_root) -> tuple[str, ...]:
     from saccade.tools.launcher.plan import server_processes
 
     cfg = load_config(RunConfig, "configs/demo.toml", [
-        "--engine.kind", "vllm", "--engine.weights_dir", str(weights_root),
+        "--engine.kind", "vllm", "--engine.weight_sync.weights_dir", str(weights_root),
         "--launch.nodes", json.dumps([{"trainer_ranks": 1, "servers": 1}])])
     [process] = server_processes(cfg, 0, model=model)
     argv = list(process.argv[5:])  # after python -m saccade serve MODEL

@@ -91,7 +91,7 @@ def test_rl_on_vllm_with_sync_every_2_steps_records_the_lag(tmp_path, server):
 
 def test_lora_runs_push_only_the_adapter_and_vllm_samples_with_it(tmp_path, server):
     cfg = vllm_config(tmp_path, server, "--lora", "true", "--lora.rank", "8",
-                      "--engine.sync_lora_adapter", "true", "--trainer.lr", "1e-2")
+                      "--engine.weight_sync.kind", "adapter", "--trainer.lr", "1e-2")
     setup = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)["setup"]
     rows = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
     assert all(r["mismatch_abs"] <= MEAN_BAR and r["weight_sync_s"] > 0 for r in rows), [
@@ -107,8 +107,8 @@ def test_lora_runs_push_only_the_adapter_and_vllm_samples_with_it(tmp_path, serv
 
 
 def test_adapter_sync_is_refused_for_full_finetuning(tmp_path, server):
-    cfg = vllm_config(tmp_path, server, "--engine.sync_lora_adapter", "true")
-    with pytest.raises(ValueError, match="sync_lora_adapter needs LoRA"):
+    cfg = vllm_config(tmp_path, server, "--engine.weight_sync.kind", "adapter")
+    with pytest.raises(ValueError, match='kind = "adapter" needs LoRA'):
         build_setup(cfg, tmp_path)
 
 
@@ -216,7 +216,7 @@ def test_a_trainer_holding_another_head_stops_at_the_first_step(tmp_path, server
     from saccade.models.lm import unwrap_policy
 
     cfg = vllm_config(tmp_path, server, "--lora", "true", "--lora.rank", "8",
-                      "--engine.sync_lora_adapter", "true")
+                      "--engine.weight_sync.kind", "adapter")
     setup = build_setup(cfg, cfg.run_dir)
     policy = unwrap_policy(setup.model)
     head = policy.lm_head.weight.detach()

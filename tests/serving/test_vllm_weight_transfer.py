@@ -1,5 +1,5 @@
 """Full fine-tuning's weights sent to a real `saccade serve` (vLLM's CPU build, the tiny model)
-over the collective weight transfer (saccade.trainer.weight_transfer, saccade.serving.transfer):
+over the collective weight transfer (saccade.transports.collective, saccade.serving.transfer):
 after a training step the server samples the trainer's new policy within the fp32 engine-parity
 bars, exactly as after the same weights loaded from a folder; a sync skipped on purpose shows as
 a large mismatch; the version header follows each sync; a chunk out of turn is refused."""
@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from saccade.models.sampling import SampledDistribution  # noqa: E402
 from saccade.tools.bench.engine import MAX_BAR, MEAN_BAR, one_likelihood_step, shapes_requests  # noqa: E402
+from saccade.transports.files import FolderTransport  # noqa: E402
 
 
 def diffs(model, completions, engine):
@@ -47,7 +48,7 @@ def test_a_collective_sync_samples_the_new_policy_as_a_folder_does(engine, tiny_
     from saccade.inference.engine import SamplingParams
     from saccade.models.lm import load_policy_lm, set_full_finetune
     from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine
-    from saccade.trainer.weight_transfer import CollectiveSync
+    from saccade.transports.collective import CollectiveTransport
 
     old = load_policy_lm(tiny_path, dtype=torch.float32)
     new = set_full_finetune(load_policy_lm(tiny_path, dtype=torch.float32))
@@ -57,10 +58,10 @@ def test_a_collective_sync_samples_the_new_policy_as_a_folder_does(engine, tiny_
     params = SamplingParams(temperature=1.0, max_tokens=8, n=4)
     one_likelihood_step(new, engine, [c for g in engine.generate(requests, params) for c in g])
 
-    sync = CollectiveSync(engine.client, new, tiny_path, address="127.0.0.1", timeout_s=120)
-    assert all("visual" not in item.name for group in sync.groups for item in group)  # the tower is never sent
-    assert len(sync.groups) >= 3  # embeddings (and head), then one group per decoder layer
-    engine.transfer = sync
+    sync = CollectiveTransport(engine.client, new, tiny_path, address="127.0.0.1", timeout_s=120)
+    assert all("visual" not in item.name for group in sync.weights.groups for item in group)  # the tower is never sent
+    assert len(sync.weights.groups) >= 3  # embeddings (and head), then one group per decoder layer
+    engine.transport = sync
     try:
         version = engine.policy_version + 1
         engine.update_weights(version)
@@ -72,8 +73,8 @@ def test_a_collective_sync_samples_the_new_policy_as_a_folder_does(engine, tiny_
         assert against_old.mean() > 100 * MEAN_BAR  # the server really samples the new weights
 
         # The same weights through a folder: the same draws, the same logprobs.
-        engine.transfer = None
-        engine.exporter = lambda v: str(merge_full_weights_for_engine(new, tiny_path, tmp_path / f"v{v}"))
+        engine.transport = FolderTransport(
+            engine.client, lambda v: str(merge_full_weights_for_engine(new, tiny_path, tmp_path / f"v{v}")))
         engine.update_weights(version + 1)
         folder = [c for g in engine.generate(requests, params) for c in g]
         for a, b in zip(collective, folder, strict=True):
@@ -81,7 +82,7 @@ def test_a_collective_sync_samples_the_new_policy_as_a_folder_does(engine, tiny_
             assert (a.logprobs - b.logprobs).abs().max() <= 1e-6
 
         # A sync skipped on purpose: the trainer moves on, the server still holds the last weights.
-        engine.transfer = sync
+        engine.transport = sync
         one_likelihood_step(new, engine, folder)
         stale = [c for g in engine.generate(requests, params) for c in g]
         assert diffs(new, stale, engine).mean() > 100 * MEAN_BAR
@@ -92,8 +93,7 @@ def test_a_collective_sync_samples_the_new_policy_as_a_folder_does(engine, tiny_
         assert against_new.mean() <= MEAN_BAR and against_new.max() <= MAX_BAR, against_new.mean().item()
     finally:
         # Put the served model back for the other tests: the base folder is a valid weights folder.
-        engine.transfer = None
-        engine.exporter = lambda v: str(tiny_path)
+        engine.transport = FolderTransport(engine.client, lambda v: str(tiny_path))
         engine.update_weights()
 
 
@@ -110,7 +110,7 @@ def test_rl_with_the_collective_sync_stays_on_policy_and_writes_no_weights(tmp_p
         "--trainer.steps", "3", "--rollout.prompts_per_step", "4", "--rollout.group_size", "4",
         "--rollout.filter_zero_variance", "false", "--sampling.max_tokens", "6", "--loss.max_completion_tokens", "6",
         "--eval.every_steps", "0", "--trainer.lr", "1e-2",  # one step moves the logprobs far past the bar
-        "--engine.kind", "vllm", "--engine.urls", json.dumps([server]), "--engine.weight_sync", "collective",
+        "--engine.kind", "vllm", "--engine.urls", json.dumps([server]), "--engine.weight_sync.kind", "collective",
         "--log.dir", str(tmp_path),
     ])
     out = train_rl(cfg, run_dir=cfg.run_dir, task=scored_task(cfg), progress=False)
@@ -119,7 +119,7 @@ def test_rl_with_the_collective_sync_stays_on_policy_and_writes_no_weights(tmp_p
     for r in rows:  # the trainer's logprobs before its update equal vLLM's: the server held its weights
         assert r["mismatch_abs"] <= MEAN_BAR and r["policy_lag"] == 0 and r["weight_sync_s"] > 0, r
     engine = out["setup"].engine
-    assert engine.transfer is not None and engine.info()[0]["policy_version"] == 3 == engine.policy_version
+    assert engine.transport is not None and engine.info()[0]["policy_version"] == 3 == engine.policy_version
     assert not (cfg.run_dir / "engine-weights").exists()  # no files
 
 
@@ -128,12 +128,12 @@ def test_an_update_that_fails_half_way_keeps_generation_paused_until_a_complete_
 
     from saccade.inference.servers import NoServerError
     from saccade.models.lm import load_policy_lm
-    from saccade.trainer.weight_transfer import CollectiveSync
+    from saccade.transports.collective import CollectiveTransport
 
-    sync = CollectiveSync(engine.client, load_policy_lm(tiny_path, dtype=torch.float32), tiny_path,
+    sync = CollectiveTransport(engine.client, load_policy_lm(tiny_path, dtype=torch.float32), tiny_path,
                           address="127.0.0.1", timeout_s=120)
-    layer = sync.groups[1]  # the first decoder layer: arrives, then cannot load under a name the model lacks
-    sync.groups[1] = [replace(layer[0], name=layer[0].name.replace(".layers.0.", ".layers.999.")), *layer[1:]]
+    layer = sync.weights.groups[1]  # the first decoder layer: arrives, then cannot load under a name the model lacks
+    sync.weights.groups[1] = [replace(layer[0], name=layer[0].name.replace(".layers.0.", ".layers.999.")), *layer[1:]]
     before = engine.info()[0]["policy_version"]
     try:
         with pytest.raises(NoServerError, match="receiving weights failed"):  # out, and it was the only one
@@ -145,8 +145,7 @@ def test_an_update_that_fails_half_way_keeps_generation_paused_until_a_complete_
         assert paused.status_code == 200  # the server answers; only sampling waits
     finally:  # a complete update (here the base folder) resumes sampling
         engine.client.pool.put_back(engine.client.pool.servers[engine.urls[0]], before)
-        engine.transfer = None
-        engine.exporter = lambda v: str(tiny_path)
+        engine.transport = FolderTransport(engine.client, lambda v: str(tiny_path))
         engine.update_weights()
     assert engine.info()[0]["weights_incomplete"] is False
     from saccade.inference.engine import SamplingParams
@@ -156,10 +155,10 @@ def test_an_update_that_fails_half_way_keeps_generation_paused_until_a_complete_
 
 def test_a_second_trainer_takes_the_server_over_and_the_first_joins_again(engine, tiny_path):
     from saccade.models.lm import load_policy_lm
-    from saccade.trainer.weight_transfer import CollectiveSync
+    from saccade.transports.collective import CollectiveTransport
 
     model = load_policy_lm(tiny_path, dtype=torch.float32)  # the base weights: the server stays as found
-    first, second = (CollectiveSync(engine.client, model, tiny_path, address="127.0.0.1", timeout_s=60) for _ in "ab")
+    first, second = (CollectiveTransport(engine.client, model, tiny_path, address="127.0.0.1", timeout_s=60) for _ in "ab")
     version = engine.info()[0]["policy_version"]
     for i, sync in enumerate((first, second, first), start=1):  # each sync names its group; a stale one is redone
         sync.send(version + i)
@@ -171,11 +170,11 @@ def test_a_server_that_cannot_join_is_taken_out_and_the_others_get_the_weights(s
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm
     from saccade.serving.launch import free_port
-    from saccade.trainer.weight_transfer import CollectiveSync
+    from saccade.transports.collective import CollectiveTransport
 
     gone = f"http://127.0.0.1:{free_port()}"  # in the run's list, nobody listening
     engine = VLLMEngine([server, gone], processor, limits=limits, health_interval_s=0)
-    engine.transfer = CollectiveSync(engine.client, load_policy_lm(tiny_path, dtype=torch.float32), tiny_path,
+    engine.transport = CollectiveTransport(engine.client, load_policy_lm(tiny_path, dtype=torch.float32), tiny_path,
                                      address="127.0.0.1", timeout_s=60)
     try:
         version = httpx.get(server + "/saccade/info", timeout=30).json()["policy_version"] + 1
@@ -183,7 +182,7 @@ def test_a_server_that_cannot_join_is_taken_out_and_the_others_get_the_weights(s
         pool = engine.client.pool
         assert [s.url for s in pool.alive] == [server] and pool.servers[server].version == version
         assert "joining the weight transfer failed" in pool.servers[gone].last_error
-        assert engine.transfer.last["servers"] == 1
+        assert engine.transport.last["servers"] == 1
     finally:
         engine.close()
 
@@ -193,10 +192,10 @@ def test_a_server_back_after_leaving_waits_out_of_the_pool_for_the_next_sync_whi
     from saccade.inference.engine import SamplingParams
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm
-    from saccade.trainer.weight_transfer import CollectiveSync
+    from saccade.transports.collective import CollectiveTransport
 
     engine = VLLMEngine([server], processor, limits=limits, health_interval_s=0.2, no_server_wait_s=1)
-    engine.transfer = CollectiveSync(engine.client, load_policy_lm(tiny_path, dtype=torch.float32), tiny_path,
+    engine.transport = CollectiveTransport(engine.client, load_policy_lm(tiny_path, dtype=torch.float32), tiny_path,
                                      address="127.0.0.1", timeout_s=60)
     pool = engine.client.pool
     try:

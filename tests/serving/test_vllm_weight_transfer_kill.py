@@ -1,4 +1,4 @@
-"""The collective weight sync (saccade.trainer.weight_transfer) against servers of their own,
+"""The collective weight sync (saccade.transports.collective) against servers of their own,
 real `saccade serve` (vLLM's CPU build):
 - a server SIGKILLed in the middle of a sync: the sync goes on with the other server; the killed
   one, started again, stays out of the pool until the next sync has sent it the whole model; and
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.long]
 
 from saccade.models.sampling import SampledDistribution  # noqa: E402
 from saccade.tools.bench.engine import MAX_BAR, MEAN_BAR, one_likelihood_step, shapes_requests  # noqa: E402
+from saccade.transports.files import FolderTransport  # noqa: E402
 
 
 def diffs(model, completion, engine) -> torch.Tensor:
@@ -45,7 +46,7 @@ def test_a_server_killed_mid_stream_leaves_the_sync_to_the_other_and_gets_everyt
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm, set_full_finetune
     from saccade.serving.launch import ServerProcess
-    from saccade.trainer.weight_transfer import CollectiveSync
+    from saccade.transports.collective import CollectiveTransport
 
     b = ServerProcess("tiny", args=("--dtype", "float32", "--enforce-eager"), log_path=tmp_path / "b.log",
                       weights_root=tmp_path)
@@ -54,7 +55,7 @@ def test_a_server_killed_mid_stream_leaves_the_sync_to_the_other_and_gets_everyt
         b.start().wait_ready()
         engine = VLLMEngine([server, b.url], processor, limits=limits, health_interval_s=0.5)
         model = set_full_finetune(load_policy_lm(tiny_path, dtype=torch.float32))
-        sync = engine.transfer = CollectiveSync(engine.client, model, tiny_path, address="127.0.0.1", timeout_s=120)
+        sync = engine.transport = CollectiveTransport(engine.client, model, tiny_path, address="127.0.0.1", timeout_s=120)
         pool = engine.client.pool
         requests = shapes_requests(4, seed=30, second_image_every=0)
         params = SamplingParams(temperature=1.0, max_tokens=8, n=2)
@@ -119,8 +120,7 @@ def test_a_server_killed_mid_stream_leaves_the_sync_to_the_other_and_gets_everyt
             assert c.policy_version == 3 and within_bars(diffs(model, c, engine))
     finally:
         if engine is not None:
-            engine.transfer = None
-            engine.exporter = lambda v: str(tiny_path)
+            engine.transport = FolderTransport(engine.client, lambda v: str(tiny_path))
             engine.client.pool.servers.pop(b.url, None)
             engine.update_weights()  # the shared server serves its checkpoint again
             engine.close()
@@ -136,7 +136,7 @@ def test_a_tensor_parallel_server_gets_every_worker_its_weights(processor, limit
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.lm import load_policy_lm, set_full_finetune
     from saccade.serving.launch import ServerProcess
-    from saccade.trainer.weight_transfer import CollectiveSync
+    from saccade.transports.collective import CollectiveTransport
 
     tp = ServerProcess("tiny", args=("--dtype", "float32", "--enforce-eager", "--tensor-parallel-size", "2"),
                        log_path=tmp_path / "tp.log", weights_root=tmp_path,
@@ -150,7 +150,7 @@ def test_a_tensor_parallel_server_gets_every_worker_its_weights(processor, limit
         requests = shapes_requests(2, seed=20, second_image_every=0)
         params = SamplingParams(temperature=1.0, max_tokens=8, n=4)
         one_likelihood_step(model, engine, [c for g in engine.generate(requests, params) for c in g])
-        engine.transfer = CollectiveSync(engine.client, model, tiny_path, address="127.0.0.1", timeout_s=120)
+        engine.transport = CollectiveTransport(engine.client, model, tiny_path, address="127.0.0.1", timeout_s=120)
         engine.update_weights(1)
         sampled = [c for g in engine.generate(requests, params) for c in g]
         assert all(c.policy_version == 1 for c in sampled)

@@ -365,7 +365,7 @@ def test_the_memory_command_counts_the_kl_reference_for_full_finetuning(capsys):
     from saccade.cli import main
 
     path = str(_configs() / "qwen3vl-8b-8gpu.toml")
-    full = ["--world-size", "4", "--lora", "false", "--engine.sync_lora_adapter", "false"]
+    full = ["--world-size", "4", "--lora", "false", "--engine.weight_sync.kind", "files"]
     without = _estimate(f"saccade memory configs/qwen3vl-8b-8gpu.toml {' '.join(full)}")
     with_kl = _estimate(f"saccade memory configs/qwen3vl-8b-8gpu.toml {' '.join(full)} --loss.kl_coef 0.05")
     reference = QWEN3_VL["Qwen/Qwen3-VL-8B-Instruct"].text.params * 2 / 4 / GiB  # bf16 shards over 4
@@ -419,7 +419,7 @@ def test_the_server_does_not_depend_on_the_trainers_world_size():
 def test_header_lines_state_the_world_size():
     from saccade.tools.memory import header_lines
 
-    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora false --engine.sync_lora_adapter false"
+    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora false --engine.weight_sync.kind files"
     one, four = header_lines(_estimate(base)), header_lines(_estimate(base + " --world-size 4"))
     assert one[0].startswith("#   trainer GPU: ") and one[-1].startswith("#   trainer alone on a 79 GiB GPU: ")
     assert one[-1].endswith("DOES NOT FIT")  # 8B full fine-tuning on one GPU
@@ -435,7 +435,7 @@ def test_memory_command_world_size(capsys):
     from saccade.tools.memory import header_lines
 
     path = str(_configs() / "qwen3vl-8b-8gpu.toml")
-    full = ["--lora", "false", "--engine.sync_lora_adapter", "false"]
+    full = ["--lora", "false", "--engine.weight_sync.kind", "files"]
     assert main(["memory", path, "--world-size", "4", "--header", *full]) == 0
     printed = capsys.readouterr().out.splitlines()
     command = f"saccade memory configs/qwen3vl-8b-8gpu.toml --world-size 4 {' '.join(full)}"
@@ -522,7 +522,7 @@ def test_eight_gpu_headers_say_how_they_shard(name):
 def test_eight_b_full_finetuning_needs_sharding():
     """The README's case: Qwen3-VL-8B full fine-tuning does not fit one 80 GB GPU, and fits
     sharded over four (each rank next to nothing: the servers have the other four GPUs)."""
-    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora false --engine.sync_lora_adapter false"
+    base = "saccade memory configs/qwen3vl-8b-8gpu.toml --lora false --engine.weight_sync.kind files"
     fits = {n: _estimate(f"{base} --world-size {n}").fits for n in (1, 2, 4, 8)}
     assert fits == {1: False, 2: False, 4: True, 8: True}
 
@@ -537,5 +537,5 @@ def test_documented_world_size_table_equals_the_estimator():
     for row in rows:
         size = re.match(r"\| full FT, (\d+B), ", row).group(1).lower()
         figures = re.findall(r"\b\d+\.\d\b", row)
-        base = f"saccade memory configs/qwen3vl-{size}-8gpu.toml --lora false --engine.sync_lora_adapter false"
+        base = f"saccade memory configs/qwen3vl-{size}-8gpu.toml --lora false --engine.weight_sync.kind files"
         assert figures == [f"{_estimate(f'{base} --world-size {n}').trainer.total:.1f}" for n in (1, 2, 4, 8)], row

@@ -276,7 +276,7 @@ BENCHES = (
         "weight-sync", WeightSyncBenchConfig, cmd_bench_weight_sync,
         help="full fine-tuning's weights to a vLLM server: through a folder against the collective transfer",
         description="Starts `saccade serve` on the model (or uses --url) and syncs the trainer's full weights to it "
-        "repeats times each way, interleaved: engine.weight_sync = \"files\" (the folder written, the server reads "
+        "repeats times each way, interleaved: engine.weight_sync.kind = \"files\" (the folder written, the server reads "
         "it back) and \"collective\" (the language model broadcast over gloo, layer group by layer group). Prints "
         "the median seconds of each, their ratio and the collective's one-time rendezvous."
     ),

@@ -44,6 +44,14 @@ class Demo:
     columns: tuple[str, ...]
 
 
+def engine_overrides(engine: str, overrides: list[str]) -> list[str]:
+    """`--engine vllm` with servers of your own (`--engine.urls`): the engine's kind set first, so
+    that the servers' fields, vLLM's alone, apply (`--engine.kind vllm` given too is left as it is)."""
+    named = any(o.split("=", 1)[0] == "--engine.urls" for o in overrides)
+    kind_given = any(o.split("=", 1)[0] == "--engine.kind" for o in overrides)
+    return ["--engine.kind", "vllm", *overrides] if engine == "vllm" and named and not kind_given else list(overrides)
+
+
 def _run_demo(args: argparse.Namespace, demo: Demo) -> list[dict] | None:
     """Load the demo's config (None after --dry-run), run it on the chosen engine once, or once
     per seed of `--seeds`, add the server's start to the minutes (the bar counts the whole
@@ -52,7 +60,7 @@ def _run_demo(args: argparse.Namespace, demo: Demo) -> list[dict] | None:
     from saccade.config import describe
     from saccade.tools.demo import demo_engine
 
-    cfg = demo.load_config(args.overrides, args.config)
+    cfg = demo.load_config(engine_overrides(args.engine, args.overrides), args.config)
     configs = [seeded(cfg, seed) for seed in args.seeds] if args.seeds else [cfg]
     if args.dry_run:
         for one in configs:

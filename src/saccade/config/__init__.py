@@ -62,8 +62,9 @@ from saccade.config.loss import (
 )
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
-    PRESET_NAMES, CheckpointConfig, ConfigError, ConstantDecayConfig, CosineDecayConfig, EngineConfig, EnvConfig,
-    GradSpikeConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig,
+    PRESET_NAMES, AdapterSyncConfig, AutoSyncConfig, CheckpointConfig, CollectiveSyncConfig, ConfigError,
+    ConstantDecayConfig, CosineDecayConfig, EmbeddedEngineConfig, EngineConfig, EnvConfig, FilesSyncConfig,
+    GradSpikeConfig, VLLMEngineConfig, WeightSyncConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig,
     LrDecayConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallRollbackConfig,
     StallStopConfig, StallWarnConfig, StallWatchConfig, TrainerConfig,
 )
@@ -91,7 +92,14 @@ __all__ = [
     "ConfigError",
     "ConstantDecayConfig",
     "CosineDecayConfig",
+    "AdapterSyncConfig",
+    "AutoSyncConfig",
+    "CollectiveSyncConfig",
+    "EmbeddedEngineConfig",
     "EngineConfig",
+    "FilesSyncConfig",
+    "VLLMEngineConfig",
+    "WeightSyncConfig",
     "EnvConfig",
     "EvalConfig",
     "GradSpikeConfig",

@@ -466,6 +466,10 @@ def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequenc
     applied: list[tuple[str, str, bool]] = []  # (source, dotted path, whether it is a union's tag)
     for source, dotted, raw in [*options, *parse_overrides(overrides)]:
         move = moved(dotted, _parse_value(raw, Any)) if issubclass(cls, RunConfig) else None
+        if move is not None and not move.new:
+            warnings.warn(f"{source} is no longer read: today's default means it (since {move.date}: {move.why})",
+                          LegacyConfigWarning, stacklevel=2)
+            continue
         if move is not None:
             warnings.warn(f"{source} is now --{move.new} (since {move.date}: {move.why}); read as it",
                           LegacyConfigWarning, stacklevel=2)

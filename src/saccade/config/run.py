@@ -11,7 +11,8 @@ from saccade.config.evaluation import EvalConfig
 from saccade.config.launch import LaunchConfig
 from saccade.config.loss import DEFAULT_TIS_CAP, LossConfig, PpoClipLossConfig
 from saccade.config.sections import (
-    CheckpointConfig, EngineConfig, EnvConfig, ImageCacheConfig, ImagesConfig, LogConfig, LoraConfig,
+    CheckpointConfig, EmbeddedEngineConfig, EngineConfig, EnvConfig, ImageCacheConfig, ImagesConfig, LogConfig,
+    LoraConfig,
     ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallWarnConfig, TrainerConfig,
     section_or_off,
 )
@@ -29,7 +30,10 @@ class RunConfig(Section):
     )
     images: ImagesConfig = Field(default_factory=ImagesConfig, description="image limits")
     image_cache: ImageCacheConfig = Field(default_factory=ImageCacheConfig, description="the image-embedding cache")
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
+    engine: EngineConfig = Field(
+        default_factory=EmbeddedEngineConfig,
+        description="the inference engine: its kind (with that kind's own fields; vLLM's weight sync under it)",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="how completions are sampled")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollouts per step and advantages")
     stall: StallConfig = Field(
@@ -55,6 +59,13 @@ class RunConfig(Section):
     def run_dir(self) -> Path:
         """The run folder: log.dir, else runs/<log.name>."""
         return Path(self.log.dir) if self.log.dir else Path("runs") / self.log.name
+
+    @property
+    def engine_weights_dir(self) -> Path:
+        """Where the weights for vLLM servers are written (a folder transport's): the engine's
+        weight_sync.weights_dir, else <run_dir>/engine-weights."""
+        configured = getattr(getattr(self.engine, "weight_sync", None), "weights_dir", None)
+        return Path(configured) if configured else self.run_dir / "engine-weights"
 
     @property
     def checkpoint_dir(self) -> Path:

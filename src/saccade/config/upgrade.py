@@ -62,12 +62,18 @@ class Move:
     why: str
     applies: Callable[[Any], bool] = lambda value: True  # the old key's value, not the new key's (same path)
     convert: Callable[[Any], Any] | None = None  # the old value -> the new key's (None: the same value)
+    wins: bool = False  # the old key decided over the new key's value then: it replaces it now
 
 
 MODES_DAY = "2026-11-28"  # issue 45: modes as unions, not flags
 _STALL = "the stall watch is a section of its own, its action a union: only 'rollback' has lr_factor and max_rollbacks"
 _DECAY = "the lr decay is a union: only 'linear' and 'cosine' have min_lr_ratio"
 OBJECTIVES_DAY = "2026-11-28"  # issue 47: the advantage's baseline and scaling are choices, not a flag
+ENGINE_DAY = "2026-12-06"  # issue 59: the engine is a union, and vLLM's weight sync a union under it
+_SYNC = ("the engine is a union (embedded, or vllm with its servers' fields), and the weight sync a union under "
+         "it, each way with its own fields: files (weights_dir), adapter (weights_dir), collective (backend, "
+         "transfer_address), auto (transfer_address, weights_dir)")
+_ADAPTER = "pushing only the LoRA adapter is a kind of weight sync (engine.weight_sync.kind = \"adapter\"), not a flag"
 _SCALING = "the advantage scaling is a choice of three: true is 'group' (the group's std), false 'none'"
 MOVES: tuple[Move, ...] = (
     Move("lora.enabled", "lora", MODES_DAY, "LoRA or not is a mode, not a flag beside LoRA's settings: a [lora] table "
@@ -81,8 +87,24 @@ MOVES: tuple[Move, ...] = (
     Move("trainer.min_lr_ratio", "trainer.lr_decay.min_lr_ratio", MODES_DAY, _DECAY),
     Move("rollout.scale_advantages_by_std", "rollout.advantage_scaling", OBJECTIVES_DAY, _SCALING,
          convert=lambda value: _std_scaling(value)),
+    # In this order: the weight sync's table is made first (from its old string), then filled.
+    Move("engine.weight_sync", "engine.weight_sync.kind", ENGINE_DAY, _SYNC, applies=lambda value: isinstance(value, str)),
+    Move("engine.transfer_address", "engine.weight_sync.transfer_address", ENGINE_DAY, _SYNC),
+    Move("engine.weights_dir", "engine.weight_sync.weights_dir", ENGINE_DAY, _SYNC),
+    # An adapter was pushed whatever weight_sync said: it wins over it.
+    Move("engine.sync_lora_adapter", "engine.weight_sync.kind", ENGINE_DAY, _ADAPTER, applies=lambda value: _flag(value),
+         convert=lambda value: "adapter", wins=True),
+)
+# Old keys whose value meant what today's default means: dropped, and said.
+DROPPED: tuple[Move, ...] = (
+    Move("engine.sync_lora_adapter", "", ENGINE_DAY, _ADAPTER, applies=lambda value: _flag(value) is False),
 )
 MOVED = {move.old: move for move in MOVES}
+
+
+def _flag(value: Any) -> Any:
+    """A bool as a file or the command line writes it (true/false); anything else as it is."""
+    return {"true": True, "false": False}.get(value.lower(), value) if isinstance(value, str) else value
 
 
 def _std_scaling(value: Any) -> Any:
@@ -92,7 +114,8 @@ def _std_scaling(value: Any) -> Any:
     return ("group" if flag else "none") if isinstance(flag, bool) else value
 # Sections that a day split into variants: an old file carried every field of the section, and
 # the fields its variant does not have are dropped.
-SPLIT: tuple[str, ...] = ("stall", "trainer.lr_decay", "loss")  # loss: 'reinforce' has no eps_low, eps_high
+SPLIT: tuple[str, ...] = ("stall", "trainer.lr_decay", "loss",  # loss: 'reinforce' has no eps_low, eps_high
+                          "engine", "engine.weight_sync")  # engine: 'embedded' has no urls, timeout_s, ...
 
 
 def retired_key(old: str) -> str | None:
@@ -120,14 +143,17 @@ def upgrade(data: dict[str, Any], label: str) -> dict[str, Any]:
     """`data` (a parsed TOML file) with each old key of `MOVES` moved to its new key, and the
     fields their sections no longer read dropped; warns what changed."""
     found = [move for move in MOVES if _has(data, move.old) and move.applies(_get(data, move.old))]
-    if not found:
+    gone = [move for move in DROPPED if _has(data, move.old) and move.applies(_get(data, move.old))]
+    if not found and not gone:
         return data
     out = _copy(data)
     notes, dropped = [], []
+    for move in gone:
+        notes.append(f"{move.old} = {_toml(_pop(out, move.old))} needs no key now (today's default)")
     for move in found:
         value = _pop(out, move.old)
         inside = move.old.startswith(move.new + ".")  # lora.enabled: the new key is the table it was in
-        if _has(out, move.new) and not inside:
+        if _has(out, move.new) and not inside and not move.wins:
             raise ValueError(f"has both {move.old} (before {move.date}) and {move.new}, its new key: remove {move.old}")
         off = _get(out, move.new) if inside and value is False else None
         if move.convert is not None:
@@ -147,7 +173,7 @@ def upgrade(data: dict[str, Any], label: str) -> dict[str, Any]:
             owners = {key: next((v for v in variants if key in v.model_fields), None) for key in table}
             unread = {key: table.pop(key) for key, owner in owners.items() if owner and key not in variant.model_fields}
             dropped += [f"{path}.{key} = {_toml(value)}" for key, value in unread.items()
-                        if value != owners[key].model_fields[key].default]
+                        if value != owners[key].model_fields[key].get_default(call_default_factory=True)]
     if dropped:
         notes.append(f"dropped, as nothing in use reads them: {', '.join(dropped)}")
     warnings.warn(f"{label}: keys from an earlier day, read as today's: {'; '.join(notes)}. `saccade rl {label} "
@@ -157,17 +183,23 @@ def upgrade(data: dict[str, Any], label: str) -> dict[str, Any]:
 
 
 def moved(dotted: str, value: Any) -> Move | None:
-    """The move of an old key given on the command line (its value parsed), or None."""
-    move = MOVED.get(dotted)
-    return move if move is not None and move.applies(value) else None
+    """The move of an old key given on the command line (its value parsed), or None. A move whose
+    `new` is "" drops the key (its value meant today's default)."""
+    for move in (*MOVES, *DROPPED):
+        if move.old == dotted and move.applies(value):
+            return move
+    return None
 
 
 def _field_info(dotted: str) -> FieldInfo:
+    """The field at `dotted`; inside a union of sections, the variant's that has the next key."""
     model: type[BaseModel] = RunConfig
-    *parents, key = dotted.split(".")
-    for part in parents:
-        model = next(m for m in union_members(model.model_fields[part].annotation) if isinstance(m, type))
-    return model.model_fields[key]
+    parts = dotted.split(".")
+    for i, part in enumerate(parts[:-1]):
+        members = [m for m in union_members(model.model_fields[part].annotation)
+                   if isinstance(m, type) and issubclass(m, BaseModel)]
+        model = next((m for m in members if parts[i + 1] in m.model_fields), members[0])
+    return model.model_fields[parts[-1]]
 
 
 def _model_at(dotted: str) -> type[BaseModel]:

@@ -126,6 +126,18 @@ class Completion:
     routed_experts: torch.Tensor | None = None
 
 
+class WeightTransport(Protocol):
+    """How the trainer's weights reach vLLM servers (`saccade.transports`, one file each way):
+    what `VLLMEngine.update_weights` calls on every rank."""
+
+    adapter: bool  # the servers then sample with the trainer's LoRA adapter, which requests name
+    rejoins_at_sync: bool  # a server that answers again is put back by the next sync (it sends it all)
+
+    def send(self, version: int) -> dict[str, float]:
+        """The trainer's current weights to every live server, as `version`; the figures it measured."""
+        ...
+
+
 class Engine(Protocol):
     """Every member the loops (RL, SFT, evaluation, the demos) use; both engines have them all."""
 

@@ -117,7 +117,7 @@ class ServerClient:
         self.no_server_wait_s = no_server_wait_s
         self._pushed: tuple[str, int] | None = None  # the weights folder every server must hold, and its version
         self.confirmed: int | None = None  # the version every live server holds, as every rank saw (module note)
-        # Set while a collective weight sync is the engine's (VLLMEngine.transfer): it sends a server
+        # Set while the engine's transport rejoins servers at a sync (the collective): it sends a server
         # that answers again the whole model and puts it back; the health check only notes that it answers.
         self.weights_by_collective = False
         # Made on first use, on the loop: the thread, the client, the request gate, the lock

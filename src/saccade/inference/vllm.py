@@ -12,12 +12,10 @@ For each request it:
 The HTTP side (one event loop and client, the choice of server, retries, the health check
 that brings servers back, the weights each must hold) is `saccade.inference.server_client`.
 
-Weights: `update_weights()` calls the exporter given at construction (it writes a
-safetensors folder the servers can read) and has it loaded by every live server's
-/update_weights: full weights (LoRA merged), or with `lora=True` only the adapter, which the
-servers load in place and requests then name as their model. With a `transfer` set instead
-(`saccade.trainer.weight_transfer.CollectiveSync`), full weights are broadcast to the servers
-over a process group, no folder. Sampling goes on meanwhile: a
+Weights: `update_weights()` hands them to the engine's transport (`saccade.transports`: a folder
+of full weights or of the LoRA adapter that every live server loads, or a broadcast over a
+process group, no folder; with an adapter, requests then name it as their model). Sampling goes
+on meanwhile: a
 server finishes the requests it is running on the old weights and queues the rest (see
 `saccade.serving.server`). Each completion carries the version its server reported in the
 response's `x-saccade-policy-version` header (`saccade.serving.wire.VERSION_HEADER`): the
@@ -43,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +48,7 @@ import torch
 from saccade.config import ImagesConfig
 from saccade.data.images import data_url_size, image_hash, image_to_data_url, load_image
 from saccade.inference.engine import (
-    ChatRequest, Completion, SamplingParams, TokenPrompt, stop_token_ids, vision_token_ids,
+    ChatRequest, Completion, SamplingParams, TokenPrompt, WeightTransport, stop_token_ids, vision_token_ids,
 )
 from saccade.inference.server_client import Server, ServerClient, ServerError, head_dtype_problem
 from saccade.inference.replies import check_completions, reply_json, reply_version
@@ -155,12 +152,9 @@ class VLLMEngine:
         timeout_s: float = 600.0,
         retries: int = 3,
         backoff_s: float = 0.5,
-        exporter: Callable[[int], str] | None = None,
-        transfer=None,
+        transport: WeightTransport | None = None,
         model: str | None = None,
         family: ModelFamily | None = None,
-        lora: bool = False,
-        pushes_weights: bool = True,
         health_interval_s: float = 2.0,
         no_server_wait_s: float = 60.0,
         vocab_size: int | None = None,
@@ -172,20 +166,13 @@ class VLLMEngine:
         self.vocab_size = vocab_size  # the model's rows: a sampled id at or past it is a server fault
         self.cache = cache if cache is not None else EmbeddingCache()
         self.limits = limits or ImagesConfig()
-        # lora: the exporter writes a PEFT adapter folder; the servers load it as an adapter
-        # and requests name it as their model. Otherwise it writes full weights.
-        self.lora = lora
-        self.client = ServerClient(urls, limits=self.limits, lora=lora, api_key=api_key,
+        self.client = ServerClient(urls, limits=self.limits, lora=False, api_key=api_key,
                                    max_concurrency=max_concurrency, timeout_s=timeout_s, retries=retries,
                                    backoff_s=backoff_s, health_interval_s=health_interval_s,
                                    no_server_wait_s=no_server_wait_s)
-        self.exporter = exporter
-        # Set: full weights go to the servers over a process group instead of a folder (its
-        # `send(version)`: saccade.trainer.weight_transfer.CollectiveSync, built on self.client).
-        self.transfer = transfer
-        # False on ranks other than 0 of a sharded trainer: they take part in the export (a
-        # collective gather) but only rank 0 tells the servers to load it.
-        self.pushes_weights = pushes_weights
+        # How the trainer's weights reach the servers (saccade.transports, built on self.client);
+        # None: this engine only samples (update_weights refuses).
+        self.transport = transport
         self.model = model
         self.family = family  # the served model's: its M-RoPE rule for prepared prompts
         self._adapter_loaded = False
@@ -207,16 +194,23 @@ class VLLMEngine:
         return self.client.urls
 
     @property
-    def transfer(self):
-        """The collective weight sync, or None (weights go through folders)."""
-        return self._transfer
+    def transport(self) -> WeightTransport | None:
+        """How the trainer's weights reach the servers (saccade.transports), or None."""
+        return self._transport
 
-    @transfer.setter
-    def transfer(self, sync) -> None:
-        # With a collective sync, a server that answers again gets the whole model from the next
-        # sync before it is put back (CollectiveSync.send); the health check only notes it answers.
-        self._transfer = sync
-        self.client.weights_by_collective = sync is not None
+    @transport.setter
+    def transport(self, transport: WeightTransport | None) -> None:
+        # The client must know: with an adapter, a server put back must have LoRA and gets the
+        # adapter; with a collective, a server that answers again gets the whole model from the
+        # next sync before it is put back, and the health check only notes that it answers.
+        self._transport = transport
+        self.client.lora = bool(transport and transport.adapter)
+        self.client.weights_by_collective = bool(transport and transport.rejoins_at_sync)
+
+    @property
+    def lora(self) -> bool:
+        """The servers sample with the trainer's LoRA adapter (pushed by the transport)."""
+        return bool(self._transport and self._transport.adapter)
 
     # The trainer's weights live elsewhere: each update is exported and loaded by the servers.
     shares_weights = False
@@ -229,7 +223,8 @@ class VLLMEngine:
         Without `limits`, the first server's own resize bounds (from /saccade/info) are used.
         With them, every server must resize to the same bounds, or the trainer's prompts
         would not be the ones the servers sample after: that is refused with what to change.
-        With `lora=True`, every server must have LoRA enabled. `model`: the trainer's model (its
+        Whether they take the trainer's weights is the transport's to check (`saccade.transports.
+        choose`). `model`: the trainer's model (its
         path or hub id, its fingerprint: `saccade.models.checkpoint_layout.fingerprint`); a server
         serving another is refused (`saccade.model_match`). Servers that do not answer now
         start out of the pool (the health check brings them in once they do); none answering
@@ -241,13 +236,6 @@ class VLLMEngine:
             limits = ImagesConfig(min_pixels=infos[0]["min_pixels"], max_pixels=infos[0]["max_pixels"])
             engine.limits = engine.client.limits = limits
         for url, info in zip([s.url for s in engine.client.pool.alive], infos, strict=True):
-            if engine.lora and not info.get("lora_enabled"):
-                raise ValueError(f"the server at {url} has no LoRA support, so it cannot load the trainer's adapter; "
-                                 "restart it with --enable-lora --max-lora-rank R (R >= lora.rank)")
-            refused = info.get("weight_updates_refused")
-            if refused and engine.exporter is not None:
-                raise ValueError(f"the server at {url} cannot load the trainer's weights: {refused}. Train this "
-                                 'model with engine.kind = "embedded" (the trainer samples itself), or on GPU servers')
             other_model = model and fingerprint_mismatch(url, info, *model)
             if other_model:
                 raise ValueError(other_model)
@@ -512,18 +500,13 @@ class VLLMEngine:
         spent. Sampling goes on meanwhile (see the module note). The servers then report
         `version` (default: the next one). A server that does not answer is taken out (it gets
         these weights when it is back); NoServerError when none took them."""
-        if self.exporter is None and self.transfer is None:
-            raise ValueError("VLLMEngine.update_weights needs an exporter (a function writing the weights folder) "
-                             "or a transfer (saccade.trainer.weight_transfer.CollectiveSync)")
+        if self.transport is None:
+            raise ValueError("VLLMEngine.update_weights needs a transport (saccade.transports: how the weights reach "
+                             "the servers)")
         start = time.perf_counter()
         version = self.policy_version + 1 if version is None else version
         self.newest_version = max(self.newest_version or 0, version)
-        if self.transfer is not None:  # every rank: a sharded model's gathers; rank 0 sends
-            self.transfer.send(version)
-        else:
-            folder = self.exporter(version)
-            if self.pushes_weights:
-                self.client.run(self.client.push(folder, version))
+        self.transport.send(version)  # every rank: a sharded model's gathers; rank 0 talks to the servers
         self.policy_version = version
         self._adapter_loaded = self.lora
         return time.perf_counter() - start

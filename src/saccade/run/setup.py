@@ -8,8 +8,9 @@ in the model's dtype); and the engine the config names:
 - embedded: samples in this process from the trainer's very module, on the same device,
   and holds the frozen vision tower that fills the cache;
 - vLLM: the servers hold the tower; image embeddings come from their /encode_images, so no
-  tower is loaded in this process at all. Weights reach them through an exported folder, or
-  over a process group (`engine.weight_sync`, `choose_weight_sync`).
+  tower is loaded in this process at all. Weights reach them by a transport
+  (`engine.weight_sync`, `saccade.transports`): a folder, the LoRA adapter's folder, or a process
+  group.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import functools
 import logging
 import os
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,74 +132,41 @@ def build_local_engine(cfg: RunConfig, model: nn.Module, model_path: str, proces
 
 def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, processor, cache: EmbeddingCache,
                       run_dir: Path, world: World = SINGLE) -> Engine:
+    """The servers of `engine.urls` as the run's engine, with the transport `engine.weight_sync`
+    and the servers allow (`saccade.transports.choose`): rank 0 decides (it alone asks the
+    servers), every rank follows, a refusal included."""
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.checkpoint_layout import fingerprint
     from saccade.models.loading import load_family, load_layout
+    from saccade.transports.choose import build_transport, check_servers_take_weights, choose
 
-    lora = cfg.engine.sync_lora_adapter
-    if lora and cfg.lora is None:
-        raise ValueError("engine.sync_lora_adapter needs LoRA, and lora = false is full fine-tuning (which pushes full "
-                         "weights): set engine.sync_lora_adapter = false")
-    weights_dir = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else run_dir / "engine-weights"
+    engine_cfg = cfg.engine
     engine = VLLMEngine.for_servers(
-        cfg.engine.urls, processor, limits=cfg.images, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
+        engine_cfg.urls, processor, limits=cfg.images, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
         model=(cfg.model.path, fingerprint(load_layout(model_path))), family=load_family(model_path),
-        max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
-        exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora, world=world), lora=lora,
-        pushes_weights=world.is_main, vocab_size=_vocab_rows(model),
+        max_concurrency=engine_cfg.max_concurrency, timeout_s=engine_cfg.timeout_s,
+        health_interval_s=engine_cfg.health_interval_s, no_server_wait_s=engine_cfg.no_server_wait_s,
+        vocab_size=_vocab_rows(model),
     )
-    # Rank 0 decides (it alone asks the servers), every rank follows, a refusal included. Under
-    # `saccade launch`, the host of rank 0's own node in the layout (torchrun numbers the nodes its
-    # own way); else the layout's first trainer node.
+    # Under `saccade launch`, the host of rank 0's own node in the layout (torchrun numbers the nodes
+    # its own way); else the layout's first trainer node.
     layout_host = os.environ.get(NODE_HOST_ENV) or cfg.launch.trainer_host
     choice = None
     if world.is_main:
         try:
-            choice = choose_weight_sync(cfg.engine, lora=lora, infos=engine.info(), layout_host=layout_host)
+            infos = engine.info()
+            choice = choose(engine_cfg, lora=cfg.lora is not None, infos=infos, layout_host=layout_host)
+            check_servers_take_weights(choice[0], infos, [s.url for s in engine.client.pool.alive])
         except ValueError as err:
             choice = ("error", str(err))
     kind, why = broadcast(choice, world)
     if kind == "error":
+        engine.close()
         raise ValueError(why)
     logging.getLogger(__name__).warning("weight sync: %s (%s)", kind, why)
-    if kind == "collective":
-        from saccade.trainer.weight_transfer import CollectiveSync, trainer_address
-
-        address = trainer_address(cfg.engine.urls, cfg.engine.transfer_address, layout_host)
-        engine.transfer = CollectiveSync(engine.client, model, model_path, address=address,
-                                         timeout_s=cfg.engine.timeout_s, sends=world.is_main)
+    engine.transport = build_transport(kind, engine_cfg, engine.client, model, model_path, run_dir, world=world,
+                                       layout_host=layout_host)
     return engine
-
-
-def choose_weight_sync(engine_cfg, *, lora: bool, infos: list[dict],
-                       layout_host: str | None = None) -> tuple[str, str]:
-    """How weights reach the servers ("lora", "files" or "collective") and why, from
-    `engine.weight_sync`, the servers' /saccade/info and where they are. "collective" asked for
-    but impossible is a ValueError that says what to change; "auto" then falls back to files."""
-    from saccade.serving.wire import GLOO_BACKEND
-    from saccade.trainer.weight_transfer import trainer_address
-
-    if lora:
-        return "lora", "engine.sync_lora_adapter: the servers load the adapter's folder"
-    if engine_cfg.weight_sync == "files":
-        return "files", 'engine.weight_sync = "files": written to a folder each server reads back'
-    problem = None
-    lacking = [i.get("model", "?") for i in infos if (i.get("weight_transfer") or {}).get("backend") != GLOO_BACKEND]
-    if lacking:
-        problem = (f"{len(lacking)} server(s) offer no {GLOO_BACKEND} weight transfer (an older saccade serve, or "
-                   "--weight-transfer-config set to another backend)")
-    else:
-        try:
-            address = trainer_address(engine_cfg.urls, engine_cfg.transfer_address, layout_host)
-        except ValueError as err:
-            problem = str(err)
-    if problem is None:
-        return "collective", (f'engine.weight_sync = "{engine_cfg.weight_sync}": broadcast over gloo, the servers '
-                              f"meet this trainer at {address}, no files")
-    if engine_cfg.weight_sync == "collective":
-        raise ValueError(f'engine.weight_sync = "collective" cannot be used: {problem}; or set engine.weight_sync = '
-                         '"files"')
-    return "files", f'engine.weight_sync = "auto", and the collective cannot be used: {problem}'
 
 
 def _vocab_rows(model: nn.Module) -> int | None:
@@ -209,28 +176,3 @@ def _vocab_rows(model: nn.Module) -> int | None:
         return int(model.get_input_embeddings().num_embeddings)
     except (AttributeError, TypeError, NotImplementedError):
         return None
-
-
-def engine_weights_exporter(model: nn.Module, base_model_path: str, folder: Path, *, lora: bool = False,
-                            world: World = SINGLE):
-    """exporter(version) -> `folder/v{version}`: a full HF folder of the model's current weights
-    (LoRA merged), or with `lora` only its PEFT adapter. Older versions are removed (the
-    servers have loaded them already). Sharded: every rank calls it (the weights are gathered
-    one parameter at a time), rank 0 writes, and no rank returns before the folder is there."""
-    from saccade.atomic import remove_dead_tmp_dirs
-    from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine, save_adapter_for_engine
-
-    def export(version: int) -> str:
-        if lora:
-            out = save_adapter_for_engine(model, base_model_path, folder / f"v{version}")
-        else:
-            out = merge_full_weights_for_engine(model, base_model_path, folder / f"v{version}")
-        if world.is_main:
-            for old in folder.glob("v*"):
-                if old != out and old.is_dir():
-                    shutil.rmtree(old, ignore_errors=True)
-            remove_dead_tmp_dirs(folder)  # an export killed mid-write (a SIGKILLed run) left its temp folder
-        barrier(world)
-        return str(out)
-
-    return export

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from saccade.config import RunConfig, load_config
+from saccade.config import EmbeddedEngineConfig, RunConfig, VLLMEngineConfig, load_config
 from saccade.distributed import SINGLE, World, barrier
 from saccade.tools.demo_probe import restore_trainable, snapshot_trainable  # noqa: F401 (the demo's too)
 
@@ -161,12 +161,13 @@ def demo_engine(cfg: RunConfig, engine: str):
     trainer the other half, so that sampling and training really overlap. Yields (config,
     minutes spent starting a server)."""
     if engine == "embedded":
-        yield cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "embedded"})}), 0.0
+        yield cfg.model_copy(update={"engine": EmbeddedEngineConfig(
+            model_mismatch_limit=cfg.engine.model_mismatch_limit)}), 0.0
         return
     if "max_async_level" not in cfg.rollout.model_fields_set:
         cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_async_level": VLLM_ASYNC_LEVEL})})
-    if cfg.engine.urls:
-        yield cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "vllm"})}), 0.0
+    if cfg.engine.kind == "vllm":  # its servers
+        yield cfg, 0.0
         return
     from saccade.timing import split_cores
     from saccade.models.presets import resolve_model
@@ -183,10 +184,10 @@ def demo_engine(cfg: RunConfig, engine: str):
     args = (*cpu_args(model), "--disable-uvicorn-access-log")
     env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, server_cores))} if server_cores else None
     # The server may load weights only from where this run's trainer writes them.
-    weights_root = Path(cfg.engine.weights_dir) if cfg.engine.weights_dir else cfg.run_dir / "engine-weights"
+    weights_root = cfg.engine_weights_dir
     with served(model, args=args, log_path=cfg.run_dir / "vllm-server.log", env=env,
                 cores=server_cores, weights_root=weights_root) as url:
-        engine_cfg = cfg.engine.model_copy(update={"kind": "vllm", "urls": [url]})
+        engine_cfg = VLLMEngineConfig(urls=[url], model_mismatch_limit=cfg.engine.model_mismatch_limit)
         minutes = (time.perf_counter() - start) / 60
         threads = torch.get_num_threads()
         if trainer_cores:

@@ -414,7 +414,7 @@ def estimate_run(cfg, *, gpu_memory_utilization: float | None = None, gpu_gib: f
     if not embedded:
         server = server_memory(
             dims, gpu_memory_utilization=gpu_memory_utilization, gpu_gib=gpu_gib, dtype=cfg.model.dtype,
-            max_lora_rank=lora.rank if lora and cfg.engine.sync_lora_adapter else None,
+            max_lora_rank=lora.rank if lora and cfg.engine.weight_sync.kind == "adapter" else None,
         )
     return RunEstimate(dims, trainer, server, gpu_gib, shared_gpu and not embedded, world_size)
 

@@ -236,7 +236,7 @@ def test_launch_restarts_a_killed_server_stops_on_ctrl_c_and_resumes(tmp_path):
 
 @pytest.mark.long
 def test_launch_with_the_collective_sync_gives_the_restarted_server_the_whole_model(tmp_path):
-    """Full fine-tuning, `engine.weight_sync = "collective"` (saccade.trainer.weight_transfer), one
+    """Full fine-tuning, `engine.weight_sync.kind = "collective"` (saccade.transports.collective), one
     trainer process, two servers: one SIGKILLed mid-run is started again by the launcher and
     takes no request until a sync has sent it the whole model; no step trains on older weights
     than one version, no weights folder is written."""
@@ -248,7 +248,7 @@ def test_launch_with_the_collective_sync_gives_the_restarted_server_the_whole_mo
     # a server's restart; the test ends the run with Ctrl-C.
     layout = (CONFIG.format(port=free_ports(2)).replace("trainer_ranks = 2", "trainer_ranks = 1")
               .replace("steps = 200", "steps = 100000"))
-    config.write_text("lora = false\n" + layout.replace("[engine]\n", '[engine]\nweight_sync = "collective"\n')
+    config.write_text("lora = false\n" + layout.replace("[engine]\n", '[engine]\nweight_sync = { kind = "collective" }\n')
                       + f'[log]\ndir = "{run}"\n')
     with Launch(config, tmp_path / "launch.log") as launch:
         wait_until(lambda: len(train_rows(run)) >= 2, launch, 600, "two trained steps")

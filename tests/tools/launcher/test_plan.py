@@ -29,7 +29,7 @@ path = "Qwen/Qwen3-VL-8B-Instruct"
 dtype = "bfloat16"
 [engine]
 kind = "vllm"
-sync_lora_adapter = true
+weight_sync = { kind = "adapter" }
 [lora]
 rank = 16
 [images]
@@ -80,7 +80,7 @@ def test_the_8_gpu_configs_dry_run_prints_the_commands_the_config_implies(capsys
 
 def test_a_sharded_layout_runs_the_trainer_under_torchrun_with_the_same_overrides(capsys):
     nodes = '[{"trainer_gpus": [0, 1, 2, 3], "server_gpus": [[4], [5], [6], [7]]}]'
-    argv = [str(CONFIGS / "qwen3vl-2b-8gpu.toml"), "--lora", "false", "--engine.sync_lora_adapter", "false",
+    argv = [str(CONFIGS / "qwen3vl-2b-8gpu.toml"), "--lora", "false", "--engine.weight_sync.kind", "files",
             "--launch.nodes", nodes]
     assert main(["launch", *argv, "--dry-run", "--resume"]) == 0
     *servers, trainer = [shlex.split(line) for line in capsys.readouterr().out.strip().splitlines()[1:]]

@@ -117,7 +117,7 @@ def run_async_bench(cfg: AsyncBenchConfig, *, levels=(0, 1), progress: bool = Tr
         args = (*cpu_args(model), "--disable-uvicorn-access-log")
         # Every run (and its engine-weights folder, unless overridden) lives under `out`.
         with served(model, args=args, log_path=out / "vllm-server.log", env=env,
-                    cores=server_cores, weights_root=base.engine.weights_dir or out) as url:
+                    cores=server_cores, weights_root=getattr(getattr(base.engine, "weight_sync", None), "weights_dir", None) or out) as url:
             runs = run_all(url)
     result: dict[str, Any] = {"runs": runs, "server_cores": server_cores, "trainer_cores": trainer_cores,
                               "prompts_per_step": base.rollout.prompts_per_step,

@@ -122,6 +122,7 @@ def run_engine_parity(cfg: EngineParityBenchConfig) -> dict[str, Any]:
     from saccade.models.vision import EmbeddingCache, VisionEncoder
     from saccade.serving.launch import cpu_args, cpu_dtype, served
     from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine
+    from saccade.transports.files import FolderTransport
 
     start = time.perf_counter()
     path = resolve_model_name(model)
@@ -158,12 +159,13 @@ def run_engine_parity(cfg: EngineParityBenchConfig) -> dict[str, Any]:
 
         # One training step, /update_weights, sample again: the gap to the *new* trainer weights.
         one_likelihood_step(policy, engine, completions)
-        engine.exporter = lambda version: str(merge_full_weights_for_engine(policy, path, weights_dir / f"weights-v{version}"))
+        engine.transport = FolderTransport(engine.client, lambda version: str(
+            merge_full_weights_for_engine(policy, path, weights_dir / f"weights-v{version}")))
         sync_s = engine.update_weights()
         after = [c for g in engine.generate(requests, params) for c in g]
         after_diffs = _engine_diffs(policy, engine, after, params.distribution)
         if url:  # leave a server we did not start as we found it
-            engine.exporter = lambda version: str(path)
+            engine.transport = FolderTransport(engine.client, lambda version: str(path))
             engine.update_weights()
             shutil.rmtree(weights_dir, ignore_errors=True)
     return {

@@ -1,5 +1,5 @@
 """`saccade bench weight-sync`: one full fine-tuning sync to a `saccade serve` through a folder
-(`engine.weight_sync = "files"`: the trainer writes the engine's folder, the server reads it back)
+(`engine.weight_sync.kind = "files"`: the trainer writes the engine's folder, the server reads it back)
 against the collective transfer ("collective": the language model broadcast over gloo, layer
 group by layer group, no files), interleaved on the same server and the same weights, medians of
 `repeats`. The collective's one-time rendezvous is timed apart. The server is left serving its
@@ -71,7 +71,8 @@ def run_weight_sync_bench(cfg: WeightSyncBenchConfig) -> dict[str, Any]:
     from saccade.serving.launch import cpu_args, served
     from saccade.tools.demo import resolve_model_name
     from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine
-    from saccade.trainer.weight_transfer import CollectiveSync
+    from saccade.transports.collective import CollectiveTransport
+    from saccade.transports.files import FolderTransport
 
     path = resolve_model_name(cfg.model)
     work = Path(tempfile.mkdtemp(prefix="saccade-weight-sync-bench-"))
@@ -81,28 +82,28 @@ def run_weight_sync_bench(cfg: WeightSyncBenchConfig) -> dict[str, Any]:
         engine = VLLMEngine.for_servers([url], load_processor(path))
         model = set_full_finetune(load_policy_lm(path, dtype=torch.float32))
         export = lambda v: str(merge_full_weights_for_engine(model, path, work / f"v{v}"))  # noqa: E731
-        sync = CollectiveSync(engine.client, model, path, address="127.0.0.1", timeout_s=cfg.timeout_s)
+        sync = CollectiveTransport(engine.client, model, path, address="127.0.0.1", timeout_s=cfg.timeout_s)
         t0 = time.perf_counter()
         sync.join(engine.client.pool.alive[0])
         join_s = time.perf_counter() - t0
-        ways = {"files": (None, export), "collective": (sync, None)}
+        ways = {"files": FolderTransport(engine.client, export), "collective": sync}
         times: dict[str, list[float]] = {k: [] for k in ways}
         phases: list[dict[str, float]] = []
         try:
             for _ in range(cfg.repeats + 1):  # the first round warms both up and is not counted
-                for name, (transfer, exporter) in ways.items():
-                    engine.transfer, engine.exporter = transfer, exporter
+                for name, transport in ways.items():
+                    engine.transport = transport
                     times[name].append(engine.update_weights())
-                    if transfer is not None:
+                    if transport is sync:
                         phases.append(dict(sync.last))
         finally:
-            engine.transfer, engine.exporter = None, lambda v: str(path)
+            engine.transport = FolderTransport(engine.client, lambda v: str(path))
             engine.update_weights()  # the server's own checkpoint again
             engine.close()
     files_s, collective_s = (statistics.median(times[k][1:]) for k in ("files", "collective"))
     return {
         "at_scale": {hub_id: published_params(hub_id) for hub_id in SCALE_MODELS},
-        "model": str(path), "repeats": cfg.repeats, "lm_bytes": sync.nbytes, "groups": len(sync.groups),
+        "model": str(path), "repeats": cfg.repeats, "lm_bytes": sync.nbytes, "groups": len(sync.weights.groups),
         "join_s": join_s, "files_s": files_s, "collective_s": collective_s, "files_over_collective": files_s / collective_s,
         "files_all_s": times["files"], "collective_all_s": times["collective"],
         **{f"collective_{k}": statistics.median(p[k] for p in phases[1:])

@@ -44,9 +44,10 @@ class Process:
 
 
 def weights_root(cfg: RunConfig) -> Path:
-    """Where the trainer writes the weights it pushes (engine.weights_dir, else the run folder):
-    the servers load only from below it (`saccade serve --weights-root`)."""
-    return Path(cfg.engine.weights_dir or cfg.run_dir).absolute()
+    """Where the trainer writes the weights it pushes (engine.weight_sync.weights_dir, else the run
+    folder): the servers load only from below it (`saccade serve --weights-root`)."""
+    configured = getattr(getattr(cfg.engine, "weight_sync", None), "weights_dir", None)
+    return Path(configured or cfg.run_dir).absolute()
 
 
 def cpu_server_dtype(cfg: RunConfig) -> str:
@@ -77,7 +78,7 @@ def server_processes(cfg: RunConfig, node_rank: int, *, model: str | None = None
         "--limit-mm-per-prompt", json.dumps({"image": launch.images_per_prompt, "video": 0}),
         "--mm-processor-kwargs", json.dumps({"size": processor_size(cfg.images)}),
     ]
-    if cfg.lora is not None and cfg.engine.sync_lora_adapter:
+    if cfg.lora is not None and cfg.engine.kind == "vllm" and cfg.engine.weight_sync.kind == "adapter":
         common += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank)]
     if not is_loopback(node.host):
         common += ["--host", node.host]  # then `saccade serve` requires VLLM_API_KEY
