@@ -20,6 +20,7 @@ from PIL import Image
 from saccade.config import ImagesConfig
 from saccade.data.images import (
     ImageError,
+    TooManyPixelsError,
     image_hash,
     image_to_data_url,
     image_to_png_bytes,
@@ -134,8 +135,20 @@ def test_real_image_over_low_pixel_limit() -> None:
     assert "max_source_pixels" in str(err.value)
 
 
-def test_pil_image_over_low_pixel_limit() -> None:
-    load_bad(pattern_image(64, 64), limits=ImagesConfig(max_source_pixels=1000))
+@pytest.mark.parametrize("lazy", [False, True], ids=["decoded", "lazily-opened"])
+def test_pil_image_over_low_pixel_limit(lazy: bool) -> None:
+    """A PIL image over max_source_pixels is refused for its size, naming it and the knob; one
+    opened lazily (not yet decoded) before it is decoded: its header claims 5000x5000 over one
+    pixel's data, so decoding it first would fail as truncated instead."""
+    limits = ImagesConfig(max_source_pixels=1000)
+    if lazy:
+        image, size = Image.open(io.BytesIO(patch_png_size(encode(Image.new("RGB", (1, 1))), 5000, 5000))), "5000x5000"
+    else:
+        image, size = pattern_image(64, 64), "64x64"
+    err = load_bad(image, limits=limits)
+    assert isinstance(err.value, TooManyPixelsError)
+    assert size in str(err.value) and "max_source_pixels=1,000" in str(err.value)
+    assert load_image(pattern_image(30, 30), limits=limits).size == (30, 30)  # under the limit: loaded
 
 
 @pytest.mark.parametrize("url", ["http://example.com/cat.png", "HTTPS://example.com/cat.png"])
@@ -144,8 +157,15 @@ def test_remote_url_refused_by_default(url: str) -> None:
     assert "allow_remote=True" in str(err.value)
 
 
-def test_remote_url_in_openai_dict_refused() -> None:
-    load_bad({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}})
+def test_remote_url_in_openai_dict_refused(http_server: str) -> None:
+    """OpenAI's {"type": "image_url", "image_url": {"url": ...}} is unwrapped to its URL and
+    refused as a remote URL (not as a dict it cannot read); allowed, the same dict is fetched."""
+    message = {"type": "image_url", "image_url": {"url": f"{http_server}/ref.png"}}
+    err = load_bad(message)
+    assert "remote image URLs are refused" in str(err.value) and "allow_remote=True" in str(err.value)
+    assert "/ref.png" in str(err.value)
+    out = load_image(message, limits=ImagesConfig(allow_remote=True))
+    assert out.tobytes() == pattern_image(5, 3, seed=7).tobytes()
 
 
 def test_missing_file(tmp_path: Path) -> None:

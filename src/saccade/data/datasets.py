@@ -47,6 +47,7 @@ import numpy as np
 from PIL import Image
 
 from saccade.config import DEFAULT_PROMPT_TEMPLATE, ColumnsConfig, ImagesConfig
+from saccade.data.dataset_cache import cache_options
 from saccade.data.image_paths import check_image_location
 from saccade.data.images import ImageError, MissingImageError, blank_like, load_image
 from saccade.data.rows import (
@@ -112,8 +113,7 @@ LAYOUTS = {
 # ------------------------------------------------------------------------ loading
 
 
-# The `datasets` builder that reads each kind of bare data file.
-FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}  # each bare file's `datasets` builder
 
 
 def _file_builder(source: str) -> str | None:
@@ -137,10 +137,9 @@ def load_split(source: str, *, subset: str | None, split: str, task: str,
     one the split lacks is refused here, when the split opens, before a row is read."""
     import datasets
 
-    builder = _file_builder(source)
-    if builder is not None:
-        # A bare file has no configs or split names of its own: it is the split asked for.
-        table = datasets.load_dataset(builder, data_files={split: source}, split=split)
+    builder, cache = _file_builder(source), cache_options(source)  # a local source: its own cache entry
+    if builder is not None:  # a bare file has no configs or split names of its own: it is the split asked for
+        table = datasets.load_dataset(builder, data_files={split: source}, split=split, **cache)
     else:
         if not Path(source).exists() and source.startswith((".", "/", "~")):
             raise ValueError(f"{task}: dataset path {source} does not exist; set task.dataset to a hub id or a path")
@@ -150,14 +149,14 @@ def load_split(source: str, *, subset: str | None, split: str, task: str,
                 f"{task}: {source} has no config {subset!r}; it has {', '.join(configs)}. "
                 "Set task.subsets (or task.eval_subsets) to some of those"
             )
-        splits = datasets.get_dataset_split_names(source, config_name=subset)
+        splits = datasets.get_dataset_split_names(source, config_name=subset, **cache)
         if split not in splits:
             where = f"config {subset!r} of {source}" if subset else source
             raise ValueError(
                 f"{task}: {where} has no split {split!r}; it has {', '.join(splits)}. "
                 "Set task.split (or task.eval_split) to one of those"
             )
-        table = datasets.load_dataset(source, name=subset, split=split)
+        table = datasets.load_dataset(source, name=subset, split=split, **cache)
     if columns is not None:
         missing_keys = [key for key, name in columns.items() if name not in table.column_names]
         if missing_keys:
@@ -528,7 +527,8 @@ def held_out_split(source: str, subsets: tuple[str, ...] | None, *, train: str) 
             raise ValueError(f"dataset: {source} is one file, with no held-out split: set task.eval_dataset to "
                              "another file (or to the same one to evaluate on the training rows)")
         return HELD_OUT_SPLITS[0]
-    splits = datasets.get_dataset_split_names(source, config_name=subsets[0] if subsets else None)
+    config = subsets[0] if subsets else None
+    splits = datasets.get_dataset_split_names(source, config_name=config, **cache_options(source))
     for split in HELD_OUT_SPLITS:
         if split in splits:
             return split

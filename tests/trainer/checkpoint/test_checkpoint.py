@@ -18,7 +18,7 @@ import saccade.trainer.checkpoint.saving as ckpt
 from saccade.config import LoraConfig
 from saccade.models.lm import apply_lora, load_policy_lm, set_full_finetune
 from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, load_latest_checkpoint, save_checkpoint
-from saccade.trainer.checkpoint.folder import check_complete, latest_checkpoint
+from saccade.trainer.checkpoint.folder import check_complete, latest_checkpoint, write_manifest
 from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine
 from saccade.models.lm import unwrap_policy
 
@@ -336,6 +336,48 @@ def test_a_changed_newest_checkpoint_is_passed_over_for_the_one_before(lora_bund
                                                                     r"\nstep_000001: "):
         load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
 
+
+
+class RunsCodeWhenLoaded:
+    """Unpickled, it calls open(marker, "w"): what a pickle in a checkpoint from elsewhere could
+    do instead (any callable, any arguments)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _seal(path, step: int) -> None:
+    """Rewrite COMPLETE for the files as they are now: a checkpoint made elsewhere vouches for itself."""
+    (path / "COMPLETE").unlink()
+    write_manifest(path, step)
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "optimizer.pt", "rng.pt"])
+def test_a_checkpoint_file_that_would_run_code_is_refused_and_a_clean_one_resumes(name, tiny_path, tmp_path):
+    """The scheduler, optimizer and RNG files are read with torch.load(weights_only=True): an object
+    there that is not a tensor or a plain value is refused, naming it, and never built. Loaded with
+    weights_only=False, the marker file would exist."""
+    bundle = model, opt, sched = _make(tiny_path, "lora")  # its own: a load that ran code leaves no trace in others
+    _train_step(model, opt, sched)
+    path = _save(tmp_path, bundle, 1)
+    clean = (path / name).read_bytes()
+    marker = tmp_path / "code-ran"
+    tampered = torch.load(path / name, weights_only=True)  # the real state, plus one entry
+    tampered["note"] = RunsCodeWhenLoaded(marker)
+    torch.save(tampered, path / name)
+    _seal(path, 1)
+    with pytest.raises(ValueError, match=rf"{name} holds an object that is not a tensor or a plain value "
+                                         r"\(it names \S*open\).*could run code"):
+        load_checkpoint(path, model=model, optimizer=opt, scheduler=sched)
+    assert not marker.exists()
+
+    (path / name).write_bytes(clean)
+    _seal(path, 1)
+    assert load_checkpoint(path, model=model, optimizer=opt, scheduler=sched) == _state(1)
+    assert not marker.exists()
 
 
 def test_mismatched_kind_and_missing_files_are_value_errors(tiny_path, lora_bundle, tmp_path):

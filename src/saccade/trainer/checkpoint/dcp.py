@@ -32,6 +32,7 @@ from saccade.trainer.checkpoint.folder import (
 )
 from saccade.trainer.checkpoint.model_state import (
     gather_lora_state,
+    load_plain_values,
     master_weights,
     process_world,
     save_adapter,
@@ -350,7 +351,7 @@ def load_plain_into_sharded(path: Path, model, optimizer, peft: bool) -> None:
     result = set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=not peft))
     _check_loaded(result, model, peft, where)
     if optimizer is not None:
-        saved_opt = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        saved_opt = load_plain_values(path / OPTIMIZER_FILE)
         if not saved_opt["state"]:  # saved before the first step
             optimizer.load_state_dict(saved_opt)
         else:

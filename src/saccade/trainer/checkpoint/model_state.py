@@ -4,12 +4,15 @@ Whether it is a peft model and its one adapter, which state-dict names are tied 
 sharded (DTensor) tensor gathered whole, the float32 master weights of bf16 full fine-tuning,
 and peft's adapter folder written under the full model's names. `process_world`: this
 process's rank when a process group exists, for the collective saves and exports.
+`load_plain_values`: the optimizer, scheduler and RNG files, read without running code.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -106,3 +109,19 @@ def single_adapter(model) -> str:
     if len(names) != 1:
         raise ValueError(f"checkpointing supports one LoRA adapter per model; this one has {names}")
     return names[0]
+
+
+def load_plain_values(path: Path):
+    """A checkpoint's optimizer, scheduler or RNG file (torch.save of tensors, numbers, strings,
+    lists and dicts: all saccade writes there) read with `weights_only`, so a checkpoint from
+    elsewhere cannot construct or call anything else when a run resumes from it. A LambdaLR's
+    state is numbers and lists (its lambdas are not saved), numpy's RNG state is saved as plain
+    values (`_rng_state`). Anything else is refused with a ValueError naming what was found."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f"it names {found.group(1)}" if found else "torch.load(weights_only=True) refused it"
+        raise ValueError(f"{path} holds an object that is not a tensor or a plain value ({what}): saccade never "
+                         "saves one, and loading it could run code, so it is refused. Resume only from checkpoints "
+                         "your own runs wrote (docs/security.md)") from err

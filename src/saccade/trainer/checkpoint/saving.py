@@ -84,6 +84,7 @@ from saccade.trainer.checkpoint.folder import (
 )
 from saccade.trainer.checkpoint.model_state import (
     is_peft,
+    load_plain_values,
     master_weights,
     process_world,
     save_adapter,
@@ -255,7 +256,7 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer=None, scheduler=N
         else:
             load_dcp_plain(path / DCP_DIR, model, optimizer if saved_optimizer == "dcp" else None, peft)
         if saved_optimizer == OPTIMIZER_FILE:  # saved before its first step: no state, only param groups
-            optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+            optimizer.load_state_dict(load_plain_values(path / OPTIMIZER_FILE))
     elif sharded:
         load_plain_into_sharded(path, model, optimizer, peft)
     else:
@@ -264,14 +265,13 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer=None, scheduler=N
         else:
             _load_full(path / FULL_WEIGHTS, model, masters=master_weights(optimizer))
         if optimizer is not None:
-            optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+            optimizer.load_state_dict(load_plain_values(path / OPTIMIZER_FILE))
     if scheduler is not None:
-        # weights_only: a LambdaLR's state is numbers and lists (a callable object's __dict__ of
-        # numbers at most), and a checkpoint from elsewhere must not run code when loaded.
-        scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+        # Plain values only: a LambdaLR's state is numbers and lists (a callable object's __dict__
+        # of numbers at most), and a checkpoint from elsewhere must not run code when loaded.
+        scheduler.load_state_dict(load_plain_values(path / SCHEDULER_FILE))
     rank_rng = f"rng_rank{process_world().rank}.pt"
-    _set_rng_state(torch.load(path / (rank_rng if rank_rng in files else RNG_FILE), map_location="cpu",
-                              weights_only=True))
+    _set_rng_state(load_plain_values(path / (rank_rng if rank_rng in files else RNG_FILE)))
     fields = {k: payload[k] for k in ("step", "data_position", "policy_version", "extra")}
     return TrainState(**fields)
 
