@@ -241,8 +241,8 @@ class ColumnsConfig(Section):
     )
 
 
-EXTRACTORS = ("saccade", "boxed", "easyr1", "answer_tag", "mathvista")  # saccade.protocols.EXTRACTORS
-GRADERS = ("saccade", "mathruler", "openmmreasoner", "mathvista")  # saccade.protocols.GRADERS
+EXTRACTORS = ("saccade", "boxed", "easyr1", "answer_tag", "mathvista")  # saccade.rewards.protocols.EXTRACTORS
+GRADERS = ("saccade", "mathruler", "openmmreasoner", "mathvista")  # saccade.rewards.protocols.GRADERS
 
 
 class ScoringConfig(Section):
