@@ -11,9 +11,9 @@
 - `user_workers` and `user_child`: a user's reward functions, run in worker processes that are
   killed when a call overruns.
 
-The package exports the built-in names (`from saccade.rewards import correct_reward, score`,
-"saccade.rewards:format_reward" in a config). Its own modules import each other by module, never
-this package.
+The package exports the built-in names users import (`from saccade.rewards import score`,
+"saccade.rewards:format_reward" in a config); the library itself imports them from their modules
+(`saccade.rewards.builtin`), so that no module of this folder imports this file.
 """
 
 from saccade.rewards.builtin import (
