@@ -1,4 +1,4 @@
-"""Write the scorer tables, tests/data/scorers/*.jsonl: replies with the scores the published
+"""Write the scorer tables, tests/rewards/scorers/*.jsonl: replies with the scores the published
 scorers give them, computed by running the published code itself.
 
     uv run python scripts/scorer_tables.py --easyr1 EASYR1_CHECKOUT --verl VERL_CHECKOUT \\
@@ -17,8 +17,8 @@ Each checkout is a clone of the published repository (its commit is written into
   ``extract_answer`` (quick_extract on; its model a stub that says where the LLM would be
   asked) and calculate_score.py's ``normalize_extracted_answer`` and ``safe_equal``.
 
-tests/test_protocols.py reads the tables and requires saccade's scorers (saccade.protocols) to
-give every row's scores: agreement 100%.
+tests/rewards/test_protocols.py reads the tables and requires saccade's scorers
+(saccade.rewards.protocols) to give every row's scores: agreement 100%.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "tests" / "data" / "scorers"
+OUT = ROOT / "tests" / "rewards" / "scorers"
 THINK = "<think>Angle sum: 180 - 2x. So x follows.</think>"
 
 

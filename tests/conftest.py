@@ -75,8 +75,8 @@ def torch_threads_restored():
 
 @pytest.fixture
 def make_rewards():
-    """`saccade.scoring.Rewards(...)` whose reward workers (processes) are closed when the test ends."""
-    from saccade.scoring import Rewards
+    """`saccade.rewards.weighted.Rewards(...)` whose reward workers (processes) are closed when the test ends."""
+    from saccade.rewards.weighted import Rewards
 
     made: list[Rewards] = []
 

@@ -1,7 +1,8 @@
-"""Reward functions for the worker tests (tests/test_reward_workers.py), named by import path
+"""Reward functions for the worker tests (tests/rewards/test_user_workers.py), named by import path
 ("reward_helpers:pid"): tests/ is on the test process's sys.path, which a worker is given.
 Each returns its worker's pid (as a float), so a test sees which process served a call; the
-completion says how to misbehave. And `worker_pids`: the test process's live workers."""
+completion says how to misbehave. And `worker_pids`: the test process's live workers (also
+counted by tests/loops/test_rl.py, which is why this file sits at the top of tests/)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def worker_pids() -> set[int]:
             command = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(ppid) == os.getpid() and state != "Z" and b"saccade.reward_child" in command:
+        if int(ppid) == os.getpid() and state != "Z" and b"saccade.rewards.user_child" in command:
             pids.add(int(stat.parent.name))
     return pids
 

@@ -1,7 +1,7 @@
 """`LoopThread`: one asyncio event loop on a daemon thread of its own, which coroutines are
 handed to from any other thread (and any other event loop). The vLLM engine's HTTP client
 (`saccade.inference.server_client`) and the reward functions' worker processes
-(`saccade.reward_workers`) each own one, so that whichever thread calls them, a rollout thread
+(`saccade.rewards.user_workers`) each own one, so that whichever thread calls them, a rollout thread
 sampling ahead or the trainer's, their state lives on one loop."""
 
 from __future__ import annotations

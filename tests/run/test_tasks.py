@@ -14,7 +14,7 @@ import pytest
 from saccade.config import ConfigError, RunConfig, ScenesTaskConfig, ViewsTaskConfig, load_config
 from saccade.data.questions import VQASample
 from saccade.data.shapes import ShapesTask
-from saccade.scoring import Rewards
+from saccade.rewards.weighted import Rewards
 from saccade.run.tasks import QuestionEnv, QuestionTask, check_user_code, task_from_config
 
 

@@ -24,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 
 from saccade.config.sections import Section
 from saccade.plugins import IMPORT_PATH
+from saccade.rewards.protocols import EXTRACTORS, GRADERS
 
 SHAPES_QUESTION_KINDS = ["color", "shape", "count"]
 # The same list as saccade.envs.scenes.SCENE_QUESTION_KINDS (a test keeps them equal).
@@ -241,23 +242,19 @@ class ColumnsConfig(Section):
     )
 
 
-EXTRACTORS = ("saccade", "boxed", "easyr1", "answer_tag", "mathvista")  # saccade.protocols.EXTRACTORS
-GRADERS = ("saccade", "mathruler", "openmmreasoner", "mathvista")  # saccade.protocols.GRADERS
-
-
 class ScoringConfig(Section):
     """How `correct` scores a data set's rows: an extractor pulls the answer out of the reply, a
     grader compares it with the ground truth (the published protocols: docs/recipes.md). The
     format checks are reward functions of their own, weighted in `rollout.reward_weights`
     (think_boxed, easyr1_format, think_answer)."""
 
-    extractor: Literal["saccade", "boxed", "easyr1", "answer_tag", "mathvista"] = Field(
+    extractor: Literal[EXTRACTORS] = Field(
         "saccade", description="saccade: a think block dropped, then the last \\boxed{}, 'Answer:' or the last line; "
         "boxed: mathruler's last \\boxed{} ('None' without one; verl geo3k); easyr1: the same after EasyR1's "
         "whitespace squeeze around <, > and /; answer_tag: OpenMMReasoner's first <answer>...</answer>, else the "
         "last box, else a trailing number; mathvista: MathVista's rules, then the judge (judge_url) or saccade's",
     )
-    grader: Literal["saccade", "mathruler", "openmmreasoner", "mathvista"] = Field(
+    grader: Literal[GRADERS] = Field(
         "saccade", description="saccade: options, numbers, MathVista types, math-verify, text; mathruler: "
         "mathruler's grade_answer (EasyR1, verl); openmmreasoner: its relaxed match and letter parser, then "
         "math-verify (an option-text gold graded as its letter); mathvista: the official normalisation (nearest "

@@ -2,7 +2,7 @@
 
 Every single-turn question task gives its prompts as `VQASample`s: the synthetic shapes
 (`saccade.data.shapes`) and the data sets (`saccade.data.datasets`) alike, so the same rewards
-(`saccade.rewards`, `saccade.scoring`), the same row checks (`saccade.data.rows`) and the same
+(`saccade.rewards`, `saccade.rewards.weighted`), the same row checks (`saccade.data.rows`) and the same
 `QuestionTask` (`saccade.run.tasks`) serve them all. `to_messages` turns one into OpenAI-format
 messages: the images first and then the question with its options, or, for a data set's own
 chat, each image where its text says `IMAGE_PLACEHOLDER`.
@@ -42,7 +42,7 @@ class VQASample:
     # Datasets: where the row is, {"split", "config", "index" within the config}, for the
     # records of a refused row (saccade.data.rows). None: generated.
     origin: dict[str, Any] | None = None
-    # How `correct` scores this sample (saccade.protocols.Scorer: a published protocol's
+    # How `correct` scores this sample (saccade.rewards.Scorer: a published protocol's
     # extractor and grader, from its task's `task.scoring`). None: saccade.rewards.score.
     scorer: Any = None
 

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 from saccade.envs.base import StepResult, message_text
 from saccade.envs.scene_actions import Action, apply_action, read_action
-from saccade.rewards import choice_index
-from saccade.scoring_worker import extracted_answer, score
+from saccade.rewards.builtin import choice_index
+from saccade.rewards.bounded import extracted_answer, score
 
 SCENE_QUESTION_KINDS = ("color", "count", "on")
 # Generated rooms paint their objects with the task's colors (the neutrals are for scans).

@@ -25,7 +25,7 @@ from PIL import Image, ImageDraw
 
 from saccade.data.shapes import COLORS
 from saccade.envs.base import StepResult, message_text
-from saccade.scoring_worker import score
+from saccade.rewards.bounded import score
 
 ACTIONS = ("turn left", "turn right", "look up", "look down", "move forward")
 # Where the asked-about object is, and the action that brings it into view.

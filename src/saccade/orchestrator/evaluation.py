@@ -305,7 +305,7 @@ def eval_row(sample: Prompt, rollout: Rollout, *, episodes: bool) -> dict[str, A
     whether it scored, its metadata. A single-turn answer also has the answer extracted from it;
     an episode has every reply (`replies`), its `turns` and what its environment reported at the
     last step (`info`)."""
-    from saccade.scoring_worker import extracted_answer
+    from saccade.rewards.bounded import extracted_answer
 
     text = rollout.texts[-1]
     row = {"id": sample.sample_id, **{name: getattr(sample, name) for name in ROW_FIELDS if hasattr(sample, name)},

@@ -356,7 +356,7 @@ REWARD_COUNTS = ("reward_errors", "reward_timeouts")
 
 
 def reward_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
-    """What the reward functions said about the answers (`saccade.scoring.Rewards`, in each
+    """What the reward functions said about the answers (`saccade.rewards.weighted.Rewards`, in each
     info's "rewards"): reward_<name> and reward_<name>_<part>, means over the answers that
     report them (a function that failed on an answer reports no parts there);
     reward_errors and reward_timeouts, the step's failed calls. Empty for tasks scored

@@ -13,7 +13,7 @@ Every task offers the same members (the `Task` protocol), whatever it is:
 
 Single-turn questions (the synthetic shapes, a data set) are `QuestionTask`: its
 environment's reset gives the question's messages and its step scores the one answer with
-the weighted reward functions (`saccade.scoring.Rewards`). The views environment and a
+the weighted reward functions (`saccade.rewards.weighted.Rewards`). The views environment and a
 verifiers env are multi-turn tasks of their own. The rollout path
 (`saccade.orchestrator.rollout`) reads only these members; it never asks what kind of task
 it holds.
@@ -42,7 +42,7 @@ from saccade.config import (
 )
 from saccade.envs.base import Environment, Message, StepResult, message_text
 from saccade.plugins import load_callable
-from saccade.scoring import Rewards, reward_functions
+from saccade.rewards.weighted import Rewards, reward_functions
 
 if TYPE_CHECKING:
     from saccade.data.questions import VQASample
@@ -95,7 +95,7 @@ class QuestionSource(Protocol):
 
 class QuestionEnv:
     """One visual question: reset gives its messages (images first, then the question and its
-    options), step scores the answer with the run's reward functions (`saccade.scoring.Rewards`:
+    options), step scores the answer with the run's reward functions (`saccade.rewards.weighted.Rewards`:
     async ones concurrently with the other answers of the step). The info holds `correct`
     always (the accuracy metrics read it), weighted or not, and each function's value and
     parts as reward_<name>[_<part>] (the step's reward_* metrics)."""
@@ -119,7 +119,7 @@ class QuestionEnv:
         return StepResult([], total, True, info)
 
     async def score(self, text: str) -> tuple[float, dict[str, Any]]:
-        from saccade.scoring_worker import correct
+        from saccade.rewards.bounded import correct
 
         total, values = await self.rewards.score(text, sample=self.sample, messages=self.messages)
         correct = values["reward_correct"] if "correct" in self.rewards.weights else \
@@ -234,7 +234,7 @@ def dataset_task(cfg: RunConfig, t: HubDatasetTaskConfig, *, blank: bool | None 
     """A data set's questions, scored by the run's reward functions, `correct` by the data set's
     own `task.scoring` (each row carries its scorer): the run's task, or one of `eval.sets`."""
     from saccade.data.datasets import DatasetTask, RowLayout
-    from saccade.rewards import Scorer
+    from saccade.rewards.builtin import Scorer
 
     own = isinstance(t, OwnDatasetTaskConfig)
     s = t.scoring

@@ -1,4 +1,5 @@
-"""Tests for saccade.rewards: answer extraction, scoring, reward functions."""
+"""Tests for saccade.rewards.builtin, through the names saccade.rewards exports: answer extraction,
+scoring, reward functions."""
 
 from __future__ import annotations
 

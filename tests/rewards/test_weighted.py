@@ -1,5 +1,5 @@
-"""Reward functions from the config (saccade.scoring): built-ins and a user's own functions in a real
-temporary module, their parts, async ones scored together, timeouts, failures counted and logged
+"""Reward functions from the config (saccade.rewards.weighted): built-ins and a user's own functions
+in a real temporary module, their parts, async ones scored together, timeouts, failures counted and logged
 once, and bad names refused when the config loads."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from saccade.config import RunConfig, load_config
 from saccade.data.questions import VQASample
-from saccade.scoring import Rewards, metric_name
+from saccade.rewards.weighted import Rewards, metric_name
 from saccade.run.tasks import check_user_code
 
 USER_MODULE = '''

@@ -12,7 +12,7 @@ A protocol is three parts, each a config value (`task.scoring`, docs/recipes.md)
 their task (`VQASample.scorer`), so the built-in `correct` reward, the periodic eval and `saccade eval`
 score every row, of whichever eval set, by its own protocol.
 
-What each part mirrors (read at the commits named; the tables in tests/data/scorers/ hold the
+What each part mirrors (read at the commits named; the tables in tests/rewards/scorers/ hold the
 published code's own scores, written by scripts/scorer_tables.py, which runs that code):
 
 - ``boxed`` / ``mathruler``: verl ``verl/utils/reward_score/geo3k.py`` (b178a3c): mathruler's
@@ -38,7 +38,7 @@ published code's own scores, written by scripts/scorer_tables.py, which runs tha
   official protocol when no judge is set.
 
 The ``saccade`` extractor and grader are `saccade.rewards.extract_answer` and `grade`. This
-module imports nothing of saccade's: `saccade.rewards` composes it.
+module imports nothing of saccade's: `saccade.rewards.builtin` composes it.
 """
 
 from __future__ import annotations
@@ -404,4 +404,4 @@ FORMAT_CHECKS = {
     "easyr1_format": easyr1_format,
     "think_answer": think_answer_format,
 }
-"""Format checks, each a built-in reward function of the same name (`saccade.rewards`)."""
+"""Format checks, each a built-in reward function of the same name (`saccade.rewards.builtin`)."""

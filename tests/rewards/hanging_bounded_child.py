@@ -1,4 +1,4 @@
-"""The scoring child (saccade.scoring_child) made to never return, run by tests/test_scoring_worker.py:
+"""The scoring child (saccade.rewards.bounded_child) made to never return, run by tests/rewards/test_bounded.py:
 
 - `ops`: every call the child serves never returns: a library call that reaches the child is cut at
   the limit, and one that ran anywhere else would return, so the test sees every route;
@@ -17,14 +17,14 @@ def never_returns(*args, **kwargs):
 
 
 if __name__ == "__main__":
-    from saccade import scoring_child
+    from saccade.rewards import bounded_child
 
     if sys.argv[1] == "ops":
-        scoring_child.OPS = {op: never_returns for op in scoring_child.OPS}
+        bounded_child.OPS = {op: never_returns for op in bounded_child.OPS}
     else:
         import math_verify
         import sympy
         from sympy.parsing import sympy_parser
 
         math_verify.parse = math_verify.verify = sympy.simplify = sympy_parser.parse_expr = never_returns
-    scoring_child.serve()
+    bounded_child.serve()

@@ -1,4 +1,4 @@
-"""The child process of `saccade.scoring_worker`: reads [op, args] as JSON lines on stdin, runs
+"""The child process of `saccade.rewards.bounded`: reads [op, args] as JSON lines on stdin, runs
 `OPS[op](*args)` on its main thread and writes {"value": result} (or {"error": traceback}) for each
 on stdout. It says "ready" once math-verify and sympy are imported, so that their import never
 counts against a call's limit. The parent kills it when a call overruns."""
@@ -13,23 +13,23 @@ from typing import Any
 
 
 def as_sample(fields: dict[str, Any]) -> dict[str, Any]:
-    """A sample rebuilt from `saccade.scoring_worker.sample_fields`: a mapping with the fields
+    """A sample rebuilt from `saccade.rewards.bounded.sample_fields`: a mapping with the fields
     scoring reads, its scorer an object again (without a judge: the parent asks it)."""
-    from saccade.rewards import Scorer
+    from saccade.rewards.builtin import Scorer
 
     scorer = fields.get("scorer")
     return {**fields, "scorer": None if scorer is None else Scorer(*scorer)}
 
 
 def reward(name: str, completion: str, fields: dict[str, Any]) -> float:
-    from saccade.rewards import REWARD_FUNCTIONS
+    from saccade.rewards.builtin import REWARD_FUNCTIONS
 
     sample = as_sample(fields)
     return float(REWARD_FUNCTIONS[name](completion, sample if fields else None))
 
 
 def extracted_answer(completion: str, fields: dict[str, Any]) -> str:
-    from saccade.rewards import extracted_answer as extract
+    from saccade.rewards.builtin import extracted_answer as extract
 
     return extract(completion, as_sample(fields) if fields else None)
 
@@ -45,7 +45,7 @@ def grade(extracted: str, fields: dict[str, Any]) -> float:
 
 
 def math_equal(gold: str, predicted: str, precision: int | None) -> bool:
-    from saccade.rewards import math_equal as equal
+    from saccade.rewards.builtin import math_equal as equal
 
     try:
         return equal(gold, predicted, precision=precision)
@@ -61,8 +61,8 @@ def preload() -> None:
     """What the calls import, imported before "ready" (see the module's docstring). math-verify is
     needed only by the graders that compare math: a machine without it (the GPU machines' own
     Python) scores everything else, and a grader that needs it fails there with its own error."""
-    import saccade.protocols  # noqa: F401
-    import saccade.rewards  # noqa: F401
+    import saccade.rewards.builtin  # noqa: F401
+    import saccade.rewards.protocols  # noqa: F401
 
     try:
         import math_verify  # noqa: F401

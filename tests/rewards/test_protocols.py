@@ -1,5 +1,5 @@
-"""saccade's published-protocol scorers (saccade.protocols) against the published code's own
-scores: tests/data/scorers/*.jsonl, written by scripts/scorer_tables.py, which runs EasyR1's
+"""saccade's published-protocol scorers (saccade.rewards.protocols) against the published code's own
+scores: tests/rewards/scorers/*.jsonl, written by scripts/scorer_tables.py, which runs EasyR1's
 math.py, verl's geo3k.py, OpenMMReasoner's lmms_lab_recipe.py and MathVista's
 evaluation scripts on a few hundred replies. Every row must agree."""
 
@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from saccade import protocols
-from saccade.rewards import REWARD_FUNCTIONS, Scorer, correct_reward
+from saccade.rewards import REWARD_FUNCTIONS, Scorer, correct_reward, protocols
 
-TABLES = Path(__file__).parent / "data" / "scorers"
+TABLES = Path(__file__).parent / "scorers"
 
 
 def table(name: str) -> list[dict]:

@@ -19,7 +19,7 @@ Reward functions take ``(completion, sample)``, where ``sample`` is a
 ``choices``, ``answer_type``, optional ``precision`` or ``metadata["precision"]``), and
 return a float. :data:`REWARD_FUNCTIONS` names them for configuration files
 (``rollout.reward_weights``), beside a user's own functions given as import paths;
-:mod:`saccade.scoring` calls them all (``fn(completion, sample=..., messages=...)``, each
+:mod:`saccade.rewards.weighted` calls them all (``fn(completion, sample=..., messages=...)``, each
 with the keywords it names: docs/rewards.md).
 """
 
@@ -262,7 +262,7 @@ def math_equal(gold: str, predicted: str, *, precision: int | None = None) -> bo
     Both sides must look mathematical (a digit, a LaTeX command, pi or a root) and be short.
     With ``precision``, two numeric values are compared after rounding, as MathVista does.
     Unbounded, in this process: a short power tower makes sympy compute for minutes holding the
-    GIL. The library calls it inside `saccade.scoring_worker`'s child, killed after 5 s.
+    GIL. The library calls it inside `saccade.rewards.bounded`'s child, killed after 5 s.
     """
     if not (_MATHY.search(gold) and _MATHY.search(predicted)):
         return False
@@ -377,7 +377,7 @@ def sample_precision(sample: Any) -> int | None:
 
 def correct_reward(completion: str, sample: Any) -> float:
     """1.0 when the completion answers ``sample`` correctly: by the sample's own scorer when it
-    carries one (``sample.scorer``, a :class:`saccade.protocols.Scorer`: the published
+    carries one (``sample.scorer``, a :class:`saccade.rewards.Scorer`: the published
     protocols), else by :func:`score`."""
     scorer = _field(sample, "scorer")
     if scorer is not None:
@@ -438,22 +438,22 @@ def boxed_format_reward(completion: str, sample: Any = None) -> float:
 
 
 def think_boxed_reward(completion: str, sample: Any = None) -> float:
-    """verl geo3k's format check (:func:`saccade.protocols.think_boxed_format`)."""
-    from saccade.protocols import think_boxed_format
+    """verl geo3k's format check (:func:`saccade.rewards.protocols.think_boxed_format`)."""
+    from saccade.rewards.protocols import think_boxed_format
 
     return think_boxed_format(completion or "")
 
 
 def easyr1_format_reward(completion: str, sample: Any = None) -> float:
-    """EasyR1's format check (:func:`saccade.protocols.easyr1_format`)."""
-    from saccade.protocols import easyr1_format
+    """EasyR1's format check (:func:`saccade.rewards.protocols.easyr1_format`)."""
+    from saccade.rewards.protocols import easyr1_format
 
     return easyr1_format(completion or "")
 
 
 def think_answer_reward(completion: str, sample: Any = None) -> float:
-    """OpenMMReasoner's format check: 1, 0.8 or 0 (:func:`saccade.protocols.think_answer_format`)."""
-    from saccade.protocols import think_answer_format
+    """OpenMMReasoner's format check: 1, 0.8 or 0 (:func:`saccade.rewards.protocols.think_answer_format`)."""
+    from saccade.rewards.protocols import think_answer_format
 
     return think_answer_format(completion or "")
 
@@ -463,8 +463,8 @@ def think_answer_reward(completion: str, sample: Any = None) -> float:
 
 @dataclass(frozen=True)
 class Scorer:
-    """An extractor and a grader (`saccade.protocols.EXTRACTORS`, `GRADERS`): what `correct`
-    means for a row (`task.scoring`; the published protocols are `saccade.protocols`).
+    """An extractor and a grader (`saccade.rewards.protocols.EXTRACTORS`, `GRADERS`): what `correct`
+    means for a row (`task.scoring`; the published protocols are `saccade.rewards.protocols`).
 
     `judge_url` (with the mathvista extractor): an OpenAI-compatible endpoint asked with the
     official prompt where MathVista's rules find no answer; `judge_model` the model it serves;
@@ -477,7 +477,7 @@ class Scorer:
     judge_api_key_env: str | None = None
 
     def __post_init__(self) -> None:
-        from saccade.protocols import EXTRACTORS, GRADERS
+        from saccade.rewards.protocols import EXTRACTORS, GRADERS
 
         if self.extractor not in EXTRACTORS:
             raise ValueError(f"unknown extractor {self.extractor!r}; choose from {', '.join(EXTRACTORS)}")
@@ -495,7 +495,7 @@ class Scorer:
     def extract_by_rules(self, completion: str, sample: Any = None) -> str | None:
         """The final answer by the extractor's rules; None where MathVista's rules find none (its
         judge, or saccade's own extraction, decides then)."""
-        from saccade import protocols as p
+        from saccade.rewards import protocols as p
 
         completion = completion or ""
         if self.extractor == "boxed":
@@ -516,7 +516,7 @@ class Scorer:
         """The answer the judge at `judge_url` extracts, asked with MathVista's official prompt."""
         import os
 
-        from saccade import protocols as p
+        from saccade.rewards import protocols as p
 
         key = os.environ.get(self.judge_api_key_env) if self.judge_api_key_env else None
         return p.judge_extract(p.mathvista_judge_prompt(_query(sample), completion), url=self.judge_url,
@@ -528,7 +528,7 @@ class Scorer:
 
     def grade(self, extracted: str, sample: Any) -> float:
         """1.0 when `extracted` grades equal to the sample's answer by this scorer's grader, else 0.0."""
-        from saccade import protocols as p
+        from saccade.rewards import protocols as p
 
         gold = str(_field(sample, "answer"))
         choices = _field(sample, "choices")
@@ -561,7 +561,7 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "correct": correct_reward,
     "format": format_reward,
     "boxed_format": boxed_format_reward,
-    # The published protocols' format checks (saccade.protocols.FORMAT_CHECKS).
+    # The published protocols' format checks (saccade.rewards.protocols.FORMAT_CHECKS).
     "think_boxed": think_boxed_reward,
     "easyr1_format": easyr1_format_reward,
     "think_answer": think_answer_reward,

@@ -1,8 +1,8 @@
-"""The child process of `saccade.reward_workers`: a user's reward functions, imported here by
+"""The child process of `saccade.rewards.user_workers`: a user's reward functions, imported here by
 their import paths, called with the arguments the parent sends (pickled) and their values
 sent back as floats.
 
-    python -m saccade.reward_child
+    python -m saccade.rewards.user_child
 
 The parent's first frame says what to import (the paths, its `sys.path`, modules to import
 before the first call) and whether the functions are async. Then this process says READY,
@@ -31,8 +31,8 @@ from typing import Any, BinaryIO
 
 from saccade.parent_death import die_with_parent
 from saccade.plugins import load_callable
-from saccade.reward_workers import ACK, CALL, CANCEL, DONE, READY, read_frame, write_frame
-from saccade.scoring import as_parts
+from saccade.rewards.user_workers import ACK, CALL, CANCEL, DONE, READY, read_frame, write_frame
+from saccade.rewards.weighted import as_parts
 
 def end_with_parent(parent: int) -> None:
     """SIGKILL this process when the parent's thread that started it ends (Linux), and end now if

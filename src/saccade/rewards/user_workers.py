@@ -4,7 +4,7 @@ within `rollout.reward_timeout_s` and nothing it leaves behind accumulates.
 Python cannot stop a thread, and an `async def` function that blocks (a sync call inside it:
 `time.sleep`, `requests.post`, a long computation) stops the event loop it runs on, where
 `asyncio.wait_for` can no longer fire. So a user's functions run in child processes
-(`python -m saccade.reward_child`), which import each function by its import path: only a
+(`python -m saccade.rewards.user_child`), which import each function by its import path: only a
 call's arguments cross the pipe, pickled (`completion`, and the keywords the function names);
 only floats come back.
 
@@ -53,7 +53,7 @@ from saccade.loop_thread import LoopThread
 log = logging.getLogger("saccade.scoring")
 
 SYNC_WORKERS = 8  # child processes for a Rewards' sync functions, at most (a call each at a time)
-START_TIMEOUT_S = 120.0  # a child's start: Python, saccade.scoring and the user's module imported
+START_TIMEOUT_S = 120.0  # a child's start: Python, saccade.rewards.weighted and the user's module imported
 CANCEL_GRACE_S = 2.0  # an async child whose loop does not acknowledge a cancel within this is blocked
 
 HEADER = struct.Struct("<cQQ")  # kind, call id, payload length
@@ -119,7 +119,7 @@ class Child:
         """A child that has imported `paths` (and `preload`), and the paths it could not import;
         RewardFailed when it does not start."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "saccade.reward_child", stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "saccade.rewards.user_child", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, start_new_session=True)  # its own group: killpg takes what it starts
         child = cls(proc)
         start = {"paths": paths, "is_async": is_async, "preload": preload, "sys_path": list(sys.path),

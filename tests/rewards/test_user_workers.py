@@ -1,4 +1,4 @@
-"""A user's reward functions in worker processes (saccade.reward_workers), seen through
+"""A user's reward functions in worker processes (saccade.rewards.user_workers), seen through
 `Rewards.score` as a rollout step calls it: a call past its limit is cut and its process killed
 (what it started too), a blocked async loop is told from a slow call and killed, a worker that
 dies fails one call, nothing accumulates over many overruns, the workers end with `close()` and
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from reward_helpers import alive, worker_pids
-from saccade import reward_workers
 from saccade.data.questions import VQASample
-from saccade.reward_workers import SYNC_WORKERS
-from saccade.scoring import Rewards
+from saccade.rewards import user_workers
+from saccade.rewards.user_workers import SYNC_WORKERS
+from saccade.rewards.weighted import Rewards
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -106,7 +106,7 @@ def test_a_worker_that_dies_fails_its_call_and_the_next_call_works(make_rewards,
 
 def test_a_blocking_async_function_is_cut_and_a_fresh_worker_takes_the_next_calls(make_rewards, caplog,
                                                                                    monkeypatch):
-    monkeypatch.setattr(reward_workers, "CANCEL_GRACE_S", 0.5)
+    monkeypatch.setattr(user_workers, "CANCEL_GRACE_S", 0.5)
     r = make_rewards({"reward_helpers:async_pid": 1.0}, timeout_s=0.5)
     [warm] = score(r, "warm")
     first = int(warm["reward_async_pid"])
@@ -121,7 +121,7 @@ def test_a_blocking_async_function_is_cut_and_a_fresh_worker_takes_the_next_call
 
 
 def test_a_slow_async_call_is_cancelled_and_its_worker_lives_on(make_rewards, caplog, monkeypatch):
-    monkeypatch.setattr(reward_workers, "CANCEL_GRACE_S", 0.5)
+    monkeypatch.setattr(user_workers, "CANCEL_GRACE_S", 0.5)
     r = make_rewards({"reward_helpers:async_pid": 1.0}, timeout_s=0.5)
     [warm] = score(r, "warm")
     with caplog.at_level(logging.WARNING, logger="saccade.scoring"):
@@ -168,7 +168,7 @@ def test_close_with_calls_in_flight_ends_them(make_rewards):
 PARENT = """
 import asyncio, sys
 sys.path.insert(0, {tests!r})
-from saccade.scoring import Rewards
+from saccade.rewards.weighted import Rewards
 
 rewards = Rewards({{"reward_helpers:pid": 1.0}}, timeout_s=600)
 
@@ -183,7 +183,7 @@ asyncio.run(main())
 
 def test_workers_die_with_their_process():
     """A busy worker (not reading its pipe) dies with a parent killed by SIGKILL: PR_SET_PDEATHSIG."""
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PARENT.format(tests=str(Path(__file__).parent)))],
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PARENT.format(tests=str(Path(__file__).parents[1])))],
                               stdout=subprocess.PIPE, text=True)
     try:
         worker = int(parent.stdout.readline())

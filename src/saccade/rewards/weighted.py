@@ -22,7 +22,7 @@ function's value is their sum. The step's reward for an answer is
 ``sum(weight * value)`` over the functions.
 
 Every call is bounded by `rollout.reward_timeout_s`, and one that overruns is cut: a user's
-functions run in worker processes, killed when a call overruns (`saccade.reward_workers`; a
+functions run in worker processes, killed when a call overruns (`saccade.rewards.user_workers`; a
 thread cannot be stopped, and an ``async def`` that blocks stops the event loop it runs on).
 Sync functions share a pool of at most `SYNC_WORKERS` (8) processes per `Rewards`, one call
 each at a time. Async functions (``async def``) are awaited, each on its own worker's event
@@ -31,7 +31,7 @@ gathers the environments), so functions that wait on I/O (a judge model behind H
 overlap; one that blocks its loop has its worker killed, with a warning naming it. Only a
 call's arguments cross to a worker (pickled): the worker imports the function by its path.
 The built-ins (their extractors, graders and format checks) run in one child process, each
-call killed after 5 s (`saccade.scoring_worker`: a short power tower holds sympy and the GIL for
+call killed after 5 s (`saccade.rewards.bounded`: a short power tower holds sympy and the GIL for
 minutes, which no thread or SIGALRM can cut; a long adversarial reply slows the extractors). `Rewards.close` ends the workers; the run calls
 it when it ends.
 
@@ -58,9 +58,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from saccade.plugins import is_import_path, load_callable
-from saccade.reward_workers import RewardFailed, Workers
-from saccade.scoring_worker import TIMEOUT_S as SCORING_TIMEOUT_S
-from saccade.scoring_worker import reward as bounded_reward
+from saccade.rewards.bounded import TIMEOUT_S as SCORING_TIMEOUT_S
+from saccade.rewards.bounded import reward as bounded_reward
+from saccade.rewards.user_workers import RewardFailed, Workers
 
 log = logging.getLogger("saccade.scoring")
 
@@ -83,7 +83,7 @@ class RewardFunction:
 
 def resolve(key: str) -> Callable[..., Any]:
     """The function a reward_weights key names; ValueError listing the built-ins otherwise."""
-    from saccade.rewards import REWARD_FUNCTIONS
+    from saccade.rewards.builtin import REWARD_FUNCTIONS
 
     if key in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[key]
@@ -131,7 +131,7 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 def reward_functions(weights: Mapping[str, float]) -> list[RewardFunction]:
     """The weighted functions, resolved and checked (what config validation runs, too)."""
-    from saccade.rewards import REWARD_FUNCTIONS
+    from saccade.rewards.builtin import REWARD_FUNCTIONS
 
     out: list[RewardFunction] = []
     by_name: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Every shipped reward, extractor and grader bounded (saccade.scoring_worker): run in a killable
+"""Every shipped reward, extractor and grader bounded (saccade.rewards.bounded): run in a killable
 child, each call cut at its limit, also off the main thread where the rollout loop scores (issue
 58: OpenMMReasoner's grader ran math-verify on the rollout thread with no limit)."""
 
@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from saccade import scoring_worker
-from saccade.protocols import EXTRACTORS, GRADERS
-from saccade.rewards import Scorer
-from saccade.scoring_worker import ScoringTimeout, ScoringWorker, worker
+from saccade.rewards import Scorer, bounded
+from saccade.rewards.bounded import ScoringTimeout, ScoringWorker, worker
+from saccade.rewards.protocols import EXTRACTORS, GRADERS
 
-SRC = Path(__file__).parents[1] / "src" / "saccade"
+SRC = Path(__file__).parents[2] / "src" / "saccade"
 TOWER = "$9^{9^{9^{9}}}$"
 
 
@@ -48,23 +47,23 @@ def test_a_power_tower_scores_0_within_the_limit_off_the_main_thread_and_scoring
                           (f"<answer>{TOWER}</answer>", {"answer": "3", "scorer": Scorer("answer_tag", "openmmreasoner")})):
         worker().warm()  # the child's start (sympy's import) is never part of a call's limit
         cuts = worker().timeouts
-        value, seconds = in_a_thread(lambda r=reply, s=sample: scoring_worker.correct(r, s), 30)
+        value, seconds = in_a_thread(lambda r=reply, s=sample: bounded.correct(r, s), 30)
         assert value == 0.0
         assert seconds < 5.0 + 3.0, seconds  # the limit, and the kill (measured about 5.1 s)
         assert worker().timeouts == cuts + 1
     # the next comparison gets a new child, and is right
-    assert scoring_worker.correct(r"$\frac{1}{2}$", {"answer": "0.5"}) == 1.0
-    assert scoring_worker.correct(r"$2\sqrt{3}$", {"answer": r"\sqrt{12}"}) == 1.0
-    assert scoring_worker.correct("<answer>0.5</answer>",
+    assert bounded.correct(r"$\frac{1}{2}$", {"answer": "0.5"}) == 1.0
+    assert bounded.correct(r"$2\sqrt{3}$", {"answer": r"\sqrt{12}"}) == 1.0
+    assert bounded.correct("<answer>0.5</answer>",
                                   {"answer": r"\frac{1}{2}", "scorer": Scorer("answer_tag", "openmmreasoner")}) == 1.0
 
 
 def hanging_worker(monkeypatch, mode: str) -> ScoringWorker:
     """The process's scoring worker replaced by one whose child never returns (`mode`: what hangs,
-    tests/hanging_scoring_child.py)."""
-    child = Path(__file__).parent / "hanging_scoring_child.py"
+    tests/rewards/hanging_bounded_child.py)."""
+    child = Path(__file__).parent / "hanging_bounded_child.py"
     hanging = ScoringWorker(timeout_s=1.0, command=[sys.executable, str(child), mode])
-    monkeypatch.setattr(scoring_worker, "_worker", hanging)
+    monkeypatch.setattr(bounded, "_worker", hanging)
     return hanging
 
 
@@ -83,7 +82,7 @@ def rewards_timeouts(sample: dict) -> float:
     """How many of a run's built-in rewards timed out on one answer (0.0 when none did)."""
     import asyncio
 
-    from saccade.scoring import Rewards
+    from saccade.rewards.weighted import Rewards
 
     rewards = Rewards({"correct": 1.0})
     _, values = asyncio.run(rewards.score("2", sample=sample, messages=[]))
@@ -94,14 +93,14 @@ def test_every_call_the_library_makes_into_scoring_reaches_the_child_and_is_cut(
     judged = Scorer("mathvista", "mathvista", judge_url="http://127.0.0.1:9/v1")
     sample = {"answer": "2", "choices": ["1", "2"]}
     calls = {
-        "the run's rewards (saccade.scoring.Rewards, as the rollout scores)": lambda: rewards_timeouts(sample),
-        "reward format": lambda: scoring_worker.reward("format", "\\boxed{2}", sample),
-        "correct (an environment's)": lambda: scoring_worker.correct("2", sample),
-        "correct with a judge": lambda: scoring_worker.reward("correct", "2", {**sample, "scorer": judged}),
-        "extracted_answer": lambda: scoring_worker.extracted_answer("2", sample),
-        "extracted_answer with a judge": lambda: scoring_worker.extracted_answer("2", {**sample, "scorer": judged}),
-        "score": lambda: scoring_worker.score("2", "2"),
-        "math_equal": lambda: scoring_worker.math_equal("2", "2"),
+        "the run's rewards (saccade.rewards.weighted.Rewards, as the rollout scores)": lambda: rewards_timeouts(sample),
+        "reward format": lambda: bounded.reward("format", "\\boxed{2}", sample),
+        "correct (an environment's)": lambda: bounded.correct("2", sample),
+        "correct with a judge": lambda: bounded.reward("correct", "2", {**sample, "scorer": judged}),
+        "extracted_answer": lambda: bounded.extracted_answer("2", sample),
+        "extracted_answer with a judge": lambda: bounded.extracted_answer("2", {**sample, "scorer": judged}),
+        "score": lambda: bounded.score("2", "2"),
+        "math_equal": lambda: bounded.math_equal("2", "2"),
     }
     cut_at_the_limit(hanging_worker(monkeypatch, "ops"), calls)
 
@@ -110,7 +109,7 @@ def test_every_grader_is_cut_at_the_limit_when_math_verify_and_sympy_never_retur
     """The graders that call math-verify or sympy, each given a reply that reaches that call."""
     replies = {"saccade": ("x+1", "1+x"), "openmmreasoner": ("\\frac{1}{2}", "0.5"), "mathruler": ("x+1", "1+x")}
     assert set(replies) | {"mathvista"} == set(GRADERS)  # mathvista's grader calls neither
-    calls = {grader: (lambda g=grader, r=reply: scoring_worker.reward(
+    calls = {grader: (lambda g=grader, r=reply: bounded.reward(
         "correct", f"<answer>{r[0]}</answer> \\boxed{{{r[0]}}}", {"answer": r[1], "scorer": Scorer("answer_tag", g)}))
         for grader, reply in replies.items()}
     cut_at_the_limit(hanging_worker(monkeypatch, "math"), calls)
@@ -119,14 +118,14 @@ def test_every_grader_is_cut_at_the_limit_when_math_verify_and_sympy_never_retur
 def test_without_math_verify_the_child_starts_and_scores_what_needs_no_math(monkeypatch):
     """The GPU machines' Python has no math-verify (docs/gpu-runs.md): the lease's RL stage scored
     every answer 0 when the child required it to start (found by scripts/gpu-device-check.sh)."""
-    no_math = "import sys; sys.modules['math_verify'] = None; from saccade.scoring_child import serve; serve()"
+    no_math = "import sys; sys.modules['math_verify'] = None; from saccade.rewards.bounded_child import serve; serve()"
     worker_ = ScoringWorker(command=[sys.executable, "-c", no_math])
-    monkeypatch.setattr(scoring_worker, "_worker", worker_)
+    monkeypatch.setattr(bounded, "_worker", worker_)
     try:
-        assert scoring_worker.correct("The answer is blue.", {"answer": "blue", "choices": ["red", "blue"]}) == 1.0
-        assert scoring_worker.reward("format", "blue", {"choices": ["red", "blue"]}) == 1.0
+        assert bounded.correct("The answer is blue.", {"answer": "blue", "choices": ["red", "blue"]}) == 1.0
+        assert bounded.reward("format", "blue", {"choices": ["red", "blue"]}) == 1.0
         with pytest.raises(RuntimeError, match="math_verify"):  # a comparison that needs it says so
-            scoring_worker.reward("correct", "$\\frac{1}{2}$", {"answer": "0.5"})
+            bounded.reward("correct", "$\\frac{1}{2}$", {"answer": "0.5"})
     finally:
         worker_.close()
 
@@ -144,19 +143,24 @@ def test_a_scorer_that_raises_in_the_child_says_so_with_its_traceback():
 
 
 BOUNDED_ONLY = {"score", "grade", "correct_reward", "extract_answer", "extracted_answer", "math_equal"}
-UNBOUNDED_HOMES = {"rewards.py", "protocols.py", "scoring_worker.py", "scoring_child.py"}
+UNBOUNDED = ("saccade.rewards", "saccade.rewards.builtin", "saccade.rewards.protocols")  # and the modules themselves
+UNBOUNDED_HOMES = {"__init__.py", "builtin.py", "protocols.py", "bounded.py", "bounded_child.py"}  # in rewards/
+PROTOCOL_NAMES = {"EXTRACTORS", "GRADERS"}  # the protocols' names, no scoring: the config's choices
 
 
 def test_the_library_scores_only_through_the_bounded_calls():
     """No module but the scorers' own homes imports an unbounded scoring function: a new caller on
-    the rollout thread goes through saccade.scoring_worker or this test goes red."""
+    the rollout thread goes through saccade.rewards.bounded or this test goes red."""
     offenders = []
     for path in SRC.rglob("*.py"):
-        if path.name in UNBOUNDED_HOMES and path.parent == SRC:
+        if path.name in UNBOUNDED_HOMES and path.parent == SRC / "rewards":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module in ("saccade.rewards", "saccade.protocols"):
-                names = {alias.name for alias in node.names} & BOUNDED_ONLY
-                if names or node.module == "saccade.protocols":
-                    offenders.append(f"{path.relative_to(SRC)}: from {node.module} import {sorted(names) or '...'}")
+            if isinstance(node, ast.ImportFrom) and node.module in UNBOUNDED:
+                imported = {alias.name for alias in node.names}
+                names = imported & (BOUNDED_ONLY | {"builtin", "protocols"})
+                if node.module == "saccade.rewards.protocols":
+                    names = imported - PROTOCOL_NAMES
+                if names:
+                    offenders.append(f"{path.relative_to(SRC)}: from {node.module} import {sorted(names)}")
     assert offenders == [], offenders

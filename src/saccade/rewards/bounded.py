@@ -8,18 +8,18 @@ abandoned by the scorer can end it; measured, a thread running it starved the pr
 minute. Graders other than saccade's call math-verify too (OpenMMReasoner's; mathruler's sympy),
 and the extractors and format checks scan the reply with regular expressions and brace counts
 that a long, adversarial reply makes slow. So every call the library makes into them goes
-through here: one long-lived child (`python -m saccade.scoring_child`, JSON lines on its
+through here: one long-lived child (`python -m saccade.rewards.bounded_child`, JSON lines on its
 stdin/stdout) runs it; one that does not answer within its limit is killed, the call raises
 `ScoringTimeout` (the reward is counted in `reward_timeouts` and scores 0; `score` and
 `extracted_answer` give 0 and ""), and the next call starts a new child (about a second:
 sympy's import, never counted against a call).
 
-The functions in `saccade.rewards` and `saccade.protocols` are the computation, unbounded, in
-whatever process calls them; the library calls them only through this module's functions (a
-test holds it: tests/test_scoring_worker.py). What crosses to the child is plain data: the
-reply, and of the sample only what scoring reads (`sample_fields`). An LLM judge (MathVista's
-extraction with `task.scoring.judge_url`) is asked from this process, between two bounded calls:
-its HTTP request has a timeout of its own, longer than a call's limit.
+The functions in `saccade.rewards.builtin` and `saccade.rewards.protocols` are the computation,
+unbounded, in whatever process calls them; the library calls them only through this module's
+functions (a test holds it: tests/rewards/test_bounded.py). What crosses to the child is plain
+data: the reply, and of the sample only what scoring reads (`sample_fields`). An LLM judge
+(MathVista's extraction with `task.scoring.judge_url`) is asked from this process, between two
+bounded calls: its HTTP request has a timeout of its own, longer than a call's limit.
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ class ScoringWorker:
 
     def __init__(self, timeout_s: float = TIMEOUT_S, command: list[str] | None = None):
         self.timeout_s = timeout_s
-        self.command = command or [sys.executable, "-m", "saccade.scoring_child"]
+        self.command = command or [sys.executable, "-m", "saccade.rewards.bounded_child"]
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
         self.timeouts = 0  # calls cut (tests, and what a person may ask)
         atexit.register(self.close)
 
     def call(self, op: str, *args: Any) -> Any:
-        """`saccade.scoring_child.OPS[op](*args)`, run in the child. ScoringTimeout when it did not
+        """`saccade.rewards.bounded_child.OPS[op](*args)`, run in the child. ScoringTimeout when it did not
         return within `timeout_s` (the child killed); RuntimeError with the child's traceback when
         the call raised."""
         with self.lock:
@@ -131,7 +131,7 @@ def sample_fields(sample: Any) -> dict[str, Any]:
     """What scoring reads of a sample, as plain data: the answer, the options, the answer type,
     the precision, the scorer's extractor and grader. A list or tuple is the option list itself
     (`format_reward`'s older form)."""
-    from saccade.rewards import sample_precision
+    from saccade.rewards.builtin import sample_precision
 
     if isinstance(sample, Sequence) and not isinstance(sample, str):
         return {"choices": [str(c) for c in sample]}
