@@ -307,7 +307,7 @@ def test_a_new_run_is_refused_in_a_folder_holding_another_runs_checkpoints(tmp_p
 
 
 def test_the_nonfinite_streak_counts_steps_whose_every_optimizer_step_was_skipped():
-    from saccade.loops.rl import nonfinite_streak
+    from saccade.loops.guards import nonfinite_streak
 
     assert nonfinite_streak(0, {"skipped_steps": 1.0}, num_iterations=1) == 1
     assert nonfinite_streak(1, {"skipped_steps": 2.0}, num_iterations=2) == 2

@@ -53,6 +53,10 @@ Overrides are split off *before* argparse sees them: ``parse_known_args`` alone 
 the value of ``--trainer.lr 1e-5`` to the optional CONFIG positional.
 """
 
+from saccade.config.engine import (
+    AdapterSyncConfig, AutoSyncConfig, CollectiveSyncConfig, EmbeddedEngineConfig, EngineConfig, FilesSyncConfig,
+    VLLMEngineConfig, WeightSyncConfig,
+)
 from saccade.config.evaluation import EvalConfig
 from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
 from saccade.config.loading import add_config_arguments, load_config, parse_overrides, split_overrides
@@ -62,9 +66,8 @@ from saccade.config.loss import (
 )
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
-    PRESET_NAMES, AdapterSyncConfig, AutoSyncConfig, CheckpointConfig, CollectiveSyncConfig, ConfigError,
-    ConstantDecayConfig, CosineDecayConfig, EmbeddedEngineConfig, EngineConfig, EnvConfig, FilesSyncConfig,
-    GradSpikeConfig, VLLMEngineConfig, WeightSyncConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig,
+    PRESET_NAMES, CheckpointConfig, ConfigError, ConstantDecayConfig, CosineDecayConfig, EnvConfig,
+    GradSpikeConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig,
     LrDecayConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallRollbackConfig,
     StallStopConfig, StallWarnConfig, StallWatchConfig, TrainerConfig,
 )

@@ -10,9 +10,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from saccade.config.evaluation import EvalConfig
 from saccade.config.launch import LaunchConfig
 from saccade.config.loss import DEFAULT_TIS_CAP, LossConfig, PpoClipLossConfig
+from saccade.config.engine import EmbeddedEngineConfig, EngineConfig
 from saccade.config.sections import (
-    CheckpointConfig, EmbeddedEngineConfig, EngineConfig, EnvConfig, ImageCacheConfig, ImagesConfig, LogConfig,
-    LoraConfig,
+    CheckpointConfig, EnvConfig, ImageCacheConfig, ImagesConfig, LogConfig, LoraConfig,
     ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallWarnConfig, TrainerConfig,
     section_or_off,
 )

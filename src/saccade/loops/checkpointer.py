@@ -18,6 +18,7 @@ from pathlib import Path
 
 from saccade.config import RunConfig, StallRollbackConfig
 from saccade.distributed import World, barrier
+from saccade.inference.servers import NoServerError
 from saccade.loops.rl_step import RLStep
 from saccade.trainer.checkpoint.saving import TrainState, load_checkpoint, load_latest_checkpoint, save_checkpoint
 from saccade.trainer.checkpoint.folder import (check_same_base, checkpoint_before, latest_checkpoint,
@@ -139,6 +140,26 @@ class Checkpointer:
             return save_checkpoint(self.run_dir, model=self.rl.setup.model, optimizer=self.rl.optimizer,
                                    scheduler=self.rl.scheduler, state=state, keep_last=self.cfg.checkpoint.keep_last,
                                    base_model_path=self.rl.setup.model_path)
+
+    @contextlib.contextmanager
+    def guarding(self, state: TrainState, command: str):
+        """The run's steps, stopped the documented way when the disk fills up or every server is
+        gone: with a checkpoint of the finished steps where one can be written, and the command to
+        go on with (`command ... --resume`)."""
+        try:
+            yield
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            if self.world.size > 1:  # ranks apart: a save now would wait for the others; torchrun ends them
+                raise stopped_unsaved_by_full_disk(err, self.run_dir, self.world, command) from err
+            state.policy_version = state.step
+            raise stopped_by_full_disk(err, self, state) from err
+        except NoServerError as err:  # every rank at the same step: the finished steps are saved
+            state.policy_version = state.step
+            raise NoServerError(
+                f"{err}. The run stopped after step {state.step} and saved {self.save(state, guarded=False)}; once a "
+                f"server answers again, go on with: {command} --resume") from None
 
     def roll_back(self, state: TrainState, *, since: int) -> dict[str, float]:
         """A stalled run back to the newest checkpoint saved before policy version `since` (the

@@ -75,6 +75,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -121,171 +122,30 @@ def run_trainer_bench(cfg: TrainerBenchConfig, *, progress: bool = True) -> dict
     and `TrainerBenchConfig` (saccade.config.bench) for each option. max_tokens unset:
     DEFAULT_MAX_TOKENS, raised to the longest sample either way. full_layout: "packed" (the full
     VLM on the cached path's micro-batches) or "per_sample" (one sample per forward)."""
-    preset, steps, batch, seed, threads = cfg.preset, cfg.steps, cfg.batch, cfg.seed, cfg.threads
-    max_tokens, padded_rows, max_side, max_images = cfg.max_tokens, cfg.padded_rows, cfg.max_side, cfg.max_images
-    full_layout, full_finetune, peak_tflops, attention = cfg.full_layout, cfg.full_finetune, cfg.peak_tflops, cfg.attn
-    family = preset_family(preset)
-    assert family is not None, preset  # TrainerBenchConfig.preset is a preset's name
-
+    assert preset_family(cfg.preset) is not None, cfg.preset  # TrainerBenchConfig.preset is a preset's name
     from rich.console import Console
 
     console = Console(stderr=True, quiet=not progress)
     started = time.perf_counter()
-    # Other processes on the machine change every figure: record how busy it was.
-    load_start = _load_avg()
+    load_start = _load_avg()  # other processes on the machine change every figure: how busy it was
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(cfg.threads)
     try:
         dev = resolve_device(cfg.device, setting="--device")
         # fp32 on CPU (bf16 matmuls there are an emulation, not the production setting).
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        dtype_name = str(dtype).removeprefix("torch.")
-        model_path = str(preset_path(preset))
-        max_pixels = load_processor(model_path).image_processor.size["longest_edge"]  # the preset's
-        limits = ImagesConfig(min_pixels=32 * 32, max_pixels=max_pixels)
-        side = max_side or math.isqrt(max_pixels)
-
-        # The engine's side, once: tokenize, and encode every image with the frozen tower.
-        console.log(f"preparing {batch} conversations, preset {preset!r}, {dev} {dtype_name}, {threads} threads")
-        processor = load_processor(model_path)
-        tower = load_vision_tower(model_path, dtype=dtype, device=dev)
-        vision_params = count_params(tower)
-        encoder = VisionEncoder(tower, processor, limits=limits)
-        conversations = bench_conversations(batch, seed=seed, max_side=side, max_images=max_images)
-        data, encode_timings = prepare_batch(
-            processor, encoder, conversations, seed=seed, limits=limits,
-            max_tokens=max_tokens, padded_rows=padded_rows, full_layout=full_layout,
-        )
-        del tower, encoder
-        _free(dev)  # the tower's memory back to the device before the memory processes start
-        padded_frac, packed_frac = pad_fraction(data)
-        console.log(
-            f"{data.num_tokens:,} tokens in {batch} samples "
-            f"({min(s.num_tokens for s in data.samples)}-{max(s.num_tokens for s in data.samples)} each); "
-            f"padded layout is {padded_frac:.0%} padding"
-        )
-
-        # (a) peak memory: one fresh process per path, one after the other (this one waits).
+        model_path = str(preset_path(cfg.preset))
+        prepared = _prepare(cfg, model_path, dev, dtype, console)
         memory: dict[str, dict] = {}
-        if cfg.measure_memory:
+        if cfg.measure_memory:  # (a) peak memory: one fresh process per path, one after the other
             console.log("peak memory of the cached and the full path, each in a fresh process")
-            memory = measure_memory_in_fresh_processes(data, model_path, dev, dtype_name, threads, seed,
-                                                       full_finetune=full_finetune, attention=attention)
-
-        # Timing, in this process. cached, padded and checkpointed share one model and optimizer
-        # (the same weights; checkpointing is switched on for its steps alone); the full VLM has
-        # its own. With LoRA both are held and the four variants interleave step by step; with
-        # full fine-tuning (about 35 GB of state per model at 2B) the cached family runs first,
-        # is freed, then the full model runs: never more than one model's state on the device.
-        interleave = not full_finetune
-        common = dict(dtype=dtype, device=dev, seed=seed, full_finetune=full_finetune)
-        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-        vision_s: list[float] = []
-        warmup_loss: dict[str, float] = {}
-        families = [VARIANTS] if interleave else [CACHED_FAMILY, ("full",)]
-        for family in families:
-            console.log("loading " + " and ".join(
-                ["the cached (LM-only) model"] * any(n != "full" for n in family) + ["the full model"] * ("full" in family)))
-            runners: dict[str, tuple] = {}
-            if any(n != "full" for n in family):
-                cached_model, *cached_opt = build_cached(model_path, attention=attention, **common)
-                trainable_params = count_params(cached_model, trainable=True)
-                lm_params = count_params(cached_model) - (0 if full_finetune else trainable_params)
-                attention_used = unwrap_policy(cached_model).config.text_config._attn_implementation
-                runners.update({n: (cached_model, *cached_opt) for n in CACHED_FAMILY})
-                del cached_model, cached_opt
-            if "full" in family:
-                full_model, *full_opt = build_full(model_path, **common)
-                vision_timer = VisionTimer(full_model.get_base_model().model.visual, dev)
-                runners["full"] = (full_model, *full_opt)
-                del full_model, full_opt
-            _run_rounds(family, runners, data, dev, steps, times, vision_s, warmup_loss, vision_timer
-                        if "full" in family else None, console)
-            runners.clear()  # the family's models and optimizers go before the next family's load
-            _free(dev)
-        console.log("warm-up losses: " + "  ".join(f"{n} {warmup_loss[n]:+.6f}" for n in VARIANTS))
-
-        med = {name: statistics.median(times[name]) for name in VARIANTS}
-        tps = {name: data.num_tokens / med[name] for name in VARIANTS}
-        lengths = [s.num_tokens for s in data.samples]
-        dims = model_dims(model_path)
-        text = dims.text
-        flops = lm_step_flops(text, lengths, data.num_loss_tokens, full_finetune=full_finetune)
-        peak = peak_tflops if peak_tflops is not None else spec_peak_tflops(dev)
-        result = {
-            "config": {
-                "preset": preset,
-                "model": model_path,
-                "lm_params": lm_params,
-                "vision_params": vision_params,
-                "trainable_params": trainable_params,
-                "lora": {"rank": lora_settings().rank, "targets": list(lora_settings().target_modules or dims.lora_targets)},
-                "full_finetune": full_finetune,
-                "attention": attention_used,
-                "interleaved": interleave,
-                "peak_tflops": peak,
-                "batch": batch,
-                "steps": steps,
-                "warmup_steps": 1,
-                "device": str(dev),
-                "dtype": dtype_name,
-                "torch_threads": torch.get_num_threads(),
-                "max_tokens": data.max_tokens,
-                "padded_rows": padded_rows,
-                "max_side": side,
-                "max_images": max_images,
-                "full_layout": full_layout,
-                "seed": seed,
-            },
-            "batch_tokens": data.num_tokens,
-            "batch_loss_tokens": data.num_loss_tokens,
-            "batch_images": sum(s.num_images for s in data.samples),
-            "batch_image_tokens": sum(int((s.input_ids == data.image_token_id).sum()) for s in data.samples),
-            "sample_tokens_min": min(lengths),
-            "sample_tokens_max": max(lengths),
-            "packed_micro_batches": len(first_fit_decreasing(lengths, data.max_tokens)),
-            "padded_micro_batches": math.ceil(batch / padded_rows),
-            **encode_timings,
-            # (a) cached embeddings vs full VLM
-            "cached_step_s": med["cached"],
-            "full_step_s": med["full"],
-            "full_over_cached_step_time": med["full"] / med["cached"],
-            "cached_tokens_per_s": tps["cached"],
-            "full_tokens_per_s": tps["full"],
-            "full_vision_s": statistics.median(vision_s),
-            "full_vision_share": statistics.median(v / t for v, t in zip(vision_s, times["full"], strict=True)),
-            # (b) packed vs padded; "packed" is the cached variant above
-            "padded_pad_fraction": padded_frac,
-            "packed_pad_fraction": packed_frac,
-            "packed_step_s": med["cached"],
-            "padded_step_s": med["padded"],
-            "packed_tokens_per_s": tps["cached"],
-            "padded_tokens_per_s": tps["padded"],
-            "packed_over_padded_tokens_per_s": tps["cached"] / tps["padded"],
-            # (c) activation checkpointing, on the cached path
-            "checkpointed_step_s": med["checkpointed"],
-            "activation_checkpointing_step_ratio": med["checkpointed"] / med["cached"],
-            # (d) the language model's FLOPs (no vision tower, no recomputation)
-            "lm_flops_per_step": flops,
-            "cached_tflops": flops / med["cached"] / 1e12,
-            "cached_mfu": flops / med["cached"] / 1e12 / peak if peak else None,
-            "estimated_cached_peak_mb": estimated_peak_mb(dims, data, dtype_name, full_finetune, checkpointing=False),
-            "estimated_checkpointed_peak_mb": estimated_peak_mb(dims, data, dtype_name, full_finetune,
-                                                                checkpointing=True),
-            # checks and raw figures
-            "warmup_loss": warmup_loss,
-            "max_warmup_loss_diff": max(abs(warmup_loss[n] - warmup_loss["cached"]) for n in VARIANTS),
-            "step_times_s": times,
-        }
+            memory = measure_memory_in_fresh_processes(
+                prepared.data, model_path, dev, _dtype_name(dtype), cfg.threads, cfg.seed,
+                full_finetune=cfg.full_finetune, attention=cfg.attn)
+        timed = _time_variants(cfg, model_path, prepared.data, dev, dtype, console)
+        result = _figures(cfg, model_path, dev, dtype, prepared, timed)
         if memory:
-            result.update(
-                cached_peak_mb=memory["cached"]["peak_mb"],
-                full_peak_mb=memory["full"]["peak_mb"],
-                full_over_cached_peak_memory=memory["full"]["peak_mb"] / memory["cached"]["peak_mb"],
-                checkpointed_peak_mb=memory["checkpointed"]["peak_mb"],
-                activation_checkpointing_peak_ratio=memory["checkpointed"]["peak_mb"] / memory["cached"]["peak_mb"],
-                memory=memory,
-            )
+            result.update(_memory_figures(memory))
             result.update(estimate_check(result, host=dev.type != "cuda"))
             if result["estimate_flag"] != "ok":
                 console.log(f"[bold]saccade memory's estimate: {result['estimate_note']}[/bold]")
@@ -294,6 +154,192 @@ def run_trainer_bench(cfg: TrainerBenchConfig, *, progress: bool = True) -> dict
         return result
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class _Prepared:
+    """The engine's side, done once: the batch, what encoding it took, the tower's size, the image side."""
+
+    data: BenchBatch
+    encode_timings: dict[str, float]
+    vision_params: int
+    side: int
+
+
+def _prepare(cfg: TrainerBenchConfig, model_path: str, dev: torch.device, dtype: torch.dtype, console) -> _Prepared:
+    """Tokenize the conversations and encode every image with the frozen tower, once; the tower is
+    freed before anything is timed or measured."""
+    max_pixels = load_processor(model_path).image_processor.size["longest_edge"]  # the preset's
+    limits = ImagesConfig(min_pixels=32 * 32, max_pixels=max_pixels)
+    side = cfg.max_side or math.isqrt(max_pixels)
+    console.log(f"preparing {cfg.batch} conversations, preset {cfg.preset!r}, {dev} {_dtype_name(dtype)}, "
+                f"{cfg.threads} threads")
+    processor = load_processor(model_path)
+    tower = load_vision_tower(model_path, dtype=dtype, device=dev)
+    vision_params = count_params(tower)
+    encoder = VisionEncoder(tower, processor, limits=limits)
+    conversations = bench_conversations(cfg.batch, seed=cfg.seed, max_side=side, max_images=cfg.max_images)
+    data, encode_timings = prepare_batch(
+        processor, encoder, conversations, seed=cfg.seed, limits=limits,
+        max_tokens=cfg.max_tokens, padded_rows=cfg.padded_rows, full_layout=cfg.full_layout,
+    )
+    del tower, encoder
+    _free(dev)  # the tower's memory back to the device before the memory processes start
+    padded_frac, _ = pad_fraction(data)
+    console.log(
+        f"{data.num_tokens:,} tokens in {cfg.batch} samples "
+        f"({min(s.num_tokens for s in data.samples)}-{max(s.num_tokens for s in data.samples)} each); "
+        f"padded layout is {padded_frac:.0%} padding"
+    )
+    return _Prepared(data, encode_timings, vision_params, side)
+
+
+@dataclass
+class _Timed:
+    """Every variant's measured step times, the full VLM's seconds in its tower, the warm-up losses,
+    and what the cached model is (its parameters, its attention kernel)."""
+
+    times: dict[str, list[float]]
+    vision_s: list[float]
+    warmup_loss: dict[str, float]
+    lm_params: int
+    trainable_params: int
+    attention_used: str
+    interleaved: bool
+
+
+def _time_variants(cfg: TrainerBenchConfig, model_path: str, data: BenchBatch, dev: torch.device,
+                   dtype: torch.dtype, console) -> _Timed:
+    """Timing, in this process. cached, padded and checkpointed share one model and optimizer (the
+    same weights; checkpointing is switched on for its steps alone); the full VLM has its own. With
+    LoRA both are held and the four variants interleave step by step; with full fine-tuning (about
+    35 GB of state per model at 2B) the cached family runs first, is freed, then the full model
+    runs: never more than one model's state on the device."""
+    interleave = not cfg.full_finetune
+    common = dict(dtype=dtype, device=dev, seed=cfg.seed, full_finetune=cfg.full_finetune)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    vision_s: list[float] = []
+    warmup_loss: dict[str, float] = {}
+    lm_params = trainable_params = 0
+    attention_used = ""
+    for family in [VARIANTS] if interleave else [CACHED_FAMILY, ("full",)]:
+        console.log("loading " + " and ".join(
+            ["the cached (LM-only) model"] * any(n != "full" for n in family) + ["the full model"] * ("full" in family)))
+        runners: dict[str, tuple] = {}
+        vision_timer = None
+        if any(n != "full" for n in family):
+            cached_model, *cached_opt = build_cached(model_path, attention=cfg.attn, **common)
+            trainable_params = count_params(cached_model, trainable=True)
+            lm_params = count_params(cached_model) - (0 if cfg.full_finetune else trainable_params)
+            attention_used = unwrap_policy(cached_model).config.text_config._attn_implementation
+            runners.update({n: (cached_model, *cached_opt) for n in CACHED_FAMILY})
+            del cached_model, cached_opt
+        if "full" in family:
+            full_model, *full_opt = build_full(model_path, **common)
+            vision_timer = VisionTimer(full_model.get_base_model().model.visual, dev)
+            runners["full"] = (full_model, *full_opt)
+            del full_model, full_opt
+        _run_rounds(family, runners, data, dev, cfg.steps, times, vision_s, warmup_loss, vision_timer, console)
+        runners.clear()  # the family's models and optimizers go before the next family's load
+        _free(dev)
+    console.log("warm-up losses: " + "  ".join(f"{n} {warmup_loss[n]:+.6f}" for n in VARIANTS))
+    return _Timed(times, vision_s, warmup_loss, lm_params, trainable_params, attention_used, interleave)
+
+
+def _figures(cfg: TrainerBenchConfig, model_path: str, dev: torch.device, dtype: torch.dtype,
+             prepared: _Prepared, timed: _Timed) -> dict:
+    """The bench's result from what was measured: (a) cached vs full, (b) packed vs padded, (c)
+    activation checkpointing, (d) FLOPs and `saccade memory`'s estimates, and the raw figures."""
+    data, times = prepared.data, timed.times
+    med = {name: statistics.median(times[name]) for name in VARIANTS}
+    tps = {name: data.num_tokens / med[name] for name in VARIANTS}
+    lengths = [s.num_tokens for s in data.samples]
+    dims = model_dims(model_path)
+    flops = lm_step_flops(dims.text, lengths, data.num_loss_tokens, full_finetune=cfg.full_finetune)
+    peak = cfg.peak_tflops if cfg.peak_tflops is not None else spec_peak_tflops(dev)
+    padded_frac, packed_frac = pad_fraction(data)
+    dtype_name = _dtype_name(dtype)
+    return {
+        "config": {
+            "preset": cfg.preset,
+            "model": model_path,
+            "lm_params": timed.lm_params,
+            "vision_params": prepared.vision_params,
+            "trainable_params": timed.trainable_params,
+            "lora": {"rank": lora_settings().rank, "targets": list(lora_settings().target_modules or dims.lora_targets)},
+            "full_finetune": cfg.full_finetune,
+            "attention": timed.attention_used,
+            "interleaved": timed.interleaved,
+            "peak_tflops": peak,
+            "batch": cfg.batch,
+            "steps": cfg.steps,
+            "warmup_steps": 1,
+            "device": str(dev),
+            "dtype": dtype_name,
+            "torch_threads": torch.get_num_threads(),
+            "max_tokens": data.max_tokens,
+            "padded_rows": cfg.padded_rows,
+            "max_side": prepared.side,
+            "max_images": cfg.max_images,
+            "full_layout": cfg.full_layout,
+            "seed": cfg.seed,
+        },
+        "batch_tokens": data.num_tokens,
+        "batch_loss_tokens": data.num_loss_tokens,
+        "batch_images": sum(s.num_images for s in data.samples),
+        "batch_image_tokens": sum(int((s.input_ids == data.image_token_id).sum()) for s in data.samples),
+        "sample_tokens_min": min(lengths),
+        "sample_tokens_max": max(lengths),
+        "packed_micro_batches": len(first_fit_decreasing(lengths, data.max_tokens)),
+        "padded_micro_batches": math.ceil(cfg.batch / cfg.padded_rows),
+        **prepared.encode_timings,
+        # (a) cached embeddings vs full VLM
+        "cached_step_s": med["cached"],
+        "full_step_s": med["full"],
+        "full_over_cached_step_time": med["full"] / med["cached"],
+        "cached_tokens_per_s": tps["cached"],
+        "full_tokens_per_s": tps["full"],
+        "full_vision_s": statistics.median(timed.vision_s),
+        "full_vision_share": statistics.median(v / t for v, t in zip(timed.vision_s, times["full"], strict=True)),
+        # (b) packed vs padded; "packed" is the cached variant above
+        "padded_pad_fraction": padded_frac,
+        "packed_pad_fraction": packed_frac,
+        "packed_step_s": med["cached"],
+        "padded_step_s": med["padded"],
+        "packed_tokens_per_s": tps["cached"],
+        "padded_tokens_per_s": tps["padded"],
+        "packed_over_padded_tokens_per_s": tps["cached"] / tps["padded"],
+        # (c) activation checkpointing, on the cached path
+        "checkpointed_step_s": med["checkpointed"],
+        "activation_checkpointing_step_ratio": med["checkpointed"] / med["cached"],
+        # (d) the language model's FLOPs (no vision tower, no recomputation)
+        "lm_flops_per_step": flops,
+        "cached_tflops": flops / med["cached"] / 1e12,
+        "cached_mfu": flops / med["cached"] / 1e12 / peak if peak else None,
+        "estimated_cached_peak_mb": estimated_peak_mb(dims, data, dtype_name, cfg.full_finetune, checkpointing=False),
+        "estimated_checkpointed_peak_mb": estimated_peak_mb(dims, data, dtype_name, cfg.full_finetune,
+                                                            checkpointing=True),
+        # checks and raw figures
+        "warmup_loss": timed.warmup_loss,
+        "max_warmup_loss_diff": max(abs(timed.warmup_loss[n] - timed.warmup_loss["cached"]) for n in VARIANTS),
+        "step_times_s": times,
+    }
+
+
+def _memory_figures(memory: dict[str, dict]) -> dict:
+    """The measured peaks of the cached, full and checkpointed paths, and their ratios."""
+    return dict(
+        cached_peak_mb=memory["cached"]["peak_mb"],
+        full_peak_mb=memory["full"]["peak_mb"],
+        full_over_cached_peak_memory=memory["full"]["peak_mb"] / memory["cached"]["peak_mb"],
+        checkpointed_peak_mb=memory["checkpointed"]["peak_mb"],
+        activation_checkpointing_peak_ratio=memory["checkpointed"]["peak_mb"] / memory["cached"]["peak_mb"],
+        memory=memory,
+    )
 
 
 def _run_rounds(names, runners, data, dev, steps, times, vision_s, warmup_loss, vision_timer, console) -> None:

@@ -1,0 +1,140 @@
+"""The `[engine]` section: a union picked by `kind`. The embedded engine samples in the trainer's
+process from its very module; vLLM servers (`kind = "vllm"`) hold the servers' fields and
+`weight_sync`, itself a union of the ways the trainer's weights reach them (`saccade.transports`,
+one file a way), each with only its own fields.
+
+This module imports only `saccade.config.sections` (the `Section` base).
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from saccade.config.sections import Section
+
+ENGINE = "'embedded': sample in the trainer's process; 'vllm': vLLM server(s) at `urls`"
+WEIGHT_SYNC = ("how the trainer's weights reach the vLLM servers: 'files' (a folder each server reads back), "
+               "'adapter' (LoRA: only the adapter's folder), 'collective' (broadcast over a process group, no files), "
+               "'auto' (the collective where it can be used, else files; the run says why). docs/vllm.md")
+
+
+def model_mismatch_limit_field() -> Any:
+    return Field(
+        0.1, gt=0,
+        description="at the first step, the mean |trainer - engine| logprob of the tokens sampled under the weights "
+        "being trained above which the run stops: the two hold different models (a dtype or kernel difference "
+        "gives about 1e-6 in fp32, 2e-3 to 5e-3 in bf16); unset: never checked (saccade.model_match)",
+    )
+
+
+def weights_dir_field(what: str) -> Any:
+    return Field(
+        None,
+        description=f"folder where {what} for the vLLM servers are written (must be readable by every server: a "
+        "shared filesystem for remote ones); default <run_dir>/engine-weights. Only the latest version is kept",
+    )
+
+
+def transfer_address_field() -> Any:
+    return Field(
+        None, min_length=1, max_length=255,
+        description="the address of this machine the servers reach the trainer at (it opens a port there per "
+        "server, bound to it); unset: 127.0.0.1 when every server is on this machine, else the host of the "
+        "[launch] layout's node that runs rank 0",
+    )
+
+
+class FilesSyncConfig(Section):
+    """Full weights (LoRA merged) written to a folder after each sync; every server reads it back."""
+
+    kind: Literal["files"] = Field("files", description=WEIGHT_SYNC)
+    weights_dir: str | None = weights_dir_field("the weights")
+
+
+class AdapterSyncConfig(Section):
+    """With LoRA, only the adapter (MBs, not the GBs of merged weights): written to a folder, each
+    server loads it in place and samples with it (start them with --enable-lora --max-lora-rank >=
+    lora.rank)."""
+
+    kind: Literal["adapter"] = Field("adapter", description=WEIGHT_SYNC)
+    weights_dir: str | None = weights_dir_field("the adapters")
+
+
+class CollectiveSyncConfig(Section):
+    """Full weights broadcast layer group by layer group over a process group the trainer opens with
+    each server's workers (vLLM's weight-transfer API); no files. Every server must reach this
+    machine at `transfer_address`."""
+
+    kind: Literal["collective"] = Field("collective", description=WEIGHT_SYNC)
+    backend: Literal["gloo"] = Field(
+        "gloo", description="the process group's backend: 'gloo' (CPU tensors over TCP; any machine)"
+    )
+    transfer_address: str | None = transfer_address_field()
+
+
+class AutoSyncConfig(Section):
+    """The collective where every server offers it and reaches this machine, else files; the run
+    logs which it took and why."""
+
+    kind: Literal["auto"] = Field("auto", description=WEIGHT_SYNC)
+    transfer_address: str | None = transfer_address_field()
+    weights_dir: str | None = weights_dir_field("the weights (when it falls back to files)")
+
+
+WeightSyncConfig = Annotated[FilesSyncConfig | AdapterSyncConfig | CollectiveSyncConfig | AutoSyncConfig,
+                             Field(discriminator="kind")]
+
+
+class EmbeddedEngineConfig(Section):
+    """The embedded engine: samples in the trainer's process, from the trainer's very module (so
+    always current: no weights to send)."""
+
+    kind: Literal["embedded"] = Field("embedded", description=ENGINE)
+    model_mismatch_limit: float | None = model_mismatch_limit_field()
+    # It shares the trainer's module: every step's weights are the engine's, as a sync every step.
+    sync_every_steps: typing.ClassVar[int] = 1
+
+
+class VLLMEngineConfig(Section):
+    """vLLM servers (`saccade serve`) at `urls`: the trainer's weights go to them by `weight_sync`."""
+
+    kind: Literal["vllm"] = Field("vllm", description=ENGINE)
+    urls: list[str] = Field(
+        default_factory=list, description="base URLs of the vLLM servers, e.g. http://localhost:8000"
+    )
+    timeout_s: float = Field(600.0, gt=0, description="timeout of one request to a vLLM server, seconds")
+    max_concurrency: int = Field(64, ge=1, description="most requests in flight to the vLLM servers at once")
+    sync_every_steps: int = Field(
+        1, ge=1,
+        description="push the trainer's weights to the vLLM servers after every k-th step (1: on-policy); "
+        "rollouts in between are sampled from the last pushed policy, and each records its version",
+    )
+    health_interval_s: float = Field(
+        2.0, ge=0,
+        description="how often servers that were taken out (or failed to answer at the start) are probed; one "
+        "that answers gets the current weights and is put back in (0: never)",
+    )
+    no_server_wait_s: float = Field(
+        60.0, ge=0,
+        description="with every server out, how long a request waits for one to come back before the run saves "
+        "a checkpoint and stops (then restart the servers and --resume)",
+    )
+    model_mismatch_limit: float | None = model_mismatch_limit_field()
+    weight_sync: WeightSyncConfig = Field(default_factory=FilesSyncConfig, description=WEIGHT_SYNC)
+
+    @model_validator(mode="after")
+    def _urls(self) -> VLLMEngineConfig:
+        if not self.urls:
+            raise ValueError("kind 'vllm' needs at least one server in urls, e.g. urls = [\"http://localhost:8000\"], "
+                             "or a [launch] layout whose servers they are (docs/launch.md)")
+        for url in self.urls:
+            if not re.match(r"^https?://[^/\s]+", url):
+                raise ValueError(f"urls must be http(s)://host[:port] addresses, got {url!r}")
+        return self
+
+
+EngineConfig = Annotated[EmbeddedEngineConfig | VLLMEngineConfig, Field(discriminator="kind")]
