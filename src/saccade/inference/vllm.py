@@ -163,6 +163,7 @@ class VLLMEngine:
         pushes_weights: bool = True,
         health_interval_s: float = 2.0,
         no_server_wait_s: float = 60.0,
+        hang_after_s: float = 60.0,
         vocab_size: int | None = None,
     ):
         if not urls:
@@ -178,7 +179,7 @@ class VLLMEngine:
         self.client = ServerClient(urls, limits=self.limits, lora=lora, api_key=api_key,
                                    max_concurrency=max_concurrency, timeout_s=timeout_s, retries=retries,
                                    backoff_s=backoff_s, health_interval_s=health_interval_s,
-                                   no_server_wait_s=no_server_wait_s)
+                                   no_server_wait_s=no_server_wait_s, hang_after_s=hang_after_s)
         self.exporter = exporter
         # Set: full weights go to the servers over a process group instead of a folder (its
         # `send(version)`: saccade.trainer.weight_transfer.CollectiveSync, built on self.client).

@@ -145,6 +145,8 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
         cfg.engine.urls, processor, limits=cfg.images, cache=cache, api_key=os.environ.get("VLLM_API_KEY"),
         model=(cfg.model.path, fingerprint(load_layout(model_path))), family=load_family(model_path),
         max_concurrency=cfg.engine.max_concurrency, timeout_s=cfg.engine.timeout_s,
+        health_interval_s=cfg.engine.health_interval_s, no_server_wait_s=cfg.engine.no_server_wait_s,
+        hang_after_s=cfg.engine.hang_after_s,
         exporter=engine_weights_exporter(model, model_path, weights_dir, lora=lora, world=world), lora=lora,
         pushes_weights=world.is_main, vocab_size=_vocab_rows(model),
     )
