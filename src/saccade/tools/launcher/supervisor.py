@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from saccade.atomic import write_file_atomically
-from saccade.parent_death import die_with_parent
+from saccade.parent_death import start_child
 from saccade.tools.launcher.plan import Process
 from saccade.tools.launcher.ports import foreign_listener, port_taken, url_port
 from saccade.stopping import STOP_FILE, stopped_since, written_since
@@ -181,11 +181,10 @@ class Child:
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.process.env}
-        self.proc = subprocess.Popen(self.process.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     # SIGTERM when the launcher dies, even by SIGKILL: no server is left holding a
-                                     # GPU; the child (saccade serve, torchrun) stops its own children as on any SIGTERM.
-                                     preexec_fn=die_with_parent)
+        # SIGTERM when the launcher dies, even by SIGKILL: no server is left holding a GPU; the child
+        # (saccade serve, torchrun) stops its own children as on any SIGTERM.
+        self.proc = start_child(list(self.process.argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         self.reader = threading.Thread(target=self._stream, args=(self.proc,), daemon=True,
                                        name=f"log {self.name}")
         self.reader.start()
