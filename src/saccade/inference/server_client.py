@@ -337,7 +337,10 @@ class ServerClient:
                     server.last_error = f"{type(err).__name__}: {err}"[:300]
 
     async def _watch_loop(self) -> None:
-        """Every health_interval_s, a probe of each busy server that has none running (module note)."""
+        """Every health_interval_s, a probe of each busy server that has none running (module note).
+        A loop of its own beside `_health_loop`, whose rejoins wait for slow probes and weight loads
+        one server after another; each probe a task of its own, so that one server's silence never
+        delays another's probe."""
         while True:
             await asyncio.sleep(self.health_interval_s)
             for server in self.pool.busy:
