@@ -62,3 +62,26 @@ def test_idle_seconds_count_only_time_with_nothing_in_flight_while_live():
     pool.add("c")  # new: out until the health check puts it in
     assert [s.url for s in pool.alive] == ["a"]
     assert pool.idle_seconds() == pytest.approx(5.0)
+
+
+def test_silence_counts_from_the_first_unanswered_probe_and_is_forgotten_once_nothing_is_in_flight():
+    clock = Clock()
+    pool = ServerPool(["a"], clock=clock)
+    a = pool.servers["a"]
+    pool.begin(a)
+    assert pool.busy == [a]
+    clock.now = 10.0
+    assert pool.probed(a, answered=False, asked_at=8.0) == 2.0  # from when the unanswered probe was sent
+    clock.now = 11.0
+    assert pool.probed(a, answered=False, asked_at=10.5) == 3.0  # still from the first one
+    assert pool.probed(a, answered=True, asked_at=10.9) == 0.0 and a.silent_since is None
+    clock.now = 12.0
+    assert pool.probed(a, answered=False, asked_at=11.5) == 0.5  # afresh after an answer
+    pool.end(a)  # idle: not watched, and the next request starts with a clean slate
+    assert a.silent_since is None and pool.busy == []
+    pool.begin(a)
+    pool.take_out(a, "hung")
+    assert pool.busy == []  # an out server is not watched: the health check's rejoin probes it
+    a.silent_since = 3.0
+    pool.put_back(a, version=None)
+    assert a.silent_since is None

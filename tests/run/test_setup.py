@@ -88,3 +88,27 @@ def test_the_embedded_engine_does_not_sync_per_token(tmp_path):
 
     short, long = syncs(16), syncs(64)
     assert long - short <= (64 - 16) // engine.stop_check_every + 1, (short, long)
+
+
+def test_a_vllm_setup_hands_the_engine_every_server_rule_of_the_config(tmp_path, monkeypatch):
+    """engine.health_interval_s, no_server_wait_s and hang_after_s reach the servers' client (the
+    first two were declared and documented, and never passed: every run had 2 s and 60 s)."""
+    from saccade.inference.vllm import VLLMEngine
+
+    given: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def for_servers(cls, urls, processor, **kwargs):
+        given.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(VLLMEngine, "for_servers", classmethod(for_servers))
+    cfg = load_config(RunConfig, "configs/demo.toml", [
+        "--engine.kind", "vllm", "--engine.urls", '["http://127.0.0.1:9"]', "--engine.health_interval_s", "0.5",
+        "--engine.no_server_wait_s", "7", "--engine.hang_after_s", "42", "--engine.timeout_s", "900"])
+    with pytest.raises(Stop):
+        build_setup(cfg, tmp_path)
+    assert {k: given[k] for k in ("health_interval_s", "no_server_wait_s", "hang_after_s", "timeout_s")} == {
+        "health_interval_s": 0.5, "no_server_wait_s": 7.0, "hang_after_s": 42.0, "timeout_s": 900.0}

@@ -58,6 +58,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return supervise(processes, urls=cfg.launch.server_urls(), run_dir=cfg.run_dir,
                      max_restarts=cfg.launch.max_restarts, ready_timeout_s=cfg.launch.ready_timeout_s,
                      hang_after_s=cfg.launch.hang_after_s,
+                     restart_budget_reset_s=cfg.launch.restart_budget_reset_s,
                      resume_hint=f"{again}{rank} --resume", log=log)
 
 

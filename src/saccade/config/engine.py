@@ -106,7 +106,11 @@ class VLLMEngineConfig(Section):
     urls: list[str] = Field(
         default_factory=list, description="base URLs of the vLLM servers, e.g. http://localhost:8000"
     )
-    timeout_s: float = Field(600.0, gt=0, description="timeout of one request to a vLLM server, seconds")
+    timeout_s: float = Field(
+        600.0, gt=0,
+        description="timeout of one request to a vLLM server, seconds: a long generation may take this long (a "
+        "server that stops answering /health is cut sooner: hang_after_s)",
+    )
     max_concurrency: int = Field(64, ge=1, description="most requests in flight to the vLLM servers at once")
     sync_every_steps: int = Field(
         1, ge=1,
@@ -116,12 +120,20 @@ class VLLMEngineConfig(Section):
     health_interval_s: float = Field(
         2.0, ge=0,
         description="how often servers that were taken out (or failed to answer at the start) are probed; one "
-        "that answers gets the current weights and is put back in (0: never)",
+        "that answers gets the current weights and is put back in. Servers with requests in flight are probed as "
+        "often (hang_after_s). 0: never, neither",
     )
     no_server_wait_s: float = Field(
         60.0, ge=0,
         description="with every server out, how long a request waits for one to come back before the run saves "
         "a checkpoint and stops (then restart the servers and --resume)",
+    )
+    hang_after_s: float = Field(
+        60.0, ge=1, le=3600,
+        description="a server with requests in flight whose /health (asked every health_interval_s) has not "
+        "answered for this long is taken out as hung and its requests go to the other servers; a slow server that "
+        "answers keeps its long requests (timeout_s). The bound for a server started by hand, which nobody "
+        "restarts; under `saccade launch`, launch.hang_after_s also restarts it. Seconds",
     )
     model_mismatch_limit: float | None = model_mismatch_limit_field()
     weight_sync: WeightSyncConfig = Field(default_factory=FilesSyncConfig, description=WEIGHT_SYNC)

@@ -138,8 +138,15 @@ class LaunchConfig(Section):
     )
     max_restarts: int = Field(
         3, ge=0, le=1000,
-        description="how often a server that exits while the trainer runs is started again (on its port; the "
-        "trainer takes it back with the current weights); past that, it stays down and the others go on",
+        description="how often in a row a server that exits or hangs while the trainer runs is started again (on "
+        "its port; the trainer takes it back with the current weights); past that, it stays down and the others go "
+        "on. The count goes back to 0 once a server has run restart_budget_reset_s",
+    )
+    restart_budget_reset_s: float = Field(
+        3600.0, ge=60, le=604800,
+        description="a restarted server that has run this long in one life and answers /health has its restart "
+        "count back at 0, so a long run does not give up for good on a server that failed max_restarts times over "
+        "days; seconds",
     )
     ready_timeout_s: float = Field(
         1800.0, gt=0, description="how long the launcher waits for every server to answer before it gives up, seconds"

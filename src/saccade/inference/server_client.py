@@ -16,6 +16,17 @@ check probes servers that are out every `health_interval_s`: one that answers ge
 current weights before it is put back (`add_server` brings in a new one the same way). With
 no server left, a request waits `no_server_wait_s` for one, then raises `NoServerError`.
 
+A hung server (one that holds its connections and answers nothing: frozen, deadlocked, its
+machine gone without a reset) would hold each of its requests for `timeout_s`, which must stay
+long: a long generation legitimately takes minutes. So the servers with requests in flight are
+probed too, every `health_interval_s`, with probes of their own client (requests filling the
+pool must not hold a probe back). A busy server whose /health has not answered for
+`hang_after_s` since its first unanswered probe is taken out and its requests in flight are cut,
+so that each goes to another server as a dead server's would: a hung server costs its requests
+`hang_after_s` plus a probe interval, and a slow server that answers its probes keeps its long
+requests. Under `saccade launch` the launcher also restarts it (`launch.hang_after_s`); a server
+started by hand has only this.
+
 Weights: `push` POSTs a folder to every live server's /update_weights (full weights, or with
 `lora` the adapter, which a server that loaded other full weights since it started first
 restores its base for) and remembers it, so a server that rejoins loads it first.
@@ -57,6 +68,10 @@ class MalformedReply(ServerError):
 
 class Unreachable(ConnectionError):
     """One named server did not answer (a push or a health probe aimed at it)."""
+
+
+class CutOff(ConnectionError):
+    """A request cut because its server stopped answering its health probes (the module note)."""
 
 
 def held_version(response) -> int | None:
@@ -104,6 +119,7 @@ class ServerClient:
         backoff_s: float = 0.5,
         health_interval_s: float = 2.0,
         no_server_wait_s: float = 60.0,
+        hang_after_s: float = 60.0,
     ):
         self.pool = ServerPool([u.rstrip("/") for u in urls])
         self.limits = limits
@@ -115,6 +131,7 @@ class ServerClient:
         self.backoff_s = backoff_s
         self.health_interval_s = health_interval_s
         self.no_server_wait_s = no_server_wait_s
+        self.hang_after_s = hang_after_s
         self._pushed: tuple[str, int] | None = None  # the weights folder every server must hold, and its version
         self.confirmed: int | None = None  # the version every live server holds, as every rank saw (module note)
         # Set while the engine's transport rejoins servers at a sync (the collective): it sends a server
@@ -128,6 +145,12 @@ class ServerClient:
         self.gate: asyncio.Semaphore | None = None  # at most max_concurrency requests in flight
         self._weights_lock: asyncio.Lock | None = None
         self._health_task: asyncio.Task | None = None
+        # The watch on busy servers (module note): its loop, its probes' own client, the probe
+        # running per server, and per server the future that cuts its requests in flight.
+        self._watch_task: asyncio.Task | None = None
+        self._probe_client = None
+        self._probes: dict[str, asyncio.Task] = {}
+        self._cut_signals: dict[str, asyncio.Future] = {}
 
     @property
     def urls(self) -> list[str]:
@@ -163,7 +186,11 @@ class ServerClient:
             self.gate = asyncio.Semaphore(self.max_concurrency)
             self._weights_lock = asyncio.Lock()
             if self.health_interval_s > 0:
-                self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+                loop = asyncio.get_running_loop()
+                self._probe_client = httpx.AsyncClient(timeout=self.hang_after_s,
+                                                       limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
+                self._health_task = loop.create_task(self._health_loop())
+                self._watch_task = loop.create_task(self._watch_loop())
         return self._http_client
 
     def close(self) -> None:
@@ -172,15 +199,19 @@ class ServerClient:
             return
 
         async def shut():
-            if self._health_task is not None:
-                self._health_task.cancel()
-            if self._http_client is not None:
-                await self._http_client.aclose()
+            for task in (self._health_task, self._watch_task, *self._probes.values()):
+                if task is not None:
+                    task.cancel()
+            for client in (self._http_client, self._probe_client):
+                if client is not None:
+                    await client.aclose()
         try:
             self._loop.run(shut())
         finally:
             self._loop.close()
-            self._loop = self._http_client = None
+            self._loop = self._http_client = self._probe_client = None
+            self._probes.clear()
+            self._cut_signals.clear()
 
     async def _live_server(self, tried: set[str]) -> Server:
         """The least-loaded live server, preferring ones this request has not failed on; with
@@ -232,8 +263,9 @@ class ServerClient:
             confirmed = self.confirmed  # as the request is sent: an answer to it must be at least this fresh
             self.pool.begin(target)
             try:
-                response = await client.post(target.url + path, json=json_body, headers=self.headers)
-            except httpx.TransportError as err:  # timeouts included
+                response = await self._unless_cut_off(
+                    target, client.post(target.url + path, json=json_body, headers=self.headers))
+            except (httpx.TransportError, CutOff) as err:  # timeouts included
                 failure = f"{type(err).__name__} on {path}: {err}".strip()
                 if server is not None:
                     raise Unreachable(f"{target.url}: {failure}") from err
@@ -271,6 +303,22 @@ class ServerClient:
             await asyncio.sleep(self.backoff_s * 2**attempt)
             attempt += 1
 
+    async def _unless_cut_off(self, server: Server, request):
+        """The response to `request` (a coroutine) sent to `server`; CutOff if the watch on busy
+        servers takes `server` out first (the request is then cancelled)."""
+        cut = self._cut_signals.get(server.url)
+        if cut is None or cut.done():
+            cut = self._cut_signals[server.url] = asyncio.get_running_loop().create_future()
+        sent = asyncio.ensure_future(request)
+        try:
+            await asyncio.wait((sent, cut), return_when=asyncio.FIRST_COMPLETED)
+            if sent.done():
+                return sent.result()
+            raise CutOff(cut.result())
+        finally:
+            if not sent.done():  # cut off, or the caller cancelled: the request goes with it
+                sent.cancel()
+
     async def served_model(self) -> str:
         """The model a live server serves (the first of its /v1/models)."""
         server = await self._live_server(set())
@@ -287,6 +335,40 @@ class ServerClient:
                     await self._rejoin(server)
                 except Exception as err:  # still out; probed again next round
                     server.last_error = f"{type(err).__name__}: {err}"[:300]
+
+    async def _watch_loop(self) -> None:
+        """Every health_interval_s, a probe of each busy server that has none running (module note).
+        A loop of its own beside `_health_loop`, whose rejoins wait for slow probes and weight loads
+        one server after another; each probe a task of its own, so that one server's silence never
+        delays another's probe."""
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            for server in self.pool.busy:
+                running = self._probes.get(server.url)
+                if running is None or running.done():
+                    self._probes[server.url] = asyncio.get_running_loop().create_task(self._probe_busy(server))
+
+    async def _probe_busy(self, server: Server) -> None:
+        """Ask a busy server's /health (waiting at most hang_after_s); past hang_after_s of silence,
+        take it out and cut its requests in flight."""
+        import httpx
+
+        asked_at = self.pool.now()
+        try:
+            response = await self._probe_client.get(server.url + "/health", headers=self.headers)
+            answered, last = response.status_code == 200, f"HTTP {response.status_code}"
+        except httpx.HTTPError as err:
+            answered, last = False, type(err).__name__
+        silent = self.pool.probed(server, answered=answered, asked_at=asked_at)
+        if silent < self.hang_after_s or not server.alive or not server.in_flight:
+            return
+        why = (f"has not answered /health for {silent:.0f} s (engine.hang_after_s {self.hang_after_s:g} s; last "
+               f"probe: {last}) with {server.in_flight} requests in flight")
+        if self.pool.take_out(server, why):
+            log.warning("server %s %s: taken out, its requests go to the others", server.url, why)
+        cut = self._cut_signals.pop(server.url, None)
+        if cut is not None and not cut.done():
+            cut.set_result(f"{server.url} {why}")
 
     async def _rejoin(self, server: Server) -> None:
         """Put a server back that answers again (or a new one): same image limits, LoRA when

@@ -11,6 +11,10 @@ Pure bookkeeping with no I/O, so the routing and failure rules are tested withou
   taking the server out: it answered, the request may be what is wrong.
 - Rejoining: the engine's health check probes servers that are out; one that answers gets the
   current weights and is put back.
+- Silence: a live server with requests in flight is probed too (`probed`); one that has not
+  answered for the client's bound since its first unanswered probe is taken out by the client,
+  which cuts its requests in flight. Only busy servers are watched, so a silence noted while
+  busy is forgotten once nothing is in flight.
 - Idle time: each server's seconds with nothing in flight, the engine-side half of the overlap
   that async rollouts buy.
 """
@@ -35,6 +39,9 @@ class Server:
     versions_loaded: list[int] = field(default_factory=list)  # every version it confirmed, in order
     requests: int = 0  # HTTP requests sent to it
     last_error: str = ""
+    # When the first /health probe that went unanswered since its last answer was sent; None while
+    # it answers (or while nothing is in flight: only a busy server is watched).
+    silent_since: float | None = None
     idle_s: float = 0.0  # seconds with nothing in flight while alive, until idle_since
     idle_since: float | None = field(default_factory=time.perf_counter)  # None while busy or out
 
@@ -65,6 +72,14 @@ class ServerPool:
     def down(self) -> list[Server]:
         return [s for s in self.servers.values() if not s.alive]
 
+    @property
+    def busy(self) -> list[Server]:
+        """The live servers with requests in flight: those whose silence costs a request."""
+        return [s for s in self.alive if s.in_flight]
+
+    def now(self) -> float:
+        return self._clock()
+
     def pick(self, exclude: set[str] = frozenset()) -> Server:
         """The live server with the fewest requests in flight; NoServerError when none is live."""
         live = [s for s in self.alive if s.url not in exclude] or self.alive
@@ -83,8 +98,21 @@ class ServerPool:
 
     def end(self, server: Server) -> None:
         server.in_flight -= 1
-        if server.in_flight == 0 and server.alive:
-            server.idle_since = self._clock()
+        if server.in_flight == 0:
+            server.silent_since = None  # nothing in flight: not watched, and a later request starts afresh
+            if server.alive:
+                server.idle_since = self._clock()
+
+    def probed(self, server: Server, *, answered: bool, asked_at: float) -> float:
+        """A /health probe of `server`, sent at `asked_at` (this pool's clock), answered or not:
+        the seconds it has been silent since the first unanswered probe after its last answer
+        (0.0 when this one answered)."""
+        if answered:
+            server.silent_since = None
+            return 0.0
+        if server.silent_since is None:
+            server.silent_since = asked_at
+        return self._clock() - server.silent_since
 
     def take_out(self, server: Server, reason: str) -> bool:
         """Mark a server out; True when it was live until now."""
@@ -102,6 +130,7 @@ class ServerPool:
         server.alive = True
         server.version = version
         server.last_error = ""
+        server.silent_since = None
         if server.in_flight == 0:
             server.idle_since = self._clock()
         self.counters.rejoined += 1

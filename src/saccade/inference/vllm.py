@@ -157,6 +157,7 @@ class VLLMEngine:
         family: ModelFamily | None = None,
         health_interval_s: float = 2.0,
         no_server_wait_s: float = 60.0,
+        hang_after_s: float = 60.0,
         vocab_size: int | None = None,
     ):
         if not urls:
@@ -169,7 +170,7 @@ class VLLMEngine:
         self.client = ServerClient(urls, limits=self.limits, lora=False, api_key=api_key,
                                    max_concurrency=max_concurrency, timeout_s=timeout_s, retries=retries,
                                    backoff_s=backoff_s, health_interval_s=health_interval_s,
-                                   no_server_wait_s=no_server_wait_s)
+                                   no_server_wait_s=no_server_wait_s, hang_after_s=hang_after_s)
         # How the trainer's weights reach the servers (saccade.transports, built on self.client);
         # None: this engine only samples (update_weights refuses).
         self.transport = transport

@@ -146,7 +146,7 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
         model=(cfg.model.path, fingerprint(load_layout(model_path))), family=load_family(model_path),
         max_concurrency=engine_cfg.max_concurrency, timeout_s=engine_cfg.timeout_s,
         health_interval_s=engine_cfg.health_interval_s, no_server_wait_s=engine_cfg.no_server_wait_s,
-        vocab_size=_vocab_rows(model),
+        hang_after_s=engine_cfg.hang_after_s, vocab_size=_vocab_rows(model),
     )
     # Under `saccade launch`, the host of rank 0's own node in the layout (torchrun numbers the nodes
     # its own way); else the layout's first trainer node.

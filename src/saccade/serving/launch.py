@@ -11,6 +11,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from saccade.parent_death import start_child
+
 # The tiny model on vLLM's CPU build: fp32, eager (no compile), a small KV cache.
 CPU_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "2048")
 
@@ -43,7 +45,10 @@ def free_port() -> int:
 
 class ServerProcess:
     """One `saccade serve MODEL ARGS` process on a fixed local port, which can be killed and
-    started again on the same port (tests of servers that leave and come back)."""
+    started again on the same port (tests of servers that leave and come back). It ends with the
+    process that started it, however that one ends (`saccade.parent_death`: SIGTERM, on which
+    `saccade serve` stops vLLM's engine processes too), so that a bench or a demo killed by
+    SIGKILL leaves no server behind."""
 
     def __init__(self, model: str, *, args: tuple[str, ...] = CPU_ARGS, log_path: str | Path,
                  kv_cache_gb: int | None = 1, port: int | None = None, env: dict[str, str] | None = None,
@@ -63,10 +68,8 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         with open(self.log_path, "a") as log:
-            cores = self.cores
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True,
-                                         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+            self.proc = start_child(self.cmd, cores=self.cores, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                    start_new_session=True)
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> str:

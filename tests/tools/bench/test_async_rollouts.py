@@ -1,5 +1,14 @@
 """bench async's figures and report: pure functions on made-up runs (the runs themselves are
-`saccade bench async`, minutes each)."""
+`saccade bench async`, minutes each); and the bench killed, its children gone with it (long)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from saccade.tools.bench.async_rollouts import (
     format_async_report, learning_by_seed, level_ratios, longest_zero_reward_run,
@@ -45,3 +54,63 @@ def test_the_report_names_each_seeds_verdict():
     assert "seed 0, world 1: held-out level 0 0.969, level 1 1.000 (+0.031: learned as level 0)" in report
     assert "seed 1, world 1: held-out level 0 1.000, level 1 0.344 (-0.656: NOT within 0.05 of level 0); " \
            "longest run of reward-0 steps 0 and 57" in report
+
+
+def processes_below(pid: int) -> dict[int, tuple[int | None, str]]:
+    """Every process below `pid` (itself left out): pid -> (start time, command line)."""
+    from saccade.tools.launcher.supervisor import process_tree, start_time
+
+    found = {}
+    for child in process_tree(pid)[1:]:
+        try:
+            command = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        found[child] = (start_time(child), command)
+    return found
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.long
+def test_killing_the_bench_ends_its_server_and_its_run(tmp_path):
+    """`saccade bench async` SIGKILLed once its `saccade rl` runs: the vLLM server (with vLLM's
+    engine processes) and the run end within seconds, as `saccade launch`'s children do. Before,
+    both ran on (the server for good)."""
+    pytest.importorskip("vllm")
+    from saccade.tools.launcher.supervisor import alive, start_time
+
+    bench = subprocess.Popen([sys.executable, "-m", "saccade", "bench", "async", "--out", str(tmp_path),
+                              "configs/demo.toml", "--trainer.steps", "100"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    seen: dict[int, tuple[int | None, str]] = {}
+
+    def running() -> dict[int, str]:
+        return {p: c for p, (started, c) in seen.items() if started is not None and start_time(p) == started
+                and alive(p)}
+
+    try:
+        deadline = time.time() + 600  # the server's start: 90 s on a loaded 2-core machine
+        while not any(" saccade rl " in c for _, c in seen.values()):
+            assert bench.poll() is None and time.time() < deadline, (tmp_path / "vllm-server.log").read_text()[-3000:]
+            seen.update(processes_below(bench.pid))
+            time.sleep(0.2)
+        time.sleep(5)  # the run under way: its own children started, if any
+        seen.update(processes_below(bench.pid))
+        commands = " | ".join(c for _, c in seen.values())
+        assert "saccade.serving.server" in commands and "VLLM::EngineCore" in commands, commands
+        bench.kill()
+        bench.wait(timeout=10)
+        killed = time.perf_counter()
+        while running() and time.perf_counter() - killed < 20:
+            time.sleep(0.05)
+        took = time.perf_counter() - killed
+        left = running()
+        assert not left, f"still running {took:.0f} s after the bench's SIGKILL: {left}"
+        # Measured on the 2-core machine: the run at once, the server's whole tree in 0.7-1.0 s.
+        print(f"{len(seen)} processes below the bench, all gone {took:.2f} s after its SIGKILL")
+    finally:
+        for pid in running():
+            os.kill(pid, signal.SIGKILL)
+        if bench.poll() is None:
+            bench.kill()

@@ -21,8 +21,8 @@ import httpx
 from saccade.tools.launcher.plan import Process
 from saccade.tools.launcher import supervisor
 from saccade.tools.launcher.ports import url_port
-from saccade.tools.launcher.supervisor import (ENDED_FILE, LAUNCH_DIR, Log, alive, process_tree, restart_delay,
-                                               supervise, write_or_warn)
+from saccade.tools.launcher.supervisor import (ENDED_FILE, LAUNCH_DIR, Child, Log, RestartBudget, alive, look_after,
+                                               process_tree, restart_delay, supervise, write_or_warn)
 from saccade.serving.launch import free_port
 
 HERE = Path(__file__).parent
@@ -356,6 +356,88 @@ def test_restarts_back_off():
     assert [restart_delay(n) for n in range(1, 8)] == [2, 4, 8, 16, 32, 60, 60]
 
 
+class Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Exited:
+    """A server process that has exited (or runs, code None) without a process behind it: the
+    supervisor only signals a running one, and this one exits before anything would."""
+
+    pid = 2**31 - 1  # no such process
+
+    def __init__(self):
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def wait(self, timeout=None) -> int | None:
+        return self.code
+
+
+def test_the_restart_budget_refills_after_a_healthy_life_and_not_before(tmp_path):
+    """look_after on a fake clock: two restarts of a budget of two, then an hour up and answering
+    gives the server its two restarts back; a server failing within the hour is given up."""
+    clock = Clock(1000.0)
+    out = io.StringIO()
+    child = Child(Process("server 0", ("-",), {}, f"http://127.0.0.1:{free_port()}"), Log(out), tmp_path)
+    down: set[str] = set()
+
+    def started(c: Child) -> None:  # the supervisor's start, without a process
+        c.proc, c.started_at, c.answered_at = Exited(), clock.now, clock.now
+
+    def turn() -> None:
+        look_after(child, budget=RestartBudget(2, refill_after_s=3600.0), log=child.log, started=started,
+                   allowances=(1800.0, 120.0), down=down, clock=clock)
+
+    def up_and_answering_for(seconds: float) -> None:
+        clock.now += seconds
+        child.answered_at = clock.now
+        turn()
+
+    def crash_and_restart() -> None:
+        child.proc.code = 1
+        turn()  # ended, its restart scheduled after the backoff
+        if child.restart_at is not None:
+            clock.now = child.restart_at
+            turn()  # started again
+
+    started(child)
+    crash_and_restart()
+    up_and_answering_for(3599.0)
+    crash_and_restart()
+    assert child.restarts == 2 and not down  # the first life after a restart was 1 s short of the hour
+    up_and_answering_for(3599.0)
+    assert child.restarts == 2
+    up_and_answering_for(1.0)
+    assert child.restarts == 0
+    assert "[launch] server 0 has run 3600 s since its last start and answers: its restarts count from 0 again " \
+           "(launch.restart_budget_reset_s 3600 s)" in out.getvalue()
+    crash_and_restart()
+    crash_and_restart()
+    assert child.restarts == 2 and not down  # two more, in quick succession
+    crash_and_restart()
+    assert down == {"server 0"}
+    assert "server 0 exited with 1, after 2 restarts with none of its lives up 3600 s (launch.max_restarts, " \
+           "launch.restart_budget_reset_s): it stays down" in out.getvalue()
+
+
+def test_a_server_that_never_answered_in_its_life_keeps_its_count():
+    budget = RestartBudget(3, refill_after_s=60.0)
+    child = Child(Process("server 0", ("-",), {}, "http://127.0.0.1:1"), Log(io.StringIO()), Path("."))
+    child.restarts, child.started_at = 2, 0.0
+    assert not budget.refills(child, now=1e6)  # loading all along (ready_timeout_s bounds that)
+    child.answered_at = 10.0
+    assert budget.refills(child, now=60.0) and not budget.refills(child, now=59.9)
+    child.restarts = 0
+    assert not budget.refills(child, now=1e6)  # nothing to refill
+
+
 def test_a_hung_server_is_ended_and_started_again_within_its_bound(tmp_path, monkeypatch):
     """SIGSTOP on the server process: it still holds its port, so the kernel accepts connections,
     but nothing answers. Bound: silent hang_after_s after its last answer, ended within
@@ -384,5 +466,6 @@ def test_a_hung_server_is_ended_and_started_again_within_its_bound(tmp_path, mon
     assert not helper.errors, helper.errors
     assert code == 0
     assert re.search(r"\[launch\] server 0 has not answered /health for \d+ s \(launch.hang_after_s 4 s\): taken as "
-                     r"hung: starting it again in 2 s \(1 of 3\)", out.getvalue()), out.getvalue()
+                     r"hung: starting it again in 2 s \(1 of 3\); the count goes back to 0 once it has run 3600 s "
+                     r"\(launch.restart_budget_reset_s\)", out.getvalue()), out.getvalue()
     assert took[0] < 4.0 + 1.0 + supervisor.HUNG_GRACE_S + 2.0 + 5.0  # + 5 s for the new process to answer

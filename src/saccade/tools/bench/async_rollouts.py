@@ -28,7 +28,8 @@ from typing import Any
 
 from saccade.config import RunConfig, load_config
 from saccade.config.bench import AsyncBenchConfig
-from saccade.tools.bench import rl_command
+from saccade.parent_death import run_child
+from saccade.tools.bench import rl_command, rl_death_signal
 from saccade.timing import split_cores
 
 
@@ -99,9 +100,10 @@ def run_async_bench(cfg: AsyncBenchConfig, *, levels=(0, 1), progress: bool = Tr
         if progress:
             print(f"{name}: {' '.join(rl_command(config_file, world)[1:])}", flush=True)
         run_env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TRANSFORMERS_VERBOSITY": "error"}
-        with open(out / f"{name}.log", "w") as log:
-            done = subprocess.run(rl_command(config_file, world), env=run_env, stdout=log, stderr=subprocess.STDOUT,
-                                  preexec_fn=lambda: os.sched_setaffinity(0, trainer_cores))
+        command = rl_command(config_file, world)
+        with open(out / f"{name}.log", "w") as log:  # the run ends with the bench, as its server does
+            done = run_child(command, death_signal=rl_death_signal(command), cores=trainer_cores, env=run_env,
+                             stdout=log, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             raise RuntimeError(f"{name} exited with {done.returncode}:\n{(out / f'{name}.log').read_text()[-4000:]}")
         return run_figures(run.run_dir, level, world, seed)

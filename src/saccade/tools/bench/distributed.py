@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from pydantic import BaseModel
 
 from saccade.tools.bench import read_job, write_job
 from saccade.config.bench import DistributedBenchConfig
+from saccade.parent_death import run_child
 from saccade.serving.launch import free_port
 
 SAMPLES = 16
@@ -70,7 +70,7 @@ def run_distributed_bench(cfg: DistributedBenchConfig) -> dict[str, Any]:
                    "-m", "saccade.tools.bench.distributed", str(job)]
             threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else 1
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            done = run_child(cmd, env=env, capture_output=True, text=True)  # torchrun, ended with the bench
             if done.returncode != 0:
                 raise RuntimeError(f"world {world} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
             runs[world] = json.loads(out.read_text())

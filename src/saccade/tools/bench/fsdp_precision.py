@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from pydantic import BaseModel
 
 from saccade.tools.bench import read_job, write_job
 from saccade.config.bench import PrecisionBenchConfig
+from saccade.parent_death import run_child
 
 DTYPES = ("bfloat16", "float32")
 # Per-step figures read back from each run's metrics.jsonl.
@@ -57,7 +57,7 @@ def run_precision_bench(cfg: PrecisionBenchConfig) -> dict[str, Any]:
                "-m", "saccade.tools.bench.fsdp_precision", str(job)]
         threads = max(1, (os.cpu_count() or 1) // cfg.nproc) if cfg.device == "cpu" else 1
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cfg.timeout_s)
+        done = run_child(cmd, env=env, capture_output=True, text=True, timeout=cfg.timeout_s)  # ends with the bench
         if done.returncode != 0:
             raise RuntimeError(f"torchrun failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         runs = json.loads(out.read_text())

@@ -55,6 +55,7 @@ from saccade.tools.bench.gpu_table import (  # noqa: F401 - the table, read here
     listed_seconds, plan_leases)
 from saccade.tools.bench import read_job, write_job
 from saccade.config.bench import GpuBenchConfig
+from saccade.parent_death import start_child
 
 JSON_NAME, MD_NAME, LOG_NAME = "bench-gpu.json", "bench-gpu.md", "bench-gpu.log"
 EXIT_OK, EXIT_FAILED, EXIT_PENDING = 0, 1, 3
@@ -216,9 +217,9 @@ def run_stage_child(stage: Stage, plan: S.Plan, timeout_s: float | None) -> dict
     tail: collections.deque[str] = collections.deque(maxlen=40)
     start = time.perf_counter()
     started = _now()
-    # Its own process group: a timeout stops the stage's torchrun workers too.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    # Its own process group: a timeout stops the stage's torchrun workers too. It ends with the bench.
+    proc = start_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 
     def pump() -> None:
         with open(plan.out / LOG_NAME, "a") as log:

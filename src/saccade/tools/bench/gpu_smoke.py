@@ -121,8 +121,9 @@ def import_everything() -> dict[str, Any]:
     that fail, each with the module it lacked. A failure on an OPTIONAL package is expected on the
     lent machines and does not fail the stage."""
     import json
-    import subprocess
     import sys
+
+    from saccade.parent_death import run_child
 
     code = f"""
 import importlib, json, pkgutil, saccade
@@ -137,7 +138,7 @@ for name in names:
         failed[name] = f"{{type(err).__name__}}: {{err}}"
 print(json.dumps({{"modules": len(names), "failed": failed, "optional_missing": optional}}))
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    done = run_child([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         return {"modules": 0, "failed": {"saccade": done.stderr.strip()[-500:]}, "optional_missing": {}}
     return json.loads(done.stdout.strip().splitlines()[-1])

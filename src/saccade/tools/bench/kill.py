@@ -54,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from saccade.config.bench import KillBenchConfig
-from saccade.tools.bench import rl_command
+from saccade.parent_death import start_child
+from saccade.tools.bench import rl_command, rl_death_signal
 
 # Figures of how a process ran rather than what the run computed.
 NOT_COMPUTED = {"time", "tokens_per_s", "rss_mb", "peak_rss_mb", "cuda_peak_mb", "cache_hit_rate", "cache_evictions",
@@ -235,13 +236,15 @@ def kill_tree(root: int) -> list[int]:
 
 
 class Life:
-    """One `saccade rl` (or torchrun) process, in its own session, its output appended to log_path."""
+    """One `saccade rl` (or torchrun) process, in its own session, its output appended to log_path;
+    it ends with the bench (`rl_death_signal`)."""
 
     def __init__(self, cmd: list[str], log_path: Path):
         self.log_path = log_path
         with open(log_path, "ab") as log:
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = start_child(cmd, death_signal=rl_death_signal(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
         self.started = time.perf_counter()
         self.started_wall = time.time()
 

@@ -6,7 +6,10 @@ ends, fails or is interrupted.
 A server's port must be free before it starts, and the server that answers at its URL must be
 ours: a port held by another process is refused by name (`ports`). A server that stops
 answering /health for `launch.hang_after_s` is taken as hung; it is then ended with all its
-processes, as one that exited is, and started again after a backoff (2 s, 4 s, ... up to 60 s).
+processes, as one that exited is, and started again after a backoff (2 s, 4 s, ... up to 60 s),
+at most `launch.max_restarts` times in a row: a server that has run
+`launch.restart_budget_reset_s` in one life, answering, has its count back at 0 (`RestartBudget`),
+so a week-long run does not give up for good on a server that failed three times in a week.
 
 Each process starts in a session of its own, so the terminal's Ctrl-C reaches the launcher
 alone, and the launcher decides:
@@ -31,10 +34,11 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from saccade.atomic import write_file_atomically
-from saccade.parent_death import die_with_parent
+from saccade.parent_death import start_child
 from saccade.tools.launcher.plan import Process
 from saccade.tools.launcher.ports import foreign_listener, port_taken, url_port
 from saccade.stopping import STOP_FILE, stopped_since, written_since
@@ -177,11 +181,10 @@ class Child:
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.process.env}
-        self.proc = subprocess.Popen(self.process.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     # SIGTERM when the launcher dies, even by SIGKILL: no server is left holding a
-                                     # GPU; the child (saccade serve, torchrun) stops its own children as on any SIGTERM.
-                                     preexec_fn=die_with_parent)
+        # SIGTERM when the launcher dies, even by SIGKILL: no server is left holding a GPU; the child
+        # (saccade serve, torchrun) stops its own children as on any SIGTERM.
+        self.proc = start_child(list(self.process.argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         self.reader = threading.Thread(target=self._stream, args=(self.proc,), daemon=True,
                                        name=f"log {self.name}")
         self.reader.start()
@@ -319,6 +322,22 @@ class LaunchError(RuntimeError):
     """The launch could not go on: a server did not start, or did not answer in time."""
 
 
+@dataclass(frozen=True)
+class RestartBudget:
+    """How often a server is started again: `restarts` times (launch.max_restarts), a count that
+    goes back to 0 once the server has run `refill_after_s` in one life and answers
+    (launch.restart_budget_reset_s). A server that fails at once keeps failing within the count
+    and is given up; one that fails once a day in a week-long run is started again each time."""
+
+    restarts: int
+    refill_after_s: float = 3600.0
+
+    def refills(self, child: Child, now: float) -> bool:
+        """True when `child`, restarted before, has run refill_after_s in this life and has
+        answered /health in it (the caller checks that it answers still)."""
+        return child.restarts > 0 and child.answered_at is not None and now - child.started_at >= self.refill_after_s
+
+
 def restart_delay(restart: int) -> float:
     """How long to wait before a server's `restart`-th start again (1 for the first): doubled each
     time, so that a server failing at once (its port taken, a GPU still held) is not started again
@@ -387,11 +406,13 @@ def wait_until_answering(urls: list[str], servers: list[Child], *, timeout_s: fl
 
 
 def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_restarts: int, ready_timeout_s: float,
-              resume_hint: str, log: Log | None = None, hang_after_s: float = 120.0) -> int:
+              resume_hint: str, log: Log | None = None, hang_after_s: float = 120.0,
+              restart_budget_reset_s: float = 3600.0) -> int:
     """Run one node's `processes` (servers first, then the trainer, if this node runs one) until
     the trainer ends; returns its exit status (130 after a stop on request; 1 if the launch
     itself failed). `urls`: every server of the layout, waited for before the trainer starts.
-    `hang_after_s`: a running server silent on /health this long is ended and started again."""
+    `hang_after_s`: a running server silent on /health this long is ended and started again, at
+    most `max_restarts` times in a row (`RestartBudget`: `restart_budget_reset_s` up refills it)."""
     log = log or Log()
     folder = run_dir / LAUNCH_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -419,9 +440,9 @@ def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_r
             if trainer is not None:
                 (run_dir / STOP_FILE).unlink(missing_ok=True)  # an old request must not stop this run
                 started(trainer)
-            code = watch(servers, trainer, run_dir=run_dir, started_at=started_at, max_restarts=max_restarts,
-                         log=log, interrupts=interrupts, started=started,
-                         allowances=(ready_timeout_s, hang_after_s))
+            code = watch(servers, trainer, run_dir=run_dir, started_at=started_at,
+                         budget=RestartBudget(max_restarts, restart_budget_reset_s), log=log, interrupts=interrupts,
+                         started=started, allowances=(ready_timeout_s, hang_after_s))
         except LaunchError as err:
             log.say(f"error: {err}")
             return 1
@@ -447,7 +468,7 @@ def supervise(processes: list[Process], *, urls: list[str], run_dir: Path, max_r
     return code
 
 
-def watch(servers: list[Child], trainer: Child | None, *, run_dir: Path, started_at: float, max_restarts: int,
+def watch(servers: list[Child], trainer: Child | None, *, run_dir: Path, started_at: float, budget: RestartBudget,
           log: Log, interrupts: Interrupts, started, allowances: tuple[float, float] = (1800.0, 120.0)) -> int:
     """The launcher's loop once everything runs: the trainer's end (or, on a node without one,
     the trainer node's ENDED_FILE) ends it; a server that exits or hangs is started again.
@@ -479,18 +500,18 @@ def watch(servers: list[Child], trainer: Child | None, *, run_dir: Path, started
             child.look()
         for child in servers:
             if child.name not in down:
-                look_after(child, max_restarts=max_restarts, log=log, started=started, allowances=allowances,
-                           down=down)
+                look_after(child, budget=budget, log=log, started=started, allowances=allowances, down=down)
         time.sleep(POLL_S)
 
 
-def look_after(child: Child, *, max_restarts: int, log: Log, started, allowances: tuple[float, float],
-               down: set[str]) -> None:
+def look_after(child: Child, *, budget: RestartBudget, log: Log, started, allowances: tuple[float, float],
+               down: set[str], clock=time.time) -> None:
     """One server, once per turn of `watch`: start it again once its backoff is over; a server
     that exited, or has been silent past its allowance (hung), is ended with every process of it
     (a dead vLLM server's engine process can outlive it, holding its port and GPU memory) and its
-    restart scheduled; past `max_restarts` it stays down."""
-    now = time.time()
+    restart scheduled; past the budget's restarts it stays down. A server that runs and answers
+    has its budget refilled once it has run long enough (`RestartBudget.refills`)."""
+    now = clock()
     if child.restart_at is not None:
         if now < child.restart_at:
             return
@@ -506,19 +527,26 @@ def look_after(child: Child, *, max_restarts: int, log: Log, started, allowances
         if code is None:
             silent = child.silent_for(now, *allowances)
             if silent is None:
+                if budget.refills(child, now):
+                    log.say(f"{child.name} has run {now - child.started_at:.0f} s since its last start and answers: "
+                            f"its restarts count from 0 again (launch.restart_budget_reset_s "
+                            f"{budget.refill_after_s:g} s)")
+                    child.restarts = 0
                 return
             why = (f"has not answered /health for {silent:.0f} s (launch.hang_after_s {allowances[1]:g} s): "
                    "taken as hung")
         else:
             why = f"exited with {code}"
         child.stop(child.tree(), grace_s=HUNG_GRACE_S)
-    if child.restarts < max_restarts:
+    if child.restarts < budget.restarts:
         child.restarts += 1
         delay = restart_delay(child.restarts)
-        child.restart_at = time.time() + delay
-        log.say(f"{child.name} {why}: starting it again in {delay:.0f} s ({child.restarts} of {max_restarts}); "
+        child.restart_at = clock() + delay
+        log.say(f"{child.name} {why}: starting it again in {delay:.0f} s ({child.restarts} of {budget.restarts}); "
+                f"the count goes back to 0 once it has run {budget.refill_after_s:g} s (launch.restart_budget_reset_s); "
                 "the trainer takes it back with the current weights once it answers")
     else:
         down.add(child.name)
-        log.say(f"{child.name} {why}, after {max_restarts} restarts (launch.max_restarts): it stays down, the "
+        log.say(f"{child.name} {why}, after {budget.restarts} restarts with none of its lives up "
+                f"{budget.refill_after_s:g} s (launch.max_restarts, launch.restart_budget_reset_s): it stays down, the "
                 "other servers go on")
