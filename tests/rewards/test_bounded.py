@@ -164,3 +164,43 @@ def test_the_library_scores_only_through_the_bounded_calls():
                 if names:
                     offenders.append(f"{path.relative_to(SRC)}: from {node.module} import {sorted(names)}")
     assert offenders == [], offenders
+
+
+def test_the_child_outlives_the_thread_that_started_it_and_dies_with_its_process():
+    """The rollout loop's threads come and go: the child must not end with the one that happened
+    to start it, and a run SIGKILLed while the child is stuck in a call (a power tower, a scorer
+    that never returns) must not leave it running."""
+    import os
+    import subprocess
+
+    hanging = Path(__file__).parent / "hanging_bounded_child.py"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, threading, time\n"
+        "from saccade.rewards.bounded import ScoringWorker\n"
+        f"w = ScoringWorker(timeout_s=600, command=[sys.executable, {str(hanging)!r}, 'ops'])\n"
+        "t = threading.Thread(target=w.warm); t.start(); t.join()\n"
+        "print(w.proc.pid, flush=True)\n"
+        "threading.Thread(target=lambda: w.call('math_equal', '3', '3', None), daemon=True).start()\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+
+    def alive(pid: int) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)
+        assert alive(child)  # its starting thread has ended, the child has not: it is stuck in the call
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not alive(child)
+    finally:
+        if alive(child):
+            os.kill(child, 9)

@@ -28,11 +28,15 @@ import atexit
 import json
 import logging
 import select
+import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from saccade.parent_death import start_child
 
 log = logging.getLogger("saccade.scoring")
 
@@ -52,6 +56,7 @@ class ScoringWorker:
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
         self.timeouts = 0  # calls cut (tests, and what a person may ask)
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saccade-scoring-spawner")
         atexit.register(self.close)
 
     def call(self, op: str, *args: Any) -> Any:
@@ -86,8 +91,12 @@ class ScoringWorker:
 
     def _started(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                         bufsize=1)
+            # Tied to this process (SIGKILL when it dies: a child mid power tower would run on for
+            # minutes), from a thread of the worker's own that lives as long as it: the kernel signals
+            # the child when its starting thread ends, and the callers' threads come and go.
+            self.proc = self._spawner.submit(
+                start_child, self.command, death_signal=signal.SIGKILL, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True, bufsize=1).result()
             ready = self.proc.stdout.readline()  # the child's imports never count against a call
             if ready.strip() != "ready":
                 code = self.proc.wait()
