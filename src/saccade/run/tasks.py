@@ -233,7 +233,8 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task[Any]:
 def dataset_task(cfg: RunConfig, t: HubDatasetTaskConfig, *, blank: bool | None = None) -> QuestionTask:
     """A data set's questions, scored by the run's reward functions, `correct` by the data set's
     own `task.scoring` (each row carries its scorer): the run's task, or one of `eval.sets`."""
-    from saccade.data.datasets import DatasetTask, RowLayout
+    from saccade.data.datasets import DatasetTask
+    from saccade.data.row_formats import RowLayout
     from saccade.rewards.builtin import Scorer
 
     own = isinstance(t, OwnDatasetTaskConfig)
