@@ -129,7 +129,7 @@ def test_openmmreasoner_recipe_adds_its_system_prompt_and_scores_mathvista_by_le
 
 
 def test_prompt_parts_on_a_rows_chat():
-    from saccade.data.datasets import with_prompt_parts
+    from saccade.data.row_formats.parts import with_prompt_parts
 
     chat = [{"role": "user", "content": "  <image>Find x. "}]
     assert with_prompt_parts(chat, "{prompt} Think.", "S") == [

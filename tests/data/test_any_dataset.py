@@ -1,4 +1,4 @@
-"""Tests for task.kind = "dataset" (saccade.data.datasets.any_sample and the loading around it):
+"""Tests for task.kind = "dataset" (saccade.data.row_formats.columns and the loading around it):
 one's own data set, in a hub-like folder, a parquet file or JSONL, with its own column names."""
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from dataset_fixtures import (
 import saccade
 from saccade.config import ColumnsConfig, ConfigError, RunConfig, load_config
 from saccade.data import datasets as ds
-from saccade.data.datasets import DatasetRows, RowLayout, format_choices
+from saccade.data.datasets import DatasetRows
+from saccade.data.image_paths import check_image_location
+from saccade.data.row_formats import RowContext, RowLayout, parts, row_format
+from saccade.data.row_formats.parts import format_choices
 from saccade.data.rows import RowSkipped
 from saccade.data.questions import to_messages
 from saccade.rewards import correct_reward
@@ -88,8 +91,8 @@ def test_the_prompt_template_writes_the_user_turn(own):
 
 def test_rows_stay_memory_mapped_until_asked_for(own, monkeypatch):
     calls = []
-    real = ds.load_image
-    monkeypatch.setattr(ds, "load_image", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = parts.load_image
+    monkeypatch.setattr(parts, "load_image", lambda *a, **k: calls.append(1) or real(*a, **k))
     rows = DatasetRows("dataset", str(own), subsets=None, split="train",
                        layout=RowLayout(ColumnsConfig(prompt="question", answer="solution")))
     assert len(rows) == 6 and calls == []
@@ -168,25 +171,26 @@ def test_image_files_are_read_only_from_below_the_data_sets_folder_or_the_image_
         wider.sample(3)
     # A hub data set has no folder of its own: its rows may name no local file at all.
     with pytest.raises(RowSkipped, match="hub data set's row names a local file") as err:
-        ds.check_image_location("pics/red.png", None, "images[0]")
+        check_image_location("pics/red.png", None, "images[0]")
     with pytest.raises(RowSkipped, match="outside"):  # a datasets Image dict without bytes names a file
-        ds.check_image_location({"bytes": None, "path": "/etc/passwd"}, tmp_path, "images[0]")
-    ds.check_image_location({"bytes": b"png", "path": "/etc/passwd"}, None, "images[0]")  # bytes win: no file read
-    ds.check_image_location("data:image/png;base64,AAAA", None, "images[0]")
+        check_image_location({"bytes": None, "path": "/etc/passwd"}, tmp_path, "images[0]")
+    check_image_location({"bytes": b"png", "path": "/etc/passwd"}, None, "images[0]")  # bytes win: no file read
+    check_image_location("data:image/png;base64,AAAA", None, "images[0]")
     with pytest.raises(RowSkipped, match="outside"):  # nested as OpenAI's image_url is
-        ds.check_image_location({"image_url": {"url": "file:///etc/passwd"}}, tmp_path, "images[0]")
+        check_image_location({"image_url": {"url": "file:///etc/passwd"}}, tmp_path, "images[0]")
 
 
 def test_an_image_that_is_none_is_a_missing_image():
-    layout = RowLayout(ColumnsConfig())
+    at = RowContext(task="dataset", dataset="d", sample_id="x", layout=RowLayout(ColumnsConfig()))
+    columns = row_format("columns")
     row = {"image": None, "question": "What color?", "answer": "red"}
     with pytest.raises(RowSkipped, match="image is None") as err:
-        ds.any_sample(row, sample_id="x", layout=layout, dataset="d")
+        columns.read(row, at)
     assert err.value.reason == "missing_image"
     # An empty list is a row without images; a blank answer is no answer.
-    assert ds.any_sample({**row, "image": []}, sample_id="x", layout=layout, dataset="d").images == []
+    assert columns.read({**row, "image": []}, at).images == []
     with pytest.raises(RowSkipped) as err:
-        ds.any_sample({**row, "image": [disc("red")], "answer": " "}, sample_id="x", layout=layout, dataset="d")
+        columns.read({**row, "image": [disc("red")], "answer": " "}, at)
     assert err.value.reason == "no_answer"
 
 

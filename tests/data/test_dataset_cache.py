@@ -19,7 +19,8 @@ from dataset_fixtures import disc
 from saccade.config import ColumnsConfig
 from saccade.data import datasets as ds
 from saccade.data.dataset_cache import cache_options, local_cache_dir, source_key
-from saccade.data.datasets import DatasetRows, RowLayout
+from saccade.data.datasets import DatasetRows
+from saccade.data.row_formats import ROW_FORMATS, RowLayout
 
 LAYOUT = RowLayout(ColumnsConfig())  # question, answer, image
 # A README.md naming the config's files: the layout `datasets` cached by name and patterns alone.
@@ -71,7 +72,8 @@ def test_two_folders_of_one_name_read_their_own_rows_and_an_edit_is_read_again(t
 READ_IN_A_FRESH_PROCESS = """
 import json, sys
 from saccade.config import ColumnsConfig
-from saccade.data.datasets import DatasetRows, RowLayout
+from saccade.data.datasets import DatasetRows
+from saccade.data.row_formats import RowLayout
 for folder in sys.argv[1:]:
     rows = DatasetRows("dataset", folder, subsets=None, split="train", layout=RowLayout(ColumnsConfig()))
     print(json.dumps([rows.sample(i).answer for i in range(len(rows))]))
@@ -144,7 +146,7 @@ def test_a_hub_id_keeps_the_call_datasets_has_for_it(monkeypatch):
     calls = []
 
     class Table:
-        column_names = list(ds.REQUIRED_COLUMNS["geometry3k"])
+        column_names = list(ROW_FORMATS["problem_answer"].columns)
 
         def with_format(self, kind):
             return self

@@ -1,5 +1,6 @@
-"""Tests for saccade.data.datasets: the three data sets' layouts, read by path from offline
-fixtures written the way the hub stores them, through the same calls as a hub id."""
+"""Tests for saccade.data.datasets and the known data sets' row formats (saccade.data.row_formats:
+verl, mathvista, problem_answer), read by path from offline fixtures written the way the hub
+stores them, through the same calls as a hub id."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from dataset_fixtures import (
 )
 
 from saccade.config import RunConfig, load_config
-from saccade.data import datasets as ds
-from saccade.data.datasets import DatasetRows, DatasetTask, parse_options, shuffled_index
+from saccade.data.datasets import DatasetRows, DatasetTask, shuffled_index
 from saccade.data.images import ImageError, image_to_png_bytes
 from saccade.data.rows import RowSkipped
 from saccade.data.questions import IMAGE_PLACEHOLDER, to_messages
+from saccade.data.row_formats import parts
+from saccade.data.row_formats.parts import parse_options
 from saccade.rewards import correct_reward, score
 
 
@@ -172,8 +174,8 @@ def test_plain_bytes_path_structs_load_like_image_features(tmp_path):
 
 def test_nothing_is_decoded_until_a_row_is_asked_for(paths, monkeypatch):
     calls = []
-    real = ds.load_image
-    monkeypatch.setattr(ds, "load_image", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = parts.load_image
+    monkeypatch.setattr(parts, "load_image", lambda *a, **k: calls.append(1) or real(*a, **k))
     rows = DatasetRows("openmmreasoner", paths["openmmreasoner"], subsets=OPENMMREASONER_TRAIN, split="train")
     assert len(rows) == 21 and calls == []
     assert all(table.format["type"] == "arrow" for _, table in rows.parts)  # rows stay Arrow until read

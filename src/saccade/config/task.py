@@ -6,7 +6,7 @@
 - "views": multi-turn view selection in a raycast room (`saccade.envs.views`);
 - "scenes": multi-turn questions about mesh scenes (`saccade.envs.scenes`);
 - "openmmreasoner", "mathvista", "geometry3k": those data sets, read from the hub or a copy;
-- "dataset": your own data set, read through `columns` (docs/data.md);
+- "dataset": your own data set, read through `columns` or in a known row `format` (docs/data.md);
 - "verifiers": a verifiers environment by its id, `env_args` its taskset's config;
 - "plugin": your own Task, `make_task(cfg)` (docs/rewards.md).
 
@@ -281,6 +281,7 @@ class HubDatasetTaskConfig(Section):
     """A known data set (OpenMMReasoner-RL-74K, MathVista, Geometry3K), read through Hugging Face
     `datasets` from its hub id or a local copy; every unset field takes the data set's default."""
 
+    # The names of saccade.data.known_datasets.KNOWN_DATASETS (a test keeps them equal).
     kind: Literal["openmmreasoner", "mathvista", "geometry3k"] = Field(
         "openmmreasoner", description="openmmreasoner: OpenMMReasoner-RL-74K (training); mathvista: MathVista "
         "testmini (evaluation); geometry3k: Geometry3K",
@@ -340,7 +341,8 @@ class HubDatasetTaskConfig(Section):
 
     @model_validator(mode="after")
     def _prompt_parts(self) -> HubDatasetTaskConfig:
-        check_prompt_template(self.prompt_template)
+        if self.prompt_template is not None:
+            check_prompt_template(self.prompt_template)
         if self.system_prompt is not None and IMAGE_PLACEHOLDER in self.system_prompt:
             raise ValueError(f"task.system_prompt holds {IMAGE_PLACEHOLDER}: images go in the user turn; put the "
                              "placeholder in the prompt column or task.prompt_template")
@@ -349,7 +351,8 @@ class HubDatasetTaskConfig(Section):
 
 class OwnDatasetTaskConfig(HubDatasetTaskConfig):
     """Your own data set (docs/data.md): a hub id, a folder, or parquet / JSONL files, whose
-    columns say which part of a question each holds."""
+    columns say which part of a question each holds (`columns`), or whose rows are in a layout
+    saccade reads whole (`format`)."""
 
     kind: Literal["dataset"] = Field("dataset", description=KIND)
     dataset: str = Field(
@@ -366,22 +369,41 @@ class OwnDatasetTaskConfig(HubDatasetTaskConfig):
     subsets: list[str] | None = Field(
         None, min_length=1, description="dataset configs to train on, rows concatenated; unset: the default config"
     )
+    format: str = Field(
+        "columns", min_length=1,
+        description="how a row is laid out: 'columns', the columns task.columns names; or a layout saccade reads "
+        "whole, as a known data set's: 'verl' (verl's RL parquet, OpenMMReasoner's), 'mathvista', 'problem_answer' "
+        "(Geometry3K's), ... (docs/data.md#row-formats lists them)",
+    )
     columns: ColumnsConfig = Field(
-        default_factory=ColumnsConfig, description="which column holds what (the prompt, the answer, the images, ...)"
+        default_factory=ColumnsConfig, description="format 'columns': which column holds what (the prompt, the "
+        "answer, the images, ...)"
     )
-    prompt_template: str = Field(
-        DEFAULT_PROMPT_TEMPLATE, min_length=1,
-        description="the user turn's text, a str.format template over {prompt} (the prompt column, required) and "
-        "{choices} (the options lettered A., B., ... one a line; empty without options); the text is stripped. "
-        "Write {{ and }} for literal braces",
+    prompt_template: str | None = Field(
+        None, min_length=1,
+        description="the user turn's text, a str.format template over {prompt} (the prompt column, or the row's "
+        "last user turn trimmed; required) and {choices} (the options lettered A., B., ... one a line; empty "
+        "without options); the text is stripped. Write {{ and }} for literal braces. Unset: format 'columns' "
+        f"{DEFAULT_PROMPT_TEMPLATE!r}, the prompt and then its options; the other formats '{{prompt}}', the row's "
+        "own text",
     )
-    system_prompt: str | None = Field(None, min_length=1, description="the system turn of every prompt; unset: none")
+    system_prompt: str | None = Field(
+        None, min_length=1, description="the system turn of every prompt (format 'columns'; the other formats: of "
+        "every prompt whose row has none); unset: none"
+    )
     image_root: str | None = Field(
         None, min_length=1,
         description="the folder image files named in the rows may be read from (symlinks resolved); unset: the data "
         "set's own folder (a file's folder, a folder source itself; none for a hub id). A row naming a file "
         "elsewhere is skipped as image_outside_dataset",
     )
+
+    @model_validator(mode="after")
+    def _columns_with_their_format(self) -> OwnDatasetTaskConfig:
+        if self.format != "columns" and self.columns != ColumnsConfig():
+            raise ValueError(f"task.columns is read by format 'columns' only, and format is {self.format!r}, "
+                             "which reads its own columns: remove task.columns, or set format = 'columns'")
+        return self
 
 
 class VerifiersTaskConfig(Section):

@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from saccade.config import HubDatasetTaskConfig
+from saccade.data.known_datasets import KNOWN_DATASETS
 from saccade.journal import Journal, read_jsonl
 
-# The tasks whose prompts are a data set's rows (the [task] kinds of saccade.config.task's
-# HubDatasetTaskConfig and OwnDatasetTaskConfig; a test keeps them equal).
-DATASET_TASKS = ("openmmreasoner", "mathvista", "geometry3k", "dataset")
+# The tasks whose prompts are a data set's rows: the known data sets and one's own (the [task]
+# kinds of saccade.config.task's HubDatasetTaskConfig and OwnDatasetTaskConfig; a test keeps them equal).
+DATASET_TASKS = (*KNOWN_DATASETS, "dataset")
 SKIP_REASONS = ("missing_image", "bad_image", "image_count", "no_answer", "too_long", "too_many_pixels",
                 "image_outside_dataset")
 SKIPPED_FILE = "skipped.jsonl"

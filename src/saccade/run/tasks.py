@@ -176,8 +176,10 @@ def closing_task(task: Task[Any] | None) -> Iterator[None]:
 def check_user_code(cfg: RunConfig) -> None:
     """Resolve what the config names in user code: the reward functions (their modules are
     imported), a plugin task's make_task (imported), a verifiers environment (looked up, not
-    imported: verifiers takes seconds). A ValueError naming the field and what to do; so a bad
-    name fails before any model is built."""
+    imported: verifiers takes seconds); and what it names that the config cannot check, being
+    below `saccade.data`: one's own data set's row format (`saccade.data.row_formats`), the run's
+    and each eval set's. A ValueError naming the field and what to do; so a bad name fails before
+    any model is built."""
     try:
         reward_functions(cfg.rollout.reward_weights)
     except ValueError as err:
@@ -188,6 +190,15 @@ def check_user_code(cfg: RunConfig) -> None:
         from saccade.envs.verifiers_env import check_verifiers_env
 
         check_verifiers_env(cfg.task.env_id)
+    owned = {"task": cfg.task, **{f"eval.sets.{name}": t for name, t in cfg.eval.sets.items()}}
+    for where, t in owned.items():
+        if isinstance(t, OwnDatasetTaskConfig):
+            from saccade.data.row_formats import row_format
+
+            try:
+                row_format(t.format)
+            except ValueError as err:
+                raise ValueError(f"{where}.format: {err}") from None
 
 
 def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task[Any]:
@@ -233,7 +244,8 @@ def task_from_config(cfg: RunConfig, *, blank: bool | None = None) -> Task[Any]:
 def dataset_task(cfg: RunConfig, t: HubDatasetTaskConfig, *, blank: bool | None = None) -> QuestionTask:
     """A data set's questions, scored by the run's reward functions, `correct` by the data set's
     own `task.scoring` (each row carries its scorer): the run's task, or one of `eval.sets`."""
-    from saccade.data.datasets import DatasetTask, RowLayout
+    from saccade.data.datasets import DatasetTask
+    from saccade.data.row_formats import RowLayout
     from saccade.rewards.builtin import Scorer
 
     own = isinstance(t, OwnDatasetTaskConfig)
@@ -243,7 +255,7 @@ def dataset_task(cfg: RunConfig, t: HubDatasetTaskConfig, *, blank: bool | None 
         t.kind, dataset=t.dataset, split=t.split, subsets=t.subsets, eval_dataset=t.eval_dataset,
         eval_split=t.eval_split, eval_subsets=t.eval_subsets, blank_images=t.blank_images if blank is None else blank,
         limits=cfg.images,
-        layout=RowLayout(t.columns, t.prompt_template, t.system_prompt, t.image_root) if own else None,
+        layout=RowLayout(t.columns, t.prompt_template, t.system_prompt, t.image_root, t.format) if own else None,
         prompt_template=t.prompt_template, system_prompt=t.system_prompt,
         scorer=None if default else Scorer(s.extractor, s.grader, s.judge_url, s.judge_model, s.judge_api_key_env),
     )

@@ -212,7 +212,7 @@ def check_demo_task(cfg: RunConfig) -> RunConfig:
     if kind not in DEMO_TASKS:
         raise ValueError(f"saccade demo runs task.kind 'shapes' (the default) or 'dataset' (your own multiple-choice "
                          f"data set, with task.columns.choices); got {kind!r}. Train it with saccade rl instead")
-    if kind == "dataset" and cfg.task.columns.choices is None:
+    if kind == "dataset" and cfg.task.format == "columns" and cfg.task.columns.choices is None:
         raise ValueError("saccade demo on a data set needs its options: set task.columns.choices to the list column "
                          "of each row's options (the warm start answers with one of them at random, and chance is "
                          "1 / their number)")
