@@ -44,8 +44,10 @@ def micro_batches(vocab: int, world) -> tuple[list[int], list, int]:
     step-global number of loss tokens."""
     from saccade.distributed import balance
     from saccade.trainer.packing import collate_segments, pack_plan, padding_micro_batch, planned_tokens
+    from saccade.models.families import family_of
     from saccade.trainer.samples import make_sample
 
+    positions = family_of({"model_type": "qwen3_vl"}).positions(2)  # text only: 0..L-1 on every row
     gen = torch.Generator().manual_seed(0)
     samples = []
     for i, n in enumerate(LENGTHS):
@@ -53,7 +55,7 @@ def micro_batches(vocab: int, world) -> tuple[list[int], list, int]:
         mask[n // 2:] = True  # the second half is the "completion"
         samples.append(make_sample(
             f"s{i}", torch.randint(10, vocab, (n,), generator=gen), torch.zeros(n, dtype=torch.long), None, [],
-            spatial_merge_size=2, loss_mask=mask, inference_logprobs=torch.zeros(n), advantage=(-1.0) ** i))
+            positions=positions, loss_mask=mask, inference_logprobs=torch.zeros(n), advantage=(-1.0) ** i))
     plan = pack_plan(samples, max_tokens=MAX_TOKENS, image_token_id=-1, spatial_merge_size=2)
     assignment = balance([planned_tokens(p) for p in plan], world.size)
     mine = assignment[world.rank]

@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 
 from saccade.models.vision import ImageEmbedding
 from saccade.trainer.packing import pack
+from saccade.models.families import family_of
 from saccade.trainer.samples import make_sample
 
 PAD, START, END = 7, 5, 6  # image pad, vision start, vision end
 HIDDEN, LEVELS, MERGE = 4, 2, 2
+POSITIONS = family_of({"model_type": "qwen3_vl"}).positions(MERGE)
 
 # A turn: (text tokens before, images as (h, w) patch grids, sampled tokens after).
 grids = st.tuples(st.sampled_from([2, 4]), st.sampled_from([2, 4, 6]))
@@ -43,7 +45,7 @@ def build(sample_index: int, turns, registry: dict[str, ImageEmbedding]):
         loss += [True] * sampled
     grid = torch.tensor(grid_rows, dtype=torch.long) if grid_rows else None
     return make_sample(f"s{sample_index}", torch.tensor(ids), torch.tensor(types), grid, keys,
-                       spatial_merge_size=MERGE, loss_mask=torch.tensor(loss),
+                       positions=POSITIONS, loss_mask=torch.tensor(loss),
                        inference_logprobs=-torch.arange(len(ids), dtype=torch.float32), advantage=float(sample_index))
 
 

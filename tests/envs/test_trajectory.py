@@ -26,10 +26,12 @@ from saccade.inference.engine import Completion, SamplingParams
 from saccade.inference.local import LocalEngine
 from saccade.models.lm import load_policy_lm
 from saccade.models.lm import unwrap_policy
+from saccade.models.families import family_of
 from saccade.trainer.samples import make_sample
 
 MISMATCH_MEAN = 1e-4  # fp32, mean |engine - trainer| over every sampled token of the trajectories
 MISMATCH_MAX = 1e-3  # fp32, the worst single token (the engine-parity bench's max bar)
+POSITIONS = family_of({"model_type": "qwen3_vl"}).positions(2)  # the tiny model's (the engine's own: a test below)
 
 
 @pytest.fixture(scope="module")
@@ -54,19 +56,20 @@ def episodes(engine, continuation, n=4, env_cls=LookAgainEnv, max_tokens=6):
 
 def test_three_turn_trajectories_match_the_engine(local_engine, continuation):
     trajectories = episodes(local_engine, continuation)
-    merge = local_engine.encoder.merge
+    positions = local_engine.encoder.positions
     samples = []
     for t in trajectories:
         assert len(t.turns) == 3 and t.done
         # 1 image at the start, then 1 or 2 per environment reply: 3..5, in order
         assert len(t.image_keys) == 1 + sum(1 + (k + int(t.sample_id[2:])) % 2 for k in (1, 2))
         assert t.rewards[:2] == [0.1, 0.1]
-        sample = to_training_sample(t, spatial_merge_size=merge)
-        check_consistency(sample, t.turns, spatial_merge_size=merge)
+        sample = to_training_sample(t, positions=positions)
+        check_consistency(sample, t.turns, positions=positions)
         samples.append(sample)
     diff = sample_logprob_diffs(local_engine.model, samples, cache_get=local_engine.encoder.cache.get,
                                 image_token_id=unwrap_policy(local_engine.model).image_token_id,
-                                banned_token_ids=local_engine.banned_token_ids, distribution=SampledDistribution(), merge=merge)
+                                banned_token_ids=local_engine.banned_token_ids, distribution=SampledDistribution(),
+                                merge=positions.merge)
     assert diff.numel() == sum(int(s.loss_mask.sum()) for s in samples) >= 4 * 3
     assert float(diff.mean()) <= MISMATCH_MEAN
     assert float(diff.max()) <= MISMATCH_MAX, float(diff.max())
@@ -99,37 +102,37 @@ def test_the_check_catches_a_retokenized_trajectory(local_engine, continuation, 
     inputs = messages_to_inputs(messages, processor, limits=limits)
     keys = [local_engine.key_for_hash(h) for h in inputs.image_hashes]
     retokenized = make_sample("ep0", inputs.input_ids, inputs.mm_token_type_ids, inputs.image_grid_thw, keys,
-                              spatial_merge_size=2)
+                              positions=POSITIONS)
     assert keys == t.image_keys  # same images, same order: only the token ids differ
     with pytest.raises(ConsistencyError, match="re-tokenized"):
-        check_consistency(retokenized, t.turns, spatial_merge_size=2)
-    check_consistency(to_training_sample(t, spatial_merge_size=2), t.turns, spatial_merge_size=2)
+        check_consistency(retokenized, t.turns, positions=POSITIONS)
+    check_consistency(to_training_sample(t, positions=POSITIONS), t.turns, positions=POSITIONS)
 
 
 def test_the_check_catches_dropped_or_reordered_images(local_engine, continuation):
     local_engine.reseed(5)
     [t] = episodes(local_engine, continuation, n=1)
-    sample = to_training_sample(t, spatial_merge_size=2)
+    sample = to_training_sample(t, positions=POSITIONS)
     sample.image_keys = [sample.image_keys[1], sample.image_keys[0], *sample.image_keys[2:]]
     with pytest.raises(ConsistencyError, match="images"):
-        check_consistency(sample, t.turns, spatial_merge_size=2)
-    shifted = to_training_sample(t, spatial_merge_size=2)
+        check_consistency(sample, t.turns, positions=POSITIONS)
+    shifted = to_training_sample(t, positions=POSITIONS)
     shifted.position_ids = shifted.position_ids.clone()
     shifted.position_ids[1:, 5:] += 1
     with pytest.raises(ConsistencyError, match="positions"):
-        check_consistency(shifted, t.turns, spatial_merge_size=2)
+        check_consistency(shifted, t.turns, positions=POSITIONS)
 
 
 def test_loss_falls_on_sampled_tokens_only(local_engine, continuation):
     local_engine.reseed(2)
     [t] = episodes(local_engine, continuation, n=1)
-    sample = to_training_sample(t, spatial_merge_size=2)
+    sample = to_training_sample(t, positions=POSITIONS)
     sampled = sum(turn.completion_ids.numel() for turn in t.turns)
     assert int(sample.loss_mask.sum()) == sampled
-    bad = to_training_sample(t, spatial_merge_size=2)
+    bad = to_training_sample(t, positions=POSITIONS)
     bad.loss_mask = torch.ones_like(bad.loss_mask)  # e.g. the environment's tokens trained on too
     with pytest.raises(ConsistencyError, match="did not sample"):
-        check_consistency(bad, t.turns, spatial_merge_size=2)
+        check_consistency(bad, t.turns, positions=POSITIONS)
 
 
 def test_marker_mask_selects_spans_inside_markers(processor):
@@ -180,7 +183,7 @@ def test_the_engines_experts_follow_the_loss_tokens_across_turns(processor, limi
     add_completion(t, _turn([11, 12, end], 0), end_of_turn_id=end)
     add_messages(t, [{"role": "user", "content": "Again."}], continuation, key_for_hash=str)
     add_completion(t, _turn([13, 14], 3), end_of_turn_id=end)  # cut: closed by an unsampled end
-    sample = to_training_sample(t, spatial_merge_size=2)
+    sample = to_training_sample(t, positions=POSITIONS)
     assert sample.routed_experts[:, 0, 0].tolist() == [0, 1, 2, 3, 4]
     assert int(sample.loss_mask.sum()) == 5
     # A loss on part of the sampled tokens (markers): the experts of those tokens only.
@@ -188,4 +191,4 @@ def test_the_engines_experts_follow_the_loss_tokens_across_turns(processor, limi
     part = torch.tensor(t.sampled) & (torch.arange(t.num_tokens) % 2 == 0)
     assert loss_token_experts(t, part)[:, 0, 0].tolist() == [i for i, at in enumerate(sampled_at) if at % 2 == 0]
     add_forced_turn(t, "done", processor.tokenizer, end_of_turn_id=end)
-    assert to_training_sample(t, spatial_merge_size=2).routed_experts is None
+    assert to_training_sample(t, positions=POSITIONS).routed_experts is None

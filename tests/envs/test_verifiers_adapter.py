@@ -336,8 +336,8 @@ def test_episodes_on_the_embedded_engine(look, local_engine, processor, limits):
         assert t.rewards[:-1] == [0.0] * (len(t.turns) - 1)
         assert t.rewards[-1] == pytest.approx(trace.reward) and t.infos[-1]["reward"] == t.rewards[-1]
         assert t.infos[-1]["chars"] == trace.rewards["chars"].score == len("".join(t.texts)) > 0
-        sample_ = to_training_sample(t, spatial_merge_size=local_engine.encoder.merge)
-        check_consistency(sample_, t.turns, spatial_merge_size=local_engine.encoder.merge)
+        sample_ = to_training_sample(t, positions=local_engine.encoder.positions)
+        check_consistency(sample_, t.turns, positions=local_engine.encoder.positions)
 
 
 def test_rl_sample_step_runs_verifiers_episodes(look, tmp_path):

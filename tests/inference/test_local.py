@@ -50,7 +50,7 @@ def _trainer_logprobs(engine, completions, temperature_or_distribution):
     return trainer_logprob_diffs(
         engine.model, completions, cache_get=engine.encoder.cache.get,
         image_token_id=unwrap_policy(engine.model).image_token_id, banned_token_ids=engine.banned_token_ids,
-        distribution=distribution, merge=engine.encoder.merge,
+        distribution=distribution,
     )
 
 
@@ -147,7 +147,7 @@ def test_weights_are_shared_so_the_sync_costs_nothing(lora_engine, encoder):
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
     policy = unwrap_policy(model)
-    samples = [completion_to_sample(c, sample_id=str(i), advantage=1.0, reward=0.0, spatial_merge_size=encoder.merge)
+    samples = [completion_to_sample(c, sample_id=str(i), advantage=1.0, reward=0.0, positions=encoder.positions)
                for i, c in enumerate(completions)]
     mb = pack(samples, encoder.cache.get, max_tokens=4096, image_token_id=policy.image_token_id,
               spatial_merge_size=encoder.merge)[0]

@@ -18,7 +18,7 @@ def test_prepared_prompts_take_their_positions_from_the_family(tiny_path, proces
     family = load_family(tiny_path)
     request = ChatRequest("a", [{"role": "user", "content": "How many shapes?"}])
     [prompt] = VLLMEngine([NO_SERVER], processor, family=family).prepare_all([request])
-    assert torch.equal(prompt.mrope_3L, family.mrope_positions(prompt.inputs.mm_token_type_ids, None, 2))
+    assert torch.equal(prompt.mrope_3L, family.positions(2).mrope(prompt.inputs.mm_token_type_ids, None))
     with pytest.raises(ValueError, match="family="):
         VLLMEngine([NO_SERVER], processor).prepare_all([request])
 

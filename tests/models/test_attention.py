@@ -19,7 +19,7 @@ GRAD_TOLERANCE = 1e-5  # fp32, relative to the gradient's largest entry
 
 @pytest.fixture()
 def cases(processor, encoder, limits):
-    return prepare(processor, encoder, limits, encoder.merge)
+    return prepare(processor, encoder, limits)
 
 
 def test_layout_round_trips_every_token_through_length_buckets():

@@ -134,14 +134,17 @@ def family_models(family_model_path):
 
 
 def test_positions_equal_the_full_models_get_rope_index(family_models):
-    """The family's M-RoPE rule (what the trainer and the embedded engine use) against
+    """The family's M-RoPE rule, as the embedded engine asks it (`VisionEncoder.positions`) and the
+    trainer's samples do (`PolicyLM.positions`, the same rule at the same merge), against
     transformers' own `get_rope_index`, on every parity conversation."""
     from saccade.data.messages import messages_to_inputs
 
     family, _, processor, full, encoder = family_models
+    # What `PolicyLM.positions` is for this model: the same rule at the same merge, so one object's answers.
+    assert encoder.positions == family.positions(full.config.vision_config.spatial_merge_size)
     for name, messages in parity_conversations().items():
         inputs = messages_to_inputs(messages, processor, limits=encoder.limits, sample=name)
-        ours = family.mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, encoder.merge)
+        ours = encoder.positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw)
         with torch.no_grad():
             # by keyword: Qwen3.5's override takes video_grid_thw first
             ref, _ = full.model.get_rope_index(input_ids=inputs.input_ids[None],

@@ -18,7 +18,7 @@ MISTAKE_FLOOR = 1e-2
 
 @pytest.fixture()
 def cases(processor, encoder, limits):
-    return prepare(processor, encoder, limits, encoder.merge)
+    return prepare(processor, encoder, limits)
 
 
 def _case(cases, name):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -166,3 +169,46 @@ def test_video_tokens_are_refused():
     types = torch.tensor([0, 2, 2, 2, 2, 0])
     with pytest.raises(ValueError, match="video"):
         mrope_positions(types, None, spatial_merge_size=2)
+
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "saccade"
+
+
+def position_routes_outside_the_models(root: Path = SRC) -> list[str]:
+    """Every place outside saccade/models that reaches an M-RoPE rule around the model's `Positions`:
+    an import of saccade.models.positions, or a family's raw rule (`.mrope_positions`)."""
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path.is_relative_to(root / "models"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                offenders += [f"{where}: import {a.name}" for a in node.names if a.name == "saccade.models.positions"]
+            elif isinstance(node, ast.ImportFrom) and (
+                    node.module == "saccade.models.positions"
+                    or (node.module == "saccade.models" and any(a.name == "positions" for a in node.names))):
+                offenders.append(f"{where}: from {node.module} import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.Attribute) and node.attr == "mrope_positions":
+                offenders.append(f"{where}: .mrope_positions")
+    return offenders
+
+
+def test_positions_go_only_through_the_models_positions_object():
+    """The engines (prompts), the trainer (samples) and the multi-turn check ask one object, the model's
+    `Positions` (`ModelFamily.positions`: its family's rule at its merge size), never the shared function
+    or a family's rule beside it: a family whose rule differs (videos, issue 60) changes in one place."""
+    assert position_routes_outside_the_models() == []
+
+
+def test_the_route_check_sees_a_direct_call(tmp_path):
+    """The check above is not vacuous: each way around the object is caught."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "inside.py").write_text("from saccade.models.positions import mrope_positions\n")
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "a.py").write_text("from saccade.models.positions import mrope_positions, with_text_row\n")
+    (tmp_path / "trainer" / "b.py").write_text("import saccade.models.positions\nfrom saccade.models import positions\n")
+    (tmp_path / "trainer" / "c.py").write_text("def f(family, t):\n    return family.mrope_positions(t, None, 2)\n")
+    (tmp_path / "trainer" / "d.py").write_text("def f(positions, t):\n    return positions.mrope(t, None)\n")
+    found = position_routes_outside_the_models(tmp_path)
+    assert [f.split(":")[0] for f in found] == ["trainer/a.py", "trainer/b.py", "trainer/b.py", "trainer/c.py"], found

@@ -90,7 +90,7 @@ def _logprobs(models, positions_1d: bool = False):
         keys = [encoder.key_for_hash(h) for h in inputs.image_hashes]
         encoder.encode(inputs.images, keys)
         cases.append(ParityInputs(name, inputs, make_sample(name, inputs.input_ids, inputs.mm_token_type_ids,
-                                                            inputs.image_grid_thw, keys, spatial_merge_size=encoder.merge)))
+                                                            inputs.image_grid_thw, keys, positions=encoder.positions)))
     ours = lm_logprobs(policy, cases, encoder, image_token_id=policy.image_token_id, merge=encoder.merge,
                        packed=False, positions_1d=positions_1d)
     return {c.name: (o, full_model_logprobs(full, c.inputs)) for c, o in zip(cases, ours, strict=True)}

@@ -165,7 +165,7 @@ def test_the_cut_30b_a3b_preset_has_the_published_widths_and_six_layers():
 def moe_cases(moe_processor, moe_encoder, limits):
     from saccade.tools.parity import prepare
 
-    return prepare(moe_processor, moe_encoder, limits, moe_encoder.merge)
+    return prepare(moe_processor, moe_encoder, limits)
 
 
 def test_mrope_positions_equal_the_moe_models_own(moe_cases, moe_full):
@@ -249,7 +249,7 @@ def _moe_samples(policy, processor, encoder, *, n: int = 2, max_tokens: int = 8)
     engine.stop_token_ids = list(range(0, policy.lm_head.weight.shape[0], 5))
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n)
     completions = [c for g in engine.generate(requests, params) for c in g]
-    samples = [completion_to_sample(c, sample_id=str(i), advantage=(-1.0) ** i, reward=0.0, spatial_merge_size=encoder.merge)
+    samples = [completion_to_sample(c, sample_id=str(i), advantage=(-1.0) ** i, reward=0.0, positions=encoder.positions)
                for i, c in enumerate(completions)]
     return engine, params, completions, samples
 

@@ -300,7 +300,7 @@ def test_a_miss_when_packing_names_the_sample_the_image_and_the_setting(encoder,
     ids = torch.tensor([1] + [policy.image_token_id] * n + [2])
     types = torch.tensor([0] + [1] * n + [0])
     sample = make_sample("prompt-7/3", ids, types, emb.grid_thw[None], ["no-such-key"],
-                         spatial_merge_size=encoder.merge)
+                         positions=encoder.positions)
     with pytest.raises(EmbeddingCacheMiss, match=r"sample 'prompt-7/3'.*image 0 \(cache key no-such-key\).*"
                        r"raise image_cache.budget_bytes"):
         collate([sample], encoder.cache.get, image_token_id=policy.image_token_id, spatial_merge_size=encoder.merge)

@@ -144,7 +144,7 @@ def test_saccade_options_are_taken_out_before_vllm_parses_the_rest():
 
 
 def test_resize_bounds_follow_vllms_order_folder_then_size_then_pixels_scoped_last():
-    from saccade.serving.server import resize_bounds
+    from saccade.serving.state import resize_bounds
 
     folder = {"shortest_edge": 65536, "longest_edge": 16777216}
     assert resize_bounds(folder, None) == (65536, 16777216)

@@ -70,7 +70,8 @@ def bf16_noise(trainer: dict, completions, common: dict) -> torch.Tensor:
     """|bf16 trainer - fp32 trainer| logprob of every sampled token: the model's own bf16 rounding."""
     from saccade.orchestrator.samples import completion_to_sample
 
-    samples = [completion_to_sample(c, sample_id=f"s{i}", advantage=0.0, reward=0.0, spatial_merge_size=2)
+    samples = [completion_to_sample(c, sample_id=f"s{i}", advantage=0.0, reward=0.0,
+                                    positions=trainer["float32"].positions)
                for i, c in enumerate(completions)]
     low = _logprobs(trainer["bfloat16"], samples, common)
     high = _logprobs(trainer["float32"], samples, common)

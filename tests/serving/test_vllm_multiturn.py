@@ -29,8 +29,8 @@ def test_three_turn_trajectories_on_vllm_match_the_trainer(server, engine, polic
     samples = []
     for t in trajectories:
         assert len(t.turns) == 3 and len(t.image_keys) >= 3
-        sample = to_training_sample(t, spatial_merge_size=2)
-        check_consistency(sample, t.turns, spatial_merge_size=2)  # the server's own prompt ids and types
+        sample = to_training_sample(t, positions=policy.positions)
+        check_consistency(sample, t.turns, positions=policy.positions)  # the server's own prompt ids and types
         samples.append(sample)
     diff = sample_logprob_diffs(policy, samples, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
                                 banned_token_ids=engine.banned_token_ids, distribution=SampledDistribution())

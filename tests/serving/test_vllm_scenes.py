@@ -34,8 +34,8 @@ def test_a_three_turn_scenes_episode_on_vllm_passes_the_consistency_check(server
         # episode runs its three turns; the start view is always there.
         assert len(t.turns) == 3 and len(t.image_keys) >= 1
         assert sum(info.get("refusals", 0) > 0 for info in t.infos) >= 1 or len(t.image_keys) > 1
-        sample = to_training_sample(t, spatial_merge_size=2)
-        check_consistency(sample, t.turns, spatial_merge_size=2)  # the server's own prompt ids and types
+        sample = to_training_sample(t, positions=policy.positions)
+        check_consistency(sample, t.turns, positions=policy.positions)  # the server's own prompt ids and types
         training.append(sample)
     diff = sample_logprob_diffs(policy, training, cache_get=engine.cache.get, image_token_id=engine.image_pad_id,
                                 banned_token_ids=engine.banned_token_ids, distribution=SampledDistribution())

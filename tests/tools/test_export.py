@@ -43,7 +43,7 @@ def parity_cases(tiny_path, processor, limits):
     from saccade.tools.parity import prepare
 
     encoder = VisionEncoder(load_vision_tower(tiny_path), processor, limits=limits)
-    return prepare(processor, encoder, limits, encoder.merge), encoder
+    return prepare(processor, encoder, limits), encoder
 
 
 def _transformers(folder):
@@ -212,7 +212,7 @@ def test_every_family_trains_and_exports_in_its_base_layout(family, kind, tmp_pa
     assert _tensor_headers(result.out) == _tensor_headers(base)
     processor = load_processor(base)
     encoder = VisionEncoder(load_vision_tower(base), processor, limits=limits)
-    cases = (prepare(processor, encoder, limits, encoder.merge), encoder)
+    cases = (prepare(processor, encoder, limits), encoder)
     gap = _assert_merged_matches(result.out, policy, base, cases)
     if kind == "lora":
         adapter = export_adapter(run_dir, tmp_path / "adapter")

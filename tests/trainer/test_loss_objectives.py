@@ -223,7 +223,7 @@ def tiny64(tiny_path):
         n = prompt + completion
         loss_mask = torch.cat([torch.zeros(prompt, dtype=torch.bool), torch.ones(completion, dtype=torch.bool)])
         samples.append(make_sample(f"s{i}", torch.randint(10, 200, (n,), generator=gen),
-                                   torch.zeros(n, dtype=torch.long), None, [], spatial_merge_size=2,
+                                   torch.zeros(n, dtype=torch.long), None, [], positions=model.positions,
                                    loss_mask=loss_mask, advantage=advantage))
     (mb,) = pack(samples, lambda key: None, max_tokens=64, image_token_id=model.image_token_id, spatial_merge_size=2)
 

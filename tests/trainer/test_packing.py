@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 
 from saccade.models.vision import ImageEmbedding
 from saccade.trainer.packing import collate, first_fit_decreasing, pack
+from saccade.models.families import family_of
 from saccade.trainer.samples import make_sample
 
 IMAGE = 7  # image-pad id in the synthetic samples below
 MERGE = 2
+POSITIONS = family_of({"model_type": "qwen3_vl"}).positions(MERGE)
 
 
 @given(st.lists(st.integers(1, 50), max_size=40), st.integers(50, 120))
@@ -57,7 +59,7 @@ def _synthetic(sample_id, images_per_turn, rng, hidden=8, levels=2):
         ids += [9] * n_text
         types += [0] * n_text
     grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-    sample = make_sample(sample_id, torch.tensor(ids), torch.tensor(types), grid, keys, spatial_merge_size=MERGE)
+    sample = make_sample(sample_id, torch.tensor(ids), torch.tensor(types), grid, keys, positions=POSITIONS)
     return sample, table
 
 
@@ -145,7 +147,7 @@ def _answered(sample_id: str, prompt: list[int], answer: list[int], experts: boo
     if experts:
         marks = torch.tensor([10 * int(sample_id[1:]) + t for t in range(len(answer))], dtype=torch.uint8)
         routed = marks.view(-1, 1, 1).expand(-1, 2, 2).clone()
-    return make_sample(sample_id, ids, torch.zeros_like(ids), None, [], spatial_merge_size=MERGE, loss_mask=mask,
+    return make_sample(sample_id, ids, torch.zeros_like(ids), None, [], positions=POSITIONS, loss_mask=mask,
                        routed_experts=routed)
 
 

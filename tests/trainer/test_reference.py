@@ -31,7 +31,7 @@ def micro_batches(processor, encoder, limits, tiny_path):
     from saccade.trainer.samples import make_sample
 
     gen = torch.Generator().manual_seed(7)
-    cases = {c.name: c for c in prepare(processor, encoder, limits, encoder.merge)}
+    cases = {c.name: c for c in prepare(processor, encoder, limits)}
     samples = []
     for name, advantage in (("one_image", 1.0), ("several_images", -1.0), ("text_only", 1.0)):
         case = cases[name]
@@ -40,7 +40,7 @@ def micro_batches(processor, encoder, limits, tiny_path):
         loss_mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(5, dtype=torch.bool)])
         samples.append(make_sample(
             name, ids, torch.cat([types, torch.zeros(5, dtype=torch.long)]), case.inputs.image_grid_thw,
-            case.sample.image_keys, spatial_merge_size=encoder.merge, loss_mask=loss_mask,
+            case.sample.image_keys, positions=encoder.positions, loss_mask=loss_mask,
             inference_logprobs=torch.where(loss_mask, -3.0, 0.0), advantage=advantage))
     image_token_id = load_policy_lm(tiny_path).image_token_id
     out = pack(samples, encoder.cache.get, max_tokens=64, image_token_id=image_token_id,

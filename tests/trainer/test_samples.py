@@ -7,9 +7,11 @@ import torch
 
 from saccade.data.messages import messages_to_inputs
 from saccade.data.synthetic import synthetic_image
+from saccade.models.families import family_of
 from saccade.trainer.samples import TrainingSample, make_sample
 
 MERGE = 2
+POSITIONS = family_of({"model_type": "qwen3_vl"}).positions(MERGE)  # the tiny model's
 
 
 def img(w: int, h: int, seed: int) -> dict:
@@ -87,7 +89,7 @@ def test_validation_rejects_mismatched_shapes(field, value, match):
 def test_make_sample_positions_equal_get_rope_index(full_model, inputs, name):
     inp = inputs[name]
     keys = [f"key{i}" for i in range(inp.num_images)]
-    s = make_sample(name, inp.input_ids, inp.mm_token_type_ids, inp.image_grid_thw, keys, spatial_merge_size=MERGE)
+    s = make_sample(name, inp.input_ids, inp.mm_token_type_ids, inp.image_grid_thw, keys, positions=POSITIONS)
     L = inp.input_ids.shape[0]
     assert s.position_ids.shape == (4, L) and s.position_ids.dtype == torch.int64
     assert torch.equal(s.position_ids[0], torch.arange(L))
@@ -108,7 +110,7 @@ def test_make_sample_normalises_dtypes(inputs):
     L = inp.input_ids.shape[0]
     s = make_sample(
         "d", inp.input_ids.int(), inp.mm_token_type_ids, inp.image_grid_thw.int(), ["k"],
-        spatial_merge_size=MERGE, loss_mask=torch.ones(L, dtype=torch.uint8),
+        positions=POSITIONS, loss_mask=torch.ones(L, dtype=torch.uint8),
         inference_logprobs=torch.full((L,), -0.5, dtype=torch.float64), advantage=1, reward=0, policy_version=7.0,
     )
     assert s.input_ids.dtype == torch.int64
@@ -121,6 +123,6 @@ def test_make_sample_normalises_dtypes(inputs):
 def test_make_sample_rejects_keys_that_disagree_with_images(inputs):
     inp = inputs["two_sizes"]
     with pytest.raises(ValueError, match="image keys"):
-        make_sample("x", inp.input_ids, inp.mm_token_type_ids, inp.image_grid_thw, ["only-one"], spatial_merge_size=MERGE)
+        make_sample("x", inp.input_ids, inp.mm_token_type_ids, inp.image_grid_thw, ["only-one"], positions=POSITIONS)
     with pytest.raises(ValueError):
-        make_sample("x", inp.input_ids, inp.mm_token_type_ids, inp.image_grid_thw[:1], ["k"], spatial_merge_size=MERGE)
+        make_sample("x", inp.input_ids, inp.mm_token_type_ids, inp.image_grid_thw[:1], ["k"], positions=POSITIONS)

@@ -27,14 +27,14 @@ def groups_of(cases, encoder, G: int = 3, completion: int = 5, seed: int = 0):
             loss = torch.cat([torch.zeros(len(prompt_ids), dtype=torch.bool), torch.ones(length, dtype=torch.bool)])
             samples.append(make_sample(
                 f"{c.name}/{g}", ids, torch.cat([types, torch.zeros(length, dtype=torch.long)]),
-                c.inputs.image_grid_thw, c.sample.image_keys, spatial_merge_size=encoder.merge, loss_mask=loss,
+                c.inputs.image_grid_thw, c.sample.image_keys, positions=encoder.positions, loss_mask=loss,
                 advantage=float(g) - 1.0))
     return samples
 
 
 @pytest.fixture()
 def samples(processor, encoder, limits):
-    return groups_of(prepare(processor, encoder, limits, encoder.merge), encoder)
+    return groups_of(prepare(processor, encoder, limits), encoder)
 
 
 def _per_sample(model, micro_batches, ids):

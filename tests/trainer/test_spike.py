@@ -63,8 +63,10 @@ def test_the_guard_is_off_by_default_and_true_turns_it_on():
 def micro_batches(advantage_scale: float, seed: int):
     """Text-only samples with 5-token completions, advantages +-advantage_scale, in one micro-batch."""
     from saccade.trainer.packing import pack
+    from saccade.models.families import family_of
     from saccade.trainer.samples import make_sample
 
+    positions = family_of({"model_type": "qwen3_vl"}).positions(2)  # text only: 0..L-1 on every row
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(4):
@@ -72,7 +74,7 @@ def micro_batches(advantage_scale: float, seed: int):
         ids = torch.randint(10, 200, (L,), generator=gen)
         mask = torch.zeros(L, dtype=torch.bool)
         mask[-5:] = True
-        samples.append(make_sample(f"s{i}", ids, torch.zeros(L, dtype=torch.long), None, [], spatial_merge_size=2,
+        samples.append(make_sample(f"s{i}", ids, torch.zeros(L, dtype=torch.long), None, [], positions=positions,
                                    loss_mask=mask, inference_logprobs=torch.where(mask, -2.0, 0.0),
                                    advantage=advantage_scale * (-1.0) ** i))
     return pack(samples, lambda key: None, max_tokens=256, image_token_id=-1, spatial_merge_size=2)

@@ -182,8 +182,10 @@ def test_a_checkpoint_keeps_the_master_weights_exactly(tiny_path, tmp_path):
 
 def _text_samples(n_samples: int = 4, advantages: list[float] | None = None):
     """Text-only samples with a 5-token completion each (advantages +1, -1, ... unless given)."""
+    from saccade.models.families import family_of
     from saccade.trainer.samples import make_sample
 
+    positions = family_of({"model_type": "qwen3_vl"}).positions(2)  # text only: 0..L-1 on every row
     gen = torch.Generator().manual_seed(3)
     samples = []
     for i in range(n_samples):
@@ -191,7 +193,7 @@ def _text_samples(n_samples: int = 4, advantages: list[float] | None = None):
         ids = torch.randint(10, 200, (L,), generator=gen)
         mask = torch.zeros(L, dtype=torch.bool)
         mask[-5:] = True
-        samples.append(make_sample(f"s{i}", ids, torch.zeros(L, dtype=torch.long), None, [], spatial_merge_size=2,
+        samples.append(make_sample(f"s{i}", ids, torch.zeros(L, dtype=torch.long), None, [], positions=positions,
                                    loss_mask=mask, inference_logprobs=torch.where(mask, -2.0, 0.0),
                                    advantage=(-1.0) ** i if advantages is None else advantages[i]))
     return samples

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from saccade.config import ImagesConfig
 from saccade.data.messages import extract_images, messages_to_inputs, render_chat, tokenize_rendered
 from saccade.inference.engine import Completion, TokenPrompt, stream_seed
-from saccade.models.positions import mrope_positions
 from saccade.trainer.samples import TrainingSample, make_sample
+
+if TYPE_CHECKING:
+    from saccade.models.families import Positions
 
 END_OF_TURN = "<|im_end|>"
 # Content for the stand-in assistant turn the continuation is cut after; any text would do.
@@ -246,10 +248,11 @@ def loss_mask_of(trajectory: Trajectory, tokenizer=None, *, markers: tuple[str, 
     return mask
 
 
-def to_training_sample(trajectory: Trajectory, *, spatial_merge_size: int, advantage: float = 0.0,
+def to_training_sample(trajectory: Trajectory, *, positions: Positions, advantage: float = 0.0,
                        reward: float | None = None, sample_id: str | None = None, tokenizer=None,
                        markers: tuple[str, str] | None = None) -> TrainingSample:
-    """The whole trajectory as one sample; positions computed over all of it."""
+    """The whole trajectory as one sample; its M-RoPE positions computed over all of it by `positions`
+    (the model's)."""
     loss_mask = loss_mask_of(trajectory, tokenizer, markers=markers)
     return make_sample(
         sample_id or trajectory.sample_id,
@@ -257,7 +260,7 @@ def to_training_sample(trajectory: Trajectory, *, spatial_merge_size: int, advan
         torch.tensor(trajectory.mm_types, dtype=torch.long),
         trajectory.grid if trajectory.image_keys else None,
         trajectory.image_keys,
-        spatial_merge_size=spatial_merge_size,
+        positions=positions,
         loss_mask=loss_mask,
         inference_logprobs=torch.tensor(trajectory.logprobs, dtype=torch.float32),
         advantage=advantage,
@@ -284,10 +287,11 @@ def loss_token_experts(trajectory: Trajectory, loss_mask: torch.Tensor) -> torch
 # ----------------------------------------------------------------------------- the check
 
 
-def check_consistency(sample: TrainingSample, turns: list[TurnRecord], *, spatial_merge_size: int) -> None:
+def check_consistency(sample: TrainingSample, turns: list[TurnRecord], *, positions: Positions) -> None:
     """Every turn's generation-time inputs must be exactly a prefix of the training inputs:
     the same ids, the same images in the same order with the same grids, the same positions,
-    and the sampled ids and logprobs where the loss reads them. Raises ConsistencyError."""
+    and the sampled ids and logprobs where the loss reads them. Raises ConsistencyError.
+    `positions` (the model's) computes a turn's positions where the engine did not report them."""
     ids = sample.input_ids
     name = sample.sample_id
     sampled = torch.zeros_like(sample.loss_mask)
@@ -305,13 +309,12 @@ def check_consistency(sample: TrainingSample, turns: list[TurnRecord], *, spatia
         if not torch.equal(sample.image_grid_thw[:n].long(), turn.image_grid_thw.long()):
             raise ConsistencyError(f"{where}: image grids {turn.image_grid_thw.tolist()} at generation, "
                                    f"{sample.image_grid_thw[:n].tolist()} in training")
-        positions = turn.positions
-        if positions is None:  # the engine did not report them: what its own inputs imply
-            positions = mrope_positions(turn.mm_token_type_ids, turn.image_grid_thw if n else None,
-                                        spatial_merge_size=spatial_merge_size)
-        if not torch.equal(positions.long(), sample.position_ids[1:, :P]):
-            bad = int((positions.long() != sample.position_ids[1:, :P]).any(0).nonzero()[0])
-            raise ConsistencyError(f"{where}: M-RoPE positions differ first at token {bad}: {positions[:, bad].tolist()} "
+        ran = turn.positions
+        if ran is None:  # the engine did not report them: what its own inputs imply
+            ran = positions.mrope(turn.mm_token_type_ids, turn.image_grid_thw if n else None)
+        if not torch.equal(ran.long(), sample.position_ids[1:, :P]):
+            bad = int((ran.long() != sample.position_ids[1:, :P]).any(0).nonzero()[0])
+            raise ConsistencyError(f"{where}: M-RoPE positions differ first at token {bad}: {ran[:, bad].tolist()} "
                                    f"at generation, {sample.position_ids[1:, bad].tolist()} in training")
         if not torch.equal(sample.inference_logprobs[P:P + C], turn.logprobs.float()):
             raise ConsistencyError(f"{where}: the engine's logprobs are not where its sampled tokens are")

@@ -5,7 +5,7 @@ holds a reference to the very module the trainer optimises (LoRA adapters includ
 so after an optimizer step there is nothing to copy: `update_weights` only bumps the
 policy version. Prompts run the same LM-only path as the trainer: image features come
 from the VisionEncoder's cache and are scattered into the token embeddings, DeepStack
-included, with M-RoPE positions from `saccade.models.positions`.
+included, with M-RoPE positions from the model family's (`VisionEncoder.positions`).
 
 Batching: the distinct prompts are left-padded into one batch and prefilled once; each
 prompt's KV cache is then repeated for its n samples, and one token per step is decoded for
@@ -157,7 +157,7 @@ class LocalEngine:
         # The processor's pixels are reused for the tower when the limits agree: no second resize.
         pixels = (inputs.pixel_values, inputs.image_grid_thw) if self.limits == self.encoder.limits else None
         embeddings = self.encoder.encode(inputs.images, keys, pixels=pixels) if inputs.images else []
-        mrope = self.encoder.family.mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, self.encoder.merge)
+        mrope = self.encoder.positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw)
         return PreparedPrompt(request, inputs, keys, embeddings, mrope)
 
     def prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
@@ -185,7 +185,7 @@ class LocalEngine:
                                  f"{emb.grid_thw.tolist()} when encoded: the image limits differ")
         inputs = ModelInputs(input_ids=prompt.input_ids.long(), mm_token_type_ids=prompt.mm_token_type_ids.long(),
                              pixel_values=None, image_grid_thw=grid if prompt.image_keys else None)
-        mrope = self.encoder.family.mrope_positions(inputs.mm_token_type_ids, inputs.image_grid_thw, self.encoder.merge)
+        mrope = self.encoder.positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw)
         return PreparedPrompt(prompt, inputs, list(prompt.image_keys), embeddings, mrope)
 
     # --- sampling --------------------------------------------------------------------

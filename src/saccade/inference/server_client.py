@@ -167,7 +167,7 @@ class ServerClient:
     def submit(self, coro):
         """Start a coroutine on the client's event loop; a concurrent.futures.Future of its result
         (for a caller that must do something else meanwhile, e.g. broadcast the tensors a server's
-        request is waiting for: saccade.trainer.weight_transfer)."""
+        request is waiting for: saccade.transports.collective)."""
         self.run(asyncio.sleep(0))  # the loop, started on first use
         return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
 

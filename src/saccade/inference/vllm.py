@@ -328,7 +328,7 @@ class VLLMEngine:
         keys = [[self.key_for_hash(h) for h in x.image_hashes] for x in inputs]
         urls = [image_to_data_url(im) for x in inputs for im in x.images]
         await self._ensure_embeddings([k for ks in keys for k in ks], urls)
-        merge = self.processor.image_processor.merge_size
+        positions = self.family.positions(self.processor.image_processor.merge_size)
         out = []
         for request, x, ks in zip(requests, inputs, keys, strict=True):
             embeddings = [self.cache.get(k) for k in ks]
@@ -338,7 +338,7 @@ class VLLMEngine:
                         f"{request.request_id}: image {i} has grid {x.image_grid_thw[i].tolist()} here but "
                         f"{emb.grid_thw.tolist()} on the server: the image limits differ"
                     )
-            mrope = self.family.mrope_positions(x.mm_token_type_ids, x.image_grid_thw, merge)
+            mrope = positions.mrope(x.mm_token_type_ids, x.image_grid_thw)
             out.append(PreparedPrompt(request, x, ks, embeddings, mrope))
         return out
 

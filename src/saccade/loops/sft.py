@@ -45,7 +45,7 @@ def sft_samples(setup, items: list[tuple[object, str, str]]) -> list:
             torch.cat([prompt.inputs.mm_token_type_ids, torch.zeros(C, dtype=torch.long)]),
             prompt.inputs.image_grid_thw,
             prompt.image_keys,
-            spatial_merge_size=setup.merge,
+            positions=setup.positions,
             loss_mask=torch.cat([torch.zeros(P, dtype=torch.bool), torch.ones(C, dtype=torch.bool)]),
         ))
     return out

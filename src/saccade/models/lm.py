@@ -56,6 +56,8 @@ class PolicyLM(nn.Module):
         self.lm_head = lm_head
         self.image_token_id = int(config.image_token_id)
         self.family = family_of(config)
+        # The model's M-RoPE rule at its tower's merge size: what its samples' positions are computed with.
+        self.positions = self.family.positions(config.vision_config.spatial_merge_size)
         self.num_deepstack_levels = self.family.deepstack_levels(config)
         self.family.prepare_language_model(language_model)
         # Linear-attention layers (Gated DeltaNet) carry a state across a packed row unless their

@@ -1,8 +1,12 @@
 """M-RoPE positions for images, computed from token types and image grids alone.
 
 The trainer never holds the full model, so it cannot call transformers'
-`get_rope_index`; this is the same rule as a pure function (tested equal to it), which
-the families (`saccade.models.families`) use for images. Every token gets three rotary coordinates (t, h, w):
+`get_rope_index`; this is the same rule as a pure function (tested equal to it): Qwen2-VL's
+rule for images, which every family here keeps (`saccade.models.families`: a family's
+`mrope_positions` is this function, or its own where its rule differs). Nothing outside
+`saccade.models` calls it: every stage asks the model's `Positions`
+(`saccade.models.families.interface`), which holds its family's rule. Every token gets three
+rotary coordinates (t, h, w):
 - a text token at running position p gets (p, p, p), and the next one p + 1;
 - an image of llm grid (T, H', W') (H' = H / merge) starting at p gets
   (p + t, p + i, p + j) for each merged patch, and the text after it resumes at
@@ -23,10 +27,10 @@ TEXT, IMAGE, VIDEO = 0, 1, 2
 def mrope_positions(
     mm_token_type_ids_L: torch.Tensor,
     image_grid_thw_N3: torch.Tensor | None,
-    *,
     spatial_merge_size: int,
 ) -> torch.Tensor:
-    """(3, L) int64 M-RoPE positions for one sample. Images are taken in order."""
+    """(3, L) int64 M-RoPE positions for one sample. Images are taken in order. The signature is
+    `ModelFamily.mrope_positions`' (the merge size positional), so a family takes it as is."""
     types = mm_token_type_ids_L.tolist()
     grids = [] if image_grid_thw_N3 is None else [tuple(int(x) for x in g) for g in image_grid_thw_N3]
     pieces: list[torch.Tensor] = []

@@ -280,6 +280,7 @@ class VisionEncoder:
         self.limits = limits
         self.cache = cache if cache is not None else EmbeddingCache()
         self.merge = int(tower.config.spatial_merge_size)
+        self.positions = self.family.positions(self.merge)  # the prompts' M-RoPE positions
         self.levels = self.family.deepstack_levels(tower.config)
 
     @property

@@ -72,7 +72,7 @@ def rollouts_per_prompt(setup, task: Task[S], samples: list[S], params: Sampling
     (`sample_groups`: an episode runs turn by turn, token-in/token-out, under `env`)."""
     from saccade.orchestrator.rollout import sample_groups
 
-    return sample_groups(setup.engine, task, samples, params, merge=setup.merge,
+    return sample_groups(setup.engine, task, samples, params, positions=setup.positions,
                          continuation=setup.continuation, env=env, tokenizer=setup.processor.tokenizer)
 
 

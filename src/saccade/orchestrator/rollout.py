@@ -30,6 +30,7 @@ from saccade.distributed import SINGLE, World, all_gather
 from saccade.envs.base import StepResult
 from saccade.inference.engine import ChatRequest, Completion, Engine, SamplingParams, stream_seed
 from saccade.inference.servers import NoServerError
+from saccade.models.families import Positions
 from saccade.models.vision import Pins
 from saccade.orchestrator.advantages import group_advantages, zero_variance_groups
 from saccade.orchestrator.samples import completion_to_sample
@@ -111,7 +112,7 @@ class StepRollouts:
 
 
 def sample_answers(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *,
-                   merge: int, seeds: list[int | None] | None = None) -> list[list[Rollout]]:
+                   positions: Positions, seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """Single-turn: one request per prompt with n = params.n; each answer scored by its own
     environment (reset with the prompt, stepped with the answer). `seeds`: each prompt's
     sampling stream (answer j draws from stream_seed(seed, j)); None: the engine's."""
@@ -128,11 +129,11 @@ def sample_answers(engine: Engine, task: Task[S], prompts: list[S], params: Samp
     with timed("rewards"):
         results = asyncio.run(step_all(envs, replies))
     with timed("samples"):
-        return _scored_groups(groups, prompts, results, merge, openings)
+        return _scored_groups(groups, prompts, results, positions, openings)
 
 
-def _scored_groups(groups: list[list[Completion]], prompts: list[S], results: list[StepResult], merge: int,
-                   openings: list) -> list[list[Rollout]]:
+def _scored_groups(groups: list[list[Completion]], prompts: list[S], results: list[StepResult],
+                   positions: Positions, openings: list) -> list[list[Rollout]]:
     """Each completion with its environment's result, as a Rollout holding its training sample."""
     G = len(groups[0]) if groups else 0
     out = []
@@ -141,7 +142,7 @@ def _scored_groups(groups: list[list[Completion]], prompts: list[S], results: li
         for i, completion in enumerate(group):
             result = results[g * G + i]
             sample = completion_to_sample(completion, sample_id=f"{prompt.sample_id}/{i}", advantage=0.0,
-                                          reward=result.reward, spatial_merge_size=merge)
+                                          reward=result.reward, positions=positions)
             rollouts.append(Rollout(sample, result.reward, result.info, completion.completion_ids.numel(),
                                     [completion.finish_reason], [completion.text], completion.policy_version,
                                     env_messages=[openings[g * G]]))
@@ -149,8 +150,8 @@ def _scored_groups(groups: list[list[Completion]], prompts: list[S], results: li
     return out
 
 
-def sample_episodes(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *, merge: int,
-                    continuation, env: EnvConfig, tokenizer, check: bool,
+def sample_episodes(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *,
+                    positions: Positions, continuation, env: EnvConfig, tokenizer, check: bool,
                     seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """Multi-turn: params.n environments per prompt, each episode one training sample. With
     `check`, every turn's generation-time inputs must equal the training sample's."""
@@ -169,9 +170,9 @@ def sample_episodes(engine: Engine, task: Task[S], prompts: list[S], params: Sam
     markers = tuple(env.loss_markers) if env.loss_on == "markers" else None
     rollouts = []
     for t in trajectories:
-        sample = to_training_sample(t, spatial_merge_size=merge, tokenizer=tokenizer, markers=markers)
+        sample = to_training_sample(t, positions=positions, tokenizer=tokenizer, markers=markers)
         if check:  # fails loudly: a run whose trainer sees other inputs than the engine must not go on
-            check_consistency(sample, t.turns, spatial_merge_size=merge)
+            check_consistency(sample, t.turns, positions=positions)
         rollouts.append(Rollout(
             sample, t.total_reward, t.infos[-1] if t.infos else {},
             sum(turn.completion_ids.numel() for turn in t.turns), list(t.finish_reasons), list(t.texts),
@@ -180,14 +181,15 @@ def sample_episodes(engine: Engine, task: Task[S], prompts: list[S], params: Sam
     return [rollouts[g * G:(g + 1) * G] for g in range(len(prompts))]
 
 
-def sample_groups(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *, merge: int,
-                  continuation=None, env: EnvConfig | None = None, tokenizer=None,
+def sample_groups(engine: Engine, task: Task[S], prompts: list[S], params: SamplingParams, *,
+                  positions: Positions, continuation=None, env: EnvConfig | None = None, tokenizer=None,
                   check: bool = False, seeds: list[int | None] | None = None) -> list[list[Rollout]]:
     """params.n scored rollouts per prompt, answers or episodes as the task's max_turns says.
-    `seeds`: one sampling stream per prompt (`prompt_seeds`), or None for the engine's own."""
+    `seeds`: one sampling stream per prompt (`prompt_seeds`), or None for the engine's own.
+    `positions`: the model's M-RoPE rule (`Setup.positions`), for the training samples."""
     if task.max_turns == 1:
-        return sample_answers(engine, task, prompts, params, merge=merge, seeds=seeds)
-    return sample_episodes(engine, task, prompts, params, merge=merge, continuation=continuation,
+        return sample_answers(engine, task, prompts, params, positions=positions, seeds=seeds)
+    return sample_episodes(engine, task, prompts, params, positions=positions, continuation=continuation,
                            env=env or EnvConfig(), tokenizer=tokenizer, check=check, seeds=seeds)
 
 
@@ -217,7 +219,7 @@ def sample_step(step: int, rows: StepRows[S], *, setup: Setup, task: Task[S], cf
     with pins, sampling_weights():
         try:
             own = sample_groups(
-                setup.engine, task, [rows.prompts[i] for i in mine], sampling, merge=setup.merge,
+                setup.engine, task, [rows.prompts[i] for i in mine], sampling, positions=setup.positions,
                 continuation=setup.continuation, env=cfg.env, tokenizer=setup.processor.tokenizer, check=check,
                 seeds=prompt_seeds(cfg.trainer.seed, step, [rows.positions[i] for i in mine]),
             )

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from saccade.inference.engine import Completion
 from saccade.trainer.samples import TrainingSample, make_sample
+
+if TYPE_CHECKING:
+    from saccade.models.families import Positions
 
 
 def completion_to_sample(
@@ -14,10 +19,11 @@ def completion_to_sample(
     sample_id: str,
     advantage: float,
     reward: float,
-    spatial_merge_size: int,
+    positions: Positions,
 ) -> TrainingSample:
     """Prompt ids + sampled ids, never re-tokenized; the loss falls on the sampled tokens only
-    (so the engine's experts per sampled token, when it reports them, are the loss tokens')."""
+    (so the engine's experts per sampled token, when it reports them, are the loss tokens').
+    `positions`: the model's M-RoPE rule (`Setup.positions`)."""
     L, T = completion.prompt_ids.shape[0], completion.completion_ids.shape[0]  # prompt, sampled tokens
     input_ids = torch.cat([completion.prompt_ids, completion.completion_ids])
     types = torch.cat([completion.mm_token_type_ids, torch.zeros(T, dtype=torch.long)])
@@ -29,7 +35,7 @@ def completion_to_sample(
         types,
         completion.image_grid_thw if completion.image_keys else None,
         completion.image_keys,
-        spatial_merge_size=spatial_merge_size,
+        positions=positions,
         loss_mask=loss_mask,
         inference_logprobs=logprobs,
         advantage=advantage,

@@ -33,6 +33,7 @@ from saccade.devices import resolve_device
 from saccade.distributed import SINGLE, World, barrier, broadcast
 from saccade.trainer.sharding import shard_model
 from saccade.inference.engine import Engine
+from saccade.models.families import Positions
 from saccade.models.head import use_full_fp32_matmuls
 from saccade.models.vision import EmbeddingCache
 
@@ -50,6 +51,7 @@ class Setup:
     merge: int  # the vision tower's spatial merge size (2x2 patches per image token)
     image_token_id: int
     device: torch.device
+    positions: Positions  # the model's M-RoPE rule (its family's, at `merge`): every sample's positions
 
     @functools.cached_property
     def continuation(self):
@@ -115,7 +117,8 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
     else:
         engine = build_local_engine(cfg, model, model_path, processor, cache, dtype, device)
     merge = int(policy.config.vision_config.spatial_merge_size)  # the full model's config; no tower read
-    return Setup(model_path, processor, model, engine, cache, cfg.images, merge, policy.image_token_id, device)
+    return Setup(model_path, processor, model, engine, cache, cfg.images, merge, policy.image_token_id, device,
+                 policy.positions)
 
 
 def build_local_engine(cfg: RunConfig, model: nn.Module, model_path: str, processor, cache: EmbeddingCache,

@@ -13,13 +13,10 @@
   DIR must lie under `--weights-root` (default: the server's working directory), symlinks
   resolved; anything else is refused with a 403.
 - The collective weight transfer, under vLLM's names for its phases (saccade.serving.transfer,
-  the trainer's side saccade.trainer.weight_transfer): `POST /init_weight_transfer_engine`
-  {"init_info": {"master_address", "master_port", "world_size", "token"}} joins the trainer's gloo
-  group (each worker then proves it holds the token: saccade.serving.rendezvous);
-  `POST /start_weight_update` pauses generation (as a folder update does) and begins vLLM's
-  layerwise reload; each `POST /update_weights` {"update_info": {"names", "dtype_names", "shapes"}}
-  receives one layer group broadcast by the trainer; `POST /finish_weight_update` {"version": k}
-  ends the reload, sets the policy version and resumes generation.
+  the trainer's side saccade.trainer.weight_transfer): `POST /init_weight_transfer_engine` joins
+  the trainer's gloo group, `POST /start_weight_update` pauses generation and begins vLLM's
+  layerwise reload, each `POST /update_weights` {"update_info": ...} receives one layer group,
+  `POST /finish_weight_update` {"version": k} ends it: saccade.serving.transfer_routes.
 - `GET /health` (vLLM's own) and `GET /saccade/info` (policy version, vision layout, the routes the app serves).
 
 Every response carries `x-saccade-policy-version`: the version the server held when the
@@ -38,28 +35,32 @@ most MAX_PIXELS_PER_REQUEST decoded pixels, decoded in a thread off the event lo
 One rule covers every route, vLLM's and saccade's (saccade.serving.guard, around the whole
 app): the API key on all but /health, every key given accepted; body size; media URLs that must
 not be fetched refused on every route that takes messages. docs/security.md.
+
+`build_router` adds the route groups, each a function of the router and the server's state
+(`saccade.serving.state.SaccadeState`): the images (`add_encode_route`), the folder updates
+(`add_folder_update_route`), the collective transfer's phases
+(`saccade.serving.transfer_routes.add_transfer_routes`) and the info (`add_info_route`).
 """
 
 # No `from __future__ import annotations`: FastAPI must see the route parameters' real types.
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from saccade.serving.flags import (
     NO_REMOTE_MEDIA, USAGE, WEIGHTS_ROOT_HELP, api_keys, check_dev_mode, check_exposure, choose_cpu_kv_cache,
     pop_option, with_cpu_dtype, with_defaults,
 )
 from saccade.serving.guard import Guard
+from saccade.serving.state import SaccadeState, error
+from saccade.serving.transfer_routes import add_transfer_routes, receive_chunk, transfer_info
 from saccade.serving.validation import (
-    MediaPolicy, RequestError, check_aspect_ratio, check_total_pixels, parse_finish, parse_image_list,
-    parse_json_body, parse_transfer_chunk, parse_transfer_init, parse_update_request, resolve_weights_path,
-    resolve_weights_root,
+    MediaPolicy, RequestError, check_aspect_ratio, check_total_pixels, parse_image_list, parse_update_request,
+    resolve_weights_path, resolve_weights_root,
 )
-from saccade.serving.weights import check_adapter_folder, check_weights_folder, reference_shapes
-from saccade.serving.wire import (
-    ENCODE_IMAGES, FINISH_UPDATE, INFO, INIT_TRANSFER, LORA_NAME, SHUTDOWN_TRANSFER, START_UPDATE, UPDATE_WEIGHTS,
-)
+from saccade.serving.weights import check_adapter_folder, check_weights_folder
+from saccade.serving.wire import ENCODE_IMAGES, INFO, LORA_NAME, UPDATE_WEIGHTS
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +71,48 @@ DEFAULT_MAX_BODY_MB = 64
 DECODE_SLOTS = 2
 
 # ----------------------------------------------------------------------------- the routes
+
+
+def build_router(state: SaccadeState):
+    """saccade's routes, in the order the app lists them (/saccade/info's "routes")."""
+    from fastapi import APIRouter
+
+    router = APIRouter()
+    add_encode_route(router, state)
+    add_transfer_routes(router, state)
+    add_folder_update_route(router, state)
+    add_info_route(router, state)
+    return router
+
+
+def add_encode_route(router, state: SaccadeState) -> None:
+    """`POST /encode_images`: the images' features by the served tower, decoded off the event loop."""
+    from fastapi import Request
+    from fastapi.responses import Response
+    from safetensors.torch import load, save
+
+    @router.post(ENCODE_IMAGES)
+    async def encode_images(request: Request):
+        import asyncio
+
+        if state.decode_slots is None:
+            state.decode_slots = asyncio.Semaphore(DECODE_SLOTS)
+        try:
+            urls = parse_image_list(await state.read_json(request))
+            # Decoding takes seconds for large images: in a thread, so /health and every other
+            # request are answered meanwhile (on the event loop it stalled them all).
+            async with state.decode_slots:
+                pixels, grid = await asyncio.to_thread(decode_images, state, urls)
+        except RequestError as err:
+            return error(err)
+        info = await state.vision_info(request)
+        results = await request.app.state.engine_client.collective_rpc(
+            "saccade_encode_images", args=(save({"pixel_values": pixels, "image_grid_thw": grid}),)
+        )
+        features = load(results[0])["features"]
+        tensors = split_features(features, grid, info["spatial_merge_size"], info["levels"],
+                                 state.family.split_served_features)
+        return Response(save(tensors), media_type="application/octet-stream")
 
 
 def split_features(features: "torch.Tensor", grid_thw, merge: int, levels: int,
@@ -94,308 +137,45 @@ def split_features(features: "torch.Tensor", grid_thw, merge: int, levels: int,
     return out
 
 
-class SaccadeState:
-    """What the routes need, built once per server process."""
-
-    def __init__(self, model_path: str, max_body_bytes: int, api_keys: tuple[str, ...] = (),
-                 weights_root: str | os.PathLike = ".", processor_kwargs: dict | None = None):
-        from transformers import AutoProcessor
-
-        from saccade.config import ImagesConfig
-        from saccade.models.checkpoint_layout import fingerprint
-        from saccade.models.loading import load_family, load_layout, resolve_model_path
-
-        self.model_path = model_path
-        # /update_weights loads only from below this real path (or the served checkpoint itself).
-        self.weights_root = resolve_weights_root(weights_root)
-        # The served checkpoint's local folder (a hub id's snapshot in the HF cache): what
-        # {"restore_base": true} reloads; a hub id is not a folder vLLM can reload from.
-        self.served_checkpoint = resolve_weights_root(resolve_model_path(model_path))
-        self.max_body_bytes = max_body_bytes
-        self.api_keys = api_keys
-        self.decode_slots: Any = None  # an asyncio.Semaphore(DECODE_SLOTS), made on the server's event loop
-        self.processor = AutoProcessor.from_pretrained(model_path)
-        ip = self.processor.image_processor
-        size = dict(getattr(ip, "size", None) or {})
-        size.setdefault("shortest_edge", getattr(ip, "min_pixels", 56 * 56))
-        size.setdefault("longest_edge", getattr(ip, "max_pixels", 28 * 28 * 1280))
-        low, high = resize_bounds(size, processor_kwargs)
-        self.limits = ImagesConfig(min_pixels=low, max_pixels=high)
-        self.merge = int(getattr(ip, "merge_size", 2))
-        self.family = load_family(model_path)
-        self.policy_version = 0
-        self.lora: str | None = None  # the adapter requests sample with, once the trainer pushed one
-        # True once full weights were loaded: an adapter trained on the base would then sit on
-        # other weights, so the LoRA trainer first restores the base ({"restore_base": true}).
-        self.base_modified = False
-        self.vision: dict[str, Any] | None = None
-        self.update_lock: Any = None  # an asyncio.Lock, made on the server's event loop
-        # The collective weight transfer (serving/transfer.py): whether a trainer joined the group,
-        # and whether an update is between /start_weight_update and /finish_weight_update (it then
-        # holds update_lock and generation is paused).
-        self.transfer_joined = False
-        self.transfer_session = ""  # the joined trainer's name for its group (a later trainer replaces it)
-        self.transfer_active = False
-        # A collective update that failed half way: generation stays paused until a complete
-        # update (collective or folder) has loaded, so no request samples half-updated weights.
-        self.weights_incomplete = False
-        # What an uploaded weights folder is checked against: the served model's tensors in the
-        # layout saccade writes for vLLM, under their canonical names (read through transformers'
-        # renames: Qwen2.5-VL's hub names are the same tensors).
-        self.layout = load_layout(model_path)
-        self.reference_shapes = reference_shapes(self.layout)
-        self.fingerprint = fingerprint(self.layout)
-
-    def preprocess(self, images) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """Pixels as the chat endpoint feeds vLLM's tower: resized and patched, not normalised."""
-        out = self.processor.image_processor(
-            images=images, size=self.family.processor_size(self.limits), do_rescale=False, do_normalize=False,
-            return_tensors="pt",
-        )
-        return out["pixel_values"].float(), out["image_grid_thw"].long()
-
-
-def resize_bounds(size: dict, processor_kwargs: dict | None) -> tuple[int, int]:
-    """The (min, max) pixels vLLM resizes a chat request's images to: the served folder's processor
-    `size`, then --mm-processor-kwargs' `size`, then its `min_pixels` / `max_pixels`, at the top or
-    under `images_kwargs`, the scoped ones last (vLLM 0.32: Qwen2VLProcessingInfo._get_vision_size
-    and the merge before it, where a scoped value wins)."""
-    size = dict(size)
-    kwargs = processor_kwargs or {}
-    for scope in (kwargs, kwargs.get("images_kwargs") or {}):
-        size.update(scope.get("size") or {})
-        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-            if scope.get(key) is not None:
-                size[edge] = scope[key]
-    return int(size["shortest_edge"]), int(size["longest_edge"])
-
-
-async def load_adapter(app, path: str) -> None:
-    """(Re)load the trainer's adapter under LORA_NAME, in place: the same name and LoRA id,
-    new weights. vLLM's prefix cache keys on the LoRA id, so the caller resets it."""
-    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
-
-    if app.state.vllm_config.lora_config is None:
-        raise RequestError("this server has no LoRA support: start it with --enable-lora --max-lora-rank R")
-    result = await app.state.openai_serving_models.load_lora_adapter(
-        LoadLoRAAdapterRequest(lora_name=LORA_NAME, lora_path=path, load_inplace=True)
-    )
-    if not isinstance(result, str):  # an ErrorResponse: vLLM refused the adapter
-        raise RequestError(f"adapter {path!r} was refused: {result.error.message}")
-
-
-def build_router(state: SaccadeState):
-    from fastapi import APIRouter, Request
-    from fastapi.responses import JSONResponse, Response
-    from safetensors.torch import load, save
-
+def decode_images(state: SaccadeState, urls: list[str]) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """The request's images as the tower's pixels; RequestError for what cannot be used. The
+    total pixels are checked from the images' headers before any is decoded."""
     from saccade.data.images import ImageError, data_url_size, load_image
 
-    router = APIRouter()
-
-    async def read_json(request: Request) -> Any:
-        return parse_json_body(await request.body(), state.max_body_bytes)
-
-    def error(err: RequestError) -> JSONResponse:
-        return JSONResponse({"error": str(err)}, status_code=err.status)
-
-    def weight_updates_refusal(request: Request) -> str | None:
-        """Why this server cannot reload weights in place (the family's word for a CPU server), or None."""
-        device = str(request.app.state.vllm_config.device_config.device_type)
-        return state.family.vllm_cpu_weight_updates if device == "cpu" else None
-
-    async def vision_info(request: Request) -> dict:
-        if state.vision is None:
-            infos = await request.app.state.engine_client.collective_rpc("saccade_vision_info")
-            state.vision = infos[0]
-        return state.vision
-
-    def decode(urls: list[str]) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """The request's images as the tower's pixels; RequestError for what cannot be used. The
-        total pixels are checked from the images' headers before any is decoded."""
-        sizes = []
-        for i, url in enumerate(urls):
-            try:
-                sizes.append(data_url_size(url))
-            except ImageError as err:
-                raise RequestError(f"images[{i}]: {err}") from None
-        check_total_pixels(sizes)
+    sizes = []
+    for i, url in enumerate(urls):
         try:
-            images = []
-            for i, url in enumerate(urls):
-                images.append(load_image(url, limits=state.limits, sample=f"images[{i}]"))
-                check_aspect_ratio(images[-1].size, f"images[{i}]")
+            sizes.append(data_url_size(url))
         except ImageError as err:
-            raise RequestError(str(err)) from None
-        try:
-            return state.preprocess(images)
-        except ValueError as err:  # the processor's own refusal of an image we did not foresee
-            raise RequestError(f"the image processor refused the images: {str(err)[:300]}") from None
+            raise RequestError(f"images[{i}]: {err}") from None
+    check_total_pixels(sizes)
+    try:
+        images = []
+        for i, url in enumerate(urls):
+            images.append(load_image(url, limits=state.limits, sample=f"images[{i}]"))
+            check_aspect_ratio(images[-1].size, f"images[{i}]")
+    except ImageError as err:
+        raise RequestError(str(err)) from None
+    try:
+        return state.preprocess(images)
+    except ValueError as err:  # the processor's own refusal of an image we did not foresee
+        raise RequestError(f"the image processor refused the images: {str(err)[:300]}") from None
 
-    @router.post(ENCODE_IMAGES)
-    async def encode_images(request: Request):
-        import asyncio
 
-        if state.decode_slots is None:
-            state.decode_slots = asyncio.Semaphore(DECODE_SLOTS)
-        try:
-            urls = parse_image_list(await read_json(request))
-            # Decoding takes seconds for large images: in a thread, so /health and every other
-            # request are answered meanwhile (on the event loop it stalled them all).
-            async with state.decode_slots:
-                pixels, grid = await asyncio.to_thread(decode, urls)
-        except RequestError as err:
-            return error(err)
-        info = await vision_info(request)
-        results = await request.app.state.engine_client.collective_rpc(
-            "saccade_encode_images", args=(save({"pixel_values": pixels, "image_grid_thw": grid}),)
-        )
-        features = load(results[0])["features"]
-        tensors = split_features(features, grid, info["spatial_merge_size"], info["levels"],
-                                 state.family.split_served_features)
-        return Response(save(tensors), media_type="application/octet-stream")
-
-    def lock():
-        import asyncio
-
-        if state.update_lock is None:
-            state.update_lock = asyncio.Lock()
-        return state.update_lock
-
-    async def read_optional_json(request: Request) -> Any:
-        raw = await request.body()
-        return parse_json_body(raw, state.max_body_bytes) if raw.strip() else None
-
-    def transfer_refusal(request: Request) -> RequestError | None:
-        if request.app.state.vllm_config.weight_transfer_config is None:
-            return RequestError("this server has no weight-transfer engine: start it with saccade serve (which passes "
-                                "--weight-transfer-config), or sync through a folder (engine.weight_sync = \"files\")", 501)
-        refusal = weight_updates_refusal(request)
-        if refusal:
-            return RequestError(f"this server cannot load new weights: {refusal}", 501)
-        return None
-
-    async def failed(message: str, err: BaseException) -> JSONResponse:
-        return JSONResponse({"error": f"{message}: {type(err).__name__}: {str(err)[:500]}"}, status_code=500)
-
-    @router.post(INIT_TRANSFER)
-    async def init_transfer(request: Request):
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        try:
-            info = parse_transfer_init(await read_json(request))
-            refusal = transfer_refusal(request)
-            if refusal:
-                raise refusal
-            session = info.pop("session", "")  # saccade's, not the engine's
-            if state.transfer_active and session == state.transfer_session:
-                raise RequestError("a weight update is in progress: finish it first", 409)
-        except RequestError as err:
-            return error(err)
-        if state.transfer_active:  # begun by a trainer that is gone (another joins): abandoned, half loaded
-            try:
-                await end_update(request.app.state.engine_client, complete=False)
-            except Exception as err:  # noqa: BLE001
-                return await failed("ending the abandoned weight update failed", err)
-        state.transfer_joined, state.transfer_session = False, ""
-        try:  # returns once every worker has joined the trainer's group
-            await request.app.state.engine_client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
-        except Exception as err:  # noqa: BLE001 - the trainer learns why; the server stays up
-            return await failed("joining the trainer's process group failed", err)
-        state.transfer_joined, state.transfer_session = True, session
-        return {"ok": True}
-
-    @router.post(SHUTDOWN_TRANSFER)
-    async def shutdown_transfer(request: Request):
-        if state.transfer_active:
-            return error(RequestError("a weight update is in progress: finish it first", 409))
-        if state.transfer_joined:
-            await request.app.state.engine_client.shutdown_weight_transfer_engine()
-        state.transfer_joined, state.transfer_session = False, ""
-        return {"ok": True}
-
-    @router.post(START_UPDATE)
-    async def start_update(request: Request):
-        refusal = transfer_refusal(request)
-        if refusal is None and not state.transfer_joined:
-            refusal = RequestError("no trainer has joined: call /init_weight_transfer_engine first", 409)
-        if refusal is None and state.transfer_active:
-            refusal = RequestError("a weight update is already in progress", 409)
-        if refusal:
-            return error(refusal)
-        await lock().acquire()  # held until /finish_weight_update: no folder update in between
-        client = request.app.state.engine_client
-        try:
-            # As for a folder: requests running now finish on the old weights; new ones wait.
-            await client.pause_generation(mode="wait", clear_cache=False)
-            await client.start_weight_update()
-        except Exception as err:  # noqa: BLE001
-            if not state.weights_incomplete:
-                await client.resume_generation()
-            lock().release()
-            return await failed("starting the weight update failed", err)
-        state.transfer_active = True
-        return {"ok": True}
-
-    async def end_update(client, *, complete: bool, version: int | None = None) -> None:
-        """The update's end, finished or failed: vLLM's layerwise reload closed, what derives from the
-        weights refreshed; generation resumes only after a complete update."""
-        try:
-            await client.finish_weight_update()
-            await client.collective_rpc("saccade_after_reload")
-            await client.reset_encoder_cache()
-            await client.reset_prefix_cache()
-        finally:
-            state.transfer_active = False
-            state.weights_incomplete = not complete
-            if complete:
-                state.policy_version = version
-                state.base_modified = True
-                await client.resume_generation()
-            lock().release()
-
-    async def transfer_chunk(request: Request, body: Any):
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        try:
-            info = parse_transfer_chunk(body)
-            if not state.transfer_active:
-                raise RequestError("no weight update in progress: call /start_weight_update first", 409)
-        except RequestError as err:
-            return error(err)
-        client = request.app.state.engine_client
-        try:  # returns once the trainer's broadcast of this chunk has arrived and loaded
-            await client.update_weights(WeightTransferUpdateRequest(update_info=info))
-        except Exception as err:  # noqa: BLE001 - half the weights are new: keep generation paused
-            try:
-                await end_update(client, complete=False)
-            except Exception:  # noqa: BLE001, S110 - the first failure is the one reported
-                pass
-            return await failed("receiving weights failed; generation stays paused until a complete update", err)
-        return {"ok": True, "tensors": len(info["names"])}
-
-    @router.post(FINISH_UPDATE)
-    async def finish_update(request: Request):
-        try:
-            version = parse_finish(await read_optional_json(request), state.policy_version)
-            if not state.transfer_active:
-                raise RequestError("no weight update in progress: call /start_weight_update first", 409)
-        except RequestError as err:
-            return error(err)
-        try:
-            await end_update(request.app.state.engine_client, complete=True, version=version)
-        except Exception as err:  # noqa: BLE001
-            return await failed("finishing the weight update failed", err)
-        return {"ok": True, "version": version}
+def add_folder_update_route(router, state: SaccadeState) -> None:
+    """`POST /update_weights`: full weights from a folder, an adapter, or the served checkpoint back
+    ({"restore_base": true}), one update at a time; a body with "update_info" is a chunk of a
+    collective update instead (`saccade.serving.transfer_routes.receive_chunk`)."""
+    from fastapi import Request
 
     @router.post(UPDATE_WEIGHTS)
     async def update_weights(request: Request):
         try:
-            body = await read_json(request)
+            body = await state.read_json(request)
         except RequestError as err:
             return error(err)
         if isinstance(body, dict) and "update_info" in body:  # one chunk of a collective update
-            return await transfer_chunk(request, body)
+            return await receive_chunk(request, body, state)
         try:
             update = parse_update_request(body, state.policy_version)
             if update.restore_base:
@@ -407,7 +187,7 @@ def build_router(state: SaccadeState):
                 count = None
             else:
                 count = check_weights_folder(path, state.reference_shapes, lambda k: state.layout.canonical(k)[0])
-            refusal = weight_updates_refusal(request)
+            refusal = state.weight_updates_refusal(request)
             if refusal:
                 raise RequestError(f"this server cannot load new weights: {refusal}. Train with "
                                    'engine.kind = "embedded" (the trainer samples itself), or serve on a GPU', 501)
@@ -415,7 +195,7 @@ def build_router(state: SaccadeState):
             return error(err)
         version = update.version
         client = request.app.state.engine_client
-        async with lock():  # one update at a time
+        async with state.lock():  # one update at a time
             # Requests running now finish on the old weights; new ones wait for the new weights.
             await client.pause_generation(mode="wait", clear_cache=False)
             try:
@@ -443,32 +223,38 @@ def build_router(state: SaccadeState):
             finally:
                 await client.resume_generation()
 
+
+async def load_adapter(app, path: str) -> None:
+    """(Re)load the trainer's adapter under LORA_NAME, in place: the same name and LoRA id,
+    new weights. vLLM's prefix cache keys on the LoRA id, so the caller resets it."""
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    if app.state.vllm_config.lora_config is None:
+        raise RequestError("this server has no LoRA support: start it with --enable-lora --max-lora-rank R")
+    result = await app.state.openai_serving_models.load_lora_adapter(
+        LoadLoRAAdapterRequest(lora_name=LORA_NAME, lora_path=path, load_inplace=True)
+    )
+    if not isinstance(result, str):  # an ErrorResponse: vLLM refused the adapter
+        raise RequestError(f"adapter {path!r} was refused: {result.error.message}")
+
+
+def add_info_route(router, state: SaccadeState) -> None:
+    """`GET /saccade/info`: what a client checks before it trusts the server (policy version, vision
+    layout, limits, LoRA, weight updates and transfer, dtypes, the checkpoint's fingerprint, routes)."""
+    from fastapi import Request
+
     @router.get(INFO)
     async def info(request: Request):
         model_config = request.app.state.vllm_config.model_config
-        return {"policy_version": state.policy_version, "model": state.model_path, **(await vision_info(request)),
+        return {"policy_version": state.policy_version, "model": state.model_path, **(await state.vision_info(request)),
                 "min_pixels": state.limits.min_pixels, "max_pixels": state.limits.max_pixels,
                 "lora_enabled": request.app.state.vllm_config.lora_config is not None, "lora": state.lora,
                 "base_modified": state.base_modified, "weights_root": str(state.weights_root),
-                "weight_updates_refused": weight_updates_refusal(request),
+                "weight_updates_refused": state.weight_updates_refusal(request),
                 "weight_transfer": transfer_info(request, state), "weights_incomplete": state.weights_incomplete,
                 "dtype": str(model_config.dtype).removeprefix("torch."),
                 "head_dtype": str(model_config.head_dtype).removeprefix("torch."),
                 "fingerprint": state.fingerprint, "routes": app_routes(request.app)}
-
-    return router
-
-
-def transfer_info(request, state: SaccadeState) -> dict | None:
-    """The collective weight transfer this server offers: its backend, how many workers join the
-    trainer's group (the group's size is that + 1) and the session of the trainer that joined last
-    ("" for none), or None without one."""
-    vllm_config = request.app.state.vllm_config
-    config = vllm_config.weight_transfer_config
-    if config is None:
-        return None
-    return {"backend": config.backend, "workers": int(vllm_config.parallel_config.world_size_across_dp),
-            "session": state.transfer_session if state.transfer_joined else ""}
 
 
 def app_routes(app) -> list[dict]:

@@ -15,7 +15,7 @@ CPU build; on a GPU server it works too (the tensors land on the CPU, `load_weig
 
 Wire format of one chunk (`update_weights`): the update info names the tensors, their dtypes and
 shapes; the trainer (rank 0) broadcasts their bytes back to back in one uint8 buffer; the worker
-cuts it into tensors and loads them. The trainer's side is `saccade.trainer.weight_transfer`.
+cuts it into tensors and loads them. The trainer's side is `saccade.transports.collective`.
 
 This module imports vLLM: it is imported only in a vLLM worker (by name, through the factory's
 lazy registry, `saccade.serving.worker.register_weight_transfer`).

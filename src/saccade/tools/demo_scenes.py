@@ -70,7 +70,7 @@ def warm_start(cfg: RunConfig, setup, task, *, run_dir: Path, progress: bool = T
                 continue
             replies = scripted_replies(sample, rng, max_turns=task.max_turns, turn_deg=turn, turns=turns)
             t = scripted_trajectory(setup, task, sample, replies, f"warm-{index}")
-            batch.append(to_training_sample(t, spatial_merge_size=setup.merge))
+            batch.append(to_training_sample(t, positions=setup.positions))
         return batch
 
     return sft_loop(cfg, setup, run_dir=run_dir, make_batch=make_batch, progress=progress, phase="warm-start")

@@ -96,14 +96,15 @@ def full_model_logprobs(full_model, inputs: ModelInputs) -> torch.Tensor:
     return logprobs
 
 
-def prepare(processor, encoder: VisionEncoder, limits: ImagesConfig, merge: int) -> list[ParityInputs]:
+def prepare(processor, encoder: VisionEncoder, limits: ImagesConfig) -> list[ParityInputs]:
+    """The parity conversations as samples, their images encoded; positions by the encoder's family."""
     out = []
     for name, messages in parity_conversations().items():
         inputs = messages_to_inputs(messages, processor, limits=limits, sample=name)
         keys = [encoder.key_for_hash(h) for h in inputs.image_hashes]
         encoder.encode(inputs.images, keys)
         sample = make_sample(
-            name, inputs.input_ids, inputs.mm_token_type_ids, inputs.image_grid_thw, keys, spatial_merge_size=merge
+            name, inputs.input_ids, inputs.mm_token_type_ids, inputs.image_grid_thw, keys, positions=encoder.positions
         )
         out.append(ParityInputs(name, inputs, sample))
     return out
@@ -114,13 +115,13 @@ def grouped_samples(processor, encoder: VisionEncoder, completion_lengths, gener
     per entry of `completion_lengths` (its length), the loss on the completion only, advantage
     g - 1 for the g-th. Packed with shared prompts, each group's prompt is one context."""
     samples = []
-    for c in prepare(processor, encoder, encoder.limits, encoder.merge):
+    for c in prepare(processor, encoder, encoder.limits):
         prompt = c.inputs.input_ids
         for g, n in enumerate(completion_lengths):
             samples.append(make_sample(
                 f"{c.name}/{g}", torch.cat([prompt, torch.randint(10, 200, (n,), generator=generator)]),
                 torch.cat([c.inputs.mm_token_type_ids, torch.zeros(n, dtype=torch.long)]), c.inputs.image_grid_thw,
-                c.sample.image_keys, spatial_merge_size=encoder.merge,
+                c.sample.image_keys, positions=encoder.positions,
                 loss_mask=torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(n, dtype=torch.bool)]),
                 advantage=g - 1.0))
     return samples
@@ -193,7 +194,7 @@ def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.d
     policy = load_policy_lm(model_path, dtype=dtype, device=device).eval()
     encoder = VisionEncoder(tower, processor, limits=limits)
     merge = encoder.merge
-    cases = prepare(processor, encoder, limits, merge)
+    cases = prepare(processor, encoder, limits)
     reference = [full_model_logprobs(full, c.inputs) for c in cases]
     common = dict(image_token_id=policy.image_token_id, merge=merge)
     single = lm_logprobs(policy, cases, encoder, packed=False, **common)
@@ -324,7 +325,7 @@ def long_context_figures(models: ParityModels, lengths=LONG_CONTEXT_LENGTHS) -> 
         keys = [models.encoder.key_for_hash(h) for h in inputs.image_hashes]
         models.encoder.encode(inputs.images, keys)
         sample = make_sample(f"long-{n}", inputs.input_ids, inputs.mm_token_type_ids, inputs.image_grid_thw, keys,
-                             spatial_merge_size=merge)
+                             positions=models.encoder.positions)
         lm = lm_logprobs(models.policy, [ParityInputs("long", inputs, sample)], models.encoder,
                          image_token_id=models.policy.image_token_id, merge=merge, packed=False)[0]
         full = full_model_logprobs(models.full, inputs)

@@ -9,10 +9,12 @@ is built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from saccade.models.positions import mrope_positions, with_text_row
+if TYPE_CHECKING:
+    from saccade.models.families import Positions
 
 
 @dataclass
@@ -62,7 +64,7 @@ def make_sample(
     image_grid_thw: torch.Tensor | None,
     image_keys: list[str],
     *,
-    spatial_merge_size: int,
+    positions: Positions,
     loss_mask: torch.Tensor | None = None,
     inference_logprobs: torch.Tensor | None = None,
     advantage: float = 0.0,
@@ -70,16 +72,16 @@ def make_sample(
     policy_version: int = 0,
     routed_experts: torch.Tensor | None = None,
 ) -> TrainingSample:
-    """Build a sample, computing its M-RoPE positions from the token types and grids."""
+    """Build a sample, its M-RoPE positions computed from the token types and grids by `positions`
+    (the model's: `PolicyLM.positions`, `Setup.positions`, the engine's encoder's)."""
     L = input_ids.shape[0]
     grid = image_grid_thw if image_grid_thw is not None else torch.zeros(0, 3, dtype=torch.long)
-    positions = with_text_row(mrope_positions(mm_token_type_ids, grid, spatial_merge_size=spatial_merge_size))
     return TrainingSample(
         sample_id=sample_id,
         input_ids=input_ids.long(),
         loss_mask=loss_mask.bool() if loss_mask is not None else torch.zeros(L, dtype=torch.bool),
         inference_logprobs=inference_logprobs.float() if inference_logprobs is not None else torch.zeros(L),
-        position_ids=positions,
+        position_ids=positions.with_text_row(mm_token_type_ids, grid),
         image_grid_thw=grid.long(),
         image_keys=list(image_keys),
         advantage=float(advantage),

@@ -28,7 +28,7 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -329,116 +329,190 @@ def train_step(
         raise ValueError("loss.kl_coef > 0 needs a reference policy")
     policy = unwrap_policy(model)
     device = policy.lm_head.weight.device
-    hosts = [mb.on_host for mb in micro_batches]
-    loss_tokens = [int(h.loss_mask.sum()) for h in hosts]  # host copies: no device read
+    totals = loss_counts(micro_batches, loss, filtered, world, device)
+    ban_bias_V = ban_bias(policy.lm_head, banned_token_ids)  # once per step, not once per forward
+    score = dict(distribution=distribution, only_loss_tokens=True, ban_bias_V=ban_bias_V)
+    old_logprobs, ref_logprobs = behaviour_logprobs(model, micro_batches, device, score,
+                                                    tis=loss.tis_cap is not None, reference=reference)
+    objective = ClippedObjective(model, micro_batches, loss, score, totals, old_logprobs, ref_logprobs,
+                                 current_version=current_version, device=device)
+    model.train()
+    done = optimizer_steps(optimizer, scheduler, micro_batches, objective, num_iterations, device=device,
+                           grad_clip=grad_clip, world=world, spike_guard=spike_guard)
+    return step_metrics(done, objective, micro_batches, totals, scheduler, world=world, device=device,
+                        guarded=spike_guard is not None)
+
+
+@dataclass(frozen=True)
+class LossCounts:
+    """A train step's counts for the loss's normalisation, taken once before its passes."""
+
+    per_micro_batch: list[int]  # each micro-batch's loss tokens (this rank's, read on the host copies)
+    tokens: float  # the whole step's loss tokens, every rank's: what the metrics are means over
+    sequences: float
+    # The loss's denominators: the kept samples', or with loss.denominator 'sampled' every sampled
+    # group's (the zero-variance filter's drops counted as the zero-advantage terms they are).
+    counted_tokens: float
+    counted_sequences: float
+
+
+def loss_counts(micro_batches: list[MicroBatch], loss: LossConfig, filtered: tuple[int, int], world: World,
+                device: torch.device) -> LossCounts:
+    """`LossCounts` of the step's micro-batches, summed over the ranks; `filtered` (train_step's) added
+    to the denominators with loss.denominator 'sampled'."""
+    loss_tokens = [int(mb.on_host.loss_mask.sum()) for mb in micro_batches]  # host copies: no device read
     total_loss_tokens, total_sequences = all_reduce_sum(
         [float(sum(loss_tokens)), float(sum(mb.num_samples for mb in micro_batches))], world, device)
-    # The loss's denominators: the kept samples', or every sampled group's (loss.denominator).
-    # The metrics stay means over the kept loss tokens.
     counted_tokens, counted_sequences = total_loss_tokens, total_sequences
     if loss.denominator == "sampled":
         counted_tokens, counted_sequences = counted_tokens + filtered[0], counted_sequences + filtered[1]
-    ban_bias_V = ban_bias(policy.lm_head, banned_token_ids)  # once per step, not once per forward
-    score = dict(distribution=distribution, only_loss_tokens=True, ban_bias_V=ban_bias_V)
+    return LossCounts(loss_tokens, total_loss_tokens, total_sequences, counted_tokens, counted_sequences)
 
-    # Behaviour logprobs: the engine's. With TIS, the ratio is taken against the trainer's own
-    # logprobs before the update, and the engine/trainer gap is corrected by a capped weight.
-    # (Masked IS needs no pass of its own: without TIS it takes the trainer's side from the
-    # forward the loss is computed on, and the ratio stays the engine's: saccade.trainer.loss.)
+
+def behaviour_logprobs(model: nn.Module, micro_batches: list[MicroBatch], device: torch.device, score: dict, *,
+                       tis: bool, reference: Reference | None) -> tuple[list, list]:
+    """The logprobs a step takes before its update, per micro-batch (None where not needed): with TIS
+    the trainer's own, which the ratio is then taken against (the engine/trainer gap corrected by a
+    capped weight; without TIS the behaviour logprobs are the engine's), and the reference policy's
+    when the KL term is on. (Masked IS needs no pass of its own: without TIS it takes the trainer's
+    side from the forward the loss is computed on, and the ratio stays the engine's: saccade.trainer.loss.)"""
     old_logprobs: list[torch.Tensor | None] = [None] * len(micro_batches)
     ref_logprobs: list[torch.Tensor | None] = [None] * len(micro_batches)
-    if loss.tis_cap is not None or reference is not None:
+    if tis or reference is not None:
         with torch.no_grad():
             for k, mb in on_device(micro_batches, device):
-                if loss.tis_cap is not None:
+                if tis:
                     old_logprobs[k], _ = forward_logprobs(model, mb, **score)
                 if reference is not None:
                     ref_logprobs[k] = reference(mb)
                 del mb
+    return old_logprobs, ref_logprobs
 
-    lag0 = torch.zeros(2, dtype=torch.float64, device=device)  # |logprobs - engine's| over fresh tokens, and their count
 
-    # A mixture of experts: the experts the first pass's forwards sent the loss tokens to, (layers, E) counts,
-    # and, where the engine reported its own, the mismatch split by whether the two routed alike.
-    router_counts: list[torch.Tensor] = []
-    routing_split = torch.zeros(4, dtype=torch.float64, device=device)  # `routing_split_sums`
+class ClippedObjective:
+    """One train step's policy loss as `optimizer_step` takes it (a `MicroBatchLoss`): micro-batch k's
+    share of the loss, and its metrics weighted by its loss tokens. On the step's first pass
+    (`iteration` 0; `optimizer_steps` sets it) its forwards also measure, on the device, unread: the
+    engine/trainer gap over the tokens sampled under exactly these weights (`lag0`), and for a mixture
+    of experts the experts the loss tokens went to (`router_counts`) and, where the engine reported
+    its own, the mismatch split by whether the two routed alike (`routing_split`)."""
 
-    def clipped_objective(k: int, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Micro-batch k's share of the policy loss, and its metrics weighted by its loss tokens.
-        `iteration` is the optimizer step under way (the loop below)."""
-        with policy.family.record_routing(policy.language_model) as routing:  # dense families: None
-            logprobs, entropy = forward_logprobs(model, mb, **score)
-        if routing is not None and iteration == 0:
-            counts_YE = expert_counts(routing.chosen, routing.num_experts, mb.loss_mask.reshape(-1))
-            router_counts[:] = [counts_YE if not router_counts else router_counts[0] + counts_YE]
-            if mb.routed_experts is not None:
-                routing_split.add_(engine_routing_split(routing, mb, logprobs))
+    def __init__(self, model: nn.Module, micro_batches: list[MicroBatch], loss: LossConfig, score: dict,
+                 totals: LossCounts, old_logprobs: list, ref_logprobs: list, *, current_version: int | None,
+                 device: torch.device):
+        self.model, self.policy = model, unwrap_policy(model)
+        self.hosts = [mb.on_host for mb in micro_batches]
+        self.loss, self.score, self.totals = loss, score, totals
+        self.old_logprobs, self.ref_logprobs = old_logprobs, ref_logprobs
+        self.current_version = current_version
+        self.iteration = 0  # the optimizer step under way
+        self.lag0 = torch.zeros(2, dtype=torch.float64, device=device)  # |logprobs - engine's| over fresh tokens, and their count
+        self.router_counts: torch.Tensor | None = None  # (layers, E): the first pass's loss tokens' experts
+        self.routing_split = torch.zeros(4, dtype=torch.float64, device=device)  # `routing_split_sums`
+
+    def __call__(self, k: int, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with self.policy.family.record_routing(self.policy.language_model) as routing:  # dense families: None
+            logprobs, entropy = forward_logprobs(self.model, mb, **self.score)
+        if self.iteration == 0:
+            self._measure(mb, logprobs, routing)
         inputs = LossInputs(
             logprobs_N=logprobs,
-            old_logprobs_N=old_logprobs[k] if old_logprobs[k] is not None else mb.inference_logprobs,
+            old_logprobs_N=self.old_logprobs[k] if self.old_logprobs[k] is not None else mb.inference_logprobs,
             advantages_N=mb.advantages,
             loss_mask_N=mb.loss_mask,
-            cu_seqlens=hosts[k].cu_seqlens,
+            cu_seqlens=self.hosts[k].cu_seqlens,
             inference_logprobs_N=mb.inference_logprobs,
-            ref_logprobs_N=ref_logprobs[k],
+            ref_logprobs_N=self.ref_logprobs[k],
             entropy_N=entropy,
-            total_loss_tokens=counted_tokens,
-            total_sequences=counted_sequences,
+            total_loss_tokens=self.totals.counted_tokens,
+            total_sequences=self.totals.counted_sequences,
         )
-        if iteration == 0 and current_version is not None and mb.policy_versions is not None:
-            fresh = mb.loss_mask & (mb.policy_versions == current_version)
-            gap = (logprobs.detach() - mb.inference_logprobs).abs()
-            lag0.add_(torch.stack([torch.where(fresh, gap, torch.zeros_like(gap)).sum(), fresh.sum()]).double())
         with timed("loss"):
-            loss_value, metrics = policy_loss(inputs, loss)
-        weight = loss_tokens[k] / max(1.0, total_loss_tokens)
+            loss_value, metrics = policy_loss(inputs, self.loss)
+        weight = self.totals.per_micro_batch[k] / max(1.0, self.totals.tokens)
         return loss_value, {name: value * weight for name, value in metrics.items()}
 
-    sums: dict[str, float] = {}  # the applied iterations' loss and metrics
-    skipped = 0
-    spikes: list[float] = []
-    grad_norms: list[float] = []
-    model.train()
+    def _measure(self, mb: MicroBatch, logprobs: torch.Tensor, routing: Routing | None) -> None:
+        """The first pass's figures of micro-batch mb, added on the device."""
+        if routing is not None:
+            counts_YE = expert_counts(routing.chosen, routing.num_experts, mb.loss_mask.reshape(-1))
+            self.router_counts = counts_YE if self.router_counts is None else self.router_counts + counts_YE
+            if mb.routed_experts is not None:
+                self.routing_split.add_(engine_routing_split(routing, mb, logprobs))
+        if self.current_version is not None and mb.policy_versions is not None:
+            fresh = mb.loss_mask & (mb.policy_versions == self.current_version)
+            gap = (logprobs.detach() - mb.inference_logprobs).abs()
+            self.lag0.add_(torch.stack([torch.where(fresh, gap, torch.zeros_like(gap)).sum(), fresh.sum()]).double())
+
+
+@dataclass
+class Iterations:
+    """What a train step's optimizer steps did."""
+
+    sums: dict[str, float] = field(default_factory=dict)  # the applied ones' loss and metrics, summed
+    grad_norms: list[float] = field(default_factory=list)  # the applied ones'
+    skipped: int = 0  # not applied: non-finite, or a spike
+    spikes: list[float] = field(default_factory=list)  # the norms the spike guard skipped
+
+    @property
+    def applied(self) -> int:
+        """How many were applied, at least 1: what the sums are divided by."""
+        return max(1, len(self.grad_norms))
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer, scheduler, micro_batches: list[MicroBatch],
+                    objective: ClippedObjective, num_iterations: int, *, device: torch.device, grad_clip: float,
+                    world: World, spike_guard: GradSpikeGuard | None) -> Iterations:
+    """`num_iterations` optimizer steps of `objective` over the micro-batches; a skipped one's NaN
+    figures are not summed in."""
+    done = Iterations()
     for iteration in range(num_iterations):
-        outcome = optimizer_step(optimizer, scheduler, micro_batches, clipped_objective, device=device,
+        objective.iteration = iteration
+        outcome = optimizer_step(optimizer, scheduler, micro_batches, objective, device=device,
                                  grad_clip=grad_clip, world=world, spike_guard=spike_guard)
         if outcome.spiked:
-            spikes.append(outcome.grad_norm)
+            done.spikes.append(outcome.grad_norm)
         if not outcome.applied:
-            skipped += 1
+            done.skipped += 1
             continue
-        grad_norms.append(outcome.grad_norm)
-        for name, value in outcome.sums.items():  # a skipped iteration's NaN figures are not averaged in
-            sums[name] = value if name not in sums else sums[name] + value
-    applied = max(1, num_iterations - skipped)
+        done.grad_norms.append(outcome.grad_norm)
+        for name, value in outcome.sums.items():
+            done.sums[name] = value if name not in done.sums else done.sums[name] + value
+    return done
+
+
+def step_metrics(done: Iterations, objective: ClippedObjective, micro_batches: list[MicroBatch], totals: LossCounts,
+                 scheduler, *, world: World, device: torch.device, guarded: bool) -> dict[str, float]:
+    """The step's metrics: the applied iterations' means of the loss's figures, summed over this rank's
+    micro-batches, then over the ranks (the grad norm is global already), with the first pass's
+    measures (`ClippedObjective`), the token counts, the lr and the skips. `guarded`: a spike guard ran."""
     real = [mb for mb in micro_batches if mb.num_samples]  # not the padding micro-batches
-    # Sums over this rank's micro-batches, then over the ranks (the grad norm is global already).
-    summed = sorted(sums)
+    summed = sorted(done.sums)
     counts = ["micro_batches", "train_tokens", "forward_tokens"]
     # Every rank sends the routing split, zeros or not (a rank's padding micro-batches have no
     # engine routing): the collective is the same on every rank.
     reduced = all_reduce_sum(
-        [sums[k] for k in summed] + lag0.tolist() + routing_split.tolist()
+        [done.sums[k] for k in summed] + objective.lag0.tolist() + objective.routing_split.tolist()
         # The samples' tokens (a shared prompt once per sample), and what the forward computed.
         + [float(len(real)), float(sum(mb.num_sample_tokens for mb in real)), float(sum(mb.num_tokens for mb in real))],
         world, device)
-    out = {k: v / applied for k, v in zip(summed, reduced)}
+    out = {k: v / done.applied for k, v in zip(summed, reduced)}
     at = len(summed)
     gap_sum, fresh_tokens = reduced[at:at + 2]
     split_sums = reduced[at + 2:at + 6]
-    if grad_norms:
-        out["grad_norm"] = sum(grad_norms) / applied
+    if done.grad_norms:
+        out["grad_norm"] = sum(done.grad_norms) / done.applied
     out.update(zip(counts, reduced[at + 6:]))
-    out.update(skipped_steps=float(skipped), lr=scheduler.get_last_lr()[0])
-    if spike_guard is not None:
-        out["grad_spike_skipped"] = float(len(spikes))
-        if spikes:
-            out["grad_norm_spike"] = max(spikes)
-    out["loss_tokens"] = total_loss_tokens  # the step's, not a mean over micro-batches (that depends on the packing)
-    if current_version is not None and fresh_tokens:
+    out.update(skipped_steps=float(done.skipped), lr=scheduler.get_last_lr()[0])
+    if guarded:
+        out["grad_spike_skipped"] = float(len(done.spikes))
+        if done.spikes:
+            out["grad_norm_spike"] = max(done.spikes)
+    out["loss_tokens"] = totals.tokens  # the step's, not a mean over micro-batches (that depends on the packing)
+    if objective.current_version is not None and fresh_tokens:
         out["mismatch_abs_lag0"] = gap_sum / fresh_tokens
-    if router_counts:  # a MoE: the load balance over every rank's loss tokens
-        counts_YE = router_counts[0]
+    if objective.router_counts is not None:  # a MoE: the load balance over every rank's loss tokens
+        counts_YE = objective.router_counts
         summed = all_reduce_sum(counts_YE.reshape(-1).tolist(), world, device)
         out.update(load_figures(torch.tensor(summed, dtype=torch.float64).view_as(counts_YE)))
     out.update(routing_split_figures(split_sums))  # {} unless the engine reported its routing

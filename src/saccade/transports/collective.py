@@ -20,11 +20,11 @@ Per sync (`CollectiveTransport.send`), on every live server together:
    per group, materialized one group at a time (LoRA merged in).
 3. `/finish_weight_update` {"version": k}: the server ends the reload, reports version k in the
    policy-version header from then on, and resumes generation.
-The server side is `saccade.serving.transfer` (the engine) and `saccade.serving.server` (routes).
+The server side is `saccade.serving.transfer` (the engine) and `saccade.serving.transfer_routes` (routes).
 
 Failures: a server that fails any phase (refuses, drops its connection, dies mid-stream: its
 broadcast raises, in its own group only) is taken out and the sync goes on with the others. A
-server mid-update keeps generation paused (`saccade.serving.server`): nothing samples a mix of
+server mid-update keeps generation paused (`saccade.serving.transfer_routes`): nothing samples a mix of
 versions. A server that answers again (restarted by the launcher, or a new one) is not put back
 by the health check: the next sync joins it under a fresh rendezvous, sends it the whole model
 with the others, and puts it back at that version.

@@ -13,9 +13,10 @@ import os
 from pathlib import Path
 
 from saccade.models.families import qwen2_5_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe
-from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily
+from saccade.models.families.interface import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, Positions
 
-__all__ = ["FAMILIES", "LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX", "ModelFamily", "family_of", "model_type_of"]
+__all__ = ["FAMILIES", "LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX", "ModelFamily", "Positions", "family_of",
+           "model_type_of"]
 
 FAMILIES: tuple[ModelFamily, ...] = (qwen3_vl.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl_moe.FAMILY, qwen3_5.FAMILY,
                                      qwen3_5_moe.FAMILY)

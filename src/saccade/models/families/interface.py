@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from saccade.config import ImagesConfig
+from saccade.models.positions import with_text_row
 
 # The canonical checkpoint names (transformers 5's layout for the whole VLM): what saccade's
 # trainer holds, writes and reads, whatever layout a family's hub checkpoints use.
@@ -165,6 +166,29 @@ def resize_bounds(limits: ImagesConfig) -> dict[str, int]:
     return processor_size(limits)
 
 
+@dataclass(frozen=True)
+class Positions:
+    """One model's M-RoPE positions: its family's rule (`ModelFamily.mrope_positions`) at its tower's
+    merge size. The one object every stage asks: the engines for the prompts they run, the trainer
+    for its samples (`saccade.trainer.samples.make_sample`), the multi-turn check for what the engine
+    ran (`saccade.envs.trajectory.check_consistency`). A run gets it from its model
+    (`PolicyLM.positions`, kept as `Setup.positions`), an engine from its family
+    (`VisionEncoder.positions`; the vLLM engine's `family`), so a family with another rule changes
+    its `mrope_positions` and nothing else."""
+
+    rule: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # the family's mrope_positions
+    merge: int  # the tower's spatial merge size: merge x merge patches per image token
+
+    def mrope(self, mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.Tensor | None) -> torch.Tensor:
+        """(3, L) int64 (t, h, w) positions of one prompt or sample; its images in order."""
+        return self.rule(mm_token_type_ids_L, image_grid_thw_N3, self.merge)
+
+    def with_text_row(self, mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.Tensor | None) -> torch.Tensor:
+        """(4, L) int64, a training sample's: the per-sample text position 0..L-1 packing relies on
+        (docs/packing.md), then `mrope`'s three rows."""
+        return with_text_row(self.mrope(mm_token_type_ids_L, image_grid_thw_N3))
+
+
 @dataclass(frozen=True, eq=False)
 class ModelFamily:
     """One architecture family as saccade sees it. Members are data or functions of their
@@ -178,7 +202,8 @@ class ModelFamily:
     full_model_class: Callable[[], type]  # the whole model: the parity reference; its __name__ the class's
     deepstack_levels: Callable[[Any], int]  # the config's DeepStack levels (0: none)
     run_tower: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
-    mrope_positions: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # -> (3, L)
+    # (mm_token_type_ids_L, grid_thw_N3, merge) -> (3, L): the rule; every stage asks `positions(merge)`.
+    mrope_positions: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
     lora_target_modules: tuple[str, ...]  # the language model's linears LoRA wraps by default
     lora_target_parameters: tuple[str, ...] = ()  # parameters (not modules) LoRA wraps: MoE experts
     prepare_language_model: Callable[[nn.Module], None] = no_hooks  # once, after it is built
@@ -200,3 +225,7 @@ class ModelFamily:
 
     def __post_init__(self):
         assert self.model_types, self.name
+
+    def positions(self, merge: int) -> Positions:
+        """This family's M-RoPE rule at a tower's merge size: what every stage computes positions with."""
+        return Positions(self.mrope_positions, int(merge))

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from saccade.models.families.interface import ModelFamily, transformers_class
-from saccade.models.positions import mrope_positions as _shared_mrope_positions
+from saccade.models.positions import mrope_positions
 
 # The language model's linears, as in Qwen3-VL (dense: no fused expert parameters).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -59,14 +59,6 @@ def run_tower(tower: nn.Module, pixel_values: torch.Tensor, grid_thw_I3: torch.T
     return out.pooler_output, []
 
 
-def mrope_positions(mm_token_type_ids_L: torch.Tensor, grid_thw_N3: torch.Tensor | None, merge: int) -> torch.Tensor:
-    """(3, L) M-RoPE positions of one sample. Qwen2.5-VL's rule for images equals Qwen3-VL's
-    (`Qwen2_5_VLModel.get_rope_index`: text +1 a token; an image's patches at start + (t, i, j);
-    the text after it at start + max(H', W')), so the shared function is used. Videos differ
-    (frames spaced by tokens_per_second x seconds per grid) and are refused by it."""
-    return _shared_mrope_positions(mm_token_type_ids_L, grid_thw_N3, spatial_merge_size=merge)
-
-
 FAMILY = ModelFamily(
     name="Qwen2.5-VL",
     model_types=("qwen2_5_vl",),
@@ -75,6 +67,10 @@ FAMILY = ModelFamily(
     full_model_class=full_model_class,
     deepstack_levels=deepstack_levels,
     run_tower=run_tower,
+    # Qwen2.5-VL's rule for images equals Qwen3-VL's (`Qwen2_5_VLModel.get_rope_index`: text +1 a
+    # token; an image's patches at start + (t, i, j); the text after it at start + max(H', W')), so
+    # the shared function. Videos differ (frames spaced by tokens_per_second x seconds per grid) and
+    # are refused by it: a video rule is this family's own function, here.
     mrope_positions=mrope_positions,
     lora_target_modules=LORA_TARGETS,
 )

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from saccade.models.families.interface import ModelFamily, transformers_class
-from saccade.models.positions import mrope_positions as _shared_mrope_positions
+from saccade.models.positions import mrope_positions
 
 # The full-attention layers' and every layer's MLP linears, then the Gated DeltaNet's linears.
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,13 +65,6 @@ def prepare_language_model(language_model: nn.Module) -> None:
     make_packing_exact(language_model)
 
 
-def mrope_positions(mm_token_type_ids_L: torch.Tensor, grid_thw_N3: torch.Tensor | None, merge: int) -> torch.Tensor:
-    """(3, L) M-RoPE positions of one sample: Qwen2-VL's rule for images, which Qwen3.5 inherits
-    (`Qwen3_5Model.get_rope_index` changes videos only), so the shared function. The partial rotary
-    and the interleaved sections act on the frequencies, not on the positions."""
-    return _shared_mrope_positions(mm_token_type_ids_L, grid_thw_N3, spatial_merge_size=merge)
-
-
 # vLLM 0.32's CPU build runs the Gated DeltaNet with its own kernels, which take bf16 only: an fp32
 # server starts and answers /health, then its engine dies at the first request.
 CPU_DTYPE = ("bfloat16", "its CPU Gated DeltaNet kernel asserts it: vllm/model_executor/layers/mamba/ops/cpu/"
@@ -86,6 +79,9 @@ FAMILY = ModelFamily(
     full_model_class=full_model_class,
     deepstack_levels=deepstack_levels,
     run_tower=run_tower,
+    # Qwen2-VL's rule for images, which Qwen3.5 inherits (`Qwen3_5Model.get_rope_index` changes videos
+    # only), so the shared function. The partial rotary and the interleaved sections act on the
+    # frequencies, not on the positions.
     mrope_positions=mrope_positions,
     lora_target_modules=LORA_TARGETS,
     prepare_language_model=prepare_language_model,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from saccade.models.families.interface import ModelFamily, transformers_class
-from saccade.models.positions import mrope_positions as _mrope_positions
+from saccade.models.positions import mrope_positions
 
 # The dense language model's linears: attention and MLP of every decoder layer.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -66,11 +66,6 @@ def language_model_kwargs(image_positions_N: torch.Tensor | None, deepstack: lis
     return {"visual_pos_masks": image_positions_N, "deepstack_visual_embeds": deepstack}
 
 
-def mrope_positions(mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.Tensor | None,
-                    merge: int) -> torch.Tensor:
-    return _mrope_positions(mm_token_type_ids_L, image_grid_thw_N3, spatial_merge_size=merge)
-
-
 FAMILY = ModelFamily(
     name="Qwen3-VL",
     model_types=("qwen3_vl",),
@@ -79,7 +74,7 @@ FAMILY = ModelFamily(
     full_model_class=full_model_class,
     deepstack_levels=deepstack_levels,
     run_tower=run_tower,
-    mrope_positions=mrope_positions,
+    mrope_positions=mrope_positions,  # Qwen2-VL's rule for images, the shared one (`models/positions.py`)
     lora_target_modules=LORA_TARGETS,
     prepare_language_model=prepare_language_model,
     language_model_kwargs=language_model_kwargs,

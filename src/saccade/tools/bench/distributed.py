@@ -124,7 +124,7 @@ def format_distributed_report(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------- the worker
 
 
-def _synthetic_micro_batches(vocab: int, seq_len: int, max_tokens: int, world) -> list:
+def _synthetic_micro_batches(vocab: int, seq_len: int, max_tokens: int, world, positions) -> list:
     """This rank's share of SAMPLES text samples (loss on their last LOSS_TOKENS), as `saccade rl`
     packs a step for it (`rank_micro_batches`: padded to as many as every other rank's)."""
     from saccade.models.vision import EmbeddingCache
@@ -138,11 +138,11 @@ def _synthetic_micro_batches(vocab: int, seq_len: int, max_tokens: int, world) -
         mask[-LOSS_TOKENS:] = True
         samples.append(make_sample(
             f"s{i}", torch.randint(10, vocab, (seq_len,), generator=gen), torch.zeros(seq_len, dtype=torch.long),
-            None, [], spatial_merge_size=2, loss_mask=mask, inference_logprobs=torch.where(mask, -3.0, 0.0),
+            None, [], positions=positions, loss_mask=mask, inference_logprobs=torch.where(mask, -3.0, 0.0),
             advantage=float((-1) ** i)))
     # Text only: no image embeddings to look up or to share between the ranks.
     return rank_micro_batches(samples, EmbeddingCache(), max_tokens=max_tokens, image_token_id=-1,
-                              spatial_merge_size=2, world=world)
+                              spatial_merge_size=positions.merge, world=world)
 
 
 def _state_bytes(model, optimizer) -> int:
@@ -192,7 +192,8 @@ def worker(job: DistributedJob) -> None:
     vision_ids = [getattr(config, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                      "vision_end_token_id")]
     below = min([i for i in vision_ids if i is not None] + [config.text_config.vocab_size])
-    micro_batches = staged(_synthetic_micro_batches(below, cfg.seq_len, cfg.max_tokens, world), device)
+    micro_batches = staged(_synthetic_micro_batches(below, cfg.seq_len, cfg.max_tokens, world, policy.positions),
+                           device)
 
     times = []
     for step in range(cfg.steps + 1):  # the first is a warm-up

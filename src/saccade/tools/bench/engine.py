@@ -59,14 +59,17 @@ def shapes_requests(n: int, *, seed: int = 5, second_image_every: int = 2):
 
 
 def trainer_logprob_diffs(model, completions, *, cache_get, image_token_id: int, banned_token_ids,
-                          distribution: SampledDistribution, merge: int = 2) -> torch.Tensor:
-    """|trainer logprob - engine logprob| of every sampled token, on the packed cached-image path."""
+                          distribution: SampledDistribution) -> torch.Tensor:
+    """|trainer logprob - engine logprob| of every sampled token, on the packed cached-image path;
+    the samples' positions by the trainer's model (`PolicyLM.positions`)."""
+    from saccade.models.lm import unwrap_policy
     from saccade.orchestrator.samples import completion_to_sample
 
-    samples = [completion_to_sample(c, sample_id=f"s{i}", advantage=0.0, reward=0.0, spatial_merge_size=merge)
+    positions = unwrap_policy(model).positions
+    samples = [completion_to_sample(c, sample_id=f"s{i}", advantage=0.0, reward=0.0, positions=positions)
                for i, c in enumerate(completions)]
     return sample_logprob_diffs(model, samples, cache_get=cache_get, image_token_id=image_token_id,
-                                banned_token_ids=banned_token_ids, distribution=distribution, merge=merge)
+                                banned_token_ids=banned_token_ids, distribution=distribution, merge=positions.merge)
 
 
 def sample_logprob_diffs(model, samples, *, cache_get, image_token_id: int, banned_token_ids,
@@ -91,15 +94,18 @@ def _engine_diffs(model, engine, completions, distribution: SampledDistribution)
 
 def one_likelihood_step(model, engine, completions, lr: float = 1e-2) -> None:
     """A real optimizer step that raises the likelihood of `completions` (changes every LM weight)."""
+    from saccade.models.lm import unwrap_policy
     from saccade.orchestrator.samples import completion_to_sample
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.packing import pack
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    samples = [completion_to_sample(c, sample_id=f"x{i}", advantage=1.0, reward=1.0, spatial_merge_size=2)
+    positions = unwrap_policy(model).positions
+    samples = [completion_to_sample(c, sample_id=f"x{i}", advantage=1.0, reward=1.0, positions=positions)
                for i, c in enumerate(completions)]
     model.train()
-    for mb in pack(samples, engine.cache.get, max_tokens=4096, image_token_id=engine.image_pad_id, spatial_merge_size=2):
+    for mb in pack(samples, engine.cache.get, max_tokens=4096, image_token_id=engine.image_pad_id,
+                   spatial_merge_size=positions.merge):
         lp, _ = forward_logprobs(model, mb, only_loss_tokens=True, banned_token_ids=engine.banned_token_ids)
         (-lp[mb.loss_mask].mean()).backward()
     optimizer.step()

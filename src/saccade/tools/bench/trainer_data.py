@@ -124,7 +124,7 @@ def prepare_batch(
                 inputs.mm_token_type_ids,
                 inputs.image_grid_thw,
                 sample_keys,
-                spatial_merge_size=encoder.merge,
+                positions=encoder.positions,
                 loss_mask=loss_mask,
                 advantage=advantage,
             )
