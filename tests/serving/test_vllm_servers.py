@@ -39,13 +39,15 @@ FAST = [
     "--eval.prompts", "8",
     "--eval.every_steps", "0",
     "--trainer.lr", "1e-2",
-    "--engine.health_interval_s", "1",
 ]
+# vLLM's engine fields, after --engine.kind vllm (a field of that kind only).
+FAST_SERVERS = ["--engine.health_interval_s", "1"]
 
 
 def async_config(tmp_path, urls, *extra) -> RunConfig:
     return load_config(RunConfig, "configs/demo.toml", [
-        *FAST, "--engine.kind", "vllm", "--engine.urls", json.dumps(urls), "--log.dir", str(tmp_path), *extra,
+        *FAST, "--engine.kind", "vllm", "--engine.urls", json.dumps(urls), *FAST_SERVERS, "--log.dir", str(tmp_path),
+        *extra,
     ])
 
 
@@ -258,7 +260,7 @@ def test_at_world_2_with_every_server_killed_every_rank_checkpoints_once_and_res
 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(root / "tests" / "distributed" / "worker.py"),
-               str(run_dir), "--scored", *FAST, "--engine.kind", "vllm", "--engine.urls", json.dumps(urls),
+               str(run_dir), "--scored", *FAST, "--engine.kind", "vllm", "--engine.urls", json.dumps(urls), *FAST_SERVERS,
                "--trainer.steps", "5", "--rollout.max_async_level", "1", "--engine.no_server_wait_s", "3",
                "--checkpoint.every_steps", "0", "--stall.action", "warn",
                "--model.path", str(tiny_path), *args]  # the servers' model: the model guard refuses another
