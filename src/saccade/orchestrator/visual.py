@@ -155,7 +155,7 @@ def reply_logprobs(setup, rollouts: list, *, distribution, banned_token_ids: lis
             lengths = [s.num_tokens for s in samples]
             for members in first_fit_decreasing(lengths, max_tokens, names=[s.sample_id for s in samples]):
                 mb = collate([samples[k] for k in members], setup.cache.get, image_token_id=setup.image_token_id,
-                             spatial_merge_size=setup.merge)
+                             spatial_merge_size=setup.merge, video_token_id=setup.video_token_id)
                 logprobs_N, _ = forward_logprobs(setup.model, mb.to(setup.device), distribution=distribution,
                                                  only_loss_tokens=True, banned_token_ids=banned_token_ids)
                 logprobs_N = logprobs_N.cpu()  # 0 at every token not scored: a segment's sum is its reply's
