@@ -36,6 +36,9 @@ class ParityBenchConfig(Section):
     dtype: Dtype = Field("float32", description="both paths' compute dtype; the bar is 1e-5 in float32, 0.25 in "
                          "bfloat16")
     device: str = Field("auto", min_length=1, description=DEVICE)
+    video: str | None = Field(None, min_length=1, description="a video file (mp4, ...): the conversations then "
+                              "hold this clip too (alone, beside images, in a later turn), and the clip cases' "
+                              "figures are reported apart; unset: images and text only")
 
 
 class TrainerBenchConfig(Section):
