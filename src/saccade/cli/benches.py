@@ -44,12 +44,20 @@ def _print_parity(result: dict) -> None:
     if result["deepstack_levels"]:  # a family without DeepStack has nothing to drop
         table.add_row("DeepStack dropped (a bug)", f"{result['deepstack_dropped_max_abs']:.2e}", "far above the bar")
     table.add_row("1-D positions (a bug)", f"{result['positions_1d_max_abs']:.2e}", "far above the bar")
+    if result.get("video"):  # the cases that hold the clip, apart
+        table.add_row("clips: LM-only vs full", f"{result['clip_lm_only_vs_full_max_abs']:.2e}", bar)
+        table.add_row("clips: packed vs full", f"{result['clip_packed_vs_full_max_abs']:.2e}", bar)
+        if result["deepstack_levels"]:
+            table.add_row("clips: DeepStack dropped (a bug)", f"{result['clip_deepstack_dropped_max_abs']:.2e}",
+                          "far above the bar")
+        table.add_row("clips: 1-D positions (a bug)", f"{result['clip_positions_1d_max_abs']:.2e}", "far above the bar")
     console.print(table)
     cases = Table(title="per conversation")
-    for col in ("case", "tokens", "images", "max |Δ| vs full"):
+    for col in ("case", "tokens", "images", "clips", "max |Δ| vs full", "packed vs full"):
         cases.add_column(col)
     for name, c in result["cases"].items():
-        cases.add_row(name, str(c["tokens"]), str(c["images"]), f"{c['lm_only_vs_full_max_abs']:.2e}")
+        cases.add_row(name, str(c["tokens"]), str(c["images"]), str(c["clips"]), f"{c['lm_only_vs_full_max_abs']:.2e}",
+                      f"{c['packed_vs_full_max_abs']:.2e}")
     console.print(cases)
     console.print(f"vision cache hit rate: {result['cache']['hit_rate']:.0%} ({result['cache']['entries']} images encoded)")
 
@@ -190,7 +198,8 @@ BENCHES = (
         "positions_1d_max_abs. Runs on any folder of a supported family with --model (or any family's preset: tiny, "
         "qwen3vl-2b, qwen2.5vl-3b, moe-tiny, qwen3vl-30b-a3b-l6, ...). Bars: 1e-5 in float32, 0.25 in bfloat16 (two "
         "bf16 paths round differently; the mistakes move "
-        "it by more than 1 at 2B). Mean |Δ| figures are written too."
+        "it by more than 1 at 2B). Mean |Δ| figures are written too. With --video PATH (a video file) the "
+        "conversations hold that clip too, and the clip cases' figures are written apart (clip_*_max_abs)."
     ),
     Bench(
         "trainer", TrainerBenchConfig, cmd_bench_trainer,
