@@ -231,3 +231,18 @@ def test_a_processor_without_video_is_refused_and_video_pads_in_text_too(clip_pa
         messages_to_inputs([{"role": "user", "content": "look <|video_pad|>"}], processor, limits=LIMITS)
     with pytest.raises(VideoError, match="no video processor"):
         VideoSampling.from_processor(object(), LIMITS)
+
+
+def test_a_blanked_clip_keeps_its_tokens_and_shows_nothing(processor, clip_path):
+    """The visual-reliance counterfactual (`with_blank_images`): gray frames, the same count, size and
+    timestamps, so the same ids at the same places; another clip to the tower."""
+    from saccade.data.messages import video_sampling, with_blank_images
+
+    messages = clip_messages({"type": "video_url", "video_url": {"url": f"file://{clip_path}"}})
+    real = messages_to_inputs(messages, processor, limits=LIMITS)
+    blank = messages_to_inputs(with_blank_images(messages, limits=LIMITS, sampling=video_sampling(processor, LIMITS)),
+                               processor, limits=LIMITS)
+    assert torch.equal(real.input_ids, blank.input_ids) and torch.equal(real.videos.grid_thw, blank.videos.grid_thw)
+    assert real.videos.keys != blank.videos.keys and int(blank.clips[0].frames.std()) == 0
+    with pytest.raises(VideoError, match="needs the model's video sampling"):
+        with_blank_images(messages, limits=LIMITS)

@@ -24,7 +24,7 @@ content, and all blank images of one size have the same pixels.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -40,27 +40,30 @@ S = TypeVar("S", bound=Prompt)  # the task's prompts
 class BlankImagesEnv(Generic[S]):
     """`env` with every image it shows the policy blanked: its opening and every later turn's
     messages, each image replaced by a blank one of its size
-    (`saccade.data.messages.with_blank_images`). `env` runs and scores as ever (its reward
-    functions read the real sample). Async, so that a sync or an async `env` fits."""
+    (`saccade.data.messages.with_blank_images`), and each clip by gray frames of its count, size
+    and timestamps (with `processor`, whose video sampling decodes it). `env` runs and scores as
+    ever (its reward functions read the real sample). Async, so that a sync or an async `env` fits."""
 
-    def __init__(self, env: Environment[S], limits: ImagesConfig):
-        self.env, self.limits = env, limits
+    def __init__(self, env: Environment[S], limits: ImagesConfig, processor=None):
+        self.env, self.limits, self.processor = env, limits, processor
 
     @property
     def max_turns(self) -> int:
         return self.env.max_turns
 
-    async def reset(self, sample: S) -> list[Message]:
-        from saccade.data.messages import with_blank_images
+    def _blank(self, messages: list[Message], sample: str | None = None) -> list[Message]:
+        from saccade.data.messages import has_clips, video_sampling, with_blank_images
 
-        return with_blank_images(await maybe_await(self.env.reset(sample)), limits=self.limits,
-                                 sample=getattr(sample, "sample_id", None))
+        sampling = (video_sampling(self.processor, self.limits)
+                    if self.processor is not None and has_clips(messages) else None)
+        return with_blank_images(messages, limits=self.limits, sample=sample, sampling=sampling)
+
+    async def reset(self, sample: S) -> list[Message]:
+        return self._blank(await maybe_await(self.env.reset(sample)), getattr(sample, "sample_id", None))
 
     async def step(self, assistant_message: Message) -> StepResult:
-        from saccade.data.messages import with_blank_images
-
         result = as_step_result(await maybe_await(self.env.step(assistant_message)))
-        return replace(result, messages=with_blank_images(result.messages, limits=self.limits))
+        return replace(result, messages=self._blank(result.messages))
 
 
 @dataclass
@@ -70,6 +73,7 @@ class BlankImagesTask(Generic[S]):
 
     task: Task[S]
     limits: ImagesConfig
+    processor: Any = None  # the model's: clips are blanked with its video sampling
 
     @property
     def max_turns(self) -> int:
@@ -82,7 +86,7 @@ class BlankImagesTask(Generic[S]):
         return self.task.eval_samples(n)
 
     def make_env(self) -> BlankImagesEnv[S]:
-        return BlankImagesEnv(self.task.make_env(), self.limits)
+        return BlankImagesEnv(self.task.make_env(), self.limits, self.processor)
 
 
 def episode_images(env_messages: list[list[dict]], limits: ImagesConfig) -> list | None:
