@@ -179,6 +179,11 @@ class LocalEngine:
         if keys:
             self.encoder.encode(images, keys)
 
+    def encode_videos(self, clips: list, keys: list[str]) -> None:
+        """Put these clips' (`VideoClip`) embeddings in the cache the trainer reads."""
+        if keys:
+            self.encoder.encode_videos(clips, keys)
+
     def prepare_tokens(self, prompt: TokenPrompt) -> PreparedPrompt:
         """A token prompt as it stands: its ids are used, never re-tokenized; images whose
         embeddings are not cached are encoded (the pixels must then be in `prompt.images`)."""
