@@ -131,7 +131,8 @@ def reply_logprobs(setup, rollouts: list, *, distribution, banned_token_ids: lis
     `banned_token_ids`); `reply_logprob_blank`, the same with every image blank;
     `image_logprob_gain`, their difference. Each rollout and its blank counterpart are scored
     once, packed like text at most `max_tokens` to a row, one forward a row. All three are None
-    for a rollout whose images cannot be loaded again; a rollout without images has a gain of 0.
+    for a rollout whose images cannot be loaded again, and for one with clips; a rollout without
+    images has a gain of 0.
 
     `rollouts` must still hold their environments' messages (`Rollout.env_messages`: the rank
     that sampled them). Their images' embeddings are pinned in the cache while they are read."""
@@ -146,7 +147,9 @@ def reply_logprobs(setup, rollouts: list, *, distribution, banned_token_ids: lis
         with pins:
             for i, r in enumerate(rollouts):
                 images = episode_images(r.env_messages, setup.images)
-                if images is None or len(images) != r.sample.num_images:
+                # A rollout with clips is left out (None): its clips' embeddings may be gone since its
+                # step trained, and blanking them is the clip counterfactual's job (docs/video.md).
+                if images is None or len(images) != r.sample.num_images or r.sample.num_videos:
                     continue
                 position[i] = len(samples)
                 samples.append(r.sample)
