@@ -109,7 +109,8 @@ class PolicyLM(nn.Module):
             return inputs_embeds_BLH, None, None
         if image_embeds_NH is None or image_embeds_NH.shape[0] != n_image_tokens:
             got = None if image_embeds_NH is None else image_embeds_NH.shape[0]
-            raise ValueError(f"{n_image_tokens} image- and video-pad tokens but {got} visual embedding rows")
+            raise ValueError(f"{n_image_tokens} image-pad tokens but {got} image embedding rows (video pads and "
+                             "clips' rows counted in)")
         positions_N = to_device(image_positions_N, inputs_embeds_BLH.device)
         H = inputs_embeds_BLH.shape[-1]
         inputs_embeds_BLH = inputs_embeds_BLH.reshape(-1, H).index_copy(
