@@ -21,7 +21,7 @@ from saccade.cli.common import write_json
 from saccade.config.bench import (
     AsyncBenchConfig, DistributedBenchConfig, EngineParityBenchConfig, GpuBenchConfig, KillBenchConfig,
     ParityBenchConfig, RenderBenchConfig, RolloutBenchConfig, RunBenchConfig, SoakBenchConfig, StepBenchConfig,
-    TrainerBenchConfig, WeightSyncBenchConfig,
+    TrainerBenchConfig, VideoMemoryBenchConfig, WeightSyncBenchConfig,
 )
 from saccade.config.options import add_options, load_options
 
@@ -81,6 +81,15 @@ def cmd_bench_trainer(cfg: TrainerBenchConfig, args: argparse.Namespace) -> int:
     print(format_report(result))
     write_json(args.json, result)
     return 0
+
+
+def cmd_bench_video_memory(cfg: VideoMemoryBenchConfig, args: argparse.Namespace) -> int:
+    from saccade.tools.bench.video_memory import format_video_memory_report, run_video_memory_bench
+
+    result = run_video_memory_bench(cfg)
+    print(format_video_memory_report(result))
+    write_json(args.json, result)
+    return 0 if result["tower_params_in_trainer"] == 0 else 1
 
 
 def cmd_bench_step(cfg: StepBenchConfig, args: argparse.Namespace) -> int:
@@ -209,6 +218,17 @@ BENCHES = (
         "(b) packed against padded batches (padding fraction, tokens/s); (c) activation checkpointing on and off "
         "(activation_checkpointing_step_ratio, activation_checkpointing_peak_ratio); (d) the language model's "
         "FLOPs, TFLOP/s and MFU, and saccade memory's estimate beside the measured peak. Prints ratios."
+    ),
+    Bench(
+        "video-memory", VideoMemoryBenchConfig, cmd_bench_video_memory,
+        help="the trainer's peak memory against frames per clip, the text fixed: it grows with tokens only",
+        description="For each frame count (--frames 4,8,16,32,64), one step of --samples completions of a clip's "
+        "prompt, the clip through the frozen tower once beforehand; then the trainer's step (load_policy_lm + LoRA, "
+        "the trainer's pack and optimizer step on the cached clip embedding) in a fresh process per frame count, "
+        "its peak memory measured as `bench trainer` measures it. Prints a row per frame count (video pads, tokens "
+        "per sample and per step, the peak, the tower parameters the trained model holds, the pixel values a "
+        "trainer that runs the tower would hold) and the least-squares line of peak against tokens, beside saccade "
+        "memory's activation bytes per token. Exit 1 if the trained model holds any tower parameter."
     ),
     Bench(
         "step", StepBenchConfig, cmd_bench_step,
