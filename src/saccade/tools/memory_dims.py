@@ -166,7 +166,10 @@ class VisionDims:
         and the MLP's intermediates (fc1's output and the GELU's; gated: gate, up, silu(gate) and
         their product). `split_attention`: the attention kernel runs frame group by frame group
         and concatenates the outputs (sdpa, eager; not flash-attention's varlen), one more b*h.
-        Exact against autograd's saved tensors on the tiny towers (tests/tools/test_memory.py)."""
+        Exact against autograd's saved tensors on the tiny towers on the CPU (`split_attention`,
+        LayerNorm's statistics in the input dtype: tests/tools/test_memory.py); the GPU's layout
+        (flash-attention's varlen kernel, no split; float32 statistics) is read from the code, not
+        measured."""
         b, h, inter = dtype_bytes, self.hidden_size, self.intermediate_size
         norm = 4 * h + 4 + 2 * b * h if self.rms_norm else 2 * b * h + 2 * stats_bytes
         attention = 6 * b * h + 4 * self.num_heads + (b * h if split_attention else 0)

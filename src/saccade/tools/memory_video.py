@@ -20,9 +20,9 @@ tower, never a pixel. A trainer that runs the tower holds, on top of the same la
   channels x temporal patch x patch^2) and its copy in the compute dtype;
 - the tower frozen: one block's working set at a time (`VisionDims.block_transient_bytes`: the
   residual stream, the block's output, the MLP's intermediates; an estimate), nothing saved;
-- the tower trained: every block's saved activations (`VisionDims.tower_activation_bytes`, the
-  blocks exact against autograd on the tiny towers, flash-attention's layout) and its float32
-  master weights, gradients and AdamW moments (16 bytes a parameter).
+- the tower trained: every block's saved activations (`VisionDims.tower_activation_bytes`,
+  flash-attention's layout; the blocks exact against autograd on the tiny towers in the CPU's
+  layout) and its float32 master weights, gradients and AdamW moments (16 bytes a parameter).
 Not counted for either: the peers' own layouts (a prompt repeated G times with its pixels, their
 attention kernels), nor activation checkpointing inside the tower.
 """
