@@ -19,6 +19,7 @@ from saccade.config import RunConfig, load_config, split_overrides
 from saccade.tools.memory import estimate_run, header_lines
 
 RECIPES_DIR = Path(saccade.__file__).parent / "configs" / "recipes"
+ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(RECIPES_DIR.glob("*.toml"))
 FIXTURES = Path(__file__).parent / "data" / "dataset_fixtures.py"
 EASYR1_SENTENCE = ("You FIRST think about the reasoning process as an internal monologue and then provide the final "
@@ -46,7 +47,7 @@ def header_of(path: Path) -> str:
 def test_the_recipes_are_shipped():
     assert {p.name for p in RECIPES} >= {"geo3k-easyr1-qwen2.5vl-7b-8gpu.toml", "geo3k-easyr1-qwen3vl-2b-1gpu.toml",
                                          "geo3k-easyr1-qwen3vl-30b-a3b-8gpu.toml",
-                                         "openmmreasoner-qwen2.5vl-7b-8gpu.toml"}
+                                         "openmmreasoner-qwen2.5vl-7b-8gpu.toml", "video-r1-qwen2.5vl-7b-8gpu.toml"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=name)
@@ -59,7 +60,7 @@ def test_recipe_dry_runs_and_names_what_it_mirrors(path, capsys, tmp_path):
     header = header_of(path)
     assert header.startswith("# Recipe: ") and "What differs" in header
     text = " ".join(line.removeprefix("#").strip() for line in header.splitlines())
-    assert re.search(r"(hiyouga/EasyR1|EvolvingLMMs-Lab/OpenMMReasoner) \S+\.sh", text)
+    assert re.search(r"(hiyouga/EasyR1|EvolvingLMMs-Lab/OpenMMReasoner|tulerfeng/Video-R1) \S+\.sh", text)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=name)
@@ -153,14 +154,83 @@ def test_eval_sets_from_the_command_line(paths):
         RunConfig.model_validate({"task": {"kind": "geometry3k", "scoring": {"judge_url": "http://x/v1"}}})
 
 
+def video_r1_fixture(folder: Path) -> Path:
+    """Video-R1-260k's layout in little: a JSON array of three clip rows (mp4s written by OpenCV,
+    under the folder) and an image row, converted by scripts/video_r1_rows.py (one row held out);
+    the training JSONL's path."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from video_helpers import write_mp4
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "clips").mkdir(exist_ok=True)
+    for k in range(3):
+        write_mp4(folder / "clips" / f"c{k}.mp4", frames=12, fps=4.0, seed=k)
+    rows = [
+        {"problem_id": 1, "problem": "How many squares are there?", "data_type": "video",
+         "problem_type": "numerical", "options": [], "process": "", "solution": "<answer> 1 </answer>",
+         "path": "./clips/c1.mp4", "data_source": "fixture"},
+        {"problem_id": 2, "problem": "What color?", "data_type": "image", "problem_type": "free-form",
+         "options": [], "process": "", "solution": "<answer>red</answer>", "path": "./images/x.jpg",
+         "data_source": "fixture"},
+        {"problem_id": 3, "problem": "Does it stop?", "data_type": "video", "problem_type": "free-form",
+         "options": [], "process": "", "solution": "<answer>no</answer>", "path": "./clips/c2.mp4",
+         "data_source": "fixture"},
+        {"problem_id": 4, "problem": "Which way does the square move? ", "data_type": "video",
+         "problem_type": "multiple choice", "options": ["A. left", "B. right"], "process": "",
+         "solution": "<answer>B</answer>", "path": "./clips/c0.mp4", "data_source": "fixture"},
+    ]
+    (folder / "Video-R1-260k.json").write_text(json.dumps(rows))
+    spec = importlib.util.spec_from_file_location("video_r1_rows", ROOT / "scripts" / "video_r1_rows.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    train, held, n_train, n_held = module.convert(folder / "Video-R1-260k.json", held_out=1)
+    assert (n_train, n_held) == (2, 1) and json.loads(held.read_text())["answer"] == "B"
+    assert [json.loads(line)["answer"] for line in train.read_text().splitlines()] == ["1", "no"]
+    return train
+
+
+def test_video_r1_recipe_reads_its_clip_rows_and_scores_as_video_r1(tmp_path):
+    """The converted rows through the recipe's task: grpo.py's prompt text (the options on a
+    multiple-choice row, the type's answer sentence), the clip placed first in the user turn, the gold
+    without its tags; the rewards as Video-R1's accuracy and format on plain cases."""
+    from saccade.rewards import correct_reward
+    from saccade.rewards.builtin import think_answer_reward
+    from saccade.run.tasks import task_from_config
+
+    data = video_r1_fixture(tmp_path / "Video-R1-data")
+    cfg = load_config(RunConfig, RECIPES_DIR / "video-r1-qwen2.5vl-7b-8gpu.toml",
+                      ["--task.dataset", str(data), "--task.eval_dataset", str(data.parent / "video-r1-clips-eval.jsonl")])
+    assert (cfg.images.video.fps, cfg.images.video.max_frames, cfg.images.video.max_pixels) == (2.0, 16, 128 * 28 * 28)
+    (mc,) = task_from_config(cfg).eval_samples(5)  # the held-out row
+    assert mc.answer == "B"
+    (user,) = [m for m in mc.prompt if m["role"] == "user"]
+    text = user["content"] if isinstance(user["content"], str) else " ".join(
+        p.get("text", "") for p in user["content"] if isinstance(p, dict))
+    assert "Which way does the square move? Options:\nA. left\nB. right\n" in text
+    assert text.endswith("Please provide only the single option letter (e.g., A, B, C, D, etc.) within the "
+                         "<answer> </answer> tags.")
+    assert len(mc.videos) == 1 and not mc.images
+    reply = "<think>it moves right</think><answer>B</answer>"
+    assert correct_reward(reply, mc) == 1.0 and think_answer_reward(reply) == 1.0
+    assert correct_reward("<think>x</think><answer>A</answer>", mc) == 0.0
+    assert think_answer_reward("B") == 0.0
+
+
 def tiny_overrides(path: Path, paths: dict, run_dir: Path) -> list[str]:
     kind = "openmmreasoner" if path.name.startswith("openmmreasoner") else "geometry3k"
+    if path.name.startswith("video-r1"):
+        kind = "video-r1"
+        paths = {**paths, kind: video_r1_fixture(run_dir.parent / "Video-R1-data")}
     out = ["--model.path", "tiny", "--model.dtype", "float32", "--engine.kind", "embedded", "--launch.nodes", "[]",
            "--task.dataset", str(paths[kind]), "--trainer.steps", "3", "--rollout.prompts_per_step", "2",
            "--rollout.group_size", "2", "--rollout.max_async_level", "0", "--sampling.max_tokens", "4",
            "--loss.max_completion_tokens", "4", "--trainer.max_tokens", "4096", "--eval.every_steps", "3",
            "--eval.prompts", "3", "--eval.visual_gain", "false", "--checkpoint.every_steps", "3",
            "--log.dir", str(run_dir)]
+    if kind == "video-r1":
+        out += ["--task.eval_dataset", str(paths[kind].parent / "video-r1-clips-eval.jsonl")]
     for set_name in load_config(RunConfig, path).eval.sets:
         out += [f"--eval.sets.{set_name}.dataset", str(paths["mathvista"])]
     return out

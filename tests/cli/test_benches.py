@@ -38,6 +38,7 @@ OLD_FLAGS = {
     "render": {"--size", "--renders", "--rooms", "--device", "--threads", "--json"},
     "gpu": {"--device", "--quick", "--out", "--stage", "--force", "--budget", "--in-process", "--list"},
     "weight-sync": {"--model", "--url", "--repeats", "--timeout-s", "--json"},  # new since, with its config type
+    "video-memory": {"--frames", "--side", "--samples", "--json"},  # new since, with its config type
 }
 
 

@@ -141,7 +141,7 @@ def test_positions_equal_the_full_models_get_rope_index(family_models):
 
     family, _, processor, full, encoder = family_models
     # What `PolicyLM.positions` is for this model: the same rule at the same merge, so one object's answers.
-    assert encoder.positions == family.positions(full.config.vision_config.spatial_merge_size)
+    assert encoder.positions == family.positions_of(full.config)
     for name, messages in parity_conversations().items():
         inputs = messages_to_inputs(messages, processor, limits=encoder.limits, sample=name)
         ours = encoder.positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw)

@@ -539,3 +539,91 @@ def test_documented_world_size_table_equals_the_estimator():
         figures = re.findall(r"\b\d+\.\d\b", row)
         base = f"saccade memory configs/qwen3vl-{size}-8gpu.toml --lora false --engine.weight_sync.kind files"
         assert figures == [f"{_estimate(f'{base} --world-size {n}').trainer.total:.1f}" for n in (1, 2, 4, 8)], row
+
+
+# ----------------------------------------------------------------------------- clips (memory_video)
+
+
+def tower_saved_bytes(preset: str, dtype, frames: int = 4, side: int = 128) -> tuple[int, int, int]:
+    """(patches, bytes autograd saves in block 1, in the whole tower) for the tower of `preset`
+    trained on a clip (every tower parameter requiring grad), each storage counted once, the
+    parameters and the pixel values left out."""
+    import numpy as np
+
+    from saccade.config import ImagesConfig, VideoConfig
+    from saccade.data.messages import messages_to_inputs
+    from saccade.models.loading import load_processor, load_vision_tower
+    from saccade.models.presets import preset_path
+
+    path = preset_path(preset)
+    processor, tower = load_processor(path), load_vision_tower(path, dtype=dtype)
+    for p in tower.parameters():
+        p.requires_grad_(True)
+    per_clip = model_dims(str(path)).vision.video_pixels_per_clip
+    limits = ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256,
+                          video=VideoConfig(min_pixels=32 * 32, max_pixels=side * side * (frames if per_clip else 1)))
+    frames_FHW3 = np.random.default_rng(0).integers(0, 255, (frames, side, side, 3), dtype=np.uint8)
+    inputs = messages_to_inputs([{"role": "user", "content": [{"type": "video", "video": frames_FHW3}]}], processor,
+                                limits=limits)
+    pixels = inputs.pixel_values_videos.to(dtype)
+    skip = {p.untyped_storage().data_ptr() for p in tower.parameters()} | {pixels.untyped_storage().data_ptr()}
+    where, block, whole = ["out"], {}, {}
+    tower.blocks[1].register_forward_pre_hook(lambda *a: where.__setitem__(0, "in"))
+    tower.blocks[1].register_forward_hook(lambda *a: where.__setitem__(0, "out"))
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            whole[ptr] = max(whole.get(ptr, 0), t.untyped_storage().nbytes())
+            if where[0] == "in" and ptr not in block:
+                block[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tower(pixels, grid_thw=inputs.videos.grid_thw)
+    # the rotary cos and sin are made once and read by every block: the tower's, not a block's
+    head_dim = tower.config.hidden_size // tower.config.num_heads
+    shared = 2 * 4 * head_dim * pixels.shape[0]
+    return pixels.shape[0], sum(block.values()) - shared, sum(whole.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("preset", ["tiny", "qwen2.5vl-tiny"])
+def test_a_trained_towers_block_keeps_what_the_formula_says(preset, dtype):
+    """A ViT block's saved activations per patch, exactly (on the CPU: the attention runs frame group
+    by frame group, `split_attention`, and LayerNorm keeps its statistics in the input's dtype);
+    the whole tower's within 10% (the mergers and the patch embedding are estimated)."""
+    from saccade.models.presets import preset_path
+
+    vision = model_dims(str(preset_path(preset))).vision
+    b = torch.finfo(dtype).bits // 8
+    patches, block, whole = tower_saved_bytes(preset, dtype)
+    assert block == patches * vision.block_activation_bytes(b, stats_bytes=b, split_attention=True)
+    estimate = patches * vision.tower_activation_bytes(b, stats_bytes=b, split_attention=True)
+    assert abs(estimate - whole) <= 0.1 * whole
+
+
+def test_a_clip_of_256_frames_at_448_px_on_qwen3_vl_8b():
+    """By hand: 128 temporal patches of 28 x 28 patches; 196 tokens each after the 2 x 2 merge."""
+    from saccade.config import RunConfig, load_config
+    from saccade.tools.memory import estimate_run
+    from saccade.tools.memory_video import TIMESTAMP_TOKENS, clip_shape, config_clip, tower_trainer_memory
+
+    dims = QWEN3_VL["Qwen/Qwen3-VL-8B-Instruct"]
+    clip = clip_shape(dims.vision, 256, 448 * 448)
+    assert (clip.side, clip.temporal_patches, clip.patches, clip.tokens) == (448, 128, 100_352, 25_088)
+    assert clip.text_tokens == 128 * (TIMESTAMP_TOKENS + 2)
+    cfg = load_config(RunConfig, Path(__file__).parents[2] / "configs" / "qwen3vl-8b-8gpu.toml",
+                      ["--images.video.num_frames", "256", "--images.video.max_pixels", str(256 * 448 * 448)])
+    assert config_clip(cfg, dims) == clip  # Qwen3-VL's processor bounds all the frames together
+    assert config_clip(load_config(RunConfig, Path(__file__).parents[2] / "configs" / "qwen3vl-8b-8gpu.toml"),
+                       dims) is None  # the processor's own bounds: not known here
+    ours = estimate_run(cfg, dims=dims).trainer
+    frozen = tower_trainer_memory(dims, ours, clip, trained=False)
+    trained = tower_trainer_memory(dims, ours, clip, trained=True)
+    assert ours.total < frozen.total < trained.total
+    assert frozen.get("pixel values") == pytest.approx(100_352 * 1536 * 6 / GiB)
+    assert trained.get("tower activations") == pytest.approx(100_352 * dims.vision.tower_activation_bytes(2) / GiB)
+    qwen25 = model_dims("Qwen/Qwen2.5-VL-7B-Instruct").vision  # Qwen2-VL's processor: each frame's bound
+    # Video-R1's 16 frames of at most 128 x 28 x 28 px: square, 308 x 308 (11 x 11 tokens a frame group)
+    assert clip_shape(qwen25, 16, 128 * 28 * 28).tokens == 8 * 121 and not qwen25.video_pixels_per_clip

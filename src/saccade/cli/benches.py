@@ -21,7 +21,7 @@ from saccade.cli.common import write_json
 from saccade.config.bench import (
     AsyncBenchConfig, DistributedBenchConfig, EngineParityBenchConfig, GpuBenchConfig, KillBenchConfig,
     ParityBenchConfig, RenderBenchConfig, RolloutBenchConfig, RunBenchConfig, SoakBenchConfig, StepBenchConfig,
-    TrainerBenchConfig, WeightSyncBenchConfig,
+    TrainerBenchConfig, VideoMemoryBenchConfig, WeightSyncBenchConfig,
 )
 from saccade.config.options import add_options, load_options
 
@@ -44,12 +44,20 @@ def _print_parity(result: dict) -> None:
     if result["deepstack_levels"]:  # a family without DeepStack has nothing to drop
         table.add_row("DeepStack dropped (a bug)", f"{result['deepstack_dropped_max_abs']:.2e}", "far above the bar")
     table.add_row("1-D positions (a bug)", f"{result['positions_1d_max_abs']:.2e}", "far above the bar")
+    if result.get("video"):  # the cases that hold the clip, apart
+        table.add_row("clips: LM-only vs full", f"{result['clip_lm_only_vs_full_max_abs']:.2e}", bar)
+        table.add_row("clips: packed vs full", f"{result['clip_packed_vs_full_max_abs']:.2e}", bar)
+        if result["deepstack_levels"]:
+            table.add_row("clips: DeepStack dropped (a bug)", f"{result['clip_deepstack_dropped_max_abs']:.2e}",
+                          "far above the bar")
+        table.add_row("clips: 1-D positions (a bug)", f"{result['clip_positions_1d_max_abs']:.2e}", "far above the bar")
     console.print(table)
     cases = Table(title="per conversation")
-    for col in ("case", "tokens", "images", "max |Δ| vs full"):
+    for col in ("case", "tokens", "images", "clips", "max |Δ| vs full", "packed vs full"):
         cases.add_column(col)
     for name, c in result["cases"].items():
-        cases.add_row(name, str(c["tokens"]), str(c["images"]), f"{c['lm_only_vs_full_max_abs']:.2e}")
+        cases.add_row(name, str(c["tokens"]), str(c["images"]), str(c["clips"]), f"{c['lm_only_vs_full_max_abs']:.2e}",
+                      f"{c['packed_vs_full_max_abs']:.2e}")
     console.print(cases)
     console.print(f"vision cache hit rate: {result['cache']['hit_rate']:.0%} ({result['cache']['entries']} images encoded)")
 
@@ -73,6 +81,15 @@ def cmd_bench_trainer(cfg: TrainerBenchConfig, args: argparse.Namespace) -> int:
     print(format_report(result))
     write_json(args.json, result)
     return 0
+
+
+def cmd_bench_video_memory(cfg: VideoMemoryBenchConfig, args: argparse.Namespace) -> int:
+    from saccade.tools.bench.video_memory import format_video_memory_report, run_video_memory_bench
+
+    result = run_video_memory_bench(cfg)
+    print(format_video_memory_report(result))
+    write_json(args.json, result)
+    return 0 if result["tower_params_in_trainer"] == 0 else 1
 
 
 def cmd_bench_step(cfg: StepBenchConfig, args: argparse.Namespace) -> int:
@@ -190,7 +207,8 @@ BENCHES = (
         "positions_1d_max_abs. Runs on any folder of a supported family with --model (or any family's preset: tiny, "
         "qwen3vl-2b, qwen2.5vl-3b, moe-tiny, qwen3vl-30b-a3b-l6, ...). Bars: 1e-5 in float32, 0.25 in bfloat16 (two "
         "bf16 paths round differently; the mistakes move "
-        "it by more than 1 at 2B). Mean |Δ| figures are written too."
+        "it by more than 1 at 2B). Mean |Δ| figures are written too. With --video PATH (a video file) the "
+        "conversations hold that clip too, and the clip cases' figures are written apart (clip_*_max_abs)."
     ),
     Bench(
         "trainer", TrainerBenchConfig, cmd_bench_trainer,
@@ -200,6 +218,17 @@ BENCHES = (
         "(b) packed against padded batches (padding fraction, tokens/s); (c) activation checkpointing on and off "
         "(activation_checkpointing_step_ratio, activation_checkpointing_peak_ratio); (d) the language model's "
         "FLOPs, TFLOP/s and MFU, and saccade memory's estimate beside the measured peak. Prints ratios."
+    ),
+    Bench(
+        "video-memory", VideoMemoryBenchConfig, cmd_bench_video_memory,
+        help="the trainer's peak memory against frames per clip, the text fixed: it grows with tokens only",
+        description="For each frame count (--frames 4,8,16,32,64), one step of --samples completions of a clip's "
+        "prompt, the clip through the frozen tower once beforehand; then the trainer's step (load_policy_lm + LoRA, "
+        "the trainer's pack and optimizer step on the cached clip embedding) in a fresh process per frame count, "
+        "its peak memory measured as `bench trainer` measures it. Prints a row per frame count (video pads, tokens "
+        "per sample and per step, the peak, the tower parameters the trained model holds, the pixel values a "
+        "trainer that runs the tower would hold) and the least-squares line of peak against tokens, beside saccade "
+        "memory's activation bytes per token. Exit 1 if the trained model holds any tower parameter."
     ),
     Bench(
         "step", StepBenchConfig, cmd_bench_step,

@@ -38,10 +38,40 @@ def cmd_memory(args: argparse.Namespace) -> int:
         table.add_row("[bold]total[/bold]", f"[bold]{estimate.total:.2f}[/bold]", "")
         console.print(table)
     print("\n".join(line[4:] for line in header_lines(est)[-1:]))
+    _print_clip(console, cfg, est)
     print(f"host RAM besides: the image-embedding cache, image_cache.budget_bytes = "
           f"{cfg.image_cache.budget_bytes / 2**30:.2f} GiB (a step's images pinned beyond it until its train step ends). Estimates, not measurements: see "
           "docs/qwen3vl.md")
     return 0 if est.fits else 1
+
+
+def _print_clip(console, cfg, est) -> None:
+    """With [images.video] bounding a clip: its tokens against trainer.max_tokens, and the trainer
+    beside one that runs the tower on it, frozen or trained (saccade.tools.memory_video)."""
+    from rich.table import Table
+
+    from saccade.tools.memory_video import config_clip, tower_trainer_memory
+
+    clip = config_clip(cfg, est.dims)
+    if clip is None:
+        return
+    holds = "holds it" if clip.prompt_tokens < cfg.trainer.max_tokens else "DOES NOT HOLD IT"
+    print(f"a clip at [images.video]'s bounds: {clip.frames} frames of {clip.side} x {clip.side} px = "
+          f"{clip.temporal_patches} temporal patches, {clip.patches:,} patches, {clip.tokens:,} video tokens "
+          f"+ about {clip.text_tokens:,} of text around them; trainer.max_tokens {cfg.trainer.max_tokens:,} {holds}")
+    estimates = {"saccade (LM only, cached clip)": est.trainer}
+    for trained in (False, True):
+        name = "tower in the trainer, " + ("trained" if trained else "frozen")
+        estimates[name] = tower_trainer_memory(est.dims, est.trainer, clip, dtype=cfg.model.dtype, trained=trained)
+    table = Table(title=f"{cfg.model.path}: the trainer against one that runs the tower on the clip (GiB, estimated)")
+    table.add_column("")
+    for name in estimates:
+        table.add_column(name, justify="right")
+    rows = dict.fromkeys(item.name for e in estimates.values() for item in e.items)
+    for row in rows:
+        table.add_row(row, *(f"{e.get(row):.2f}" if any(i.name == row for i in e.items) else "" for e in estimates.values()))
+    table.add_row("[bold]total[/bold]", *(f"[bold]{e.total:.2f}[/bold]" for e in estimates.values()))
+    console.print(table)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -91,7 +121,9 @@ def add_memory_parser(sub) -> None:
         description="Arithmetic from the model's dimensions (src/saccade/tools/memory.py): weights, LoRA or full "
         "fine-tuning state, activations of a trainer.max_tokens micro-batch, logprob buffers; for a vLLM "
         "server, weights and the KV cache left at --gpu-memory-utilization. With --world-size N, the trainer's "
-        "figures are per rank of N under FSDP2 (docs/qwen3vl.md). Exit 1 if the trainer does not fit.",
+        "figures are per rank of N under FSDP2 (docs/qwen3vl.md). With [images.video] bounding a clip (num_frames or "
+        "max_frames, and max_pixels): the clip's patches and tokens, and the trainer beside one that runs the vision "
+        "tower on it, frozen or trained (docs/video.md). Exit 1 if the trainer does not fit.",
     )
     add_config_arguments(memory)
     memory.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="U",

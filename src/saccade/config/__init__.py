@@ -67,7 +67,7 @@ from saccade.config.loss import (
 from saccade.config.run import RunConfig, effective_loss
 from saccade.config.sections import (
     PRESET_NAMES, CheckpointConfig, ConfigError, ConstantDecayConfig, CosineDecayConfig, EnvConfig,
-    GradSpikeConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig,
+    GradSpikeConfig, ImageCacheConfig, ImagesConfig, LinearDecayConfig, LogConfig, LoraConfig, VideoConfig,
     LrDecayConfig, ModelConfig, RolloutConfig, SamplingConfig, Section, SftConfig, StallConfig, StallRollbackConfig,
     StallStopConfig, StallWarnConfig, StallWatchConfig, TrainerConfig,
 )

@@ -36,6 +36,9 @@ class ParityBenchConfig(Section):
     dtype: Dtype = Field("float32", description="both paths' compute dtype; the bar is 1e-5 in float32, 0.25 in "
                          "bfloat16")
     device: str = Field("auto", min_length=1, description=DEVICE)
+    video: str | None = Field(None, min_length=1, description="a video file (mp4, ...): the conversations then "
+                              "hold this clip too (alone, beside images, in a later turn), and the clip cases' "
+                              "figures are reported apart; unset: images and text only")
 
 
 class TrainerBenchConfig(Section):
@@ -62,6 +65,36 @@ class TrainerBenchConfig(Section):
         "auto", description="the cached paths' attention kernel (auto = packed_sdpa; sdpa: the dense block mask)")
     peak_tflops: float | None = Field(None, gt=0, description="the device's dense bf16 peak, for the MFU (unset: "
                                       "H100/H200 989, A100 312; none on a CPU)")
+
+
+class VideoMemoryBenchConfig(Section):
+    """`saccade bench video-memory`: the trainer's peak memory against frames per clip, the text fixed."""
+
+    preset: Preset = Field("tiny", description="the built-in random model (its tower encodes the clips once, "
+                           "before anything is measured)")
+    frames: tuple[int, ...] = Field((4, 8, 16, 32, 64), min_length=2, description="frames per clip, "
+                                    "comma-separated: one measurement each", json_schema_extra={"metavar": "N,N"})
+    side: int = Field(128, ge=32, le=1024, description="each frame's side, px (a multiple of 32 keeps it unresized: "
+                      "Qwen3-VL writes (side/32)^2 video pads per 2 frames)")
+    samples: int = Field(4, ge=1, description="completions per step, each holding the clip (packed whole, one "
+                         "micro-batch: the peak is the step's tokens')")
+    answer_words: int = Field(32, ge=1, description="words in each completion (fixed: the text does not change)")
+    full_finetune: bool = Field(False, description="train every language-model weight, not LoRA")
+    threads: int = Field(1, ge=1, le=1024, description="torch CPU threads of each measuring process")
+    seed: int = Field(0, ge=0, description="seed of the clips and the advantages")
+    device: str = Field("auto", min_length=1, description=f"{DEVICE}; bfloat16 on CUDA, float32 on the CPU")
+
+    @field_validator("frames", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        return comma_separated_ints(value)
+
+    @field_validator("frames")
+    @classmethod
+    def _at_least_two(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if min(value) < 2:
+            raise ValueError(f"each frame count at least 2 (one temporal patch); got {','.join(map(str, value))}")
+        return value
 
 
 class StepBenchConfig(Section):

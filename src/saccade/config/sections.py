@@ -141,11 +141,75 @@ class LoraConfig(Section):
     )
 
 
+class VideoConfig(Section):
+    """How clips are sampled and sized, the same wherever a clip is read (engine, trainer, eval):
+    `[images.video]`, under the image limits every stage already takes (docs/video.md).
+
+    Unset keys take the model's video processor's own settings (Qwen3-VL's: 2 frames a second,
+    4 to 768 frames); a processor that samples nothing (Qwen2-VL's, which Qwen2.5-VL uses) takes
+    every frame unless `fps` or `num_frames` is set. A clip is decoded and sampled once; its
+    embedding's cache key is its sampled frames' content hash with these settings."""
+
+    fps: float | None = Field(
+        None, gt=0, le=240, description="frames sampled per second of video; setting it (or num_frames) turns sampling "
+        "on. Unset: the video processor's own (Qwen3-VL: 2; Qwen2-VL's processor: every frame)",
+    )
+    num_frames: int | None = Field(
+        None, ge=1, le=100_000, description="sample exactly this many frames, evenly, instead of by fps (the "
+        "processor's num_frames); unset: by fps",
+    )
+    min_frames: int | None = Field(
+        None, ge=1, le=100_000, description="fewest frames sampled by fps; unset: the video processor's (4)",
+    )
+    max_frames: int | None = Field(
+        None, ge=1, le=100_000, description="most frames a clip may have after sampling: fewer are sampled by fps, "
+        "and a clip taken whole (a list of frames, or a processor that samples nothing) with more is refused; unset: "
+        "the video processor's (768)",
+    )
+    min_pixels: int | None = Field(
+        None, gt=0, description="lower bound of the video processor's resize (its size.shortest_edge), in pixels: "
+        "for Qwen3-VL's processor (Qwen3-VL, Qwen3.5 and their MoE) all sampled frames together, for Qwen2-VL's "
+        "(Qwen2.5-VL) each frame; unset: the processor's",
+    )
+    max_pixels: int | None = Field(
+        None, gt=0, description="upper bound of the video processor's resize (its size.longest_edge), in pixels, "
+        "read as min_pixels is (the clip's frames together, or each frame); unset: the processor's",
+    )
+    cap_pixels_per_frame: bool = Field(
+        False, description="transformers' cap_pixels_per_frame (qwen-vl-utils' per-frame budget, so a clip's tokens "
+        "grow with its length); false: transformers 5.19's default behaviour, uncapped",
+    )
+    frame_list_fps: float = Field(
+        2.0, gt=0, le=240, description="a clip given as a list of frames is already sampled: its frames are taken "
+        "1/frame_list_fps seconds apart (its timestamps; Qwen2.5-VL's seconds per temporal patch) unless its part "
+        "says 'fps' (qwen-vl-utils' default, 2)",
+    )
+    max_source_pixels: int = Field(
+        1 << 30, gt=0, description="a clip whose sampled frames hold more decoded pixels than this (frames x height "
+        "x width, before the resize) is refused; each frame is also held to images.max_source_pixels",
+    )
+    decoded_cache_bytes: int = Field(
+        512 << 20, ge=0, description="host memory for decoded, sampled clips (keyed by the source's content and "
+        "these settings), so a clip read again is not decoded again; 0: no cache",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> VideoConfig:
+        if self.fps is not None and self.num_frames is not None:
+            raise ValueError("fps and num_frames are two ways to sample; set one (the processor refuses both)")
+        if None not in (self.min_frames, self.max_frames) and self.min_frames > self.max_frames:
+            raise ValueError(f"min_frames ({self.min_frames}) must be <= max_frames ({self.max_frames})")
+        if None not in (self.min_pixels, self.max_pixels) and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
+        return self
+
+
 class ImagesConfig(Section):
     """Image limits, applied identically wherever images are processed (engine, trainer, eval).
 
     This one type is also what the image code takes as its `limits`; the cache of the images'
-    embeddings has its own section, `[image_cache]`."""
+    embeddings has its own section, `[image_cache]`. Clips' settings sit under it,
+    `[images.video]`, so every stage that takes the image limits reads clips alike."""
 
     min_pixels: int = Field(32 * 32, gt=0, description="lower bound of the processor's resize, in pixels (h*w)")
     max_pixels: int = Field(256 * 256, gt=0, description="upper bound of the processor's resize, in pixels (h*w)")
@@ -155,6 +219,7 @@ class ImagesConfig(Section):
     allow_remote: bool = Field(False, description="allow http(s) image URLs; false refuses them")
     remote_timeout_s: float = Field(10.0, gt=0, description="total time allowed for one remote image fetch, seconds")
     max_remote_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest remote image download, bytes")
+    video: VideoConfig = Field(default_factory=VideoConfig, description="clips: frame sampling and sizes")
 
     @model_validator(mode="after")
     def _min_below_max(self) -> ImagesConfig:

@@ -224,13 +224,19 @@ class ColumnsConfig(Section):
 
     ``images`` holds one image or a list of them (Image feature structs, paths relative to
     the data file, or bytes); ``<image>`` placeholders in the prompt place them, else they go
-    first. ``choices`` is a list column of options. Unset optional columns are not read."""
+    first. ``videos`` holds one clip a row: a video file (a path relative to the data file, or
+    bytes) or a list of frames; ``<video>`` placeholders place it, else it goes first. ``choices``
+    is a list column of options. Unset optional columns are not read."""
 
     prompt: str = Field("question", min_length=1, description="the question text (may hold <image> placeholders)")
     answer: str = Field("answer", min_length=1, description="the ground truth: option text or letter, number, text")
     images: str = Field("image", min_length=1, description="the image, or list of images, of each row")
     choices: str | None = Field(
         None, min_length=1, description="a list column of answer options; unset: free-form answers"
+    )
+    videos: str | None = Field(
+        None, min_length=1, description="a clip per row: a video file (a path under the data set's folder, or bytes) "
+        "or a list of frames, sampled by [images.video] (<video> placeholders place it); unset: no clips"
     )
     id: str | None = Field(
         None, min_length=1, description="the rows' own ids, used in eval samples and skipped.jsonl; "

@@ -4,12 +4,14 @@ Every single-turn question task gives its prompts as `VQASample`s: the synthetic
 (`saccade.data.shapes`) and the data sets (`saccade.data.datasets`) alike, so the same rewards
 (`saccade.rewards`, `saccade.rewards.weighted`), the same row checks (`saccade.data.rows`) and the same
 `QuestionTask` (`saccade.run.tasks`) serve them all. `to_messages` turns one into OpenAI-format
-messages: the images first and then the question with its options, or, for a data set's own
-chat, each image where its text says `IMAGE_PLACEHOLDER`.
+messages: the clips and images first and then the question with its options, or, for a data
+set's own chat, each image where its text says `IMAGE_PLACEHOLDER` and each clip where it says
+`VIDEO_PLACEHOLDER` (a kind without placeholders goes first in the first user turn).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,10 +19,13 @@ from PIL import Image
 
 from saccade.data.images import image_to_data_url
 
-__all__ = ["IMAGE_PLACEHOLDER", "VQASample", "prompt_text", "to_messages"]
+__all__ = ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "VQASample", "prompt_text", "to_messages"]
 
 # Where a data set's prompt puts an image: each one marks the next image of the sample.
 IMAGE_PLACEHOLDER = "<image>"
+# Where it puts a clip: each one marks the next clip of the sample.
+VIDEO_PLACEHOLDER = "<video>"
+_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
 @dataclass
@@ -45,6 +50,9 @@ class VQASample:
     # How `correct` scores this sample (saccade.rewards.Scorer: a published protocol's
     # extractor and grader, from its task's `task.scoring`). None: saccade.rewards.score.
     scorer: Any = None
+    # Clips, in order: what `load_video` reads (a file path, bytes, a list of frames, a VideoClip),
+    # decoded with the model's video sampling when the prompt is tokenized (`messages_to_inputs`).
+    videos: list[Any] = field(default_factory=list)
 
 
 def prompt_text(sample: VQASample) -> str:
@@ -72,48 +80,55 @@ def to_messages(
         image_parts = [{"type": "image_url", "image_url": {"url": image_to_data_url(im)}} for im in sample.images]
     else:
         raise ValueError(f"to_messages: image_format must be 'pil' or 'data_url', got {image_format!r}")
+    video_parts: list[dict[str, Any]] = [{"type": "video", "video": clip} for clip in sample.videos]
     messages: list[dict[str, Any]] = []
     if system_prompt:
         messages.append({"role": "system", "content": system_prompt})
     if sample.prompt is not None:
-        return messages + _placed_images(sample, image_parts)
-    parts = [*image_parts, {"type": "text", "text": prompt_text(sample)}]
+        return messages + _placed_images(sample, image_parts, video_parts)
+    parts = [*video_parts, *image_parts, {"type": "text", "text": prompt_text(sample)}]
     messages.append({"role": "user", "content": parts})
     return messages
 
 
-def _placed_images(sample: VQASample, image_parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The sample's own chat with an image part wherever its text says "<image>".
+def _placed_images(sample: VQASample, image_parts: list[dict[str, Any]],
+                   video_parts: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The sample's own chat with an image part wherever its text says "<image>" and a clip part
+    wherever it says "<video>".
 
-    A prompt without any placeholder gets all images at the start of its first user turn
-    (where `prompt_text` samples have them); any other count that differs from the number of
-    images is an error: guessing would show the model the wrong picture."""
+    A kind without any placeholder (images, clips) goes at the start of the first user turn
+    (where `prompt_text` samples have them), clips before images; any other count that differs
+    from the number of images (or clips) is an error: guessing would show the model the wrong
+    picture."""
     assert sample.prompt is not None
-    n_marks = sum(str(m.get("content", "")).count(IMAGE_PLACEHOLDER) for m in sample.prompt)
-    if n_marks not in (0, len(image_parts)):
-        raise ValueError(
-            f"sample {sample.sample_id!r}: its prompt has {n_marks} {IMAGE_PLACEHOLDER} placeholders "
-            f"but the sample has {len(image_parts)} images; they must match"
-        )
-    remaining = list(image_parts)
-    front = n_marks == 0
+    remaining = {IMAGE_PLACEHOLDER: list(image_parts), VIDEO_PLACEHOLDER: list(video_parts)}
+    front: list[dict[str, Any]] = []
+    for mark, what in ((VIDEO_PLACEHOLDER, "clips"), (IMAGE_PLACEHOLDER, "images")):
+        n_marks = sum(str(m.get("content", "")).count(mark) for m in sample.prompt)
+        if n_marks not in (0, len(remaining[mark])):
+            raise ValueError(
+                f"sample {sample.sample_id!r}: its prompt has {n_marks} {mark} placeholders "
+                f"but the sample has {len(remaining[mark])} {what}; they must match"
+            )
+        if n_marks == 0:
+            front += remaining[mark]
+            remaining[mark] = []
     messages: list[dict[str, Any]] = []
     for message in sample.prompt:
         role, text = message["role"], str(message.get("content", ""))
-        pieces = text.split(IMAGE_PLACEHOLDER)
         parts: list[dict[str, Any]] = []
         if front and role == "user":
-            parts.extend(remaining)
-            remaining, front = [], False
-        for i, piece in enumerate(pieces):
-            if i > 0:
-                parts.append(remaining.pop(0))
-            if piece.strip():
+            parts.extend(front)
+            front = []
+        for piece in _PLACEHOLDERS.split(text):
+            if piece in remaining:
+                parts.append(remaining[piece].pop(0))
+            elif piece.strip():
                 parts.append({"type": "text", "text": piece})
         if role == "system" and all(p["type"] == "text" for p in parts):
             messages.append({"role": role, "content": "".join(p["text"] for p in parts)})
         else:
             messages.append({"role": role, "content": parts})
-    if remaining:
+    if front:
         raise ValueError(f"sample {sample.sample_id!r}: its prompt has images but no user turn to put them in")
     return messages

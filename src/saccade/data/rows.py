@@ -97,22 +97,23 @@ def image_error_reason(err: Exception) -> str:
 
 
 def check_image_count(sample) -> None:
-    """Refuse a sample whose prompt's <image> placeholders and images differ in number.
+    """Refuse a sample whose prompt's <image> placeholders and images differ in number (and its
+    <video> placeholders and clips).
 
     No placeholder at all is fine (the images go first, as `to_messages` places them), unless
     there are placeholders and no image at all: then the images are missing."""
-    from saccade.data.questions import IMAGE_PLACEHOLDER
+    from saccade.data.questions import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
     if sample.prompt is None:
         return
-    marks = sum(str(m.get("content", "")).count(IMAGE_PLACEHOLDER) for m in sample.prompt)
-    images = len(sample.images)
-    if marks and not images:
-        raise RowSkipped("missing_image", f"the prompt has {marks} {IMAGE_PLACEHOLDER} placeholders and the row "
-                                          "no image")
-    if marks not in (0, images):
-        raise RowSkipped("image_count", f"the prompt has {marks} {IMAGE_PLACEHOLDER} placeholders but the row has "
-                                        f"{images} images; they must match")
+    for mark, count, what in ((IMAGE_PLACEHOLDER, len(sample.images), "image"),
+                              (VIDEO_PLACEHOLDER, len(getattr(sample, "videos", [])), "clip")):
+        marks = sum(str(m.get("content", "")).count(mark) for m in sample.prompt)
+        if marks and not count:
+            raise RowSkipped("missing_image", f"the prompt has {marks} {mark} placeholders and the row no {what}")
+        if marks not in (0, count):
+            raise RowSkipped("image_count", f"the prompt has {marks} {mark} placeholders but the row has "
+                                            f"{count} {what}s; they must match")
 
 
 def prompt_tokens(sample, processor, limits) -> int:
@@ -122,11 +123,18 @@ def prompt_tokens(sample, processor, limits) -> int:
     Counted without resizing a pixel: the image tokens follow from each image's size (the
     processor's `smart_resize` to a multiple of patch x merge within the pixel limits), the
     text from the tokenizer. `messages_to_inputs` gives the same count (a test holds them
-    equal) but resizes and patchifies every image: about 130 ms for a 1024x768 one here."""
+    equal) but resizes and patchifies every image: about 130 ms for a 1024x768 one here. A
+    question with a clip is counted by `messages_to_inputs` itself (its timestamps are text the
+    processor writes): the clip is decoded once, here, and kept for the engine (the decode cache)."""
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-    from saccade.data.messages import extract_images, render_chat
+    from saccade.data.messages import extract_images, messages_to_inputs, render_chat
     from saccade.data.questions import to_messages
+
+    if getattr(sample, "videos", None):
+        inputs = messages_to_inputs(to_messages(sample), processor, limits=limits, add_generation_prompt=True,
+                                    sample=sample.sample_id)
+        return int(inputs.input_ids.shape[0])
 
     normalized, images = extract_images(to_messages(sample), limits=limits, sample=sample.sample_id)
     text = render_chat(processor, normalized, add_generation_prompt=True)
@@ -145,7 +153,12 @@ def token_budget(processor, limits, *, max_tokens: int, completion_tokens: int) 
     exceed `max_tokens`: the trainer packs a sample whole, and never cuts an image span."""
 
     def check(sample) -> None:
-        n = prompt_tokens(sample, processor, limits)
+        from saccade.data.images import ImageError
+
+        try:
+            n = prompt_tokens(sample, processor, limits)
+        except ImageError as err:  # a clip decoded here for the first time: refused as a broken image is
+            raise place_error(RowSkipped(image_error_reason(err), str(err)), sample) from err
         if n + completion_tokens > max_tokens:
             raise place_error(RowSkipped(
                 "too_long",

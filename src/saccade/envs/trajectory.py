@@ -6,8 +6,10 @@ the chat template (`messages_to_inputs`). After that nothing is ever re-tokenize
 - each assistant turn appends the engine's sampled ids exactly as sampled (a turn cut by
   max_tokens gets the template's end-of-turn token appended, outside the loss);
 - each environment reply appends only the new messages' tokens, rendered with the chat
-  template's incremental form (`ChatContinuation`), their images expanded by the processor;
-- images accumulate in order, with their cache keys and grids.
+  template's incremental form (`ChatContinuation`), their images and clips expanded by the
+  processor (a clip may arrive in any turn);
+- images accumulate in order, with their cache keys and grids; clips likewise (`videos`, a
+  `ClipRefs`, and their decoded frames, `clips`).
 
 Re-rendering the whole conversation each turn is what broke peers: a decoded-then-encoded
 completion is often not the sampled ids, and re-processed images can expand to other
@@ -15,7 +17,7 @@ placeholder counts. The training sample is the whole trajectory; the loss falls 
 sampled tokens, or only on those inside markers such as [ACTION]...[/ACTION].
 
 `check_consistency` compares what the engine ran at each turn (its prompt ids, images,
-grids and positions, and the ids it sampled) with the training sample, and raises
+clips, grids and positions, and the ids it sampled) with the training sample, and raises
 `ConsistencyError` naming the first difference.
 """
 
@@ -28,7 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from saccade.config import ImagesConfig
-from saccade.data.messages import extract_images, messages_to_inputs, render_chat, tokenize_rendered
+from saccade.data.messages import (
+    extract_visuals, has_clips, messages_to_inputs, render_chat, tokenize_rendered, video_sampling,
+)
+from saccade.data.videos import ClipRefs
 from saccade.inference.engine import Completion, TokenPrompt, stream_seed
 from saccade.trainer.samples import TrainingSample, make_sample
 
@@ -81,8 +86,10 @@ class ChatContinuation:
 
     def encode(self, messages: list[dict[str, Any]], *, sample: str | None = None):
         """ModelInputs of the continuation after an assistant turn, for these new messages."""
-        normalized, images = extract_images(messages, limits=self.limits, sample=sample)
-        return tokenize_rendered(self.text(normalized), images, self.processor, limits=self.limits, sample=sample)
+        sampling = video_sampling(self.processor, self.limits) if has_clips(messages) else None
+        normalized, images, clips = extract_visuals(messages, limits=self.limits, sample=sample, sampling=sampling)
+        return tokenize_rendered(self.text(normalized), images, self.processor, limits=self.limits, sample=sample,
+                                 clips=clips, sampling=sampling)
 
 
 @dataclass
@@ -90,7 +97,7 @@ class TurnRecord:
     """What the engine ran and sampled at one assistant turn: the generation-time inputs."""
 
     prompt_ids: torch.Tensor  # (L,) as the engine reports running them
-    mm_token_type_ids: torch.Tensor  # (L,) 0 text, 1 image, as the engine saw them
+    mm_token_type_ids: torch.Tensor  # (L,) 0 text, 1 image, 2 video, as the engine saw them
     image_keys: list[str]
     image_grid_thw: torch.Tensor  # (n, 3)
     positions: torch.Tensor | None  # (3, L) M-RoPE positions the engine used, when it reports them
@@ -98,6 +105,7 @@ class TurnRecord:
     logprobs: torch.Tensor  # (T,)
     policy_version: int = 0
     routed_experts: torch.Tensor | None = None  # (T, Y, K): a MoE engine's experts per sampled token
+    videos: ClipRefs = field(default_factory=ClipRefs)  # the prompt's clips as the engine ran them
 
 
 @dataclass
@@ -112,6 +120,8 @@ class Trajectory:
     image_keys: list[str] = field(default_factory=list)
     grids: list[torch.Tensor] = field(default_factory=list)  # (3,) per image
     images: list[Any] = field(default_factory=list)
+    videos: ClipRefs = field(default_factory=ClipRefs)  # the clips so far: keys, grids, seconds per temporal patch
+    clips: list[Any] = field(default_factory=list)  # their decoded frames (`VideoClip`), in order
     turns: list[TurnRecord] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # each assistant turn's decoded text
     rewards: list[float] = field(default_factory=list)  # per assistant turn
@@ -149,6 +159,8 @@ class Trajectory:
             image_grid_thw=self.grid,
             images=list(self.images),
             seed=None if self.seed is None else stream_seed(self.seed, turn),
+            videos=self.videos.clone(),
+            clips=list(self.clips),
         )
 
     def _append(self, ids: list[int], types: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
@@ -163,6 +175,9 @@ class Trajectory:
         self.image_keys += [key_for_hash(h) for h in inputs.image_hashes]
         if inputs.image_grid_thw is not None:
             self.grids += list(inputs.image_grid_thw.long())
+        if inputs.clips:
+            self.videos = self.videos + inputs.videos
+            self.clips += inputs.clips
 
 
 def start_trajectory(sample_id: str, messages: list[dict[str, Any]], processor, *, limits: ImagesConfig,
@@ -185,6 +200,7 @@ def add_completion(trajectory: Trajectory, completion: Completion, *, end_of_tur
         image_grid_thw=completion.image_grid_thw.clone(), positions=positions,
         completion_ids=completion.completion_ids.clone(), logprobs=completion.logprobs.clone(),
         policy_version=completion.policy_version, routed_experts=completion.routed_experts,
+        videos=completion.videos.clone(),
     ))
     trajectory._append(ids, [0] * len(ids), sampled=True, logprobs=completion.logprobs.tolist())
     if not ids or ids[-1] != end_of_turn_id:
@@ -267,6 +283,7 @@ def to_training_sample(trajectory: Trajectory, *, positions: Positions, advantag
         reward=trajectory.total_reward if reward is None else reward,
         policy_version=trajectory.policy_version,
         routed_experts=loss_token_experts(trajectory, loss_mask),
+        videos=trajectory.videos,
     )
 
 
@@ -309,9 +326,12 @@ def check_consistency(sample: TrainingSample, turns: list[TurnRecord], *, positi
         if not torch.equal(sample.image_grid_thw[:n].long(), turn.image_grid_thw.long()):
             raise ConsistencyError(f"{where}: image grids {turn.image_grid_thw.tolist()} at generation, "
                                    f"{sample.image_grid_thw[:n].tolist()} in training")
+        if not sample.videos.take(len(turn.videos)).same_as(turn.videos):
+            raise ConsistencyError(f"{where}: clips {turn.videos.keys} (grids {turn.videos.grid_thw.tolist()}) at "
+                                   f"generation, {sample.videos.keys[:len(turn.videos)]} in training")
         ran = turn.positions
         if ran is None:  # the engine did not report them: what its own inputs imply
-            ran = positions.mrope(turn.mm_token_type_ids, turn.image_grid_thw if n else None)
+            ran = positions.mrope(turn.mm_token_type_ids, turn.image_grid_thw if n else None, turn.videos)
         if not torch.equal(ran.long(), sample.position_ids[1:, :P]):
             bad = int((ran.long() != sample.position_ids[1:, :P]).any(0).nonzero()[0])
             raise ConsistencyError(f"{where}: M-RoPE positions differ first at token {bad}: {ran[:, bad].tolist()} "

@@ -1,11 +1,12 @@
 """The inference-engine protocol: what the orchestrator needs from any engine.
 
-An engine takes chat requests (OpenAI-format messages, images included) and returns,
-for each, n sampled completions with everything the trainer needs to reproduce them
-exactly: the prompt token ids as the engine saw them (image pads expanded), the
-sampled ids, their logprobs under the distribution actually sampled from
-(temperature applied, truncated by top_k/top_p/min_p, vision tokens banned), and the
-images' cache keys and grids.
+An engine takes chat requests (OpenAI-format messages, images and clips included) and
+returns, for each, n sampled completions with everything the trainer needs to reproduce them
+exactly: the prompt token ids as the engine saw them (image and video pads expanded, a
+clip's timestamps written), the sampled ids, their logprobs under the distribution actually
+sampled from (temperature applied, truncated by top_k/top_p/min_p, vision tokens banned), the
+images' cache keys and grids, and the clips' (`Completion.videos`, a `ClipRefs`: cache keys,
+grids, seconds per temporal patch).
 The embedded engine (`saccade.inference.local`) and the vLLM client implement it.
 """
 
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from saccade.config import SamplingConfig
+from saccade.data.videos import ClipRefs
 from saccade.models.sampling import SampledDistribution
 
 # Tokens an engine must never sample: a sampled image pad would break the next forward.
@@ -81,18 +83,21 @@ class ChatRequest:
 class TokenPrompt:
     """A prompt given as token ids, never re-tokenized: how multi-turn rollouts continue.
 
-    The ids are the trajectory so far, image pads expanded (one per merged patch), exactly as
-    the trainer will see them; `images` are all the trajectory's images in order (an engine
-    that has their embeddings cached by key does not look at the pixels).
+    The ids are the trajectory so far, image and video pads expanded (one per merged patch),
+    exactly as the trainer will see them; `images` are all the trajectory's images in order and
+    `clips` its decoded clips (`VideoClip`) in order (an engine that has their embeddings cached
+    by key does not look at the pixels).
     """
 
     request_id: str
-    input_ids: torch.Tensor  # (L,) int64: image pads expanded
-    mm_token_type_ids: torch.Tensor  # (L,) int64: 0 text, 1 image
+    input_ids: torch.Tensor  # (L,) int64: image and video pads expanded
+    mm_token_type_ids: torch.Tensor  # (L,) int64: 0 text, 1 image, 2 video
     image_keys: list[str]  # cache keys, in order
     image_grid_thw: torch.Tensor  # (n_images, 3) int64
     images: list[Any] = field(default_factory=list)  # PIL images, in order
     seed: int | None = None  # the sampling stream, as ChatRequest.seed
+    videos: ClipRefs = field(default_factory=ClipRefs)  # the clips' cache keys, grids, seconds per temporal patch
+    clips: list[Any] = field(default_factory=list)  # their decoded frames (`VideoClip`), in order
 
     def __post_init__(self):
         n = len(self.image_keys)
@@ -101,6 +106,8 @@ class TokenPrompt:
                 f"{self.request_id}: {n} image keys, {len(self.images)} images and grids of shape "
                 f"{tuple(self.image_grid_thw.shape)} do not agree"
             )
+        if self.clips and len(self.clips) != len(self.videos):
+            raise ValueError(f"{self.request_id}: {len(self.videos)} clip keys but {len(self.clips)} clips")
         if self.input_ids.shape != self.mm_token_type_ids.shape:
             raise ValueError(f"{self.request_id}: input_ids and mm_token_type_ids differ in shape")
 
@@ -110,8 +117,8 @@ class Completion:
     """One sampled completion of one request, exactly as the engine produced it."""
 
     request_id: str
-    prompt_ids: torch.Tensor  # (L,) int64: image pads expanded
-    mm_token_type_ids: torch.Tensor  # (L,) int64: 0 text, 1 image
+    prompt_ids: torch.Tensor  # (L,) int64: image and video pads expanded
+    mm_token_type_ids: torch.Tensor  # (L,) int64: 0 text, 1 image, 2 video
     completion_ids: torch.Tensor  # (T,) int64: includes the stop token when it stopped
     logprobs: torch.Tensor  # (T,) float32: under the distribution sampled from
     image_keys: list[str]  # cache keys of the prompt's images, in order
@@ -124,6 +131,8 @@ class Completion:
     # its logits with (those its predecessor position was routed to), (T, Y, K) uint8 (int16 past
     # 256 experts). None: a dense model, or an engine that does not report them.
     routed_experts: torch.Tensor | None = None
+    # The prompt's clips, in order: cache keys, grids, seconds per temporal patch (the positions need them).
+    videos: ClipRefs = field(default_factory=ClipRefs)
 
 
 class WeightTransport(Protocol):

@@ -3,9 +3,11 @@
 It is the default engine and needs nothing beyond saccade. In single-process mode it
 holds a reference to the very module the trainer optimises (LoRA adapters included),
 so after an optimizer step there is nothing to copy: `update_weights` only bumps the
-policy version. Prompts run the same LM-only path as the trainer: image features come
-from the VisionEncoder's cache and are scattered into the token embeddings, DeepStack
-included, with M-RoPE positions from the model family's (`VisionEncoder.positions`).
+policy version. Prompts run the same LM-only path as the trainer: image and clip features
+come from the VisionEncoder's cache (the tower runs once per distinct image or clip:
+`VisionEncoder.encode`, `encode_videos`) and are scattered into the token embeddings,
+DeepStack included, with M-RoPE positions from the model family's (`VisionEncoder.positions`,
+clips included).
 
 Batching: the distinct prompts are left-padded into one batch and prefilled once; each
 prompt's KV cache is then repeated for its n samples, and one token per step is decoded for
@@ -48,7 +50,7 @@ reading it costs nothing), so a GPU decode loop does not wait on the host token 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -61,7 +63,7 @@ from saccade.inference.engine import (
 )
 from saccade.models.attention import PACKED_SDPA
 from saccade.models.head import head_logits, matmul_weight
-from saccade.models.lm import ban_bias, image_positions, unwrap_policy
+from saccade.models.lm import ban_bias, unwrap_policy
 from saccade.models.sampling import kept_tokens
 from saccade.models.vision import ImageEmbedding, VisionEncoder
 
@@ -69,10 +71,11 @@ from saccade.models.vision import ImageEmbedding, VisionEncoder
 @dataclass
 class PreparedPrompt:
     request: ChatRequest | TokenPrompt
-    inputs: ModelInputs
+    inputs: ModelInputs  # its `videos` are the prompt's clips (keys, grids, seconds per temporal patch)
     image_keys: list[str]
     embeddings: list[ImageEmbedding]
     mrope_3L: torch.Tensor
+    video_embeddings: list[ImageEmbedding] = field(default_factory=list)  # one per clip, in order
 
     @property
     def length(self) -> int:
@@ -157,8 +160,13 @@ class LocalEngine:
         # The processor's pixels are reused for the tower when the limits agree: no second resize.
         pixels = (inputs.pixel_values, inputs.image_grid_thw) if self.limits == self.encoder.limits else None
         embeddings = self.encoder.encode(inputs.images, keys, pixels=pixels) if inputs.images else []
-        mrope = self.encoder.positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw)
-        return PreparedPrompt(request, inputs, keys, embeddings, mrope)
+        clips = []
+        if inputs.clips:
+            same = self.limits == self.encoder.limits
+            clip_pixels = (inputs.pixel_values_videos, inputs.videos.grid_thw) if same else None
+            clips = self.encoder.encode_videos(inputs.clips, inputs.videos.keys, pixels=clip_pixels)
+        mrope = self.encoder.positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw, inputs.videos)
+        return PreparedPrompt(request, inputs, keys, embeddings, mrope, clips)
 
     def prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
         return [self.prepare(r) for r in requests]
@@ -170,6 +178,11 @@ class LocalEngine:
         """Put these images' embeddings in the cache the trainer reads (SFT on trajectories)."""
         if keys:
             self.encoder.encode(images, keys)
+
+    def encode_videos(self, clips: list, keys: list[str]) -> None:
+        """Put these clips' (`VideoClip`) embeddings in the cache the trainer reads."""
+        if keys:
+            self.encoder.encode_videos(clips, keys)
 
     def prepare_tokens(self, prompt: TokenPrompt) -> PreparedPrompt:
         """A token prompt as it stands: its ids are used, never re-tokenized; images whose
@@ -183,10 +196,18 @@ class LocalEngine:
             if not torch.equal(emb.grid_thw, grid[i]):
                 raise ValueError(f"{prompt.request_id}: image {i} has grid {grid[i].tolist()} in the prompt but "
                                  f"{emb.grid_thw.tolist()} when encoded: the image limits differ")
+        clips = []
+        if len(prompt.videos):
+            clips = self.encoder.encode_videos(prompt.clips or [None] * len(prompt.videos), prompt.videos.keys)
+            for i, emb in enumerate(clips):
+                if not torch.equal(emb.grid_thw, prompt.videos.grid_thw[i].long()):
+                    raise ValueError(f"{prompt.request_id}: clip {i} has grid {prompt.videos.grid_thw[i].tolist()} in "
+                                     f"the prompt but {emb.grid_thw.tolist()} when encoded: the video settings differ")
         inputs = ModelInputs(input_ids=prompt.input_ids.long(), mm_token_type_ids=prompt.mm_token_type_ids.long(),
-                             pixel_values=None, image_grid_thw=grid if prompt.image_keys else None)
-        mrope = self.encoder.positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw)
-        return PreparedPrompt(prompt, inputs, list(prompt.image_keys), embeddings, mrope)
+                             pixel_values=None, image_grid_thw=grid if prompt.image_keys else None,
+                             videos=prompt.videos)
+        mrope = self.encoder.positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw, inputs.videos)
+        return PreparedPrompt(prompt, inputs, list(prompt.image_keys), embeddings, mrope, clips)
 
     # --- sampling --------------------------------------------------------------------
     @torch.no_grad()
@@ -200,6 +221,9 @@ class LocalEngine:
         missing = {k: im for p in prompts for k, im in zip(p.image_keys, p.images) if self.encoder.cache.get(k) is None}
         if missing:
             self.encoder.encode(list(missing.values()), list(missing))
+        new_clips = {k: c for p in prompts for k, c in zip(p.videos.keys, p.clips) if self.encoder.cache.get(k) is None}
+        if new_clips:
+            self.encoder.encode_videos(list(new_clips.values()), list(new_clips))
         return self._generate_prepared([self.prepare_tokens(p) for p in prompts], params)
 
     def _generate_prepared(self, prepared: list[PreparedPrompt], params: SamplingParams) -> list[list[Completion]]:
@@ -261,6 +285,7 @@ class LocalEngine:
             policy_version=self.policy_version,
             extra={"mrope_positions": prompt.mrope_3L},  # the positions the prompt ran at
             routed_experts=routed_experts,
+            videos=prompt.inputs.videos.clone(),
         )
 
     def _prefill_inputs(self, policy, rows: list[PreparedPrompt]):
@@ -275,11 +300,12 @@ class LocalEngine:
             input_ids_BL[b, pad:] = row.inputs.input_ids
             position_ids_3BL[:, b, pad:] = row.mrope_3L
             attention_mask_BL[b, pad:] = 1
-        # Rows' images concatenated in row order: the order masked_scatter fills the pads in.
-        images = [e for row in rows for e in row.embeddings]
+        # Rows' images in row order, then rows' clips in row order: the order of `visual_positions`
+        # (image pads row-major, then video pads row-major).
+        images = [e for row in rows for e in row.embeddings] + [e for row in rows for e in row.video_embeddings]
         main_MH = torch.cat([e.embeds for e in images]).to(device) if images else None
         deepstack_ZMH = torch.cat([e.deepstack for e in images], dim=1).to(device) if images else None
-        positions_M = image_positions(input_ids_BL, policy.image_token_id)  # on the host
+        positions_M = policy.visual_positions(input_ids_BL)  # on the host
         embeds_BLH, visual_pos_masks, deepstack = policy.embed_inputs(input_ids_BL.to(device), main_MH, deepstack_ZMH,
                                                                      positions_M)
         next_pos_B = torch.tensor([int(r.mrope_3L.max()) + 1 if r.length else 0 for r in rows])

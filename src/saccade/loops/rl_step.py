@@ -124,7 +124,8 @@ class RLStep:
             with timed("pack"), rollouts.pins:
                 micro_batches = staged(rank_micro_batches(
                     rollouts.batch.samples, s.cache, max_tokens=t.max_tokens, image_token_id=s.image_token_id,
-                    spatial_merge_size=s.merge, share_prompts=self.share_prompts, world=self.world), s.device)
+                    spatial_merge_size=s.merge, share_prompts=self.share_prompts, world=self.world,
+                    video_token_id=s.video_token_id), s.device)
             filtered = (rollouts.batch.filtered_loss_tokens, rollouts.batch.filtered_samples)
             metrics = self.train_micro_batches(step, micro_batches, filtered=filtered)
         rollouts.pins.release()

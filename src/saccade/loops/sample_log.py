@@ -61,10 +61,10 @@ def plain_info(info: dict[str, Any]) -> dict[str, Any]:
 
 
 def message_parts(messages: list[dict[str, Any]]) -> tuple[str, list[Image.Image]]:
-    """The text (one line per message, parts joined by spaces) and the images of messages as an
-    environment sent them, in order. An image that cannot be loaded is left out."""
+    """The text (one line per message, parts joined by spaces; a clip as "[clip]") and the images of
+    messages as an environment sent them, in order. An image that cannot be loaded is left out."""
     from saccade.data.images import ImageError, load_image
-    from saccade.data.messages import IMAGE_PART_TYPES, image_source
+    from saccade.data.messages import IMAGE_PART_TYPES, VIDEO_PART_TYPES, image_source
 
     lines, images = [], []
     for message in messages:
@@ -82,6 +82,8 @@ def message_parts(messages: list[dict[str, Any]]) -> tuple[str, list[Image.Image
                     images.append(load_image(image_source(part, kind)))
                 except ImageError:  # a remote or broken image: the record goes on without it
                     pass
+            elif kind in VIDEO_PART_TYPES:  # a clip's frames are not written: a mark where it was
+                texts.append("[clip]")
         lines.append(" ".join(texts))
     return "\n".join(line for line in lines if line), images
 

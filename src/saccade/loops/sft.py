@@ -47,6 +47,7 @@ def sft_samples(setup, items: list[tuple[object, str, str]]) -> list:
             prompt.image_keys,
             positions=setup.positions,
             loss_mask=torch.cat([torch.zeros(P, dtype=torch.bool), torch.ones(C, dtype=torch.bool)]),
+            videos=prompt.inputs.videos,
         ))
     return out
 
@@ -85,7 +86,8 @@ def sft_loop(cfg: RunConfig, setup, *, run_dir: Path, make_batch, progress: bool
             with pins:  # the batch's image embeddings stay in memory until its step is done
                 batch = make_batch(step)
             micro_batches = pack(batch, setup.cache.get, max_tokens=cfg.trainer.max_tokens,
-                                 image_token_id=setup.image_token_id, spatial_merge_size=setup.merge)
+                                 image_token_id=setup.image_token_id, spatial_merge_size=setup.merge,
+                                 video_token_id=setup.video_token_id)
             metrics = sft_step(setup.model, optimizer, scheduler, staged(micro_batches, setup.device),
                                grad_clip=cfg.trainer.grad_clip)
             pins.release()

@@ -1,9 +1,11 @@
 """The trainer's model: a vision-language model's language model and lm_head, without the tower.
 
-Image features arrive precomputed (the frozen tower's output, cached by image hash);
-`PolicyLM` scatters them into the token embeddings at the image-pad positions and hands the
-family's extra image inputs (DeepStack levels, where the family has them) to the language
-model, exactly as the full model's forward does, then runs the decoder. What is particular
+Image and clip features arrive precomputed (the frozen tower's output, cached by content
+hash); `PolicyLM` scatters them into the token embeddings at the image-pad and video-pad
+positions (`visual_positions`: the image pads, then the video pads, each row-major) and hands
+the family's extra visual inputs (DeepStack levels, where the family has them, added by
+position whatever their order) to the language model, exactly as the full model's forward
+does, then runs the decoder. What is particular
 to an architecture is asked of its family (`saccade.models.families`). Module names mirror
 the full model (`model.language_model.*`, `lm_head.*`), so state dicts, LoRA adapters and
 checkpoints written from here load into the full model and into vLLM unchanged.
@@ -55,9 +57,10 @@ class PolicyLM(nn.Module):
         self.model = _Container(language_model)
         self.lm_head = lm_head
         self.image_token_id = int(config.image_token_id)
+        self.video_token_id = int(config.video_token_id)
         self.family = family_of(config)
         # The model's M-RoPE rule at its tower's merge size: what its samples' positions are computed with.
-        self.positions = self.family.positions(config.vision_config.spatial_merge_size)
+        self.positions = self.family.positions_of(config)
         self.num_deepstack_levels = self.family.deepstack_levels(config)
         self.family.prepare_language_model(language_model)
         # Linear-attention layers (Gated DeltaNet) carry a state across a packed row unless their
@@ -84,27 +87,30 @@ class PolicyLM(nn.Module):
         deepstack_KNH: torch.Tensor | None = None,
         image_positions_N: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor] | None]:
-        """Token embeddings with the image features scattered into the image-pad positions.
+        """Token embeddings with the visual features scattered into the image-pad and video-pad
+        positions.
 
-        The pads are filled in row-major order, so image_embeds_NH holds the images of row 0
-        first, then row 1, ... Returns (inputs_embeds, image positions, DeepStack levels), the
+        The rows of image_embeds_NH go to `visual_positions`: every image pad row-major (the
+        images of row 0 first, then row 1, ...), then every video pad row-major (the clips').
+        Returns (inputs_embeds, image positions, DeepStack levels), the
         last two None without images, the levels [] for a family without DeepStack; the
         family's `language_model_kwargs` turns the last two into the language model's arguments.
 
         `image_positions_N`: the pads' flat indices into (B x L), best worked out on the host
-        (`image_positions`): then nothing here depends on the device's data. Without them they
+        (`visual_positions`): then nothing here depends on the device's data. Without them they
         are found here, from input_ids on their device (on a GPU, finding them waits for it). The
         features go in with index_copy, and the positions go on to the family (DeepStack).
         """
         inputs_embeds_BLH = self.language_model.embed_tokens(input_ids_BL)
         if image_positions_N is None:
-            image_positions_N = image_positions(input_ids_BL, self.image_token_id)
+            image_positions_N = self.visual_positions(input_ids_BL)
         n_image_tokens = int(image_positions_N.shape[0])
         if not n_image_tokens and image_embeds_NH is None:
             return inputs_embeds_BLH, None, None
         if image_embeds_NH is None or image_embeds_NH.shape[0] != n_image_tokens:
             got = None if image_embeds_NH is None else image_embeds_NH.shape[0]
-            raise ValueError(f"{n_image_tokens} image-pad tokens but {got} image embedding rows")
+            raise ValueError(f"{n_image_tokens} image-pad tokens but {got} image embedding rows (video pads and "
+                             "clips' rows counted in)")
         positions_N = to_device(image_positions_N, inputs_embeds_BLH.device)
         H = inputs_embeds_BLH.shape[-1]
         inputs_embeds_BLH = inputs_embeds_BLH.reshape(-1, H).index_copy(
@@ -114,6 +120,12 @@ class PolicyLM(nn.Module):
             assert deepstack_KNH.shape[0] == self.num_deepstack_levels, (deepstack_KNH.shape, self.num_deepstack_levels)
             deepstack = list(deepstack_KNH.to(inputs_embeds_BLH.dtype).unbind(0))
         return inputs_embeds_BLH, positions_N, deepstack
+
+    def visual_positions(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
+        """(N,) int64 flat indices into (B x L): the image pads row-major, then the video pads
+        row-major: where `embed_inputs` puts a micro-batch's or a prefill's visual rows (images'
+        then clips', each in token order, as `collate` and the engine gather them). Give it host ids."""
+        return image_positions(input_ids_BL, self.image_token_id, self.video_token_id)
 
     def hidden_states(
         self,
@@ -164,11 +176,16 @@ class PolicyLM(nn.Module):
         return out.last_hidden_state
 
 
-def image_positions(input_ids_BL: torch.Tensor, image_token_id: int) -> torch.Tensor:
+def image_positions(input_ids_BL: torch.Tensor, image_token_id: int, video_token_id: int | None = None) -> torch.Tensor:
     """(N,) int64: the flat indices into (B x L) of the image pads, row-major (the order the
-    images' features are concatenated in), on input_ids' device. Give it host ids: its size
-    depends on the data, so on a GPU it would wait for the device."""
-    return (input_ids_BL.reshape(-1) == image_token_id).nonzero().squeeze(1)
+    images' features are concatenated in), then those of the video pads when `video_token_id`
+    is given, on input_ids' device. Give it host ids: its size depends on the data, so on a GPU
+    it would wait for the device."""
+    flat_N = input_ids_BL.reshape(-1)
+    images_N = (flat_N == image_token_id).nonzero().squeeze(1)
+    if video_token_id is None:
+        return images_N
+    return torch.cat([images_N, (flat_N == video_token_id).nonzero().squeeze(1)])
 
 
 def to_device(t_host: torch.Tensor, device: torch.device) -> torch.Tensor:

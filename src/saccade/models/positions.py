@@ -1,16 +1,22 @@
-"""M-RoPE positions for images, computed from token types and image grids alone.
+"""M-RoPE positions for images and clips, computed from token types and grids alone.
 
 The trainer never holds the full model, so it cannot call transformers'
-`get_rope_index`; this is the same rule as a pure function (tested equal to it): Qwen2-VL's
-rule for images, which every family here keeps (`saccade.models.families`: a family's
-`mrope_positions` is this function, or its own where its rule differs). Nothing outside
-`saccade.models` calls it: every stage asks the model's `Positions`
+`get_rope_index`; these are the same rules as pure functions (tested equal to it, family by
+family): Qwen2-VL's rule for images, which every family here keeps, and each family's rule for
+clips. Nothing outside `saccade.models` calls them: every stage asks the model's `Positions`
 (`saccade.models.families.interface`), which holds its family's rule. Every token gets three
 rotary coordinates (t, h, w):
 - a text token at running position p gets (p, p, p), and the next one p + 1;
 - an image of llm grid (T, H', W') (H' = H / merge) starting at p gets
   (p + t, p + i, p + j) for each merged patch, and the text after it resumes at
-  p + max(H', W') (images do not advance the position by their token count).
+  p + max(H', W') (images do not advance the position by their token count);
+- a clip (mm_token_type 2), by its family's rule:
+  - Qwen2.5-VL (`mrope_positions_seconds`): one run of pads for the whole clip, its temporal
+    patch t at p + floor(t x tokens_per_second x seconds per temporal patch) (float32, as
+    transformers computes it), h and w as an image's; the text after it at p + max(H', W');
+  - Qwen3-VL, Qwen3.5 and their MoE (`mrope_positions_frames`): each temporal patch is its own
+    frame group, written between its timestamp's text tokens, placed like an image of one frame
+    (transformers splits the clip's grid per frame: `repeat_interleave(grid, t)`).
 
 For packing, the language model also takes a fourth, leading row: the text position
 0..L-1 of each token inside its own sample. transformers reads a drop in that row as
@@ -19,7 +25,12 @@ For packing, the language model also takes a fourth, leading row: the text posit
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from saccade.data.videos import ClipRefs
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
@@ -28,13 +39,63 @@ def mrope_positions(
     mm_token_type_ids_L: torch.Tensor,
     image_grid_thw_N3: torch.Tensor | None,
     spatial_merge_size: int,
+    clips: ClipRefs | None = None,
+    tokens_per_second: float = 1.0,
 ) -> torch.Tensor:
-    """(3, L) int64 M-RoPE positions for one sample. Images are taken in order. The signature is
-    `ModelFamily.mrope_positions`' (the merge size positional), so a family takes it as is."""
+    """(3, L) int64 M-RoPE positions of one sample's text and images (Qwen2-VL's rule). A clip is
+    refused: a family reads clips by its own rule (`mrope_positions_seconds`, `mrope_positions_frames`).
+    The signature is `ModelFamily.mrope_positions`' (the merge size positional), so a family takes
+    it as is."""
+    if clips is not None and len(clips):
+        raise ValueError("this family's rule reads no clips (video tokens); its positions are images' and text's")
+    return visual_positions(mm_token_type_ids_L, image_grid_thw_N3, spatial_merge_size)
+
+
+def mrope_positions_seconds(
+    mm_token_type_ids_L: torch.Tensor,
+    image_grid_thw_N3: torch.Tensor | None,
+    spatial_merge_size: int,
+    clips: ClipRefs | None = None,
+    tokens_per_second: float = 1.0,
+) -> torch.Tensor:
+    """Qwen2.5-VL's rule (`Qwen2_5_VLModel.get_rope_index`): a clip's temporal patches spaced by
+    tokens_per_second x its seconds per temporal patch (`ClipRefs.second_per_grid`)."""
+    grids = None if clips is None or not len(clips) else clips.grid_thw
+    steps = None if grids is None else [tokens_per_second * s for s in clips.second_per_grid.float()]
+    return visual_positions(mm_token_type_ids_L, image_grid_thw_N3, spatial_merge_size, grids, steps)
+
+
+def mrope_positions_frames(
+    mm_token_type_ids_L: torch.Tensor,
+    image_grid_thw_N3: torch.Tensor | None,
+    spatial_merge_size: int,
+    clips: ClipRefs | None = None,
+    tokens_per_second: float = 1.0,
+) -> torch.Tensor:
+    """Qwen3-VL's and Qwen3.5's rule (`Qwen3VLModel.get_rope_index`): a clip's temporal patches are
+    frame groups of their own (their timestamps between them), each placed as a one-frame image."""
+    grids = None
+    if clips is not None and len(clips):
+        grid = clips.grid_thw.long()
+        grids = torch.repeat_interleave(grid, grid[:, 0], dim=0)
+        grids[:, 0] = 1
+    return visual_positions(mm_token_type_ids_L, image_grid_thw_N3, spatial_merge_size, grids)
+
+
+def visual_positions(
+    mm_token_type_ids_L: torch.Tensor,
+    image_grid_thw_N3: torch.Tensor | None,
+    spatial_merge_size: int,
+    video_grids: torch.Tensor | None = None,
+    video_steps: list | None = None,
+) -> torch.Tensor:
+    """(3, L) int64: text, images (type 1) and video grids (type 2) in order, each kind from its own
+    grids. `video_steps`: per video grid, the temporal position step of one temporal patch (a
+    float32 scalar, as transformers multiplies; None: 1, a patch a position)."""
     types = mm_token_type_ids_L.tolist()
-    grids = [] if image_grid_thw_N3 is None else [tuple(int(x) for x in g) for g in image_grid_thw_N3]
+    grids = {IMAGE: _grid_list(image_grid_thw_N3), VIDEO: _grid_list(video_grids)}
+    used = {IMAGE: 0, VIDEO: 0}
     pieces: list[torch.Tensor] = []
-    next_image = 0
     pos = 0
     i = 0
     L = len(types)
@@ -48,35 +109,43 @@ def mrope_positions(
             pos += j - i
             i = j
             continue
-        if kind != IMAGE:
-            raise ValueError("video tokens are not supported yet; only images (mm_token_type 1)")
-        # A run of image tokens may hold several images back to back: consume grid by grid.
+        if kind not in grids:
+            raise ValueError(f"mm_token_type {kind} is neither text (0), image (1) nor video (2)")
+        what = "image" if kind == IMAGE else "video"
+        # A run may hold several images (or clips) back to back: consume grid by grid.
         while i < j:
-            if next_image >= len(grids):
+            k = used[kind]
+            if k >= len(grids[kind]):
                 raise ValueError(
-                    f"sample has more image tokens than image grids ({len(grids)} grids); "
-                    "the prompt's image placeholders and the images disagree"
+                    f"sample has more {what} tokens than {what} grids ({len(grids[kind])} grids); "
+                    f"the prompt's {what} placeholders and the {what}s disagree"
                 )
-            t, h, w = grids[next_image]
-            next_image += 1
+            t, h, w = grids[kind][k]
+            used[kind] += 1
             gh, gw = h // spatial_merge_size, w // spatial_merge_size
             n = t * gh * gw
             if i + n > j:
-                raise ValueError(
-                    f"image {next_image - 1} needs {n} placeholder tokens but only {j - i} remain in its span"
-                )
-            pieces.append(_image_positions(pos, t, gh, gw))
+                raise ValueError(f"{what} {k} needs {n} placeholder tokens but only {j - i} remain in its span")
+            step = None if kind == IMAGE or video_steps is None else video_steps[k]
+            pieces.append(_image_positions(pos, t, gh, gw, step))
             pos += max(gh, gw)
             i += n
-    if next_image != len(grids):
-        raise ValueError(f"{len(grids)} image grids given but the tokens hold only {next_image} images")
+    for kind, what in ((IMAGE, "image"), (VIDEO, "video")):
+        if used[kind] != len(grids[kind]):
+            raise ValueError(f"{len(grids[kind])} {what} grids given but the tokens hold only {used[kind]} {what}s")
     if not pieces:
         return torch.zeros(3, 0, dtype=torch.long)
     return torch.cat(pieces, dim=1).long()
 
 
-def _image_positions(start: int, t: int, gh: int, gw: int) -> torch.Tensor:
-    tt = torch.arange(t).view(t, 1, 1).expand(t, gh, gw)
+def _grid_list(grid_N3: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    return [] if grid_N3 is None else [tuple(int(x) for x in g) for g in grid_N3]
+
+
+def _image_positions(start: int, t: int, gh: int, gw: int, step: torch.Tensor | float | None = None) -> torch.Tensor:
+    """(3, t*gh*gw) positions of one grid from `start`; temporal patch k at start + floor(k * step)."""
+    temporal = torch.arange(t) if step is None else (torch.arange(t) * step).long()
+    tt = temporal.view(t, 1, 1).expand(t, gh, gw)
     hh = torch.arange(gh).view(1, gh, 1).expand(t, gh, gw)
     ww = torch.arange(gw).view(1, 1, gw).expand(t, gh, gw)
     return torch.stack([tt, hh, ww]).reshape(3, -1) + start

@@ -1,10 +1,19 @@
-"""Encode each distinct image once with the frozen vision tower, and cache the result.
+"""Encode each distinct image and clip once with the frozen vision tower, and cache the result.
 
 The tower is frozen, so an image's features never change: every rollout of a group,
 every epoch and every micro-batch can reuse them. `VisionEncoder.encode` looks each
 image up by content hash in an `EmbeddingCache` (in-memory LRU under a byte budget,
 optionally backed by safetensors files on disk) and runs the tower only on the misses,
 all of them in one batched call.
+
+Clips go the same way (`VisionEncoder.encode_videos`): a clip's embedding is an
+`ImageEmbedding` whose `grid_thw` has t > 1 temporal patches, its rows one per video pad in
+the clip's order (frame group after frame group), DeepStack levels included where the family
+has them (transformers runs a clip through the tower as an image: `get_video_features` is
+`get_image_features` on the clip's pixels). Its key is `saccade.data.videos.video_cache_key`
+(the sampled frames' hash, the sampling settings, the pixel limits), which
+`messages_to_inputs` already wrote into `ModelInputs.videos`; the encoder recomputes it from
+the frames it is given and refuses a key made under other settings.
 
 A step's images must outlive the budget: the trainer reads them after the whole rollout
 has put them. `EmbeddingCache.pins()` gives a `Pins` scope: while it is active, every
@@ -27,6 +36,7 @@ from PIL import Image
 from saccade.timing import timed
 from saccade.config import ImagesConfig
 from saccade.data.images import image_hash
+from saccade.data.videos import VideoClip, VideoSampling, video_cache_key
 from saccade.models.families import family_of
 
 
@@ -271,21 +281,30 @@ def select_images(pixel_values: torch.Tensor, grid_thw_I3: torch.Tensor,
 
 
 class VisionEncoder:
-    """Frozen tower + image processor + cache: PIL images in, ImageEmbedding out."""
+    """Frozen tower + image (and video) processor + cache: PIL images or clips in, ImageEmbedding out."""
 
     def __init__(self, tower, processor, *, limits: ImagesConfig = ImagesConfig(), cache: EmbeddingCache | None = None):
         self.tower = tower
         self.family = family_of(tower.config)  # the vision config names its family too
+        self.processor = processor
         self.image_processor = processor.image_processor
         self.limits = limits
         self.cache = cache if cache is not None else EmbeddingCache()
         self.merge = int(tower.config.spatial_merge_size)
-        self.positions = self.family.positions(self.merge)  # the prompts' M-RoPE positions
+        self.positions = self.family.positions_of(tower.config)  # the prompts' M-RoPE positions
         self.levels = self.family.deepstack_levels(tower.config)
+        self._sampling: VideoSampling | None = None
 
     @property
     def device(self) -> torch.device:
         return next(self.tower.parameters()).device
+
+    @property
+    def sampling(self) -> VideoSampling:
+        """The clips' settings: `limits.video` over the model's video processor (made when first asked)."""
+        if self._sampling is None:
+            self._sampling = VideoSampling.from_processor(self.processor, self.limits)
+        return self._sampling
 
     def cache_key(self, image: Image.Image) -> str:
         return self.key_for_hash(image_hash(image))
@@ -294,14 +313,26 @@ class VisionEncoder:
         """The cache key of an image whose `image_hash` is known (ModelInputs.image_hashes)."""
         return image_cache_key(content_hash, self.limits)
 
+    def video_key(self, clip: VideoClip) -> str:
+        """The cache key of a clip under this encoder's settings (`video_cache_key`)."""
+        return video_cache_key(clip.content_hash, self.sampling)
+
     def preprocess(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """The image processor's (pixel_values, grid_thw) for these images under the limits."""
         out = self.image_processor(images=images, size=self.family.processor_size(self.limits), return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"].long()
 
+    def preprocess_videos(self, clips: list[VideoClip]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The video processor's (pixel_values_videos, video_grid_thw) for these sampled clips, as
+        `messages_to_inputs` makes them (the same call: frames, their metadata, no resampling)."""
+        out = self.processor.video_processor(
+            videos=[c.frames for c in clips], video_metadata=[c.metadata() for c in clips], return_tensors="pt",
+            **self.sampling.processor_kwargs())
+        return out["pixel_values_videos"], out["video_grid_thw"].long()
+
     @torch.no_grad()
     def encode_pixels(self, pixel_values: torch.Tensor, grid_thw_I3: torch.Tensor) -> list[ImageEmbedding]:
-        """The tower's output for these images, on the host, in the tower's dtype."""
+        """The tower's output for these images (or clips), on the host, in the tower's dtype."""
         dtype = next(self.tower.parameters()).dtype
         main_NH, deepstack = self.family.run_tower(self.tower, pixel_values.to(self.device, dtype),
                                                    grid_thw_I3.to(self.device))
@@ -314,9 +345,25 @@ class VisionEncoder:
         `pixels`: (pixel_values, grid_thw) the processor already made of these very images under
         these limits (`ModelInputs`), used for the misses instead of preprocessing them again."""
         keys = keys if keys is not None else [self.cache_key(im) for im in images]
+        return self._encode(images, keys, pixels, self.preprocess)
+
+    def encode_videos(self, clips: list[VideoClip | None], keys: list[str],
+                      pixels: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[ImageEmbedding]:
+        """One ImageEmbedding per clip, in order, the tower run once on all misses together, in a
+        call of their own (as transformers runs a prompt's clips apart from its images). `pixels`:
+        (pixel_values_videos, video_grid_thw) of these very clips (`ModelInputs`); without them a
+        miss is preprocessed from its frames (`preprocess_videos`). A clip whose key names other
+        settings than this encoder's is refused: its pads were counted under those."""
+        for clip, key in zip(clips, keys, strict=True):
+            if clip is not None and key != self.video_key(clip):
+                raise ValueError(f"clip {key} was sampled or sized under other settings than this engine's "
+                                 f"({self.video_key(clip)}): images.video must be the same at every stage")
+        return self._encode(clips, keys, pixels, self.preprocess_videos)
+
+    def _encode(self, items: list, keys: list[str], pixels, preprocess) -> list[ImageEmbedding]:
         found: dict[str, ImageEmbedding] = {}
-        missing: dict[str, int] = {}  # key -> index of the image in `images`
-        for i, (key, _) in enumerate(zip(keys, images, strict=True)):
+        missing: dict[str, int] = {}  # key -> index of the item in `items`
+        for i, (key, _) in enumerate(zip(keys, items, strict=True)):
             if key in found or key in missing:
                 continue
             hit = self.cache.get(key)
@@ -325,11 +372,14 @@ class VisionEncoder:
             else:
                 missing[key] = i
         if missing:
+            if pixels is None and any(items[i] is None for i in missing.values()):
+                raise ValueError(f"embeddings of {sorted(k for k, i in missing.items() if items[i] is None)[:3]} are "
+                                 "not cached and their pixels were not given to encode")
             with timed("encode"):
                 if pixels is not None:
-                    pixels, grid = select_images(*pixels, list(missing.values()))
+                    values, grid = select_images(*pixels, list(missing.values()))
                 else:
-                    pixels, grid = self.preprocess([images[i] for i in missing.values()])
-                for key, emb in zip(missing, self.encode_pixels(pixels, grid), strict=True):
+                    values, grid = preprocess([items[i] for i in missing.values()])
+                for key, emb in zip(missing, self.encode_pixels(values, grid), strict=True):
                     found[key] = self.cache.put(key, emb)
         return [found[k] for k in keys]

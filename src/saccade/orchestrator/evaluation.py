@@ -108,7 +108,7 @@ def greedy_evaluation(setup, task: Task[S], samples: list[S], *, max_tokens: int
                **final_info_means([r.info for r in rollouts]), **reward_metrics([r.info for r in rollouts])}
     blank = None
     if visual_gain:
-        blank = greedy_rollouts(BlankImagesTask(task, setup.images))
+        blank = greedy_rollouts(BlankImagesTask(task, setup.images, setup.processor))
         figures["accuracy_blank"] = share_correct(blank)
         figures["visual_gain"] = figures["accuracy"] - figures["accuracy_blank"]
     return Evaluation(figures, rollouts, blank)

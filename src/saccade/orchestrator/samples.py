@@ -42,4 +42,5 @@ def completion_to_sample(
         reward=reward,
         policy_version=completion.policy_version,
         routed_experts=completion.routed_experts,
+        videos=completion.videos,
     )

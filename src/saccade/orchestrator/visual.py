@@ -24,7 +24,7 @@ content, and all blank images of one size have the same pixels.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -40,27 +40,30 @@ S = TypeVar("S", bound=Prompt)  # the task's prompts
 class BlankImagesEnv(Generic[S]):
     """`env` with every image it shows the policy blanked: its opening and every later turn's
     messages, each image replaced by a blank one of its size
-    (`saccade.data.messages.with_blank_images`). `env` runs and scores as ever (its reward
-    functions read the real sample). Async, so that a sync or an async `env` fits."""
+    (`saccade.data.messages.with_blank_images`), and each clip by gray frames of its count, size
+    and timestamps (with `processor`, whose video sampling decodes it). `env` runs and scores as
+    ever (its reward functions read the real sample). Async, so that a sync or an async `env` fits."""
 
-    def __init__(self, env: Environment[S], limits: ImagesConfig):
-        self.env, self.limits = env, limits
+    def __init__(self, env: Environment[S], limits: ImagesConfig, processor=None):
+        self.env, self.limits, self.processor = env, limits, processor
 
     @property
     def max_turns(self) -> int:
         return self.env.max_turns
 
-    async def reset(self, sample: S) -> list[Message]:
-        from saccade.data.messages import with_blank_images
+    def _blank(self, messages: list[Message], sample: str | None = None) -> list[Message]:
+        from saccade.data.messages import has_clips, video_sampling, with_blank_images
 
-        return with_blank_images(await maybe_await(self.env.reset(sample)), limits=self.limits,
-                                 sample=getattr(sample, "sample_id", None))
+        sampling = (video_sampling(self.processor, self.limits)
+                    if self.processor is not None and has_clips(messages) else None)
+        return with_blank_images(messages, limits=self.limits, sample=sample, sampling=sampling)
+
+    async def reset(self, sample: S) -> list[Message]:
+        return self._blank(await maybe_await(self.env.reset(sample)), getattr(sample, "sample_id", None))
 
     async def step(self, assistant_message: Message) -> StepResult:
-        from saccade.data.messages import with_blank_images
-
         result = as_step_result(await maybe_await(self.env.step(assistant_message)))
-        return replace(result, messages=with_blank_images(result.messages, limits=self.limits))
+        return replace(result, messages=self._blank(result.messages))
 
 
 @dataclass
@@ -70,6 +73,7 @@ class BlankImagesTask(Generic[S]):
 
     task: Task[S]
     limits: ImagesConfig
+    processor: Any = None  # the model's: clips are blanked with its video sampling
 
     @property
     def max_turns(self) -> int:
@@ -82,7 +86,7 @@ class BlankImagesTask(Generic[S]):
         return self.task.eval_samples(n)
 
     def make_env(self) -> BlankImagesEnv[S]:
-        return BlankImagesEnv(self.task.make_env(), self.limits)
+        return BlankImagesEnv(self.task.make_env(), self.limits, self.processor)
 
 
 def episode_images(env_messages: list[list[dict]], limits: ImagesConfig) -> list | None:
@@ -127,7 +131,8 @@ def reply_logprobs(setup, rollouts: list, *, distribution, banned_token_ids: lis
     `banned_token_ids`); `reply_logprob_blank`, the same with every image blank;
     `image_logprob_gain`, their difference. Each rollout and its blank counterpart are scored
     once, packed like text at most `max_tokens` to a row, one forward a row. All three are None
-    for a rollout whose images cannot be loaded again; a rollout without images has a gain of 0.
+    for a rollout whose images cannot be loaded again, and for one with clips; a rollout without
+    images has a gain of 0.
 
     `rollouts` must still hold their environments' messages (`Rollout.env_messages`: the rank
     that sampled them). Their images' embeddings are pinned in the cache while they are read."""
@@ -142,7 +147,9 @@ def reply_logprobs(setup, rollouts: list, *, distribution, banned_token_ids: lis
         with pins:
             for i, r in enumerate(rollouts):
                 images = episode_images(r.env_messages, setup.images)
-                if images is None or len(images) != r.sample.num_images:
+                # A rollout with clips is left out (None): its clips' embeddings may be gone since its
+                # step trained, and blanking them is the clip counterfactual's job (docs/video.md).
+                if images is None or len(images) != r.sample.num_images or r.sample.num_videos:
                     continue
                 position[i] = len(samples)
                 samples.append(r.sample)
@@ -155,7 +162,7 @@ def reply_logprobs(setup, rollouts: list, *, distribution, banned_token_ids: lis
             lengths = [s.num_tokens for s in samples]
             for members in first_fit_decreasing(lengths, max_tokens, names=[s.sample_id for s in samples]):
                 mb = collate([samples[k] for k in members], setup.cache.get, image_token_id=setup.image_token_id,
-                             spatial_merge_size=setup.merge)
+                             spatial_merge_size=setup.merge, video_token_id=setup.video_token_id)
                 logprobs_N, _ = forward_logprobs(setup.model, mb.to(setup.device), distribution=distribution,
                                                  only_loss_tokens=True, banned_token_ids=banned_token_ids)
                 logprobs_N = logprobs_N.cpu()  # 0 at every token not scored: a segment's sum is its reply's

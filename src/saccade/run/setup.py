@@ -52,6 +52,7 @@ class Setup:
     image_token_id: int
     device: torch.device
     positions: Positions  # the model's M-RoPE rule (its family's, at `merge`): every sample's positions
+    video_token_id: int | None = None  # the clips' pad token (the packer's `video_token_id`)
 
     @functools.cached_property
     def continuation(self):
@@ -118,7 +119,7 @@ def build_setup(cfg: RunConfig, run_dir: Path, world: World = SINGLE) -> Setup:
         engine = build_local_engine(cfg, model, model_path, processor, cache, dtype, device)
     merge = int(policy.config.vision_config.spatial_merge_size)  # the full model's config; no tower read
     return Setup(model_path, processor, model, engine, cache, cfg.images, merge, policy.image_token_id, device,
-                 policy.positions)
+                 policy.positions, policy.video_token_id)
 
 
 def build_local_engine(cfg: RunConfig, model: nn.Module, model_path: str, processor, cache: EmbeddingCache,

@@ -147,6 +147,51 @@ class VisionDims:
     gated_mlp: bool = False  # the blocks' MLP: gate, up and down (Qwen2.5-VL) or fc1, fc2 (Qwen3-VL)
     rms_norm: bool = False  # RMSNorms (a weight) instead of LayerNorms (weight and bias)
     patch_bias: bool = True  # the patch embedding's Conv3d has a bias
+    num_heads: int = 16
+    # The video processor's pixel bounds: True, over all of a clip's frames together (Qwen3-VL's
+    # video processor: Qwen3-VL, Qwen3.5 and their MoE); False, each frame's (Qwen2-VL's: Qwen2.5-VL).
+    video_pixels_per_clip: bool = True
+
+    @property
+    def patch_values(self) -> int:
+        """Values in one patch row of `pixel_values(_videos)`: channels x temporal patch x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    def block_activation_bytes(self, dtype_bytes: int, *, stats_bytes: int = 4, split_attention: bool = False) -> int:
+        """Bytes one ViT block keeps for backward per patch when the tower trains, from transformers'
+        Qwen3-VL and Qwen2.5-VL vision blocks: each norm's input and output and its statistics (a
+        LayerNorm: mean and rstd, float32 on a GPU, `stats_bytes`; an RMSNorm: its float32 input,
+        rstd and the normalised input), q and k after the rotation, the fused qkv output (v is a
+        view of it, so all of it stays), the attention's output and its float32 logsumexp per head,
+        and the MLP's intermediates (fc1's output and the GELU's; gated: gate, up, silu(gate) and
+        their product). `split_attention`: the attention kernel runs frame group by frame group
+        and concatenates the outputs (sdpa, eager; not flash-attention's varlen), one more b*h.
+        Exact against autograd's saved tensors on the tiny towers on the CPU (`split_attention`,
+        LayerNorm's statistics in the input dtype: tests/tools/test_memory.py); the GPU's layout
+        (flash-attention's varlen kernel, no split; float32 statistics) is read from the code, not
+        measured."""
+        b, h, inter = dtype_bytes, self.hidden_size, self.intermediate_size
+        norm = 4 * h + 4 + 2 * b * h if self.rms_norm else 2 * b * h + 2 * stats_bytes
+        attention = 6 * b * h + 4 * self.num_heads + (b * h if split_attention else 0)
+        mlp = (4 if self.gated_mlp else 2) * b * inter
+        return 2 * norm + attention + mlp
+
+    def tower_activation_bytes(self, dtype_bytes: int, **block) -> int:
+        """Bytes the whole tower keeps for backward per patch when it trains: every block's
+        (`block_activation_bytes`), the rotary cos and sin once (float32, head_dim each), and an
+        estimate of the rest (not checked to the byte): the patch embedding's output and the
+        learned positions added to it (2 b*h), and each merger (the main one and one per DeepStack
+        level) its norm's input and output, fc1's output and the GELU's (4 b*h per patch)."""
+        head_dim = self.hidden_size // self.num_heads
+        outside = 2 * dtype_bytes * self.hidden_size + (1 + self.deepstack_levels) * 4 * dtype_bytes * self.hidden_size
+        return self.depth * self.block_activation_bytes(dtype_bytes, **block) + 2 * 4 * head_dim + outside
+
+    def block_transient_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per patch alive at once inside one block when the tower runs frozen (no_grad): the
+        residual stream and the block's output, and the MLP's intermediates (two; gated: three).
+        An estimate, not measured."""
+        b, h, inter = dtype_bytes, self.hidden_size, self.intermediate_size
+        return 2 * b * h + (3 if self.gated_mlp else 2) * b * inter
 
     @property
     def params(self) -> int:
@@ -202,7 +247,7 @@ def qwen3_vl(config: dict) -> tuple[dict, dict]:
         out_hidden_size=v["out_hidden_size"], num_position_embeddings=v["num_position_embeddings"],
         deepstack_levels=len(v.get("deepstack_visual_indexes", [])), patch_size=v.get("patch_size", 16),
         temporal_patch_size=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", 3),
-        spatial_merge_size=v.get("spatial_merge_size", 2),
+        spatial_merge_size=v.get("spatial_merge_size", 2), num_heads=v.get("num_heads", 16),
     )
     return text, vision
 
@@ -226,7 +271,7 @@ def qwen2_5_vl(config: dict) -> tuple[dict, dict]:
         out_hidden_size=v.get("out_hidden_size", t["hidden_size"]), num_position_embeddings=0, deepstack_levels=0,
         patch_size=v.get("patch_size", 14), temporal_patch_size=v.get("temporal_patch_size", 2),
         in_channels=v.get("in_chans", v.get("in_channels", 3)), spatial_merge_size=v.get("spatial_merge_size", 2),
-        gated_mlp=True, rms_norm=True, patch_bias=False,
+        gated_mlp=True, rms_norm=True, patch_bias=False, num_heads=v.get("num_heads", 16), video_pixels_per_clip=False,
     )
     return text, vision
 
@@ -371,6 +416,7 @@ def qwen3_5(config: dict) -> tuple[dict, dict]:
         out_hidden_size=v["out_hidden_size"], num_position_embeddings=v.get("num_position_embeddings", 2304),
         deepstack_levels=0, patch_size=v.get("patch_size", 16), temporal_patch_size=v.get("temporal_patch_size", 2),
         in_channels=v.get("in_channels", 3), spatial_merge_size=v.get("spatial_merge_size", 2),
+        num_heads=v.get("num_heads", 16),
     )
     return text, vision
 

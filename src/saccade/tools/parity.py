@@ -6,10 +6,17 @@ values, packed or not. This module measures it on a fixed set of conversations a
 also measures how far two classic mistakes move the logprobs (DeepStack dropped,
 1-D positions), so a test can insist they are caught. Used by the tests and by
 `saccade bench parity`.
+
+With a clip (`video`: a video file, `saccade bench parity --video PATH`), the conversations
+gain clips (`video_conversations`: a clip alone, a clip beside images and text, a clip in a
+later turn, and the same file's frames given as a list) and the figures cover them: the full
+model reads the clip's pixels (`pixel_values_videos`, and Qwen2.5-VL's `second_per_grid_ts`),
+the LM-only path its cached embedding.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +75,33 @@ def parity_conversations() -> dict[str, list[dict]]:
     }
 
 
+def video_conversations(video: str) -> dict[str, list[dict]]:
+    """Conversations with the clip at `video` (a file): alone, between images and text, in a later
+    turn after a text-only one, and its first frames given as a list beside the file."""
+    img = lambda w, h, s: {"type": "image", "image": synthetic_image(w, h, s)}  # noqa: E731
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    clip = {"type": "video_url", "video_url": {"url": str(video)}}
+    frames = {"type": "video", "video": [synthetic_image(64, 48, 20 + i) for i in range(3)], "fps": 1.0}
+    return {
+        "clip": [
+            {"role": "user", "content": [clip, text("What moves in the clip?")]},
+            {"role": "assistant", "content": "A white square, left to right."},
+        ],
+        "clip_image_text": [
+            {"role": "user", "content": [img(64, 64, 11), text("Is this frame in the clip?"), clip]},
+            {"role": "assistant", "content": "No."},
+            {"role": "user", "content": [img(48, 80, 12), text("And this one?")]},
+            {"role": "assistant", "content": "Not that either."},
+        ],
+        "clip_later_turn": [
+            {"role": "user", "content": "I will show you a clip."},
+            {"role": "assistant", "content": "Go ahead."},
+            {"role": "user", "content": [clip, frames, text("Which came first?")]},
+            {"role": "assistant", "content": "The square."},
+        ],
+    }
+
+
 @dataclass
 class ParityInputs:
     name: str
@@ -88,6 +122,11 @@ def full_model_logprobs(full_model, inputs: ModelInputs) -> torch.Tensor:
     if inputs.pixel_values is not None:
         kwargs.update(pixel_values=inputs.pixel_values.to(device, full_model.lm_head.weight.dtype),
                       image_grid_thw=inputs.image_grid_thw.to(device))
+    if inputs.pixel_values_videos is not None:
+        kwargs.update(pixel_values_videos=inputs.pixel_values_videos.to(device, full_model.lm_head.weight.dtype),
+                      video_grid_thw=inputs.videos.grid_thw.to(device))
+        if "second_per_grid_ts" in inspect.signature(full_model.model.forward).parameters:  # Qwen2.5-VL
+            kwargs["second_per_grid_ts"] = inputs.videos.second_per_grid.to(device)
     with torch.no_grad():
         hidden_LH = full_model.model(**kwargs, use_cache=False).last_hidden_state[0]
         scored, _ = token_logprobs_and_entropy(hidden_LH[:-1], full_model.lm_head.weight, ids[0, 1:])
@@ -96,26 +135,34 @@ def full_model_logprobs(full_model, inputs: ModelInputs) -> torch.Tensor:
     return logprobs
 
 
-def prepare(processor, encoder: VisionEncoder, limits: ImagesConfig) -> list[ParityInputs]:
-    """The parity conversations as samples, their images encoded; positions by the encoder's family."""
+def prepare(processor, encoder: VisionEncoder, limits: ImagesConfig, video: str | None = None) -> list[ParityInputs]:
+    """The parity conversations (with `video`: the clip's too) as samples, their images and clips
+    encoded; positions by the encoder's family."""
+    conversations = parity_conversations() | (video_conversations(video) if video is not None else {})
     out = []
-    for name, messages in parity_conversations().items():
+    for name, messages in conversations.items():
         inputs = messages_to_inputs(messages, processor, limits=limits, sample=name)
         keys = [encoder.key_for_hash(h) for h in inputs.image_hashes]
         encoder.encode(inputs.images, keys)
+        if inputs.clips:
+            encoder.encode_videos(inputs.clips, inputs.videos.keys,
+                                  pixels=(inputs.pixel_values_videos, inputs.videos.grid_thw))
         sample = make_sample(
-            name, inputs.input_ids, inputs.mm_token_type_ids, inputs.image_grid_thw, keys, positions=encoder.positions
+            name, inputs.input_ids, inputs.mm_token_type_ids, inputs.image_grid_thw, keys, positions=encoder.positions,
+            videos=inputs.videos,
         )
         out.append(ParityInputs(name, inputs, sample))
     return out
 
 
-def grouped_samples(processor, encoder: VisionEncoder, completion_lengths, generator: torch.Generator) -> list[TrainingSample]:
-    """GRPO-like groups on the parity prompts: after each prompt, one completion of random ids
-    per entry of `completion_lengths` (its length), the loss on the completion only, advantage
-    g - 1 for the g-th. Packed with shared prompts, each group's prompt is one context."""
+def grouped_samples(processor, encoder: VisionEncoder, completion_lengths, generator: torch.Generator,
+                    video: str | None = None) -> list[TrainingSample]:
+    """GRPO-like groups on the parity prompts (with `video`, the clip's too): after each prompt, one
+    completion of random ids per entry of `completion_lengths` (its length), the loss on the
+    completion only, advantage g - 1 for the g-th. Packed with shared prompts, each group's prompt
+    is one context."""
     samples = []
-    for c in prepare(processor, encoder, encoder.limits):
+    for c in prepare(processor, encoder, encoder.limits, video):
         prompt = c.inputs.input_ids
         for g, n in enumerate(completion_lengths):
             samples.append(make_sample(
@@ -123,7 +170,7 @@ def grouped_samples(processor, encoder: VisionEncoder, completion_lengths, gener
                 torch.cat([c.inputs.mm_token_type_ids, torch.zeros(n, dtype=torch.long)]), c.inputs.image_grid_thw,
                 c.sample.image_keys, positions=encoder.positions,
                 loss_mask=torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(n, dtype=torch.bool)]),
-                advantage=g - 1.0))
+                advantage=g - 1.0, videos=c.inputs.videos))
     return samples
 
 
@@ -137,12 +184,14 @@ def _lookup(encoder: VisionEncoder):
 
 
 def lm_logprobs(policy, cases: list[ParityInputs], encoder: VisionEncoder, *, image_token_id: int, merge: int,
-                packed: bool, drop_deepstack: bool = False, positions_1d: bool = False) -> list[torch.Tensor]:
+                packed: bool, drop_deepstack: bool = False, positions_1d: bool = False,
+                video_token_id: int | None = None) -> list[torch.Tensor]:
     """Per-case (L,) logprobs from the LM-only path, one micro-batch per case or all packed in one."""
     groups = [[c.sample for c in cases]] if packed else [[c.sample] for c in cases]
     results: list[torch.Tensor] = []
     for group in groups:
-        mb = collate(group, _lookup(encoder), image_token_id=image_token_id, spatial_merge_size=merge)
+        mb = collate(group, _lookup(encoder), image_token_id=image_token_id, spatial_merge_size=merge,
+                     video_token_id=video_token_id)
         if drop_deepstack:
             mb.deepstack = None
         if positions_1d:
@@ -172,14 +221,17 @@ def run_parity_bench(cfg: ParityBenchConfig) -> dict:
     from saccade.devices import resolve_device
 
     start = time.perf_counter()
-    result = run_parity(resolve_model_name(cfg.model), dtype=getattr(torch, cfg.dtype), device=resolve_device(cfg.device))
+    result = run_parity(resolve_model_name(cfg.model), dtype=getattr(torch, cfg.dtype), device=resolve_device(cfg.device),
+                        video=cfg.video)
     result["minutes"] = (time.perf_counter() - start) / 60
     return result
 
 
 def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> dict:
-    """All four figures plus per-case detail, on any folder of a known family, in `dtype` on `device`."""
+               device: str | torch.device = "cpu", video: str | None = None) -> dict:
+    """All four figures plus per-case detail, on any folder of a known family, in `dtype` on `device`;
+    with `video` (a file), on the clip's conversations too (`video_conversations`), with the
+    figures of the cases that hold a clip apart (`clip_*`)."""
     from saccade.models.head import use_full_fp32_matmuls
     from saccade.models.lm import load_policy_lm
     from saccade.models.loading import load_full_model, load_processor, load_vision_tower
@@ -194,9 +246,14 @@ def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.d
     policy = load_policy_lm(model_path, dtype=dtype, device=device).eval()
     encoder = VisionEncoder(tower, processor, limits=limits)
     merge = encoder.merge
-    cases = prepare(processor, encoder, limits)
+    if video is not None:
+        from pathlib import Path
+
+        if not Path(video).is_file():
+            raise ValueError(f"--video {video!r}: no such file")
+    cases = prepare(processor, encoder, limits, video)
     reference = [full_model_logprobs(full, c.inputs) for c in cases]
-    common = dict(image_token_id=policy.image_token_id, merge=merge)
+    common = dict(image_token_id=policy.image_token_id, merge=merge, video_token_id=policy.video_token_id)
     single = lm_logprobs(policy, cases, encoder, packed=False, **common)
     packed = lm_logprobs(policy, cases, encoder, packed=True, **common)
     no_deepstack = lm_logprobs(policy, cases, encoder, packed=False, drop_deepstack=True, **common)
@@ -205,12 +262,22 @@ def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.d
         c.name: {
             "tokens": c.sample.num_tokens,
             "images": c.sample.num_images,
+            "clips": c.sample.num_videos,
             "lm_only_vs_full_max_abs": max_abs([s], [r]),
+            "packed_vs_full_max_abs": max_abs([p], [r]),
         }
-        for c, s, r in zip(cases, single, reference)
+        for c, s, p, r in zip(cases, single, packed, reference)
     }
-    image_cases = [i for i, c in enumerate(cases) if c.sample.num_images]
-    pick = lambda xs: [xs[i] for i in image_cases]  # noqa: E731
+    image_cases = [i for i, c in enumerate(cases) if c.sample.num_images or c.sample.num_videos]
+    pick = lambda xs, which=image_cases: [xs[i] for i in which]  # noqa: E731
+    clips = [i for i, c in enumerate(cases) if c.sample.num_videos]
+    clip_figures = {} if not clips else {
+        "clip_lm_only_vs_full_max_abs": max_abs(pick(single, clips), pick(reference, clips)),
+        "clip_packed_vs_full_max_abs": max_abs(pick(packed, clips), pick(reference, clips)),
+        "clip_deepstack_dropped_max_abs": max_abs(pick(no_deepstack, clips), pick(reference, clips)),
+        "clip_positions_1d_max_abs": max_abs(pick(flat_positions, clips), pick(reference, clips)),
+        "clip_grids": {cases[i].name: cases[i].sample.videos.grid_thw.tolist() for i in clips},
+    }
     return {
         "model": str(model_path),
         "family": policy.family.name,
@@ -227,6 +294,8 @@ def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.d
         "positions_1d_max_abs": max_abs(pick(flat_positions), pick(reference)),
         "cases": per_case,
         "cache": {"hit_rate": encoder.cache.stats.hit_rate, "entries": len(encoder.cache)},
+        "video": None if video is None else str(video),
+        **clip_figures,
     }
 
 

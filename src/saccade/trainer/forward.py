@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from saccade.timing import timed
-from saccade.models.lm import ban_bias, image_positions, to_device, unwrap_policy
+from saccade.models.lm import ban_bias, to_device, unwrap_policy
 from saccade.models.sampling import SampledDistribution
 from saccade.trainer.logprobs import PLAIN, token_logprobs_and_entropy
 from saccade.trainer.samples import MicroBatch
@@ -67,8 +67,8 @@ def forward_logprobs(
     host = mb.on_host
     image_embeds = mb.image_embeds.to(device) if mb.image_embeds is not None else None
     deepstack = mb.deepstack.to(device) if mb.deepstack is not None else None
-    # Where the image pads are, from the host copy: the device never has to say.
-    positions_M = image_positions(host.input_ids.cpu(), policy.image_token_id)
+    # Where the image and video pads are, from the host copy: the device never has to say.
+    positions_M = policy.visual_positions(host.input_ids.cpu())
     with timed("forward"):
         hidden_1NH = policy.hidden_states(
             mb.input_ids.to(device), mb.position_ids.to(device), image_embeds, deepstack, cu_seqlens=host.cu_seqlens,

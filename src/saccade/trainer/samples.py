@@ -1,9 +1,10 @@
 """TrainingSample (one rollout, as the trainer sees it) and MicroBatch (packed samples).
 
 A TrainingSample holds the token ids exactly as the engine saw and sampled them, never
-re-tokenized, plus everything the loss needs. Images are referenced by cache key; the
-embeddings themselves live in the EmbeddingCache and are gathered when a micro-batch
-is built.
+re-tokenized, plus everything the loss needs. Images and clips are referenced by cache key
+(`image_keys`; `videos`, a `ClipRefs`: keys, grids, seconds per temporal patch); the embeddings
+themselves live in the EmbeddingCache and are gathered when a micro-batch is built. The trainer
+never holds a clip's pixels or runs the tower: a clip costs it its tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
+
+from saccade.data.videos import ClipRefs
 
 if TYPE_CHECKING:
     from saccade.models.families import Positions
@@ -32,6 +35,7 @@ class TrainingSample:
     # A mixture of experts: the engine's top_k experts per MoE layer for each loss token, in
     # order, (loss tokens, layers, top_k) (`Completion.routed_experts`); None when not known.
     routed_experts: torch.Tensor | None = None
+    videos: ClipRefs = field(default_factory=ClipRefs)  # the clips, in the order they appear
 
     def __post_init__(self):
         L = self.input_ids.shape[0]
@@ -56,6 +60,10 @@ class TrainingSample:
     def num_images(self) -> int:
         return len(self.image_keys)
 
+    @property
+    def num_videos(self) -> int:
+        return len(self.videos)
+
 
 def make_sample(
     sample_id: str,
@@ -71,23 +79,27 @@ def make_sample(
     reward: float = 0.0,
     policy_version: int = 0,
     routed_experts: torch.Tensor | None = None,
+    videos: ClipRefs | None = None,
 ) -> TrainingSample:
-    """Build a sample, its M-RoPE positions computed from the token types and grids by `positions`
-    (the model's: `PolicyLM.positions`, `Setup.positions`, the engine's encoder's)."""
+    """Build a sample, its M-RoPE positions computed from the token types, the images' grids and the
+    clips' (`videos`) by `positions` (the model's: `PolicyLM.positions`, `Setup.positions`, the
+    engine's encoder's)."""
     L = input_ids.shape[0]
     grid = image_grid_thw if image_grid_thw is not None else torch.zeros(0, 3, dtype=torch.long)
+    videos = videos if videos is not None else ClipRefs()
     return TrainingSample(
         sample_id=sample_id,
         input_ids=input_ids.long(),
         loss_mask=loss_mask.bool() if loss_mask is not None else torch.zeros(L, dtype=torch.bool),
         inference_logprobs=inference_logprobs.float() if inference_logprobs is not None else torch.zeros(L),
-        position_ids=positions.with_text_row(mm_token_type_ids, grid),
+        position_ids=positions.with_text_row(mm_token_type_ids, grid, videos),
         image_grid_thw=grid.long(),
         image_keys=list(image_keys),
         advantage=float(advantage),
         reward=float(reward),
         policy_version=int(policy_version),
         routed_experts=routed_experts,
+        videos=videos,
     )
 
 
@@ -107,8 +119,10 @@ class MicroBatch:
     inference_logprobs: torch.Tensor  # (N,) float32
     advantages: torch.Tensor  # (N,) float32: each token carries its sample's advantage
     cu_seqlens: torch.Tensor  # (S + 1,) int32: sample boundaries (flash-attention varlen form)
-    image_embeds: torch.Tensor | None  # (M, H): all images' features, in token order
-    deepstack: torch.Tensor | None  # (Z, M, H): the DeepStack levels
+    # (M, H): the images' features in token order, then the clips' in token order: the rows of
+    # `PolicyLM.visual_positions` (image pads, then video pads), which scatters them there.
+    image_embeds: torch.Tensor | None
+    deepstack: torch.Tensor | None  # (Z, M, H): the DeepStack levels, rows as image_embeds'
     image_grid_thw: torch.Tensor  # (n_images, 3)
     sample_ids: list[str]
     context: list[tuple[int, int]] | None = None  # per segment: the row range it continues; None: no sharing
@@ -119,6 +133,7 @@ class MicroBatch:
     # The same micro-batch in host memory, on a copy made by `to(device)`: what the host reads
     # (loss mask, ids, boundaries) is read there, so the trainer never waits on the device for it.
     host: MicroBatch | None = field(default=None, repr=False, compare=False)
+    video_grid_thw: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long))  # (n_clips, 3)
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,9 @@
 """Format ``columns``: one's own data set, read through `task.columns` (docs/data.md).
 
 `task.columns` (`ColumnsConfig`) names which column holds the prompt, the answer, the images,
-and optionally the options, the rows' ids and a category. The user turn is
+and optionally the options, the rows' ids, a category and a clip (`videos`: a video file under
+the data set's folder, or a list of frames; decoded when the prompt is tokenized, with the
+model's video sampling, and refused then like a broken image). The user turn is
 `task.prompt_template` over the prompt column and the options, after `task.system_prompt` when
 set. A column the mapping names and the split lacks is refused when the split opens, naming
 the `task.columns` key to change and the columns there are.
@@ -53,6 +55,8 @@ class Columns(RowFormat):
         value = row[c.images]
         if value is None:
             raise RowSkipped("missing_image", f"{c.images} is None")
+        videos = parts.videos(row[c.videos], sample_id=at.sample_id, column=c.videos, base=at.base,
+                              root=at.root) if c.videos else []
         values = [parts.with_base(v, at.base) for v in (value if isinstance(value, list) else [value])]
         choices = _choices(row[c.choices], column=c.choices) if c.choices else None
         template = layout.prompt_template if layout.prompt_template is not None else self.prompt_template
@@ -75,6 +79,7 @@ class Columns(RowFormat):
             answer_type="multi_choice" if choices else "free_form",
             metadata=metadata,
             prompt=messages,
+            videos=videos,
         )
 
 

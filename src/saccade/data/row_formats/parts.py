@@ -12,12 +12,12 @@ from PIL import Image
 from saccade.config import ImagesConfig
 from saccade.data.image_paths import check_image_location
 from saccade.data.images import MissingImageError, load_image
-from saccade.data.questions import IMAGE_PLACEHOLDER
+from saccade.data.questions import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from saccade.data.rows import RowSkipped
 
 __all__ = [
     "answer", "chat", "format_choices", "images", "is_letter", "parse_options", "scalars", "user_text",
-    "with_base", "with_prompt_parts",
+    "videos", "with_base", "with_prompt_parts",
 ]
 
 
@@ -37,6 +37,25 @@ def images(values: Any, *, sample_id: str, column: str, limits: ImagesConfig,
         # load_image's errors say what is wrong; this names the row and the column.
         out.append(load_image(value, limits=limits, sample=f"{sample_id} ({column}[{i}])"))
     return out
+
+
+def videos(value: Any, *, sample_id: str, column: str, base: Path | None = None,
+           root: Path | None = None) -> list[Any]:
+    """The row's clip (one a row: a video file, or a list of frames), its files made relative to
+    `base` and refused outside `root` (`check_image_location`), as `load_video` will read it; it is
+    decoded, with the model's video sampling, when its prompt is tokenized."""
+    if value is None:
+        raise RowSkipped("missing_image", f"{column} (the row's clip) is None")
+    if isinstance(value, list):
+        if not value:
+            raise RowSkipped("missing_image", f"{column} (the row's clip) is an empty list of frames")
+        frames = [with_base(v, base) for v in value]
+        for i, frame in enumerate(frames):
+            check_image_location(frame, root, f"{column}[{i}]")
+        return [frames]
+    value = with_base(value, base)
+    check_image_location(value, root, column)
+    return [value]
 
 
 def with_base(value: Any, base: Path | None) -> Any:
@@ -67,7 +86,7 @@ def chat(prompt: Any, *, sample_id: str) -> list[dict[str, str]]:
 def user_text(messages: list[dict[str, str]]) -> str:
     """The user turns' text, placeholders blanked: the question as a sample states it."""
     text = "\n".join(m["content"] for m in messages if m["role"] == "user")
-    return text.replace(IMAGE_PLACEHOLDER, " ").strip()
+    return text.replace(IMAGE_PLACEHOLDER, " ").replace(VIDEO_PLACEHOLDER, " ").strip()
 
 
 # "A. text", "(A) text", "A) text", "A: text", one option per line.

@@ -16,13 +16,16 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from saccade.config import ImagesConfig
 from saccade.models.positions import with_text_row
+
+if TYPE_CHECKING:
+    from saccade.data.videos import ClipRefs
 
 # The canonical checkpoint names (transformers 5's layout for the whole VLM): what saccade's
 # trainer holds, writes and reads, whatever layout a family's hub checkpoints use.
@@ -169,24 +172,32 @@ def resize_bounds(limits: ImagesConfig) -> dict[str, int]:
 @dataclass(frozen=True)
 class Positions:
     """One model's M-RoPE positions: its family's rule (`ModelFamily.mrope_positions`) at its tower's
-    merge size. The one object every stage asks: the engines for the prompts they run, the trainer
-    for its samples (`saccade.trainer.samples.make_sample`), the multi-turn check for what the engine
-    ran (`saccade.envs.trajectory.check_consistency`). A run gets it from its model
+    merge size and temporal rate. The one object every stage asks: the engines for the prompts they
+    run, the trainer for its samples (`saccade.trainer.samples.make_sample`), the multi-turn check for
+    what the engine ran (`saccade.envs.trajectory.check_consistency`). A run gets it from its model
     (`PolicyLM.positions`, kept as `Setup.positions`), an engine from its family
     (`VisionEncoder.positions`; the vLLM engine's `family`), so a family with another rule changes
-    its `mrope_positions` and nothing else."""
+    its `mrope_positions` and nothing else.
 
-    rule: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # the family's mrope_positions
+    Clips (mm_token_type 2) are placed by the family's rule from `ClipRefs` (their grids and seconds
+    per temporal patch): Qwen2.5-VL spaces a clip's temporal patches by `tokens_per_second` x its
+    seconds per patch, the Qwen3 generations place each frame group as an image between its
+    timestamps (`saccade.models.positions`)."""
+
+    rule: Callable[..., torch.Tensor]  # the family's mrope_positions
     merge: int  # the tower's spatial merge size: merge x merge patches per image token
+    tokens_per_second: float = 1.0  # the tower's temporal positions per second of clip (Qwen2.5-VL's vision config)
 
-    def mrope(self, mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.Tensor | None) -> torch.Tensor:
-        """(3, L) int64 (t, h, w) positions of one prompt or sample; its images in order."""
-        return self.rule(mm_token_type_ids_L, image_grid_thw_N3, self.merge)
+    def mrope(self, mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.Tensor | None,
+              clips: ClipRefs | None = None) -> torch.Tensor:
+        """(3, L) int64 (t, h, w) positions of one prompt or sample; its images and clips in order."""
+        return self.rule(mm_token_type_ids_L, image_grid_thw_N3, self.merge, clips, self.tokens_per_second)
 
-    def with_text_row(self, mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.Tensor | None) -> torch.Tensor:
+    def with_text_row(self, mm_token_type_ids_L: torch.Tensor, image_grid_thw_N3: torch.Tensor | None,
+                      clips: ClipRefs | None = None) -> torch.Tensor:
         """(4, L) int64, a training sample's: the per-sample text position 0..L-1 packing relies on
         (docs/packing.md), then `mrope`'s three rows."""
-        return with_text_row(self.mrope(mm_token_type_ids_L, image_grid_thw_N3))
+        return with_text_row(self.mrope(mm_token_type_ids_L, image_grid_thw_N3, clips))
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,8 +213,9 @@ class ModelFamily:
     full_model_class: Callable[[], type]  # the whole model: the parity reference; its __name__ the class's
     deepstack_levels: Callable[[Any], int]  # the config's DeepStack levels (0: none)
     run_tower: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
-    # (mm_token_type_ids_L, grid_thw_N3, merge) -> (3, L): the rule; every stage asks `positions(merge)`.
-    mrope_positions: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+    # (mm_token_type_ids_L, image_grid_thw_N3, merge, clips, tokens_per_second) -> (3, L): the rule;
+    # every stage asks `positions(...)`.
+    mrope_positions: Callable[..., torch.Tensor]
     lora_target_modules: tuple[str, ...]  # the language model's linears LoRA wraps by default
     lora_target_parameters: tuple[str, ...] = ()  # parameters (not modules) LoRA wraps: MoE experts
     prepare_language_model: Callable[[nn.Module], None] = no_hooks  # once, after it is built
@@ -226,6 +238,13 @@ class ModelFamily:
     def __post_init__(self):
         assert self.model_types, self.name
 
-    def positions(self, merge: int) -> Positions:
-        """This family's M-RoPE rule at a tower's merge size: what every stage computes positions with."""
-        return Positions(self.mrope_positions, int(merge))
+    def positions(self, merge: int, tokens_per_second: float = 1.0) -> Positions:
+        """This family's M-RoPE rule at a tower's merge size (and, for clips, its temporal rate):
+        what every stage computes positions with."""
+        return Positions(self.mrope_positions, int(merge), tokens_per_second)
+
+    def positions_of(self, config) -> Positions:
+        """`positions` of a model from its config (the whole model's or its vision config's): the
+        merge size, and the tower's `tokens_per_second` where it has one (Qwen2.5-VL)."""
+        vision = getattr(config, "vision_config", config)
+        return self.positions(vision.spatial_merge_size, getattr(vision, "tokens_per_second", 1.0))

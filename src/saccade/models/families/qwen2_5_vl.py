@@ -10,7 +10,9 @@ How it differs from Qwen3-VL (checked against transformers 5.19's `models/qwen2_
 - Language model: Qwen2 (q/k/v with bias, head_dim = hidden / heads, no q/k norm), M-RoPE with
   contiguous sections [16, 24, 24] (Qwen3-VL interleaves them).
 - Positions: the same rule as Qwen3-VL for images (an image advances the text position by
-  max(H', W')), so `saccade.models.positions.mrope_positions` serves as is.
+  max(H', W')); a clip is one run of pads whose temporal patches are spaced by the tower's
+  `tokens_per_second` x the clip's seconds per temporal patch (`second_per_grid_ts`):
+  `saccade.models.positions.mrope_positions_seconds`.
 - Checkpoints on the hub are in the pre-4.52 layout (`model.layers.*`, `visual.*`), and
   transformers 5.19's save_pretrained writes that layout back; saccade reads it through
   transformers' own renames (`models/checkpoint_layout.py`). vLLM reads both layouts, so what
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from saccade.models.families.interface import ModelFamily, transformers_class
-from saccade.models.positions import mrope_positions
+from saccade.models.positions import mrope_positions_seconds
 
 # The language model's linears, as in Qwen3-VL (dense: no fused expert parameters).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -68,9 +70,9 @@ FAMILY = ModelFamily(
     deepstack_levels=deepstack_levels,
     run_tower=run_tower,
     # Qwen2.5-VL's rule for images equals Qwen3-VL's (`Qwen2_5_VLModel.get_rope_index`: text +1 a
-    # token; an image's patches at start + (t, i, j); the text after it at start + max(H', W')), so
-    # the shared function. Videos differ (frames spaced by tokens_per_second x seconds per grid) and
-    # are refused by it: a video rule is this family's own function, here.
-    mrope_positions=mrope_positions,
+    # token; an image's patches at start + (t, i, j); the text after it at start + max(H', W')).
+    # Clips differ: a clip's temporal patch k at start + floor(k x tokens_per_second x seconds per
+    # temporal patch), its own rule.
+    mrope_positions=mrope_positions_seconds,
     lora_target_modules=LORA_TARGETS,
 )

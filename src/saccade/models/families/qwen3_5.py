@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from saccade.models.families.interface import ModelFamily, transformers_class
-from saccade.models.positions import mrope_positions
+from saccade.models.positions import mrope_positions_frames
 
 # The full-attention layers' and every layer's MLP linears, then the Gated DeltaNet's linears.
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -79,10 +79,10 @@ FAMILY = ModelFamily(
     full_model_class=full_model_class,
     deepstack_levels=deepstack_levels,
     run_tower=run_tower,
-    # Qwen2-VL's rule for images, which Qwen3.5 inherits (`Qwen3_5Model.get_rope_index` changes videos
-    # only), so the shared function. The partial rotary and the interleaved sections act on the
+    # Qwen2-VL's rule for images, which Qwen3.5 inherits; `Qwen3_5Model.get_rope_index` splits a
+    # clip by frame group, as Qwen3-VL. The partial rotary and the interleaved sections act on the
     # frequencies, not on the positions.
-    mrope_positions=mrope_positions,
+    mrope_positions=mrope_positions_frames,
     lora_target_modules=LORA_TARGETS,
     prepare_language_model=prepare_language_model,
     vllm_cpu_dtype=CPU_DTYPE,

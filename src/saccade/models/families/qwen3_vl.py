@@ -6,7 +6,9 @@
 - Checkpoints are keyed as transformers 5 saves them (`model.language_model.*`,
   `model.visual.*`, `lm_head.weight`), saccade's canonical names: no key mapping, no layout
   conversion for vLLM.
-- M-RoPE over (t, h, w) with interleaved sections; the rule is `saccade.models.positions`'.
+- M-RoPE over (t, h, w) with interleaved sections; the rule is `saccade.models.positions`':
+  images as Qwen2-VL places them, a clip's frame groups each as a one-frame image between its
+  timestamps (`mrope_positions_frames`).
 - The tower normalises inside itself in vLLM; the processor takes resize bounds in pixels.
 """
 
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from saccade.models.families.interface import ModelFamily, transformers_class
-from saccade.models.positions import mrope_positions
+from saccade.models.positions import mrope_positions_frames
 
 # The dense language model's linears: attention and MLP of every decoder layer.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -74,7 +76,8 @@ FAMILY = ModelFamily(
     full_model_class=full_model_class,
     deepstack_levels=deepstack_levels,
     run_tower=run_tower,
-    mrope_positions=mrope_positions,  # Qwen2-VL's rule for images, the shared one (`models/positions.py`)
+    # Qwen2-VL's rule for images; a clip split into its frame groups (`Qwen3VLModel.get_rope_index`).
+    mrope_positions=mrope_positions_frames,
     lora_target_modules=LORA_TARGETS,
     prepare_language_model=prepare_language_model,
     language_model_kwargs=language_model_kwargs,

@@ -59,7 +59,7 @@ def shapes_requests(n: int, *, seed: int = 5, second_image_every: int = 2):
 
 
 def trainer_logprob_diffs(model, completions, *, cache_get, image_token_id: int, banned_token_ids,
-                          distribution: SampledDistribution) -> torch.Tensor:
+                          distribution: SampledDistribution, video_token_id: int | None = None) -> torch.Tensor:
     """|trainer logprob - engine logprob| of every sampled token, on the packed cached-image path;
     the samples' positions by the trainer's model (`PolicyLM.positions`)."""
     from saccade.models.lm import unwrap_policy
@@ -69,18 +69,22 @@ def trainer_logprob_diffs(model, completions, *, cache_get, image_token_id: int,
     samples = [completion_to_sample(c, sample_id=f"s{i}", advantage=0.0, reward=0.0, positions=positions)
                for i, c in enumerate(completions)]
     return sample_logprob_diffs(model, samples, cache_get=cache_get, image_token_id=image_token_id,
-                                banned_token_ids=banned_token_ids, distribution=distribution, merge=positions.merge)
+                                banned_token_ids=banned_token_ids, distribution=distribution, merge=positions.merge,
+                                video_token_id=video_token_id)
 
 
 def sample_logprob_diffs(model, samples, *, cache_get, image_token_id: int, banned_token_ids,
-                         distribution: SampledDistribution, merge: int = 2, max_tokens: int = 4096) -> torch.Tensor:
-    """|trainer logprob - engine logprob| on every loss token of TrainingSamples (multi-turn ones too)."""
+                         distribution: SampledDistribution, merge: int = 2, max_tokens: int = 4096,
+                         video_token_id: int | None = None) -> torch.Tensor:
+    """|trainer logprob - engine logprob| on every loss token of TrainingSamples (multi-turn ones too;
+    with `video_token_id`, samples with clips too)."""
     from saccade.trainer.forward import forward_logprobs
     from saccade.trainer.packing import pack
 
     diffs = []
     with torch.no_grad():
-        for mb in pack(samples, cache_get, max_tokens=max_tokens, image_token_id=image_token_id, spatial_merge_size=merge):
+        for mb in pack(samples, cache_get, max_tokens=max_tokens, image_token_id=image_token_id, spatial_merge_size=merge,
+                       video_token_id=video_token_id):
             lp, _ = forward_logprobs(model, mb, distribution=distribution, only_loss_tokens=True,
                                      banned_token_ids=banned_token_ids)
             diffs.append((lp - mb.inference_logprobs)[mb.loss_mask].abs())

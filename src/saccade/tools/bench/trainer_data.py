@@ -51,6 +51,7 @@ class BenchBatch:
     max_tokens: int
     padded_rows: int
     full_layout: str
+    video_token_id: int | None = None  # set when the samples hold clips (`saccade bench video-memory`)
 
     @property
     def num_tokens(self) -> int:

@@ -133,7 +133,8 @@ def cached_step(model, optimizer, scheduler, batch: BenchBatch, device: torch.de
     """The saccade trainer's step: pack (page-locked on a GPU, as `saccade rl` hands a step over),
     then forward on cached embeddings, loss, backward and AdamW. Returns the step's loss."""
     micro_batches = staged(pack(batch.samples, batch.lookup, max_tokens=batch.max_tokens,
-                                image_token_id=batch.image_token_id, spatial_merge_size=batch.merge), device)
+                                image_token_id=batch.image_token_id, spatial_merge_size=batch.merge,
+                                video_token_id=batch.video_token_id), device)
 
     def loss(k: int, mb):
         logprobs_N, _ = forward_logprobs(model, mb, only_loss_tokens=True)
@@ -272,7 +273,9 @@ def measure_peak_memory(path_name: str, data_file: str, model_path: str, device:
         set_lr(optimizer, lr)
         STEPS[path_name](model, optimizer, scheduler, batch, dev)
     synchronize(dev)
-    out = {"loaded_mb": loaded_mb, "host_peak_mb": _host_peak_mb() - baseline_mb, "peak_reset": reset}
+    out = {"loaded_mb": loaded_mb, "host_peak_mb": _host_peak_mb() - baseline_mb, "peak_reset": reset,
+           # what the trained model holds of a vision tower: nothing on the cached paths
+           "tower_params": sum(p.numel() for n, p in model.named_parameters() if "visual" in n)}
     if dev.type == "cuda":
         out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
     out["peak_mb"] = out.get("cuda_peak_mb", out["host_peak_mb"])
