@@ -230,6 +230,8 @@ class ChangedWeightsBenchConfig(Section):
     group_size: int = Field(4, ge=2, description="completions per prompt")
     max_tokens: int = Field(8, ge=1, description="tokens per completion")
     seed: int = Field(0, ge=0, description="the runs' seed")
+    torch_threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (unset: torch's; 1 "
+                                      "on a machine shared with other jobs)")
     dtype: Dtype = Field(
         "float32", description="the model's dtype: float32 starts from its weights rounded to bf16 (AdamW as on "
         "float32 masters of a bf16 model); bfloat16 runs those masters (slow on a CPU)")
