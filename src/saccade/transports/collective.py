@@ -169,8 +169,9 @@ class CollectiveTransport:
         ready = [s for s in servers if s.url in workers]
         current = {s.url for s in ready if (infos[s.url].get("weight_transfer") or {}).get("session") == self.session}
         wanted = [[s] for s in ready] if self.backend.per_server else ([ready] if ready else [])
-        for key in [k for k in self.groups if list(k) not in [[s.url for s in w] for w in wanted]
-                    or not set(k) <= current]:
+        asked = {s.url for s in servers}
+        for key in [k for k in self.groups if set(k) & asked and (list(k) not in [[s.url for s in w] for w in wanted]
+                                                                 or not set(k) <= current)]:
             self._leave(self.groups.pop(key))  # a member gone, a new one, or a session not ours: joined anew
         for members in wanted:
             key = tuple(s.url for s in members)
@@ -278,32 +279,11 @@ class CollectiveTransport:
         """Every group's round (one inline; several at once, in threads, over one pass of the
         weights); returns the servers that took the weights and, from broken groups for all, the
         servers that did not fail (to try again)."""
-        from saccade.transports.source import SharedGroups
-
         self._tell({"send": True})
         for group in groups:
             group.control.version = version
             group.control.failures.clear()
-        errors: dict[int, BaseException] = {}
-        if len(groups) == 1:
-            errors = {0: e for e in [self._run(groups[0], self.source)] if e is not None}
-        else:
-            shared = SharedGroups(self.source, len(groups))
-
-            def run(i: int) -> None:
-                try:
-                    error = self._run(groups[i], shared.view(i))
-                    if error is not None:
-                        errors[i] = error
-                finally:
-                    shared.leave(i)
-            threads = [threading.Thread(target=run, args=(i,), name=f"weight-sync-{i}") for i in range(len(groups))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if self.world.size > 1 or not groups:
-                shared.drain()  # the other ranks gather every group
+        errors = self._run_all(groups)
         ok, again = [], []
         for i, group in enumerate(groups):
             if i not in errors:
@@ -318,6 +298,35 @@ class CollectiveTransport:
                 else:
                     again.append(server)
         return ok, again
+
+    def _run_all(self, groups: list[_Group]) -> dict[int, BaseException]:
+        """Every group's round over one pass of the weights (one group in this thread, several in
+        threads of their own); the errors by group. A sharded trainer's rank 0 then goes through the
+        groups nobody asked for (a round that failed half way, or no group at all): the other ranks
+        gather every group."""
+        from saccade.transports.source import SharedGroups
+
+        errors: dict[int, BaseException] = {}
+        shared = SharedGroups(self.source, len(groups))
+
+        def run(i: int) -> None:
+            try:
+                error = self._run(groups[i], shared.view(i))
+                if error is not None:
+                    errors[i] = error
+            finally:
+                shared.leave(i)
+        if len(groups) == 1:
+            run(0)
+        else:
+            threads = [threading.Thread(target=run, args=(i,), name=f"weight-sync-{i}") for i in range(len(groups))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if self.world.size > 1:
+            shared.drain()
+        return errors
 
     def _run(self, group: _Group, source) -> BaseException | None:
         """One group's round; the error it raised, if any (a dead peer breaks only its own group)."""

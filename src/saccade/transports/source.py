@@ -149,6 +149,8 @@ class SharedGroups:
     def drain(self) -> None:
         """The groups nobody asked for, materialized and dropped (call once every consumer left)."""
         self._current = None
+        if self._producing or self._error is not None:
+            return  # the pass broke inside the source itself
         for _ in self._it:
             pass
 
