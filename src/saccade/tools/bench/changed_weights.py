@@ -74,6 +74,7 @@ def measure(preset: str, lr: float, cfg: ChangedWeightsBenchConfig, work: Path) 
         "--rollout.prompts_per_step", str(cfg.prompts_per_step), "--rollout.group_size", str(cfg.group_size),
         "--sampling.max_tokens", str(cfg.max_tokens), "--loss.max_completion_tokens", str(cfg.max_tokens),
         "--eval.every_steps", "0", "--checkpoint.every_steps", "0", "--log.dir", str(work / f"{preset}-{lr:g}"),
+        *(["--trainer.torch_threads", str(cfg.torch_threads)] if cfg.torch_threads else []),
     ])
     counter = ChangedCounter()
     hooks = [register_optimizer_step_pre_hook(counter.before_step),
