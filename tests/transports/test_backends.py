@@ -156,3 +156,44 @@ def test_a_layout_that_asks_for_a_backend_by_name_is_checked_when_it_dry_runs(ca
     assert "NCCL takes one rank per GPU" in capsys.readouterr().err
     with pytest.raises(ConfigError):
         layout("--engine.weight_sync.backend", "rdma")
+
+
+GPU_CONFIGS = sorted(CONFIGS.glob("*gpu.toml")) + sorted((CONFIGS / "recipes").glob("*.toml"))
+SHARDED = ["--launch.nodes", json.dumps([{"trainer_gpus": [0, 1, 2, 3], "server_gpus": [[4], [5], [6], [7]]}])]
+
+
+def test_every_shipped_gpu_config_dry_runs_naming_its_weight_sync_and_why(monkeypatch):
+    """`saccade launch CONFIG --dry-run`'s first trainer node line, for every shipped GPU config and
+    recipe: as shipped (LoRA: the adapter, no collective), and with full fine-tuning synced by the
+    collective (auto) at the config's rate and at the headers' full fine-tuning rate (2e-6)."""
+    from saccade.tools.launcher.plan import dry_run_text
+    from saccade.transports.backends import nccl_m2n
+
+    monkeypatch.setattr(nccl_m2n, "has_module", lambda name: False)  # as here: no nccl-extensions
+    assert len(GPU_CONFIGS) == 15
+
+    def line(path: Path, *overrides: str) -> str:
+        cfg = load_config(RunConfig, path, list(overrides))
+        text = dry_run_text(cfg, config=str(path), overrides=list(overrides), python="python")
+        return next(x for x in text.splitlines() if x.startswith("# node")).split("weight sync: ", 1)[1]
+
+    full = ("--lora", "false", "--engine.weight_sync.kind", "auto")
+    for path in GPU_CONFIGS:
+        shipped, at_own_lr, at_2e6 = line(path), line(path, *full), line(path, *full, "--trainer.lr", "2e-6")
+        assert shipped.startswith("adapter (") and "no collective backend" in shipped, path.name
+        if "1gpu" in path.name:  # the trainer and its one server on one GPU
+            assert at_own_lr.startswith("collective over ipc (auto: the trainer and its one server on one GPU"), path
+            assert at_2e6.startswith("collective over ipc ("), path.name
+            continue
+        sharded = load_config(RunConfig, path, list(full)).launch.world_size > 1  # the MoE configs: 4 ranks
+        assert at_own_lr.startswith("collective over nccl (auto: the trainer and the servers on GPUs of their own")
+        why_not = ("not sparse_nccl: no measurement of the weights that change at lr 2e-05" if "qwen3vl-2b" in path.name
+                   else "not sparse_nccl: at lr 1e-05, 1 step(s) a sync, about 20.0% of the weights change: a patch "
+                        "sends 0.200 x (4 + 2) / 2 = 0.60 of a dense sync's bytes, does not pay")
+        assert why_not in at_own_lr, path.name
+        assert at_2e6.startswith("collective over sparse_nccl (") and "0.19 of a dense sync's bytes, pays" in at_2e6
+        if sharded:  # the MoE experts transposed (Qwen3-VL-MoE) or no nccl-extensions: rank 0 gathers
+            assert "not nccl_m2n: " in at_own_lr and "not nccl_m2n: " in at_2e6, path.name
+        else:  # the headers' sharded layout: 4 trainer GPUs, 4 servers
+            sharded_line = line(path, *full, "--trainer.lr", "2e-6", *SHARDED)
+            assert sharded_line.startswith("collective over sparse_nccl (") and "not nccl_m2n: " in sharded_line

@@ -211,7 +211,7 @@ def pick(place: Place, *, lr: float, steps_per_sync: int, itemsize: int) -> tupl
     if place.full_weights:
         pays, why = sparse_nccl.pays(lr, steps_per_sync, itemsize)
         if pays:
-            return sparse_nccl.SPARSE_NCCL, f"{sparse_nccl.SPARSE_NCCL.where}: {why}"
+            return sparse_nccl.SPARSE_NCCL, "; ".join([f"{sparse_nccl.SPARSE_NCCL.where}: {why}", *notes])
         notes.append(f"not sparse_nccl: {why}")
     else:
         notes.append("not sparse_nccl: LoRA merged into full weights changes every targeted matrix each step")
