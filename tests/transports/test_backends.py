@@ -197,3 +197,20 @@ def test_every_shipped_gpu_config_dry_runs_naming_its_weight_sync_and_why(monkey
         else:  # the headers' sharded layout: 4 trainer GPUs, 4 servers
             sharded_line = line(path, *full, "--trainer.lr", "2e-6", *SHARDED)
             assert sharded_line.startswith("collective over sparse_nccl (") and "not nccl_m2n: " in sharded_line
+
+
+def test_vllms_backends_get_their_own_init_info_with_the_rendezvous_saccade_picked():
+    """What saccade hands vLLM's trainer engines (their code is never run here): its rank, the
+    address and port it bound, the world of the trainer's ranks and every server's workers."""
+    pytest.importorskip("vllm", reason="the init infos are vLLM's dataclasses")
+    from saccade.transports.backends.base import Party
+
+    party = Party(rank=0, trainer_ranks=2, address="10.0.0.1", workers=(2, 1), token="t", timeout_s=5.0, port=1234)
+    infos = {name: b.init_info(party) for name, b in BACKENDS.items() if not b.ours}
+    assert {n: type(i).__name__ for n, i in infos.items()} == {
+        "nccl": "NCCLTrainerInitInfo", "ipc": "IPCTrainerInitInfo", "sparse_nccl": "SparseNCCLTrainerInitInfo",
+        "nccl_m2n": "M2NTrainerInitInfo"}
+    for name in ("nccl", "sparse_nccl", "nccl_m2n"):
+        info = infos[name]
+        assert (info.rank, info.master_address, info.master_port, info.world_size) == (0, "10.0.0.1", 1234, 5), name
+    assert infos["nccl_m2n"].num_trainer_ranks == 2 and infos["ipc"].packed  # ipc: no rendezvous, a bounded buffer
