@@ -214,3 +214,18 @@ def test_vllms_backends_get_their_own_init_info_with_the_rendezvous_saccade_pick
         info = infos[name]
         assert (info.rank, info.master_address, info.master_port, info.world_size) == (0, "10.0.0.1", 1234, 5), name
     assert infos["nccl_m2n"].num_trainer_ranks == 2 and infos["ipc"].packed  # ipc: no rendezvous, a bounded buffer
+
+
+def test_a_sharded_trainers_group_holds_rank_0_alone_unless_every_rank_sends():
+    """World 2 over gloo (or nccl): the group is rank 0 and the servers' workers, so its world is 1 +
+    the workers (counting both trainer ranks, rank 0 waited for a member that never came); nccl_m2n
+    puts every trainer rank in it."""
+    from types import SimpleNamespace
+
+    from saccade.distributed import World
+    from saccade.transports.collective import CollectiveTransport
+
+    for name, world_size in (("gloo", 3), ("nccl", 3), ("nccl_m2n", 4)):
+        me = SimpleNamespace(world=World(rank=0, size=2), backend=BACKENDS[name], address="127.0.0.1", token="t",
+                             timeout_s=5.0)
+        assert CollectiveTransport._party(me, [1, 1]).world_size == world_size, name

@@ -163,7 +163,7 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
             check_servers_take_weights(choice.kind, infos, [s.url for s in engine.client.pool.alive])
         except ValueError as err:
             choice = Choice("error", None, str(err))
-    choice = Choice(*broadcast(tuple(choice), world))
+    choice = Choice(*broadcast(choice, world))  # rank 0 decided; the others hold None until now
     if choice.kind == "error":
         engine.close()
         raise ValueError(choice.why)

@@ -189,9 +189,7 @@ class CollectiveTransport:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         control = ServersSyncClient(self.client, servers, workers, session=self.session, token=self.token)
-        party = Party(rank=0, trainer_ranks=self.world.size, address=self.address, workers=tuple(workers),
-                      token=self.token, timeout_s=self.timeout_s,
-                      port=free_port(self.address) if self.backend.needs_port else 0)
+        party = self._party(workers)
         if self.backend.all_ranks_join:
             self._tell({"join": party})  # every rank joins the group with rank 0
         try:
@@ -204,6 +202,13 @@ class CollectiveTransport:
         log.info("weight transfer: joined %s (%s, world %d, at %s)", ", ".join(group.urls), self.backend.name,
                  party.world_size, self.address)
         return group
+
+    def _party(self, workers: list[int]) -> Party:
+        """Rank 0's place in a new group with servers of `workers` workers each: the trainer's ranks
+        are all in it only for a backend that every rank joins (nccl_m2n); else rank 0 alone."""
+        ranks = self.world.size if self.backend.all_ranks_join else 1
+        return Party(rank=0, trainer_ranks=ranks, address=self.address, workers=tuple(workers), token=self.token,
+                     timeout_s=self.timeout_s, port=free_port(self.address) if self.backend.needs_port else 0)
 
     def _leave(self, group: _Group) -> None:
         try:

@@ -33,7 +33,7 @@ class Party:
     servers' worker counts (one per server), the run's token."""
 
     rank: int
-    trainer_ranks: int
+    trainer_ranks: int  # the trainer ranks in the group: 1 (rank 0 sends), or every rank (nccl_m2n)
     address: str
     workers: tuple[int, ...]
     token: str
