@@ -1,10 +1,12 @@
-"""The collective weight sync (saccade.transports.collective) against servers of their own,
-real `saccade serve` (vLLM's CPU build):
+"""The collective weight sync (saccade.transports.collective: vLLM's trainer factory, saccade's
+gloo backend, a group per server) against servers of their own, real `saccade serve` (vLLM's CPU
+build):
 - a server SIGKILLed in the middle of a sync: the sync goes on with the other server; the killed
   one, started again, stays out of the pool until the next sync has sent it the whole model; and
   no completion sampled while the weights moved came from a mix of versions (each one's logprobs
   are the trainer's under exactly one version, and its header never names a fresher one);
-- a tensor-parallel server (two workers): both are in the trainer's group and sample its weights.
+- a tensor-parallel server (two workers): both are in the trainer's group and sample its weights;
+- after each, the same weights through a folder: the same seeded completions, logprobs within 1e-6.
 
 `pytest -m long`: the servers start in about a minute each on two loaded cores (about 5 minutes
 in all). The default suite runs the parts on the shared server
@@ -40,6 +42,19 @@ def within_bars(d: torch.Tensor) -> bool:
     return bool(d.mean() <= MEAN_BAR and d.max() <= MAX_BAR)
 
 
+def assert_as_a_folder_gives(engine, model, tiny_path, tmp_path, requests, params, collective) -> None:
+    """The same weights through a folder: the same seeded completions, logprobs within 1e-6."""
+    from saccade.trainer.checkpoint.engine_weights import merge_full_weights_for_engine
+
+    engine.transport = FolderTransport(
+        engine.client, lambda v: str(merge_full_weights_for_engine(model, tiny_path, tmp_path / f"v{v}")))
+    engine.update_weights()
+    folder = [c for g in engine.generate(requests, params) for c in g]
+    for a, b in zip(collective, folder, strict=True):
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert (a.logprobs - b.logprobs).abs().max() <= 1e-6
+
+
 def test_a_server_killed_mid_stream_leaves_the_sync_to_the_other_and_gets_everything_when_back(
         server, processor, limits, tiny_path, tmp_path):
     from saccade.inference.engine import SamplingParams
@@ -58,6 +73,8 @@ def test_a_server_killed_mid_stream_leaves_the_sync_to_the_other_and_gets_everyt
         sync = engine.transport = CollectiveTransport(engine.client, model, tiny_path, address="127.0.0.1", timeout_s=120)
         pool = engine.client.pool
         requests = shapes_requests(4, seed=30, second_image_every=0)
+        for i, r in enumerate(requests):
+            r.seed = 1000 + i  # the same draws whatever the weights (the folder's comparison)
         params = SamplingParams(temperature=1.0, max_tokens=8, n=2)
         sample = lambda: [c for g in engine.generate(requests, params) for c in g]  # noqa: E731
 
@@ -74,14 +91,14 @@ def test_a_server_killed_mid_stream_leaves_the_sync_to_the_other_and_gets_everyt
             while not sampling.is_set():
                 during.extend(sample())
         thread = threading.Thread(target=keep_sampling)
-        materialize, calls = sync._materialize, []
+        materialize, calls = sync.weights.materialize, []
 
         def kill_b_mid_stream(group):
             calls.append(1)
-            if len(calls) == 2:
+            if len(calls) == 2:  # the first layer group reached both servers
                 b.kill()
             return materialize(group)
-        sync._materialize = kill_b_mid_stream
+        sync.weights.materialize = kill_b_mid_stream
         thread.start()
         try:
             time.sleep(1.0)
@@ -90,7 +107,8 @@ def test_a_server_killed_mid_stream_leaves_the_sync_to_the_other_and_gets_everyt
             time.sleep(1.0)
             sampling.set()
             thread.join(timeout=300)
-        sync._materialize = materialize
+        sync.weights.materialize = materialize
+        assert len(calls) == len(sync.weights.groups)  # one pass for both groups, the kill included
         assert sync.last["servers"] == 1 and [s.url for s in pool.alive] == [server]
         assert pool.servers[server].version == 2
         assert len(during) >= 8
@@ -118,6 +136,7 @@ def test_a_server_killed_mid_stream_leaves_the_sync_to_the_other_and_gets_everyt
         assert pool.servers[b.url].requests > served_by_b  # b samples again
         for c in final:
             assert c.policy_version == 3 and within_bars(diffs(model, c, engine))
+        assert_as_a_folder_gives(engine, model, tiny_path, tmp_path, requests, params, final)
     finally:
         if engine is not None:
             engine.transport = FolderTransport(engine.client, lambda v: str(tiny_path))
@@ -148,6 +167,8 @@ def test_a_tensor_parallel_server_gets_every_worker_its_weights(processor, limit
         old = load_policy_lm(tiny_path, dtype=torch.float32)
         model = set_full_finetune(load_policy_lm(tiny_path, dtype=torch.float32))
         requests = shapes_requests(2, seed=20, second_image_every=0)
+        for i, r in enumerate(requests):
+            r.seed = 1000 + i
         params = SamplingParams(temperature=1.0, max_tokens=8, n=4)
         one_likelihood_step(model, engine, [c for g in engine.generate(requests, params) for c in g])
         engine.transport = CollectiveTransport(engine.client, model, tiny_path, address="127.0.0.1", timeout_s=120)
@@ -156,6 +177,7 @@ def test_a_tensor_parallel_server_gets_every_worker_its_weights(processor, limit
         assert all(c.policy_version == 1 for c in sampled)
         for c in sampled:
             assert within_bars(diffs(model, c, engine)) and diffs(old, c, engine).mean() > 100 * MEAN_BAR
+        assert_as_a_folder_gives(engine, model, tiny_path, tmp_path, requests, params, sampled)
         engine.close()
     finally:
         tp.stop()

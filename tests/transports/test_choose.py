@@ -1,7 +1,7 @@
 """How a run chooses the way its weights reach the servers, and says why
 (saccade.transports.choose): from `engine.weight_sync`, LoRA or not, the servers' /saccade/info
-and where they are. The transports themselves against real servers:
-tests/serving/test_vllm_weight_transfer.py, test_vllm_training.py."""
+and where they are. The backends by where the processes are: test_backends.py. The transports
+themselves against real servers: tests/serving/test_vllm_weight_transfer.py, test_vllm_training.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from saccade.config import RunConfig, VLLMEngineConfig, load_config
 from saccade.transports.choose import check_servers_take_weights, choose
 from saccade.transports.collective import trainer_address
 
-OFFERS = [{"weight_transfer": {"backend": "saccade_gloo", "workers": 1}}]
+OFFERS = [{"weight_transfer": {"backend": "saccade_gloo", "workers": 1, "devices": [{"type": "cpu"}]}}]
 OLDER = [{"model": "tiny"}]
 
 
@@ -35,11 +35,11 @@ def test_the_run_chooses_its_sync_and_says_why():
     assert choose(engine("adapter"), lora=True, infos=OFFERS)[0] == "adapter"
     with pytest.raises(ValueError, match="needs LoRA"):
         choose(engine("adapter"), lora=False, infos=OFFERS)
-    kind, why = choose(engine("auto"), lora=False, infos=OFFERS)
-    assert kind == "collective" and "127.0.0.1" in why
-    kind, why = choose(engine("auto"), lora=False, infos=OLDER)
-    assert kind == "files" and "offer no saccade_gloo" in why
-    kind, why = choose(engine("auto", urls=["http://gpu-3:8000"]), lora=False, infos=OFFERS)
+    kind, backend, why = choose(engine("auto"), lora=False, infos=OFFERS)
+    assert kind == "collective" and backend == "gloo" and "127.0.0.1" in why and "saccade's" in why
+    kind, backend, why = choose(engine("auto"), lora=False, infos=OLDER)
+    assert kind == "files" and backend is None and "offer no weight transfer" in why
+    kind, _, why = choose(engine("auto", urls=["http://gpu-3:8000"]), lora=False, infos=OFFERS)
     assert kind == "files" and "transfer_address" in why
     with pytest.raises(ValueError, match="transfer_address"):
         choose(engine("collective", urls=["http://gpu-3:8000"]), lora=False, infos=OFFERS)
@@ -54,8 +54,8 @@ def test_across_nodes_the_servers_meet_the_trainer_at_the_layouts_first_trainer_
                                                        "--launch.nodes", json.dumps(nodes)])
     assert cfg.launch.trainer_host == "10.0.0.7" and cfg.engine.urls[0].startswith("http://10.0.0.8:")
     assert trainer_address(cfg.engine.urls, None, cfg.launch.trainer_host) == "10.0.0.7"
-    kind, why = choose(cfg.engine, lora=False, infos=OFFERS * 2, layout_host=cfg.launch.trainer_host)
-    assert kind == "collective" and "meet this trainer at 10.0.0.7" in why
+    kind, backend, why = choose(cfg.engine, lora=False, infos=OFFERS * 2, layout_host=cfg.launch.trainer_host)
+    assert kind == "collective" and backend == "gloo" and "meet this trainer at 10.0.0.7" in why
     assert RunConfig().launch.trainer_host is None
 
 

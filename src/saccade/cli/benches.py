@@ -19,9 +19,9 @@ from typing import Any
 
 from saccade.cli.common import write_json
 from saccade.config.bench import (
-    AsyncBenchConfig, DistributedBenchConfig, EngineParityBenchConfig, GpuBenchConfig, KillBenchConfig,
-    ParityBenchConfig, RenderBenchConfig, RolloutBenchConfig, RunBenchConfig, SoakBenchConfig, StepBenchConfig,
-    TrainerBenchConfig, VideoMemoryBenchConfig, WeightSyncBenchConfig,
+    AsyncBenchConfig, ChangedWeightsBenchConfig, DistributedBenchConfig, EngineParityBenchConfig, GpuBenchConfig,
+    KillBenchConfig, ParityBenchConfig, RenderBenchConfig, RolloutBenchConfig, RunBenchConfig, SoakBenchConfig,
+    StepBenchConfig, TrainerBenchConfig, VideoMemoryBenchConfig, WeightSyncBenchConfig,
 )
 from saccade.config.options import add_options, load_options
 
@@ -160,6 +160,15 @@ def cmd_bench_weight_sync(cfg: WeightSyncBenchConfig, args: argparse.Namespace) 
 
     result = run_weight_sync_bench(cfg)
     print(format_weight_sync(result))
+    write_json(args.json, result)
+    return 0
+
+
+def cmd_bench_changed_weights(cfg: ChangedWeightsBenchConfig, args: argparse.Namespace) -> int:
+    from saccade.tools.bench.changed_weights import format_changed_weights, run_changed_weights_bench
+
+    result = run_changed_weights_bench(cfg)
+    print(format_changed_weights(result))
     write_json(args.json, result)
     return 0
 
@@ -308,6 +317,14 @@ BENCHES = (
         "repeats times each way, interleaved: engine.weight_sync.kind = \"files\" (the folder written, the server reads "
         "it back) and \"collective\" (the language model broadcast over gloo, layer group by layer group). Prints "
         "the median seconds of each, their ratio and the collective's one-time rendezvous."
+    ),
+    Bench(
+        "changed-weights", ChangedWeightsBenchConfig, cmd_bench_changed_weights,
+        help="the share of bf16 weights one optimizer step of full fine-tuning changes (what a sparse sync sends)",
+        description="Runs `saccade rl` on the demo's task with the model in bf16 (AdamW on float32 masters, LoRA "
+        "off), once per preset and learning rate, and counts, around every optimizer step, the language model's "
+        "weights whose bf16 value changed. Prints each run's fractions and, from the largest, one sync of "
+        "Qwen3-VL-8B's language model dense against sparse (estimates, the arithmetic shown)."
     ),
     Bench(
         "render", RenderBenchConfig, cmd_bench_render,

@@ -250,6 +250,26 @@ class WeightSyncBenchConfig(Section):
     timeout_s: float = Field(600.0, gt=0, description="the collective's process-group timeout, seconds")
 
 
+class ChangedWeightsBenchConfig(Section):
+    """`saccade bench changed-weights`: how many of the language model's bf16 weights change in one
+    optimizer step of full fine-tuning (what a sparse weight sync would send)."""
+
+    presets: list[str] = Field(["tiny", "small"], min_length=1, description="built-in presets to train ('tiny' "
+                               "starts from the demo's warm start, tiny-warm)")
+    lrs: list[float] = Field([1e-6, 2e-6, 1e-5], min_length=1, description="learning rates, one run each (the "
+                             "shipped configs' full fine-tuning rates: 1e-6 and 2e-6; 1e-5, their LoRA rate)")
+    steps: int = Field(50, ge=1, description="RL steps (optimizer steps) per run")
+    prompts_per_step: int = Field(8, ge=1, description="prompts per step")
+    group_size: int = Field(4, ge=2, description="completions per prompt")
+    max_tokens: int = Field(8, ge=1, description="tokens per completion")
+    seed: int = Field(0, ge=0, description="the runs' seed")
+    torch_threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (unset: torch's; 1 "
+                                      "on a machine shared with other jobs)")
+    dtype: Dtype = Field(
+        "float32", description="the model's dtype: float32 starts from its weights rounded to bf16 (AdamW as on "
+        "float32 masters of a bf16 model); bfloat16 runs those masters (slow on a CPU)")
+
+
 class RenderBenchConfig(Section):
     """`saccade bench render`: renders/s of the mesh renderer on generated rooms, cold and cached."""
 

@@ -39,6 +39,22 @@ def weights_dir_field(what: str) -> Any:
     )
 
 
+# The collective's backends (saccade.transports.backends, one file each; a test holds the two lists equal).
+BACKEND_NAMES = ("gloo", "nccl", "ipc", "sparse_nccl", "nccl_m2n")
+Backend = Literal["auto", "gloo", "nccl", "ipc", "sparse_nccl", "nccl_m2n"]
+
+
+def backend_field() -> Any:
+    return Field(
+        "auto",
+        description="how the bytes travel: 'gloo' (saccade's: CPU tensors over TCP, anywhere; a group per server), "
+        "'nccl' (vLLM's: the trainer and the servers on GPUs of their own, one group), 'ipc' (vLLM's: the trainer "
+        "and its one server on one GPU), 'sparse_nccl' (vLLM's: only the weights that changed), 'nccl_m2n' "
+        "(vLLM's: a sharded trainer's shards, nobody gathers); 'auto': the one the servers were started with "
+        "(saccade launch picks it from the layout). vLLM's are untested here (no GPU). docs/vllm.md",
+    )
+
+
 def transfer_address_field() -> Any:
     return Field(
         None, min_length=1, max_length=255,
@@ -65,14 +81,12 @@ class AdapterSyncConfig(Section):
 
 
 class CollectiveSyncConfig(Section):
-    """Full weights broadcast layer group by layer group over a process group the trainer opens with
-    each server's workers (vLLM's weight-transfer API); no files. Every server must reach this
-    machine at `transfer_address`."""
+    """Full weights sent layer group by layer group over a process group the trainer forms with the
+    servers' workers (vLLM's weight-transfer API, over `backend`); no files. Every server must reach
+    this machine at `transfer_address`."""
 
     kind: Literal["collective"] = Field("collective", description=WEIGHT_SYNC)
-    backend: Literal["gloo"] = Field(
-        "gloo", description="the process group's backend: 'gloo' (CPU tensors over TCP; any machine)"
-    )
+    backend: Backend = backend_field()
     transfer_address: str | None = transfer_address_field()
 
 
@@ -81,6 +95,7 @@ class AutoSyncConfig(Section):
     logs which it took and why."""
 
     kind: Literal["auto"] = Field("auto", description=WEIGHT_SYNC)
+    backend: Backend = backend_field()
     transfer_address: str | None = transfer_address_field()
     weights_dir: str | None = weights_dir_field("the weights (when it falls back to files)")
 

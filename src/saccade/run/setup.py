@@ -142,7 +142,7 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
     from saccade.inference.vllm import VLLMEngine
     from saccade.models.checkpoint_layout import fingerprint
     from saccade.models.loading import load_family, load_layout
-    from saccade.transports.choose import build_transport, check_servers_take_weights, choose
+    from saccade.transports.choose import Choice, build_transport, check_servers_take_weights, choose, trainer_side
 
     engine_cfg = cfg.engine
     engine = VLLMEngine.for_servers(
@@ -159,16 +159,17 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
     if world.is_main:
         try:
             infos = engine.info()
-            choice = choose(engine_cfg, lora=cfg.lora is not None, infos=infos, layout_host=layout_host)
-            check_servers_take_weights(choice[0], infos, [s.url for s in engine.client.pool.alive])
+            choice = choose(engine_cfg, lora=cfg.lora is not None, infos=infos, layout_host=layout_host,
+                            trainer=trainer_side(model, world, full_weights=cfg.lora is None))
+            check_servers_take_weights(choice.kind, infos, [s.url for s in engine.client.pool.alive])
         except ValueError as err:
-            choice = ("error", str(err))
-    kind, why = broadcast(choice, world)
-    if kind == "error":
+            choice = Choice("error", None, str(err))
+    choice = Choice(*broadcast(choice, world))  # rank 0 decided; the others hold None until now
+    if choice.kind == "error":
         engine.close()
-        raise ValueError(why)
-    logging.getLogger(__name__).warning("weight sync: %s (%s)", kind, why)
-    engine.transport = build_transport(kind, engine_cfg, engine.client, model, model_path, run_dir, world=world,
+        raise ValueError(choice.why)
+    logging.getLogger(__name__).warning("weight sync: %s (%s)", choice.kind, choice.why)
+    engine.transport = build_transport(choice, engine_cfg, engine.client, model, model_path, run_dir, world=world,
                                        layout_host=layout_host)
     return engine
 

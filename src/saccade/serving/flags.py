@@ -174,6 +174,36 @@ def check_dev_mode(environ) -> None:
                          "/update_weights in place of saccade's) run anything a client asks; unset it")
 
 
+# vLLM's weight-transfer backends that need GPUs (serving/transfer.py's saccade_gloo runs anywhere).
+GPU_BACKENDS = ("nccl", "ipc", "sparse_nccl", "nccl_m2n", "sharded_rdt")
+
+
+def transfer_backend(config) -> str | None:
+    """The backend --weight-transfer-config names (a dict, vLLM's config object or None)."""
+    if config is None:
+        return None
+    return config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
+
+
+def check_weight_transfer(backend: str | None, *, on_cpu: bool, host: str, environ) -> str | None:
+    """SystemExit for a GPU backend on a CPU server, or for ipc beyond loopback; for ipc on loopback,
+    the note to print once the server lets its workers unpickle the CUDA IPC handles a key holder
+    sends (VLLM_ALLOW_INSECURE_SERIALIZATION=1, set in `environ`: vLLM's HTTP client pickles them)."""
+    if backend in GPU_BACKENDS and on_cpu:
+        raise SystemExit(f"saccade serve: --weight-transfer-config names {backend!r}, which needs GPUs, and this server "
+                         f"runs on the CPU (vLLM's CPU build): leave the flag out (the default is "
+                         f"{GLOO_BACKEND}, which runs anywhere)")
+    if backend != "ipc":
+        return None
+    if not is_loopback(host):
+        raise SystemExit(f"saccade serve: --weight-transfer-config names 'ipc' (the trainer on this server's GPU), and "
+                         f"--host is {host!r}: an ipc server unpickles the handles its trainer sends, so it listens "
+                         "on loopback only")
+    environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    return ("saccade serve: weight transfer over CUDA IPC: the workers unpickle the handles a key holder sends "
+            "(VLLM_ALLOW_INSECURE_SERIALIZATION=1; docs/security.md)")
+
+
 USAGE = ("usage: saccade serve MODEL [--max-body-mb N] [--weights-root DIR] "
          "[vLLM arguments, e.g. --dtype float32 --enforce-eager]")
 WEIGHTS_ROOT_HELP = (

@@ -13,7 +13,7 @@
   DIR must lie under `--weights-root` (default: the server's working directory), symlinks
   resolved; anything else is refused with a 403.
 - The collective weight transfer, under vLLM's names for its phases (saccade.serving.transfer,
-  the trainer's side saccade.trainer.weight_transfer): `POST /init_weight_transfer_engine` joins
+  the trainer's side saccade.transports.collective): `POST /init_weight_transfer_engine` joins
   the trainer's gloo group, `POST /start_weight_update` pauses generation and begins vLLM's
   layerwise reload, each `POST /update_weights` {"update_info": ...} receives one layer group,
   `POST /finish_weight_update` {"version": k} ends it: saccade.serving.transfer_routes.
@@ -49,8 +49,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from saccade.serving.flags import (
-    NO_REMOTE_MEDIA, USAGE, WEIGHTS_ROOT_HELP, api_keys, check_dev_mode, check_exposure, choose_cpu_kv_cache,
-    pop_option, with_cpu_dtype, with_defaults,
+    NO_REMOTE_MEDIA, USAGE, WEIGHTS_ROOT_HELP, api_keys, check_dev_mode, check_exposure, check_weight_transfer,
+    choose_cpu_kv_cache, pop_option, transfer_backend, with_cpu_dtype, with_defaults,
 )
 from saccade.serving.guard import Guard
 from saccade.serving.state import SaccadeState, error
@@ -251,7 +251,7 @@ def add_info_route(router, state: SaccadeState) -> None:
                 "lora_enabled": request.app.state.vllm_config.lora_config is not None, "lora": state.lora,
                 "base_modified": state.base_modified, "weights_root": str(state.weights_root),
                 "weight_updates_refused": state.weight_updates_refusal(request),
-                "weight_transfer": transfer_info(request, state), "weights_incomplete": state.weights_incomplete,
+                "weight_transfer": await transfer_info(request, state), "weights_incomplete": state.weights_incomplete,
                 "dtype": str(model_config.dtype).removeprefix("torch."),
                 "head_dtype": str(model_config.head_dtype).removeprefix("torch."),
                 "fingerprint": state.fingerprint, "routes": app_routes(request.app)}
@@ -331,9 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(["--model", model_path, *with_defaults(rest)])
     validate_parsed_serve_args(args)
     keys = api_keys(args.api_key, os.environ)
-    warning = check_exposure(args.host, keys)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
+    for note in (check_exposure(args.host, keys),
+                 check_weight_transfer(transfer_backend(args.weight_transfer_config), on_cpu=current_platform.is_cpu(),
+                                       host=args.host, environ=os.environ)):
+        if note:
+            print(note, file=sys.stderr, flush=True)
 
     state = SaccadeState(model_path, int(max_body_mb * 1024 * 1024), keys, weights_root,
                          processor_kwargs=args.mm_processor_kwargs)

@@ -53,6 +53,7 @@ class SaccadeState:
         # other weights, so the LoRA trainer first restores the base ({"restore_base": true}).
         self.base_modified = False
         self.vision: dict[str, Any] | None = None
+        self.devices: list[dict] | None = None  # each worker's device (saccade_device), asked once
         self.update_lock: Any = None  # an asyncio.Lock, made on the server's event loop
         # The collective weight transfer (serving/transfer.py): whether a trainer joined the group,
         # and whether an update is between /start_weight_update and /finish_weight_update (it then
@@ -98,6 +99,12 @@ class SaccadeState:
             infos = await request.app.state.engine_client.collective_rpc("saccade_vision_info")
             self.vision = infos[0]
         return self.vision
+
+    async def worker_devices(self, request) -> list[dict]:
+        """Each worker's device (type, and a GPU's UUID), asked of the workers once."""
+        if self.devices is None:
+            self.devices = list(await request.app.state.engine_client.collective_rpc("saccade_device"))
+        return self.devices
 
     async def read_json(self, request) -> Any:
         """The request's JSON body; RequestError if too large or not JSON."""

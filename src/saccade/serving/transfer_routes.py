@@ -22,8 +22,11 @@ saccade.transports.collective).
 from typing import Any
 
 from saccade.serving.state import SaccadeState, error, failed
-from saccade.serving.validation import RequestError, parse_finish, parse_transfer_chunk, parse_transfer_init
-from saccade.serving.wire import FINISH_UPDATE, INIT_TRANSFER, SHUTDOWN_TRANSFER, START_UPDATE
+from saccade.serving.validation import (
+    RequestError, parse_finish, parse_transfer_chunk, parse_transfer_init, parse_vllm_transfer_chunk,
+    parse_vllm_transfer_init,
+)
+from saccade.serving.wire import FINISH_UPDATE, GLOO_BACKEND, INIT_TRANSFER, SHUTDOWN_TRANSFER, START_UPDATE
 
 
 def add_transfer_routes(router, state: SaccadeState) -> None:
@@ -35,11 +38,15 @@ def add_transfer_routes(router, state: SaccadeState) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         try:
-            info = parse_transfer_init(await state.read_json(request))
+            body = await state.read_json(request)
             refusal = transfer_refusal(request, state)
             if refusal:
                 raise refusal
+            ours = backend_of(request) == GLOO_BACKEND
+            info = parse_transfer_init(body) if ours else parse_vllm_transfer_init(body)
             session = info.pop("session", "")  # saccade's, not the engine's
+            if not ours:
+                info.pop("token", None)  # vLLM's workers prove no token (docs/security.md)
             if state.transfer_active and session == state.transfer_session:
                 raise RequestError("a weight update is in progress: finish it first", 409)
         except RequestError as err:
@@ -110,7 +117,7 @@ async def receive_chunk(request, body: Any, state: SaccadeState):
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
     try:
-        info = parse_transfer_chunk(body)
+        info = parse_transfer_chunk(body) if backend_of(request) == GLOO_BACKEND else parse_vllm_transfer_chunk(body)
         if not state.transfer_active:
             raise RequestError("no weight update in progress: call /start_weight_update first", 409)
     except RequestError as err:
@@ -124,7 +131,7 @@ async def receive_chunk(request, body: Any, state: SaccadeState):
         except Exception:  # noqa: BLE001, S110 - the first failure is the one reported
             pass
         return await failed("receiving weights failed; generation stays paused until a complete update", err)
-    return {"ok": True, "tensors": len(info["names"])}
+    return {"ok": True, "tensors": len(info["names"]) if isinstance(info, dict) and "names" in info else None}
 
 
 async def end_update(state: SaccadeState, client, *, complete: bool, version: int | None = None) -> None:
@@ -157,13 +164,21 @@ def transfer_refusal(request, state: SaccadeState) -> RequestError | None:
     return None
 
 
-def transfer_info(request, state: SaccadeState) -> dict | None:
+def backend_of(request) -> str | None:
+    """The weight-transfer backend this server's workers built (--weight-transfer-config), or None."""
+    config = request.app.state.vllm_config.weight_transfer_config
+    return None if config is None else config.backend
+
+
+async def transfer_info(request, state: SaccadeState) -> dict | None:
     """The collective weight transfer this server offers: its backend, how many workers join the
-    trainer's group (the group's size is that + 1) and the session of the trainer that joined last
-    ("" for none), or None without one."""
+    trainer's group (the group's size is that + the trainer's ranks), each worker's device (type,
+    a GPU's UUID: the trainer decides what can reach them) and the session of the trainer that
+    joined last ("" for none), or None without one."""
     vllm_config = request.app.state.vllm_config
     config = vllm_config.weight_transfer_config
     if config is None:
         return None
     return {"backend": config.backend, "workers": int(vllm_config.parallel_config.world_size_across_dp),
+            "devices": await state.worker_devices(request),
             "session": state.transfer_session if state.transfer_joined else ""}

@@ -225,6 +225,35 @@ def parse_transfer_chunk(body: Any) -> dict[str, Any]:
     return info
 
 
+VLLM_INIT_EXAMPLE = '{"init_info": {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1, "world_size": 2}}'
+MAX_INFO_FIELDS = 64
+
+
+def parse_vllm_transfer_init(body: Any) -> dict[str, Any]:
+    """/init_weight_transfer_engine's body for one of vLLM's backends (nccl, ipc, ...): {"init_info":
+    {...}}, an object of at most MAX_INFO_FIELDS fields whose names are strings; saccade's "session"
+    (and "token", which vLLM's workers do not prove) checked here, the rest by vLLM's engine."""
+    body = check_fields(body, ("init_info",), VLLM_INIT_EXAMPLE)
+    info = body.get("init_info")
+    if not isinstance(info, dict) or len(info) > MAX_INFO_FIELDS:
+        raise RequestError(f'"init_info" must be an object of at most {MAX_INFO_FIELDS} fields, e.g. {VLLM_INIT_EXAMPLE}')
+    session = info.get("session", "")
+    if not isinstance(session, str) or len(session) > 100:
+        raise RequestError('"session" must be a string of at most 100 characters (the trainer\'s name for the group)')
+    return info
+
+
+def parse_vllm_transfer_chunk(body: Any) -> dict[str, Any] | list[dict[str, Any]]:
+    """The {"update_info": ...} of one chunk for one of vLLM's backends: an object (or a list of
+    them, at most MAX_TRANSFER_TENSORS), whose fields vLLM's engine checks."""
+    example = '{"update_info": {"names": ["lm_head.weight"], "dtype_names": ["bfloat16"], "shapes": [[V, H]]}}'
+    info = check_fields(body, ("update_info",), example).get("update_info")
+    infos = info if isinstance(info, list) else [info]
+    if not infos or len(infos) > MAX_TRANSFER_TENSORS or not all(isinstance(i, dict) for i in infos):
+        raise RequestError(f'"update_info" must be an object or a list of objects, e.g. {example}')
+    return info
+
+
 def parse_finish(body: Any, current_version: int) -> int:
     """/finish_weight_update's body: {"version": k}, the policy version the new weights are (default: the next)."""
     body = check_fields(body if body is not None else {}, ("version", "weight_version"), '{"version": 3}')

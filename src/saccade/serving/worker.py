@@ -41,6 +41,16 @@ class SaccadeWorker:
             "dtype": str(visual.dtype),
         }
 
+    def saccade_device(self) -> dict:
+        """This worker's device: its type ("cuda" or "cpu") and, on a GPU, its UUID (as the trainer's
+        torch.cuda.get_device_properties gives it: a trainer on the same GPU may send over CUDA IPC)."""
+        import torch
+
+        device = self.model_runner.device
+        if device.type != "cuda":
+            return {"type": device.type}
+        return {"type": "cuda", "uuid": str(torch.cuda.get_device_properties(device).uuid)}
+
     def saccade_after_reload(self) -> list[str]:
         """Refresh what vLLM derived from the weights and that reload_weights leaves stale.
 

@@ -75,9 +75,12 @@ class GroupMaterializer:
         from saccade.models.loading import load_layout
         from saccade.trainer.checkpoint.engine_weights import _LiveWeights
 
+        self.computes = computes
         self.source = _LiveWeights(model, compute=computes)
         self.groups = transfer_plan(self.source, base_model_path)
-        self.to_hub = load_layout(base_model_path).family.checkpoint.to_hub  # the family's engine layout
+        checkpoint = load_layout(base_model_path).family.checkpoint
+        self.to_hub = checkpoint.to_hub  # the family's engine layout
+        self.transposed = tuple(checkpoint.transposed)  # names the engine holds transposed (MoE experts)
 
     @property
     def nbytes(self) -> int:
@@ -86,17 +89,28 @@ class GroupMaterializer:
     def gather_only(self) -> None:
         """A rank other than 0's part of one sync: every tensor's gather, in the groups' order."""
         for group in self.groups:
-            for item in group:
-                self.source.get(item.trained)
+            self.gather_group(group)
+
+    def gather_group(self, group: list[Outgoing]) -> None:
+        """A rank other than 0's part of one group: each tensor's gather, in order."""
+        for item in group:
+            self.source.get(item.trained)
 
     @torch.no_grad()
     def materialize(self, group: list[Outgoing]) -> torch.Tensor:
-        """The group's tensors in the engine's layout and dtypes, back to back in one flat uint8 buffer."""
-        parts = []
+        """The group's tensors in the engine's layout and dtypes, back to back in one flat uint8 buffer
+        on the CPU (what a gloo broadcast sends)."""
+        return torch.cat([t.reshape(-1).view(torch.uint8) for t in self.tensors(group, torch.device("cpu"))])
+
+    @torch.no_grad()
+    def tensors(self, group: list[Outgoing], device: torch.device | None = None) -> list[torch.Tensor]:
+        """The group's tensors in the engine's layout and dtypes, each contiguous, on `device` (None:
+        where the trainer holds them; a GPU backend sends from the trainer's device)."""
+        out = []
         for item in group:
             t = self._to_engine(item, self.source.get(item.trained))
-            parts.append(t.to(device="cpu", dtype=item.dtype).contiguous().reshape(-1).view(torch.uint8))
-        return torch.cat(parts)
+            out.append(t.to(device=device if device is not None else t.device, dtype=item.dtype).contiguous())
+        return out
 
     def _to_engine(self, item: Outgoing, t: torch.Tensor) -> torch.Tensor:
         out = self.to_hub(item.trained, t.detach())

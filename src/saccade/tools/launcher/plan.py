@@ -12,7 +12,11 @@ A server's flags follow from the config, so that it samples what the trainer wil
   estimates the layout with), `--tensor-parallel-size` for a server of several GPUs;
 - on the CPU (vLLM's CPU build): the family's CPU dtype, `--enforce-eager`, and its KV cache
   from `launch.cpu_kv_cache_gib`;
-- `--weights-root`: the folder the trainer writes the engine's weights under.
+- `--weights-root`: the folder the trainer writes the engine's weights under;
+- `--weight-transfer-config` with the backend a collective weight sync takes in this layout
+  (`saccade.transports.choose.launch_backend`: ipc for a server on the trainer's GPU, nccl, ...,
+  by where the processes are), unless it is saccade serve's own default (saccade_gloo); the dry
+  run's first trainer node line says which and why.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def server_processes(cfg: RunConfig, node_rank: int, *, model: str | None = None
         common += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank)]
     if not is_loopback(node.host):
         common += ["--host", node.host]  # then `saccade serve` requires VLLM_API_KEY
+    common += transfer_flags(cfg)
     out = []
     for i, url in enumerate(urls):
         port = launch.server_port + first + i
@@ -97,6 +102,28 @@ def server_processes(cfg: RunConfig, node_rank: int, *, model: str | None = None
             env = {"VLLM_CPU_KVCACHE_SPACE": f"{launch.cpu_kv_cache_gib:g}"}
         out.append(Process(f"server {first + i}", (*argv, *launch.server_args), env, url))
     return out
+
+
+def transfer_flags(cfg: RunConfig) -> list[str]:
+    """The servers' --weight-transfer-config for the layout's collective backend, where it is not
+    saccade serve's default."""
+    from saccade.serving.wire import GLOO_BACKEND
+    from saccade.transports.backends import BACKENDS
+    from saccade.transports.choose import launch_backend
+
+    choice = launch_backend(cfg)
+    if choice.kind != "collective" or BACKENDS[choice.backend].server_backend == GLOO_BACKEND:
+        return []
+    return ["--weight-transfer-config", json.dumps({"backend": BACKENDS[choice.backend].server_backend})]
+
+
+def weight_sync_line(cfg: RunConfig) -> str:
+    """How the layout's weights will reach its servers, and why (the dry run says it)."""
+    from saccade.transports.choose import launch_backend
+
+    choice = launch_backend(cfg)
+    what = f"collective over {choice.backend}" if choice.kind == "collective" else choice.kind
+    return f"weight sync: {what} ({choice.why})"
 
 
 def trainer_process(cfg: RunConfig, node_rank: int, *, config: str, overrides: list[str], resume: bool = False,
@@ -154,6 +181,8 @@ def dry_run_text(cfg: RunConfig, *, config: str, overrides: list[str], resume: b
     for rank, node in enumerate(cfg.launch.nodes):
         where = "GPUs" if node.on_gpus or node.trainer_gpus else "the CPU"
         line = f"# node {rank} ({node.host}): {node.servers} vLLM server(s), {node.trainer_ranks} trainer rank(s), on {where}"
+        if cfg.launch.trainer_nodes and rank == cfg.launch.trainer_nodes[0]:
+            line += f"; {weight_sync_line(cfg)}"
         if len(cfg.launch.nodes) > 1:
             line += f"; on that machine: saccade launch {config} --node-rank {rank}"
         lines.append(line)
