@@ -39,6 +39,7 @@ OLD_FLAGS = {
     "gpu": {"--device", "--quick", "--out", "--stage", "--force", "--budget", "--in-process", "--list"},
     "weight-sync": {"--model", "--url", "--repeats", "--timeout-s", "--json"},  # new since, with its config type
     "video-memory": {"--frames", "--side", "--samples", "--json"},  # new since, with its config type
+    "changed-weights": {"--presets", "--lrs", "--steps", "--json"},  # new since, with its config type
 }
 
 
