@@ -170,7 +170,7 @@ def test_every_shipped_gpu_config_dry_runs_naming_its_weight_sync_and_why(monkey
     from saccade.transports.backends import nccl_m2n
 
     monkeypatch.setattr(nccl_m2n, "has_module", lambda name: False)  # as here: no nccl-extensions
-    assert len(GPU_CONFIGS) == 15
+    assert len(GPU_CONFIGS) == 16
 
     def line(path: Path, *overrides: str) -> str:
         cfg = load_config(RunConfig, path, list(overrides))
