@@ -182,8 +182,7 @@ class CollectiveTransport:
             server.versions_loaded.append(version)
             if server.alive:
                 server.version = version
-            else:
-                self.client.pool.put_back(server, version)
+            elif self.client.put_back_after_sync(server, version):  # once the push check lets it in
                 log.info("server %s is back in, with weights version %s (the whole model sent)", server.url, version)
         end = time.perf_counter()
         self.last = {"seconds": end - start, "start_s": started - start, "stream_s": streamed - started,
