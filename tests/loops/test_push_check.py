@@ -46,6 +46,15 @@ def test_a_push_that_moved_the_trainers_scores_less_than_the_floor_is_not_judged
     assert judge(NOW, NOW, IMAGE, 1, limit=0.1, image_limit=None, earlier=[then]).problem is None
 
 
+def test_a_correct_bf16_servers_jitter_is_not_stale():
+    """Seen on a correct bf16 run (the OpenMMReasoner recipe on the tiny Qwen2.5-VL, step 35): the same
+    tokens as at v34, the server's logprobs 0.00668 from its answer then, the trainer's scores of them
+    0.0138 from its own then (bf16 rounding that jitters with the weights on both sides)."""
+    then = Earlier(34, server_T=NOW, trainer_T=NOW)
+    found = judge(NOW + 0.00668, NOW + 0.0138, IMAGE, 35, limit=0.1, image_limit=None, earlier=[then])
+    assert found.problem is None
+
+
 def test_a_bf16_sized_gap_between_the_two_sides_does_not_make_a_small_push_stale():
     # The trainer moved 1e-3, the server (bf16) is 3e-3 from the trainer each time, its rounding
     # different at each version: its answer moved about as much as its own noise, not "unchanged".

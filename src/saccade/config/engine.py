@@ -111,11 +111,11 @@ WeightSyncConfig = Annotated[FilesSyncConfig | AdapterSyncConfig | CollectiveSyn
 
 class ProbeConfig(Section):
     """A check after every weight sync, on every server: each answers a small fixed probe (a few
-    prompts with synthetic pictures and one text-only, then a fixed reply) with the logprobs of its
-    tokens, and the trainer scores the same tokens under the weights it just pushed. A server whose
-    answer is far from the trainer's (a push that changed nothing, a stale or foreign model, an
-    adapter with no effect, images placed otherwise) is taken out or stops the run, named with the
-    push and the likely causes. A server that joins or rejoins mid-run is probed before it samples
+    prompts with synthetic pictures and one text-only) with a few tokens sampled from a fixed
+    seed and their logprobs, and the trainer scores the same tokens under the weights it just
+    pushed. A server whose answer is far from the trainer's (a push that changed nothing, a stale
+    or foreign model, an adapter with no effect, images placed otherwise) is taken out or stops
+    the run, named with the push and the likely causes. A server that joins or rejoins mid-run is probed before it samples
     (saccade.loops.push_check, docs/vllm.md)."""
 
     every_syncs: int = Field(
@@ -126,8 +126,8 @@ class ProbeConfig(Section):
     prompts: int = Field(2, ge=1, le=16, description="probe prompts with a picture, beside one text-only prompt")
     tokens: int = Field(
         8, ge=1, le=64,
-        description="tokens of the fixed reply after each probe prompt; their logprobs, and those of the prompt's "
-        "text after its picture, are what the servers and the trainer compare",
+        description="tokens each server samples after each probe prompt (temperature 1, a fixed seed); their "
+        "logprobs, the server's and the trainer's, are what the check compares",
     )
     action: Literal["take_out", "stop"] = Field(
         "take_out",
