@@ -140,8 +140,9 @@ def test_a_server_restarted_that_loads_the_weights_is_let_back_in(tmp_path, faul
 @pytest.mark.long
 def test_image_positions_shifted_in_the_servers_rollouts_are_caught_at_the_start(tmp_path, tmp_path_factory):
     """A server of its own, whose vLLM places image tokens one patch off (push_faults.py). The tiny
-    random model barely reads positions: one patch moved its logprobs after a picture by 2e-3 to 5e-3
-    (text-only tokens: 3e-7), so the budget is set for fp32's (a real model's fault is nats)."""
+    random model barely reads positions: one patch moved its logprobs after a picture by 1.3e-3 to 3.7e-3
+    in the rollouts (text-only tokens: 3e-7), so the budget is set for fp32's (a real model's fault is
+    nats); a thin margin, on this model only. With the check off the run trains on (red: 2026-12-06)."""
     from saccade.serving.launch import ServerProcess
 
     from .push_faults import shifted_positions_env
