@@ -2,12 +2,15 @@
 ("reward_helpers:pid"): tests/ is on the test process's sys.path, which a worker is given.
 Each returns its worker's pid (as a float), so a test sees which process served a call; the
 completion says how to misbehave. And `worker_pids`: the test process's live workers (also
-counted by tests/loops/test_rl.py, which is why this file sits at the top of tests/)."""
+counted by tests/loops/test_rl.py, which is why this file sits at the top of tests/). And `hash_spread`,
+a reward in [0, 1] from a hash of the reply, that docs/recipes.md's OpenMMReasoner clip figure used
+(`PYTHONPATH=tests`, "reward_helpers:hash_spread"): a random tiny model's groups then carry advantages."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
 import os
 import subprocess
 import time
@@ -69,3 +72,7 @@ def takes_sample(completion, sample):
 
 def returns_generator(completion):
     return (x for x in [1.0])
+
+
+def hash_spread(completion: str, **kwargs) -> float:
+    return int(hashlib.blake2b(completion.encode(), digest_size=2).hexdigest(), 16) / 65535

@@ -123,3 +123,63 @@ def test_on_a_rank_that_does_not_push_a_server_rejoins_only_once_it_holds_the_co
 
     run(client, servers, rejoin_twice)
     assert stale.alive and stale.version == 146
+
+
+def test_with_the_push_check_a_rejoining_server_is_parked_given_every_push_and_back_in_only_once_it_passes():
+    """`checked_rejoins` (saccade.loops.push_check): a server that answers again loads the run's
+    weights and is parked, not put back; pushes load it like a live server; the check then puts it
+    back (`unpark`) or keeps it out (`refuse`), and a refused one is not loaded again at that version."""
+    client, servers = make(stale=0, fresh=5)
+    client.checked_rejoins = True
+    client._pushed = ("/weights/v5", 5)  # this rank pushed v5
+    stale = client.pool.servers["http://stale"]
+    client.pool.take_out(stale, "restarted")
+
+    async def rejoin_push_refuse_rejoin():
+        await client._rejoin(stale)
+        assert not stale.alive and client.parked == {"http://stale": 5} and stale.versions_loaded == [5]
+        await client._rejoin(stale)  # parked: left as it is
+        assert stale.versions_loaded == [5]
+        await client.push("/weights/v6", 6)  # the next push loads it with the live one
+        assert client.parked == {"http://stale": 6} and stale.versions_loaded == [5, 6] and not stale.alive
+        client.refuse("http://stale", 6, "answers as the weights of v0")
+        assert client.parked == {} and not stale.alive and stale.last_error == "answers as the weights of v0"
+        with pytest.raises(ServerError, match="answers as the weights of v0"):
+            await client._rejoin(stale)  # refused at v6: not loaded again before the next push
+        assert stale.versions_loaded == [5, 6]
+        client._pushed = ("/weights/v7", 7)
+        await client._rejoin(stale)
+        assert client.parked == {"http://stale": 7}
+        client.unpark("http://stale", 7)
+
+    run(client, servers, rejoin_push_refuse_rejoin)
+    assert stale.alive and stale.version == 7 and client.parked == {}
+
+
+def test_a_server_serving_another_model_is_not_put_back():
+    client, servers = make(stale=0, fresh=0)
+    client.model = ("tiny", "fingerprint-of-the-trainers")
+    original = servers.handler
+
+    def handler(request):
+        response = original(request)
+        if request.url.path == INFO:
+            return httpx.Response(200, json={**response.json(), "model": "other", "fingerprint": "another"})
+        return response
+
+    servers.handler = handler
+    stale = client.pool.servers["http://stale"]
+    client.pool.take_out(stale, "restarted")
+    with pytest.raises(ServerError, match="they are different models.*not put back"):
+        run(client, servers, lambda: client.fit_to_rejoin(stale))
+
+
+def test_a_server_a_transport_gave_the_whole_model_is_parked_for_the_push_check():
+    client, _ = make(stale=0, fresh=0)
+    server = client.pool.servers["http://stale"]
+    client.pool.take_out(server, "killed")
+    client.checked_rejoins = True
+    assert client.put_back_after_sync(server, 3) is False
+    assert not server.alive and client.parked == {"http://stale": 3} and "push check" in server.last_error
+    client.checked_rejoins = False
+    assert client.put_back_after_sync(server, 4) is True and server.alive and server.version == 4

@@ -49,7 +49,10 @@ def pytest_collection_finish(session):
     here = Path(__file__).parent
     if "PYTEST_XDIST_WORKER" in os.environ:
         return  # every xdist worker collects every test: the worker that runs this package starts it
-    if importlib.util.find_spec("vllm") and any(Path(item.path).is_relative_to(here) for item in session.items):
+    # Only when a test to run uses it: the long tests that start servers of their own run without it.
+    if importlib.util.find_spec("vllm") and any(Path(item.path).is_relative_to(here)
+                                                and "shared_server" in getattr(item, "fixturenames", ())
+                                                for item in session.items):
         # The tmp_path_factory fixture's own object (pytest's tmpdir plugin keeps it on the config).
         session.config.stash[SERVER] = start_shared_server(session.config._tmp_path_factory)
 

@@ -72,6 +72,7 @@ def test_ppo_clip_token_normalization_value_and_grads():
     assert m["clip_frac_low"].item() == pytest.approx(1 / 5)
     assert m["clip_frac_high"].item() == pytest.approx(1 / 5)
     assert m["clip_frac"].item() == pytest.approx(2 / 5)
+    assert m["clip_frac_seq"].item() == 1.0  # A2 clips seq A, B1 clips seq B: both sequences
     assert m["ratio_mean"].item() == pytest.approx((1.0 + 1.5 + 0.5 + 0.5 + 1.5) / 5)
     assert m["loss_tokens"].item() == 5
     assert all(not v.requires_grad and v.dim() == 0 for v in m.values())

@@ -67,6 +67,7 @@ def test_gspo_clips_the_sequence_ratio_by_hand(norm, loss_value, grad_b):
     assert grad_of(loss, inp) == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.0, grad_b, grad_b], abs=1e-12)
     assert m["clip_frac_high"].item() == pytest.approx(3 / 5)  # seq A's three tokens
     assert m["clip_frac_low"].item() == 0.0 and m["clip_frac"].item() == pytest.approx(3 / 5)
+    assert m["clip_frac_seq"].item() == pytest.approx(1 / 2)  # seq A of A and B: sequences, not tokens
     assert m["seq_log_ratio_abs"].item() == pytest.approx((3 * 0.1 + 2 * 0.01) / 5)  # 0.064
     token_ratios = [math.exp(GSPO_LOG_RATIOS[i]) for i in LOSS_IDX]
     assert m["ratio_mean"].item() == pytest.approx(sum(token_ratios) / 5)  # the tokens' ratios, as ever
@@ -109,6 +110,7 @@ def test_cispo_gradient_is_the_clipped_detached_weight_times_the_advantage_by_ha
     assert m["clip_frac_low"].item() == pytest.approx(2 / 5)  # the 0.5s, whatever A's sign
     assert m["clip_frac_high"].item() == pytest.approx(2 / 5)  # the 1.5s
     assert m["clip_frac"].item() == pytest.approx(4 / 5)
+    assert m["clip_frac_seq"].item() == 1.0  # a clipped weight in each sequence
     clipped = inputs(CISPO_LOG_RATIOS)
     ppo, _ = policy_loss(clipped, PpoClipLossConfig(eps_low=0.2, eps_high=0.28))
     g = grad_of(ppo, clipped)
@@ -121,7 +123,7 @@ def test_cispo_by_default_has_no_lower_bound():
     assert (cfg.eps_low, cfg.eps_high) == (1.0, 4.0)  # weights clipped to [0, 5]: none here
     loss, m = policy_loss(inp, cfg)
     assert grad_of(loss, inp) == pytest.approx([0.0, -0.2, -0.3, -0.1, 0.0, 0.2, 0.6], abs=1e-12)
-    assert m["clip_frac"].item() == 0.0
+    assert m["clip_frac"].item() == 0.0 and m["clip_frac_seq"].item() == 0.0
 
 
 # ------------------------------------------------------------------ masked importance sampling

@@ -55,7 +55,7 @@ the value of ``--trainer.lr 1e-5`` to the optional CONFIG positional.
 
 from saccade.config.engine import (
     AdapterSyncConfig, AutoSyncConfig, CollectiveSyncConfig, EmbeddedEngineConfig, EngineConfig, FilesSyncConfig,
-    VLLMEngineConfig, WeightSyncConfig,
+    ProbeConfig, VLLMEngineConfig, WeightSyncConfig,
 )
 from saccade.config.evaluation import EvalConfig
 from saccade.config.launch import LaunchConfig, LaunchNode, is_loopback
@@ -101,6 +101,7 @@ __all__ = [
     "EmbeddedEngineConfig",
     "EngineConfig",
     "FilesSyncConfig",
+    "ProbeConfig",
     "VLLMEngineConfig",
     "WeightSyncConfig",
     "EnvConfig",

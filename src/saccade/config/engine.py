@@ -27,7 +27,27 @@ def model_mismatch_limit_field() -> Any:
         0.1, gt=0,
         description="at the first step, the mean |trainer - engine| logprob of the tokens sampled under the weights "
         "being trained above which the run stops: the two hold different models (a dtype or kernel difference "
-        "gives about 1e-6 in fp32, 2e-3 to 5e-3 in bf16); unset: never checked (saccade.model_match)",
+        "gives about 1e-6 in fp32, 2e-3 to 5e-3 in bf16); the push check (engine.probe) holds each server's "
+        "answer to it after every sync too; unset: never checked (saccade.model_match)",
+    )
+
+
+def image_mismatch_limit_field() -> Any:
+    return Field(
+        0.05, gt=0, le=10,
+        description="the budget of the images' own trainer-engine gap: how far the mean |trainer - engine| logprob "
+        "of tokens that follow an image may exceed the text-only tokens' (at lag 0; at a lag > 0 only where the "
+        "step has text-only tokens at that lag too). Positions or a tower that differ between the two sides show "
+        "there first. Past it: image_mismatch_action; the push check judges each server's probe by it too; "
+        "unset: never checked (saccade.loops.guards.ImageMismatch)",
+    )
+
+
+def image_mismatch_action_field() -> Any:
+    return Field(
+        "warn",
+        description="a training step whose images' gap is past image_mismatch_limit: 'warn' (logged, the run goes "
+        "on) or 'stop' (the run stops once the step is logged, nothing saved)",
     )
 
 
@@ -104,12 +124,41 @@ WeightSyncConfig = Annotated[FilesSyncConfig | AdapterSyncConfig | CollectiveSyn
                              Field(discriminator="kind")]
 
 
+class ProbeConfig(Section):
+    """A check after every weight sync, on every server: each answers a small fixed probe (a few
+    prompts with synthetic pictures and one text-only) with a few tokens sampled from a fixed
+    seed and their logprobs, and the trainer scores the same tokens under the weights it just
+    pushed. A server whose answer is far from the trainer's (a push that changed nothing, a stale
+    or foreign model, an adapter with no effect, images placed otherwise) is taken out or stops
+    the run, named with the push and the likely causes. A server that joins or rejoins mid-run is probed before it samples
+    (saccade.loops.push_check, docs/vllm.md)."""
+
+    every_syncs: int = Field(
+        1, ge=0, le=100_000,
+        description="probe every server after every k-th weight sync (the start's included; 1: every one); 0: "
+        "never. A server that answers again waits, out, for a probed sync's weights before it is put back",
+    )
+    prompts: int = Field(2, ge=1, le=16, description="probe prompts with a picture, beside one text-only prompt")
+    tokens: int = Field(
+        8, ge=1, le=64,
+        description="tokens each server samples after each probe prompt (temperature 1, a fixed seed); their "
+        "logprobs, the server's and the trainer's, are what the check compares",
+    )
+    action: Literal["take_out", "stop"] = Field(
+        "take_out",
+        description="a server whose answer is far from the trainer's: 'take_out' (out of the pool; the run stops "
+        "when none is left, saving its finished steps) or 'stop' (the run saves its finished steps and stops)",
+    )
+
+
 class EmbeddedEngineConfig(Section):
     """The embedded engine: samples in the trainer's process, from the trainer's very module (so
     always current: no weights to send)."""
 
     kind: Literal["embedded"] = Field("embedded", description=ENGINE)
     model_mismatch_limit: float | None = model_mismatch_limit_field()
+    image_mismatch_limit: float | None = image_mismatch_limit_field()
+    image_mismatch_action: Literal["warn", "stop"] = image_mismatch_action_field()
     # It shares the trainer's module: every step's weights are the engine's, as a sync every step.
     sync_every_steps: typing.ClassVar[int] = 1
 
@@ -151,7 +200,13 @@ class VLLMEngineConfig(Section):
         "restarts; under `saccade launch`, launch.hang_after_s also restarts it. Seconds",
     )
     model_mismatch_limit: float | None = model_mismatch_limit_field()
+    image_mismatch_limit: float | None = image_mismatch_limit_field()
+    image_mismatch_action: Literal["warn", "stop"] = image_mismatch_action_field()
     weight_sync: WeightSyncConfig = Field(default_factory=FilesSyncConfig, description=WEIGHT_SYNC)
+    probe: ProbeConfig = Field(
+        default_factory=ProbeConfig,
+        description="the check after every weight sync on every server, and before a server rejoins",
+    )
 
     @model_validator(mode="after")
     def _urls(self) -> VLLMEngineConfig:

@@ -31,6 +31,14 @@ Weights: `push` POSTs a folder to every live server's /update_weights (full weig
 `lora` the adapter, which a server that loaded other full weights since it started first
 restores its base for) and remembers it, so a server that rejoins loads it first.
 
+A server that rejoins (or a new one) must serve the trainer's model (its fingerprint, when the
+engine knows it: `model`). With the push check on (`checked_rejoins`, `saccade.loops.push_check`)
+a server that holds the run's weights again, loaded by the health check or given by a transport at
+a sync (`put_back_after_sync`), is put back only once the check lets it in (`admit`): at once where
+the check can judge its answer from the last push's scores, else it is parked (`parked`: out, but
+given every push like a live server) and the check after the next push puts it back (`unpark`) or
+keeps it out with why (`refuse`). A refused server is not loaded again at that version.
+
 Every rank samples, one rank pushes: the other ranks' clients cannot tell which servers took a
 push. Once every rank has seen a push return, `confirm(version)` says so, and from then on a
 request answered under an older version (its `x-saccade-policy-version` header) came from a
@@ -51,6 +59,7 @@ from typing import Any
 from saccade.config import ImagesConfig
 from saccade.inference.servers import NoServerError, Server, ServerPool
 from saccade.loop_thread import LoopThread
+from saccade.model_match import fingerprint_mismatch
 from saccade.serving.wire import INFO, UPDATE_WEIGHTS, VERSION_HEADER
 
 log = logging.getLogger(__name__)  # the person running the job hears of servers leaving and coming back
@@ -137,6 +146,13 @@ class ServerClient:
         # Set while the engine's transport rejoins servers at a sync (the collective): it sends a server
         # that answers again the whole model and puts it back; the health check only notes that it answers.
         self.weights_by_collective = False
+        self.model: tuple[str, str] | None = None  # the trainer's model (path, fingerprint): a server must serve it
+        # The push check puts rejoining servers back (module note): admit(server, version) -> True (in), a
+        # str (why not) or None (parked: judged after the next push); url -> the version a parked one holds.
+        self.checked_rejoins = False
+        self.admit = None
+        self.parked: dict[str, int] = {}
+        self._refused: dict[str, tuple[int, str]] = {}  # url -> (version, why) the check refused it at
         # Made on first use, on the loop: the thread, the client, the request gate, the lock
         # that keeps pushes and rejoins apart, the health check.
         self._loop: LoopThread | None = None
@@ -377,16 +393,78 @@ class ServerClient:
         info = await self.fit_to_rejoin(server)
         if self.weights_by_collective:
             raise ServerError(f"{server.url} answers: out until the next weight sync has sent it the weights")
+        if server.url in self.parked:
+            return  # it holds the run's weights: the push check after the next sync decides
         async with self._weights_lock:
             version = info.get("policy_version")
+            if self._pushed is None and self.checked_rejoins:  # another rank pushes, and checks
+                raise ServerError(f"{server.url} answers: out until the pushing rank's push check lets it in")
             if self._pushed is None and stale(version, self.confirmed):  # another rank pushes: wait for it
                 raise ServerError(f"{server.url} holds weights v{version}, the run's are v{self.confirmed}: "
                                   "out until the pushing rank has loaded them")
             if self._pushed is not None:
                 folder, version = self._pushed
+                refused = self._refused.get(server.url)
+                if refused is not None and refused[0] == version:  # not loaded and checked again before a push
+                    raise ServerError(refused[1])
                 await self._load(server, folder, version)
+            if self.checked_rejoins and not await self._admitted(server, version):
+                return
             self.pool.put_back(server, version)
         log.info("server %s is back in, with weights version %s", server.url, version)
+
+    async def _admitted(self, server: Server, version: int) -> bool:
+        """The push check on `server`, which now holds `version`: True lets it in; else it is parked, or
+        refused (a ServerError with why)."""
+        verdict = await self.admit(server, version) if self.admit is not None else None
+        if verdict is True:
+            self._refused.pop(server.url, None)
+            return True
+        if isinstance(verdict, str):
+            if self._refused.get(server.url) != (version, verdict):
+                log.warning("server %s not put back: %s", server.url, verdict)
+            self._refused[server.url] = (version, verdict)
+            raise ServerError(verdict)
+        self.park(server, version)
+        return False
+
+    def park(self, server: Server, version: int) -> None:
+        """`server` (out) holds weights `version`: it gets every push from now on, and the push check
+        after the next one puts it back or keeps it out (module note)."""
+        self.parked[server.url] = version
+        server.last_error = f"holds weights v{version}: out until the push check after the next sync lets it in"
+        log.info("server %s answers again and holds weights v%s: the push check decides at the next sync",
+                 server.url, version)
+
+    def put_back_after_sync(self, server: Server, version: int) -> bool:
+        """A server a transport gave the whole model at a sync (`rejoins_at_sync`): put back at `version`
+        once the push check lets it in (module note). True: put back."""
+        if self.checked_rejoins:
+            try:
+                if not self.run(self._admitted(server, version)):
+                    return False
+            except ServerError as err:
+                server.last_error = str(err)
+                return False
+        self.pool.put_back(server, version)
+        return True
+
+    def unpark(self, url: str, version: int) -> None:
+        """The push check found `url` to hold weights `version`: back in (a live one stays in)."""
+        server = self.pool.servers.get(url)
+        self.parked.pop(url, None)
+        self._refused.pop(url, None)
+        if server is not None and not server.alive:
+            self.pool.put_back(server, version)
+            log.info("server %s is back in, with weights version %s (the push check let it in)", url, version)
+
+    def refuse(self, url: str, version: int, why: str) -> bool:
+        """The push check found `url` far from the trainer's weights `version`: out with `why`, not
+        loaded again at this version. True when it was live until now."""
+        server = self.pool.servers.get(url)
+        self.parked.pop(url, None)
+        self._refused[url] = (version, why)
+        return server is not None and self.pool.take_out(server, why)
 
     async def fit_to_rejoin(self, server: Server) -> dict:
         """A server that is out, asked whether it can come back: it answers, resizes images as the
@@ -408,6 +486,9 @@ class ServerClient:
                               f"{(self.limits.min_pixels, self.limits.max_pixels)}: not put back")
         if self.lora and not info.get("lora_enabled"):
             raise ServerError(f"{server.url} has no LoRA support (--enable-lora): not put back")
+        other_model = self.model and fingerprint_mismatch(server.url, info, *self.model)
+        if other_model:
+            raise ServerError(f"{other_model}: not put back")
         problem = head_dtype_problem(info)
         if problem:
             raise ServerError(f"{server.url} {problem}: not put back")
@@ -436,14 +517,22 @@ class ServerClient:
         self.confirmed = version
 
     async def push(self, folder: str, version: int) -> None:
-        """Every live server loads the folder; one that does not answer is taken out (it gets
-        the folder when it is back); NoServerError when none took it."""
+        """Every live server loads the folder, and every parked one (module note); one that does not
+        answer is taken out (it gets the folder when it is back); NoServerError when no live one took it."""
         self.http()
         async with self._weights_lock:
             self._pushed = (str(folder), version)
             live = self.pool.alive
-            results = await asyncio.gather(*(self._load(s, str(folder), version) for s in live), return_exceptions=True)
-            for server, result in zip(live, results, strict=True):
+            parked = [s for url, s in self.pool.servers.items() if url in self.parked and not s.alive]
+            results = await asyncio.gather(*(self._load(s, str(folder), version) for s in live + parked),
+                                           return_exceptions=True)
+            for server, result in zip(parked, results[len(live):], strict=True):
+                if isinstance(result, BaseException):  # back to the health check
+                    self.parked.pop(server.url, None)
+                    server.last_error = f"loading weights v{version}: {type(result).__name__}: {result}"[:300]
+                else:
+                    self.parked[server.url] = version
+            for server, result in zip(live, results, strict=False):
                 if isinstance(result, Unreachable):
                     if self.pool.take_out(server, str(result)):
                         log.warning("server %s taken out while loading weights v%s (%s)", server.url, version, result)

@@ -240,6 +240,7 @@ class VLLMEngine:
         is an error.
         """
         engine = cls(urls, processor, limits=limits, **kwargs)
+        engine.client.model = model  # a server that rejoins must serve it too
         infos = engine.info()
         if limits is None:
             limits = ImagesConfig(min_pixels=infos[0]["min_pixels"], max_pixels=infos[0]["max_pixels"])
@@ -275,7 +276,7 @@ class VLLMEngine:
             return value
         return server.version if server.version is not None else self.policy_version
 
-    async def _model_name(self) -> str:
+    async def served_name(self) -> str:
         """The model requests name: the trainer's adapter once one is loaded, else the served model."""
         if self._adapter_loaded:
             return LORA_NAME
@@ -374,7 +375,7 @@ class VLLMEngine:
         """complete(model, item, params) for every item; at most max_concurrency requests of the
         engine (every caller's together) in flight at once."""
         self.client.http()  # made on first use, with the gate
-        model = await self._model_name()
+        model = await self.served_name()
 
         async def one(item) -> list[Completion]:
             async with self.client.gate:

@@ -8,7 +8,10 @@ step, then stops if a guard asked it to. Each guard is a part that decides its o
   stalled weights not saved;
 - `NonfiniteStreak`: `trainer.max_nonfinite_steps` steps in a row whose every optimizer step was
   skipped for a non-finite loss or gradient train nothing: the run saves (the weights are those
-  from before them) and stops, saying where to look.
+  from before them) and stops, saying where to look;
+- `ImageMismatch`: the images' own trainer-engine gap (the tokens after an image against the
+  text-only ones, `mismatch_abs_image_lag{k}` / `mismatch_abs_text_lag{k}`) past
+  `engine.image_mismatch_limit`: warned about, or the run stops once the step is logged, nothing saved.
 
 A new guard is a class with `after_train(step, rollouts, train_metrics, state) -> Verdict` and a
 line in `StepGuards.__init__`.
@@ -16,6 +19,7 @@ line in `StepGuards.__init__`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,6 +31,8 @@ from saccade.loops.stall import StallError
 from saccade.loops.stall_watch import StallWatch
 from saccade.model_match import ModelMatchGuard
 from saccade.trainer.checkpoint.saving import TrainState
+
+log = logging.getLogger(__name__)
 
 # What stops a run once its step is logged: the state and the step's metrics -> the error to raise.
 Stop = Callable[[TrainState, dict[str, float]], Exception]
@@ -82,6 +88,61 @@ class NonfiniteStreak:
             f"model.dtype float32, the data rows of those steps), then go on with: {self.command} --resume")
 
 
+class ImageMismatchError(RuntimeError):
+    """The tokens after an image were scored further apart by the trainer and the engine than the budget."""
+
+
+def image_excess(train_metrics: dict[str, float]) -> tuple[int, float] | None:
+    """(lag, excess) at the lag where the tokens after an image differ most from the engine's beyond
+    the text-only tokens' gap; None when no lag can be judged. At lag 0 the gap is the numerics alone
+    (with no text-only token the excess is the image tokens' whole gap); at a lag > 0 it includes the
+    policy's move, so a lag is judged only against text-only tokens of the same lag."""
+    worst = None
+    for name, gap in train_metrics.items():
+        if not name.startswith("mismatch_abs_image_lag"):
+            continue
+        lag = int(name.removeprefix("mismatch_abs_image_lag"))
+        text = train_metrics.get(f"mismatch_abs_text_lag{lag}")
+        if text is None and lag > 0:
+            continue
+        excess = gap - (text or 0.0)
+        if worst is None or excess > worst[1]:
+            worst = (lag, excess)
+    return worst
+
+
+class ImageMismatch:
+    """The images' own gap against `engine.image_mismatch_limit` (`image_excess`), every step."""
+
+    def __init__(self, cfg: RunConfig, world: World):
+        self.limit, self.action = cfg.engine.image_mismatch_limit, cfg.engine.image_mismatch_action
+        self.engine, self.world = cfg.engine.kind, world
+
+    def after_train(self, step, rollouts, train_metrics, state) -> Verdict:
+        found = image_excess(train_metrics) if self.limit is not None else None
+        if found is None:
+            return Verdict()
+        lag, excess = found
+        figures = {"image_mismatch_excess": excess}
+        if excess <= self.limit:
+            return Verdict(figures)
+        text = train_metrics.get(f"mismatch_abs_text_lag{lag}")
+        message = (
+            f"step {step + 1}: the trainer scores the tokens after an image {excess:.3g} further from the "
+            f"{self.engine} engine's logprobs than the text-only tokens (lag {lag}: after an image "
+            f"{train_metrics[f'mismatch_abs_image_lag{lag}']:.3g}, text-only "
+            f"{'none' if text is None else format(text, '.3g')}), over engine.image_mismatch_limit {self.limit:g}: the "
+            f"two sides place or encode the images differently. Likely causes: image positions (M-RoPE) computed "
+            f"otherwise on one side; another vision tower or image processor on the engine; other image bounds")
+        if self.action == "warn":
+            if self.world.is_main:
+                log.warning("%s (engine.image_mismatch_action = 'warn': the run goes on)", message)
+            return Verdict(figures)
+        return Verdict(figures, stop=lambda state, metrics: ImageMismatchError(
+            f"{message}. The run stopped after logging the step, saving nothing (engine.image_mismatch_action = "
+            "'stop')"))
+
+
 class Stall:
     """The stall watch (`StallWatch`) as a guard."""
 
@@ -102,7 +163,7 @@ class StepGuards:
         self.stall_watch = StallWatch(cfg, checkpoints, state, world)
         # In this order: a stall's stop goes before the non-finite streak's (the stalled weights are not saved).
         self.guards: list[Guard] = [ModelMatch(cfg), Stall(self.stall_watch, command),
-                                    NonfiniteStreak(cfg, checkpoints, command)]
+                                    NonfiniteStreak(cfg, checkpoints, command), ImageMismatch(cfg, world)]
 
     def start(self, state: TrainState, *, resume: bool) -> None:
         self.stall_watch.start(state, resume=resume)

@@ -1,7 +1,8 @@
 """A run's parts, built in one place (`RunParts.build`) before `train_rl`'s loop starts, and closed
 together when it ends (`RunParts.open`): the setup (model, engine, cache), the task, the step,
 the evaluator, the checkpoints and the state to go on from, the guards, the metrics logger, the
-prompt stream and the rollout source, the weight sync, the sample log, the progress bar.
+prompt stream and the rollout source, the weight sync and its push check, the sample log, the
+progress bar.
 
 The order matters and is kept here: a new run refuses a folder holding another run's checkpoints
 before config.toml is written over; the start weights reach the engine before any rollout is
@@ -21,6 +22,7 @@ from saccade.distributed import SINGLE, World
 from saccade.loops.checkpointer import Checkpointer, check_fresh_start
 from saccade.loops.evaluator import Evaluator
 from saccade.loops.guards import StepGuards
+from saccade.loops.push_check import PushCheck
 from saccade.loops.rl_step import RLStep
 from saccade.loops.step_log import EngineCounters, NoLogger, SampleLog
 from saccade.loops.weight_sync import WeightSync, push_start_weights
@@ -92,7 +94,8 @@ class RunParts:
         rl = RLStep.build(cfg, setup, task or built, world)
         checkpoints = Checkpointer(cfg, rl, run_dir, world)
         state = checkpoints.start(resume)
-        push_start_weights(setup.engine, state, world)
+        check = PushCheck.of(cfg, setup, world)  # on vLLM servers: every push checked on every server
+        push_start_weights(setup.engine, state, world, check)
         command = rl_command(run_dir, world)
         guards = StepGuards(cfg, checkpoints, state, world, command=command)
         guards.start(state, resume=resume)
@@ -110,7 +113,8 @@ class RunParts:
             on_policy=lambda step: checkpoints.due(step, rolled_back=False))
         return cls(
             cfg, run_dir, world, setup, built, rl, Evaluator(cfg, rl, world), checkpoints, state, guards, logger, end,
-            stream, source, WeightSync(cfg, setup.engine, source, world, end=end), SampleLog(rl, logger, run_dir),
+            stream, source, WeightSync(cfg, setup.engine, source, world, end=end, check=check),
+            SampleLog(rl, logger, run_dir),
             EngineCounters(setup.engine), stop or StopRequest(run_dir), command, progress)
 
     @contextmanager

@@ -106,7 +106,8 @@ def train_rl(cfg: RunConfig, *, run_dir: Path, resume: bool = False, setup: Setu
                 rollouts, train_metrics, run.setup, run.counters.step(), rollout_s=rollout_s, train_s=train_s,
                 weight_sync_s=sync_s, step_s=time.perf_counter() - start, trainer_idle_s=waited_s,
                 rollout_queue_depth=float(queue_depth), dataset=run.rl.fits is not None)
-            metrics.update(verdict.figures, **(run.evaluator.after_step(state.step, run.logger) if gone is None else {}))
+            metrics.update(verdict.figures, **run.weights.figures,
+                           **(run.evaluator.after_step(state.step, run.logger) if gone is None else {}))
             run.logger.log(state.step, metrics)
             bar(format_step(metrics), note=run.samples.after_step(state.step, rollouts))
             if gone is not None:

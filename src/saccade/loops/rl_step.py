@@ -140,5 +140,5 @@ class RLStep:
             self.setup.model, self.optimizer, self.scheduler, micro_batches, loss=self.loss,
             num_iterations=t.num_iterations, grad_clip=t.grad_clip, distribution=self.sampling.distribution,
             banned_token_ids=self.setup.engine.banned_token_ids, reference=self.reference, world=self.world,
-            current_version=step, spike_guard=self.spike_guard, filtered=filtered,
+            current_version=step, spike_guard=self.spike_guard, filtered=filtered, max_lag=self.max_lag,
         )

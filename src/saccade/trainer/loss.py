@@ -62,7 +62,9 @@ and ``clip_frac_high`` (ppo_clip: ratio < 1 - eps_low with A < 0, ratio > 1 + ep
 A > 0, where the clip is active and the token gets no gradient; gspo: the same of the token's
 sequence ratio, so a sequence's tokens are clipped all or none and the figure weighs
 sequences by their loss tokens; cispo: the weight was clipped below or above, whatever A, and
-the token keeps its gradient), ``clip_frac`` (their sum), ``seq_log_ratio_abs`` (gspo: mean
+the token keeps its gradient), ``clip_frac`` (their sum), ``clip_frac_seq`` (the share of the
+micro-batch's sequences with a clipped loss token: a mean over sequences, which the train step
+weighs by sequences, not tokens; gspo: the sequences clipped), ``seq_log_ratio_abs`` (gspo: mean
 |log s_i|, the spread of the sequence ratios, sequences weighted by their loss tokens),
 ``ratio_mean``, ``kl`` (the ``kl_estimator``'s mean, when ref given), ``entropy`` (when
 given), ``is_masked_frac`` (masked IS on: the share of loss tokens masked),
@@ -224,6 +226,14 @@ def gspo_objective(logprobs_N: Tensor, old_logprobs_N: Tensor, adv_N: Tensor, ma
     return pg_N, low_N, high_N, log_s_N
 
 
+def clipped_sequences_frac(clipped_N: Tensor, mask_N: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """The share of the micro-batch's sequences with at least one loss token clipped (gspo: the
+    sequences clipped, whose tokens are clipped all or none). A mean over sequences, not tokens: the
+    train step weighs it by each micro-batch's sequences (`saccade.trainer.step.ClippedObjective`)."""
+    any_S = per_sequence_sum(clipped_N.to(torch.float32), mask_N, cu_seqlens) > 0
+    return any_S.to(torch.float32).mean()
+
+
 def is_mask_keep(old_logprobs_N: Tensor, inference_logprobs_N: Tensor, low: float, high: float) -> Tensor:
     """Masked importance sampling (IcePop, Ring-1T, arXiv 2510.18855, its mask M(k) over k =
     pi_old / mu): True where low <= pi_old / mu <= high, the tokens that keep their policy
@@ -350,6 +360,7 @@ def policy_loss(inp: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Ten
         metrics["clip_frac_low"] = masked_mean(low_N.to(dtype), mask_N)
         metrics["clip_frac_high"] = masked_mean(high_N.to(dtype), mask_N)
         metrics["clip_frac"] = masked_mean((low_N | high_N).to(dtype), mask_N)
+        metrics["clip_frac_seq"] = clipped_sequences_frac(low_N | high_N, mask_N, inp.cu_seqlens)
 
     if inf_N is not None:
         metrics["mismatch_abs"] = masked_mean((lp_N.detach() - inf_N).abs(), mask_N)

@@ -18,7 +18,7 @@ import torch
 
 from saccade.distributed import SINGLE, World, balance, share_embeddings
 from saccade.models.vision import EmbeddingCache, EmbeddingCacheMiss, ImageEmbedding
-from saccade.trainer.samples import MicroBatch, TrainingSample
+from saccade.trainer.samples import MicroBatch, TrainingSample, after_image
 
 
 def first_fit_decreasing(lengths: list[int], max_tokens: int, *, names: list[str] | None = None) -> list[list[int]]:
@@ -121,6 +121,7 @@ def collate_segments(
         context=[seg.context for seg in segments] if any(seg.skip for seg in segments) else None,
         policy_versions=torch.cat([torch.full((n,), seg.sample.policy_version, dtype=torch.long)
                                    for seg, n in zip(segments, lengths)]),
+        after_image=torch.cat([after_image(seg.sample.input_ids, image_token_id)[c] for seg, c in zip(segments, cut)]),
         routed_experts=_routed_experts(segments),
         video_grid_thw=torch.stack([g for _, g in clips]) if clips else torch.zeros(0, 3, dtype=torch.long),
     )

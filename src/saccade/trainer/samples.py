@@ -103,6 +103,14 @@ def make_sample(
     )
 
 
+def after_image(input_ids_L: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """(L,) bool: True where an image pad comes before the token in its sequence, so the token's
+    logprob depends on how that image was encoded and placed (positions, the tower's features);
+    False for the text-only tokens before any image (and in a sample without one)."""
+    pads_L = (input_ids_L == image_token_id).long().cumsum(0)
+    return torch.cat([torch.zeros(1, dtype=torch.bool), pads_L[:-1] > 0]) if len(pads_L) else pads_L.bool()
+
+
 @dataclass
 class MicroBatch:
     """Samples packed into one row of at most max_tokens; attention never crosses samples.
@@ -127,6 +135,8 @@ class MicroBatch:
     sample_ids: list[str]
     context: list[tuple[int, int]] | None = None  # per segment: the row range it continues; None: no sharing
     policy_versions: torch.Tensor | None = None  # (N,) int64: each token's sample's sampling weights version
+    # (N,) bool: the token has an image before it in its own sample (`after_image`); None: none has.
+    after_image: torch.Tensor | None = None
     # A mixture of experts: the engine's experts for each loss token in row order, (loss tokens,
     # layers, top_k); None unless every sample in the row has them (`TrainingSample.routed_experts`).
     routed_experts: torch.Tensor | None = None

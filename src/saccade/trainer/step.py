@@ -290,6 +290,7 @@ def train_step(
     current_version: int | None = None,
     spike_guard: GradSpikeGuard | None = None,
     filtered: tuple[int, int] = (0, 0),
+    max_lag: int = 0,
 ) -> dict[str, float]:
     """`num_iterations` optimizer steps over the micro-batches; returns the step's metrics.
 
@@ -308,7 +309,12 @@ def train_step(
 
     `current_version`: the version of the weights being trained (the step count). Then
     `mismatch_abs_lag0` is the engine/trainer logprob gap over the tokens sampled under exactly
-    these weights: the numerics gap alone, apart from what the policy moved since older ones.
+    these weights: the numerics gap alone, apart from what the policy moved since older ones. The
+    same gap at every lag 0..`max_lag`, apart for the tokens that follow an image in their sample
+    (`MicroBatch.after_image`) and the text-only ones: `mismatch_abs_image_lag{k}` and
+    `mismatch_abs_text_lag{k}` (each only where the step has such tokens). A fault in how one side
+    places or encodes images (positions, the tower) shows in the first and not the second
+    (`saccade.loops.guards.ImageMismatch` budgets it).
 
     A mixture-of-experts family (`ModelFamily.record_routing`) adds the router's load balance over
     the step's loss tokens, from the first pass's forwards (`saccade.trainer.routing`):
@@ -335,7 +341,7 @@ def train_step(
     old_logprobs, ref_logprobs = behaviour_logprobs(model, micro_batches, device, score,
                                                     tis=loss.tis_cap is not None, reference=reference)
     objective = ClippedObjective(model, micro_batches, loss, score, totals, old_logprobs, ref_logprobs,
-                                 current_version=current_version, device=device)
+                                 current_version=current_version, device=device, max_lag=max_lag)
     model.train()
     done = optimizer_steps(optimizer, scheduler, micro_batches, objective, num_iterations, device=device,
                            grad_clip=grad_clip, world=world, spike_guard=spike_guard)
@@ -393,20 +399,22 @@ class ClippedObjective:
     """One train step's policy loss as `optimizer_step` takes it (a `MicroBatchLoss`): micro-batch k's
     share of the loss, and its metrics weighted by its loss tokens. On the step's first pass
     (`iteration` 0; `optimizer_steps` sets it) its forwards also measure, on the device, unread: the
-    engine/trainer gap over the tokens sampled under exactly these weights (`lag0`), and for a mixture
-    of experts the experts the loss tokens went to (`router_counts`) and, where the engine reported
-    its own, the mismatch split by whether the two routed alike (`routing_split`)."""
+    engine/trainer gap by lag (0..`max_lag`: lag 0, the tokens sampled under exactly these weights) and
+    by whether the token follows an image (`lag_gaps`), and for a mixture of experts the experts the
+    loss tokens went to (`router_counts`) and, where the engine reported its own, the mismatch split
+    by whether the two routed alike (`routing_split`)."""
 
     def __init__(self, model: nn.Module, micro_batches: list[MicroBatch], loss: LossConfig, score: dict,
                  totals: LossCounts, old_logprobs: list, ref_logprobs: list, *, current_version: int | None,
-                 device: torch.device):
+                 device: torch.device, max_lag: int = 0):
         self.model, self.policy = model, unwrap_policy(model)
         self.hosts = [mb.on_host for mb in micro_batches]
         self.loss, self.score, self.totals = loss, score, totals
         self.old_logprobs, self.ref_logprobs = old_logprobs, ref_logprobs
         self.current_version = current_version
         self.iteration = 0  # the optimizer step under way
-        self.lag0 = torch.zeros(2, dtype=torch.float64, device=device)  # |logprobs - engine's| over fresh tokens, and their count
+        # (lag, text 0 / after an image 1, [sum of |logprobs - engine's|, tokens]), lags 0..max_lag
+        self.lag_gaps = torch.zeros(max_lag + 1, 2, 2, dtype=torch.float64, device=device)
         self.router_counts: torch.Tensor | None = None  # (layers, E): the first pass's loss tokens' experts
         self.routing_split = torch.zeros(4, dtype=torch.float64, device=device)  # `routing_split_sums`
 
@@ -430,7 +438,10 @@ class ClippedObjective:
         with timed("loss"):
             loss_value, metrics = policy_loss(inputs, self.loss)
         weight = self.totals.per_micro_batch[k] / max(1.0, self.totals.tokens)
-        return loss_value, {name: value * weight for name, value in metrics.items()}
+        # A figure that is a mean over sequences (`clip_frac_seq`) is weighed by sequences.
+        per_sequence = self.hosts[k].num_samples / max(1.0, self.totals.sequences)
+        return loss_value, {name: value * (per_sequence if name.endswith("_seq") else weight)
+                            for name, value in metrics.items()}
 
     def _measure(self, mb: MicroBatch, logprobs: torch.Tensor, routing: Routing | None) -> None:
         """The first pass's figures of micro-batch mb, added on the device."""
@@ -440,9 +451,8 @@ class ClippedObjective:
             if mb.routed_experts is not None:
                 self.routing_split.add_(engine_routing_split(routing, mb, logprobs))
         if self.current_version is not None and mb.policy_versions is not None:
-            fresh = mb.loss_mask & (mb.policy_versions == self.current_version)
-            gap = (logprobs.detach() - mb.inference_logprobs).abs()
-            self.lag0.add_(torch.stack([torch.where(fresh, gap, torch.zeros_like(gap)).sum(), fresh.sum()]).double())
+            self.lag_gaps.add_(lag_gap_sums(logprobs.detach() - mb.inference_logprobs, mb, self.current_version,
+                                                self.lag_gaps.shape[0]))
 
 
 @dataclass
@@ -492,30 +502,60 @@ def step_metrics(done: Iterations, objective: ClippedObjective, micro_batches: l
     # Every rank sends the routing split, zeros or not (a rank's padding micro-batches have no
     # engine routing): the collective is the same on every rank.
     reduced = all_reduce_sum(
-        [done.sums[k] for k in summed] + objective.lag0.tolist() + objective.routing_split.tolist()
+        [done.sums[k] for k in summed] + objective.lag_gaps.reshape(-1).tolist() + objective.routing_split.tolist()
         # The samples' tokens (a shared prompt once per sample), and what the forward computed.
         + [float(len(real)), float(sum(mb.num_sample_tokens for mb in real)), float(sum(mb.num_tokens for mb in real))],
         world, device)
     out = {k: v / done.applied for k, v in zip(summed, reduced)}
-    at = len(summed)
-    gap_sum, fresh_tokens = reduced[at:at + 2]
-    split_sums = reduced[at + 2:at + 6]
+    at, lag_values = len(summed), objective.lag_gaps.numel()
+    lag_gaps = torch.tensor(reduced[at:at + lag_values], dtype=torch.float64).view_as(objective.lag_gaps)
+    at += lag_values
+    split_sums = reduced[at:at + 4]
     if done.grad_norms:
         out["grad_norm"] = sum(done.grad_norms) / done.applied
-    out.update(zip(counts, reduced[at + 6:]))
+    out.update(zip(counts, reduced[at + 4:]))
     out.update(skipped_steps=float(done.skipped), lr=scheduler.get_last_lr()[0])
     if guarded:
         out["grad_spike_skipped"] = float(len(done.spikes))
         if done.spikes:
             out["grad_norm_spike"] = max(done.spikes)
     out["loss_tokens"] = totals.tokens  # the step's, not a mean over micro-batches (that depends on the packing)
-    if objective.current_version is not None and fresh_tokens:
-        out["mismatch_abs_lag0"] = gap_sum / fresh_tokens
+    if objective.current_version is not None:
+        out.update(lag_gap_figures(lag_gaps))
     if objective.router_counts is not None:  # a MoE: the load balance over every rank's loss tokens
         counts_YE = objective.router_counts
         summed = all_reduce_sum(counts_YE.reshape(-1).tolist(), world, device)
         out.update(load_figures(torch.tensor(summed, dtype=torch.float64).view_as(counts_YE)))
     out.update(routing_split_figures(split_sums))  # {} unless the engine reported its routing
+    return out
+
+
+def lag_gap_sums(gap_N: torch.Tensor, mb: MicroBatch, current_version: int, lags: int) -> torch.Tensor:
+    """(lags, 2, 2) float64 on the device: per lag 0..lags-1 (the trainer's version minus the
+    token's sample's), for text-only tokens (0) and tokens after an image (1), the sum of |gap_N|
+    over the micro-batch's loss tokens and their count. A token at a lag past the bound counts nowhere."""
+    lag_N = current_version - mb.policy_versions
+    image_N = mb.after_image if mb.after_image is not None else torch.zeros_like(mb.loss_mask)
+    kept_N = mb.loss_mask & (lag_N >= 0) & (lag_N < lags)
+    slot_N = (lag_N.clamp(0, lags - 1) * 2 + image_N.long()).reshape(-1)
+    gap_N = torch.where(kept_N, gap_N.abs(), torch.zeros_like(gap_N)).double().reshape(-1)
+    sums = torch.zeros(lags * 2, dtype=torch.float64, device=gap_N.device).index_add(0, slot_N, gap_N)
+    counts = torch.zeros(lags * 2, dtype=torch.float64, device=gap_N.device).index_add(
+        0, slot_N, kept_N.double().reshape(-1))
+    return torch.stack([sums, counts], dim=-1).view(lags, 2, 2)
+
+
+def lag_gap_figures(lag_gaps: torch.Tensor) -> dict[str, float]:
+    """`lag_gap_sums` summed over a step, as figures: `mismatch_abs_lag0` (every lag-0 token), and
+    `mismatch_abs_image_lag{k}` / `mismatch_abs_text_lag{k}`, each where the step has such tokens."""
+    out = {}
+    gap_sum, tokens = lag_gaps[0].sum(0).tolist()
+    if tokens:
+        out["mismatch_abs_lag0"] = gap_sum / tokens
+    for lag, rows in enumerate(lag_gaps.tolist()):
+        for kind, (gap_sum, tokens) in zip(("text", "image"), rows):
+            if tokens:
+                out[f"mismatch_abs_{kind}_lag{lag}"] = gap_sum / tokens
     return out
 
 

@@ -243,8 +243,7 @@ class CollectiveTransport:
             server.versions_loaded.append(version)
             if server.alive:
                 server.version = version
-            else:
-                self.client.pool.put_back(server, version)
+            elif self.client.put_back_after_sync(server, version):  # once the push check lets it in
                 log.info("server %s is back in, with weights version %s (the whole model sent)", server.url, version)
         seconds = time.perf_counter() - start
         phases = [g.control.seconds for g in self.groups.values()]

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from saccade.config import RunConfig, load_config
+from saccade.config import RunConfig, VLLMEngineConfig, load_config
 from saccade.config.bench import AsyncBenchConfig
 from saccade.parent_death import run_child
 from saccade.tools.bench import rl_command, rl_death_signal
@@ -89,7 +89,9 @@ def run_async_bench(cfg: AsyncBenchConfig, *, levels=(0, 1), progress: bool = Tr
         name = f"seed{seed}-world{world}-level{level}"
         threads = max(1, len(trainer_cores) // world)
         run = base.model_copy(update={
-            "engine": base.engine.model_copy(update={"kind": "vllm", "urls": [url]}),
+            # The config's engine as the vllm variant of the [engine] union (the demo's is embedded: a
+            # model_copy would keep its class, and drop urls when it is dumped and validated below).
+            "engine": VLLMEngineConfig.model_validate({**base.engine.model_dump(), "kind": "vllm", "urls": [url]}),
             "rollout": base.rollout.model_copy(update={"max_async_level": level}),
             "trainer": base.trainer.model_copy(update={"torch_threads": threads, "seed": seed}),
             "log": base.log.model_copy(update={"dir": str(out / name)}),
