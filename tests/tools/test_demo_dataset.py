@@ -174,3 +174,25 @@ def test_pictures_that_carry_nothing_are_not_grounded_at_any_size(colour_choices
     assert "at every picture size tried (64 px: 0.250, 128 px: 0.250, 256 px: 0.250)" in result["verdict_reason"]
     assert "larger objects" in result["verdict_reason"]
     assert not any((tmp_path / "run" / stage).exists() for stage in ("sft", "grpo", "control"))
+
+
+@pytest.mark.long
+def test_small_shapes_are_read_only_upscaled_and_the_demo_takes_that_size(tmp_path):
+    """The real probe on 64-px pictures of small shapes (3 colours, tinted backgrounds: the kind of
+    issue 63): 40 SFT steps read nothing at 64 or 128 px and every answer at 256 px, which every
+    stage then runs at. About 6 minutes on the loaded 2-core CPU, one torch thread."""
+    from saccade.cli import main
+    from saccade.data.choices_sets import ChoiceSet, write_choice_set
+
+    folder = write_choice_set(tmp_path / "small", ChoiceSet("color", 3, 64, (0.12, 0.22), "tinted"), train_rows=240,
+                              test_rows=24)
+    out = tmp_path / "demo.json"
+    main(["demo", *dataset_args(folder), "--json", str(out), "--log.dir", str(tmp_path / "run"),
+          "--trainer.torch_threads", "1", "--probe-steps", "40", *FAST, "--sft.batch_size", "16",
+          "--eval.prompts", "24", "--sampling.max_tokens", "4", "--loss.max_completion_tokens", "4"])
+    result = json.loads(out.read_text())
+    reads = {t["side"]: t["accuracy"] for t in result["probe_sizes"]}
+    assert list(reads) == [64, 128, 256] and reads[64] < 0.5 and reads[128] < 0.5 and reads[256] >= 0.9, reads
+    assert result["probe_blank_accuracy"] < 0.5 and result["image_side"] == 256 and result["image_tokens"] == 64
+    for stage in ("sft", "grpo", "control"):
+        assert "min_pixels = 65536" in (tmp_path / "run" / stage / "config.toml").read_text(), stage
