@@ -64,3 +64,30 @@ def test_the_script_writes_both_splits_in_the_hub_layout(tmp_path, capsys):
         ChoiceSet("position", 3)
     with pytest.raises(ValueError, match="at least 1"):
         write_choice_set(tmp_path, ChoiceSet(), train_rows=0)
+
+
+def test_tinted_backgrounds_vary_and_stay_light_and_the_shape_keeps_its_colour():
+    spec = ChoiceSet("color", 8, radius=(0.12, 0.22), background="tinted")
+    rows = choice_rows(spec, 16, seed=0, split="train")
+    corners = {tuple(picture(r)[0, 0]) for r in rows}  # a shape never reaches a corner
+    assert len(corners) == 16 and all(190 <= c <= 255 for rgb in corners for c in rgb)
+    assert any(len(set(rgb)) > 1 for rgb in corners)  # tinted, not gray
+    colours = list(COLORS10.values())
+    for r in rows:
+        image = picture(r)
+        shape = Counter(tuple(p) for p in image.reshape(-1, 3) if tuple(p) != tuple(image[0, 0]))
+        assert shape.most_common(1)[0][0] == colours["ABCDEFGH".index(r["gold"])]
+        assert sum(shape.values()) < 0.25 * 64 * 64  # a small shape: under a quarter of the picture
+    with pytest.raises(ValueError, match="background"):
+        ChoiceSet(background="plaid")
+
+
+def test_the_named_sets_are_written_by_name_and_a_flag_beside_the_name_wins(tmp_path):
+    from saccade.data.choices_sets import SETS
+
+    assert SETS["colors8"] == (ChoiceSet("color", 8), 4000)
+    assert SETS["colors8-small"][0].background == "tinted" and SETS["noise8-small"][0].kind == "noise"
+    main([str(tmp_path / "a"), "--set", "colors3-96", "--train-rows", "6", "--test-rows", "3"])
+    rows = pq.read_table(tmp_path / "a" / "data" / "train-00000-of-00001.parquet").to_pylist()
+    assert len(rows) == 6 and rows[0]["options"] == ["red", "green", "blue"] and picture(rows[0]).shape == (96, 96, 3)
+    assert rows == choice_rows(SETS["colors3-96"][0], 6, seed=0, split="train")

@@ -42,6 +42,9 @@ class Demo:
     verdict: Callable[[dict], list[str]]
     ok: str
     columns: tuple[str, ...]
+    # What runs before the engine is started (the data-set demo's probe and picture size):
+    # (config) -> (the config the run takes, the figures handed to `run` as `probed`, or None).
+    probe: Callable[..., tuple] | None = None
 
 
 def engine_overrides(engine: str, overrides: list[str]) -> list[str]:
@@ -54,8 +57,9 @@ def engine_overrides(engine: str, overrides: list[str]) -> list[str]:
 
 def _run_demo(args: argparse.Namespace, demo: Demo) -> list[dict] | None:
     """Load the demo's config (None after --dry-run), run it on the chosen engine once, or once
-    per seed of `--seeds`, add the server's start to the minutes (the bar counts the whole
-    demo), write the JSON: one run's figures, or with `--seeds` a list `seeds` of one such
+    per seed of `--seeds` (the data-set demo's probe first, before a server is started: it
+    chooses the picture size the server must resize to), add the server's start to the minutes
+    (the bar counts the whole demo), write the JSON: one run's figures, or with `--seeds` a list `seeds` of one such
     entry per seed (each with its `seed`)."""
     from saccade.config import describe
     from saccade.tools.demo import demo_engine
@@ -68,8 +72,12 @@ def _run_demo(args: argparse.Namespace, demo: Demo) -> list[dict] | None:
         return None
     results = []
     for one in configs:
-        with demo_engine(one, args.engine) as (one, server_minutes):
-            result = demo.run(one)
+        one, probed = demo.probe(one) if demo.probe else (one, None)
+        if probed is not None and probed.get("grpo_skipped"):  # the probe's verdict: nothing more to run
+            result, server_minutes = probed, 0.0
+        else:
+            with demo_engine(one, args.engine) as (one, server_minutes):
+                result = demo.run(one, probed=probed) if demo.probe else demo.run(one)
         result["server_start_minutes"] = server_minutes
         result["minutes"] += server_minutes
         result["seed"] = one.trainer.seed
@@ -115,11 +123,17 @@ def probe_lines(result: dict) -> str:
     """The data-set demo's probe and verdict (`saccade.tools.demo_probe`); nothing for the shapes."""
     if "verdict" not in result:
         return ""
+    sizes = result.get("probe_sizes") or []
+    tried = ", ".join(f"{t['side']} px {t['accuracy']:.3f}" for t in sizes)
+    size = f"  picture sizes tried:                    {tried}\n" if sizes else ""
+    if sizes and not result.get("grpo_skipped"):
+        size += (f"  pictures taken at:                      {result['image_side']} px, {result['image_tokens']:g} "
+                 f"image tokens a picture ({result['own_side']} px, their own size: {sizes[0]['tokens']:g})\n")
     return (
         f"\nsupervised probe ({result['probe_steps']} SFT steps on the gold answers, held-out greedy):\n"
         f"  with the pictures:                      {result['probe_accuracy']:.3f}\n"
         f"  with every picture blank:               {result['probe_blank_accuracy']:.3f}\n"
-        f"verdict: {result['verdict']}: {result['verdict_reason']}"
+        + size + f"verdict: {result['verdict']}: {result['verdict_reason']}"
     )
 
 
@@ -199,7 +213,8 @@ def demo_of(task: str) -> Demo:
 
         return Demo(load_scenes_config, run_scenes_demo, scenes_report, scenes_verdict,
                     "demo OK: success rose by the bar or more within the time", episodes)
-    from saccade.tools.demo import check_demo_task, demo_start, load_demo_config, prepare_dataset_demo, run_demo, verdict
+    from saccade.tools.demo import (check_demo_task, demo_start, load_demo_config, prepare_dataset_demo, probe_stage,
+                                    run_demo, verdict)
 
     def load(overrides, path):
         cfg = check_demo_task(demo_start(load_demo_config(overrides, path)))
@@ -209,7 +224,7 @@ def demo_of(task: str) -> Demo:
                 shapes_report,
                 verdict, "demo OK: the model learned from the images, and the control without images did not",
                 ("accuracy_after", "accuracy_before", "control_accuracy_after", "visual_gain_after",
-                 "control_visual_gain"))
+                 "control_visual_gain"), probe=probe_stage)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -219,7 +234,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise SystemExit(f"--probe-steps is for the data-set demo (--task.kind dataset); not for {args.task!r}")
         from functools import partial
 
-        demo = replace(demo, run=partial(demo.run, probe_steps=args.probe_steps))
+        demo = replace(demo, probe=partial(demo.probe, probe_steps=args.probe_steps))
     return run_and_report(args, demo)
 
 
@@ -240,7 +255,9 @@ def add_demo_parser(sub) -> None:
         "--task.columns '{\"images\": ..., \"prompt\": ..., \"answer\": ..., \"choices\": ...}' (the warm start "
         "answers a random option of each row, the control blanks every image, chance is 1 / options): is the "
         "data set visually grounded, and does the path learn it? A supervised probe (SFT on the gold answers, "
-        "with the pictures and blank) says whether the pictures carry the answers for this tower, and the "
+        "with the pictures and blank) says whether the pictures carry the answers for this tower, at their own "
+        "size or, when they do not, upscaled (the side doubled, up to the model's max_pixels: the smallest size "
+        "that reads them is taken for every stage, images.min_pixels), and the "
         "verdict whether it was learned, not grounded, or grounded but not learned in budget; the recipe "
         "(group size, steps, temperature, lr decay) follows the number of options, printed up front with "
         "its estimated minutes, for the keys you do not set. "

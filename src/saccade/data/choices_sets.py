@@ -5,7 +5,9 @@ was not tuned on:
 
 * ``color``: one shape in one of K colours (2 to 10) on a light background, "What color is the
   shape?". ``radius`` sets the shape's size as a share of the picture (the issue's real data set
-  drew shapes of every size; the shapes task draws them large, 0.32-0.46).
+  drew shapes of every size; the shapes task draws them large, 0.32-0.46); ``background`` a light
+  gray, or (``tinted``) a light tint, each channel drawn apart (issue 63's real data set: small
+  shapes on lightly tinted backgrounds).
 * ``position``: one shape, left or right half of the picture (2 options), "Is the shape on the
   left or the right?": the answer is where, not what colour.
 * ``count``: 1 to K small shapes (K up to 5), "How many shapes are there?", options one..five.
@@ -18,15 +20,17 @@ Every kind's answers are balanced (each block of K rows holds every option once,
 order) and every option word is one token of the tiny model's tokenizer. Pure functions of
 their arguments; train and test come from different seeds.
 
-    python -m saccade.data.choices_sets runs/colors8 --kind color --options 8 --train-rows 4000
-    saccade demo --task.kind dataset --task.dataset runs/colors8 --task.columns '{...}'   # COLUMNS_JSON
+The data sets of docs/demo.md are named in `SETS` (their arguments, and train rows):
+
+    python -m saccade.data.choices_sets runs/ds/colors8 --set colors8    # = --kind color --options 8 --train-rows 4000
+    saccade demo --task.kind dataset --task.dataset runs/ds/colors8 --task.columns '{...}'   # COLUMNS_JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +39,7 @@ from PIL import Image, ImageDraw
 from saccade.data.choices_example import COLUMNS_JSON, write_splits
 from saccade.data.shapes import BACKGROUND_RANGE, SHAPES, _draw_shape
 
-__all__ = ["COLORS10", "KINDS", "ChoiceSet", "choice_rows", "write_choice_set"]
+__all__ = ["COLORS10", "KINDS", "SETS", "ChoiceSet", "choice_rows", "write_choice_set"]
 
 # Ten colours far from the light gray backgrounds; each name is one token of the tiny tokenizer.
 COLORS10: dict[str, tuple[int, int, int]] = {
@@ -45,6 +49,9 @@ COLORS10: dict[str, tuple[int, int, int]] = {
 }
 COUNT_WORDS: tuple[str, ...] = ("one", "two", "three", "four", "five")
 KINDS: tuple[str, ...] = ("color", "position", "count", "color_left", "noise")
+BACKGROUNDS: tuple[str, ...] = ("gray", "tinted")
+# A tinted background's channels: light, each drawn apart (pale pinks, blues, greens, creams).
+TINT_RANGE: tuple[int, int] = (190, 255)
 QUESTIONS = {
     "color": "What color is the shape?",
     "noise": "What color is the shape?",
@@ -62,6 +69,7 @@ class ChoiceSet:
     options: int = 8
     image_size: int = 64
     radius: tuple[float, float] = (0.32, 0.46)  # the shape's radius as a share of the picture
+    background: str = "gray"  # "gray": a light gray; "tinted": each channel drawn apart, a light tint
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -74,6 +82,8 @@ class ChoiceSet:
         lo, hi = self.radius
         if not 0.02 <= lo <= hi <= 0.5:
             raise ValueError(f"radius is (low, high) shares of the picture within 0.02..0.5; got {self.radius}")
+        if self.background not in BACKGROUNDS:
+            raise ValueError(f"background must be one of {', '.join(BACKGROUNDS)}; got {self.background!r}")
 
     def option_words(self) -> list[str]:
         if self.kind == "position":
@@ -83,11 +93,35 @@ class ChoiceSet:
         return list(COLORS10)[: self.options]
 
 
+# docs/demo.md's test data sets by name: (what they draw, training rows); 128 held-out rows each.
+SETS: dict[str, tuple[ChoiceSet, int]] = {
+    "colors8": (ChoiceSet("color", 8), 4000),
+    "colors8-any": (ChoiceSet("color", 8, radius=(0.15, 0.46)), 4000),
+    "colors10-128": (ChoiceSet("color", 10, 128), 2000),
+    "colors3-96": (ChoiceSet("color", 3, 96), 1000),
+    "noise4": (ChoiceSet("noise", 4), 2000),
+    "position2": (ChoiceSet("position", 2), 2000),
+    "left6": (ChoiceSet("color_left", 6), 2000),
+    "count4": (ChoiceSet("count", 4), 2000),
+    # Issue 63's kind: 8 colours, small shapes on lightly tinted backgrounds, 64 px (grounded only upscaled).
+    "colors8-small": (ChoiceSet("color", 8, radius=(0.12, 0.22), background="tinted"), 4000),
+    # The same pictures, each answer drawn apart from its picture: nothing to read at any size.
+    "noise8-small": (ChoiceSet("noise", 8, radius=(0.12, 0.22), background="tinted"), 4000),
+}
+
+
+def _background(kind: str, rng: np.random.Generator) -> tuple[int, int, int]:
+    """A picture's background: one light gray, or (``tinted``) a light tint, each channel drawn apart."""
+    low, high = BACKGROUND_RANGE
+    if kind == "tinted":
+        return tuple(int(v) for v in rng.integers(TINT_RANGE[0], TINT_RANGE[1] + 1, size=3))
+    return (int(rng.integers(low, high + 1)),) * 3
+
+
 def _picture(spec: ChoiceSet, answer: int, rng: np.random.Generator) -> Image.Image:
     """The picture of a row whose answer is option `answer` (for ``noise``, of a random colour)."""
     size = spec.image_size
-    background = int(rng.integers(BACKGROUND_RANGE[0], BACKGROUND_RANGE[1] + 1))
-    image = Image.new("RGB", (size, size), (background,) * 3)
+    image = Image.new("RGB", (size, size), _background(spec.background, rng))
     draw = ImageDraw.Draw(image)
     colours = list(COLORS10.values())[: max(spec.options, 2)]
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
@@ -154,16 +188,23 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Write a multiple-choice test data set for `saccade demo --task.kind "
                                      "dataset` (docs/demo.md, 'Your own multiple-choice data set').")
     parser.add_argument("folder")
-    parser.add_argument("--kind", choices=KINDS, default="color")
-    parser.add_argument("--options", type=int, default=8)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--radius", type=float, nargs=2, default=(0.32, 0.46), metavar=("LOW", "HIGH"))
-    parser.add_argument("--train-rows", type=int, default=2000)
+    parser.add_argument("--set", choices=sorted(SETS), help="one of docs/demo.md's data sets by name: its kind, "
+                        "options, size, radius, background and train rows (a flag given beside it wins)")
+    parser.add_argument("--kind", choices=KINDS)
+    parser.add_argument("--options", type=int)
+    parser.add_argument("--image-size", type=int)
+    parser.add_argument("--radius", type=float, nargs=2, metavar=("LOW", "HIGH"))
+    parser.add_argument("--background", choices=BACKGROUNDS)
+    parser.add_argument("--train-rows", type=int)
     parser.add_argument("--test-rows", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    spec = ChoiceSet(args.kind, args.options, args.image_size, tuple(args.radius))
-    folder = write_choice_set(args.folder, spec, train_rows=args.train_rows, test_rows=args.test_rows, seed=args.seed)
+    base, train_rows = SETS[args.set] if args.set else (ChoiceSet(), 2000)
+    given = {"kind": args.kind, "options": args.options, "image_size": args.image_size,
+             "radius": tuple(args.radius) if args.radius else None, "background": args.background}
+    spec = replace(base, **{k: v for k, v in given.items() if v is not None})
+    folder = write_choice_set(args.folder, spec, train_rows=args.train_rows or train_rows, test_rows=args.test_rows,
+                              seed=args.seed)
     print(f"wrote {folder} ({spec}). Run the demo on it:\n"
           f"  saccade demo --task.kind dataset --task.dataset {folder} --task.columns '{COLUMNS_JSON}'")
 

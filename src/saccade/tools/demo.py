@@ -24,6 +24,7 @@ The settings live in `saccade/configs/demo.toml` (also `configs/demo.toml` in th
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -171,6 +172,7 @@ def demo_engine(cfg: RunConfig, engine: str):
         return
     from saccade.timing import split_cores
     from saccade.models.presets import resolve_model
+    from saccade.data.messages import processor_size
     from saccade.serving.launch import cpu_args, served
 
     start = time.perf_counter()
@@ -179,9 +181,11 @@ def demo_engine(cfg: RunConfig, engine: str):
     server_cores, trainer_cores = split_cores(everything) if len(everything) >= 2 else (None, None)
     print("starting a vLLM server for the demo (saccade serve; about a minute on CPU)"
           + (f" on cores {server_cores}, the trainer on {trainer_cores}" if server_cores else "") + " ...", flush=True)
-    # No line per request in the log: the demo makes thousands.
+    # No line per request in the log: the demo makes thousands. The run's picture bounds (the
+    # data-set demo's probe may have raised them): the server resizes as the trainer does.
     model = resolve_model(cfg.model.path)
-    args = (*cpu_args(model), "--disable-uvicorn-access-log")
+    args = (*cpu_args(model), "--disable-uvicorn-access-log",
+            "--mm-processor-kwargs", json.dumps({"size": processor_size(cfg.images)}))
     env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, server_cores))} if server_cores else None
     # The server may load weights only from where this run's trainer writes them.
     weights_root = cfg.engine_weights_dir
@@ -288,11 +292,65 @@ def stage_config(cfg: RunConfig, stage: str) -> RunConfig:
     return cfg.model_copy(update=update)
 
 
-def run_demo(cfg: RunConfig, *, progress: bool = True, probe_steps: int | None = None) -> dict[str, Any]:
-    """Warm start, GRPO, control; on a data set first the supervised probe (`probe_steps` SFT
-    steps each way, None: the recipe rule's, 0: none). Writes sft/, grpo/ and control/ (metrics,
-    plots, checkpoint; and probe-images/, probe-blank/) under cfg.run_dir, replacing a previous
-    demo's; returns the figures."""
+def probe_stage(cfg: RunConfig, *, probe_steps: int | None = None,
+                progress: bool = True) -> tuple[RunConfig, dict[str, Any] | None]:
+    """Step 0 of the demo on a data set, before any engine is started: the supervised probe
+    (`probe_steps` SFT steps each way; None: the recipe rule's, 0: none) at the pictures' own
+    size and, when they do not ground there, at larger ones (`saccade.tools.demo_probe.
+    probe_sizes`). Returns the config every later stage runs (the chosen size's image bounds:
+    the warm start, GRPO, the control, their engine and trainer all see the same pictures) and
+    the probe's figures; None for the shapes, or without a probe. When no size grounds, the
+    figures are the demo's whole result (`grpo_skipped`, the verdict), and nothing more runs.
+    Writes probe-blank/, probe-images/ (and probe-images-<side>px/) under cfg.run_dir."""
+    if cfg.task.kind != "dataset":
+        return cfg, None
+    from saccade.run.tasks import task_from_config
+    from saccade.tools.demo_probe import is_grounded, probe_sizes, probe_verdict
+    from saccade.tools.demo_recipe import dataset_recipe, estimate_minutes, minutes_bar
+
+    check_demo_task(cfg)
+    start = time.perf_counter()
+    for part in cfg.run_dir.glob("probe-*"):
+        shutil.rmtree(part, ignore_errors=True)
+    task = task_from_config(cfg, blank=False)
+    held_out = task.eval_samples(cfg.eval.prompts)
+    chance = chance_of(held_out)
+    if probe_steps is None:
+        probe_steps = dataset_recipe(options_of(chance), train_rows_of(task)).probe_steps
+    if probe_steps == 0:
+        return cfg, None
+    sized, probe = probe_sizes(cfg, held_out, chance=chance, steps=probe_steps, progress=progress)
+    probe["probe_minutes"] = (time.perf_counter() - start) / 60
+    probe["minutes_estimate"] = estimate_minutes(sized, probe_steps=probe_steps, image_tokens=probe["image_tokens"],
+                                                 probe_tokens=probe_fit_tokens(probe))
+    probe["minutes_bar"] = minutes_bar(probe["minutes_estimate"], MINUTES_MAX)
+    if is_grounded(probe["probe_accuracy"], probe["probe_blank_accuracy"], chance):
+        print(f"pictures at {probe['image_side']} px (images.min_pixels {probe['images_min_pixels']}, max_pixels "
+              f"{probe['images_max_pixels']}) for every stage: {probe['size_reason']}\nestimated: "
+              f"{probe['minutes_estimate']:.1f} minutes with the probe (time bar {probe['minutes_bar']:g})", flush=True)
+        return sized, probe
+    # What SFT on the gold answers cannot read off the pictures at any size, GRPO will not: stop here.
+    print(f"the pictures do not carry the answers for this tower: {probe['size_reason']}. GRPO and its control "
+          "skipped (--probe-steps 0 runs them without the probe)", flush=True)
+    result = {**probe, "chance": chance, "eval_size": len(held_out), **task_fields_of(cfg, held_out),
+              "grpo_steps": 0, "grpo_skipped": True, "engine": cfg.engine.kind, "torch_threads": torch.get_num_threads(),
+              "run_dir": str(cfg.run_dir), "minutes": probe["probe_minutes"]}
+    result["verdict"], result["verdict_reason"] = probe_verdict(result)
+    return cfg, result
+
+
+def probe_fit_tokens(probe: dict[str, Any]) -> list[float]:
+    """The image tokens a picture of each of the probe's fits: the blank one at the pictures' own
+    size, then one with the pictures at each size tried."""
+    own = next(t["tokens"] for t in probe["probe_sizes"] if t["side"] == probe["own_side"])
+    return [own, *(t["tokens"] for t in probe["probe_sizes"])]
+
+
+def run_demo(cfg: RunConfig, *, progress: bool = True, probed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Warm start, GRPO, control, at the config's picture size; on a data set after the probe
+    (`probe_stage`, whose figures are `probed`: the result holds them, and its minutes count).
+    Writes sft/, grpo/ and control/ (metrics, plots, checkpoint) under cfg.run_dir, replacing a
+    previous demo's; returns the figures."""
     from saccade.orchestrator.evaluation import evaluate
     from saccade.tools.plot import plot_run
     from saccade.loops.rl import train_rl
@@ -303,36 +361,13 @@ def run_demo(cfg: RunConfig, *, progress: bool = True, probe_steps: int | None =
     check_demo_task(cfg)
     start = time.perf_counter()
     root = cfg.run_dir
-    for part in (*DEMO_STAGES, "probe-images", "probe-blank"):
+    for part in DEMO_STAGES:
         shutil.rmtree(root / part, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
 
     setup = build_setup(cfg, root)
     task = task_from_config(cfg, blank=False)
     held_out = task.eval_samples(cfg.eval.prompts)
-    chance = chance_of(held_out)
-    probe: dict[str, Any] = {}
-    if cfg.task.kind == "dataset":
-        # 0. The probe, from the model the warm start starts from: do the pictures carry the answers?
-        from saccade.tools.demo_probe import is_grounded, probe_verdict, run_probe
-        from saccade.tools.demo_recipe import dataset_recipe
-
-        if probe_steps is None:
-            probe_steps = dataset_recipe(options_of(chance), train_rows_of(task)).probe_steps
-        if probe_steps > 0:
-            probe = run_probe(cfg, setup, held_out, steps=probe_steps, progress=progress)
-            print(f"probe: {probe['probe_accuracy']:.3f} with the pictures, {probe['probe_blank_accuracy']:.3f} with "
-                  f"every picture blank (chance {chance:.2f})", flush=True)
-            if not is_grounded(probe["probe_accuracy"], probe["probe_blank_accuracy"], chance):
-                # What SFT on the gold answers cannot read off the pictures, GRPO will not: stop here.
-                print("the pictures do not carry the answers for this tower: GRPO and its control skipped "
-                      "(--probe-steps 0 runs them without the probe)", flush=True)
-                result = {**probe, "chance": chance, "eval_size": len(held_out), **task_fields_of(cfg, held_out),
-                          "grpo_steps": 0, "grpo_skipped": True, "engine": cfg.engine.kind,
-                          "torch_threads": torch.get_num_threads(), "run_dir": str(root),
-                          "minutes": (time.perf_counter() - start) / 60}
-                result["verdict"], result["verdict_reason"] = probe_verdict(result)
-                return result
 
     def evaluated() -> dict[str, float]:
         """Greedy accuracy on the held-out questions, and on the same with every image blank
@@ -359,7 +394,6 @@ def run_demo(cfg: RunConfig, *, progress: bool = True, probe_steps: int | None =
 
     for part in ("grpo", "control"):
         plot_run(root / part)
-    task_fields = task_fields_of(cfg, held_out)
     result = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
@@ -368,24 +402,32 @@ def run_demo(cfg: RunConfig, *, progress: bool = True, probe_steps: int | None =
         "visual_gain_before": before["visual_gain"],
         "visual_gain_after": after["visual_gain"],
         "control_visual_gain": control["visual_gain"],
-        "chance": chance,
+        "chance": chance_of(held_out),
         "eval_size": len(held_out),
-        **task_fields,
+        **task_fields_of(cfg, held_out),
         "grpo_steps": cfg.trainer.steps,
         "engine": cfg.engine.kind,
         "torch_threads": torch.get_num_threads(),
         "run_dir": str(root),
         "minutes": (time.perf_counter() - start) / 60,
-        **probe,
     }
-    if cfg.task.kind == "dataset":
-        from saccade.tools.demo_probe import probe_verdict
-        from saccade.tools.demo_recipe import estimate_minutes, minutes_bar
+    return dataset_figures(cfg, result, probed, setup, held_out) if cfg.task.kind == "dataset" else result
 
-        result["minutes_estimate"] = estimate_minutes(cfg, probe_steps=probe.get("probe_steps", 0))
-        result["minutes_bar"] = minutes_bar(result["minutes_estimate"], MINUTES_MAX)
-        if probe:
-            result["verdict"], result["verdict_reason"] = probe_verdict(result)
+
+def dataset_figures(cfg: RunConfig, result: dict[str, Any], probed: dict[str, Any] | None, setup,
+                    held_out: list) -> dict[str, Any]:
+    """The data-set demo's result: with the probe's figures, its minutes counted, and the verdict;
+    without a probe, the estimate and the time bar at the pictures' own size."""
+    from saccade.tools.demo_probe import probe_verdict
+    from saccade.tools.demo_recipe import estimate_minutes, minutes_bar
+    from saccade.tools.demo_sizes import plan_sizes
+
+    if probed is None:
+        plan = plan_sizes(cfg, held_out, setup.processor)
+        estimate = estimate_minutes(cfg, probe_steps=0, image_tokens=plan.tokens[plan.own])
+        return {**result, "minutes_estimate": estimate, "minutes_bar": minutes_bar(estimate, MINUTES_MAX)}
+    result = {**result, **probed, "minutes": result["minutes"] + probed["probe_minutes"]}
+    result["verdict"], result["verdict_reason"] = probe_verdict(result)
     return result
 
 
@@ -410,18 +452,26 @@ def train_rows_of(task) -> int:
 
 def prepare_dataset_demo(cfg: RunConfig, overrides: list[str], path: str | None) -> RunConfig:
     """The demo's config on a data set with the recipe rule applied (`saccade.tools.demo_recipe`)
-    to the keys the command line did not set, and the recipe and its estimated minutes printed.
-    A config file of one's own (`path`) is run as it is; the shapes as demo.toml has them."""
+    to the keys the command line did not set, and the recipe and its estimated minutes printed:
+    at the pictures' own size and at each larger one the probe may take (`probe_stage`). A
+    config file of one's own (`path`) is run as it is; the shapes as demo.toml has them."""
     if cfg.task.kind != "dataset":
         return cfg
+    from saccade.models.loading import load_processor
+    from saccade.models.presets import resolve_model
     from saccade.run.tasks import task_from_config
-    from saccade.tools.demo_recipe import apply_recipe, dataset_recipe, describe_recipe, overridden_keys
+    from saccade.tools.demo_recipe import (apply_recipe, dataset_recipe, describe_recipe, overridden_keys,
+                                           size_estimates)
+    from saccade.tools.demo_sizes import plan_sizes
 
     task = task_from_config(cfg, blank=False)
-    recipe = dataset_recipe(options_of(chance_of(task.eval_samples(cfg.eval.prompts))), train_rows_of(task))
+    held_out = task.eval_samples(cfg.eval.prompts)
+    recipe = dataset_recipe(options_of(chance_of(held_out)), train_rows_of(task))
     if path is not None:
         print(f"your config file {path} is run as it is: the recipe rule (docs/demo.md) is not applied", flush=True)
         return cfg
     cfg, kept = apply_recipe(cfg, recipe, overridden_keys(overrides))
-    print(describe_recipe(cfg, recipe, kept, floor=MINUTES_MAX), flush=True)
+    plan = plan_sizes(cfg, held_out, load_processor(resolve_model(cfg.model.path)))
+    sizes = size_estimates(cfg, probe_steps=recipe.probe_steps, sides=plan.sides, tokens=plan.tokens)
+    print(describe_recipe(cfg, recipe, kept, floor=MINUTES_MAX, sizes=sizes, tokens=plan.tokens), flush=True)
     return cfg

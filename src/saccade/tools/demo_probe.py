@@ -60,31 +60,88 @@ def probe_config(cfg: RunConfig, *, images: bool, steps: int, run_dir: Path) -> 
     })
 
 
-def run_probe(cfg: RunConfig, setup, held_out: list, *, steps: int = PROBE_STEPS, progress: bool = True) -> dict[str, float]:
-    """Fit the setup's model on the gold answers with pictures, then (from the same start) with
-    every picture blank; score each on `held_out` (the pictures, resp. blank ones). Leaves the
-    model's trainable weights as it found them. Writes <run_dir>/probe-{images,blank}/."""
+def fit_and_score(cfg: RunConfig, setup, held_out: list, *, images: bool, steps: int, name: str,
+                  progress: bool = True) -> dict[str, float]:
+    """One half of the probe from the model as it is: `steps` SFT steps on the gold answers, with
+    the pictures or every one blank, then the held-out rows scored greedily (`evaluate`'s
+    accuracy, accuracy_blank, visual_gain). Writes <run_dir>/`name`/."""
     from saccade.loops.sft import train_sft
     from saccade.orchestrator.evaluation import evaluate
     from saccade.run.tasks import task_from_config
 
+    one = probe_config(cfg, images=images, steps=steps, run_dir=cfg.run_dir / name)
+    train_sft(one, run_dir=one.run_dir, setup=setup, random_answers=False, progress=progress, phase=name)
+    return evaluate(setup, task_from_config(cfg, blank=False), held_out, max_tokens=cfg.sampling.max_tokens,
+                    visual_gain=True)
+
+
+def run_probe(cfg: RunConfig, setup, held_out: list, *, steps: int = PROBE_STEPS, progress: bool = True) -> dict[str, float]:
+    """Fit the setup's model on the gold answers with pictures, then (from the same start) with
+    every picture blank; score each on `held_out` (the pictures, resp. blank ones). Leaves the
+    model's trainable weights as it found them. Writes <run_dir>/probe-{images,blank}/. At the
+    setup's picture size only (`saccade.tools.demo_sizes` tries others: `probe_stage`)."""
     start = snapshot_trainable(setup.model)
-    task = task_from_config(cfg, blank=False)
-    figures: dict[str, float] = {}
-    for images, name in ((True, "probe-images"), (False, "probe-blank")):
-        restore_trainable(setup.model, start)
-        one = probe_config(cfg, images=images, steps=steps, run_dir=cfg.run_dir / name)
-        train_sft(one, run_dir=one.run_dir, setup=setup, random_answers=False, progress=progress, phase=name)
-        scored = evaluate(setup, task, held_out, max_tokens=cfg.sampling.max_tokens, visual_gain=True)
-        if images:
-            figures["probe_accuracy"] = scored["accuracy"]
-            figures["probe_visual_gain"] = scored["visual_gain"]
-        else:
-            figures["probe_blank_accuracy"] = scored["accuracy_blank"]
+    scored = fit_and_score(cfg, setup, held_out, images=True, steps=steps, name="probe-images", progress=progress)
+    figures = {"probe_accuracy": scored["accuracy"], "probe_visual_gain": scored["visual_gain"]}
+    restore_trainable(setup.model, start)
+    blank = fit_and_score(cfg, setup, held_out, images=False, steps=steps, name="probe-blank", progress=progress)
+    figures["probe_blank_accuracy"] = blank["accuracy_blank"]
     restore_trainable(setup.model, start)
     setup.engine.update_weights()
     figures["probe_steps"] = steps
     return figures
+
+
+def probe_sizes(cfg: RunConfig, held_out: list, *, chance: float, steps: int,
+                progress: bool = True) -> tuple[RunConfig, dict[str, Any]]:
+    """The probe at the data set's own picture size, then at larger ones until one reads the
+    answers (`saccade.tools.demo_sizes`): one fit with every picture blank (blank pictures carry nothing
+    at any size), then one with the pictures at each size in turn, each from the untrained model
+    on its own embedded setup sized so (the probe samples nothing: it needs no server). Returns
+    `cfg` with the chosen size's image bounds (the data set's own when none grounded) for every
+    later stage, and the figures: the probe's, the sizes tried, the chosen one and its tokens."""
+    from saccade.config import EmbeddedEngineConfig
+    from saccade.run.setup import build_setup
+    from saccade.tools.demo_sizes import plan_sizes, search_sizes, size_reason
+
+    run_cfg = cfg
+    cfg = cfg.model_copy(update={"engine": EmbeddedEngineConfig(model_mismatch_limit=cfg.engine.model_mismatch_limit)})
+    scored: dict[int, dict[str, float]] = {}
+
+    def sized(side: int) -> RunConfig:
+        return cfg.model_copy(update={"images": plan.limits_at(side)})
+
+    own_setup = build_setup(cfg, cfg.run_dir)
+    plan = plan_sizes(cfg, held_out, own_setup.processor)
+    start = snapshot_trainable(own_setup.model)
+    blank = fit_and_score(cfg, own_setup, held_out, images=False, steps=steps, name="probe-blank",
+                          progress=progress)["accuracy_blank"]
+    restore_trainable(own_setup.model, start)
+
+    def probe_at(side: int) -> float:
+        setup = own_setup if side == plan.own else build_setup(sized(side), cfg.run_dir)
+        name = "probe-images" if side == plan.own else f"probe-images-{side}px"
+        scored[side] = fit_and_score(sized(side), setup, held_out, images=True, steps=steps, name=name,
+                                     progress=progress)
+        print(f"probe at {side} px ({plan.tokens[side]:g} image tokens a picture): {scored[side]['accuracy']:.3f} "
+              f"with the pictures, {blank:.3f} with every picture blank (chance {chance:.2f})", flush=True)
+        return scored[side]["accuracy"]
+
+    def grounded(accuracy: float) -> bool:
+        return is_grounded(accuracy, blank, chance)
+
+    tried, chosen = search_sizes(plan.sides, probe_at, plan.tokens.get, grounded=grounded,
+                                 enough=lambda a: grounded(a) and a >= LEARNED_ACCURACY)
+    side = chosen if chosen is not None else max(tried, key=lambda t: t.accuracy).side
+    limits = plan.limits_at(chosen if chosen is not None else plan.own)
+    figures = {"probe_accuracy": scored[side]["accuracy"], "probe_visual_gain": scored[side]["visual_gain"],
+               "probe_blank_accuracy": blank, "probe_steps": steps,
+               "probe_sizes": [{"side": t.side, "tokens": t.tokens, "accuracy": t.accuracy} for t in tried],
+               "own_side": plan.own, "image_side": chosen if chosen is not None else plan.own,
+               "image_tokens": plan.tokens[chosen if chosen is not None else plan.own],
+               "images_min_pixels": limits.min_pixels, "images_max_pixels": limits.max_pixels,
+               "size_reason": size_reason(tried, chosen, blank=blank, chance=chance, enough=LEARNED_ACCURACY)}
+    return run_cfg.model_copy(update={"images": limits}), figures
 
 
 def is_grounded(probe_accuracy: float, probe_blank_accuracy: float, chance: float,
@@ -99,6 +156,19 @@ def accuracy_bar(probe_accuracy: float | None) -> float:
     if probe_accuracy is None:
         return LEARNED_ACCURACY
     return min(LEARNED_ACCURACY, probe_accuracy - LEARNED_WITHIN)
+
+
+def sizes_tried(result: dict[str, Any]) -> str:
+    """", at every picture size tried (64 px: 0.125, ...)" when the probe tried more than one."""
+    sizes = result.get("probe_sizes") or []
+    if len(sizes) < 2:
+        return ""
+    return " at every picture size tried (" + ", ".join(f"{t['side']} px: {t['accuracy']:.3f}" for t in sizes) + ")"
+
+
+def larger_what(result: dict[str, Any]) -> str:
+    """What to enlarge: the objects alone once the probe tried the pictures up to the model's bound."""
+    return "larger objects" if result.get("probe_sizes") else "larger pictures or objects"
 
 
 def probe_verdict(result: dict[str, Any]) -> tuple[str, str]:
@@ -116,10 +186,11 @@ def probe_verdict(result: dict[str, Any]) -> tuple[str, str]:
                          f"the pictures (visual gain {result['visual_gain_after']:+.3f})")
     if not grounded:
         return NOT_GROUNDED, (f"SFT on the gold answers reached {probe:.3f} with the pictures and {blank:.3f} "
-                              f"without them (chance {chance:.2f}): what this model's frozen tower keeps of the "
-                              "pictures does not tell the answers apart (they are not in the pictures, or the tower "
-                              "loses them), so no recipe of RL will learn them. Check that the answers are in the "
-                              "pictures; then try larger pictures or objects, or a real tower (a pretrained checkpoint)")
+                              f"without them (chance {chance:.2f}){sizes_tried(result)}: what this model's frozen "
+                              "tower keeps of the pictures does not tell the answers apart (they are not in the "
+                              "pictures, or the tower loses them), so no recipe of RL will learn them. Check that the "
+                              f"answers are in the pictures; then try {larger_what(result)}, or a real tower (a "
+                              "pretrained checkpoint)")
     steps = result.get("grpo_steps", 0)
     if after <= chance + GROUNDED_MARGIN:
         lever = (f"GRPO never left chance: larger groups (--rollout.group_size) so that a group holds a right "

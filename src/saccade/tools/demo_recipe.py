@@ -19,6 +19,11 @@ rare right word comes sooner) and its linear decay of the lr to a tenth (the lat
 enough to stay); lr 5e-4 and the entropy bonus stay as demo.toml has them. The rows of the data
 set cap the prompts per step and say how many epochs the steps make; the probe's SFT steps are
 25 x K (at least 100). A key the user set on the command line is left as they set it.
+
+The estimate of minutes (`demo_minutes`) counts the probe's fits at every picture size it tries
+(a blank one, then the pictures at each size: `saccade.tools.demo_sizes`), and every stage at
+the size taken, each step's cost grown with its image tokens (`token_scale`): 64-px pictures
+are 4 tokens on the tiny model, 256-px ones 64, about twice the step.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ PROBE_STEPS_PER_OPTION = 25
 # 30 SFT steps and 2 x 150 GRPO steps, docs/demo.md).
 GRPO_STEP_S_PER_256 = 0.45
 SFT_STEP_S = 0.12
+# ...at 4 image tokens a picture (64 px on the tiny model); larger pictures cost in proportion to
+# a step's tokens, its fixed part (the prompt's text, the answer, the step's own work) worth
+# FIXED_TOKENS image tokens: a GRPO step at 256 px (64 tokens) took 2.0 x the 64-px one, the
+# probe's SFT 1.2-1.3 x at 128 px and 1.7-2.4 x at 256 px (docs/demo.md, "Pictures too small
+# for the tower").
+REFERENCE_IMAGE_TOKENS = 4
+FIXED_TOKENS = 60
 
 
 @dataclass(frozen=True)
@@ -58,17 +70,32 @@ class Recipe:
 
 
 
-def demo_minutes(*, steps: int, prompts_per_step: int, group_size: int, sft_steps: int, probe_steps: int) -> float:
-    """The demo's estimated minutes on a quiet 2-core CPU: the warm start and the probe's two
-    fits (SFT steps), GRPO and its control (each step's cost in proportion to its completions)."""
-    grpo = 2 * steps * GRPO_STEP_S_PER_256 * prompts_per_step * group_size / COMPLETIONS_PER_STEP
-    return (grpo + (sft_steps + 2 * probe_steps) * SFT_STEP_S) / 60
+def token_scale(image_tokens: float) -> float:
+    """A step's cost at `image_tokens` image tokens a picture, relative to the 64-px pictures the
+    step costs were measured on (4 tokens): a step's fixed part is worth FIXED_TOKENS tokens."""
+    return (FIXED_TOKENS + image_tokens) / (FIXED_TOKENS + REFERENCE_IMAGE_TOKENS)
 
 
-def estimate_minutes(cfg: RunConfig, *, probe_steps: int) -> float:
+def demo_minutes(*, steps: int, prompts_per_step: int, group_size: int, sft_steps: int, probe_steps: int,
+                 image_tokens: float = REFERENCE_IMAGE_TOKENS, probe_tokens: Sequence[float] | None = None) -> float:
+    """The demo's estimated minutes on a quiet 2-core CPU: the probe's fits (`probe_steps` SFT
+    steps each; `probe_tokens`: each fit's image tokens a picture, by default two at
+    `image_tokens`, with the pictures and blank), the warm start (SFT steps), GRPO and its
+    control (each step's cost in proportion to its completions), every stage but the probe at
+    `image_tokens` a picture (`token_scale`)."""
+    fits = [image_tokens, image_tokens] if probe_tokens is None else list(probe_tokens)
+    scale = token_scale(image_tokens)
+    grpo = 2 * steps * GRPO_STEP_S_PER_256 * prompts_per_step * group_size / COMPLETIONS_PER_STEP * scale
+    probe = probe_steps * SFT_STEP_S * sum(token_scale(t) for t in fits)
+    return (grpo + sft_steps * SFT_STEP_S * scale + probe) / 60
+
+
+def estimate_minutes(cfg: RunConfig, *, probe_steps: int, image_tokens: float = REFERENCE_IMAGE_TOKENS,
+                     probe_tokens: Sequence[float] | None = None) -> float:
     """`demo_minutes` of the config as it will run."""
     return demo_minutes(steps=cfg.trainer.steps, prompts_per_step=cfg.rollout.prompts_per_step,
-                        group_size=cfg.rollout.group_size, sft_steps=cfg.sft.steps, probe_steps=probe_steps)
+                        group_size=cfg.rollout.group_size, sft_steps=cfg.sft.steps, probe_steps=probe_steps,
+                        image_tokens=image_tokens, probe_tokens=probe_tokens)
 
 
 def group_size_for(options: int) -> int:
@@ -130,19 +157,45 @@ def apply_recipe(cfg: RunConfig, recipe: Recipe, named: set[str]) -> tuple[RunCo
     return cfg.model_copy(update=update), kept
 
 
-def describe_recipe(cfg: RunConfig, recipe: Recipe, kept: list[str], *, floor: float) -> str:
+def size_estimates(cfg: RunConfig, *, probe_steps: int, sides: Sequence[int],
+                   tokens: dict[int, float]) -> list[tuple[int, float]]:
+    """(side, estimated minutes) for each size the probe may take, smallest first: the probe at
+    every size up to it (a blank fit at the first, the pictures at each) and every stage at its
+    tokens (`estimate_minutes`)."""
+    own = tokens[sides[0]]
+    return [(side, estimate_minutes(cfg, probe_steps=probe_steps, image_tokens=tokens[side],
+                                    probe_tokens=[own, *(tokens[s] for s in sides[: i + 1])]))
+            for i, side in enumerate(sides)]
+
+
+def describe_recipe(cfg: RunConfig, recipe: Recipe, kept: list[str], *, floor: float,
+                    sizes: Sequence[tuple[int, float]] = (), tokens: dict[int, float] | None = None) -> str:
     """The recipe as the demo prints it up front (the config's values: the rule's, or the user's
-    where they set them), with its estimated minutes and the time bar (`minutes_bar` over `floor`)."""
+    where they set them), with its estimated minutes and the time bar (`minutes_bar` over
+    `floor`): at the pictures' own size, and at each larger one the probe may take (`sizes`,
+    from `size_estimates`; `tokens`: each side's image tokens a picture)."""
     group, prompts, steps = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.trainer.steps
     miss = (1 - 1 / recipe.options) ** group
-    minutes = estimate_minutes(cfg, probe_steps=recipe.probe_steps)
-    return (f"recipe for {recipe.options} options and {recipe.rows} training rows (docs/demo.md, 'The recipe rule'): "
+    head = (f"recipe for {recipe.options} options and {recipe.rows} training rows (docs/demo.md, 'The recipe rule'): "
             f"group size {group} (P(no right answer in a group) at the warm start {miss:.2f}), "
             f"{prompts} prompts per step, {steps} GRPO steps ({steps * prompts / recipe.rows:.1f} epochs), "
             f"temperature {cfg.sampling.temperature}, lr decay {cfg.trainer.lr_decay.kind}; "
             f"probe: {recipe.probe_steps} SFT steps on the gold answers, with the pictures and blank"
-            + (f"; left as you set them: {', '.join(kept)}" if kept else "")
-            + f"\nestimated: {minutes:.1f} minutes on a quiet 2-core CPU (time bar {minutes_bar(minutes, floor):g})")
+            + (f"; left as you set them: {', '.join(kept)}" if kept else ""))
+    if not sizes:
+        minutes = estimate_minutes(cfg, probe_steps=recipe.probe_steps)
+        return head + f"\nestimated: {minutes:.1f} minutes on a quiet 2-core CPU (time bar {minutes_bar(minutes, floor):g})"
+    tokens = tokens or {}
+
+    def one(side: int, minutes: float) -> str:
+        return f"{side} px ({tokens.get(side, float('nan')):g} image tokens a picture): {minutes:.1f} (time bar " \
+               f"{minutes_bar(minutes, floor):g})"
+
+    (own, own_minutes), larger = sizes[0], sizes[1:]
+    return (head + f"\nestimated minutes on a quiet 2-core CPU, by the picture size the probe takes: the pictures' "
+            f"own, {one(own, own_minutes)}"
+            + ("; if they do not ground there, the probe tries larger ones, up to the model's bound: "
+               + ", ".join(one(side, minutes) for side, minutes in larger) if larger else ""))
 
 
 def minutes_bar(estimate: float, floor: float) -> float:
