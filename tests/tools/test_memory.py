@@ -562,8 +562,8 @@ def tower_saved_bytes(preset: str, dtype, frames: int = 4, side: int = 128) -> t
     per_clip = model_dims(str(path)).vision.video_pixels_per_clip
     limits = ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256,
                           video=VideoConfig(min_pixels=32 * 32, max_pixels=side * side * (frames if per_clip else 1)))
-    frames_FHW3 = np.random.default_rng(0).integers(0, 255, (frames, side, side, 3), dtype=np.uint8)
-    inputs = messages_to_inputs([{"role": "user", "content": [{"type": "video", "video": frames_FHW3}]}], processor,
+    clip = np.random.default_rng(0).integers(0, 255, (frames, side, side, 3), dtype=np.uint8)  # frames, h, w, rgb
+    inputs = messages_to_inputs([{"role": "user", "content": [{"type": "video", "video": clip}]}], processor,
                                 limits=limits)
     pixels = inputs.pixel_values_videos.to(dtype)
     skip = {p.untyped_storage().data_ptr() for p in tower.parameters()} | {pixels.untyped_storage().data_ptr()}

@@ -67,10 +67,11 @@ def moving_square(frames: int, side: int, seed: int) -> np.ndarray:
     return out
 
 
-def clip_conversation(frames_FHW3: np.ndarray, answer: str) -> list[dict]:
-    """The clip (a list of frames, FPS apart) and the question in the user turn; the answer after."""
+def clip_conversation(frames: np.ndarray, answer: str) -> list[dict]:
+    """The clip (frames, height, width, 3) uint8, FPS apart, and the question in the user turn; the
+    answer after."""
     return [
-        {"role": "user", "content": [{"type": "video", "video": frames_FHW3, "fps": FPS},
+        {"role": "user", "content": [{"type": "video", "video": frames, "fps": FPS},
                                      {"type": "text", "text": QUESTION}]},
         {"role": "assistant", "content": answer},
     ]
