@@ -25,7 +25,15 @@ LIMITS = ImagesConfig(min_pixels=32 * 32, max_pixels=256 * 256)
 
 @pytest.fixture(scope="module")
 def clip_path(tmp_path_factory):
-    return write_mp4(tmp_path_factory.mktemp("clips") / "square.mp4", frames=20, fps=8.0)
+    """12 frames at 8 fps: on Qwen2.5-VL (6 temporal patches, half a position apart) its last temporal
+    position stays inside its spatial extent, where transformers 5.19's rule and the published one
+    agree (saccade.models.positions, "After a long clip"); `long_clip_path` is past it."""
+    return write_mp4(tmp_path_factory.mktemp("clips") / "square.mp4", frames=12, fps=8.0)
+
+
+@pytest.fixture(scope="module")
+def long_clip_path(tmp_path_factory):
+    return write_mp4(tmp_path_factory.mktemp("clips") / "long.mp4", frames=20, fps=8.0)
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=lambda f: f.name)
@@ -53,7 +61,10 @@ def reference_positions(full, inputs) -> torch.Tensor:
 
 def test_positions_with_clips_equal_get_rope_index(family_models, clip_path):
     """Clips, images and text mixed, a clip in a later turn, a list of frames: the family's rule (the
-    engine's `VisionEncoder.positions`, the trainer's `PolicyLM.positions`) equals transformers'."""
+    engine's `VisionEncoder.positions`, the trainer's `PolicyLM.positions`) equals transformers',
+    except Qwen2.5-VL's after a clip whose temporal span outruns it (the list of frames here, a
+    position step of 4): there the published rule, equal to vLLM's
+    (`test_qwen2_5_vl_positions_after_a_long_clip_are_the_published_rule`)."""
     from saccade.models.lm import load_policy_lm
 
     family, path, processor, full, encoder = family_models
@@ -62,7 +73,10 @@ def test_positions_with_clips_equal_get_rope_index(family_models, clip_path):
         inputs = messages_to_inputs(messages, processor, limits=LIMITS, sample=name)
         assert inputs.num_videos, name
         ours = encoder.positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw, inputs.videos)
-        assert torch.equal(ours, reference_positions(full, inputs)), name
+        if family.transformers_clip_positions or name != "clip_later_turn":
+            assert torch.equal(ours, reference_positions(full, inputs)), name
+        else:
+            assert not torch.equal(ours, reference_positions(full, inputs)), name
 
 
 def test_the_clip_rule_is_the_familys_and_it_matters(family_models, clip_path):
@@ -82,6 +96,56 @@ def test_the_clip_rule_is_the_familys_and_it_matters(family_models, clip_path):
         one_run = qwen2_5_vl.FAMILY.positions(encoder.merge)
         with pytest.raises(ValueError, match="placeholder tokens"):
             one_run.mrope(inputs.mm_token_type_ids, None, videos)
+
+
+def vllm_positions(inputs, config, processor) -> torch.Tensor:
+    """vLLM's own Qwen2.5-VL M-RoPE positions (`get_mrope_input_positions`, the engine's), called
+    in-process on this prompt: the model class's functions on its config, the images and clips as
+    vLLM's multimodal features hold them (offset, grid, a clip's seconds per temporal patch)."""
+    import types
+
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Served
+
+    field = types.SimpleNamespace
+    ids = inputs.input_ids.tolist()
+
+    def runs(token):  # where each run of this pad starts (a run is one image or one clip)
+        return [i for i, t in enumerate(ids) if t == token and (i == 0 or ids[i - 1] != token)]
+
+    features = [field(modality="image", mm_position=field(offset=off),
+                      data={"image_grid_thw": field(data=inputs.image_grid_thw[k])})
+                for k, off in enumerate(runs(processor.image_token_id))]
+    features += [field(modality="video", mm_position=field(offset=off),
+                       data={"video_grid_thw": field(data=inputs.videos.grid_thw[k]),
+                             "second_per_grid_ts": field(data=inputs.videos.second_per_grid[k:k + 1])})
+                 for k, off in enumerate(runs(processor.video_token_id))]
+    model = field(config=config)
+    model.iter_mm_grid_thw = types.MethodType(Served.iter_mm_grid_thw, model)
+    positions, _ = Served.get_mrope_input_positions(model, ids, features)
+    return torch.as_tensor(positions).long()
+
+
+def test_qwen2_5_vl_positions_after_a_long_clip_are_the_published_rule(long_clip_path):
+    """After a clip whose temporal positions outrun its spatial extent, the text resumes where vLLM's
+    (and Qwen's published) rule puts it; transformers 5.19 puts it inside the clip's temporal span.
+    Both pinned: if transformers comes back to the published rule, the second assert says so."""
+    pytest.importorskip("vllm", reason="vLLM's own positions are the reference here")
+    from saccade.models.families import qwen2_5_vl
+    from saccade.models.loading import load_full_model, load_processor
+
+    path = preset_path(tiny_preset(qwen2_5_vl.FAMILY))
+    processor, full = load_processor(path), load_full_model(path)
+    positions = qwen2_5_vl.FAMILY.positions_of(full.config)
+    for name, messages in video_conversations(str(long_clip_path)).items():
+        inputs = messages_to_inputs(messages, processor, limits=LIMITS, sample=name)
+        ours = positions.mrope(inputs.mm_token_type_ids, inputs.image_grid_thw, inputs.videos)
+        assert torch.equal(ours, vllm_positions(inputs, full.config, processor)), name
+    inputs = messages_to_inputs(video_conversations(str(long_clip_path))["clip"], processor, limits=LIMITS)
+    ours = positions.mrope(inputs.mm_token_type_ids, None, inputs.videos)
+    theirs = reference_positions(full, inputs)
+    after = int((inputs.mm_token_type_ids == 2).nonzero().max()) + 1  # the first text token after the clip
+    assert torch.equal(ours[:, :after], theirs[:, :after])
+    assert (ours[:, after:] > theirs[:, after:]).all(), "transformers now resumes after the clip as vLLM does"
 
 
 def test_the_tower_on_a_clip_equals_the_full_models_video_features(family_models, clip_path):

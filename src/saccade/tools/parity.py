@@ -109,13 +109,15 @@ class ParityInputs:
     sample: TrainingSample
 
 
-def full_model_logprobs(full_model, inputs: ModelInputs) -> torch.Tensor:
+def full_model_logprobs(full_model, inputs: ModelInputs, positions_3L: torch.Tensor | None = None) -> torch.Tensor:
     """(L,) logprob of each token under the full transformers model on pixel values; [0] = 0.
 
     The logits come from the model's final hidden state through the lm_head as the trainer
     computes them (`saccade.models.head`: float32 sums; in fp32 models exactly what `.logits`
     holds), in chunks, so that in bf16 the figure compares the two paths to the hidden state,
-    not two precisions of the head, and 8k positions never hold (positions x vocab) logits."""
+    not two precisions of the head, and 8k positions never hold (positions x vocab) logits.
+    `positions_3L`: M-RoPE positions to run it on, where transformers' own depart from the
+    family's published rule (`ModelFamily.transformers_clip_positions`); else its own."""
     device = full_model.lm_head.weight.device
     ids = inputs.input_ids.unsqueeze(0).to(device)
     kwargs = dict(input_ids=ids, mm_token_type_ids=inputs.mm_token_type_ids.unsqueeze(0).to(device))
@@ -127,12 +129,22 @@ def full_model_logprobs(full_model, inputs: ModelInputs) -> torch.Tensor:
                       video_grid_thw=inputs.videos.grid_thw.to(device))
         if "second_per_grid_ts" in inspect.signature(full_model.model.forward).parameters:  # Qwen2.5-VL
             kwargs["second_per_grid_ts"] = inputs.videos.second_per_grid.to(device)
+    if positions_3L is not None:
+        kwargs["position_ids"] = positions_3L.unsqueeze(1).to(device)
     with torch.no_grad():
         hidden_LH = full_model.model(**kwargs, use_cache=False).last_hidden_state[0]
         scored, _ = token_logprobs_and_entropy(hidden_LH[:-1], full_model.lm_head.weight, ids[0, 1:])
     logprobs = torch.zeros(ids.shape[1])
     logprobs[1:] = scored.cpu()
     return logprobs
+
+
+def published_positions(family, case: ParityInputs) -> torch.Tensor | None:
+    """The family's published M-RoPE positions for a case holding a clip, where transformers' own
+    depart from them (`ModelFamily.transformers_clip_positions`); None: the full model's own."""
+    if family.transformers_clip_positions or not case.sample.num_videos:
+        return None
+    return case.sample.position_ids[1:]
 
 
 def prepare(processor, encoder: VisionEncoder, limits: ImagesConfig, video: str | None = None) -> list[ParityInputs]:
@@ -234,7 +246,7 @@ def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.d
     figures of the cases that hold a clip apart (`clip_*`)."""
     from saccade.models.head import use_full_fp32_matmuls
     from saccade.models.lm import load_policy_lm
-    from saccade.models.loading import load_full_model, load_processor, load_vision_tower
+    from saccade.models.loading import load_family, load_full_model, load_processor, load_vision_tower
 
     use_full_fp32_matmuls()
     processor = load_processor(model_path)
@@ -252,7 +264,8 @@ def run_parity(model_path, *, limits: ImagesConfig | None = None, dtype: torch.d
         if not Path(video).is_file():
             raise ValueError(f"--video {video!r}: no such file")
     cases = prepare(processor, encoder, limits, video)
-    reference = [full_model_logprobs(full, c.inputs) for c in cases]
+    family = load_family(model_path)
+    reference = [full_model_logprobs(full, c.inputs, published_positions(family, c)) for c in cases]
     common = dict(image_token_id=policy.image_token_id, merge=merge, video_token_id=policy.video_token_id)
     single = lm_logprobs(policy, cases, encoder, packed=False, **common)
     packed = lm_logprobs(policy, cases, encoder, packed=True, **common)
@@ -335,7 +348,7 @@ def load_parity_models(model_path, *, dtype: torch.dtype = torch.bfloat16, devic
                        limits: ImagesConfig | None = None) -> ParityModels:
     from saccade.models.head import use_full_fp32_matmuls
     from saccade.models.lm import load_policy_lm
-    from saccade.models.loading import load_full_model, load_processor, load_vision_tower
+    from saccade.models.loading import load_family, load_full_model, load_processor, load_vision_tower
 
     use_full_fp32_matmuls()
     device = torch.device(device)

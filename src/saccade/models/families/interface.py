@@ -234,6 +234,10 @@ class ModelFamily:
     split_served_features: Callable[[torch.Tensor, int], tuple[torch.Tensor, list[torch.Tensor]]] = (
         split_concatenated)
     processor_size: Callable[[ImagesConfig], dict] = resize_bounds
+    # False where transformers' get_rope_index departs from the family's published rule for some
+    # clips (Qwen2.5-VL after a long clip: saccade.models.positions, "After a long clip"); the
+    # parity reference then runs the full model on the published positions.
+    transformers_clip_positions: bool = True
 
     def __post_init__(self):
         assert self.model_types, self.name

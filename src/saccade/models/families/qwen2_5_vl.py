@@ -72,7 +72,9 @@ FAMILY = ModelFamily(
     # Qwen2.5-VL's rule for images equals Qwen3-VL's (`Qwen2_5_VLModel.get_rope_index`: text +1 a
     # token; an image's patches at start + (t, i, j); the text after it at start + max(H', W')).
     # Clips differ: a clip's temporal patch k at start + floor(k x tokens_per_second x seconds per
-    # temporal patch), its own rule.
+    # temporal patch), its own rule; the text after a long clip one past its last temporal patch,
+    # as vLLM and Qwen's published code put it, not where transformers 5.19 does.
     mrope_positions=mrope_positions_seconds,
+    transformers_clip_positions=False,
     lora_target_modules=LORA_TARGETS,
 )
