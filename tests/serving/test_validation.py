@@ -186,3 +186,63 @@ def test_the_images_of_one_request_are_bounded_in_decoded_pixels():
     with pytest.raises(RequestError, match="split the batch") as err:
         check_total_pixels([(4096, 4096)] * 64)  # the issue's request: 64 x 4096^2, 1.07e9 pixels
     assert err.value.status == 413 and MAX_PIXELS_PER_REQUEST < 64 * 4096**2
+
+
+# ----------------------------------------------------------------------------- clips
+
+
+def clip_body(**clip):
+    video = {"frames": "data:video/jpeg;base64,AAAA,BBBB", "fps": 8.0, "frames_indices": [0, 5],
+             "total_num_frames": 20, **clip}
+    return {"videos": [video], "size": {"shortest_edge": 1024, "longest_edge": 262144}}
+
+
+def test_encode_videos_takes_what_the_client_sends_and_refuses_the_rest():
+    from saccade.serving.validation import parse_clip_list
+
+    clips, settings = parse_clip_list(clip_body())
+    assert clips[0].payloads == ["AAAA", "BBBB"] and clips[0].frames_indices == [0, 5]
+    assert clips[0].metadata()["duration"] == 2.5 and settings == {"size": {"shortest_edge": 1024,
+                                                                          "longest_edge": 262144}}
+    for body, reason in [
+        (clip_body(frames="/etc/passwd"), "data:video/jpeg"),
+        (clip_body(frames="data:video/jpeg;base64,AAAA,,BBBB"), "empty"),
+        (clip_body(frames_indices=[0]), "1 frame indices for 2 frames"),
+        (clip_body(frames_indices=[0, 20]), "frames_indices"),
+        (clip_body(fps=0), "fps"),
+        (clip_body(extra=1), "exactly the fields"),
+        ({**clip_body(), "do_sample_frames": True}, "do_sample_frames"),
+        ({**clip_body(), "size": {"longest_edge": 2**40}}, "size"),
+        ({"videos": []}, "non-empty"),
+    ]:
+        with pytest.raises(RequestError, match=reason):
+            parse_clip_list(body)
+    with pytest.raises(RequestError, match="more than 1 frames") as many:
+        parse_clip_list(clip_body(), max_frames=1)
+    assert many.value.status == 413
+
+
+def test_per_request_clip_settings_pass_only_as_the_client_sends_them():
+    """`saccade serve` trusts per-request multimodal settings (--trust-request-mm-kwargs); the guard
+    lets through only a clip's metadata and the video processor's bounds."""
+    from saccade.serving.validation import check_request_mm_kwargs
+
+    sent = {"media_io_kwargs": {"video": {"num_frames": -1, "fps": 8.0, "frames_indices": [0, 5, 10],
+                                          "total_num_frames": 20, "duration": 2.5}},
+            "mm_processor_kwargs": {"do_sample_frames": False, "size": {"shortest_edge": 1024, "longest_edge": 9999},
+                                    "cap_pixels_per_frame": False}}
+    check_request_mm_kwargs(sent)
+    check_request_mm_kwargs({"messages": []})  # none at all
+    for body, reason in [
+        ({"mm_processor_kwargs": {"do_sample_frames": True}}, "do_sample_frames"),
+        ({"mm_processor_kwargs": {"max_pixels": 10**12}}, "processor settings"),
+        ({"mm_processor_kwargs": {"size": {"longest_edge": 2**29}}}, "size"),
+        ({"media_io_kwargs": {"image": {}}}, '"video"'),
+        ({"media_io_kwargs": {"video": {"video_backend": "opencv_dynamic"}}}, "settings are among"),
+        ({"media_io_kwargs": {"video": {"num_frames": 10**6}}}, "num_frames"),
+        ({"media_io_kwargs": {"video": {"frames_indices": [5], "total_num_frames": 3}}}, "frames_indices"),
+        ({"messages": [{"content": [{"type": "video_url", "video_url": {
+            "url": "data:video/jpeg;base64," + ",".join(["AA"] * 1100)}}]}]}, "1100 frames"),
+    ]:
+        with pytest.raises(RequestError, match=reason):
+            check_request_mm_kwargs(body)

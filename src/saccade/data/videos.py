@@ -35,6 +35,13 @@ was. Its embedding's cache key (`video_cache_key`) is the sampled frames' conten
 sampling settings and the pixel limits: the engine and the trainer find the same frames' same
 features under it.
 
+A clip goes to a vLLM server as its sampled frames, never as its file (`saccade.inference.vllm.
+clip_frames_url`): vLLM's
+frame-sequence data URL (``data:video/jpeg;base64,<frame>,<frame>,...``, each frame PNG, which
+vLLM reads as any image: lossless), with `VideoClip.media_io_kwargs` telling vLLM which source
+frames they are, so the server neither decodes nor samples again and its processor sees the
+frames, timestamps and frame rate transformers' did here.
+
 `ClipRefs` is what every stage after the processor carries of a prompt's or a sample's clips:
 their cache keys, grids and seconds per temporal patch (the frames stay with the engine).
 """
@@ -203,6 +210,13 @@ class VideoClip:
     def sampled_fps(self) -> float:
         """Frames a second after sampling (transformers' `VideoMetadata.sampled_fps`)."""
         return len(self.frame_indices) / self.total_frames * self.fps
+
+    def media_io_kwargs(self) -> dict[str, Any]:
+        """vLLM's per-request `media_io_kwargs["video"]` for `clip_frames_url(self)`: every frame sent
+        taken, and the metadata its frame-sequence loader would otherwise make up (1 fps, frames
+        0..n-1), which Qwen3-VL's timestamps and Qwen2.5-VL's seconds per temporal patch are read from."""
+        return {"num_frames": -1, "fps": self.fps, "frames_indices": list(self.frame_indices),
+                "total_num_frames": self.total_frames, "duration": self.total_frames / self.fps}
 
 
 def clip_hash(frames: np.ndarray) -> str:

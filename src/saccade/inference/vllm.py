@@ -46,16 +46,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from saccade.config import ImagesConfig
-from saccade.data.images import data_url_size, image_hash, image_to_data_url, load_image
+from saccade.data.images import data_url_size, image_to_data_url
 from saccade.inference.engine import (
     ChatRequest, Completion, SamplingParams, TokenPrompt, WeightTransport, stop_token_ids, vision_token_ids,
+)
+from saccade.inference.openai_messages import (
+    OpenAIMessages, clip_refs, clip_request_fields, encode_video_bodies, to_openai_messages,
 )
 from saccade.inference.server_client import Server, ServerClient, ServerError, head_dtype_problem
 from saccade.inference.replies import check_completions, reply_json, reply_version
 from saccade.model_match import fingerprint_mismatch
 from saccade.models.vision import EmbeddingCache, ImageEmbedding, image_cache_key
 from saccade.serving.wire import (
-    CHAT_COMPLETIONS, ENCODE_IMAGES, GENERATE_TOKENS, LORA_NAME, MAX_IMAGES_PER_REQUEST, MAX_PIXELS_PER_REQUEST,
+    CHAT_COMPLETIONS, ENCODE_IMAGES, ENCODE_VIDEOS, GENERATE_TOKENS, LORA_NAME, MAX_IMAGES_PER_REQUEST,
+    MAX_PIXELS_PER_REQUEST,
     VERSION_HEADER,
 )
 
@@ -74,34 +78,15 @@ ENCODE_CHUNK_IMAGES = MAX_IMAGES_PER_REQUEST
 BAN_BIAS = -100
 
 
-# Clips reach the embedded engine today; the servers' side (a video sibling of /encode_images, the
-# chat route's video parts) is the next part of issue 60. Until then a clip is refused by name here.
-NO_CLIPS_YET = ("{where}: clips (video parts) are not served through vLLM yet (issue 60's server part); sample "
-                "them with the embedded engine (engine.kind = 'embedded')")
-
-
-def to_openai_messages(messages: list[dict[str, Any]], limits: ImagesConfig, sample: str):
-    """Messages with every image as an image_url data URL, plus the images' content hashes in order."""
-    out, hashes = [], []
-    for message in messages:
-        content = message.get("content")
-        if not isinstance(content, list):
-            out.append(dict(message))
-            continue
-        parts = []
-        for part in content:
-            kind = part.get("type")
-            if kind in ("video", "video_url"):
-                raise ValueError(NO_CLIPS_YET.format(where=sample))
-            if kind in ("image", "image_url"):
-                source = part.get("image") if kind == "image" else part.get("image_url")
-                image = load_image(source, limits=limits, sample=sample)
-                hashes.append(image_hash(image))
-                parts.append({"type": "image_url", "image_url": {"url": image_to_data_url(image)}})
-            else:
-                parts.append(dict(part))
-        out.append({**message, "content": parts})
-    return out, hashes
+# Clips reach a server through the chat route (`saccade.inference.openai_messages`); the token route
+# (/inference/v1/generate: multi-turn rollouts) takes no per-request media settings in vLLM 0.32, so
+# a clip's frame rate and frame numbers, which its timestamps and positions are computed from,
+# cannot go with it. A token prompt with a clip is refused by name.
+NO_CLIPS_IN_TOKEN_PROMPTS = (
+    "{where}: a multi-turn prompt with a clip cannot be sampled through vLLM's token route (vLLM 0.32's "
+    "/inference/v1/generate takes no clip frame rate or frame numbers, so the server would place the clip's "
+    "timestamps and positions otherwise than the trainer); sample multi-turn episodes with clips with the "
+    "embedded engine (engine.kind = 'embedded'), or single-turn ones through the chat route")
 
 
 def encode_chunks(urls: dict[str, str]) -> list[dict[str, str]]:
@@ -187,6 +172,7 @@ class VLLMEngine:
         self._adapter_loaded = False
         self.banned_token_ids = vision_token_ids(self.tokenizer)
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.video_pad_id = self.tokenizer.convert_tokens_to_ids("<|video_pad|>")
         self.stop_token_ids = stop_token_ids(self.tokenizer)
         self._urls_by_key: dict[str, str] = {}
         self._urls_bytes = 0
@@ -316,6 +302,19 @@ class VLLMEngine:
         for key, emb in zip(chunk, parse_embeddings(response.content, len(chunk)), strict=True):
             self.cache.put(key, emb)
 
+    async def _ensure_clip_embeddings(self, keys: list[str], clips: list, sampling) -> None:
+        """Encode (once, on the servers' towers) the clips whose keys are not cached yet: whole clips
+        in /encode_videos requests of at most ENCODE_VIDEO_CHUNK_BYTES of frames, sent concurrently."""
+        missing = {k: c for k, c in zip(keys, clips, strict=True) if self.cache.get(k) is None}
+        if missing:
+            await asyncio.gather(*(self._encode_clips(chunk_keys, body)
+                                   for chunk_keys, body in encode_video_bodies(missing, sampling)))
+
+    async def _encode_clips(self, keys: list[str], body: dict) -> None:
+        response, _ = await self.client.post(ENCODE_VIDEOS, json_body=body)
+        for key, emb in zip(keys, parse_embeddings(response.content, len(keys)), strict=True):
+            self.cache.put(key, emb)
+
     # --- prompts without sampling (SFT) -------------------------------------------------------
     def prepare_all(self, requests: list[ChatRequest]) -> list[PreparedPrompt]:
         """Tokenized prompts with the generation prompt; their images' embeddings come from a
@@ -334,12 +333,16 @@ class VLLMEngine:
                                sample=r.request_id)
             for r in requests
         ]
-        for request, x in zip(requests, inputs, strict=True):
-            if x.clips:
-                raise ValueError(NO_CLIPS_YET.format(where=request.request_id))
         keys = [[self.key_for_hash(h) for h in x.image_hashes] for x in inputs]
         urls = [image_to_data_url(im) for x in inputs for im in x.images]
         await self._ensure_embeddings([k for ks in keys for k in ks], urls)
+        with_clips = [x for x in inputs if x.clips]
+        if with_clips:
+            from saccade.data.messages import video_sampling
+
+            await self._ensure_clip_embeddings([k for x in with_clips for k in x.videos.keys],
+                                               [c for x in with_clips for c in x.clips],
+                                               video_sampling(self.processor, self.limits))
         positions = self.family.positions(self.processor.image_processor.merge_size)
         out = []
         for request, x, ks in zip(requests, inputs, keys, strict=True):
@@ -350,8 +353,13 @@ class VLLMEngine:
                         f"{request.request_id}: image {i} has grid {x.image_grid_thw[i].tolist()} here but "
                         f"{emb.grid_thw.tolist()} on the server: the image limits differ"
                     )
-            mrope = positions.mrope(x.mm_token_type_ids, x.image_grid_thw)
-            out.append(PreparedPrompt(request, x, ks, embeddings, mrope))
+            clips = [self.cache.get(k) for k in x.videos.keys]
+            for i, emb in enumerate(clips):
+                if not torch.equal(emb.grid_thw, x.videos.grid_thw[i]):
+                    raise ServerError(f"{request.request_id}: clip {i} has grid {x.videos.grid_thw[i].tolist()} here "
+                                      f"but {emb.grid_thw.tolist()} on the server: the video settings differ")
+            mrope = positions.mrope(x.mm_token_type_ids, x.image_grid_thw, x.videos)
+            out.append(PreparedPrompt(request, x, ks, embeddings, mrope, clips))
         return out
 
     # --- sampling -------------------------------------------------------------------------
@@ -359,17 +367,15 @@ class VLLMEngine:
         return self.client.run(self.agenerate(requests, params))
 
     async def agenerate(self, requests: list[ChatRequest], params: SamplingParams) -> list[list[Completion]]:
-        # Every image of the batch encoded first, in a few requests, not one request per prompt.
-        converted = [self._openai_messages(r) for r in requests]
-        await self._ensure_embeddings([k for c in converted for k in c[1]], [u for c in converted for u in c[2]])
+        # Every image and clip of the batch encoded first, in a few requests, not one per prompt.
+        converted = [to_openai_messages(r.messages, self.limits, r.request_id, self.processor) for r in requests]
+        await self._ensure_embeddings([self.key_for_hash(h) for c in converted for h in c.image_hashes],
+                                      [u for c in converted for u in c.image_urls])
+        with_clips = [c for c in converted if c.clips]
+        if with_clips:
+            await self._ensure_clip_embeddings([k for c in with_clips for k in c.clip_keys()],
+                                               [x for c in with_clips for x in c.clips], with_clips[0].sampling)
         return await self._gather(list(zip(requests, converted, strict=True)), self._complete, params)
-
-    def _openai_messages(self, request: ChatRequest) -> tuple[list, list[str], list[str]]:
-        """The request's messages with data-URL images, their cache keys and their URLs."""
-        messages, hashes = to_openai_messages(request.messages, self.limits, request.request_id)
-        urls = [p["image_url"]["url"] for m in messages if isinstance(m.get("content"), list)
-                for p in m["content"] if p.get("type") == "image_url"]
-        return messages, [self.key_for_hash(h) for h in hashes], urls
 
     async def _gather(self, items: list, complete, params: SamplingParams) -> list[list[Completion]]:
         """complete(model, item, params) for every item; at most max_concurrency requests of the
@@ -412,12 +418,18 @@ class VLLMEngine:
         return {"model": model, "messages": messages, **self._sampling(params, seed), "logprobs": True,
                 "return_token_ids": True, "skip_special_tokens": True}
 
-    async def _complete(self, model: str, item: tuple[ChatRequest, tuple], params: SamplingParams) -> list[Completion]:
-        request, (messages, keys, urls) = item
-        await self._ensure_embeddings(keys, urls)  # a no-op unless the cache evicted them since
-        body = self._body(model, messages, params, request.seed)
+    async def _complete(self, model: str, item: tuple[ChatRequest, OpenAIMessages], params: SamplingParams
+                        ) -> list[Completion]:
+        request, converted = item
+        keys = [self.key_for_hash(h) for h in converted.image_hashes]
+        # No-ops unless the cache evicted them since the batch's encoding.
+        await self._ensure_embeddings(keys, converted.image_urls)
+        if converted.clips:
+            await self._ensure_clip_embeddings(converted.clip_keys(), converted.clips, converted.sampling)
+        body = {**self._body(model, converted.messages, params, request.seed),
+                **clip_request_fields(converted.clips, converted.sampling, request.request_id)}
         (data, version), _ = await self.client.post(CHAT_COMPLETIONS, json_body=body, parse=self._reply)
-        return self._completions(request, data, keys, version)
+        return self._completions(request, data, keys, version, converted)
 
     def _reply(self, response, server: Server) -> tuple[dict, int]:
         """A completions reply checked (`saccade.inference.replies`), and its policy version."""
@@ -425,11 +437,13 @@ class VLLMEngine:
         check_completions(data, vocab_size=self.vocab_size)
         return data, self._version_of(response, server)
 
-    def _completions(self, request: ChatRequest, data: dict, keys: list[str], version: int) -> list[Completion]:
+    def _completions(self, request: ChatRequest, data: dict, keys: list[str], version: int,
+                     converted: OpenAIMessages | None = None) -> list[Completion]:
         prompt_ids = torch.tensor(data["prompt_token_ids"], dtype=torch.long)
-        mm_types = (prompt_ids == self.image_pad_id).long()
+        mm_types = (prompt_ids == self.image_pad_id).long() + 2 * (prompt_ids == self.video_pad_id).long()
         grids = [self.cache.get(k).grid_thw for k in keys]
         grid = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
+        videos = self._served_clips(request, mm_types, converted)
         out = []
         for choice in sorted(data["choices"], key=lambda c: c["index"]):
             ids = torch.tensor(choice["token_ids"], dtype=torch.long)
@@ -452,13 +466,38 @@ class VLLMEngine:
                 # trailing incomplete UTF-8 sequence, so a reward would see other text.
                 text=self.tokenizer.decode(ids, skip_special_tokens=True),
                 policy_version=version,
+                videos=videos.clone(),
             ))
         return out
+
+    def _served_clips(self, request: ChatRequest, mm_types: torch.Tensor, converted: OpenAIMessages | None):
+        """The served prompt's clips as the trainer reads them (`ClipRefs`), their pads checked
+        against the grids the servers' towers gave: a server whose video processing differs is refused."""
+        from saccade.data.videos import ClipRefs
+
+        if converted is None or not converted.clips:
+            return ClipRefs()
+        keys = converted.clip_keys()
+        refs = clip_refs(keys, converted.clips, [self.cache.get(k).grid_thw for k in keys], converted.sampling)
+        merge = self.processor.video_processor.merge_size
+        expected, served = int((refs.grid_thw.prod(-1) // merge**2).sum()), int((mm_types == 2).sum())
+        if served != expected:
+            raise ServerError(f"{request.request_id}: the server's prompt holds {served} video pads but its tower's "
+                              f"grids need {expected}: the server processes clips otherwise than /encode_videos")
+        return refs
 
     def encode_images(self, images: list, keys: list[str]) -> None:
         """Put these images' embeddings (a server's) in the cache the trainer reads."""
         if keys:
             self.client.run(self._ensure_embeddings(keys, [self._data_url(k, im) for k, im in zip(keys, images, strict=True)]))
+
+    def encode_videos(self, clips: list, keys: list[str]) -> None:
+        """Put these clips' (`VideoClip`) embeddings (a server's) in the cache the trainer reads."""
+        if keys:
+            from saccade.data.messages import video_sampling
+
+            sampling = video_sampling(self.processor, self.limits)
+            self.client.run(self._ensure_clip_embeddings(keys, clips, sampling))
 
     # --- sampling after token prompts (multi-turn) -------------------------------------------
     def generate_tokens(self, prompts: list[TokenPrompt], params: SamplingParams) -> list[list[Completion]]:
@@ -488,7 +527,7 @@ class VLLMEngine:
 
     async def _complete_tokens(self, model: str, prompt: TokenPrompt, params: SamplingParams) -> list[Completion]:
         if len(prompt.videos):
-            raise ValueError(NO_CLIPS_YET.format(where=prompt.request_id))
+            raise ValueError(NO_CLIPS_IN_TOKEN_PROMPTS.format(where=prompt.request_id))
         if prompt.image_keys and not prompt.images:
             raise ValueError(f"{prompt.request_id}: a vLLM server needs the images themselves, not only their keys")
         urls = [self._data_url(k, im) for k, im in zip(prompt.image_keys, prompt.images, strict=True)]

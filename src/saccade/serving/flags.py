@@ -35,6 +35,12 @@ DEFAULT_FLAGS = {
     # machine; 1.2 s vs 1.6 s with the same image 20 times).
     "--mm-processor-cache-gb": "0",
     "--allowed-media-domains": NO_REMOTE_MEDIA,
+    # A clip's own frame rate and frame numbers (media_io_kwargs) and the video processor's bounds
+    # (mm_processor_kwargs) on each chat request: without them vLLM takes a clip sent as frames for
+    # 1 fps from frame 0, and Qwen3-VL's timestamps and Qwen2.5-VL's temporal positions differ from
+    # the trainer's. Only key holders reach the server, and the guard lets through only what
+    # saccade's client sends, within bounds (validation.check_request_mm_kwargs).
+    "--trust-request-mm-kwargs": None,
     # The weight-transfer engine the workers build (saccade.serving.transfer, registered by the
     # worker extension): the trainer may then send new weights over a process group instead of a
     # folder (engine.weight_sync = "collective"). Building it costs nothing until a trainer joins.

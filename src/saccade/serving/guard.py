@@ -13,6 +13,8 @@ vLLM's routes, saccade's, and any route a later vLLM adds.
 - Media URLs (`validation.check_media_urls`) in the JSON body of every POST to vLLM's routes:
   whatever the route's format, a remote URL whose host was not allowed is refused before vLLM
   could fetch it. saccade's own routes check their bodies themselves (data: URLs only).
+- Per-request multimodal settings (`validation.check_request_mm_kwargs`): only those saccade's
+  client sends a clip with, within bounds (vLLM trusts them: --trust-request-mm-kwargs).
 - Every response carries the policy version the server held when the request arrived.
 """
 
@@ -24,7 +26,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from saccade.serving.validation import MediaPolicy, RequestError, check_media_urls
+from saccade.serving.validation import MediaPolicy, RequestError, check_media_urls, check_request_mm_kwargs
 from saccade.serving.wire import HEALTH, SACCADE_ROUTES, VERSION_HEADER
 
 UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer KEY)"
@@ -125,6 +127,7 @@ def check_body_media(raw: bytes, policy: MediaPolicy) -> None:
     except (ValueError, RecursionError):
         return
     check_media_urls(body, policy)
+    check_request_mm_kwargs(body)
 
 
 async def read_body(receive, max_bytes: int) -> bytes:

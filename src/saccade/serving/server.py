@@ -4,6 +4,10 @@
   `embeds.i` (n_i, H) and `deepstack.i` (levels, n_i, H), plus `image_grid_thw` (N, 3).
   Computed by the served model's own vision tower, with the image processor the chat
   endpoint uses (same resize), so the orchestrator never loads a second tower.
+- `POST /encode_videos` {"videos": [{"frames": frame-sequence URL, "fps", "frames_indices",
+  "total_num_frames"}, ...], "size": {...}} -> the same tensors, per clip (its grid's rows
+  `image_grid_thw`): the clips' sampled frames through the served model's video processor (no
+  sampling again) and tower, as the chat route runs a clip sent with these settings.
 - `POST /update_weights` {"path": DIR, "version": k} -> reload the model's weights from a
   safetensors folder the trainer wrote, then reset the prefix cache. With "lora": true,
   DIR is a PEFT adapter folder instead: it is (re)loaded in place as the adapter named
@@ -56,11 +60,12 @@ from saccade.serving.guard import Guard
 from saccade.serving.state import SaccadeState, error
 from saccade.serving.transfer_routes import add_transfer_routes, receive_chunk, transfer_info
 from saccade.serving.validation import (
-    MediaPolicy, RequestError, check_aspect_ratio, check_total_pixels, parse_image_list, parse_update_request,
+    MediaPolicy, RequestError, check_aspect_ratio, check_total_pixels, parse_clip_list, parse_image_list,
+    parse_update_request,
     resolve_weights_path, resolve_weights_root,
 )
 from saccade.serving.weights import check_adapter_folder, check_weights_folder
-from saccade.serving.wire import ENCODE_IMAGES, INFO, LORA_NAME, UPDATE_WEIGHTS
+from saccade.serving.wire import ENCODE_IMAGES, ENCODE_VIDEOS, INFO, LORA_NAME, UPDATE_WEIGHTS
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +84,7 @@ def build_router(state: SaccadeState):
 
     router = APIRouter()
     add_encode_route(router, state)
+    add_encode_videos_route(router, state)
     add_transfer_routes(router, state)
     add_folder_update_route(router, state)
     add_info_route(router, state)
@@ -89,7 +95,6 @@ def add_encode_route(router, state: SaccadeState) -> None:
     """`POST /encode_images`: the images' features by the served tower, decoded off the event loop."""
     from fastapi import Request
     from fastapi.responses import Response
-    from safetensors.torch import load, save
 
     @router.post(ENCODE_IMAGES)
     async def encode_images(request: Request):
@@ -105,14 +110,42 @@ def add_encode_route(router, state: SaccadeState) -> None:
                 pixels, grid = await asyncio.to_thread(decode_images, state, urls)
         except RequestError as err:
             return error(err)
-        info = await state.vision_info(request)
-        results = await request.app.state.engine_client.collective_rpc(
-            "saccade_encode_images", args=(save({"pixel_values": pixels, "image_grid_thw": grid}),)
-        )
-        features = load(results[0])["features"]
-        tensors = split_features(features, grid, info["spatial_merge_size"], info["levels"],
-                                 state.family.split_served_features)
-        return Response(save(tensors), media_type="application/octet-stream")
+        return Response(await run_tower(request, state, pixels, grid), media_type="application/octet-stream")
+
+
+def add_encode_videos_route(router, state: SaccadeState) -> None:
+    """`POST /encode_videos`: the clips' features by the served tower, their frames decoded and
+    processed off the event loop (each clip's frames as the chat route processes them)."""
+    from fastapi import Request
+    from fastapi.responses import Response
+
+    @router.post(ENCODE_VIDEOS)
+    async def encode_videos(request: Request):
+        import asyncio
+
+        if state.decode_slots is None:
+            state.decode_slots = asyncio.Semaphore(DECODE_SLOTS)
+        try:
+            clips, settings = parse_clip_list(await state.read_json(request))
+            async with state.decode_slots:
+                pixels, grid = await asyncio.to_thread(decode_clips, state, clips, settings)
+        except RequestError as err:
+            return error(err)
+        return Response(await run_tower(request, state, pixels, grid), media_type="application/octet-stream")
+
+
+async def run_tower(request, state: SaccadeState, pixels, grid) -> bytes:
+    """The served tower on preprocessed pixels (images' or clips'), in a worker: safetensors of
+    each grid's features (`split_features`)."""
+    from safetensors.torch import load, save
+
+    info = await state.vision_info(request)
+    results = await request.app.state.engine_client.collective_rpc(
+        "saccade_encode_images", args=(save({"pixel_values": pixels, "image_grid_thw": grid}),)
+    )
+    features = load(results[0])["features"]
+    return save(split_features(features, grid, info["spatial_merge_size"], info["levels"],
+                               state.family.split_served_features))
 
 
 def split_features(features: "torch.Tensor", grid_thw, merge: int, levels: int,
@@ -160,6 +193,40 @@ def decode_images(state: SaccadeState, urls: list[str]) -> tuple["torch.Tensor",
         return state.preprocess(images)
     except ValueError as err:  # the processor's own refusal of an image we did not foresee
         raise RequestError(f"the image processor refused the images: {str(err)[:300]}") from None
+
+
+def decode_clips(state: SaccadeState, clips, settings: dict) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """The request's clips as the tower's pixels; RequestError for what cannot be used. Every
+    frame's size is read from its header, and the total checked, before any is decoded."""
+    import numpy as np
+
+    from saccade.data.images import ImageError, data_url_size, load_image
+
+    urls = [[f"data:image/png;base64,{p}" for p in clip.payloads] for clip in clips]
+    sizes = []
+    for i, frames in enumerate(urls):
+        try:
+            sizes += [data_url_size(u) for u in frames]
+        except ImageError as err:
+            raise RequestError(f"videos[{i}]: a frame: {err}") from None
+    check_total_pixels(sizes)
+    try:
+        pixels, grids = [], []
+        for i, frames in enumerate(urls):
+            decoded = [np.asarray(load_image(u, limits=state.limits, sample=f"videos[{i}]")) for u in frames]
+            if len({f.shape for f in decoded}) > 1:
+                raise RequestError(f"videos[{i}]: the frames differ in size; a clip's frames share one")
+            check_aspect_ratio((decoded[0].shape[1], decoded[0].shape[0]), f"videos[{i}]")
+            x, g = state.preprocess_clip(np.stack(decoded), clips[i].metadata(), settings)
+            pixels.append(x)
+            grids.append(g)
+    except ImageError as err:
+        raise RequestError(str(err)) from None
+    except ValueError as err:  # the processor's own refusal of a clip we did not foresee
+        raise RequestError(f"the video processor refused a clip: {str(err)[:300]}") from None
+    import torch
+
+    return torch.cat(pixels), torch.cat(grids)
 
 
 def add_folder_update_route(router, state: SaccadeState) -> None:

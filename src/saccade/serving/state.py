@@ -79,6 +79,19 @@ class SaccadeState:
         )
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
+    def preprocess_clip(self, frames, metadata: dict, settings: dict) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """One clip's sampled frames ((n, H, W, 3) uint8) as the chat route feeds vLLM's tower: the
+        video processor's resize and patches under the request's settings (`settings`: size bounds,
+        cap_pixels_per_frame), frames not sampled again, not normalised (as `preprocess`)."""
+        video = getattr(self.processor, "video_processor", None)
+        if video is None:
+            from saccade.serving.validation import RequestError
+
+            raise RequestError("this model reads no clips (its processor has no video processor)")
+        out = video(videos=[frames], video_metadata=[metadata], **{**settings, "do_sample_frames": False},
+                    do_rescale=False, do_normalize=False, return_tensors="pt")
+        return out["pixel_values_videos"].float(), out["video_grid_thw"].long()
+
     def lock(self):
         """The one weight update at a time (a folder's, or a collective one from start to finish);
         made on first use, on the server's event loop."""

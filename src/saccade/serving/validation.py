@@ -17,7 +17,12 @@ What is refused, and why:
   given by `saccade serve --weights-root`; the served checkpoint itself is always allowed,
   since that is what {"restore_base": true} reloads. The refusal names neither the resolved
   path nor the root;
-- every route: media URLs the server must not fetch (`check_media_urls`).
+- /encode_videos: clips other than frame-sequence data URLs (`wire.FRAMES_URL_PREFIX`), more
+  than MAX_FRAMES_PER_REQUEST frames, metadata that is not a clip's (frame indices out of the
+  source, a frame rate of 0);
+- every route: media URLs the server must not fetch (`check_media_urls`), and per-request
+  multimodal settings beyond what saccade's client sends (`check_request_mm_kwargs`: `saccade
+  serve` starts vLLM with --trust-request-mm-kwargs, which would otherwise let a key holder set any).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from saccade.serving.wire import MAX_IMAGES_PER_REQUEST, MAX_PIXELS_PER_REQUEST
+from saccade.serving.wire import FRAMES_URL_PREFIX, MAX_FRAMES_PER_REQUEST, MAX_IMAGES_PER_REQUEST, MAX_PIXELS_PER_REQUEST
 
 
 class RequestError(ValueError):
@@ -284,6 +289,131 @@ def resolve_weights_path(path: str, root: Path, served_checkpoint: Path | None =
         # not the client's to learn (the server's log and /saccade/info, behind the key, say the root).
         f"weights path {path[:200]!r} is outside the server's weights root (symlinks resolved): write the weights "
         "under it, or start the server with --weights-root pointing at the trainer's engine.weights_dir", 403)
+
+
+# ----------------------------------------------------------------------------- /encode_videos
+
+ENCODE_VIDEOS_EXAMPLE = ('{"videos": [{"frames": "data:video/jpeg;base64,<frame>,<frame>", "fps": 8.0, '
+                         '"frames_indices": [0, 5], "total_num_frames": 20}]}')
+CLIP_FIELDS = ("frames", "fps", "frames_indices", "total_num_frames")
+VIDEO_PROCESSOR_FIELDS = ("size", "cap_pixels_per_frame", "do_sample_frames")
+
+
+@dataclass(frozen=True)
+class ClipRequest:
+    """One clip of an /encode_videos body: its frames' base64 payloads and which source frames they are."""
+
+    payloads: list[str]
+    fps: float
+    frames_indices: list[int]
+    total_num_frames: int
+
+    def metadata(self) -> dict[str, Any]:
+        """transformers' `VideoMetadata` fields (as `VideoClip.metadata`)."""
+        return {"total_num_frames": self.total_num_frames, "fps": self.fps, "frames_indices": self.frames_indices,
+                "duration": self.total_num_frames / self.fps}
+
+
+def parse_clip_list(body: Any, max_frames: int = MAX_FRAMES_PER_REQUEST) -> tuple[list[ClipRequest], dict[str, Any]]:
+    """The clips of an /encode_videos body, and the video processor's settings it names (checked as a
+    chat request's `mm_processor_kwargs` are)."""
+    body = check_fields(body, ("videos", *VIDEO_PROCESSOR_FIELDS), ENCODE_VIDEOS_EXAMPLE)
+    videos = body.get("videos")
+    if not isinstance(videos, list) or not videos:
+        raise RequestError(f'"videos" must be a non-empty list of clips, e.g. {ENCODE_VIDEOS_EXAMPLE}')
+    clips, frames = [], 0
+    for i, clip in enumerate(videos):
+        where = f"videos[{i}]"
+        if not isinstance(clip, dict) or set(clip) != set(CLIP_FIELDS):
+            raise RequestError(f"{where} must be an object with exactly the fields {json.dumps(list(CLIP_FIELDS))}, "
+                               f"e.g. {ENCODE_VIDEOS_EXAMPLE}")
+        payloads = frame_payloads(clip["frames"], f"{where}.frames")
+        frames += len(payloads)
+        if frames > max_frames:
+            raise RequestError(f"the clips hold more than {max_frames} frames; at most {max_frames} per request: "
+                               "split the batch", 413)
+        video = check_clip_metadata({k: clip[k] for k in CLIP_FIELDS if k != "frames"}, where, len(payloads))
+        clips.append(ClipRequest(payloads, float(video["fps"]), list(video["frames_indices"]),
+                                 int(video["total_num_frames"])))
+    settings = {k: body[k] for k in VIDEO_PROCESSOR_FIELDS if k in body}
+    check_processor_kwargs(settings, "body")
+    return clips, settings
+
+
+def frame_payloads(url: Any, where: str) -> list[str]:
+    """The base64 payloads of a frame-sequence data URL (`wire.FRAMES_URL_PREFIX`), one a frame."""
+    if not isinstance(url, str) or url[:len(FRAMES_URL_PREFIX)].lower() != FRAMES_URL_PREFIX:
+        shown = str(url)[:40]
+        raise RequestError(f"{where} must be a {FRAMES_URL_PREFIX}<frame>,<frame>,... URL (each frame a base64 image), "
+                           f"got {shown!r}: the server takes clips as their sampled frames, inline")
+    payloads = url[len(FRAMES_URL_PREFIX):].split(",")
+    if not all(p.strip() for p in payloads):
+        raise RequestError(f"{where}: a frame is empty (two commas in a row, or one at the end)")
+    return payloads
+
+
+def check_clip_metadata(video: Any, where: str, frames: int | None = None) -> dict[str, Any]:
+    """A clip's metadata as vLLM's frame-sequence loader takes it (`media_io_kwargs["video"]`): which
+    source frames were sent (`frames`, when known: as many indices), out of how many, at what rate."""
+    known = ("num_frames", "fps", "frames_indices", "total_num_frames", "duration")
+    if not isinstance(video, dict) or set(video) - set(known):
+        raise RequestError(f"{where}: a clip's settings are among {json.dumps(list(known))}")
+    num = video.get("num_frames", -1)
+    if type(num) is not int or not (num == -1 or 1 <= num <= MAX_FRAMES_PER_REQUEST):
+        raise RequestError(f"{where}.num_frames must be -1 (every frame sent) or 1..{MAX_FRAMES_PER_REQUEST}")
+    fps = video.get("fps", 1.0)
+    if type(fps) not in (int, float) or not 0 < fps <= 1000:
+        raise RequestError(f"{where}.fps must be a number in (0, 1000], got {str(fps)[:20]}")
+    total = video.get("total_num_frames", frames or 1)
+    if type(total) is not int or not 1 <= total <= 2**31:
+        raise RequestError(f"{where}.total_num_frames must be a positive integer")
+    indices = video.get("frames_indices", list(range(frames or 0)))
+    if (not isinstance(indices, list) or len(indices) > MAX_FRAMES_PER_REQUEST
+            or not all(type(i) is int and 0 <= i < total for i in indices)):
+        raise RequestError(f"{where}.frames_indices must be a list of at most {MAX_FRAMES_PER_REQUEST} frame numbers "
+                           f"in 0..total_num_frames-1")
+    if frames is not None and len(indices) != frames:
+        raise RequestError(f"{where}: {len(indices)} frame indices for {frames} frames sent")
+    duration = video.get("duration", 0.0)
+    if type(duration) not in (int, float) or duration < 0:
+        raise RequestError(f"{where}.duration must be a number of seconds, 0 or more")
+    return {"fps": fps, "frames_indices": indices, "total_num_frames": total}
+
+
+def check_processor_kwargs(kwargs: Any, where: str) -> None:
+    """The video processor's settings a request may name: its pixel bounds (at most
+    MAX_PIXELS_PER_REQUEST) and, for frames already sampled, no sampling."""
+    if not isinstance(kwargs, dict) or set(kwargs) - set(VIDEO_PROCESSOR_FIELDS):
+        raise RequestError(f"{where}: the processor settings a request may name are {json.dumps(list(VIDEO_PROCESSOR_FIELDS))}")
+    if kwargs.get("do_sample_frames", False) is not False:
+        raise RequestError(f"{where}.do_sample_frames must be false: send the frames already sampled")
+    if type(kwargs.get("cap_pixels_per_frame", False)) is not bool:
+        raise RequestError(f"{where}.cap_pixels_per_frame must be true or false")
+    size = kwargs.get("size", {})
+    if (not isinstance(size, dict) or set(size) - {"shortest_edge", "longest_edge"}
+            or not all(type(v) is int and 1 <= v <= MAX_PIXELS_PER_REQUEST for v in size.values())):
+        raise RequestError(f'{where}.size must be {{"shortest_edge": N, "longest_edge": M}} in pixels, each 1..'
+                           f"{MAX_PIXELS_PER_REQUEST}")
+
+
+def check_request_mm_kwargs(body: Any) -> None:
+    """A request's own multimodal settings (vLLM's `mm_processor_kwargs` and `media_io_kwargs`) only
+    as saccade's client sends them for clips: `saccade serve` trusts them from key holders
+    (--trust-request-mm-kwargs), and these bounds keep what a request can make the server decode
+    and process to what a request of images could. Frame-sequence URLs hold at most
+    MAX_FRAMES_PER_REQUEST frames in all."""
+    if not isinstance(body, dict):
+        return
+    if body.get("mm_processor_kwargs") is not None:
+        check_processor_kwargs(body["mm_processor_kwargs"], "mm_processor_kwargs")
+    media = body.get("media_io_kwargs")
+    if media is not None:
+        if not isinstance(media, dict) or set(media) - {"video"}:
+            raise RequestError('media_io_kwargs may only hold "video" (a clip\'s frame settings)')
+        check_clip_metadata(media.get("video", {}), "media_io_kwargs.video")
+    frames = sum(url.count(",") for _, url in media_urls(body) if url[:len(FRAMES_URL_PREFIX)].lower() == FRAMES_URL_PREFIX)
+    if frames > MAX_FRAMES_PER_REQUEST:
+        raise RequestError(f"the request's clips hold {frames} frames; at most {MAX_FRAMES_PER_REQUEST} per request", 413)
 
 
 # ----------------------------------------------------------------------------- media URLs, every route
