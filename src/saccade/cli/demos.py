@@ -208,6 +208,13 @@ def demo_of(task: str) -> Demo:
 
         return Demo(load_views_config, run_views_demo, views_report, views_verdict,
                     "demo OK: success rose by the bar or more within the time", episodes)
+    if task == "video":
+        from saccade.tools.demo_video import load_video_config, run_video_demo, video_probe, video_report, video_verdict
+
+        return Demo(load_video_config, run_video_demo, video_report, video_verdict,
+                    "demo OK: the model learned the clips' order, and the control on reversed clips did not",
+                    ("accuracy_after", "accuracy_before", "control_accuracy_after", "probe_reversed_accuracy"),
+                    probe=video_probe)
     if task == "scenes":
         from saccade.tools.demo_scenes import load_scenes_config, run_scenes_demo, scenes_verdict
 
@@ -230,8 +237,8 @@ def demo_of(task: str) -> Demo:
 def cmd_demo(args: argparse.Namespace) -> int:
     demo = demo_of(args.task)
     if args.probe_steps is not None:
-        if args.task != "shapes":
-            raise SystemExit(f"--probe-steps is for the data-set demo (--task.kind dataset); not for {args.task!r}")
+        if args.task not in ("shapes", "video"):
+            raise SystemExit(f"--probe-steps is for the data-set and video demos; not for {args.task!r}")
         from functools import partial
 
         demo = replace(demo, probe=partial(demo.probe, probe_steps=args.probe_steps))
@@ -239,7 +246,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_demo_parser(sub) -> None:
-    """`saccade demo [shapes|views|scenes]`."""
+    """`saccade demo [shapes|views|scenes|video]`."""
     demo = sub.add_parser(
         "demo",
         help="the main job: a tiny VLM learns a visual task with GRPO on CPU, with a blank-image control",
@@ -263,12 +270,13 @@ def add_demo_parser(sub) -> None:
         "its estimated minutes, for the keys you do not set. "
         "python -m saccade.data.choices_example FOLDER writes one to try (docs/demo.md).",
     )
-    demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views", "scenes"],
+    demo.add_argument("task", nargs="?", default="shapes", choices=["shapes", "views", "scenes", "video"],
                       help="which demo: 'shapes' (default; single-turn VQA; with --task.kind dataset your own "
                       "multiple-choice data set instead), 'views' (multi-turn: act to change "
                       "the view, then answer; configs/views.toml, runs/demo-views, about 10.5 minutes on one core) or 'scenes' "
                       "(the same in generated 3D mesh rooms with camera-pose actions; configs/scenes.toml, "
-                      "runs/demo-scenes)")
+                      "runs/demo-scenes) or 'video' (clips: \"which color came first?\", which only their order answers; "
+                      "the control's clips reversed at random; a supervised probe first; runs/demo-video, docs/video.md)")
     demo.add_argument("--config", metavar="PATH",
                       help="a TOML config instead of the built-in demo.toml / views.toml / scenes.toml")
     demo.add_argument("--json", metavar="PATH", help="also write the figures as JSON: accuracy_before, "
