@@ -246,3 +246,17 @@ def test_a_blanked_clip_keeps_its_tokens_and_shows_nothing(processor, clip_path)
     assert real.videos.keys != blank.videos.keys and int(blank.clips[0].frames.std()) == 0
     with pytest.raises(VideoError, match="needs the model's video sampling"):
         with_blank_images(messages, limits=LIMITS)
+
+
+def test_a_data_sets_control_clip_is_read_blank_by_the_models_sampling(processor, clip_path):
+    """`BlankedClip` (a data set's control, `task.blank_images`): decoded and sampled as the clip it
+    holds, then gray: the real clip's tokens and grid, another clip to the tower; a list of frames too."""
+    from saccade.data.videos import BlankedClip
+
+    for source in (str(clip_path), [Image.fromarray(f) for f in moving_square_frames(6)]):
+        real = messages_to_inputs(clip_messages({"type": "video", "video": source}), processor, limits=LIMITS)
+        blank = messages_to_inputs(clip_messages({"type": "video", "video": BlankedClip(source)}), processor,
+                                   limits=LIMITS)
+        assert torch.equal(real.input_ids, blank.input_ids) and torch.equal(real.videos.grid_thw, blank.videos.grid_thw)
+        assert blank.clips[0].frame_indices == real.clips[0].frame_indices
+        assert int(blank.clips[0].frames.std()) == 0 < int(real.clips[0].frames.std())

@@ -1,9 +1,13 @@
 """The video demo's data set (`saccade demo video`): clips whose answer only their order holds.
 
-Each clip shows one colour, then another (`frames` frames, the first half of them in colour A,
-the rest in colour B, each frame filled with its colour), and asks "Which color came first?"
-with the two colours as its options, in a seeded random order. No single frame answers it: each
-shows one of the two options, and which one came first is in the order of the frames alone.
+Each clip shows one of two colours, then the other (`frames` frames, the first half of them in
+the first colour, the rest in the second, each frame filled with its colour), and asks "Which
+color came first?" with the two colours as its options. No single frame answers it: each shows
+one of the two options, every clip shows both, and which came first is in the order of the
+frames alone. The two colours are the same in every row (red and blue), so the options carry
+nothing either and a model that does not read the order sits at 1/2: the warm start (a random
+option a row) and a model on blank clips alike. (With a pair drawn from ten colours a row, the
+warm start answered colours that were not among the row's options: 0.22 before GRPO.)
 With every family's temporal patch of 2 frames, each colour fills whole temporal patches, so the
 tower sees each colour as it sees a picture of it, and what is left to learn is time.
 
@@ -36,6 +40,7 @@ QUESTION = "Which color came first?"
 COLUMNS = {"images": "picture", "videos": "clip", "prompt": "query", "answer": "gold", "choices": "options",
            "id": "qid"}
 SETS = ("order", "order-reversed")
+COLOURS = ("red", "blue")
 
 
 def _frames(first: tuple[int, int, int], second: tuple[int, int, int], frames: int, size: int) -> list[dict]:
@@ -51,24 +56,23 @@ def _frames(first: tuple[int, int, int], second: tuple[int, int, int], frames: i
 
 def clip_rows(n: int, *, seed: int, split: str, frames: int = 4, size: int = 64, reverse: bool = False) -> list[dict]:
     """`n` rows of one split, a pure function of its arguments: {qid, picture ([]), clip (PNG
-    frames), query, options (the two colours, seeded order), gold (the first colour's letter)}.
+    frames), query, options (the two colours), gold (the letter of the colour shown first)}.
     `reverse`: the control's twin (`reversed_rows`): each clip reversed by a seeded coin, the
     answer kept."""
     if frames < 2 or frames % 2:
         raise ValueError(f"a clip needs an even number of frames, at least 2 (half for each colour); got {frames}")
-    names = list(COLORS10)
+    options = list(COLOURS)
     rows = []
     for i in range(n):
         rng = np.random.default_rng([seed, i])
-        first, second = (names[k] for k in rng.choice(len(names), size=2, replace=False))
-        options = [first, second] if rng.random() < 0.5 else [second, first]
+        first, second = COLOURS if rng.random() < 0.5 else COLOURS[::-1]
         shown = (second, first) if reverse and rng.random() < 0.5 else (first, second)
         rows.append({
             "qid": f"{split}-{i:05d}",
             "picture": [],
             "clip": _frames(COLORS10[shown[0]], COLORS10[shown[1]], frames, size),
             "query": QUESTION,
-            "options": options,
+            "options": list(options),
             "gold": chr(ord("A") + options.index(first)),
         })
     return rows

@@ -42,6 +42,7 @@ from saccade.data.row_formats.parts import with_prompt_parts
 from saccade.data.rows import (
     DATASET_TASKS, EvalRows, RowSkipped, check_image_count, image_error_reason, usable_rows,
 )
+from saccade.data.videos import BlankedClip
 
 __all__ = [
     "DatasetRows",
@@ -306,4 +307,5 @@ class DatasetTask:
         sample.scorer = self.scorer
         if self.blank_images:
             sample.images = [blank_like(im) for im in sample.images]
+            sample.videos = [BlankedClip(v) for v in getattr(sample, "videos", [])]
         return sample

@@ -70,7 +70,7 @@ from saccade.data.images import (
 )
 
 __all__ = [
-    "ClipRefs", "DecodedClips", "MissingVideoError", "VideoClip", "VideoError", "VideoSampling",
+    "BlankedClip", "ClipRefs", "DecodedClips", "MissingVideoError", "VideoClip", "VideoError", "VideoSampling",
     "VideoTooManyPixelsError", "blank_clip", "clip_hash", "load_video", "video_cache_key",
 ]
 
@@ -239,6 +239,15 @@ def blank_clip(clip: VideoClip, gray: int = 128) -> VideoClip:
     return _clip(np.full_like(clip.frames, gray), clip.fps, clip.total_frames, clip.frame_indices)
 
 
+@dataclass(frozen=True)
+class BlankedClip:
+    """A clip source read as `blank_clip` of the clip it holds: what a data set's control gives for
+    each clip (`task.blank_images`), decoded and sampled when its prompt is, by the model's
+    sampling, so its frames' count, size and timestamps are the real clip's."""
+
+    source: Any
+
+
 @dataclass
 class ClipRefs:
     """A prompt's or a sample's clips, in order, as every stage after the processor knows them."""
@@ -335,6 +344,8 @@ def _load(source: Any, sampling: VideoSampling, limits: ImagesConfig, fps: float
         raise MissingVideoError("the clip is None; the video is missing")
     if isinstance(source, VideoClip):  # already decoded and sampled (a blanked clip, a trajectory's)
         return source
+    if isinstance(source, BlankedClip):  # the control's: read as what it holds, then grayed
+        return blank_clip(_load(source.source, sampling, limits, fps, depth))
     if isinstance(source, dict):
         if depth >= _MAX_DICT_DEPTH:
             raise VideoError(f"video dict is nested more than {_MAX_DICT_DEPTH} levels deep")
