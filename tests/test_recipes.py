@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 import saccade
 from saccade.cli import build_parser, main
@@ -156,8 +157,8 @@ def test_eval_sets_from_the_command_line(paths):
 
 def video_r1_fixture(folder: Path) -> Path:
     """Video-R1-260k's layout in little: a JSON array of three clip rows (mp4s written by OpenCV,
-    under the folder) and an image row, converted by scripts/video_r1_rows.py (one row held out);
-    the training JSONL's path."""
+    under the folder) and an image row, split by scripts/video_r1_rows.py (the last clip row held
+    out); the training JSONL's path."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -167,6 +168,8 @@ def video_r1_fixture(folder: Path) -> Path:
     (folder / "clips").mkdir(exist_ok=True)
     for k in range(3):
         write_mp4(folder / "clips" / f"c{k}.mp4", frames=12, fps=4.0, seed=k)
+    (folder / "images").mkdir(exist_ok=True)
+    Image.new("RGB", (64, 48), (220, 30, 30)).save(folder / "images" / "x.jpg")
     rows = [
         {"problem_id": 1, "problem": "How many squares are there?", "data_type": "video",
          "problem_type": "numerical", "options": [], "process": "", "solution": "<answer> 1 </answer>",
@@ -186,22 +189,23 @@ def video_r1_fixture(folder: Path) -> Path:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     train, held, n_train, n_held = module.convert(folder / "Video-R1-260k.json", held_out=1)
-    assert (n_train, n_held) == (2, 1) and json.loads(held.read_text())["answer"] == "B"
-    assert [json.loads(line)["answer"] for line in train.read_text().splitlines()] == ["1", "no"]
+    assert (n_train, n_held) == (3, 1) and json.loads(held.read_text()) == rows[3]  # rows as published
+    assert [json.loads(line) for line in train.read_text().splitlines()] == rows[:3]
     return train
 
 
-def test_video_r1_recipe_reads_its_clip_rows_and_scores_as_video_r1(tmp_path):
-    """The converted rows through the recipe's task: grpo.py's prompt text (the options on a
-    multiple-choice row, the type's answer sentence), the clip placed first in the user turn, the gold
-    without its tags; the rewards as Video-R1's accuracy and format on plain cases."""
+def test_video_r1_recipe_reads_its_picture_and_clip_rows_and_scores_as_video_r1(tmp_path):
+    """Video-R1's rows as published through the recipe's task (format video_r1): grpo.py's prompt text
+    (the options on a multiple-choice row, the type's answer sentence), the clip or the picture by
+    data_type, placed first in the user turn, the gold without its tags; the rewards as Video-R1's
+    accuracy and format on plain cases."""
     from saccade.rewards import correct_reward
     from saccade.rewards.builtin import think_answer_reward
     from saccade.run.tasks import task_from_config
 
     data = video_r1_fixture(tmp_path / "Video-R1-data")
     cfg = load_config(RunConfig, RECIPES_DIR / "video-r1-qwen2.5vl-7b-8gpu.toml",
-                      ["--task.dataset", str(data), "--task.eval_dataset", str(data.parent / "video-r1-clips-eval.jsonl")])
+                      ["--task.dataset", str(data), "--task.eval_dataset", str(data.parent / "video-r1-eval.jsonl")])
     assert (cfg.images.video.fps, cfg.images.video.max_frames, cfg.images.video.max_pixels) == (2.0, 16, 128 * 28 * 28)
     (mc,) = task_from_config(cfg).eval_samples(5)  # the held-out row
     assert mc.answer == "B"
@@ -216,6 +220,11 @@ def test_video_r1_recipe_reads_its_clip_rows_and_scores_as_video_r1(tmp_path):
     assert correct_reward(reply, mc) == 1.0 and think_answer_reward(reply) == 1.0
     assert correct_reward("<think>x</think><answer>A</answer>", mc) == 0.0
     assert think_answer_reward("B") == 0.0
+    task = task_from_config(cfg)
+    rows = [task.questions.train_rows.sample(i) for i in range(3)]  # a clip, a picture, a clip, in order
+    assert [(len(r.videos), len(r.images)) for r in rows] == [(1, 0), (0, 1), (1, 0)]
+    assert [r.answer for r in rows] == ["1", "red", "no"] and rows[1].metadata["category"] == "free-form"
+    assert rows[1].question.endswith(" Please provide your text answer within the <answer> </answer> tags.")
 
 
 def tiny_overrides(path: Path, paths: dict, run_dir: Path) -> list[str]:
@@ -230,7 +239,7 @@ def tiny_overrides(path: Path, paths: dict, run_dir: Path) -> list[str]:
            "--eval.prompts", "3", "--eval.visual_gain", "false", "--checkpoint.every_steps", "3",
            "--log.dir", str(run_dir)]
     if kind == "video-r1":
-        out += ["--task.eval_dataset", str(paths[kind].parent / "video-r1-clips-eval.jsonl")]
+        out += ["--task.eval_dataset", str(paths[kind].parent / "video-r1-eval.jsonl")]
     for set_name in load_config(RunConfig, path).eval.sets:
         out += [f"--eval.sets.{set_name}.dataset", str(paths["mathvista"])]
     return out

@@ -379,7 +379,7 @@ class OwnDatasetTaskConfig(HubDatasetTaskConfig):
         "columns", min_length=1,
         description="how a row is laid out: 'columns', the columns task.columns names; or a layout saccade reads "
         "whole, as a known data set's: 'verl' (verl's RL parquet, OpenMMReasoner's), 'mathvista', 'problem_answer' "
-        "(Geometry3K's), ... (docs/data.md#row-formats lists them)",
+        "(Geometry3K's), 'video_r1' (Video-R1-260k's image and clip rows), ... (docs/data.md#row-formats lists them)",
     )
     columns: ColumnsConfig = Field(
         default_factory=ColumnsConfig, description="format 'columns': which column holds what (the prompt, the "

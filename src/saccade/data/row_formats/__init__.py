@@ -5,6 +5,7 @@
 | ``verl`` (verl.py) | a chat with ``<image>`` placeholders, images, reward_model.ground_truth | openmmreasoner |
 | ``mathvista`` (mathvista.py) | MathVista's pid, query, decoded_image, choices, precision, answer_type | mathvista |
 | ``problem_answer`` (problem_answer.py) | images, a problem with ``<image>``, a free-form answer | geometry3k |
+| ``video_r1`` (video_r1.py) | Video-R1-260k's rows: a picture or a clip by data_type, its problem type's prompt | dataset (`task.format`) |
 | ``columns`` (columns.py) | whatever `task.columns` names | dataset (the default `task.format`) |
 
 A known data set names its format in `saccade.data.known_datasets.KNOWN_DATASETS`; one's own
@@ -20,10 +21,11 @@ from saccade.data.row_formats.columns import Columns
 from saccade.data.row_formats.mathvista import MathVista
 from saccade.data.row_formats.problem_answer import ProblemAnswer
 from saccade.data.row_formats.verl import Verl
+from saccade.data.row_formats.video_r1 import VideoR1
 
 __all__ = ["ROW_FORMATS", "RowContext", "RowFormat", "RowLayout", "row_format"]
 
-ROW_FORMATS: dict[str, RowFormat] = {f.name: f for f in (Verl(), MathVista(), ProblemAnswer(), Columns())}
+ROW_FORMATS: dict[str, RowFormat] = {f.name: f for f in (Verl(), MathVista(), ProblemAnswer(), VideoR1(), Columns())}
 
 
 def row_format(name: str) -> RowFormat:
