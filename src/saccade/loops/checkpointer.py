@@ -184,6 +184,12 @@ class Checkpointer:
         return {"rollback_to_step": float(step), "rollback_lr": lr}
 
 
+# What torch.save's writer says of a write that came up short, as on a full disk: "unexpected pos"
+# (its zip writer), "basic_ios::clear: iostream error" (its stream, once the disk filled within a
+# tensor: tests/loops/test_full_disk.py met it in CI), "failed writing file".
+SHORT_WRITE_SAID = ("unexpected pos", "basic_ios::clear", "iostream error", "failed writing file")
+
+
 def room_left(folder: Path, err: BaseException | None = None) -> str:
     """", the disk holding it is full (N bytes free)" when it is nearly so. torch.save's writer on
     a full disk says only "unexpected pos" (a short write), not ENOSPC, and by the time this is
@@ -195,7 +201,7 @@ def room_left(folder: Path, err: BaseException | None = None) -> str:
         return ""
     if free < FULL_BELOW_BYTES:
         return f"; the disk holding it is full ({free:,} bytes free)"
-    if err is not None and "unexpected pos" in str(err):
+    if err is not None and any(said in str(err) for said in SHORT_WRITE_SAID):
         return (f"; a write came up short, as on a full disk ({free:,} bytes free now that the partial checkpoint "
                 "is removed)")
     return ""
