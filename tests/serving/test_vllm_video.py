@@ -97,6 +97,27 @@ def test_trainer_logprobs_equal_vllm_logprobs_after_a_clip(engine, policy, clips
     assert d.mean() <= MEAN_BAR and d.max() <= MAX_BAR, (d.mean().item(), d.max().item())
 
 
+def test_sft_prompts_with_clips_take_the_servers_clip_features_and_the_trainers_positions(
+        server, processor, limits, policy, tiny_path, clips):
+    """`prepare_all` (SFT on vLLM): the clips encoded by /encode_videos, placed by the trainer's rule
+    (`PolicyLM.positions`: Qwen2.5-VL's clip rate is the model's); without that rule it is refused."""
+    from saccade.data.messages import messages_to_inputs
+    from saccade.inference.vllm import VLLMEngine
+    from saccade.models.loading import load_family
+
+    requests = clip_requests(clips)
+    family = load_family(tiny_path)
+    with pytest.raises(ValueError, match="positions="):
+        VLLMEngine([server], processor, limits=limits, family=family).prepare_all(requests)
+    engine = VLLMEngine([server], processor, limits=limits, family=family, positions=policy.positions)
+    for request, prepared in zip(requests, engine.prepare_all(requests), strict=True):
+        ours = messages_to_inputs(request.messages, processor, limits=limits, add_generation_prompt=True)
+        assert len(prepared.video_embeddings) == 1
+        assert torch.equal(prepared.video_embeddings[0].grid_thw, ours.videos.grid_thw[0])
+        assert torch.equal(prepared.mrope_3L, policy.positions.mrope(ours.mm_token_type_ids, ours.image_grid_thw,
+                                                                     ours.videos))
+
+
 def test_a_token_prompt_with_a_clip_is_refused_by_name(engine, processor, limits, clips):
     """vLLM 0.32's token route takes no clip frame rate or frame numbers: refused, saying what to do."""
     from saccade.data.messages import messages_to_inputs

@@ -12,9 +12,7 @@ that names one of `SKIP_REASONS`:
   ``trainer.max_tokens``. An image span is never cut, so such a prompt is skipped, not truncated;
 * ``too_many_pixels``: an image larger than ``images.max_source_pixels``;
 * ``image_outside_dataset``: an image file outside the data set's folder (or ``task.image_root``),
-  or any local file named by a hub data set's row (``/etc/passwd`` is not a picture to train on);
-* ``bad_row``: a row its format cannot read (a Video-R1 row whose data_type or problem type is
-  none it knows).
+  or any local file named by a hub data set's row (``/etc/passwd`` is not a picture to train on).
 
 The RL loop reads its prompts through a `PromptStream`: a broken row is skipped, the step's
 batch is refilled from the rows after it (a step still gets ``rollout.prompts_per_step``
@@ -46,7 +44,7 @@ from saccade.journal import Journal, read_jsonl
 # kinds of saccade.config.task's HubDatasetTaskConfig and OwnDatasetTaskConfig; a test keeps them equal).
 DATASET_TASKS = (*KNOWN_DATASETS, "dataset")
 SKIP_REASONS = ("missing_image", "bad_image", "image_count", "no_answer", "too_long", "too_many_pixels",
-                "image_outside_dataset", "bad_row")
+                "image_outside_dataset")
 SKIPPED_FILE = "skipped.jsonl"
 # The window the skip fraction is judged over: the last this many rows read. Judged only once
 # that many have been read, so that one broken row among the first few cannot stop a run (at a

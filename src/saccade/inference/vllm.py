@@ -152,6 +152,7 @@ class VLLMEngine:
         no_server_wait_s: float = 60.0,
         hang_after_s: float = 60.0,
         vocab_size: int | None = None,
+        positions=None,
     ):
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL (engine.urls)")
@@ -169,6 +170,10 @@ class VLLMEngine:
         self.transport = transport
         self.model = model
         self.family = family  # the served model's: its M-RoPE rule for prepared prompts
+        # The trainer's `Positions` (`PolicyLM.positions`): the rule with the model's own clip rate
+        # (Qwen2.5-VL's tokens_per_second), which prepared prompts with clips need; None: the family's
+        # rule at the processor's merge size, enough for images.
+        self.positions = positions
         self._adapter_loaded = False
         self.banned_token_ids = vision_token_ids(self.tokenizer)
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -343,7 +348,10 @@ class VLLMEngine:
             await self._ensure_clip_embeddings([k for x in with_clips for k in x.videos.keys],
                                                [c for x in with_clips for c in x.clips],
                                                video_sampling(self.processor, self.limits))
-        positions = self.family.positions(self.processor.image_processor.merge_size)
+        positions = self.positions or self.family.positions(self.processor.image_processor.merge_size)
+        if with_clips and self.positions is None:
+            raise ValueError("prepare_all places clips by the model's own temporal rate: build the engine with "
+                             "positions= (the trainer's PolicyLM.positions)")
         out = []
         for request, x, ks in zip(requests, inputs, keys, strict=True):
             embeddings = [self.cache.get(k) for k in ks]

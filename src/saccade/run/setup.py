@@ -150,7 +150,7 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
         model=(cfg.model.path, fingerprint(load_layout(model_path))), family=load_family(model_path),
         max_concurrency=engine_cfg.max_concurrency, timeout_s=engine_cfg.timeout_s,
         health_interval_s=engine_cfg.health_interval_s, no_server_wait_s=engine_cfg.no_server_wait_s,
-        hang_after_s=engine_cfg.hang_after_s, vocab_size=_vocab_rows(model),
+        hang_after_s=engine_cfg.hang_after_s, vocab_size=_vocab_rows(model), positions=_positions(model),
     )
     # Under `saccade launch`, the host of rank 0's own node in the layout (torchrun numbers the nodes
     # its own way); else the layout's first trainer node.
@@ -172,6 +172,16 @@ def build_vllm_engine(cfg: RunConfig, model: nn.Module, model_path: str, process
     engine.transport = build_transport(choice, engine_cfg, engine.client, model, model_path, run_dir, world=world,
                                        layout_host=layout_host)
     return engine
+
+
+def _positions(model: nn.Module):
+    """The policy's M-RoPE rule (`PolicyLM.positions`), None for a model that has none."""
+    from saccade.models.lm import unwrap_policy
+
+    try:
+        return unwrap_policy(model).positions
+    except (AttributeError, TypeError):
+        return None
 
 
 def _vocab_rows(model: nn.Module) -> int | None:

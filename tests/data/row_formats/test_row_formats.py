@@ -38,7 +38,7 @@ def test_each_format_is_one_file_of_its_name():
 
 
 def test_an_unknown_format_is_refused_naming_the_known_ones():
-    known = "the known ones are verl, mathvista, problem_answer, columns"
+    known = "the known ones are verl, mathvista, problem_answer, video_r1, columns"
     with pytest.raises(ValueError, match=f"unknown row format 'csv'; {known}"):
         row_format("csv")
     # On one's own data set: by the task, before a split opens, and by --dry-run's check, naming the key.
@@ -132,3 +132,18 @@ def test_columns_go_with_format_columns_only(tmp_path):
     (tmp_path / "config.toml").write_text(describe(cfg))
     assert load_config(RunConfig, tmp_path / "config.toml").task == cfg.task
 
+
+
+def test_video_r1_rows_of_another_kind_are_skipped_and_another_layout_stops_the_run():
+    from saccade.data.row_formats.base import RowContext
+    from saccade.data.rows import RowSkipped
+
+    row = {"problem_id": 7, "problem": "Why?", "data_type": "video", "problem_type": "free-form", "options": [],
+           "solution": "<answer>because</answer>", "path": "./clips/a.mp4"}
+    at = RowContext(task="dataset", dataset="Video-R1", sample_id="7")
+    fmt = ROW_FORMATS["video_r1"]
+    with pytest.raises(RowSkipped, match="neither 'image' nor 'video'") as skipped:
+        fmt.read({**row, "data_type": "audio"}, at)
+    assert skipped.value.reason == "missing_image"
+    with pytest.raises(ValueError, match="problem_type 'essay' is none of Video-R1's"):
+        fmt.read({**row, "problem_type": "essay"}, at)

@@ -14,7 +14,7 @@ from saccade.config.bench import GpuBenchConfig
 from saccade.models.linear_attention import TORCH_VARLEN
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 230 s on two cores: the default suite's slowest test (2026-12-07, --durations)
 def test_every_stage_runs_quick_on_the_cpu_and_a_second_run_resumes(tmp_path):
     args = ["bench", "gpu", "--device", "cpu", "--quick", "--in-process", "--out", str(tmp_path)]
     assert main(args) == gpu.EXIT_OK

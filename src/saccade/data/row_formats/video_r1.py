@@ -8,7 +8,9 @@ goes first in the user turn, and the text is the prompt its training code builds
 (src/r1-v/src/open_r1/grpo.py, `make_conversation_image_and_video`): the problem, its options
 on a multiple-choice row, the question template and the answer sentence of the row's problem
 type, word for word. The gold is the solution without its tags; the problem type is the row's
-category (`saccade eval` reports accuracy per type).
+category (`saccade eval` reports accuracy per type). A row whose data_type is neither is skipped
+as `missing_image`; a problem type Video-R1 does not have stops the run (the file is in another
+layout).
 """
 
 from __future__ import annotations
@@ -70,11 +72,11 @@ class VideoR1(RowFormat):
     def read(self, row: dict[str, Any], at: RowContext) -> VQASample:
         """grpo.py's prompt; the row's picture or clip first; the gold without its tags."""
         kind, problem_type = row["data_type"], row["problem_type"]
-        if kind not in ("image", "video"):
-            raise RowSkipped("bad_row", f"data_type {str(kind)[:20]!r} is neither 'image' nor 'video'")
-        if problem_type not in TYPE_TEMPLATE:
-            raise RowSkipped("bad_row", f"problem_type {str(problem_type)[:30]!r} is none of "
-                             f"{', '.join(TYPE_TEMPLATE)}")
+        if kind not in ("image", "video"):  # then `path` is neither a picture nor a clip of the row's
+            raise RowSkipped("missing_image", f"data_type {str(kind)[:20]!r} is neither 'image' nor 'video'")
+        if problem_type not in TYPE_TEMPLATE:  # not Video-R1's layout: a wrong format, not a broken row
+            raise ValueError(f"row {at.sample_id}: problem_type {str(problem_type)[:30]!r} is none of Video-R1's "
+                             f"({', '.join(TYPE_TEMPLATE)}); is task.format = 'video_r1' the layout of this data set?")
         if row["path"] is None:
             raise RowSkipped("missing_image", "path (the row's picture or clip) is None")
         text = prompt_text(str(row["problem"] or ""), problem_type, row["options"])
