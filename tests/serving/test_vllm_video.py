@@ -170,3 +170,20 @@ def test_qwen2_5_vl_after_a_long_clip_the_trainer_scores_what_vllm_sampled(tmp_p
         assert d.mean() <= MEAN_BAR and d.max() <= MAX_BAR, (d.mean().item(), d.max().item())
     finally:
         process.stop()
+
+
+def test_encode_videos_refuses_a_clip_whose_frames_differ_in_size(server):
+    import base64
+    import io
+
+    from PIL import Image
+
+    def png(w, h):
+        buffer = io.BytesIO()
+        Image.new("RGB", (w, h), (200, 30, 30)).save(buffer, format="PNG")
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    body = {"videos": [{"frames": f"data:video/jpeg;base64,{png(64, 64)},{png(64, 96)}", "fps": 2.0,
+                        "frames_indices": [0, 1], "total_num_frames": 2}]}
+    response = httpx.post(server + "/encode_videos", json=body, timeout=60)
+    assert response.status_code == 400 and "differ in size" in response.text, response.text

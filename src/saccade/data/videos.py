@@ -35,9 +35,8 @@ was. Its embedding's cache key (`video_cache_key`) is the sampled frames' conten
 sampling settings and the pixel limits: the engine and the trainer find the same frames' same
 features under it.
 
-A clip goes to a vLLM server as its sampled frames, never as its file (`saccade.inference.vllm.
-clip_frames_url`): vLLM's
-frame-sequence data URL (``data:video/jpeg;base64,<frame>,<frame>,...``, each frame PNG, which
+A clip goes to a vLLM server as its sampled frames, never as its file
+(`saccade.inference.openai_messages.clip_frames_url`): vLLM's frame-sequence data URL (``data:video/jpeg;base64,<frame>,<frame>,...``, each frame PNG, which
 vLLM reads as any image: lossless), with `VideoClip.media_io_kwargs` telling vLLM which source
 frames they are, so the server neither decodes nor samples again and its processor sees the
 frames, timestamps and frame rate transformers' did here.

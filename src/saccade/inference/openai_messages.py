@@ -50,6 +50,7 @@ class OpenAIMessages:
     image_hashes: list[str] = field(default_factory=list)
     image_urls: list[str] = field(default_factory=list)
     clips: list[VideoClip] = field(default_factory=list)
+    clip_urls: list[str] = field(default_factory=list)  # each clip's frame-sequence URL, made once
     sampling: VideoSampling | None = None  # the model's clip settings, when there are clips
 
     def clip_keys(self) -> list[str]:
@@ -78,7 +79,8 @@ def to_openai_messages(messages: list[dict[str, Any]], limits: ImagesConfig, sam
                 clip = load_video(video_source(part, kind), sampling=sampling, sample=sample, fps=part.get("fps"),
                                   limits=limits)
                 out.clips.append(clip)
-                parts.append({"type": "video_url", "video_url": {"url": clip_frames_url(clip)}})
+                out.clip_urls.append(clip_frames_url(clip))
+                parts.append({"type": "video_url", "video_url": {"url": out.clip_urls[-1]}})
             elif kind in IMAGE_PART_TYPES:
                 image = load_image(image_source(part, kind), limits=limits, sample=sample)
                 url = image_to_data_url(image)
@@ -130,16 +132,18 @@ def clip_refs(keys: list[str], clips: list[VideoClip], grids: list[torch.Tensor]
     return ClipRefs(list(keys), torch.stack(grids).long(), torch.tensor(seconds, dtype=torch.float32))
 
 
-def encode_video_bodies(clips: dict[str, VideoClip], sampling: VideoSampling) -> list[tuple[list[str], dict]]:
+def encode_video_bodies(clips: dict[str, VideoClip], sampling: VideoSampling,
+                        urls: dict[str, str] | None = None) -> list[tuple[list[str], dict]]:
     """(keys, /encode_videos body) chunks for these clips (key -> clip): whole clips, at most
-    ENCODE_VIDEO_CHUNK_BYTES of frames and MAX_FRAMES_PER_REQUEST frames a request, in order."""
+    ENCODE_VIDEO_CHUNK_BYTES of frames and MAX_FRAMES_PER_REQUEST frames a request, in order.
+    `urls`: clips' frame-sequence URLs already made (key -> URL; `OpenAIMessages.clip_urls`)."""
     chunks: list[tuple[list[str], dict]] = []
     size = frames = 0
     for key, clip in clips.items():
-        url = clip_frames_url(clip)
+        url = (urls or {}).get(key) or clip_frames_url(clip)
         if (not chunks or size + len(url) > ENCODE_VIDEO_CHUNK_BYTES
                 or frames + clip.num_frames > MAX_FRAMES_PER_REQUEST):
-            chunks.append(([], {"videos": [], **{k: v for k, v in sampling.processor_kwargs().items()}}))
+            chunks.append(([], {"videos": [], **sampling.processor_kwargs()}))
             size = frames = 0
         meta = clip.media_io_kwargs()
         chunks[-1][0].append(key)

@@ -307,13 +307,16 @@ class VLLMEngine:
         for key, emb in zip(chunk, parse_embeddings(response.content, len(chunk)), strict=True):
             self.cache.put(key, emb)
 
-    async def _ensure_clip_embeddings(self, keys: list[str], clips: list, sampling) -> None:
+    async def _ensure_clip_embeddings(self, keys: list[str], clips: list, sampling,
+                                      urls: list[str] | None = None) -> None:
         """Encode (once, on the servers' towers) the clips whose keys are not cached yet: whole clips
-        in /encode_videos requests of at most ENCODE_VIDEO_CHUNK_BYTES of frames, sent concurrently."""
+        in /encode_videos requests of at most ENCODE_VIDEO_CHUNK_BYTES of frames, sent concurrently
+        (`urls`: their frame-sequence URLs where the chat request made them already)."""
         missing = {k: c for k, c in zip(keys, clips, strict=True) if self.cache.get(k) is None}
         if missing:
+            made = dict(zip(keys, urls, strict=True)) if urls is not None else None
             await asyncio.gather(*(self._encode_clips(chunk_keys, body)
-                                   for chunk_keys, body in encode_video_bodies(missing, sampling)))
+                                   for chunk_keys, body in encode_video_bodies(missing, sampling, made)))
 
     async def _encode_clips(self, keys: list[str], body: dict) -> None:
         response, _ = await self.client.post(ENCODE_VIDEOS, json_body=body)
@@ -382,7 +385,8 @@ class VLLMEngine:
         with_clips = [c for c in converted if c.clips]
         if with_clips:
             await self._ensure_clip_embeddings([k for c in with_clips for k in c.clip_keys()],
-                                               [x for c in with_clips for x in c.clips], with_clips[0].sampling)
+                                               [x for c in with_clips for x in c.clips], with_clips[0].sampling,
+                                               [u for c in with_clips for u in c.clip_urls])
         return await self._gather(list(zip(requests, converted, strict=True)), self._complete, params)
 
     async def _gather(self, items: list, complete, params: SamplingParams) -> list[list[Completion]]:
@@ -433,7 +437,8 @@ class VLLMEngine:
         # No-ops unless the cache evicted them since the batch's encoding.
         await self._ensure_embeddings(keys, converted.image_urls)
         if converted.clips:
-            await self._ensure_clip_embeddings(converted.clip_keys(), converted.clips, converted.sampling)
+            await self._ensure_clip_embeddings(converted.clip_keys(), converted.clips, converted.sampling,
+                                               converted.clip_urls)
         body = {**self._body(model, converted.messages, params, request.seed),
                 **clip_request_fields(converted.clips, converted.sampling, request.request_id)}
         (data, version), _ = await self.client.post(CHAT_COMPLETIONS, json_body=body, parse=self._reply)

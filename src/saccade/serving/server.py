@@ -171,61 +171,58 @@ def split_features(features: "torch.Tensor", grid_thw, merge: int, levels: int,
 
 
 def decode_images(state: SaccadeState, urls: list[str]) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """The request's images as the tower's pixels; RequestError for what cannot be used. The
-    total pixels are checked from the images' headers before any is decoded."""
-    from saccade.data.images import ImageError, data_url_size, load_image
-
-    sizes = []
-    for i, url in enumerate(urls):
-        try:
-            sizes.append(data_url_size(url))
-        except ImageError as err:
-            raise RequestError(f"images[{i}]: {err}") from None
-    check_total_pixels(sizes)
-    try:
-        images = []
-        for i, url in enumerate(urls):
-            images.append(load_image(url, limits=state.limits, sample=f"images[{i}]"))
-            check_aspect_ratio(images[-1].size, f"images[{i}]")
-    except ImageError as err:
-        raise RequestError(str(err)) from None
+    """The request's images as the tower's pixels; RequestError for what cannot be used."""
+    images = checked_images(state, urls, [f"images[{i}]" for i in range(len(urls))])
     try:
         return state.preprocess(images)
     except ValueError as err:  # the processor's own refusal of an image we did not foresee
         raise RequestError(f"the image processor refused the images: {str(err)[:300]}") from None
 
 
-def decode_clips(state: SaccadeState, clips, settings: dict) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """The request's clips as the tower's pixels; RequestError for what cannot be used. Every
-    frame's size is read from its header, and the total checked, before any is decoded."""
-    import numpy as np
-
+def checked_images(state: SaccadeState, urls: list[str], names: list[str]) -> list:
+    """The data URLs' images, decoded; RequestError for what cannot be used. The total pixels are
+    checked from the images' headers before any is decoded. `names`: each one's place in the body."""
     from saccade.data.images import ImageError, data_url_size, load_image
 
-    urls = [[f"data:image/png;base64,{p}" for p in clip.payloads] for clip in clips]
     sizes = []
-    for i, frames in enumerate(urls):
+    for url, name in zip(urls, names, strict=True):
         try:
-            sizes += [data_url_size(u) for u in frames]
+            sizes.append(data_url_size(url))
         except ImageError as err:
-            raise RequestError(f"videos[{i}]: a frame: {err}") from None
+            raise RequestError(f"{name}: {err}") from None
     check_total_pixels(sizes)
+    images = []
     try:
-        pixels, grids = [], []
-        for i, frames in enumerate(urls):
-            decoded = [np.asarray(load_image(u, limits=state.limits, sample=f"videos[{i}]")) for u in frames]
-            if len({f.shape for f in decoded}) > 1:
-                raise RequestError(f"videos[{i}]: the frames differ in size; a clip's frames share one")
-            check_aspect_ratio((decoded[0].shape[1], decoded[0].shape[0]), f"videos[{i}]")
-            x, g = state.preprocess_clip(np.stack(decoded), clips[i].metadata(), settings)
-            pixels.append(x)
-            grids.append(g)
+        for url, name in zip(urls, names, strict=True):
+            images.append(load_image(url, limits=state.limits, sample=name))
+            check_aspect_ratio(images[-1].size, name)
     except ImageError as err:
         raise RequestError(str(err)) from None
-    except ValueError as err:  # the processor's own refusal of a clip we did not foresee
-        raise RequestError(f"the video processor refused a clip: {str(err)[:300]}") from None
+    return images
+
+
+def decode_clips(state: SaccadeState, clips, settings: dict) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """The request's clips as the tower's pixels; RequestError for what cannot be used. Every frame
+    of every clip is checked as an image is (`checked_images`: the total from the headers first)."""
+    import numpy as np
     import torch
 
+    urls = [f"data:image/png;base64,{p}" for clip in clips for p in clip.payloads]
+    names = [f"videos[{i}] (a frame)" for i, clip in enumerate(clips) for _ in clip.payloads]
+    frames = iter(checked_images(state, urls, names))
+    pixels, grids = [], []
+    try:
+        for i, clip in enumerate(clips):
+            decoded = [np.asarray(next(frames)) for _ in clip.payloads]
+            if len({f.shape for f in decoded}) > 1:
+                raise RequestError(f"videos[{i}]: the frames differ in size; a clip's frames share one")
+            x, g = state.preprocess_clip(np.stack(decoded), clip.metadata(), settings)
+            pixels.append(x)
+            grids.append(g)
+    except ValueError as err:  # the processor's own refusal of a clip we did not foresee (not ours)
+        if isinstance(err, RequestError):
+            raise
+        raise RequestError(f"the video processor refused a clip: {str(err)[:300]}") from None
     return torch.cat(pixels), torch.cat(grids)
 
 

@@ -33,7 +33,9 @@ import torch
 
 from saccade.config import EmbeddedEngineConfig, RunConfig
 from saccade.data.clip_sets import COLUMNS, SETS, write_clip_sets
-from saccade.tools.demo import chance_of, demo_start, load_demo_config, options_of, train_rows_of, verdict
+from saccade.tools.demo import (
+    chance_of, demo_start, load_demo_config, options_of, stage_config, train_rows_of, verdict,
+)
 from saccade.tools.demo_probe import restore_trainable, snapshot_trainable
 
 RUN_NAME = "demo-video"  # runs/demo-video
@@ -85,10 +87,6 @@ def control_config(cfg: RunConfig, run_dir: Path | None = None) -> RunConfig:
     if run_dir is not None:
         update["log"] = cfg.log.model_copy(update={"dir": str(run_dir)})
     return cfg.model_copy(update=update)
-
-
-def stage(cfg: RunConfig, name: str) -> RunConfig:
-    return cfg.model_copy(update={"log": cfg.log.model_copy(update={"dir": str(cfg.run_dir / name)})})
 
 
 def video_probe(cfg: RunConfig, *, probe_steps: int | None = None,
@@ -151,12 +149,12 @@ def run_video_demo(cfg: RunConfig, *, progress: bool = True, probed: dict[str, A
     def scored(on_task, rows, blank: bool = True) -> dict[str, float]:
         return evaluate(setup, on_task, rows, max_tokens=cfg.sampling.max_tokens, visual_gain=blank)
 
-    train_sft(stage(cfg, "sft"), run_dir=root / "sft", setup=setup, random_answers=True, progress=progress,
+    train_sft(stage_config(cfg, "sft"), run_dir=root / "sft", setup=setup, random_answers=True, progress=progress,
               phase="warm-start")
     warm = snapshot_trainable(setup.model)
     before = scored(task, held_out)
 
-    grpo_cfg = stage(cfg, "grpo")
+    grpo_cfg = stage_config(cfg, "grpo")
     train_rl(grpo_cfg, run_dir=grpo_cfg.run_dir, setup=setup, progress=progress, fresh=True)
     after = scored(task, held_out)
     after_reversed = scored(control_task, control_held_out, blank=False)
