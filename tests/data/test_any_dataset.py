@@ -205,9 +205,14 @@ def test_the_held_out_split_is_test_else_validation_else_refused(tmp_path):
                                          "task.eval_split"):
         ds.held_out_split(str(only_train), None, train=str(only_train))
     jsonl = write_own_jsonl(tmp_path / "j")
-    with pytest.raises(ValueError, match="one file, with no held-out split: set task.eval_dataset"):
+    with pytest.raises(ValueError, match="one file, with no held-out split: set task.eval_dataset to another file "
+                                         r"\(or task.eval_split to 'train' to evaluate on the training rows\)"):
         ds.held_out_split(str(jsonl), None, train=str(jsonl))
     assert ds.held_out_split(str(jsonl), None, train="other.jsonl") == "test"
+    # The way out the refusal names works: the training file's rows, held out.
+    layout = RowLayout(ColumnsConfig(images="img", prompt="q", answer="a", id="uid"))
+    own = ds.DatasetTask.defaults("dataset", dataset=str(jsonl), eval_split="train", layout=layout)
+    assert [s.sample_id for s in own.eval_samples(3)] == ["j0", "j1"]  # j2's picture is missing: skipped
 
 
 # --------------------------------------------------------------------- config

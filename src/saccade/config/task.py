@@ -369,7 +369,8 @@ class OwnDatasetTaskConfig(HubDatasetTaskConfig):
     eval_split: str | None = Field(
         None, min_length=1,
         description="held-out split; unset: 'test' when the eval data set has it, else 'validation', else "
-        "refused (a single file has no held-out split: set eval_dataset to another file)",
+        "refused (a single file has no held-out split: set eval_dataset to another file, or eval_split to "
+        "'train' to evaluate on the training rows)",
     )
     eval_subsets: list[str] | None = Field(None, min_length=1, description="held-out configs; unset: the default config")
     subsets: list[str] | None = Field(

@@ -212,7 +212,7 @@ def held_out_split(source: str, subsets: tuple[str, ...] | None, *, train: str) 
     if _is_file_source(source):
         if source == train:
             raise ValueError(f"dataset: {source} is one file, with no held-out split: set task.eval_dataset to "
-                             "another file (or to the same one to evaluate on the training rows)")
+                             "another file (or task.eval_split to 'train' to evaluate on the training rows)")
         return HELD_OUT_SPLITS[0]
     config = subsets[0] if subsets else None
     splits = datasets.get_dataset_split_names(source, config_name=config, **cache_options(source))
