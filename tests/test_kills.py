@@ -1,7 +1,11 @@
 """Runs SIGKILLed at the worst instants (tests/kill_worker.py, real processes) stay resumable:
 a kill inside a checkpoint write, half-way through a metrics line, or inside an engine-weights
 export loses nothing, and `--resume` logs the same per-step metrics as a run never killed.
-A checkpoint that cannot be written stops the run with an error that says what to do."""
+A checkpoint that cannot be written stops the run with an error that says what to do.
+
+Whole runs killed and resumed, two minutes of the default suite: in the long suite (`pytest -m
+long`, CI runs it). Their parts stay in the default one: the atomic write (tests/test_atomic.py),
+the torn metrics line (tests/test_metrics.py), the checkpoint folder (tests/trainer/checkpoint)."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from saccade.tools.bench.kill import computed
 from saccade.metrics import read_metrics
 from saccade.trainer.checkpoint.folder import latest_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 WORKER = Path(__file__).with_name("kill_worker.py")
 
