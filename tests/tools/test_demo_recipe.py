@@ -24,7 +24,8 @@ def test_the_recipe_matches_the_tuned_ones_at_3_and_4_options_and_grows_with_k()
         (8, 32, 150, 1.0, "constant")  # demo.toml's
     assert (four.group_size, four.prompts_per_step, four.steps, four.temperature, four.lr_decay) == \
         (8, 32, 200, 1.3, "linear")  # docs/demo.md's tuned data-set recipe
-    assert (eight.group_size, eight.prompts_per_step, eight.steps, eight.probe_steps) == (20, 16, 400, 200)
+    assert (eight.group_size, eight.prompts_per_step, eight.steps, eight.probe_steps) == (20, 16, 600, 200)
+    assert [dataset_recipe(k, 4000).steps for k in (7, 8, 10)] == [350, 600, 750]  # 75 an option from 8 on
     assert dataset_recipe(8, 10).prompts_per_step == 10  # no more prompts than rows
 
 
@@ -37,7 +38,7 @@ def test_keys_the_user_set_are_kept():
     assert (out.trainer.steps, out.trainer.lr_decay.kind) == (99, "cosine")
     assert (out.rollout.group_size, out.rollout.prompts_per_step, out.sampling.temperature) == (20, 16, 1.3)
     out, kept = apply_recipe(load_demo_config(), dataset_recipe(8, 4000), set())
-    assert kept == [] and out.trainer.lr_decay.kind == "linear" and out.trainer.steps == 400
+    assert kept == [] and out.trainer.lr_decay.kind == "linear" and out.trainer.steps == 600
 
 
 def test_the_estimate_and_the_time_bar():

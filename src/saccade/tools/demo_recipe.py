@@ -12,7 +12,9 @@ of options K, and the rule follows them:
   prompts: fewer groups per Adam step are noise, docs/demo.md).
 * **The options are learnt one at a time.** GRPO climbs a staircase, one more option told apart
   every 30-50 steps (docs/demo.md), so the steps are 50 x K: 150 for 3 options (the shapes
-  demo's), 200 for 4 (the tuned data-set recipe), 400 for 8.
+  demo's), 200 for 4 (the tuned data-set recipe). From 8 options on, 75 x K (600 for 8): at 8
+  the later steps of the staircase came slower, and 50 an option left one seed in four short
+  (`colors8-small` seed 1: 0.75 at step 400, still rising; `colors8` seed 3: 0.906).
 
 From 4 options on, the tuned data-set recipe's sampling temperature 1.3 (the confused option's
 rare right word comes sooner) and its linear decay of the lr to a tenth (the late steps small
@@ -40,6 +42,9 @@ NO_RIGHT_ANSWER_MAX = 0.11
 COMPLETIONS_PER_STEP = 256
 MIN_PROMPTS = 16
 STEPS_PER_OPTION = 50
+# From MANY_OPTIONS options on, STEPS_PER_OPTION_MANY an option (the docstring's second point).
+MANY_OPTIONS = 8
+STEPS_PER_OPTION_MANY = 75
 PROBE_STEPS_PER_OPTION = 25
 # Seconds on a quiet 2-core CPU (2 torch threads, embedded engine): a GRPO step of 256 one-word
 # completions on the tiny model, and an SFT step of 16 rows (the shapes demo: 2.5 minutes for
@@ -109,6 +114,12 @@ def group_size_for(options: int) -> int:
     return group
 
 
+def steps_for(options: int) -> int:
+    """GRPO steps for `options` options: STEPS_PER_OPTION an option, STEPS_PER_OPTION_MANY from
+    MANY_OPTIONS on."""
+    return (STEPS_PER_OPTION_MANY if options >= MANY_OPTIONS else STEPS_PER_OPTION) * options
+
+
 def dataset_recipe(options: int, rows: int) -> Recipe:
     """The rule of this module's docstring, a pure function of the data set's shape."""
     if rows < 1:
@@ -116,7 +127,7 @@ def dataset_recipe(options: int, rows: int) -> Recipe:
     group = group_size_for(options)
     prompts = min(max(MIN_PROMPTS, round(COMPLETIONS_PER_STEP / group)), rows)
     return Recipe(options=options, rows=rows, group_size=group, prompts_per_step=prompts,
-                  steps=STEPS_PER_OPTION * options, temperature=1.3 if options >= 4 else 1.0,
+                  steps=steps_for(options), temperature=1.3 if options >= 4 else 1.0,
                   lr_decay="linear" if options >= 4 else "constant",
                   probe_steps=max(100, PROBE_STEPS_PER_OPTION * options))
 
