@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from saccade.cli.common import write_json
@@ -63,6 +64,11 @@ def _print_parity(result: dict) -> None:
 
 
 def cmd_bench_parity(cfg: ParityBenchConfig, args: argparse.Namespace) -> int:
+    from saccade.models.model_path import resolve_model_path
+    from saccade.models.presets import PRESETS, warm_start_base
+
+    if cfg.model not in PRESETS and warm_start_base(cfg.model) is None and Path(cfg.model).exists():
+        resolve_model_path(cfg.model)  # a folder that is not a model: refused before the loaders' imports (15 s)
     from saccade.tools.parity import run_parity_bench, tolerance
 
     result = run_parity_bench(cfg)

@@ -20,23 +20,10 @@ from saccade.models.checkpoint_layout import (
     ROTARY_BUFFERS, VISION_TOWER, CheckpointLayout, safetensors_files, to_keeping_rotary_fp32,
 )
 from saccade.models.families import LM_HEAD_KEY, LM_PREFIX, VISION_PREFIX, ModelFamily, family_of
+from saccade.models.model_path import resolve_model_path
 
 # The canonical names and the weight files' list, re-exported for callers.
-__all__ = ["LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX", "safetensors_files"]
-
-
-def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a hub id, downloaded (or found in the HF cache)."""
-    path = Path(model)
-    if path.exists():
-        if not (path / "config.json").exists():
-            raise ValueError(f"{path} has no config.json: it is not a Hugging Face model folder")
-        return path
-    if str(model).startswith((".", "/")) or str(model).count("/") != 1:
-        raise ValueError(f"model {str(model)!r} is neither an existing folder nor a hub id like 'Org/Model-Name'")
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+__all__ = ["LM_HEAD_KEY", "LM_PREFIX", "VISION_PREFIX", "resolve_model_path", "safetensors_files"]
 
 
 def load_config(model: str | os.PathLike):
