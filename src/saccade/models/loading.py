@@ -11,7 +11,6 @@ tower's outputs) is asked of the model's family (`saccade.models.families`). Wor
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
