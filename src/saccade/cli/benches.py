@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from saccade.cli.common import write_json
@@ -65,10 +64,11 @@ def _print_parity(result: dict) -> None:
 
 def cmd_bench_parity(cfg: ParityBenchConfig, args: argparse.Namespace) -> int:
     from saccade.models.model_path import resolve_model_path
-    from saccade.models.presets import PRESETS, warm_start_base
+    from saccade.tools.demo import resolve_model_name
 
-    if cfg.model not in PRESETS and warm_start_base(cfg.model) is None and Path(cfg.model).exists():
-        resolve_model_path(cfg.model)  # a folder that is not a model: refused before the loaders' imports (15 s)
+    # The model's folder (a preset or warm start built, a hub id fetched), or a folder that is not
+    # a model refused, before the loaders' imports (15 s).
+    cfg = cfg.model_copy(update={"model": str(resolve_model_path(resolve_model_name(cfg.model)))})
     from saccade.tools.parity import run_parity_bench, tolerance
 
     result = run_parity_bench(cfg)

@@ -1,8 +1,8 @@
 """Where a model named by a folder or a hub id lives on this machine (`resolve_model_path`).
 
 A module of its own, without torch or transformers, so that a command can refuse a folder that
-is not a model before it imports the parts that load one (`saccade bench parity`: 4.6 s, where
-the loaders' imports took 15).
+is not a model before it imports the parts that load one (`saccade bench parity`: in seconds,
+where the loaders' imports took 15).
 """
 
 from __future__ import annotations

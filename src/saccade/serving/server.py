@@ -219,9 +219,9 @@ def decode_clips(state: SaccadeState, clips, settings: dict) -> tuple["torch.Ten
             x, g = state.preprocess_clip(np.stack(decoded), clip.metadata(), settings)
             pixels.append(x)
             grids.append(g)
-    except ValueError as err:  # the processor's own refusal of a clip we did not foresee (not ours)
-        if isinstance(err, RequestError):
-            raise
+    except RequestError:
+        raise
+    except ValueError as err:  # the processor's own refusal of a clip we did not foresee
         raise RequestError(f"the video processor refused a clip: {str(err)[:300]}") from None
     return torch.cat(pixels), torch.cat(grids)
 
