@@ -66,9 +66,10 @@ def cmd_bench_parity(cfg: ParityBenchConfig, args: argparse.Namespace) -> int:
     from saccade.models.model_path import resolve_model_path
     from saccade.tools.demo import resolve_model_name
 
-    # The model's folder (a preset or warm start built, a hub id fetched), or a folder that is not
-    # a model refused, before the loaders' imports (15 s).
-    cfg = cfg.model_copy(update={"model": str(resolve_model_path(resolve_model_name(cfg.model)))})
+    # A folder that is not a model is refused before the loaders' imports (15 s), the name resolved
+    # by the bench's own rule (a preset or warm start built, a hub id fetched: each kept in its
+    # cache, where the bench's own resolution finds it again).
+    resolve_model_path(resolve_model_name(cfg.model))
     from saccade.tools.parity import run_parity_bench, tolerance
 
     result = run_parity_bench(cfg)
